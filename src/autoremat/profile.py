@@ -1,0 +1,350 @@
+"""``profile``: measure one training step block by block and return a :class:`Tape`.
+
+NOTE [ Three kinds of run ]
+    Per-op instrumentation slows a step several-fold, so no figure mixes kinds:
+    * memory: two steps under ``track_memory`` (plain, and every block checkpointed on
+      its own), with marks at block boundaries. Windows between marks give what the
+      planner composes (see ``tape.py``). Memory is exact and deterministic.
+    * FLOPs: one step under a FLOP counter labelled by block.
+    * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
+    All runs go through ``preserved_state``: BatchNorm statistics, gradients and RNG
+    states are as they were when ``profile`` returns.
+
+NOTE [ Block boundaries in backward ]
+    A forward post-hook registers a tensor hook on the block's output; it fires when
+    that gradient is complete, which is when the block's backward starts. The block's
+    backward ends when the gradient of its input is ready: the previous block's mark, or
+    a hook on the first block's input (when it requires grad), or the end of backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .blocks import BlockSpec, resolve_blocks
+from .errors import BlockError, RematError
+from .flops import FlopCounter
+from .memory import MemoryTracker, track_memory
+from .step import LossFn, describe_inputs, preserved_state, run_step, unique_storage_bytes
+from .tape import BlockProfile, Tape, WindowMemory
+from .wrap import checkpointed
+
+__all__ = ["op_kind", "profile"]
+
+_KINDS = (
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention")),
+    ("matmul", ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul",
+                "aten.linear", "aten._int_mm")),
+    ("conv", ("convolution", "conv")),
+    ("norm", ("layer_norm", "batch_norm", "group_norm", "rms_norm", "_native_batch_norm")),
+    ("dropout", ("dropout", "bernoulli")),
+    ("softmax", ("softmax",)),
+    ("embedding", ("embedding",)),
+    ("loss", ("nll_loss", "cross_entropy")),
+    ("copy", ("clone", "_to_copy", "copy", "cat", "stack", "contiguous")),
+)
+
+
+def op_kind(op: str) -> str:
+    """Coarse kind of an ATen op name: matmul, attention, conv, norm, dropout, softmax,
+    embedding, loss, copy or pointwise."""
+    for kind, needles in _KINDS:
+        if any(n in op for n in needles):
+            return kind
+    return "pointwise"
+
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
+    for t in tree_flatten(obj)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            return t
+    return None
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    if hasattr(obj, "__dataclass_fields__"):
+        obj = list(vars(obj).values())
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Probe:
+    """Hooks at block boundaries; calls ``on_mark(label)`` at each."""
+
+    names: list[str]
+    on_mark: Callable[[str], None]
+    calls: list[int] = field(default_factory=list)
+    input_bytes: list[int] = field(default_factory=list)
+    output_bytes: list[int] = field(default_factory=list)
+    chained: list[bool] = field(default_factory=list)
+    _prev_outputs: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        self.calls = [0] * n
+        self.input_bytes = [0] * n
+        self.output_bytes = [0] * n
+        self.chained = [False] * n
+
+    @contextmanager
+    def installed(self, model: nn.Module) -> Iterator[None]:
+        with ExitStack() as stack:
+            for i, name in enumerate(self.names):
+                module = model.get_submodule(name)
+                pre = module.register_forward_pre_hook(self._pre(i), with_kwargs=True)
+                post = module.register_forward_hook(self._post(i))
+                stack.callback(pre.remove)
+                stack.callback(post.remove)
+            yield
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.calls[i] += 1
+            self.on_mark(f"fwd:{i}")
+            tensors = _flat_tensors((args, kwargs))
+            self.input_bytes[i] = unique_storage_bytes(tensors)
+            self.chained[i] = bool(tensors) and id(tensors[0]) in self._prev_outputs
+            if i == 0:
+                first = _first_grad_tensor((args, kwargs))
+                if first is not None:
+                    first.register_hook(self._grad_mark("bwd:-1"))
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            tensors = _flat_tensors(output)
+            self.output_bytes[i] = unique_storage_bytes(tensors)
+            self._prev_outputs = [id(t) for t in tensors]
+            out = _first_grad_tensor(tensors)
+            if out is not None:
+                out.register_hook(self._grad_mark(f"bwd:{i}"))
+            if i == len(self.names) - 1:
+                self.on_mark("fwd_end")
+        return hook
+
+    def _grad_mark(self, label: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.on_mark(label)
+        return hook
+
+
+def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+                on_mark: Callable[[str], None]) -> _Probe:
+    probe = _Probe(names, on_mark)
+    with probe.installed(model):
+        on_mark("start")
+        run_step(model, inputs, loss_fn, between=lambda: on_mark("backward"))
+        on_mark("end")
+    for name, calls in zip(names, probe.calls, strict=False):
+        if calls != 1:
+            raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
+                             f"over blocks that run once each (pass blocks=[...] to choose)")
+    return probe
+
+
+def _marks(mem: MemoryTracker) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for event, label in mem.marks:
+        found.setdefault(label, event)
+    return found
+
+
+def _window(mem: MemoryTracker, start: int, stop: int) -> WindowMemory:
+    base = mem.levels[start]
+    return WindowMemory(peak_bytes=mem.window_peak(start, stop) - base,
+                        delta_bytes=mem.levels[stop] - base)
+
+
+@dataclass
+class _MemoryRun:
+    mem: MemoryTracker
+    probe: _Probe
+    fwd: list[WindowMemory]
+    bwd: list[WindowMemory]
+    pre: WindowMemory
+    post: WindowMemory
+    tail: WindowMemory
+    bounds: list[int]  # forward window starts, then fwd_end
+
+
+def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+                names: list[str]) -> _MemoryRun:
+    with track_memory() as mem:
+        probe = _run_marked(model, inputs, loss_fn, names, mem.mark)
+    marks = _marks(mem)
+    n = len(names)
+    missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
+    if missing:
+        raise BlockError(f"no gradient reached the output of block(s) "
+                         f"{[names[int(m[4:])] for m in missing]}; autoremat plans over blocks "
+                         f"whose output is part of the loss")
+    bounds = [marks[f"fwd:{i}"] for i in range(n)] + [marks["fwd_end"]]
+    fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
+    bwd_marks = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    # bwd_marks[i + 1] starts block i's backward; bwd_marks[i] ends it.
+    bwd = [_window(mem, bwd_marks[i + 1], bwd_marks[i]) for i in range(n)]
+    return _MemoryRun(
+        mem=mem, probe=probe, fwd=fwd, bwd=bwd,
+        pre=_window(mem, 0, bounds[0]),
+        post=_window(mem, bounds[-1], bwd_marks[n]),
+        tail=_window(mem, bwd_marks[0], len(mem.levels) - 1),
+        bounds=bounds,
+    )
+
+
+def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
+    """Bytes created in each block's forward window that are alive when backward starts."""
+    mem, bounds = run.mem, run.bounds
+    backward_at = _marks(mem)["backward"]
+    out: list[dict[str, int]] = [{} for _ in range(len(bounds) - 1)]
+    for r in mem.records:
+        if r.born > backward_at or (r.died is not None and r.died <= backward_at):
+            continue
+        for i in range(len(bounds) - 1):
+            if bounds[i] < r.born <= bounds[i + 1]:
+                kind = op_kind(r.op)
+                out[i][kind] = out[i].get(kind, 0) + r.nbytes
+                break
+    return out
+
+
+def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+           names: list[str]) -> FlopCounter:
+    counter = FlopCounter()
+
+    def on_mark(label: str) -> None:
+        kind, _, index = label.partition(":")
+        if kind in ("fwd", "bwd") and index != "-1":
+            counter.label = names[int(index)]
+        else:
+            counter.label = "<outside>"
+
+    with counter:
+        _run_marked(model, inputs, loss_fn, names, on_mark)
+    return counter
+
+
+def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+             repeats: int) -> tuple[list[float], list[float], float]:
+    n = len(names)
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    steps: list[float] = []
+    for _ in range(repeats):
+        stamps: dict[str, float] = {}
+        def stamp(label: str, stamps: dict[str, float] = stamps) -> None:
+            stamps.setdefault(label, time.perf_counter())
+
+        _run_marked(model, inputs, loss_fn, names, stamp)
+        for i in range(n):
+            nxt = stamps[f"fwd:{i + 1}"] if i + 1 < n else stamps["fwd_end"]
+            fwd[i].append((nxt - stamps[f"fwd:{i}"]) * 1e3)
+            end = stamps.get(f"bwd:{i - 1}", stamps["end"]) if i else \
+                stamps.get("bwd:-1", stamps["end"])
+            bwd[i].append((end - stamps[f"bwd:{i}"]) * 1e3)
+        steps.append((stamps["end"] - stamps["start"]) * 1e3)
+        for p in model.parameters():
+            p.grad = None
+    return ([statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd],
+            statistics.median(steps))
+
+
+def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
+            blocks: BlockSpec = None, *, repeats: int = 3) -> Tape:
+    """Measure one training step of ``model`` block by block.
+
+    Args:
+        model: the model, in the mode you train it in (dropout and BatchNorm active).
+        inputs: a tensor, a tuple of positional args, or a dict of keyword args.
+        loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` when present,
+            else the sum of the first floating tensor in the output.
+        blocks: ``None`` to find the chain of repeated layers, a list of qualified
+            module names, or a predicate ``(name, module) -> bool``.
+        repeats: uninstrumented steps timed (medians are reported).
+
+    Returns:
+        A frozen :class:`~autoremat.tape.Tape`. The model's buffers, gradients and the
+        RNG states are left as they were.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp")
+        >>> tape = autoremat.profile(model, inputs)
+        >>> len(tape.blocks) > 1
+        True
+
+    Known limitations:
+        * A block that runs more than once per step (shared weights) is rejected.
+        * Times on a busy machine are noisy; planning uses FLOPs and bytes, not times.
+    """
+    if not isinstance(model, nn.Module):
+        raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
+    if repeats < 1:
+        raise RematError(f"repeats must be at least 1, got {repeats}")
+    names = resolve_blocks(model, blocks)
+    if names == [""]:
+        raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
+                         f"blocks=[...] with the names of the layers to plan over")
+    with preserved_state(model):
+        _run_marked(model, inputs, loss_fn, names, lambda label: None)  # warm-up
+        for p in model.parameters():
+            p.grad = None
+        plain = _memory_run(model, inputs, loss_fn, names)
+        grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
+        grad_bytes = unique_storage_bytes(list(grads.values()))
+        block_grad_bytes = [
+            unique_storage_bytes([p.grad for p in model.get_submodule(n).parameters()
+                                  if p.grad is not None]) for n in names
+        ]
+        for p in model.parameters():
+            p.grad = None
+        with checkpointed(model, names):
+            ckpt = _memory_run(model, inputs, loss_fn, names)
+        for p in model.parameters():
+            p.grad = None
+        counter = _flops(model, inputs, loss_fn, names)
+        for p in model.parameters():
+            p.grad = None
+        fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats)
+
+    saved = _saved_by_block(plain)
+    params = list(model.parameters())
+    block_list = []
+    for i, name in enumerate(names):
+        module = model.get_submodule(name)
+        block_list.append(BlockProfile(
+            name=name, fwd_ms=fwd_ms[i], bwd_ms=bwd_ms[i],
+            fwd_flops=counter.by_label.get((name, "fwd"), 0),
+            bwd_flops=counter.by_label.get((name, "bwd"), 0),
+            saved_bytes=sum(saved[i].values()),
+            saved_bytes_by_kind=dict(sorted(saved[i].items())),
+            input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],
+            param_bytes=unique_storage_bytes(list(module.parameters())),
+            grad_bytes=block_grad_bytes[i],
+            keep_fwd=plain.fwd[i], keep_bwd=plain.bwd[i],
+            ckpt_fwd=ckpt.fwd[i], ckpt_bwd=ckpt.bwd[i],
+            chained=i > 0 and plain.probe.chained[i],
+        ))
+    return Tape(
+        model=type(model).__name__, inputs=describe_inputs(inputs),
+        device=str(next((p.device for p in params), torch.device("cpu"))),
+        blocks=tuple(block_list),
+        step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
+        ckpt_step_peak_bytes=ckpt.mem.peak_bytes,
+        param_bytes=unique_storage_bytes(params),
+        trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
+        buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        grad_bytes=grad_bytes,
+        pre=plain.pre, post=plain.post, tail=plain.tail,
+        step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
+        step_ms=step_ms,
+    )

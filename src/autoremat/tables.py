@@ -1,0 +1,68 @@
+"""Plain-text tables for tapes, plans and reports (``print`` shows these)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .tape import Tape
+
+__all__ = ["render_table", "tape_table"]
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Align columns; numbers right, text left."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    numeric = [
+        all(_looks_numeric(row[i]) for row in cells[1:]) if rows else False
+        for i in range(len(headers))
+    ]
+
+    def line(row: Sequence[str]) -> str:
+        parts = [c.rjust(w) if num else c.ljust(w)
+                 for c, w, num in zip(row, widths, numeric, strict=False)]
+        return "  ".join(parts).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out.extend(line(row) for row in cells[1:])
+    return "\n".join(out)
+
+
+def _looks_numeric(text: str) -> bool:
+    head = text.split(" ")[0].replace(".", "", 1).replace("-", "", 1).replace("%", "")
+    return head.isdigit()
+
+
+def _flops(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def tape_table(tape: Tape) -> str:
+    rows = []
+    for b in tape.blocks:
+        kinds = sorted(b.saved_bytes_by_kind.items(), key=lambda kv: -kv[1])[:3]
+        top = ", ".join(f"{k} {100 * v / max(b.saved_bytes, 1):.0f}%" for k, v in kinds if v)
+        rows.append([
+            b.name, f"{b.fwd_ms:.2f}", f"{b.bwd_ms:.2f}", _flops(b.fwd_flops),
+            format_bytes(b.saved_bytes), format_bytes(b.input_bytes),
+            format_bytes(b.param_bytes), top,
+        ])
+    table = render_table(
+        ["block", "fwd ms", "bwd ms", "fwd FLOPs", "saved", "input", "params", "saved by op kind"],
+        rows,
+    )
+    bd = ", ".join(f"{k} {format_bytes(v)}" for k, v in tape.peak_breakdown.items())
+    head = (f"Tape of {tape.model} on {tape.device}, inputs {tape.inputs}\n"
+            f"step peak {format_bytes(tape.step_peak_bytes)} ({bd}); "
+            f"all blocks checkpointed: {format_bytes(tape.ckpt_step_peak_bytes)}\n"
+            f"parameters {format_bytes(tape.param_bytes)}, buffers "
+            f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
+            f"step {tape.step_ms:.1f} ms, {_flops(tape.step_flops)}FLOPs\n")
+    return head + table

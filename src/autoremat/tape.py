@@ -1,0 +1,221 @@
+"""The Tape: what one instrumented training step measured, block by block.
+
+A Tape is plain, frozen data. It prints as a table, and round-trips through versioned
+JSON without the model, so a plan can be made, diffed and reviewed anywhere.
+
+Memory figures are bytes of live tensor storages above the level before the step
+(see "What peak means" in DESIGN.md). Per block, two runs are summarised: ``keep``
+(the plain step) and ``ckpt`` (every block checkpointed on its own). For each, the
+forward window of block ``i`` runs from its forward start to the next block's start,
+and its backward window from the moment the gradient of its output is ready to the
+moment the gradient of its input is ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import SchemaError
+from .units import format_bytes
+
+__all__ = ["SCHEMA_VERSION", "BlockProfile", "Tape", "WindowMemory"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WindowMemory:
+    """Memory over one window of the step, relative to the level at its start."""
+
+    peak_bytes: int  # highest level in the window minus the level at its start
+    delta_bytes: int  # level at the window's end minus the level at its start
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block of the chain. Times are medians of uninstrumented steps."""
+
+    name: str  # qualified module name, e.g. "blocks.3"
+    fwd_ms: float  # forward time of the block
+    bwd_ms: float  # backward time (grad of output ready -> grad of input ready)
+    fwd_flops: int  # forward FLOPs (what a recompute re-executes)
+    bwd_flops: int  # backward FLOPs
+    saved_bytes: int  # bytes created in the block's forward still alive when backward starts
+    saved_bytes_by_kind: dict[str, int]  # the same, by the kind of op that created them
+    input_bytes: int  # unique storages of the tensors passed in
+    output_bytes: int  # unique storages of the tensors returned
+    param_bytes: int  # parameters owned by the block
+    grad_bytes: int  # gradients of the block's trainable parameters
+    keep_fwd: WindowMemory  # plain step, forward window
+    keep_bwd: WindowMemory  # plain step, backward window
+    ckpt_fwd: WindowMemory  # block checkpointed, forward window
+    ckpt_bwd: WindowMemory  # block checkpointed, backward window (recompute included)
+    chained: bool  # its first tensor input is an output of the previous block, unchanged
+
+
+@dataclass(frozen=True)
+class Tape:
+    """One measured training step. ``print(tape)`` shows a table.
+
+    The step is: ``pre`` (before the first block), the blocks, ``post`` (after the last
+    block's forward until its backward starts: head and loss forward and backward),
+    the blocks' backward, and ``tail`` (after the first block's backward).
+    """
+
+    model: str  # class name of the model
+    inputs: str  # signature of the inputs: shapes and dtypes
+    device: str
+    blocks: tuple[BlockProfile, ...]
+    step_peak_bytes: int  # measured peak of the plain step
+    peak_breakdown: dict[str, int]  # activations / gradients / temporaries at that peak
+    ckpt_step_peak_bytes: int  # measured peak with every block checkpointed
+    param_bytes: int  # all parameters
+    trainable_param_bytes: int  # parameters that get gradients
+    buffer_bytes: int  # buffers (BatchNorm statistics, rotary tables, ...)
+    grad_bytes: int  # gradient bytes alive after the step
+    pre: WindowMemory
+    post: WindowMemory
+    tail: WindowMemory
+    step_fwd_flops: int
+    step_bwd_flops: int
+    step_ms: float  # median plain step (forward + backward)
+    schema_version: int = SCHEMA_VERSION
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def resting_bytes(self) -> int:
+        """Parameters and buffers: held before and after the step."""
+        return self.param_bytes + self.buffer_bytes
+
+    @property
+    def block_saved_bytes(self) -> int:
+        """What the blocks keep for backward in the plain step."""
+        return sum(b.saved_bytes for b in self.blocks)
+
+    @property
+    def step_flops(self) -> int:
+        return self.step_fwd_flops + self.step_bwd_flops
+
+    # -- serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Return the JSON text; with ``path``, also write it there atomically."""
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        if path is not None:
+            write_atomic(Path(path), text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> Tape:
+        """Load a tape from JSON text or a file; says which field is wrong if any."""
+        data = load_json(text_or_path, what="tape")
+        return _tape_from_dict(data)
+
+    def __str__(self) -> str:
+        from .tables import tape_table
+
+        return tape_table(self)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_json(text_or_path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
+    text = str(text_or_path)
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except OSError as exc:
+            raise SchemaError(f"cannot read {what} file {str(text_or_path)!r}: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SchemaError(f"{what} JSON must be an object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"{what} has schema_version {version!r}; this autoremat reads "
+                          f"version {SCHEMA_VERSION}. Re-create it with this version.")
+    return data
+
+
+def build_dataclass(cls: type, data: Any, where: str) -> Any:
+    """Build a flat dataclass from a dict, naming the field that is missing or wrong."""
+    if not isinstance(data, dict):
+        raise SchemaError(f"{where} must be an object, got {type(data).__name__}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise SchemaError(f"{where}: missing field {f.name!r}")
+        kwargs[f.name] = data[f.name]
+    unknown = set(data) - {f.name for f in fields(cls)}
+    if unknown:
+        raise SchemaError(f"{where}: unknown field(s) {sorted(unknown)}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise SchemaError(f"{where}: {exc}") from exc
+
+
+def _check_types(obj: Any, where: str) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        expected = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(str(f.type))
+        if expected is not None and (not isinstance(value, expected) or
+                                     (expected is int and isinstance(value, bool))):
+            raise SchemaError(f"{where}.{f.name} must be {f.type}, got {value!r}")
+
+
+def _window(data: Any, where: str) -> WindowMemory:
+    window = build_dataclass(WindowMemory, data, where)
+    _check_types(window, where)
+    return window  # type: ignore[no-any-return]
+
+
+def _tape_from_dict(data: dict[str, Any]) -> Tape:
+    raw_blocks = data.get("blocks")
+    if not isinstance(raw_blocks, list):
+        raise SchemaError("tape.blocks must be a list")
+    blocks = []
+    for i, raw in enumerate(raw_blocks):
+        where = f"tape.blocks[{i}]"
+        if not isinstance(raw, dict):
+            raise SchemaError(f"{where} must be an object")
+        raw = dict(raw)
+        for key in ("keep_fwd", "keep_bwd", "ckpt_fwd", "ckpt_bwd"):
+            raw[key] = _window(raw.get(key), f"{where}.{key}")
+        block = build_dataclass(BlockProfile, raw, where)
+        _check_types(block, where)
+        blocks.append(block)
+    data = dict(data)
+    data["blocks"] = tuple(blocks)
+    data["notes"] = tuple(data.get("notes", ()))
+    for key in ("pre", "post", "tail"):
+        data[key] = _window(data.get(key), f"tape.{key}")
+    tape = build_dataclass(Tape, data, "tape")
+    _check_types(tape, "tape")
+    return tape  # type: ignore[no-any-return]
+
+
+def fmt(n: int) -> str:
+    return format_bytes(n)
