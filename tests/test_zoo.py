@@ -25,7 +25,7 @@ _BLOCKS = {
     "mlp": ("blocks", 12),
     "resnet": ("stages", 3),
 }
-_DEFAULT_BATCH = {"gpt2": 4, "llama": 4, "mlp": 256, "resnet": 16}
+_DEFAULT_BATCH = {"gpt2": 4, "llama": 4, "mlp": 1024, "resnet": 16}
 
 
 def _run(model: nn.Module, inputs: Any) -> zoo.LMOutput:

@@ -13,24 +13,37 @@ Example:
 """
 
 from . import zoo
+from .apply import ShapeMismatchWarning, applied_plan, apply, auto, remove
 from .errors import BlockError, BudgetError, PlanMismatchError, RematError, SchemaError
 from .memory import MemoryTracker, track_memory
+from .plan import BlockDecision, Plan, plan
 from .profile import profile
 from .tape import BlockProfile, Tape
+from .verify import Report, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockDecision",
     "BlockError",
     "BlockProfile",
     "BudgetError",
     "MemoryTracker",
+    "Plan",
     "PlanMismatchError",
     "RematError",
+    "Report",
     "SchemaError",
+    "ShapeMismatchWarning",
     "Tape",
     "__version__",
+    "applied_plan",
+    "apply",
+    "auto",
+    "plan",
     "profile",
+    "remove",
     "track_memory",
+    "verify",
     "zoo",
 ]

@@ -2,9 +2,12 @@
 
 NOTE [ Three kinds of run ]
     Per-op instrumentation slows a step several-fold, so no figure mixes kinds:
-    * memory: two steps under ``track_memory`` (plain, and every block checkpointed on
-      its own), with marks at block boundaries. Windows between marks give what the
-      planner composes (see ``tape.py``). Memory is exact and deterministic.
+    * memory: four steps under ``track_memory`` (plain; every block checkpointed on its
+      own; and two that alternate kept and checkpointed blocks), with marks at block
+      boundaries. Windows between marks give what the planner composes (see
+      ``tape.py``), for each pair (previous block's mode, this block's mode): who
+      holds a boundary tensor depends on both its producer and its consumer. Memory
+      is exact and deterministic.
     * FLOPs: one step under a FLOP counter labelled by block.
     * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
     All runs go through ``preserved_state``: BatchNorm statistics, gradients and RNG
@@ -86,6 +89,7 @@ class _Probe:
     input_bytes: list[int] = field(default_factory=list)
     output_bytes: list[int] = field(default_factory=list)
     chained: list[bool] = field(default_factory=list)
+    chain_bytes: list[int] = field(default_factory=list)
     _prev_outputs: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -94,6 +98,7 @@ class _Probe:
         self.input_bytes = [0] * n
         self.output_bytes = [0] * n
         self.chained = [False] * n
+        self.chain_bytes = [0] * n
 
     @contextmanager
     def installed(self, model: nn.Module) -> Iterator[None]:
@@ -113,6 +118,8 @@ class _Probe:
             tensors = _flat_tensors((args, kwargs))
             self.input_bytes[i] = unique_storage_bytes(tensors)
             self.chained[i] = bool(tensors) and id(tensors[0]) in self._prev_outputs
+            if self.chained[i]:
+                self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
             if i == 0:
                 first = _first_grad_tensor((args, kwargs))
                 if first is not None:
@@ -177,8 +184,11 @@ class _MemoryRun:
 
 
 def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-                names: list[str]) -> _MemoryRun:
-    with track_memory() as mem:
+                names: list[str], ckpt: list[bool]) -> _MemoryRun:
+    for p in model.parameters():
+        p.grad = None
+    chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
+    with checkpointed(model, chosen), track_memory() as mem:
         probe = _run_marked(model, inputs, loss_fn, names, mem.mark)
     marks = _marks(mem)
     n = len(names)
@@ -258,6 +268,23 @@ def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[
             statistics.median(steps))
 
 
+def _mode_of(run: str, i: int) -> str:
+    if run in ("K", "C"):
+        return run
+    even = i % 2 == 0
+    return "C" if even == (run == "even") else "K"
+
+
+def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, WindowMemory]:
+    """Block ``i``'s windows keyed by (previous mode, own mode) over the runs made."""
+    out: dict[str, WindowMemory] = {}
+    for run_name, run in runs.items():
+        prev = _mode_of(run_name, i - 1) if i > 0 else "K"
+        key = prev + _mode_of(run_name, i)
+        out.setdefault(key, run.fwd[i] if which == "fwd" else run.bwd[i])
+    return dict(sorted(out.items()))
+
+
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3) -> Tape:
     """Measure one training step of ``model`` block by block.
@@ -298,17 +325,20 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         _run_marked(model, inputs, loss_fn, names, lambda label: None)  # warm-up
         for p in model.parameters():
             p.grad = None
-        plain = _memory_run(model, inputs, loss_fn, names)
+        n = len(names)
+        plain = _memory_run(model, inputs, loss_fn, names, [False] * n)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
         grad_bytes = unique_storage_bytes(list(grads.values()))
         block_grad_bytes = [
             unique_storage_bytes([p.grad for p in model.get_submodule(n).parameters()
                                   if p.grad is not None]) for n in names
         ]
-        for p in model.parameters():
-            p.grad = None
-        with checkpointed(model, names):
-            ckpt = _memory_run(model, inputs, loss_fn, names)
+        runs = {"K": plain, "C": _memory_run(model, inputs, loss_fn, names, [True] * n)}
+        if n > 1:
+            runs["even"] = _memory_run(model, inputs, loss_fn, names,
+                                       [i % 2 == 0 for i in range(n)])
+            runs["odd"] = _memory_run(model, inputs, loss_fn, names,
+                                      [i % 2 == 1 for i in range(n)])
         for p in model.parameters():
             p.grad = None
         counter = _flops(model, inputs, loss_fn, names)
@@ -330,21 +360,22 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],
             param_bytes=unique_storage_bytes(list(module.parameters())),
             grad_bytes=block_grad_bytes[i],
-            keep_fwd=plain.fwd[i], keep_bwd=plain.bwd[i],
-            ckpt_fwd=ckpt.fwd[i], ckpt_bwd=ckpt.bwd[i],
+            fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
             chained=i > 0 and plain.probe.chained[i],
+            chain_bytes=plain.probe.chain_bytes[i] if i > 0 else 0,
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),
         device=str(next((p.device for p in params), torch.device("cpu"))),
         blocks=tuple(block_list),
         step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
-        ckpt_step_peak_bytes=ckpt.mem.peak_bytes,
+        ckpt_step_peak_bytes=runs["C"].mem.peak_bytes,
         param_bytes=unique_storage_bytes(params),
         trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
         grad_bytes=grad_bytes,
-        pre=plain.pre, post=plain.post, tail=plain.tail,
+        pre=plain.pre, post={m: runs[m].post for m in "KC"},
+        tail={m: runs[m].tail for m in "KC"},
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=step_ms,
     )

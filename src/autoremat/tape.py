@@ -51,11 +51,21 @@ class BlockProfile:
     output_bytes: int  # unique storages of the tensors returned
     param_bytes: int  # parameters owned by the block
     grad_bytes: int  # gradients of the block's trainable parameters
-    keep_fwd: WindowMemory  # plain step, forward window
-    keep_bwd: WindowMemory  # plain step, backward window
-    ckpt_fwd: WindowMemory  # block checkpointed, forward window
-    ckpt_bwd: WindowMemory  # block checkpointed, backward window (recompute included)
+    # Memory windows keyed by (previous block's mode, this block's mode), K = kept,
+    # C = checkpointed: "KK" is the plain step, "CC" every block checkpointed, "KC" and
+    # "CK" come from steps that alternate. The first block's previous mode is always K.
+    fwd: dict[str, WindowMemory]  # forward window
+    bwd: dict[str, WindowMemory]  # backward window (recompute included when C)
     chained: bool  # its first tensor input is an output of the previous block, unchanged
+    chain_bytes: int  # bytes of that input when chained (freed early inside a segment)
+
+    @property
+    def keep_fwd(self) -> WindowMemory:
+        return self.fwd["KK"]
+
+    @property
+    def keep_bwd(self) -> WindowMemory:
+        return self.bwd["KK"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +88,9 @@ class Tape:
     trainable_param_bytes: int  # parameters that get gradients
     buffer_bytes: int  # buffers (BatchNorm statistics, rotary tables, ...)
     grad_bytes: int  # gradient bytes alive after the step
-    pre: WindowMemory
-    post: WindowMemory
-    tail: WindowMemory
+    pre: WindowMemory  # before the first block's forward
+    post: dict[str, WindowMemory]  # head and loss, keyed by the last block's mode (K/C)
+    tail: dict[str, WindowMemory]  # after the first block's backward, by its mode (K/C)
     step_fwd_flops: int
     step_bwd_flops: int
     step_ms: float  # median plain step (forward + backward)
@@ -192,6 +202,12 @@ def _window(data: Any, where: str) -> WindowMemory:
     return window  # type: ignore[no-any-return]
 
 
+def _windows(data: Any, where: str) -> dict[str, WindowMemory]:
+    if not isinstance(data, dict) or not data:
+        raise SchemaError(f"{where} must be a non-empty object of windows")
+    return {str(k): _window(v, f"{where}.{k}") for k, v in data.items()}
+
+
 def _tape_from_dict(data: dict[str, Any]) -> Tape:
     raw_blocks = data.get("blocks")
     if not isinstance(raw_blocks, list):
@@ -202,16 +218,17 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
         if not isinstance(raw, dict):
             raise SchemaError(f"{where} must be an object")
         raw = dict(raw)
-        for key in ("keep_fwd", "keep_bwd", "ckpt_fwd", "ckpt_bwd"):
-            raw[key] = _window(raw.get(key), f"{where}.{key}")
+        for key in ("fwd", "bwd"):
+            raw[key] = _windows(raw.get(key), f"{where}.{key}")
         block = build_dataclass(BlockProfile, raw, where)
         _check_types(block, where)
         blocks.append(block)
     data = dict(data)
     data["blocks"] = tuple(blocks)
     data["notes"] = tuple(data.get("notes", ()))
-    for key in ("pre", "post", "tail"):
-        data[key] = _window(data.get(key), f"tape.{key}")
+    data["pre"] = _window(data.get("pre"), "tape.pre")
+    for key in ("post", "tail"):
+        data[key] = _windows(data.get(key), f"tape.{key}")
     tape = build_dataclass(Tape, data, "tape")
     _check_types(tape, "tape")
     return tape  # type: ignore[no-any-return]

@@ -60,10 +60,11 @@ def _restored_batchnorm_stats(layers: list[_BatchNorm]) -> Iterator[None]:
                     buf.copy_(value)
 
 
-def _context_fn(module: nn.Module, selective: ContextFn | None) -> ContextFn:
+def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> ContextFn:
     def make() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         layers = [
-            m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats
+            m for module in modules for m in module.modules()
+            if isinstance(m, _BatchNorm) and m.track_running_stats
         ]
         forward_ctx, recompute_ctx = selective() if selective else (nullcontext(), nullcontext())
         stack = ExitStack()
@@ -95,7 +96,7 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
         unwrap(module)
     user_forward = module.__dict__.get("forward")
     original = module.forward
-    context_fn = _context_fn(module, selective)
+    context_fn = _context_fn([module], selective)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():

@@ -378,7 +378,8 @@ def _build_llama(**overrides: Any) -> tuple[nn.Module, Any]:
 class MLPConfig:
     d_in: int = 256  # input features
     # output width of each block; uneven on purpose, so blocks differ in memory and compute
-    widths: tuple[int, ...] = (1024, 512, 2048, 384, 768, 1536, 256, 1024, 512, 2048, 384, 768)
+    # (activations, not weights, dominate the step at the default batch, as in training)
+    widths: tuple[int, ...] = (512, 256, 1024, 192, 384, 768, 128, 512, 256, 1024, 192, 384)
     n_classes: int = 10  # output of the final Linear head
     norm_every: int = 3  # a LayerNorm after the Linear in every 3rd block (0: no LayerNorm)
     dropout: float = 0.1  # dropout at the end of every block
@@ -424,7 +425,7 @@ class MLPChain(nn.Module):
 
 
 def _build_mlp(**overrides: Any) -> tuple[nn.Module, Any]:
-    config, data = _split_overrides("mlp", MLPConfig, {"batch_size": 256}, overrides)
+    config, data = _split_overrides("mlp", MLPConfig, {"batch_size": 1024}, overrides)
     model = MLPChain(config)
     x = torch.randn(data["batch_size"], config.d_in)  # (B, d_in)
     y = torch.randint(0, config.n_classes, (data["batch_size"],))  # (B,)

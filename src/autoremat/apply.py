@@ -1,0 +1,160 @@
+"""``apply`` a plan to a model in place, ``remove`` it, or do it all with ``auto``."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .blocks import BlockSpec
+from .errors import PlanMismatchError, RematError, did_you_mean
+from .plan import Plan, plan
+from .profile import profile
+from .segments import SegmentRunner
+from .step import LossFn, describe_inputs
+from .wrap import is_wrapped, unwrap, wrap
+
+__all__ = ["ShapeMismatchWarning", "applied_plan", "apply", "auto", "remove"]
+
+_ATTR = "_autoremat_applied"
+
+
+class ShapeMismatchWarning(UserWarning):
+    """A model runs on inputs of another shape than its plan was made for."""
+
+
+@dataclass
+class _Applied:
+    plan: Plan
+    wrapped: list[nn.Module] = field(default_factory=list)
+    runners: list[SegmentRunner] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+    warned: set[str] = field(default_factory=set)
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan currently applied to ``model``, or ``None``."""
+    state = model.__dict__.get(_ATTR)
+    return state.plan if state is not None else None
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return it.
+
+    Kept blocks are untouched; recomputed blocks run under non-reentrant
+    ``torch.utils.checkpoint`` (RNG restored on recompute, kwargs and non-tensor
+    arguments passed through, inputs that do not require grad are fine); consecutive
+    blocks of one segment share one checkpoint. Parameters, state dict and hooks are
+    unchanged. Applying again replaces the previous plan; :func:`remove` undoes it.
+
+    A forward on inputs whose shapes differ from the ones the plan was made for warns
+    with :class:`ShapeMismatchWarning` (the plan still runs, but may no longer fit).
+
+    Raises:
+        PlanMismatchError: the plan was made for another model class, or names blocks
+            the model does not have.
+    """
+    if not isinstance(plan, Plan):
+        raise RematError(f"apply() needs a Plan from autoremat.plan, got {type(plan).__name__}")
+    if type(model).__name__ != plan.model:
+        raise PlanMismatchError(f"this plan was made for a {plan.model}, not a "
+                                f"{type(model).__name__}; profile and plan this model")
+    modules = dict(model.named_modules())
+    for block in plan.blocks:
+        if block.name not in modules:
+            raise PlanMismatchError(f"the plan names block {block.name!r}, which "
+                                    f"{type(model).__name__} does not have."
+                                    + did_you_mean(block.name, [n for n in modules if n]))
+    remove(model)
+    for name, module in modules.items():
+        if name and is_wrapped(module):
+            raise RematError(f"module {name!r} is already checkpointed by autoremat outside "
+                             f"this plan; remove that wrapper first")
+    state = _Applied(plan)
+    try:
+        for start, stop, decision in plan.segments:
+            blocks = [modules[b.name] for b in plan.blocks[start:stop]]
+            if decision == "keep":
+                continue
+            if decision == "selective":
+                from .selective import selective_context
+
+                for b, module in zip(plan.blocks[start:stop], blocks, strict=False):
+                    wrap(module, tag="selective", selective=selective_context(b.save_ops))
+                    state.wrapped.append(module)
+            elif stop == start + 1:
+                wrap(blocks[0], tag="recompute")
+                state.wrapped.append(blocks[0])
+            else:
+                runner = SegmentRunner(blocks, [b.name for b in plan.blocks[start:stop]])
+                runner.install()
+                state.runners.append(runner)
+        state.handles.append(model.register_forward_pre_hook(_shape_check(state),
+                                                             with_kwargs=True))
+        state.handles.append(model.register_forward_hook(_close_segments(state),
+                                                         always_call=True))
+    except BaseException:
+        _undo(state)
+        raise
+    setattr(model, _ATTR, state)
+    return model
+
+
+def _shape_check(state: _Applied) -> Any:
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
+                                                          not kwargs else args)
+        signature = describe_inputs(inputs)
+        if signature != state.plan.inputs and signature not in state.warned:
+            state.warned.add(signature)
+            warnings.warn(
+                f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
+                f"runs on {signature}. Its memory prediction no longer holds: re-plan "
+                f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
+    return hook
+
+
+def _close_segments(state: _Applied) -> Any:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        for runner in state.runners:
+            runner.abort()  # no-op after a normal forward; closes frames after an error
+    return hook
+
+
+def _undo(state: _Applied) -> None:
+    for handle in state.handles:
+        handle.remove()
+    for runner in state.runners:
+        runner.uninstall()
+    for module in state.wrapped:
+        unwrap(module)
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: the model is exactly as before. A no-op without a plan."""
+    state = model.__dict__.pop(_ATTR, None)
+    if state is not None:
+        _undo(state)
+    return model
+
+
+def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
+         strategy: str = "optimal", *, loss_fn: LossFn | None = None,
+         blocks: BlockSpec = None, max_memory: int | str | None = None,
+         optimizer: str | int | None = None) -> Plan:
+    """Profile, plan and apply in one call; returns the plan applied.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("gpt2")
+        >>> plan = autoremat.auto(model, inputs, budget="50%")
+        >>> autoremat.applied_plan(model) is plan
+        True
+    """
+    remove(model)
+    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks)
+    chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer)
+    apply(model, chosen)
+    return chosen

@@ -1,0 +1,220 @@
+"""The ``autoremat`` command line: demo, profile, plan, doctor, bench.
+
+Every subcommand takes a TARGET: a zoo name (``gpt2``, ``llama``, ``mlp``, ``resnet``)
+or ``package.module:factory`` where ``factory()`` returns ``(model, inputs)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from . import zoo
+from .errors import BudgetError, RematError, did_you_mean
+from .units import format_bytes
+
+__all__ = ["load_target", "main"]
+
+
+def load_target(target: str, overrides: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """``(model, inputs)`` for a zoo name or a ``package.module:factory`` spec."""
+    if ":" in target:
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise RematError(f"cannot import {module_name!r} for target {target!r}: {exc}") \
+                from exc
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            public = [n for n in dir(module) if not n.startswith("_")]
+            raise RematError(f"{module_name!r} has no callable {attr!r}."
+                             + did_you_mean(attr, public))
+        result = factory(**(overrides or {}))
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise RematError(f"{target} must return (model, inputs), got {type(result).__name__}")
+        return result
+    if target not in zoo.ZOO:
+        raise RematError(f"unknown target {target!r}: use a zoo name ({', '.join(zoo.names())}) "
+                         f"or package.module:factory." + did_you_mean(target, zoo.ZOO))
+    return zoo.build(target, **(overrides or {}))
+
+
+def _parse_overrides(text: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if not text:
+        return out
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise RematError(f"cannot read option {item!r}: write key=value[,key=value]")
+        out[key.strip()] = _literal(value.strip())
+    return out
+
+
+def _literal(value: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
+def _status(console: Console, text: str) -> Any:
+    return console.status(text, spinner="dots")
+
+
+def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
+    from .profile import profile
+
+    model, inputs = load_target(args.target, _parse_overrides(args.set))
+    with _status(console, f"profiling {args.target} (several instrumented steps)"):
+        tape = profile(model, inputs)
+    console.print(str(tape), highlight=False, soft_wrap=True)
+    if args.out:
+        tape.to_json(args.out)
+        console.print(f"tape written to {args.out}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from .plan import plan
+    from .profile import profile
+
+    model, inputs = load_target(args.target, _parse_overrides(args.set))
+    with _status(console, f"profiling {args.target}"):
+        tape = profile(model, inputs)
+    chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
+                  optimizer=args.optimizer)
+    console.print(str(chosen), highlight=False, soft_wrap=True)
+    if args.verify:
+        from .apply import apply
+        from .verify import verify
+
+        apply(model, chosen)
+        with _status(console, "verifying: plain and planned steps"):
+            report = verify(model, inputs)
+        console.print(str(report), highlight=False, soft_wrap=True)
+        if not report.ok:
+            return 1
+    if args.out:
+        chosen.to_json(args.out)
+        console.print(f"plan written to {args.out}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from .apply import apply, remove
+    from .plan import plan, smallest_feasible_bytes
+    from .profile import profile
+    from .verify import verify
+
+    console.print(f"[bold]autoremat demo[/]: {zoo.ZOO[args.model].description}")
+    model, inputs = zoo.build(args.model)
+    with _status(console, f"profiling the {args.model} step block by block"):
+        tape = profile(model, inputs)
+    console.print(str(tape), highlight=False, soft_wrap=True)
+    least = smallest_feasible_bytes(tape)
+    rows: list[tuple[str, str, Any]] = [("none", "none", None),
+                                        ("every block", "full", None)]
+    rows += [(f"optimal {b}", "optimal", b) for b in ("75%", "50%", "30%")]
+    rows.append(("optimal min", "optimal", least))
+    table = Table(title=f"{args.model}: plans, measured (step peak as in DESIGN.md)")
+    for col in ("plan", "budget", "predicted", "measured", "+FLOPs", "time", "grads"):
+        table.add_column(col, justify="left" if col in ("plan",) else "right")
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring plans", total=len(rows))
+        for label, strategy, budget in rows:
+            try:
+                chosen = plan(tape, budget, strategy)
+            except BudgetError as exc:
+                table.add_row(label, str(budget), "-", "does not fit", "-", "-", "-")
+                console.print(f"[yellow]{label}: {exc}[/]")
+                progress.advance(task)
+                continue
+            apply(model, chosen)
+            report = verify(model, inputs, repeats=args.repeats)
+            remove(model)
+            budget_text = format_bytes(chosen.budget_bytes) if chosen.budget_bytes else "-"
+            table.add_row(label, budget_text, format_bytes(chosen.predicted_peak_bytes),
+                          format_bytes(report.peak_bytes),
+                          f"{100 * report.recompute_overhead:.1f}%",
+                          f"x{report.time_ratio:.2f}", "equal" if report.grads_equal else "DIFFER")
+            progress.advance(task)
+    console.print(table)
+    console.print("time: median of interleaved steps vs no checkpointing on this machine "
+                  "(noisy on a shared CPU); +FLOPs: recompute, counted exactly.")
+    return 0
+
+
+def _cmd_delegate(name: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        if name == "doctor":
+            from .doctor import doctor_main
+
+            return doctor_main(argv)
+        from .bench import bench_main
+
+        return bench_main(argv)
+    return run
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoremat", description=(
+        "Plan activation checkpointing for a PyTorch training step under a memory budget."))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="profile a built-in model and compare plans")
+    demo.add_argument("--model", default="gpt2", choices=zoo.names())
+    demo.add_argument("--repeats", type=int, default=3, help="timed steps per plan")
+
+    for name, helptext in (("profile", "measure a step block by block"),
+                           ("plan", "plan checkpointing under a budget")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("target", help="zoo name or package.module:factory")
+        p.add_argument("--set", help="size options, e.g. n_layer=12,batch_size=8")
+        p.add_argument("--out", help="write the tape/plan JSON here")
+        if name == "plan":
+            p.add_argument("--budget", help="bytes, '6GiB', '500MB' or '40%%' of the plain peak")
+            p.add_argument("--strategy", default="optimal",
+                           help="optimal | none | full | every:K | sqrt | selective")
+            p.add_argument("--max-memory", help="absolute device limit, e.g. 24GiB")
+            p.add_argument("--optimizer", help="optimizer state for --max-memory, e.g. adamw")
+            p.add_argument("--verify", action="store_true",
+                           help="apply the plan and measure it against the plain step")
+    sub.add_parser("doctor", help="will it fit? estimate on fake tensors and prescribe",
+                   add_help=False)
+    sub.add_parser("estimate", help="alias of doctor", add_help=False)
+    sub.add_parser("bench", help="side-by-side benchmark against PyTorch's options",
+                   add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autoremat`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console()
+    try:
+        if argv and argv[0] in ("doctor", "estimate", "bench"):
+            return _cmd_delegate("bench" if argv[0] == "bench" else "doctor")(argv[1:])
+        args = _parser().parse_args(argv)
+        handler = {"demo": _cmd_demo, "profile": _cmd_profile, "plan": _cmd_plan}[args.command]
+        return handler(args, console)
+    except RematError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

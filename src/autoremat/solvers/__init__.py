@@ -1,0 +1,1 @@
+"""Solvers: pure functions from a Tape (and a budget) to segment decisions."""
