@@ -14,12 +14,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import BudgetError, RematError, SchemaError, did_you_mean
+from .selective import MEGATRON, save_set_name
 from .solvers.chain import (
     RECOMPUTE,
     ChainSolution,
     Option,
     plan_costs,
     predict_peak,
+    selective_options,
     solve,
 )
 from .tables import render_table
@@ -48,6 +50,7 @@ class Plan:
     budget_bytes: int | None  # the step-peak budget it was made for (None: no budget)
     predicted_peak_bytes: int  # predicted step peak with the plan
     predicted_recompute_flops: int  # extra forward FLOPs from recomputation
+    predicted_cost: int  # the planner's objective: FLOP-equivalents (see costs.py)
     unplanned_peak_bytes: int  # measured step peak without checkpointing
     step_flops: int  # FLOPs of the plain step (forward + backward)
     model: str  # class name of the model it was made for
@@ -100,7 +103,7 @@ class Plan:
         data["notes"] = tuple(data.get("notes", ()))
         loaded: Plan = build_dataclass(cls, data, "plan")
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
-                    "step_flops"):
+                    "step_flops", "predicted_cost"):
             if not isinstance(getattr(loaded, key), int):
                 raise SchemaError(f"plan.{key} must be an integer")
         return loaded
@@ -210,8 +213,20 @@ def _sqrt(tape: Tape, budget: int | None, arg: str) -> Segments:
     return out
 
 
+def _selective(tape: Tape, budget: int | None, arg: str) -> Segments:
+    out: Segments = []
+    for i, block in enumerate(tape.blocks):
+        kinds = [k for k in MEGATRON if k in block.op_stats and block.op_stats[k].count]
+        name = save_set_name(kinds)
+        if kinds and name in block.selective:
+            out.append((i, i + 1, ("selective", tuple(sorted(kinds)))))
+        else:
+            out.append((i, i + 1, RECOMPUTE))  # nothing worth saving: recompute it all
+    return out
+
+
 def _optimal(tape: Tape, budget: int | None, arg: str) -> Segments:
-    solution = solve(tape, budget, objective="cost")
+    solution = solve(tape, budget, objective="cost", options=selective_options(tape))
     if solution is None:
         _raise_infeasible(tape, budget, "optimal")
     assert solution is not None
@@ -220,11 +235,12 @@ def _optimal(tape: Tape, budget: int | None, arg: str) -> Segments:
 
 STRATEGIES: dict[str, Strategy] = {
     "none": _none, "full": _full, "every": _every, "sqrt": _sqrt, "optimal": _optimal,
+    "selective": _selective,
 }
 
 
 def _smallest(tape: Tape) -> ChainSolution:
-    best = solve(tape, None, objective="peak")
+    best = solve(tape, None, objective="peak", options=selective_options(tape))
     if best is None:  # nothing at all is feasible without a budget: cannot happen
         raise RematError("internal error: no plan without a budget")
     return best
@@ -257,7 +273,9 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             or a percentage of the unplanned step peak (``"50%"``).
         strategy: ``"optimal"`` (least recompute FLOPs that fits), ``"none"``,
             ``"full"`` (every block on its own), ``"every:K"`` (one block in K),
-            ``"sqrt"`` (Chen et al.: segments of about sqrt(n) blocks).
+            ``"sqrt"`` (Chen et al.: segments of about sqrt(n) blocks), ``"selective"``
+            (Megatron-LM's policy in every block: keep linear/conv outputs, recompute
+            the rest). ``"optimal"`` also considers selective save-sets per block.
         max_memory: an absolute device limit; parameters, buffers and optimizer state
             are subtracted from it. With ``budget`` too, the tighter one wins.
         optimizer: optimizer name (``"adamw"``) or state bytes, for ``max_memory``.
@@ -283,7 +301,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     name, _, arg = strategy.partition(":")
     if name not in STRATEGIES:
         raise RematError(f"unknown strategy {strategy!r}; choose from "
-                         f"{['optimal', 'none', 'full', 'every:K', 'sqrt']}."
+                         f"{['optimal', 'none', 'full', 'every:K', 'sqrt', 'selective']}."
                          + did_you_mean(name, STRATEGIES))
     if arg and name != "every":
         raise RematError(f"strategy {name!r} takes no argument, got {strategy!r}")
@@ -301,6 +319,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         strategy=strategy, blocks=tuple(decisions), budget_bytes=budget_bytes,
         predicted_peak_bytes=peak,
         predicted_recompute_flops=sum(c.flops for c in costs),
+        predicted_cost=sum(c.rank_cost for c in costs),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
         model=tape.model, inputs=tape.inputs,
     )

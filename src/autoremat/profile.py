@@ -35,36 +35,14 @@ from torch.utils._pytree import tree_flatten
 
 from .blocks import BlockSpec, resolve_blocks
 from .errors import BlockError, RematError
-from .flops import FlopCounter
 from .memory import MemoryTracker, track_memory
+from .ops import OpRecorder, OpStats, op_kind
+from .selective import save_set_name, save_sets, selective_context
 from .step import LossFn, describe_inputs, preserved_state, run_step, unique_storage_bytes
-from .tape import BlockProfile, Tape, WindowMemory
+from .tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
 from .wrap import checkpointed
 
 __all__ = ["op_kind", "profile"]
-
-_KINDS = (
-    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention")),
-    ("matmul", ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul",
-                "aten.linear", "aten._int_mm")),
-    ("conv", ("convolution", "conv")),
-    ("norm", ("layer_norm", "batch_norm", "group_norm", "rms_norm", "_native_batch_norm")),
-    ("dropout", ("dropout", "bernoulli")),
-    ("softmax", ("softmax",)),
-    ("embedding", ("embedding",)),
-    ("loss", ("nll_loss", "cross_entropy")),
-    ("copy", ("clone", "_to_copy", "copy", "cat", "stack", "contiguous")),
-)
-
-
-def op_kind(op: str) -> str:
-    """Coarse kind of an ATen op name: matmul, attention, conv, norm, dropout, softmax,
-    embedding, loss, copy or pointwise."""
-    for kind, needles in _KINDS:
-        if any(n in op for n in needles):
-            return kind
-    return "pointwise"
-
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     for t in tree_flatten(obj)[0]:
@@ -184,11 +162,13 @@ class _MemoryRun:
 
 
 def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-                names: list[str], ckpt: list[bool]) -> _MemoryRun:
+                names: list[str], ckpt: list[bool],
+                selective: dict[str, tuple[str, ...]] | None = None) -> _MemoryRun:
     for p in model.parameters():
         p.grad = None
     chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
-    with checkpointed(model, chosen), track_memory() as mem:
+    contexts = {n: selective_context(s) for n, s in (selective or {}).items()}
+    with checkpointed(model, chosen, contexts), track_memory() as mem:
         probe = _run_marked(model, inputs, loss_fn, names, mem.mark)
     marks = _marks(mem)
     n = len(names)
@@ -228,8 +208,8 @@ def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
 
 
 def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-           names: list[str]) -> FlopCounter:
-    counter = FlopCounter()
+           names: list[str]) -> OpRecorder:
+    counter = OpRecorder()
 
     def on_mark(label: str) -> None:
         kind, _, index = label.partition(":")
@@ -285,8 +265,31 @@ def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, Wind
     return dict(sorted(out.items()))
 
 
+def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+                    op_stats: list[dict[str, OpStats]]) -> list[dict[str, SelectiveProfile]]:
+    """One memory step per save-set: blocks that have its kinds run selective, the
+    others fully checkpointed (so every block's neighbours are checkpointed)."""
+    candidates = [save_sets(k for k, s in stats.items() if s.count) for stats in op_stats]
+    out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
+    for save in sorted({s for c in candidates for s in c}):
+        users = {names[i]: save for i, c in enumerate(candidates) if save in c}
+        run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), users)
+        for i, name in enumerate(names):
+            if name not in users:
+                continue
+            redo = [s for k, s in op_stats[i].items() if k not in save]
+            out[i][save_set_name(save)] = SelectiveProfile(
+                fwd=run.fwd[i], bwd=run.bwd[i],
+                recompute_flops=sum(s.flops for s in redo),
+                recompute_bytes=sum(s.out_bytes for s in redo),
+                recompute_ops=sum(s.count for s in redo),
+            )
+    return out
+
+
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
-            blocks: BlockSpec = None, *, repeats: int = 3) -> Tape:
+            blocks: BlockSpec = None, *, repeats: int = 3,
+            with_selective: bool = True) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -297,6 +300,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         blocks: ``None`` to find the chain of repeated layers, a list of qualified
             module names, or a predicate ``(name, module) -> bool``.
         repeats: uninstrumented steps timed (medians are reported).
+        with_selective: also measure selective-recompute options (one more memory step
+            per distinct save-set), so that plans can use them.
 
     Returns:
         A frozen :class:`~autoremat.tape.Tape`. The model's buffers, gradients and the
@@ -344,6 +349,9 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         counter = _flops(model, inputs, loss_fn, names)
         for p in model.parameters():
             p.grad = None
+        op_stats = [counter.block_stats(name) for name in names]
+        selective = _selective_runs(model, inputs, loss_fn, names, op_stats) \
+            if with_selective else [{} for _ in names]
         fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats)
 
     saved = _saved_by_block(plain)
@@ -361,6 +369,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             param_bytes=unique_storage_bytes(list(module.parameters())),
             grad_bytes=block_grad_bytes[i],
             fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
+            op_stats=op_stats[i], selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
             chain_bytes=plain.probe.chain_bytes[i] if i > 0 else 0,
         ))

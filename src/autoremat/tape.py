@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SchemaError
+from .ops import OpStats
 from .units import format_bytes
 
-__all__ = ["SCHEMA_VERSION", "BlockProfile", "Tape", "WindowMemory"]
+__all__ = ["SCHEMA_VERSION", "BlockProfile", "SelectiveProfile", "Tape", "WindowMemory"]
 
 SCHEMA_VERSION = 1
 
@@ -34,6 +35,18 @@ class WindowMemory:
 
     peak_bytes: int  # highest level in the window minus the level at its start
     delta_bytes: int  # level at the window's end minus the level at its start
+
+
+@dataclass(frozen=True)
+class SelectiveProfile:
+    """A block under selective recompute with one save-set (see ``selective.py``),
+    measured in a step where the blocks around it are checkpointed."""
+
+    fwd: WindowMemory
+    bwd: WindowMemory  # recompute of the unsaved ops included
+    recompute_flops: int  # FLOPs of the ops that are not saved (re-run in backward)
+    recompute_bytes: int  # bytes those ops create
+    recompute_ops: int  # how many ops are re-run
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,10 @@ class BlockProfile:
     bwd: dict[str, WindowMemory]  # backward window (recompute included when C)
     chained: bool  # its first tensor input is an output of the previous block, unchanged
     chain_bytes: int  # bytes of that input when chained (freed early inside a segment)
+    # Forward ops by kind (count, FLOPs, bytes created, ms), for costing recompute.
+    op_stats: dict[str, OpStats] = field(default_factory=dict)
+    # Selective recompute options keyed by save-set name, e.g. "matmul" or "bmm+matmul".
+    selective: dict[str, SelectiveProfile] = field(default_factory=dict)
 
     @property
     def keep_fwd(self) -> WindowMemory:
@@ -202,6 +219,12 @@ def _window(data: Any, where: str) -> WindowMemory:
     return window  # type: ignore[no-any-return]
 
 
+def _mapping(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise SchemaError(f"{where} must be an object")
+    return data
+
+
 def _windows(data: Any, where: str) -> dict[str, WindowMemory]:
     if not isinstance(data, dict) or not data:
         raise SchemaError(f"{where} must be a non-empty object of windows")
@@ -220,6 +243,17 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
         raw = dict(raw)
         for key in ("fwd", "bwd"):
             raw[key] = _windows(raw.get(key), f"{where}.{key}")
+        raw["op_stats"] = {
+            str(k): build_dataclass(OpStats, v, f"{where}.op_stats.{k}")
+            for k, v in _mapping(raw.get("op_stats", {}), f"{where}.op_stats").items()
+        }
+        selective = {}
+        for k, v in _mapping(raw.get("selective", {}), f"{where}.selective").items():
+            v = dict(_mapping(v, f"{where}.selective.{k}"))
+            for key in ("fwd", "bwd"):
+                v[key] = _window(v.get(key), f"{where}.selective.{k}.{key}")
+            selective[str(k)] = build_dataclass(SelectiveProfile, v, f"{where}.selective.{k}")
+        raw["selective"] = selective
         block = build_dataclass(BlockProfile, raw, where)
         _check_types(block, where)
         blocks.append(block)

@@ -127,8 +127,11 @@ def is_wrapped(module: nn.Module) -> str | None:
 
 
 @contextmanager
-def checkpointed(model: nn.Module, names: list[str]) -> Iterator[None]:
-    """Temporarily checkpoint the named submodules (each on its own)."""
+def checkpointed(model: nn.Module, names: list[str],
+                 selective: dict[str, ContextFn] | None = None) -> Iterator[None]:
+    """Temporarily checkpoint the named submodules (each on its own); those named in
+    ``selective`` with that selective ``context_fn``."""
+    selective = selective or {}
     modules = [model.get_submodule(n) for n in names]
     previous = [module.__dict__.get(_MARK) for module in modules]
     if any(p is not None for p in previous):
@@ -137,8 +140,9 @@ def checkpointed(model: nn.Module, names: list[str]) -> Iterator[None]:
         raise RematError("the model already has autoremat wrappers; call "
                          "autoremat.remove(model) before profiling it")
     try:
-        for module in modules:
-            wrap(module)
+        for name, module in zip(names, modules, strict=True):
+            wrap(module, tag="selective" if name in selective else "recompute",
+                 selective=selective.get(name))
         yield
     finally:
         for module in modules:

@@ -36,16 +36,18 @@ NOTE [ Why a DP over (F, cost) frontiers ]
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..costs import CostModel, cost_model_for, recompute_cost
 from ..errors import internal_assert
+from ..selective import save_set_name
 from ..tape import Tape, WindowMemory
 
 __all__ = ["ChainSolution", "Option", "SegmentCost", "plan_costs", "predict_peak", "segment_cost",
-           "solve"]
+           "selective_options", "solve"]
 
 # An option for a segment: ("keep", ()) | ("recompute", ()) | ("selective", save_ops).
 Option = tuple[str, tuple[str, ...]]
@@ -62,6 +64,11 @@ class SegmentCost:
     bwd_peak: int  # backward transient above the level at its start
     flops: int  # recompute FLOPs
     mode: str  # "K" kept or "C" checkpointed: what the next block sees as its neighbour
+    cost: int = -1  # what the planner minimises (FLOP-equivalents, see costs.py); -1: flops
+
+    @property
+    def rank_cost(self) -> int:
+        return self.flops if self.cost < 0 else self.cost
 
 
 def _fwd(tape: Tape, k: int, key: str) -> WindowMemory:
@@ -114,12 +121,16 @@ def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
         internal_assert(stop == start + 1, "a kept segment is one block")
         fwd, bwd = _fwd(tape, start, prev + "K"), _bwd(tape, start, prev + "K")
         return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, "K")
-    if kind != "recompute":
-        raise NotImplementedError(f"segment option {kind!r} is costed elsewhere")
+    model = cost_model_for(tape.device)
+    if kind == "selective":
+        internal_assert(stop == start + 1, "a selective segment is one block")
+        return _selective_cost(tape, start, option[1], prev, model)
+    internal_assert(kind == "recompute", f"unknown segment option {kind!r}")
     flops = sum(b.fwd_flops for b in blocks[start:stop])
+    cost = sum(recompute_cost(b.op_stats, b.fwd_flops, model) for b in blocks[start:stop])
     if stop == start + 1:
         fwd, bwd = _fwd(tape, start, prev + "C"), _bwd(tape, start, prev + "C")
-        return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, flops, "C")
+        return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, flops, "C", cost)
     # Forward: every block as checkpointed; inner inputs are released once used.
     level, fwd_peak = 0, 0
     for k in range(start, stop):
@@ -134,10 +145,37 @@ def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
     for k in range(start, stop):
         bwd_peak = max(bwd_peak, level + blocks[k].keep_fwd.peak_bytes)
         level += blocks[k].keep_fwd.delta_bytes
+    level -= blocks[stop - 1].output_bytes  # the recomputed output is not kept
     for k in range(stop - 1, start - 1, -1):
         bwd_peak = max(bwd_peak, level + blocks[k].keep_bwd.peak_bytes)
         level += blocks[k].keep_bwd.delta_bytes
-    return SegmentCost(fwd_peak, hold, bwd_peak, flops, "C")
+    return SegmentCost(fwd_peak, hold, bwd_peak, flops, "C", cost)
+
+
+def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
+                    model: CostModel) -> SegmentCost:
+    """A selective block, measured between checkpointed neighbours; after a kept block
+    we add the difference that neighbour makes to the same block fully checkpointed."""
+    block = tape.blocks[i]
+    name = save_set_name(save)
+    internal_assert(name in block.selective, f"no selective profile {name!r} for {block.name}")
+    sel = block.selective[name]
+    fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes
+    bwd_peak = sel.bwd.peak_bytes
+    if i > 0 and prev != "C":
+        f_here, f_ref = _fwd(tape, i, prev + "C"), _fwd(tape, i, "CC")
+        b_here, b_ref = _bwd(tape, i, prev + "C"), _bwd(tape, i, "CC")
+        fwd_peak += f_here.peak_bytes - f_ref.peak_bytes
+        hold += f_here.delta_bytes - f_ref.delta_bytes
+        bwd_peak += b_here.peak_bytes - b_ref.peak_bytes
+    cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=save)
+    return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, "C", cost)
+
+
+def selective_options(tape: Tape) -> list[list[Option]]:
+    """Per block, the selective options its tape measured."""
+    return [[("selective", tuple(name.split("+"))) for name in sorted(b.selective)]
+            for b in tape.blocks]
 
 
 def plan_costs(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> list[SegmentCost]:
@@ -167,7 +205,7 @@ def predict_peak(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> int
 @dataclass(frozen=True)
 class ChainSolution:
     segments: tuple[tuple[int, int, Option], ...]  # (start, stop, option)
-    cost_flops: int
+    cost: int  # the planner's objective (FLOP-equivalents, see costs.py)
     peak_bytes: int
 
 
@@ -185,7 +223,7 @@ def _allowed_stops(tape: Tape, max_len: int | None) -> list[list[int]]:
     return out
 
 
-ExtraOptions = Sequence[Sequence[tuple[Option, Callable[[str], SegmentCost]]]]
+ExtraOptions = Sequence[Sequence[Option]]
 
 
 def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
@@ -197,8 +235,8 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         objective: ``"cost"`` (least recompute FLOPs under the budget) or ``"peak"``
             (the smallest predicted peak, ignoring cost; used to report the least
             feasible budget).
-        options: per block, extra single-block options, each with a function from the
-            previous block's mode to its cost (selective save-sets).
+        options: per block, extra single-block options (selective save-sets, see
+            ``selective_options``).
         max_segment: cap on blocks per multi-block segment (None = no cap).
     """
     n = len(tape.blocks)
@@ -214,7 +252,8 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             here += [(stop, RECOMPUTE, segment_cost(tape, i, stop, RECOMPUTE, prev))
                      for stop in stops[i]]
             if options is not None:
-                here += [(i + 1, opt, cost_of(prev)) for opt, cost_of in options[i]]
+                here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
+                         for opt in options[i]]
             by_prev[prev] = here
         moves.append(by_prev)
 
@@ -246,7 +285,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
                     continue
                 rows = np.nonzero(ok)[0]
                 incoming.setdefault((stop, c.mode), []).append({
-                    "F": cur["F"][rows] + c.hold, "cost": cur["cost"][rows] + c.flops,
+                    "F": cur["F"][rows] + c.hold, "cost": cur["cost"][rows] + c.rank_cost,
                     "peak": peak[rows], "prev": rows, "move": np.full(len(rows), m),
                     "from": np.full(len(rows), i), "from_mode": np.full(len(rows), ord(prev)),
                 })
