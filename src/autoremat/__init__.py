@@ -15,6 +15,7 @@ Example:
 from . import zoo
 from .apply import ShapeMismatchWarning, applied_plan, apply, auto, remove
 from .errors import BlockError, BudgetError, PlanMismatchError, RematError, SchemaError
+from .estimate import Estimate, estimate
 from .memory import MemoryTracker, track_memory
 from .plan import BlockDecision, Plan, plan
 from .profile import profile
@@ -28,6 +29,7 @@ __all__ = [
     "BlockError",
     "BlockProfile",
     "BudgetError",
+    "Estimate",
     "MemoryTracker",
     "Plan",
     "PlanMismatchError",
@@ -40,6 +42,7 @@ __all__ = [
     "applied_plan",
     "apply",
     "auto",
+    "estimate",
     "plan",
     "profile",
     "remove",

@@ -32,6 +32,7 @@ class _Applied:
     runners: list[SegmentRunner] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
+    config_restore: Any = None  # a Hugging Face config whose use_cache we turned off
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
@@ -73,6 +74,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             raise RematError(f"module {name!r} is already checkpointed by autoremat outside "
                              f"this plan; remove that wrapper first")
     state = _Applied(plan)
+    config = getattr(model, "config", None)
+    if plan.recompute_blocks and getattr(config, "use_cache", False):
+        warnings.warn("autoremat: config.use_cache=True is incompatible with recomputation "
+                      "(each recompute appends to the KV cache); setting use_cache=False "
+                      "until autoremat.remove(model)", UserWarning, stacklevel=2)
+        config.use_cache = False  # type: ignore[union-attr]
+        state.config_restore = config
     try:
         for start, stop, decision in plan.segments:
             blocks = [modules[b.name] for b in plan.blocks[start:stop]]
@@ -124,6 +132,8 @@ def _close_segments(state: _Applied) -> Any:
 
 
 def _undo(state: _Applied) -> None:
+    if state.config_restore is not None:
+        state.config_restore.use_cache = True
     for handle in state.handles:
         handle.remove()
     for runner in state.runners:

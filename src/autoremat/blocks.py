@@ -64,7 +64,7 @@ def discover_blocks(model: nn.Module) -> list[str]:
     prefix = f"{root}." if root else ""
     names: list[str] = []
     for child_name, child in container.named_children():
-        if isinstance(child, _CONTAINERS) and len(child) > 0:
+        if isinstance(child, _CONTAINERS) and len(child) > 1 and _repeated_score(child)[0] >= 0:
             names.extend(f"{prefix}{child_name}.{n}" for n, _ in child.named_children())
         else:
             names.append(f"{prefix}{child_name}")
@@ -84,7 +84,7 @@ def resolve_blocks(model: nn.Module, blocks: BlockSpec) -> list[str]:
     elif callable(blocks):
         names = []
         for name, module in model.named_modules():
-            if any(name.startswith(f"{outer}.") for outer in names):
+            if any(outer == "" or name.startswith(f"{outer}.") for outer in names):
                 continue  # inside a block already chosen: keep the outermost
             if blocks(name, module):
                 names.append(name)

@@ -228,6 +228,10 @@ def track_memory() -> Iterator[MemoryTracker]:
         >>> mem.peak_bytes > 0
         True
     """
+    # The first dispatch mode of a process imports torch._dynamo lazily; that import keeps
+    # caller frames (and their tensors) alive in a reference cycle. Import it first.
+    import torch._dynamo  # noqa: F401
+
     tracker = MemoryTracker()
     mode = _StorageAccountant(tracker)
     try:
@@ -254,15 +258,33 @@ def _status() -> dict[str, int]:
 def reset_os_peak() -> int:
     """Reset the process's resident high-water mark (Linux) and return the RSS now.
 
-    Writes ``5`` to ``/proc/self/clear_refs``. Start the process with
+    Collects garbage, returns freed heap to the OS (``malloc_trim``), then writes ``5`` to
+    ``/proc/self/clear_refs``. Start the process with
     ``MALLOC_MMAP_THRESHOLD_=65536`` or glibc keeps freed blocks resident and the
     figure stops tracking tensor memory.
     """
+    _malloc_trim()
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError as exc:
         raise RematError(f"cannot reset the OS high-water mark: {exc}") from exc
     return _status()["VmRSS"]
+
+
+def _malloc_trim() -> None:
+    """Return freed heap memory to the OS (glibc), so that RSS reflects live memory."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def os_peak_bytes(since_rss: int) -> int:

@@ -64,6 +64,11 @@ class Plan:
         return self.predicted_recompute_flops / self.step_flops if self.step_flops else 0.0
 
     @property
+    def recompute_blocks(self) -> int:
+        """How many blocks recompute anything in backward."""
+        return sum(b.decision != "keep" for b in self.blocks)
+
+    @property
     def segments(self) -> list[tuple[int, int, str]]:
         """``(start, stop, decision)`` runs of blocks that share a segment."""
         out: list[tuple[int, int, str]] = []

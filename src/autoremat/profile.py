@@ -38,7 +38,14 @@ from .errors import BlockError, RematError
 from .memory import MemoryTracker, track_memory
 from .ops import OpRecorder, OpStats, op_kind
 from .selective import save_set_name, save_sets, selective_context
-from .step import LossFn, describe_inputs, preserved_state, run_step, unique_storage_bytes
+from .step import (
+    LossFn,
+    describe_inputs,
+    preserved_state,
+    run_step,
+    training_config,
+    unique_storage_bytes,
+)
 from .tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
 from .wrap import checkpointed
 
@@ -289,7 +296,7 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
 
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
-            with_selective: bool = True) -> Tape:
+            with_selective: bool = True, timing: bool = True) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -302,6 +309,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         repeats: uninstrumented steps timed (medians are reported).
         with_selective: also measure selective-recompute options (one more memory step
             per distinct save-set), so that plans can use them.
+        timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
+            all times as 0.0 and says so in ``tape.notes``.
 
     Returns:
         A frozen :class:`~autoremat.tape.Tape`. The model's buffers, gradients and the
@@ -326,7 +335,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
                          f"blocks=[...] with the names of the layers to plan over")
-    with preserved_state(model):
+    with preserved_state(model), training_config(model) as cache_notes:
         _run_marked(model, inputs, loss_fn, names, lambda label: None)  # warm-up
         for p in model.parameters():
             p.grad = None
@@ -352,10 +361,17 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         op_stats = [counter.block_stats(name) for name in names]
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats) \
             if with_selective else [{} for _ in names]
-        fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats)
+        params = list(model.parameters())
+        on_meta = any(p.device.type == "meta" for p in params)
+        notes: list[str] = []
+        if timing and not on_meta:
+            fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats)
+        else:
+            fwd_ms, bwd_ms, step_ms = [0.0] * n, [0.0] * n, 0.0
+            notes.append("times not measured (" + ("meta tensors" if on_meta else
+                                                   "timing=False") + ")")
 
     saved = _saved_by_block(plain)
-    params = list(model.parameters())
     block_list = []
     for i, name in enumerate(names):
         module = model.get_submodule(name)
@@ -386,5 +402,5 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         pre=plain.pre, post={m: runs[m].post for m in "KC"},
         tail={m: runs[m].tail for m in "KC"},
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
-        step_ms=step_ms,
+        step_ms=step_ms, notes=tuple(notes + cache_notes),
     )

@@ -22,6 +22,7 @@ __all__ = [
     "describe_inputs",
     "preserved_state",
     "run_step",
+    "training_config",
     "unique_storage_bytes",
 ]
 
@@ -92,6 +93,28 @@ def unique_storage_bytes(tensors: Any) -> int:
             st = t.untyped_storage()
             seen[st._cdata] = st.nbytes()
     return sum(seen.values())
+
+
+@contextmanager
+def training_config(model: nn.Module) -> Iterator[list[str]]:
+    """Turn off a Hugging Face KV cache while training (restored on exit).
+
+    With ``config.use_cache`` on, every layer appends to the cache in forward, and a
+    recompute appends again: wrong memory and a broken recompute. Hugging Face turns it
+    off when gradient checkpointing is enabled; we do the same, and say so.
+    """
+    config = getattr(model, "config", None)
+    notes: list[str] = []
+    if model.training and getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        notes.append("config.use_cache was turned off while training (a KV cache is "
+                     "useless in training and breaks recomputation)")
+        try:
+            yield notes
+        finally:
+            config.use_cache = True  # type: ignore[union-attr]
+        return
+    yield notes
 
 
 @contextmanager

@@ -207,6 +207,13 @@ def build_dataclass(cls: type, data: Any, where: str) -> Any:
 def _check_types(obj: Any, where: str) -> None:
     for f in fields(obj):
         value = getattr(obj, f.name)
+        if str(f.type) == "dict[str, int]":
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                    for k, v in value.items()):
+                raise SchemaError(f"{where}.{f.name} must be an object of integers, "
+                                  f"got {value!r}")
+            continue
         expected = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(str(f.type))
         if expected is not None and (not isinstance(value, expected) or
                                      (expected is int and isinstance(value, bool))):
@@ -259,7 +266,10 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
         blocks.append(block)
     data = dict(data)
     data["blocks"] = tuple(blocks)
-    data["notes"] = tuple(data.get("notes", ()))
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise SchemaError(f"tape.notes must be a list of strings, got {notes!r}")
+    data["notes"] = tuple(notes)
     data["pre"] = _window(data.get("pre"), "tape.pre")
     for key in ("post", "tail"):
         data[key] = _windows(data.get(key), f"tape.{key}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from .errors import RematError
 from .flops import FlopCounter
 from .memory import track_memory
 from .plan import Plan
-from .step import LossFn, preserved_state, run_step
+from .step import LossFn, preserved_state, run_step, training_config
 from .tables import render_table
 from .units import format_bytes
 
@@ -138,8 +138,10 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
     if repeats < 1:
         raise RematError(f"repeats must be at least 1, got {repeats}")
     rng = torch.get_rng_state()
+    stack = ExitStack()
+    remove(model)
     try:
-        remove(model)
+        stack.enter_context(training_config(model))  # both steps without a KV cache
         plain = measure_step(model, inputs, loss_fn, rng)
         apply(model, plan)
         planned = measure_step(model, inputs, loss_fn, rng)
@@ -154,6 +156,7 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
                 planned_ms.append(t_planned)
     finally:
         remove(model)
+        stack.close()
         if before is not None:
             apply(model, before)
         torch.set_rng_state(rng)

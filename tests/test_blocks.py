@@ -1,0 +1,155 @@
+"""Tests for autoremat.blocks: finding the chain of repeated blocks to plan over."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from autoremat import zoo
+from autoremat.blocks import discover_blocks, resolve_blocks
+from autoremat.errors import BlockError
+
+
+class Layer(nn.Module):
+    """A repeated layer with a nested submodule, so "inside a block" is testable."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.inner = nn.Sequential(nn.Linear(d, d), nn.ReLU())
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.inner(self.fc(x))
+
+
+class Wrapped(nn.Module):
+    """embed -> encoder.layers (a ModuleList inside a wrapper) -> head."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList([Layer() for _ in range(n)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        x = self.embed(x)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_sequential_children_are_the_blocks() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert discover_blocks(model) == ["0", "1", "2", "3", "4"]
+    assert resolve_blocks(model, None) == ["0", "1", "2", "3", "4"]
+
+
+def test_modulelist_inside_a_wrapper() -> None:
+    model = Wrapped(n=4)
+    assert discover_blocks(model) == [f"encoder.layers.{i}" for i in range(4)]
+
+
+def test_the_container_holding_most_repeated_parameters_wins() -> None:
+    class TwoLists(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small = nn.ModuleList([nn.Linear(2, 2) for _ in range(6)])  # 6 x 6 params
+            self.big = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])  # 2 x 1056
+
+    assert discover_blocks(TwoLists()) == ["big.0", "big.1"]
+
+
+def test_nested_cnn_stages_are_flattened_in_order() -> None:
+    def stage(n: int) -> nn.Sequential:
+        return nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(n)])
+
+    class CNN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 4, 3)
+            self.stages = nn.Sequential(stage(2), stage(3))
+            self.fc = nn.Linear(4, 10)
+
+    assert discover_blocks(CNN()) == [
+        "stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1", "stages.1.2"
+    ]  # fmt: skip
+
+
+def test_zoo_containers_are_found() -> None:
+    gpt, _ = zoo.build("gpt2", n_layer=3, batch_size=1, seq_len=8)
+    assert discover_blocks(gpt) == ["blocks.0", "blocks.1", "blocks.2"]
+    llama, _ = zoo.build("llama", n_layer=2, batch_size=1, seq_len=8)
+    assert discover_blocks(llama) == ["layers.0", "layers.1"]
+    mlp, _ = zoo.build("mlp", widths=(8, 8, 8), batch_size=2)
+    assert discover_blocks(mlp) == ["blocks.0", "blocks.1", "blocks.2"]
+    resnet, _ = zoo.build("resnet", stage_channels=(4, 8), stem_channels=4, batch_size=1)
+    assert discover_blocks(resnet) == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1"]
+
+
+def test_modulelist_of_sequential_layers_keeps_the_layers() -> None:
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)]
+            )
+
+    assert discover_blocks(Mixer()) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_model_without_a_chain_is_its_own_block() -> None:
+    assert discover_blocks(nn.Linear(3, 3)) == [""]
+
+
+def test_explicit_names_are_kept_in_the_given_order() -> None:
+    model = Wrapped(n=3)
+    assert resolve_blocks(model, ["encoder.layers.0", "encoder.layers.2"]) == [
+        "encoder.layers.0",
+        "encoder.layers.2",
+    ]
+    assert resolve_blocks(model, ("embed", "head")) == ["embed", "head"]
+
+
+def test_predicate_selects_the_outermost_matches_only() -> None:
+    model = Wrapped(n=3)
+    # matches every layer and everything inside it (fc, inner, inner.0, ...)
+    names = resolve_blocks(model, lambda name, _: name.startswith("encoder.layers."))
+    assert names == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    by_type = resolve_blocks(model, lambda _, module: isinstance(module, nn.Linear))
+    assert by_type == ["embed"] + [f"encoder.layers.{i}.{s}" for i in range(3)
+                                   for s in ("fc", "inner.0")] + ["head"]
+
+
+def test_predicate_matching_the_root_does_not_return_nested_blocks() -> None:
+    assert resolve_blocks(Wrapped(n=2), lambda name, _: True) == [""]
+
+
+def test_predicate_matching_nothing_is_an_error() -> None:
+    with pytest.raises(BlockError, match="matched no module"):
+        resolve_blocks(Wrapped(), lambda name, _: name == "decoder")
+
+
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        (["encoder.layers.0", "encoder.layers.0.fc"], "is inside block 'encoder.layers.0'"),
+        (["encoder.layers.1.inner", "encoder.layers.1"], "is inside block 'encoder.layers.1'"),
+        (["", "head"], "is inside block ''"),
+        (["head", "head"], "lists a module twice"),
+        (["encoder.layer.0"], "Did you mean 'encoder.layers.0'?"),
+        (["decoder"], "no submodule named 'decoder' in Wrapped"),
+        ([], "no blocks to plan over"),
+    ],
+)
+def test_bad_names_are_rejected(blocks: list[str], message: str) -> None:
+    with pytest.raises(BlockError) as info:
+        resolve_blocks(Wrapped(), blocks)
+    assert message in str(info.value)
+
+
+def test_a_string_instead_of_a_list_is_rejected_with_the_fix() -> None:
+    with pytest.raises(BlockError) as info:
+        resolve_blocks(Wrapped(), "encoder.layers.0")  # type: ignore[arg-type]
+    assert "not the string 'encoder.layers.0'" in str(info.value)
+    assert "blocks=['encoder.layers.0']" in str(info.value)

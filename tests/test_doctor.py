@@ -1,0 +1,270 @@
+"""Tests for autoremat.doctor: config parsing, Transformers builders, prescriptions, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autoremat import zoo
+from autoremat.doctor import (
+    HF_FAMILIES,
+    build_hf_model,
+    doctor,
+    doctor_main,
+    parse_config,
+)
+from autoremat.errors import RematError
+from autoremat.estimate import estimate, measure_step
+
+transformers = pytest.importorskip("transformers")
+
+_TINY_LLAMA = "num_hidden_layers=2,hidden_size=64,intermediate_size=176,num_attention_heads=4," \
+              "num_key_value_heads=2,vocab_size=512"
+
+
+def tiny_factory(batch_size: int = 4, width: int = 32) -> tuple[nn.Module, Any]:
+    """A ``module:factory`` target for the CLI test (built under torch.device("meta"))."""
+    model, inputs = zoo.build("mlp", device="meta", widths=(width, width, width),
+                              batch_size=batch_size)
+    return model, inputs
+
+
+# --- parsing and building --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("num_hidden_layers=32,hidden_size=4096", {"num_hidden_layers": 32, "hidden_size": 4096}),
+    ("rope_theta=1e6, tie_word_embeddings=False ,act=silu",
+     {"rope_theta": 1e6, "tie_word_embeddings": False, "act": "silu"}),
+    ("dropout=0.0,sliding_window=null,x=-3", {"dropout": 0.0, "sliding_window": None, "x": -3}),
+    ("", {}), (None, {}), ("a=1,,", {"a": 1}),
+])
+def test_parse_config(text: str | None, expected: dict[str, Any]) -> None:
+    assert parse_config(text) == expected
+
+
+@pytest.mark.parametrize("text", ["hidden_size", "=3", "hidden size=3", "a=1,b"])
+def test_parse_config_errors_show_the_format(text: str) -> None:
+    with pytest.raises(RematError, match="key=value pairs"):
+        parse_config(text)
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_build_hf_model_on_meta_for_every_family(family: str) -> None:
+    small = {
+        "llama": _TINY_LLAMA, "mistral": _TINY_LLAMA, "qwen2": _TINY_LLAMA,
+        "gpt2": "n_layer=2,n_embd=64,n_head=4,vocab_size=512",
+        "bert": "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,"
+                "intermediate_size=128,vocab_size=512",
+    }[family]
+    model, inputs = build_hf_model(family, parse_config(small), batch=2, seq=32, dtype="bf16")
+    assert type(model) is getattr(transformers, HF_FAMILIES[family][1])
+    config: Any = model.config
+    assert model.training and not config.use_cache
+    assert config._attn_implementation == "autoremat_sdpa"
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert inputs["input_ids"].shape == inputs["labels"].shape == (2, 32)
+    peak = measure_step(model, inputs, device="cuda")  # it runs on meta, forward and backward
+    assert peak.peak_bytes > 0
+
+
+@pytest.mark.parametrize(("family", "config", "seq", "message"), [
+    ("lama", {}, 8, "Did you mean 'llama'?"),
+    ("t5", {}, 8, "Available: llama, mistral, qwen2, gpt2, bert"),
+    ("llama", {"num_layers": 2}, 8, "no field 'num_layers'. Did you mean 'num_hidden_layers'?"),
+    ("gpt2", {"n_layer": 1}, 2048, "add n_positions=2048 to the config"),
+    ("bert", {"num_hidden_layers": 1}, 1024, "add max_position_embeddings=1024"),
+    ("llama", {"num_hidden_layers": 1}, 0, "batch and seq must be at least 1"),
+])
+def test_build_hf_model_errors(family: str, config: dict[str, Any], seq: int,
+                               message: str) -> None:
+    with pytest.raises(RematError, match=message.replace("?", r"\?").replace(".", r"\.")):
+        build_hf_model(family, config, batch=1, seq=seq)
+
+
+def test_rotary_families_take_any_sequence_length() -> None:
+    _, inputs = build_hf_model("llama", parse_config(_TINY_LLAMA), batch=1, seq=8192)
+    assert inputs["input_ids"].shape == (1, 8192)
+
+
+# --- prescriptions ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[nn.Module, Any, Any]:
+    """A small GPT-2 on meta at batch 4, and its estimate for cuda with AdamW."""
+    model, inputs = zoo.build("gpt2", device="meta", n_layer=4, batch_size=4, seq_len=128)
+    return model, inputs, estimate(model, inputs, optimizer="adamw", selective=False)
+
+
+def test_fits_as_is(gpt2: tuple[nn.Module, Any, Any]) -> None:
+    model, inputs, est = gpt2
+    p = doctor(model, inputs, memory=est.total_peak_bytes)
+    assert p.fits_as_is and p.fits and not p.remedies
+    assert p.estimate.total_peak_bytes == est.total_peak_bytes
+    assert "FITS" in str(p) and "without checkpointing" in str(p)
+
+
+def test_fits_with_the_cheapest_plan(gpt2: tuple[nn.Module, Any, Any]) -> None:
+    model, inputs, est = gpt2
+    assert est.ckpt_total_peak_bytes < est.total_peak_bytes
+    memory = (est.ckpt_total_peak_bytes + est.total_peak_bytes) // 2
+    p = doctor(model, inputs, memory=memory)
+    assert p.fits and not p.fits_as_is
+    assert p.plan_source == "planner"
+    assert p.plan_total_peak_bytes is not None and p.plan_total_peak_bytes <= memory
+    # the cheapest plan recomputes no more than checkpointing every block
+    assert p.plan_recompute_overhead is not None
+    assert 0 < p.plan_recompute_overhead <= est.ckpt_recompute_overhead
+    assert "with checkpointing (planner)" in p.verdict
+
+
+def test_does_not_fit_prescribes_remedies_with_their_effect(
+        gpt2: tuple[nn.Module, Any, Any]) -> None:
+    model, inputs, est = gpt2
+    memory = est.resting_bytes + est.grad_bytes // 2  # below even full checkpointing
+    p = doctor(model, inputs, memory=memory)
+    assert not p.fits and p.remedies
+    by_name = {r.name: r for r in p.remedies}
+    assert set(by_name) >= {"fused-optimizer", "micro-batch", "zero-1", "zero-2", "fsdp"}
+
+    # a fused optimizer drops the foreach temporaries of step()
+    fused = by_name["fused-optimizer"]
+    assert fused.total_peak_bytes == est.resting_bytes + max(
+        est.ckpt_step_peak_bytes, est.grad_bytes)
+
+    # micro-batches are re-measured, not scaled
+    micro = by_name["micro-batch"]
+    batch = int(micro.action.split()[1])
+    small = {k: torch.empty_like(v[:batch]) for k, v in inputs.items()}
+    step = measure_step(model, small, checkpoint_all=micro.checkpointing != "none")
+    small_inputs = sum(v.numel() * v.element_size() for v in small.values())
+    expected = (est.resting_bytes - est.input_bytes + small_inputs
+                + max(step.peak_bytes, est.grad_bytes + est.optimizer_step_bytes))
+    assert micro.total_peak_bytes == expected
+    assert f"{math.ceil(4 / batch)} gradient-accumulation steps" in micro.action
+
+    # ZeRO-1 over N ranks divides the optimizer state and its step by N
+    zero1 = by_name["zero-1"]
+    n = int(zero1.action.split(" over ")[1].split()[0]) if zero1.fits else 1024
+    step_peak = est.step_peak_bytes if zero1.checkpointing == "none" else est.ckpt_step_peak_bytes
+    assert zero1.total_peak_bytes == (
+        est.param_bytes + est.buffer_bytes + est.input_bytes + est.optimizer_bytes // n
+        + max(step_peak, est.grad_bytes + est.optimizer_step_bytes // n))
+    text = str(p)
+    assert "DOES NOT FIT" in text and "Remedies" in text
+
+
+def test_when_nothing_alone_is_enough_all_remedies_are_combined(
+        gpt2: tuple[nn.Module, Any, Any]) -> None:
+    model, inputs, est = gpt2
+    p = doctor(model, inputs, memory=est.param_bytes // 100)  # hopeless on one device
+    assert not any(r.fits for r in p.remedies)
+    combined = p.remedies[-1]
+    assert combined.name == "combined" and "micro-batch 1 x 4" in combined.action
+    assert combined.total_peak_bytes < min(r.total_peak_bytes for r in p.remedies[:-1])
+
+
+def test_chunked_loss_is_offered_when_the_logits_make_the_peak() -> None:
+    model, inputs = zoo.build("gpt2", device="meta", n_layer=2, vocab_size=32768,
+                              batch_size=4, seq_len=256)
+    est = estimate(model, inputs, optimizer="sgd", selective=False)
+    p = doctor(model, inputs, memory=est.resting_bytes + est.ckpt_step_peak_bytes // 2,
+               optimizer="sgd")
+    chunked = next(r for r in p.remedies if r.name == "chunked-loss")
+    step = est.head_chunked_step_peak_bytes if chunked.checkpointing == "none" else \
+        est.ckpt_head_chunked_step_peak_bytes
+    assert step is not None and chunked.total_peak_bytes == est.total_for(step)
+    assert chunked.fits and chunked.total_peak_bytes < est.ckpt_total_peak_bytes
+
+
+def test_plot_is_a_png(tmp_path: Any, gpt2: tuple[nn.Module, Any, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    model, inputs, _ = gpt2
+    path = tmp_path / "memory.png"
+    p = doctor(model, inputs, memory="1GiB", plot_path=path)
+    assert p.plot_path == str(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [f.name for f in tmp_path.iterdir()] == ["memory.png"]
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "name what to examine"),
+    (["--hf", "lama"], "Did you mean 'llama'?"),
+    (["gtp2"], "unknown zoo model 'gtp2'. Did you mean 'gpt2'?"),
+    (["mlp", "--hf", "llama"], "not both"),
+    (["--hf", "llama", "--config", "num_layers=2"], "Did you mean 'num_hidden_layers'?"),
+    (["--hf", "gpt2", "--seq", "4096"], "add n_positions=4096"),
+    (["--hf", "llama", "--config", "layers"], "cannot read config item 'layers'"),
+    (["mlp", "--optimizer", "adamww"], "Did you mean 'adamw'?"),
+    (["mlp", "--memory", "8 parsecs"], "cannot read memory '8 parsecs'"),
+    (["mlp", "--dtype", "bf61"], "Did you mean 'bf16'?"),
+    (["no_such_module:f"], "cannot load factory 'no_such_module:f'"),
+    (["mlp", "--config", "depth=3"], "mlp: unknown option 'depth'"),
+])
+def test_cli_errors_name_the_problem(argv: list[str], message: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert doctor_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoremat doctor: error: ") and message in err
+
+
+def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--hf", "llama", "--config", _TINY_LLAMA, "--batch", "2", "--seq", "64",
+            "--dtype", "bf16", "--optimizer", "adamw", "--json"]
+    assert doctor_main([*argv, "--memory", "1GiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["schema_version"] == 1 and data["fits_as_is"]
+    est = data["estimate"]
+    assert est["optimizer_bytes"] == 2 * est["trainable_param_bytes"]
+    assert est["dtype"] == "bfloat16" and est["device"] == "cuda"
+    assert doctor_main([*argv, "--memory", "100KiB"]) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+
+
+def test_cli_factory_target_gets_config_and_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = doctor_main([f"{__name__}:tiny_factory", "--config", "width=48", "--batch", "3",
+                      "--optimizer", "none", "--device", "cpu", "--memory", "1GiB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Estimate for MLPChain on cpu" in out and "(3, 256) float32" in out
+    assert "0 B  (0 B)  none" in out
+
+
+def test_cli_zoo_target(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = doctor_main(["mlp", "--batch", "8", "--optimizer", "sgd-momentum", "--memory", "1GiB"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Estimate for MLPChain on cuda; batch (8, 256) float32" in out
+    assert "sgd-momentum" in out and "FITS in 1.00 GiB" in out
+
+
+@pytest.mark.slow
+def test_llama_7b_shape_exact_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    rc = doctor_main(["--hf", "llama", "--config",
+                      "num_hidden_layers=32,hidden_size=4096,intermediate_size=11008,"
+                      "num_attention_heads=32,vocab_size=32000",
+                      "--batch", "1", "--seq", "4096", "--dtype", "bf16",
+                      "--optimizer", "adamw", "--memory", "80GiB", "--json"])
+    seconds = time.perf_counter() - start
+    data = json.loads(capsys.readouterr().out)
+    est = data["estimate"]
+    n = 6_738_415_616  # Llama-2-7B
+    assert est["param_count"] == n
+    assert est["param_bytes"] == est["trainable_param_bytes"] == 2 * n == 13_476_831_232
+    assert est["grad_bytes"] == 2 * n
+    assert est["optimizer_bytes"] == 4 * n == 26_953_662_464  # AdamW: 2 bf16 states
+    assert rc == 0 and data["fits"]
+    with capsys.disabled():
+        print(f"\nLlama-7B doctor: {seconds:.1f} s, step peak "
+              f"{est['step_peak_bytes'] / 2**30:.2f} GiB, "
+              f"total {est['total_peak_bytes'] / 2**30:.2f} GiB")

@@ -1,0 +1,329 @@
+"""Tests for autoremat.memory: storage-level step-memory accounting.
+
+The synthetic steps below are small enough that their peak can be derived by hand from
+what autograd saves and what backward allocates; each test spells the arithmetic out.
+The last test cross-checks the accounting against the operating system's high-water mark
+on the zoo models (in a subprocess, see ``_os_peak_probe.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from autoremat import zoo
+from autoremat.memory import MemoryTracker, track_memory
+from autoremat.step import run_step
+
+F32 = 4  # bytes per float32 element
+B, D, K = 64, 16, 3  # batch, width, number of Linear+ReLU layers in the chain
+S = B * D * F32  # one (B, D) activation: 4096 bytes
+P = D * D * F32  # one (D, D) weight or its gradient: 1024 bytes
+SCALAR = F32  # a 0-d float32 tensor (the loss, and the ones_like gradient backward seeds)
+
+# the zoo at sizes where one step takes milliseconds
+SMALL = {
+    "gpt2": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
+    "llama": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
+    "mlp": {"widths": (64, 128, 32, 96), "batch_size": 16},
+    "resnet": {"stage_channels": (8, 16), "stem_channels": 8, "batch_size": 4, "image_size": 16},
+}
+
+
+# --- the two synthetic steps --------------------------------------------------------
+
+
+def _chain_inputs(device: str) -> tuple[list[nn.Linear], torch.Tensor]:
+    torch.manual_seed(0)
+    layers = [nn.Linear(D, D, bias=False, device=device) for _ in range(K)]
+    x = torch.randn(B, D, device=device)  # (B, D), does not require grad
+    return layers, x
+
+
+def _chain_step(layers: list[nn.Linear], x: torch.Tensor) -> None:
+    """``relu(W_K ... relu(W_1 x))``, summed, backward. No Python name holds an activation,
+    so each is freed as soon as autograd is done with it."""
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            h = torch.relu(layer(h))  # aten.t (a view of W) + aten.mm, then aten.relu
+        return h
+
+    forward(x).sum().backward()
+
+
+# NOTE [ The chain's peak by hand ]
+#     Forward, layer i: ``mm`` makes h_i (+S); ``relu`` makes a_i (+S); nobody saved h_i
+#     (mm saves its *inputs* a_{i-1} and W_i.t(), relu saves its *output* a_i), so h_i
+#     is freed (-S). ``W_i.t()`` is a view of a parameter: not an allocation. After the
+#     forward a_1..a_K are alive (K*S); sum() makes the loss and backward() seeds it with
+#     ones_like: K*S + 8.
+#     Backward, layer K: threshold_backward makes g_h_K (+S) and releases a_K (-S). Then
+#     MmBackward_K makes W_K.grad (+P, kept: it is stolen by AccumulateGrad because
+#     mm's mat2 backward returns it column-major, which is W's layout after .t()) and
+#     the gradient of a_{K-1} (+S). Alive now: a_1..a_{K-1}, g_h_K, g_a_{K-1}, one
+#     weight gradient and the two scalars:
+#         (K - 1)*S + S + S + P + 8 = (K + 1)*S + P + 8.
+#     Each later layer i repeats the pattern with one activation fewer and one weight
+#     gradient more, i.e. a change of P - S < 0 (S = 4 P here), and layer 1 computes no
+#     input gradient at all (x does not require grad). So the first peak is that moment:
+CHAIN_PEAK = (K + 1) * S + P + 2 * SCALAR  # 4*4096 + 1024 + 8 = 17416 bytes
+#     Its breakdown: activations a_1..a_{K-1} plus the two scalars (created outside
+#     autograd's engine); gradients W_K.grad (alive at exit); temporaries g_h_K, g_a_{K-1}.
+CHAIN_BREAKDOWN = {"activations": (K - 1) * S + 2 * SCALAR, "gradients": P, "temporaries": 2 * S}
+CHAIN_LEFT = K * P  # the weight gradients are all that is left after the step
+
+
+def _view_inputs(device: str) -> tuple[nn.Parameter, torch.Tensor]:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(D, D, device=device))  # (D, D)
+    x = torch.randn(B, D, device=device)  # (B, D)
+    return w, x
+
+
+def _view_step(w: nn.Parameter, x: torch.Tensor) -> None:
+    y = torch.mm(x, w.t())  # w.t() is a view of the parameter: 0; y: +S
+    y.relu_()  # in place: no new storage (relu_ saves its result, i.e. y itself)
+    half = y[:, : D // 2]  # slicing: a view of y, 0
+    half.sum().backward()
+
+
+# NOTE [ The view step's peak by hand ]
+#     Forward: y = S; the loss and the ones_like seed: +8.
+#     Backward: SliceBackward scatters the (B, D/2) gradient into a zero-filled (B, D)
+#     tensor (slice_backward, +S); ReluBackward makes the gradient of y before relu_
+#     (threshold_backward, +S). Alive at that moment: y, both gradients, the scalars:
+VIEW_PEAK = 3 * S + 2 * SCALAR  # 3*4096 + 8 = 12296 bytes
+#     after which the slice gradient is freed and MmBackward makes w.grad (+P < S).
+VIEW_LEFT = P  # w.grad
+
+
+def _run_on(device: str, make: Callable[[str], tuple], step: Callable[..., None]) -> MemoryTracker:
+    """Build the step's tensors on ``device`` ("fake": CPU tensors under FakeTensorMode) and
+    track one call of it."""
+    if device == "fake":
+        with FakeTensorMode():
+            args = make("cpu")
+            assert isinstance(args[1], torch._subclasses.fake_tensor.FakeTensor)
+            with track_memory() as mem:
+                step(*args)
+        return mem
+    args = make(device)
+    with track_memory() as mem:
+        step(*args)
+    return mem
+
+
+# --- hand-computed peaks ------------------------------------------------------------
+
+
+def test_linear_relu_chain_peak_is_exact() -> None:
+    mem = _run_on("cpu", _chain_inputs, _chain_step)
+    assert mem.peak_bytes == CHAIN_PEAK == 17416
+    assert mem.breakdown == CHAIN_BREAKDOWN
+    assert mem.current_bytes == CHAIN_LEFT
+    # the forward alone: K activations plus one transient h_i before it is freed
+    fwd_end = mem.ops.index("aten.sum.default")
+    assert mem.window_peak(0, fwd_end - 1) == (K + 1) * S
+    assert mem.levels[fwd_end - 1] == K * S
+
+
+def test_views_slices_and_in_place_ops_peak_is_exact() -> None:
+    mem = _run_on("cpu", _view_inputs, _view_step)
+    assert mem.peak_bytes == VIEW_PEAK == 12296
+    assert mem.current_bytes == VIEW_LEFT
+    # every record is a real allocation: no t(), slice or relu_ was counted
+    assert [r.op for r in mem.records] == [
+        "aten.mm.default",  # y
+        "aten.sum.default",  # loss
+        "aten.ones_like.default",  # backward's seed
+        "aten.slice_backward.default",
+        "aten.threshold_backward.default",
+        "aten.mm.default",  # w.grad
+    ]
+    assert [r.nbytes for r in mem.records] == [S, SCALAR, SCALAR, S, S, P]
+    assert [r.backward for r in mem.records] == [False, False, False, True, True, True]
+
+
+@pytest.mark.parametrize("device", ["meta", "fake"])
+@pytest.mark.parametrize(
+    ("make", "step", "peak", "left"),
+    [
+        (_chain_inputs, _chain_step, CHAIN_PEAK, CHAIN_LEFT),
+        (_view_inputs, _view_step, VIEW_PEAK, VIEW_LEFT),
+    ],
+    ids=["chain", "views"],
+)
+def test_meta_and_fake_tensors_give_the_cpu_figure(
+    device: str, make: Callable[[str], tuple], step: Callable[..., None], peak: int, left: int
+) -> None:
+    cpu = _run_on("cpu", make, step)
+    other = _run_on(device, make, step)
+    assert other.peak_bytes == cpu.peak_bytes == peak
+    assert other.current_bytes == cpu.current_bytes == left
+    assert other.levels == cpu.levels
+    assert other.breakdown == cpu.breakdown
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_zoo_step_on_meta_gives_the_cpu_figure(name: str) -> None:
+    peaks = []
+    for device in ("cpu", "meta"):
+        model, inputs = zoo.build(name, device=device, **SMALL[name])
+        with track_memory() as mem:
+            run_step(model, inputs, None)
+        assert sum(mem.breakdown.values()) == mem.peak_bytes
+        peaks.append(mem.peak_bytes)
+    assert peaks[0] == peaks[1] > 0
+
+
+# --- what counts and what does not ---------------------------------------------------
+
+
+def test_views_and_in_place_ops_on_a_preexisting_tensor_are_not_counted() -> None:
+    base = torch.randn(64, 64)
+    with track_memory() as mem:
+        views = [
+            base.t(),
+            base[1:, ::2],
+            base.view(-1),
+            base.unsqueeze(0),
+            base.detach(),
+            base.as_strided((8,), (2,)),
+            *base.split(16),
+        ]
+        base.add_(1.0)
+        views[0].mul_(2.0)  # in place through a view
+        base[0].zero_()
+    assert mem.peak_bytes == 0
+    assert mem.records == []
+    assert mem.current_bytes == 0
+    del views
+
+
+def test_a_storage_shared_by_many_views_counts_once() -> None:
+    with track_memory() as mem:
+        buf = torch.empty(1000)  # 4000 bytes
+        parts = buf.split(100)  # 10 views
+        grid = buf.view(10, 100).t()
+        for part in parts:
+            part.fill_(1.0)
+        grid.mul_(3.0)
+        first = buf[:10].clone()  # a real copy: 40 bytes
+    assert [r.nbytes for r in mem.records] == [4000, 40]
+    assert mem.peak_bytes == mem.current_bytes == 4040
+    del buf, parts, grid, first
+
+
+def test_resize_of_a_tracked_storage_is_counted() -> None:
+    with track_memory() as mem:
+        t = torch.empty(10)  # 40 bytes
+        t.resize_(100)  # grows the same storage to 400 bytes
+    assert mem.peak_bytes == mem.current_bytes == 400
+    assert len(mem.records) == 1 and mem.records[0].nbytes == 400
+    del t
+
+
+def test_current_bytes_returns_to_zero_when_everything_is_freed() -> None:
+    layers, x = _chain_inputs("cpu")
+    with track_memory() as mem:
+        _chain_step(layers, x)
+        assert mem.current_bytes == CHAIN_LEFT  # the weight gradients
+        for layer in layers:
+            layer.weight.grad = None
+        scratch = torch.ones(1000)
+        del scratch
+    assert mem.peak_bytes == CHAIN_PEAK
+    assert mem.current_bytes == 0
+    assert mem.levels[-1] == 0
+    assert all(r.died is not None for r in mem.records)
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_breakdown_sums_to_peak_and_timeline_is_consistent(name: str) -> None:
+    model, inputs = zoo.build(name, **SMALL[name])
+    with track_memory() as mem:
+        run_step(model, inputs, None)
+    assert sum(mem.breakdown.values()) == mem.peak_bytes > 0
+    assert max(mem.levels) == mem.peak_bytes == mem.levels[mem.peak_event]
+    assert len(mem.levels) == len(mem.ops)
+    # levels replay exactly from the records
+    replay = [0] * len(mem.levels)
+    for r in mem.records:
+        end = r.died if r.died is not None else len(mem.levels)
+        for k in range(r.born, end):
+            replay[k] += r.nbytes
+    assert replay == mem.levels
+    # what the step leaves behind is exactly the parameters' gradients
+    grads = {p.grad.untyped_storage()._cdata: p.grad.untyped_storage().nbytes()
+             for p in model.parameters() if p.grad is not None}
+    assert mem.current_bytes == sum(grads.values())
+
+
+def test_track_memory_pops_its_mode_when_the_block_raises() -> None:
+    depth = len(_get_current_dispatch_mode_stack())
+    with pytest.raises(RuntimeError, match="boom"), track_memory() as mem:
+        kept = torch.ones(10)  # 40 bytes, tracked
+        assert len(_get_current_dispatch_mode_stack()) == depth + 1
+        raise RuntimeError("boom")
+    assert len(_get_current_dispatch_mode_stack()) == depth
+    events = len(mem.levels)
+    outside = torch.ones(1000)  # after the region: must not be seen
+    del kept  # a free after the region is not logged either
+    assert len(mem.levels) == events
+    assert mem.peak_bytes == 40
+    assert [r.nbytes for r in mem.records] == [40]
+    del outside
+
+
+# --- the operating system's view -----------------------------------------------------
+
+_PROBE = Path(__file__).with_name("_os_peak_probe.py")
+OS_TOLERANCE = 0.03  # |OS - tracked| / tracked
+# NOTE [ oneDNN convolution scratch ]
+#     With oneDNN (mkldnn) convolutions, ``aten.convolution_backward`` allocates about
+#     1 MiB of buffers inside the op, below the dispatcher, where no storage accounting
+#     can see them (memory.py, "Known limitations"). On the resnet at its default size
+#     that puts the OS figure 2.7-3.8% above the tracked one (independent of the thread
+#     count); with oneDNN off the two agree within ~1%, and the tracked figure is the
+#     same byte for byte. So resnet is checked at 3% with oneDNN off, and with oneDNN on
+#     against this stated bound for kernel scratch:
+ONEDNN_SCRATCH_TOLERANCE = 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_tracked_peak_agrees_with_the_os_high_water_mark() -> None:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run(
+        [sys.executable, str(_PROBE)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+
+    print("\nstep peak: storage accounting vs OS VmHWM (MALLOC_MMAP_THRESHOLD_=65536)")
+    print(f"{'model':<16}{'tracked B':>12}{'OS B':>12}{'diff':>9}")
+    for key, r in results.items():
+        diff = (r["os_bytes"] - r["tracked_bytes"]) / r["tracked_bytes"]
+        print(f"{key:<16}{r['tracked_bytes']:>12}{r['os_bytes']:>12}{100 * diff:>8.2f}%")
+
+    assert set(results) == {*zoo.names(), "resnet-no-onednn"}
+    for key, r in results.items():
+        assert r["tracked_bytes"] > 10 * 2**20, key  # default sizes: tens of MiB
+        rel = (r["os_bytes"] - r["tracked_bytes"]) / r["tracked_bytes"]
+        if key == "resnet":
+            assert 0 < rel <= ONEDNN_SCRATCH_TOLERANCE, (key, r)
+        else:
+            assert abs(rel) <= OS_TOLERANCE, (key, r)
+    # the accounting does not depend on the convolution backend
+    assert results["resnet"]["tracked_bytes"] == results["resnet-no-onednn"]["tracked_bytes"]
