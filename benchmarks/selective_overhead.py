@@ -1,0 +1,105 @@
+"""Issue 4's benchmark: selective recompute at "one third of the blocks' activations".
+
+For the GPT-2-style and Llama-style zoo models (dropout on) the budget is
+``unplanned step peak - 2/3 x the blocks' saved bytes``. We plan ``optimal`` at that
+budget, apply it, and measure, in one process with interleaved runs: the step peak
+(track_memory), the step time against no checkpointing (median of interleaved steps),
+and the same for per-block full checkpointing as the reference.
+
+Run:  python benchmarks/selective_overhead.py [--repeats 15] [--set n_embd=384,seq_len=256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import autoremat
+from autoremat.memory import track_memory
+from autoremat.step import preserved_state, run_step
+from autoremat.units import format_bytes
+
+
+def _step_ms(model: torch.nn.Module, inputs: object) -> float:
+    with preserved_state(model):
+        start = time.perf_counter()
+        run_step(model, inputs, None)
+        return (time.perf_counter() - start) * 1e3
+
+
+def _peak(model: torch.nn.Module, inputs: object) -> int:
+    with preserved_state(model), track_memory() as mem:
+        run_step(model, inputs, None)
+    return mem.peak_bytes
+
+
+def bench(name: str, repeats: int, sizes: dict[str, int]) -> list[str]:
+    model, inputs = autoremat.zoo.build(name, **sizes)
+    tape = autoremat.profile(model, inputs)
+    budget = tape.step_peak_bytes - (2 * tape.block_saved_bytes) // 3
+    plans = {
+        "none": autoremat.plan(tape, strategy="none"),
+        "full (per block)": autoremat.plan(tape, strategy="full"),
+        "selective (Megatron)": autoremat.plan(tape, strategy="selective"),
+        "optimal @ budget": autoremat.plan(tape, budget),
+    }
+    peaks, times = {}, {k: [] for k in plans}
+    for label, p in plans.items():
+        autoremat.apply(model, p)
+        peaks[label] = _peak(model, inputs)
+        autoremat.remove(model)
+    for r in range(repeats + 1):  # round-robin; the first round warms up
+        for label, p in plans.items():
+            autoremat.apply(model, p)
+            t = _step_ms(model, inputs)
+            autoremat.remove(model)
+            if r:
+                times[label].append(t)
+    base = statistics.median(times["none"])
+    size_text = ", ".join(f"{k}={v}" for k, v in sizes.items()) or "defaults"
+    lines = [f"### {name} ({size_text}): budget {format_bytes(budget)} "
+             f"(peak {format_bytes(tape.step_peak_bytes)} - 2/3 x blocks' saved "
+             f"{format_bytes(tape.block_saved_bytes)})", "",
+             "| plan | decisions | measured peak | fits | recompute FLOPs | median step | "
+             "time vs none | spread |", "|---|---|---|---|---|---|---|---|"]
+    for label, p in plans.items():
+        med = statistics.median(times[label])
+        spread = (max(times[label]) - min(times[label])) / med
+        decisions = "".join(b.decision[0] for b in p.blocks)
+        lines.append(f"| {label} | `{decisions}` | {format_bytes(peaks[label])} | "
+                     f"{'yes' if peaks[label] <= budget else 'no'} | "
+                     f"{100 * p.recompute_overhead:.1f}% | {med:.1f} ms | "
+                     f"x{med / base:.3f} | {100 * spread:.0f}% |")
+    lines.append("")
+    lines.append("decisions: k = keep, r = recompute, s = selective (one letter per block)")
+    lines.append("")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--set", default="", help="zoo size options, e.g. n_embd=256")
+    parser.add_argument("--out", default="benchmarks/selective_overhead.md")
+    args = parser.parse_args()
+    lines = ["# Selective recompute at one third of the blocks' activations", "",
+             f"Command: `python benchmarks/selective_overhead.py --repeats {args.repeats}"
+             + (f" --set {args.set}" if args.set else "") + "`  ",
+             f"Machine: {platform.processor() or platform.machine()}, "
+             f"{torch.get_num_threads()} threads, torch {torch.__version__}", ""]
+    sizes = {k: int(v) for k, v in (item.split("=") for item in args.set.split(",") if item)}
+    for name in args.models.split(","):
+        lines += bench(name, args.repeats, sizes)
+    text = "\n".join(lines)
+    print(text)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Tests of ``autoremat bench``: a smoke run end to end, and the pieces that decide rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autoremat import zoo
+from autoremat.bench import (
+    AUTO,
+    BLOCK,
+    COMPILE,
+    NONE,
+    SAC,
+    SCHEMA_VERSION,
+    SEQ,
+    BenchRow,
+    _sequential_chain,
+    bench_main,
+    headline,
+)
+from autoremat.blocks import resolve_blocks
+
+# Small enough for a few seconds a step on a busy 2-core machine, large enough that
+# activations dominate the step so that "50%" is a feasible budget.
+_TINY_GPT2 = "n_layer=3,seq_len=64,batch_size=2"
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    status = bench_main(["gpt2", "--quick", "--no-compile", "--repeats", "1",
+                         "--budgets", "50%,min", "--set", _TINY_GPT2, "--out", str(out)])
+    assert status == 0
+    for name in ("results.md", "results.json", "gpt2_pareto.png"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert "autoremat bench gpt2" in data["command"]
+    (model,) = data["models"]
+    rows = [BenchRow(**{**r, "time_ratio_range": None}) for r in model["rows"]]
+    methods = {r.method for r in rows if r.status == "ok"}
+    assert {NONE, AUTO, BLOCK, SAC} <= methods
+    assert COMPILE not in methods
+    assert any(r.method == SEQ and r.status == "n/a" for r in rows)  # a ModuleList loop
+    budgeted = [r for r in rows if r.method == AUTO and r.status == "ok"]
+    assert budgeted, "no autoremat plan ran"
+    for r in rows:
+        if r.status == "ok" and r.method in (AUTO, BLOCK):
+            assert r.grads_equal and r.max_grad_diff == 0.0, r
+        if r.method == AUTO and r.status == "ok":
+            assert r.budget_bytes is not None and r.peak_bytes is not None
+            assert r.peak_bytes <= r.budget_bytes, r
+    # autoremat was also planned at the peak of each eager reference
+    assert any(r.budget == f"peak of {BLOCK}" for r in budgeted)
+    assert model["headline"], "no verdicts"
+    assert "| method |" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["gpt2", "--budgets", ","], "--budgets is empty"),
+    (["gpt2", "--repeats", "0"], "--repeats must be at least 1"),
+    (["gtp2", "--no-compile"], "Did you mean 'gpt2'?"),
+])
+def test_bench_errors(argv: list[str], message: str, tmp_path: Path,
+                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main([*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("mlp", 12),  # model.blocks is an nn.Sequential
+    ("resnet", 6),  # model.stages: a Sequential of Sequentials, flattened
+    ("gpt2", None),  # a ModuleList called in a Python loop
+    ("llama", None),
+])
+def test_sequential_chain(name: str, expected: int | None) -> None:
+    model, _ = zoo.build(name, device="meta")
+    found = _sequential_chain(model, resolve_blocks(model, None))
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and len(found[1]) == expected
+
+
+def _row(method: str, budget: str, peak: int, pct: float, ratio: float = 1.2) -> BenchRow:
+    return BenchRow(method, budget, "ok", peak_bytes=peak, plain_peak_bytes=100,
+                    recompute_pct=pct, time_ratio=ratio,
+                    time_ratio_range=(ratio - 0.05, ratio + 0.05), grads_equal=True,
+                    max_grad_diff=0.0)
+
+
+def test_headline_verdicts() -> None:
+    rows = [
+        _row(NONE, "-", 100, 0.0, 1.0),
+        _row(AUTO, "50%", 50, 10.0, 1.1),
+        _row(AUTO, "min", 30, 40.0, 1.6),
+        _row(BLOCK, "-", 40, 33.0, 1.4),  # only "min" is at or below it: more FLOPs, slower
+        _row(SAC, "-", 60, 20.0, 1.12),  # "50%" is below it: fewer FLOPs, time within noise
+        _row(SEQ, "-", 20, 50.0),  # lower than any autoremat plan
+    ]
+    block, sac, seq = headline(rows)
+    assert "[min]" in block and "more recompute FLOPs, slower" in block
+    assert "[50%]" in sac and "fewer recompute FLOPs, time within noise" in sac
+    assert seq.startswith(f"{SEQ} wins on memory") and "[min]" in seq
