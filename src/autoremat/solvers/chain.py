@@ -131,25 +131,47 @@ def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
     if stop == start + 1:
         fwd, bwd = _fwd(tape, start, prev + "C"), _bwd(tape, start, prev + "C")
         return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, flops, "C", cost)
-    # Forward: every block as checkpointed; inner inputs are released once used.
-    level, fwd_peak = 0, 0
-    for k in range(start, stop):
+    return _segment_runs(tape, start, stop, prev)[-1]
+
+
+def _block_costs(tape: Tape) -> list[int]:
+    model = cost_model_for(tape.device)
+    return [recompute_cost(b.op_stats, b.fwd_flops, model) for b in tape.blocks]
+
+
+def _segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
+                  block_costs: list[int] | None = None) -> list[SegmentCost]:
+    """Costs of the checkpointed segments ``[start, stop)`` for every ``stop`` up to
+    ``last_stop``, built incrementally (O(length) for all of them)."""
+    blocks = tape.blocks
+    block_costs = block_costs if block_costs is not None else _block_costs(tape)
+    out: list[SegmentCost] = []
+    f_level = f_peak = 0  # forward: every block as checkpointed; inner inputs released
+    r_level = r_peak = 0  # backward: recompute all blocks as in the plain forward...
+    back = 0  # ...then their plain backward: max over k of (deltas after k + peak of k)
+    flops = cost = 0
+    for k in range(start, last_stop):
+        b = blocks[k]
+        flops += b.fwd_flops
+        cost += block_costs[k]
         window = _fwd(tape, k, (prev if k == start else "C") + "C")
-        fwd_peak = max(fwd_peak, level + window.peak_bytes)
-        level += window.delta_bytes
+        f_peak = max(f_peak, f_level + window.peak_bytes)
+        f_level += window.delta_bytes
         if k > start:
-            level -= blocks[k].chain_bytes
-    hold = level
-    # Backward: recompute all blocks as in the plain forward, then their plain backward.
-    level, bwd_peak = 0, 0
-    for k in range(start, stop):
-        bwd_peak = max(bwd_peak, level + blocks[k].keep_fwd.peak_bytes)
-        level += blocks[k].keep_fwd.delta_bytes
-    level -= blocks[stop - 1].output_bytes  # the recomputed output is not kept
-    for k in range(stop - 1, start - 1, -1):
-        bwd_peak = max(bwd_peak, level + blocks[k].keep_bwd.peak_bytes)
-        level += blocks[k].keep_bwd.delta_bytes
-    return SegmentCost(fwd_peak, hold, bwd_peak, flops, "C", cost)
+            f_level -= b.chain_bytes
+        r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes)
+        r_level += b.keep_fwd.delta_bytes
+        back = b.keep_bwd.peak_bytes if k == start else \
+            max(b.keep_bwd.peak_bytes, back + b.keep_bwd.delta_bytes)
+        if k == start:  # a single block: its measured checkpointed windows
+            fwd, bwd = _fwd(tape, k, prev + "C"), _bwd(tape, k, prev + "C")
+            out.append(SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
+                                   flops, "C", cost))
+            continue
+        after_recompute = r_level - b.output_bytes  # the recomputed output is not kept
+        out.append(SegmentCost(f_peak, f_level, max(r_peak, after_recompute + back),
+                               flops, "C", cost))
+    return out
 
 
 def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
@@ -243,18 +265,32 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     budget = np.inf if budget_bytes is None else float(budget_bytes)
     z = _suffix_z(tape)
     stops = _allowed_stops(tape, max_segment)
-    # moves[i][prev] = [(stop, option, cost)], prev = mode of block i-1.
-    moves: list[dict[str, list[tuple[int, Option, SegmentCost]]]] = []
+    block_costs = _block_costs(tape)
+    fixed = {mode: _fixed_peaks(tape, mode) for mode in ("K", "C")}
+    # moves[i][prev]: the options from block i after a block of mode prev, as a list of
+    # (stop, option) and arrays of their figures for the vectorised step below.
+    moves: list[dict[str, tuple[list[tuple[int, Option]], dict[str, np.ndarray]]]] = []
     for i in range(n):
-        by_prev: dict[str, list[tuple[int, Option, SegmentCost]]] = {}
+        by_prev = {}
         for prev in ("K", "C") if i else ("K",):
-            here = [(i + 1, KEEP, segment_cost(tape, i, i + 1, KEEP, prev))]
-            here += [(stop, RECOMPUTE, segment_cost(tape, i, stop, RECOMPUTE, prev))
-                     for stop in stops[i]]
+            here: list[tuple[int, Option, SegmentCost]] = [
+                (i + 1, KEEP, segment_cost(tape, i, i + 1, KEEP, prev))]
+            runs = _segment_runs(tape, i, stops[i][-1], prev, block_costs)
+            here += [(i + 1 + k, RECOMPUTE, c) for k, c in enumerate(runs)]
             if options is not None:
                 here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
                          for opt in options[i]]
-            by_prev[prev] = here
+            figures = {
+                "stop": np.array([m[0] for m in here]),
+                "mode": np.array([ord(m[2].mode) for m in here]),
+                "fwd": np.array([m[2].fwd_peak for m in here], dtype=np.int64),
+                "hold": np.array([m[2].hold for m in here], dtype=np.int64),
+                "bwd": np.array([m[2].hold + z[m[2].mode][m[0] - 1] + m[2].bwd_peak
+                                 for m in here], dtype=np.int64),
+                "cost": np.array([m[2].rank_cost for m in here], dtype=np.int64),
+                "first": np.array([fixed[m[2].mode] for m in here], dtype=np.int64),
+            }
+            by_prev[prev] = ([(m[0], m[1]) for m in here], figures)
         moves.append(by_prev)
 
     # A state is (index, mode of the block before it); each holds a Pareto frontier.
@@ -266,7 +302,8 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         (0, "K"): {"F": np.array([tape.pre.delta_bytes], dtype=np.int64),
                    "cost": np.array([0], dtype=np.int64),
                    "peak": np.array([tape.pre.peak_bytes], dtype=np.int64),
-                   "prev": np.array([-1]), "move": np.array([-1]), "from": np.array([-1])},
+                   "prev": np.array([-1]), "move": np.array([-1]), "from": np.array([-1]),
+                   "from_mode": np.array([-1])},
     }
     incoming: dict[tuple[int, str], list[dict[str, np.ndarray]]] = {}
     for i in range(n):
@@ -274,20 +311,24 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             cur = frontier.get((i, prev))
             if cur is None:
                 continue
-            for m, (stop, _opt, c) in enumerate(moves[i][prev]):
-                fwd = cur["F"] + c.fwd_peak
-                bwd = cur["F"] + c.hold + z[c.mode][stop - 1] + c.bwd_peak
-                peak = np.maximum(cur["peak"], np.maximum(fwd, bwd))
-                if i == 0:
-                    peak = np.maximum(peak, _fixed_peaks(tape, c.mode))
-                ok = peak <= budget
-                if not ok.any():
-                    continue
-                rows = np.nonzero(ok)[0]
-                incoming.setdefault((stop, c.mode), []).append({
-                    "F": cur["F"][rows] + c.hold, "cost": cur["cost"][rows] + c.rank_cost,
-                    "peak": peak[rows], "prev": rows, "move": np.full(len(rows), m),
-                    "from": np.full(len(rows), i), "from_mode": np.full(len(rows), ord(prev)),
+            fig = moves[i][prev][1]
+            F = cur["F"][:, None]  # (rows, 1) against (moves,)
+            peak = np.maximum(np.maximum(cur["peak"][:, None], F + fig["fwd"]), F + fig["bwd"])
+            if i == 0:
+                peak = np.maximum(peak, fig["first"])
+            rows, cols = np.nonzero(peak <= budget)
+            if rows.size == 0:
+                continue
+            targets = fig["stop"][cols] * 2 + (fig["mode"][cols] == ord("C"))
+            order = np.argsort(targets, kind="stable")
+            rows, cols, targets = rows[order], cols[order], targets[order]
+            bounds = np.flatnonzero(np.diff(targets)) + 1
+            for r, c in zip(np.split(rows, bounds), np.split(cols, bounds), strict=True):
+                stop, mode = int(fig["stop"][c[0]]), chr(int(fig["mode"][c[0]]))
+                incoming.setdefault((stop, mode), []).append({
+                    "F": cur["F"][r] + fig["hold"][c], "cost": cur["cost"][r] + fig["cost"][c],
+                    "peak": peak[r, c], "prev": r, "move": c,
+                    "from": np.full(len(r), i), "from_mode": np.full(len(r), ord(prev)),
                 })
         for mode in ("K", "C"):
             parts = incoming.pop((i + 1, mode), None)
@@ -313,7 +354,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         f = frontier[state]
         start, move = int(f["from"][row]), int(f["move"][row])
         prev_mode = chr(int(f["from_mode"][row]))
-        stop, opt, _ = moves[start][prev_mode][move]
+        stop, opt = moves[start][prev_mode][0][move]
         internal_assert(stop == state[0], "back-pointer mismatch")
         segments.append((start, stop, opt))
         row = int(f["prev"][row])
@@ -328,11 +369,34 @@ def _prune(parts: list[dict[str, np.ndarray]], objective: str) -> dict[str, np.n
     primary = cat["cost"] if objective == "cost" else cat["peak"]
     secondary = cat["peak"] if objective == "cost" else cat["cost"]
     order = np.lexsort((cat["move"], cat["from"], secondary, primary, cat["F"]))
-    keep = []
-    best = np.inf
-    for idx in order:  # by F ascending: keep a row only if it beats every smaller-F row
-        if primary[idx] < best:
-            keep.append(idx)
-            best = primary[idx]
-    sel = np.array(keep, dtype=np.int64)
+    ranked = primary[order]
+    # By F ascending, keep a row only if it beats every row of smaller (or equal) F.
+    best_before = np.concatenate(([np.inf], np.minimum.accumulate(ranked)[:-1]))
+    sel = order[ranked < best_before]
+    if len(sel) > _MAX_FRONTIER:
+        sel = _thin(sel, cat["F"], primary)
     return {k: v[sel] for k, v in cat.items()}
+
+
+_MAX_FRONTIER = 128  # see NOTE [ Large frontiers ]
+
+
+def _thin(sel: np.ndarray, F: np.ndarray, primary: np.ndarray) -> np.ndarray:
+    """Keep the cheapest point of each of ``_MAX_FRONTIER`` equal slices of the F range,
+    and the smallest-F point (so the tightest plan stays reachable).
+
+    NOTE [ Large frontiers ]
+        The frontier is exact while it has at most 128 points per state, which covers
+        the brute-force tests and small models. Past that, within a
+        slice of 1/128 of the F range we keep only the cheapest point: the plan found
+        still fits (every check uses exact bytes) but may cost slightly more than the
+        optimum. Identical blocks never get there.
+    """
+    values = F[sel]  # ascending, with primary strictly decreasing
+    lo, hi = int(values[0]), int(values[-1])
+    width = max(1, -(-(hi - lo) // _MAX_FRONTIER))
+    bucket = (values - lo) // width
+    last_of_bucket = np.append(bucket[1:] != bucket[:-1], True)  # the cheapest in each
+    keep = last_of_bucket.copy()
+    keep[0] = True
+    return sel[keep]
