@@ -91,44 +91,66 @@ class Plan:
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> Plan:
+        """Load a plan from JSON text or a file; says which field is wrong if any."""
         data = dict(load_json(text_or_path, what="plan"))
         raw = data.get("blocks")
         if not isinstance(raw, list):
             raise SchemaError("plan.blocks must be a list")
         blocks = []
         for i, item in enumerate(raw):
+            where = f"plan.blocks[{i}]"
             if isinstance(item, dict):
-                item = dict(item, save_ops=tuple(item.get("save_ops", ())))
-            block = build_dataclass(BlockDecision, item, f"plan.blocks[{i}]")
+                item = dict(item, save_ops=_strings(item.get("save_ops", []),
+                                                    f"{where}.save_ops"))
+            block = build_dataclass(BlockDecision, item, where)
+            _expect(block.name, str, f"{where}.name")
+            _expect(block.segment, int, f"{where}.segment")
             if block.decision not in ("keep", "recompute", "selective"):
-                raise SchemaError(f"plan.blocks[{i}].decision must be keep, recompute or "
+                raise SchemaError(f"{where}.decision must be keep, recompute or "
                                   f"selective, got {block.decision!r}")
             blocks.append(block)
         data["blocks"] = tuple(blocks)
-        data["notes"] = tuple(data.get("notes", ()))
+        data["notes"] = _strings(data.get("notes", []), "plan.notes")
         loaded: Plan = build_dataclass(cls, data, "plan")
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
                     "step_flops", "predicted_cost"):
-            if not isinstance(getattr(loaded, key), int):
-                raise SchemaError(f"plan.{key} must be an integer")
+            _expect(getattr(loaded, key), int, f"plan.{key}")
+        for key in ("strategy", "model", "inputs"):
+            _expect(getattr(loaded, key), str, f"plan.{key}")
+        if loaded.budget_bytes is not None:
+            _expect(loaded.budget_bytes, int, "plan.budget_bytes")
         return loaded
 
     def __str__(self) -> str:
         rows = []
         for start, stop, decision in self.segments:
-            names = self.blocks[start].name if stop == start + 1 else \
-                f"{self.blocks[start].name} .. {self.blocks[stop - 1].name}"
-            what = decision if stop == start + 1 else f"{decision} as one segment"
-            if decision == "selective":
-                what += " (save " + ", ".join(self.blocks[start].save_ops) + ")"
-            rows.append([names, what])
+            for i in range(start, stop):
+                block = self.blocks[i]
+                what = decision
+                if decision == "selective":
+                    what += " (save " + ", ".join(block.save_ops) + " outputs)"
+                if stop > start + 1:
+                    what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
+                rows.append([block.name, what])
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
         head = (f"Plan ({self.strategy}) for {self.model}, inputs {self.inputs}\n"
                 f"budget {budget}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
                 f"(unplanned {format_bytes(self.unplanned_peak_bytes)}); recompute "
                 f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
                 f"{100 * self.recompute_overhead:.1f}% of the step\n")
-        return head + render_table(["blocks", "decision"], rows)
+        return head + render_table(["block", "decision"], rows)
+
+
+def _expect(value: Any, kind: type, where: str) -> None:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        what = {int: "an integer", str: "a string"}.get(kind, kind.__name__)
+        raise SchemaError(f"{where} must be {what}, got {value!r}")
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise SchemaError(f"{where} must be a list of strings, got {value!r}")
+    return tuple(value)
 
 
 # --- budgets -------------------------------------------------------------------------

@@ -358,6 +358,10 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         counter = _flops(model, inputs, loss_fn, names)
         for p in model.parameters():
             p.grad = None
+        with checkpointed(model, names):
+            ckpt_counter = _flops(model, inputs, loss_fn, names)
+        for p in model.parameters():
+            p.grad = None
         op_stats = [counter.block_stats(name) for name in names]
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats) \
             if with_selective else [{} for _ in names]
@@ -379,6 +383,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             name=name, fwd_ms=fwd_ms[i], bwd_ms=bwd_ms[i],
             fwd_flops=counter.by_label.get((name, "fwd"), 0),
             bwd_flops=counter.by_label.get((name, "bwd"), 0),
+            recompute_flops=ckpt_counter.by_label.get((name, "bwd"), 0)
+            - counter.by_label.get((name, "bwd"), 0),
             saved_bytes=sum(saved[i].values()),
             saved_bytes_by_kind=dict(sorted(saved[i].items())),
             input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],

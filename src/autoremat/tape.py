@@ -56,7 +56,7 @@ class BlockProfile:
     name: str  # qualified module name, e.g. "blocks.3"
     fwd_ms: float  # forward time of the block
     bwd_ms: float  # backward time (grad of output ready -> grad of input ready)
-    fwd_flops: int  # forward FLOPs (what a recompute re-executes)
+    fwd_flops: int  # forward FLOPs
     bwd_flops: int  # backward FLOPs
     saved_bytes: int  # bytes created in the block's forward still alive when backward starts
     saved_bytes_by_kind: dict[str, int]  # the same, by the kind of op that created them
@@ -71,10 +71,17 @@ class BlockProfile:
     bwd: dict[str, WindowMemory]  # backward window (recompute included when C)
     chained: bool  # its first tensor input is an output of the previous block, unchanged
     chain_bytes: int  # bytes of that input when chained (freed early inside a segment)
+    # FLOPs a checkpointed recompute of this block runs (measured: recompute stops
+    # after the last op whose output backward needs, so it can be below fwd_flops).
+    recompute_flops: int = -1  # -1: not measured; use fwd_flops
     # Forward ops by kind (count, FLOPs, bytes created, ms), for costing recompute.
     op_stats: dict[str, OpStats] = field(default_factory=dict)
     # Selective recompute options keyed by save-set name, e.g. "matmul" or "bmm+matmul".
     selective: dict[str, SelectiveProfile] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.recompute_flops < 0:
+            object.__setattr__(self, "recompute_flops", self.fwd_flops)
 
     @property
     def keep_fwd(self) -> WindowMemory:

@@ -126,11 +126,6 @@ def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
         internal_assert(stop == start + 1, "a selective segment is one block")
         return _selective_cost(tape, start, option[1], prev, model)
     internal_assert(kind == "recompute", f"unknown segment option {kind!r}")
-    flops = sum(b.fwd_flops for b in blocks[start:stop])
-    cost = sum(recompute_cost(b.op_stats, b.fwd_flops, model) for b in blocks[start:stop])
-    if stop == start + 1:
-        fwd, bwd = _fwd(tape, start, prev + "C"), _bwd(tape, start, prev + "C")
-        return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, flops, "C", cost)
     return _segment_runs(tape, start, stop, prev)[-1]
 
 
@@ -152,25 +147,31 @@ def _segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
     flops = cost = 0
     for k in range(start, last_stop):
         b = blocks[k]
-        flops += b.fwd_flops
         cost += block_costs[k]
         window = _fwd(tape, k, (prev if k == start else "C") + "C")
         f_peak = max(f_peak, f_level + window.peak_bytes)
         f_level += window.delta_bytes
         if k > start:
             f_level -= b.chain_bytes
+        if k == start:  # a single block: its measured checkpointed windows
+            fwd, bwd = _fwd(tape, k, prev + "C"), _bwd(tape, k, prev + "C")
+            out.append(SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
+                                   flops + b.recompute_flops, "C", cost))
+        else:
+            # Blocks start..k-1 are recomputed in full (later ones need their outputs);
+            # the last one stops early as a checkpointed block does, so its measured
+            # checkpointed backward window (recompute included) applies; then the plain
+            # backward of the others.
+            last = _bwd(tape, k, "CC")
+            bwd_peak = max(r_peak, r_level + last.peak_bytes,
+                           r_level + last.delta_bytes + back)
+            out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
+                                   "C", cost))
+        flops += b.fwd_flops
         r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes)
         r_level += b.keep_fwd.delta_bytes
         back = b.keep_bwd.peak_bytes if k == start else \
             max(b.keep_bwd.peak_bytes, back + b.keep_bwd.delta_bytes)
-        if k == start:  # a single block: its measured checkpointed windows
-            fwd, bwd = _fwd(tape, k, prev + "C"), _bwd(tape, k, prev + "C")
-            out.append(SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
-                                   flops, "C", cost))
-            continue
-        after_recompute = r_level - b.output_bytes  # the recomputed output is not kept
-        out.append(SegmentCost(f_peak, f_level, max(r_peak, after_recompute + back),
-                               flops, "C", cost))
     return out
 
 

@@ -1,0 +1,448 @@
+"""Tests for autoremat.solvers.chain: the peak model and the exact chain DP.
+
+Everything here runs on synthetic tapes built directly from ``BlockProfile`` /
+``WindowMemory`` objects (no model, no profiling), so the solver is checked in isolation:
+
+* against a brute-force enumeration of every plan in its space (random chains of 1..10
+  blocks, several budgets each, both objectives);
+* on tiny hand-made problems whose optimum at each budget is computed by hand below
+  (in the manner of torch's ``sac_ilp`` tests);
+* for determinism, and on a 200-block chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator, Sequence
+from functools import cache
+
+import pytest
+
+import autoremat
+from autoremat.errors import BudgetError
+from autoremat.plan import smallest_feasible_bytes
+from autoremat.solvers.chain import Option, plan_costs, predict_peak, solve
+from autoremat.tape import BlockProfile, Tape, WindowMemory
+
+KEEP: Option = ("keep", ())
+RECOMPUTE: Option = ("recompute", ())
+Segments = list[tuple[int, int, Option]]
+
+
+# --- a factory of synthetic tapes ------------------------------------------------------
+
+
+def _w(peak: int, delta: int) -> WindowMemory:
+    return WindowMemory(peak_bytes=max(peak, delta, 0), delta_bytes=delta)
+
+
+def _block(i: int, *, fwd: dict[str, WindowMemory], bwd: dict[str, WindowMemory],
+           flops: int, chained: bool, chain_bytes: int, output_bytes: int = 0) -> BlockProfile:
+    if i == 0:  # the first block's previous mode is always K
+        fwd = {k: v for k, v in fwd.items() if k[0] == "K"}
+        bwd = {k: v for k, v in bwd.items() if k[0] == "K"}
+    return BlockProfile(
+        name=f"blocks.{i}", fwd_ms=1.0, bwd_ms=2.0, fwd_flops=flops, bwd_flops=2 * flops,
+        saved_bytes=fwd["KK"].delta_bytes, saved_bytes_by_kind={"matmul": fwd["KK"].delta_bytes},
+        input_bytes=chain_bytes, output_bytes=output_bytes, param_bytes=0, grad_bytes=0,
+        fwd=fwd, bwd=bwd, chained=chained and i > 0, chain_bytes=chain_bytes if i > 0 else 0,
+    )
+
+
+def _tape(blocks: Sequence[BlockProfile], *, pre: WindowMemory | None = None,
+          post: dict[str, WindowMemory] | None = None,
+          tail: dict[str, WindowMemory] | None = None) -> Tape:
+    zero = {"K": _w(0, 0), "C": _w(0, 0)}
+    tape = Tape(
+        model="Synthetic", inputs="x: (1,) float32", device="cpu", blocks=tuple(blocks),
+        step_peak_bytes=1, peak_breakdown={}, ckpt_step_peak_bytes=1, param_bytes=0,
+        trainable_param_bytes=0, buffer_bytes=0, grad_bytes=0, pre=pre or _w(0, 0),
+        post=post or zero, tail=tail or zero,
+        step_fwd_flops=sum(b.fwd_flops for b in blocks) + 1,
+        step_bwd_flops=sum(b.bwd_flops for b in blocks) + 1, step_ms=1.0,
+    )
+    n = len(blocks)
+    unplanned = predict_peak(tape, [(i, i + 1, KEEP) for i in range(n)])
+    full = predict_peak(tape, [(i, i + 1, RECOMPUTE) for i in range(n)])
+    return dataclasses.replace(tape, step_peak_bytes=unplanned, ckpt_step_peak_bytes=full)
+
+
+def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = False,
+                scale: int = 1) -> Tape:
+    """A chain of ``n`` blocks with random, physically plausible windows.
+
+    Block ``i`` saves ``a`` bytes for backward (its output ``o`` among them) and needs a
+    transient ``tf`` in forward and ``tb`` in backward; checkpointed, it holds only ``o``
+    and its backward recomputes the rest. Who holds a boundary tensor depends on the
+    neighbour's mode, so the windows after a checkpointed block differ by a little.
+    Small integers (times ``scale``) make equal peaks, hence ties, common.
+    """
+    rng = random.Random(seed)
+    draw: dict[str, int] = {}
+
+    def r(lo: int, hi: int) -> int:
+        return rng.randint(lo, hi) * scale
+
+    blocks, prev_out = [], r(1, 8)
+    for i in range(n):
+        if not identical or not draw:
+            o = r(1, 8)
+            draw = {"o": o, "a": o + r(0, 30), "tf": r(0, 10), "tb": r(0, 10), "g": r(0, 4),
+                    "x": r(0, 3), "flops": rng.randint(1, 50) * 1000}
+        o, a, tf, tb, g, x = (draw[k] for k in ("o", "a", "tf", "tb", "g", "x"))
+        fwd = {
+            "KK": _w(a + tf, a), "CK": _w(a + tf + x, a + x),
+            "KC": _w(a + tf, o), "CC": _w(a + tf + x, o + x),
+        }
+        bwd = {
+            "KK": _w(tb + g, g - a), "CK": _w(tb + g + x, g - a - x),
+            "KC": _w(a - o + tb + g, g - o), "CC": _w(a - o + tb + g + x, g - o - x),
+        }
+        chained = identical or rng.random() < chained_p
+        blocks.append(_block(i, fwd=fwd, bwd=bwd, flops=draw["flops"], chained=chained,
+                             chain_bytes=prev_out, output_bytes=o))
+        prev_out = o
+    post = {"K": _w(r(0, 20), r(0, 5)), "C": _w(r(0, 20), r(0, 5))}
+    tail = {"K": _w(r(0, 10), -r(0, 3)), "C": _w(r(0, 10), -r(0, 3))}
+    return _tape(blocks, pre=_w(r(0, 6), r(0, 3)), post=post, tail=tail)
+
+
+# --- the brute-force reference -----------------------------------------------------------
+
+
+def all_plans(tape: Tape) -> list[Segments]:
+    """Every segmentation of the chain: each segment a kept block, or a checkpointed run
+    of consecutive blocks that only crosses chained links."""
+    n = len(tape.blocks)
+
+    @cache
+    def from_(i: int) -> tuple[tuple[tuple[int, int, Option], ...], ...]:
+        if i == n:
+            return ((),)
+        out = [((i, i + 1, KEEP), *rest) for rest in from_(i + 1)]
+        stop = i + 1
+        while True:
+            out += [((i, stop, RECOMPUTE), *rest) for rest in from_(stop)]
+            if stop < n and tape.blocks[stop].chained:
+                stop += 1
+            else:
+                break
+        return tuple(out)
+
+    return [list(p) for p in from_(0)]
+
+
+def recompute_flops(tape: Tape, segments: Segments) -> int:
+    """The cost of a plan, computed here without the solver's help."""
+    return sum(tape.blocks[k].fwd_flops for s, e, opt in segments if opt == RECOMPUTE
+               for k in range(s, e))
+
+
+def check_valid(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> None:
+    """The segments tile the chain, and multi-block segments only cross chained links."""
+    assert segments, "empty plan"
+    expected_start = 0
+    for start, stop, opt in segments:
+        assert start == expected_start and stop > start
+        assert opt in (KEEP, RECOMPUTE)
+        if opt == KEEP:
+            assert stop == start + 1
+        assert all(tape.blocks[k].chained for k in range(start + 1, stop))
+        expected_start = stop
+    assert expected_start == len(tape.blocks)
+
+
+def _brute(tape: Tape) -> list[tuple[int, int, Segments]]:
+    return [(predict_peak(tape, p), recompute_flops(tape, p), p) for p in all_plans(tape)]
+
+
+def _budgets(rng: random.Random, peaks: list[int]) -> Iterator[int]:
+    distinct = sorted(set(peaks))
+    yield distinct[0] - 1  # infeasible
+    yield distinct[0]  # the tightest feasible: exactly the smallest peak
+    yield distinct[-1]  # loose: every plan fits
+    yield from rng.sample(distinct, min(3, len(distinct)))  # exactly at some plan's peak
+    if len(distinct) > 1:  # strictly between two plans' peaks
+        k = rng.randrange(len(distinct) - 1)
+        yield (distinct[k] + distinct[k + 1]) // 2
+
+
+# --- (a) brute force ----------------------------------------------------------------------
+
+
+def test_space_size_matches_the_recurrence() -> None:
+    # With every link chained, a(n) = a(n-1) + sum_k a(n-k) = F(2n+1): 2, 5, 13, 34, ...
+    assert [len(all_plans(random_tape(n, 0, identical=True))) for n in range(1, 6)] == \
+        [2, 5, 13, 34, 89]
+    # With no link chained every block is kept or checkpointed on its own: 2^n.
+    assert len(all_plans(random_tape(6, 0, chained_p=0.0))) == 64
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_cost_objective_matches_brute_force(seed: int) -> None:
+    n = 1 + seed % 10
+    tape = random_tape(n, seed, chained_p=[0.0, 0.5, 0.8, 1.0][seed % 4])
+    table = _brute(tape)
+    peaks = [peak for peak, _, _ in table]
+    for budget in _budgets(random.Random(seed), peaks):
+        fits = [(cost, peak) for peak, cost, _ in table if peak <= budget]
+        got = solve(tape, budget, objective="cost")
+        if not fits:
+            assert got is None, f"n={n} budget={budget}: solver found {got}, brute force none"
+            continue
+        assert got is not None, f"n={n} budget={budget}: brute force fits, solver says none"
+        best = min(cost for cost, _ in fits)
+        check_valid(tape, got.segments)
+        assert got.cost == best, f"n={n} budget={budget}: {got.segments}"
+        assert recompute_flops(tape, list(got.segments)) == best
+        assert predict_peak(tape, got.segments) == got.peak_bytes <= budget
+        assert sum(c.flops for c in plan_costs(tape, got.segments)) == best
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_peak_objective_matches_brute_force(seed: int) -> None:
+    n = 1 + seed % 10
+    tape = random_tape(n, 1000 + seed, chained_p=[1.0, 0.8, 0.5, 0.0][seed % 4])
+    table = _brute(tape)
+    smallest = min(peak for peak, _, _ in table)
+    got = solve(tape, None, objective="peak")
+    assert got is not None
+    check_valid(tape, got.segments)
+    assert got.peak_bytes == smallest == predict_peak(tape, got.segments)
+    # "peak" ignores cost; "cost" at exactly that budget takes a cheapest such plan
+    cheapest = solve(tape, smallest, objective="cost")
+    assert cheapest is not None and cheapest.peak_bytes == smallest
+    assert cheapest.cost == min(cost for peak, cost, _ in table if peak == smallest)
+    assert smallest_feasible_bytes(tape) == smallest
+    assert solve(tape, smallest - 1, objective="peak") is None
+    with_budget = solve(tape, max(peak for peak, _, _ in table), objective="peak")
+    assert with_budget is not None and with_budget.peak_bytes == smallest
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_optimal_matches_brute_force(seed: int) -> None:
+    """The public ``plan`` agrees too, and its BudgetError names the smallest peak."""
+    tape = random_tape(2 + seed % 8, 2000 + seed)
+    table = _brute(tape)
+    smallest = min(peak for peak, _, _ in table)
+    for budget in _budgets(random.Random(seed), [peak for peak, _, _ in table]):
+        fits = [cost for peak, cost, _ in table if peak <= budget]
+        if not fits:
+            with pytest.raises(BudgetError) as info:
+                autoremat.plan(tape, budget)
+            assert info.value.min_feasible_bytes == smallest > budget
+            assert info.value.strategy == "optimal"
+            continue
+        p = autoremat.plan(tape, budget)
+        assert p.predicted_recompute_flops == min(fits)
+        assert p.predicted_peak_bytes <= budget == p.budget_bytes
+        assert p.predicted_peak_bytes == predict_peak(
+            tape, [(s, e, ("keep" if d == "keep" else "recompute", ())) for s, e, d in p.segments]
+        )
+
+
+def test_random_instances_need_multi_block_segments() -> None:
+    """The brute-force comparison is only as strong as its instances: on some of them the
+    optimum must use a multi-block segment (strictly cheaper than any plan without)."""
+    needed = 0
+    for seed in range(40):
+        tape = random_tape(4 + seed % 5, 3000 + seed, chained_p=1.0)
+        table = _brute(tape)
+        for budget in sorted({peak for peak, _, _ in table}):
+            best = min(c for p, c, _ in table if p <= budget)
+            singles = [c for p, c, plan in table
+                       if p <= budget and all(e == s + 1 for s, e, _ in plan)]
+            if not singles or min(singles) > best:
+                needed += 1
+                got = solve(tape, budget)
+                assert got is not None and got.cost == best
+                assert any(e > s + 1 for s, e, _ in got.segments)
+    assert needed >= 5
+
+
+# --- (b) hand-made problems with known optima --------------------------------------------
+
+
+def _identical_unchained(n: int, *, grads: bool) -> Tape:
+    """``n`` identical blocks, none chained (so every segment is one block).
+
+    Kept, a block saves 10 bytes (peak 10). Checkpointed, it holds its 2-byte output and
+    its backward recomputes 8. With ``grads``, each backward leaves 3 bytes of parameter
+    gradients (net +3 per block), the head/loss leaves 1 and peaks at 5 above its start.
+    """
+    g = 3 if grads else 0
+    keep_bwd = _w(g, g - 10)
+    ckpt_bwd = _w(8 + g, g - 2)
+    blocks = [
+        _block(i, fwd={"KK": _w(10, 10), "CK": _w(10, 10), "KC": _w(10, 2), "CC": _w(10, 2)},
+               bwd={"KK": keep_bwd, "CK": keep_bwd, "KC": ckpt_bwd, "CC": ckpt_bwd},
+               flops=100, chained=False, chain_bytes=0)
+        for i in range(n)
+    ]
+    post = {"K": _w(5, 1), "C": _w(5, 1)} if grads else None
+    return _tape(blocks, post=post)
+
+
+def _recomputed(p: autoremat.Plan) -> list[int]:
+    return [i for i, b in enumerate(p.blocks) if b.decision == "recompute"]
+
+
+def test_hand_made_three_blocks() -> None:
+    # Level F_i at each block's start; a kept block adds 10, a checkpointed one 2.
+    # Peaks: forward F_i + 10; backward F_{i+1} (+8 recompute when checkpointed).
+    #   KKK: F = 0,10,20,30          -> 30, cost 0
+    #   CKK: F = 0,2,12,22           -> 22, cost 100 (KCK also 22; KKC 30: the last
+    #                                   block's forward transient is 10 either way)
+    #   CCK: F = 0,2,4,14            -> 14, cost 200 (CCC also 14, at cost 300)
+    tape = _identical_unchained(3, grads=False)
+    assert sorted({predict_peak(tape, p) for p in all_plans(tape)}) == [14, 22, 30]
+    assert smallest_feasible_bytes(tape) == 14
+    for budget, flops, recomputed in [
+        (10**6, 0, [[]]), (30, 0, [[]]),
+        (29, 100, [[0], [1]]), (22, 100, [[0], [1]]),
+        (21, 200, [[0, 1]]), (14, 200, [[0, 1]]),
+    ]:
+        p = autoremat.plan(tape, budget)
+        assert p.predicted_recompute_flops == flops, budget
+        assert _recomputed(p) in recomputed, (budget, p.segments)
+        assert p.predicted_peak_bytes <= budget
+    with pytest.raises(BudgetError) as info:
+        autoremat.plan(tape, 13)
+    assert info.value.min_feasible_bytes == 14
+    assert info.value.strategy == "optimal"
+    assert "14 bytes" in str(info.value) and "optimal" in str(info.value)
+
+
+def test_hand_made_three_blocks_with_gradients_and_head() -> None:
+    # As above, plus 3 bytes of gradients per block's backward and a head whose
+    # backward leaves 1 and peaks 5 above its start. Z_j (gradients alive during block
+    # j's backward) = 1 + 3 * (2 - j) = 7, 4, 1. Backward peak of block j:
+    # F_{j+1} + Z_j + (3 kept | 11 checkpointed); the head's: F_3 + 5.
+    #   KKK: F = 0,10,20,30 -> max(fwd 30, bwd 20/27/34, head 35) = 35, cost 0
+    #   CKK: F = 0,2,12,22  -> max(22, bwd 2+7+11=20, 19, 26, head 27) = 27, cost 100
+    #   KCK: F = 0,10,12,22 -> max(22, 20, 12+4+11=27, 26, 27) = 27, cost 100
+    #   CCK: F = 0,2,4,14   -> max(14, 20, 19, 18, head 19) = 20, cost 200
+    #   CKC: F = 0,2,12,14  -> max(22, 20, 19, 14+1+11=26, 19) = 26, cost 200
+    #   CCC: F = 0,2,4,6    -> 20, cost 300
+    tape = _identical_unchained(3, grads=True)
+    peaks = {tuple(i for i, (_, _, o) in enumerate(p) if o == RECOMPUTE): predict_peak(tape, p)
+             for p in all_plans(tape)}
+    assert peaks[()] == 35 and peaks[(0,)] == peaks[(1,)] == 27 and peaks[(0, 1)] == 20
+    assert peaks[(0, 2)] == 26 and peaks[(0, 1, 2)] == 20
+    assert smallest_feasible_bytes(tape) == 20
+    for budget, flops, recomputed in [
+        (35, 0, [[]]), (34, 100, [[0], [1]]), (27, 100, [[0], [1]]),
+        (26, 200, [[0, 1]]),  # CKC (26) costs the same; the lower peak wins the tie
+        (20, 200, [[0, 1]]),
+    ]:
+        p = autoremat.plan(tape, budget)
+        assert p.predicted_recompute_flops == flops, budget
+        assert _recomputed(p) in recomputed, (budget, p.segments)
+    with pytest.raises(BudgetError) as info:
+        autoremat.plan(tape, 19)
+    assert info.value.min_feasible_bytes == 20
+
+
+def test_hand_made_chain_where_only_a_segment_helps() -> None:
+    # Four chained blocks whose only saved tensor is their 4-byte output: checkpointing a
+    # block alone changes nothing (it still holds the output), but a segment [0, 2)
+    # drops the inner boundary. Keep all: F = 0,4,8,12,16 -> 16. [0,2) then keep:
+    # segment forward peak 8 (block 1 runs while block 0's output is alive), hold 4,
+    # backward 0 + hold 4 + recompute 8 = 12; then F = 4, 8, 12 -> peak 12, cost 200.
+    # Longer or later segments recompute more at once and peak at 16.
+    blocks = [
+        _block(i, fwd={k: _w(4, 4) for k in ("KK", "CK", "KC", "CC")},
+               bwd={k: _w(0, -4) for k in ("KK", "CK", "KC", "CC")},
+               flops=100, chained=True, chain_bytes=4, output_bytes=4)
+        for i in range(4)
+    ]
+    tape = _tape(blocks)
+    assert predict_peak(tape, [(i, i + 1, KEEP) for i in range(4)]) == 16
+    assert predict_peak(tape, [(i, i + 1, RECOMPUTE) for i in range(4)]) == 16
+    assert smallest_feasible_bytes(tape) == 12
+    for budget in (12, 15):
+        p = autoremat.plan(tape, budget)
+        assert p.segments == [(0, 2, "recompute"), (2, 3, "keep"), (3, 4, "keep")]
+        assert p.predicted_peak_bytes == 12 and p.predicted_recompute_flops == 200
+    assert autoremat.plan(tape, 16).predicted_recompute_flops == 0
+    with pytest.raises(BudgetError) as info:
+        autoremat.plan(tape, 11)
+    assert info.value.min_feasible_bytes == 12
+
+
+def test_no_budget_means_nothing_recomputed() -> None:
+    tape = random_tape(7, 5)
+    p = autoremat.plan(tape)
+    assert p.budget_bytes is None and p.predicted_recompute_flops == 0
+    assert all(b.decision == "keep" for b in p.blocks)
+
+
+# --- (c) determinism -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [3, 8, 12])
+def test_identical_blocks_give_the_same_plan_every_time(n: int) -> None:
+    tape = random_tape(n, 7, identical=True)
+    table = _brute(tape) if n <= 8 else None
+    budgets = sorted({predict_peak(tape, p) for p in all_plans(tape)})[:: max(1, n // 3)] \
+        if table else [tape.step_peak_bytes // 2, tape.step_peak_bytes * 3 // 4]
+    for budget in budgets:
+        try:
+            first = autoremat.plan(tape, budget)
+        except BudgetError:
+            continue
+        for _ in range(3):
+            assert autoremat.plan(tape, budget) == first
+            again = solve(tape, budget)
+            assert again is not None and list(again.segments) == [
+                (s, e, ("keep" if d == "keep" else "recompute", ())) for s, e, d in first.segments
+            ]
+        # a fresh but equal tape (no shared objects) gives the same plan too
+        assert autoremat.plan(random_tape(n, 7, identical=True), budget) == first
+
+
+def test_plan_is_a_pure_function_of_the_tape() -> None:
+    tape = random_tape(9, 11)
+    for budget in ("90%", "60%", smallest_feasible_bytes(tape)):
+        a, b = autoremat.plan(tape, budget), autoremat.plan(tape, budget)
+        assert a == b and a is not b
+        reloaded = Tape.from_json(tape.to_json())
+        assert autoremat.plan(reloaded, budget) == a
+
+
+# --- a long chain ----------------------------------------------------------------------------
+
+
+def test_200_block_chain_is_feasible_and_no_worse_than_full() -> None:
+    tape = random_tape(200, 42, chained_p=0.95, scale=1 << 20)
+    full = autoremat.plan(tape, None, "full")
+    p = autoremat.plan(tape, full.predicted_peak_bytes)
+    assert len(p.blocks) == 200
+    assert p.predicted_peak_bytes <= full.predicted_peak_bytes
+    assert p.predicted_recompute_flops <= full.predicted_recompute_flops
+    segs = [(s, e, ("keep" if d == "keep" else "recompute", ())) for s, e, d in p.segments]
+    check_valid(tape, segs)
+    assert predict_peak(tape, segs) == p.predicted_peak_bytes
+    # and at the smallest feasible budget it reaches exactly that peak
+    smallest = smallest_feasible_bytes(tape)
+    assert smallest <= full.predicted_peak_bytes
+    tight = autoremat.plan(tape, smallest)
+    assert tight.predicted_peak_bytes == smallest
+
+
+@pytest.mark.parametrize("budget", ["75%", "50%", "30%"])
+def test_200_block_chain_is_close_to_the_exact_optimum(budget: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 128 points per state the frontier is thinned (NOTE [ Large frontiers ]): the
+    plan still fits, and costs at most 10% more than the exact DP's."""
+    import autoremat.solvers.chain as chain
+
+    tape = random_tape(200, 42, chained_p=0.95, scale=1 << 20)
+    thinned = autoremat.plan(tape, budget)
+    monkeypatch.setattr(chain, "_MAX_FRONTIER", 10**9)
+    exact = autoremat.plan(tape, budget)
+    assert exact.predicted_peak_bytes <= exact.budget_bytes
+    assert thinned.predicted_peak_bytes <= thinned.budget_bytes == exact.budget_bytes
+    assert exact.predicted_recompute_flops <= thinned.predicted_recompute_flops
+    assert thinned.predicted_recompute_flops <= 1.10 * exact.predicted_recompute_flops
