@@ -604,17 +604,7 @@ class Estimate:
 
     @property
     def total_peak_bytes(self) -> int:
-        """Device peak of one iteration without checkpointing (NOTE [ Hugging Face models on meta ]
-    Transformers builds attention masks by reading tensor values (it checks whether
-    ``position_ids`` pack several sequences, whether a padding mask is all ones), which
-    ``meta`` tensors cannot answer. For a model configured with ``"sdpa"`` and a batch
-    without ``attention_mask``, the estimate runs it under ``"autoremat_sdpa"``:
-    Transformers' own SDPA function registered under a name that has no mask builder, so
-    SDPA gets no mask and ``is_causal`` (``True`` for decoders, ``False`` for BERT) --
-    exactly what ``"sdpa"`` passes for an unpadded, unpacked batch. A batch with an
-    ``attention_mask`` runs unchanged and may not run on ``meta``.
-
-NOTE [ Total peak ])."""
+        """Device peak of one iteration without checkpointing (see NOTE [ Total peak ])."""
         return self.total_for(self.step_peak_bytes)
 
     @property
