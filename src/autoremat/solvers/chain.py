@@ -369,7 +369,9 @@ def _prune(parts: list[dict[str, np.ndarray]], objective: str) -> dict[str, np.n
     cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     primary = cat["cost"] if objective == "cost" else cat["peak"]
     secondary = cat["peak"] if objective == "cost" else cat["cost"]
-    order = np.lexsort((cat["move"], cat["from"], secondary, primary, cat["F"]))
+    # Candidates arrive in a deterministic order (by source index), and the sort is
+    # stable, so remaining ties go to the earliest segment boundary.
+    order = np.lexsort((secondary, primary, cat["F"]))
     ranked = primary[order]
     # By F ascending, keep a row only if it beats every row of smaller (or equal) F.
     best_before = np.concatenate(([np.inf], np.minimum.accumulate(ranked)[:-1]))
