@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import math
 import os
 import sys
@@ -61,7 +60,7 @@ from .estimate import (
     register_hf_attention,
 )
 from .step import LossFn, unique_storage_bytes
-from .tape import write_atomic
+from .tape import dump_json
 from .units import format_bytes, parse_size
 
 __all__ = [
@@ -259,10 +258,7 @@ class Prescription:
         return data
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
-        if path is not None:
-            write_atomic(Path(path), text)
-        return text
+        return dump_json(self.to_dict(), path)
 
     def __str__(self) -> str:
         lines = [str(self.estimate), "", self.verdict]

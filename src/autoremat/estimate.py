@@ -60,12 +60,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,7 +77,7 @@ from .errors import BudgetError, RematError, did_you_mean
 from .memory import MemoryTracker, track_memory
 from .profile import op_kind, profile
 from .step import LossFn, describe_inputs, preserved_state, run_step, unique_storage_bytes
-from .tape import Tape, write_atomic
+from .tape import Tape, dump_json
 from .units import format_bytes, parse_budget, parse_size
 from .wrap import checkpointed
 
@@ -665,10 +663,7 @@ class Estimate:
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         """The JSON text (``schema_version`` included); with ``path``, written atomically."""
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
-        if path is not None:
-            write_atomic(Path(path), text)
-        return text
+        return dump_json(self.to_dict(), path)
 
     def __str__(self) -> str:
         return _render(self)

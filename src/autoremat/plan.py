@@ -25,7 +25,7 @@ from .solvers.chain import (
     solve,
 )
 from .tables import render_table
-from .tape import SCHEMA_VERSION, Tape, build_dataclass, load_json, write_atomic
+from .tape import SCHEMA_VERSION, Tape, build_dataclass, dump_json, load_json
 from .units import format_bytes, parse_budget, parse_size
 
 __all__ = ["STRATEGIES", "BlockDecision", "Plan", "optimizer_state_bytes", "plan"]
@@ -80,14 +80,8 @@ class Plan:
         return out
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        import json
-
-        text = json.dumps(asdict(self), indent=1, sort_keys=True)
-        if path is not None:
-            from pathlib import Path
-
-            write_atomic(Path(path), text)
-        return text
+        """Return the JSON text; with ``path``, also write it there atomically."""
+        return dump_json(asdict(self), path)
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> Plan:

@@ -41,6 +41,7 @@ from .selective import save_set_name, save_sets, selective_context
 from .step import (
     LossFn,
     describe_inputs,
+    flat_tensors,
     preserved_state,
     run_step,
     training_config,
@@ -56,12 +57,6 @@ def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
             return t
     return None
-
-
-def _flat_tensors(obj: Any) -> list[torch.Tensor]:
-    if hasattr(obj, "__dataclass_fields__"):
-        obj = list(vars(obj).values())
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 @dataclass
@@ -100,7 +95,7 @@ class _Probe:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.calls[i] += 1
             self.on_mark(f"fwd:{i}")
-            tensors = _flat_tensors((args, kwargs))
+            tensors = flat_tensors((args, kwargs))
             self.input_bytes[i] = unique_storage_bytes(tensors)
             self.chained[i] = bool(tensors) and id(tensors[0]) in self._prev_outputs
             if self.chained[i]:
@@ -113,7 +108,7 @@ class _Probe:
 
     def _post(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            tensors = _flat_tensors(output)
+            tensors = flat_tensors(output)
             self.output_bytes[i] = unique_storage_bytes(tensors)
             self._prev_outputs = [id(t) for t in tensors]
             out = _first_grad_tensor(tensors)

@@ -28,20 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import checkpoint as _cp
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from .errors import PlanMismatchError, RematError
+from .step import flat_tensors
 from .wrap import _context_fn
 
 __all__ = ["SegmentRunner"]
 
 _SLOT = object()  # stands for the chained input of an inner block while recording
-
-
-def _flat_out(output: Any) -> list[Any]:
-    if hasattr(output, "__dataclass_fields__"):
-        output = list(vars(output).values())
-    return tree_flatten(output)[0]
 
 
 def _fill_slot(tree: Any, value: torch.Tensor) -> Any:
@@ -113,7 +108,7 @@ class SegmentRunner:
         return hook
 
     def _record(self, module: nn.Module, args: Any, kwargs: Any, i: int) -> _Call:
-        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat = flat_tensors((args, kwargs))
         ids = [id(t) for t in self._prev_out]
         if not flat or id(flat[0]) not in ids:
             self.abort()
@@ -130,7 +125,7 @@ class SegmentRunner:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._replaying or self._gen is None:
                 return
-            self._prev_out = [t for t in _flat_out(output) if isinstance(t, torch.Tensor)]
+            self._prev_out = flat_tensors(output)
             if i == len(self.modules) - 1:
                 gen, self._gen = self._gen, None
                 self._prev_out = []
@@ -144,7 +139,7 @@ class SegmentRunner:
             for k, call in enumerate(calls):
                 args, kwargs = call.args, call.kwargs
                 if k > 0:
-                    prev = [t for t in _flat_out(out) if isinstance(t, torch.Tensor)]
+                    prev = flat_tensors(out)
                     args, kwargs = _fill_slot((args, kwargs), prev[call.slot_from])
                 out = call.module.forward(*args, **kwargs)
         finally:

@@ -20,6 +20,7 @@ __all__ = [
     "call_model",
     "default_loss",
     "describe_inputs",
+    "flat_tensors",
     "preserved_state",
     "run_step",
     "training_config",
@@ -38,6 +39,13 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a nested structure, in order; dataclass outputs are opened too."""
+    if hasattr(obj, "__dataclass_fields__"):
+        obj = list(vars(obj).values())
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
 def default_loss(output: Any) -> torch.Tensor:
     """``output.loss`` when present (and not None), else the sum of the first floating
     tensor in the output."""
@@ -46,9 +54,8 @@ def default_loss(output: Any) -> torch.Tensor:
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
-    for item in tree_flatten(output)[0] if not hasattr(output, "__dataclass_fields__") else \
-            tree_flatten(list(vars(output).values()))[0]:
-        if isinstance(item, torch.Tensor) and item.is_floating_point():
+    for item in flat_tensors(output):
+        if item.is_floating_point():
             return item.sum()
     raise RematError(f"cannot find a loss in the model output of type {type(output).__name__}: "
                      f"pass loss_fn=lambda out: ... returning a scalar tensor")

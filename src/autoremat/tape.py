@@ -141,10 +141,7 @@ class Tape:
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         """Return the JSON text; with ``path``, also write it there atomically."""
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
-        if path is not None:
-            write_atomic(Path(path), text)
-        return text
+        return dump_json(self.to_dict(), path)
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> Tape:
@@ -156,6 +153,14 @@ class Tape:
         from .tables import tape_table
 
         return tape_table(self)
+
+
+def dump_json(data: dict[str, Any], path: str | os.PathLike[str] | None = None) -> str:
+    """JSON text of a report (sorted keys); with ``path``, also written atomically."""
+    text = json.dumps(data, indent=1, sort_keys=True)
+    if path is not None:
+        write_atomic(Path(path), text)
+    return text
 
 
 def write_atomic(path: Path, text: str) -> None:

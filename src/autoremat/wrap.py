@@ -30,6 +30,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
+from .errors import RematError
+
 __all__ = ["checkpointed", "is_wrapped", "unwrap", "wrap"]
 
 _MARK = "_autoremat_wrap"
@@ -135,8 +137,6 @@ def checkpointed(model: nn.Module, names: list[str],
     modules = [model.get_submodule(n) for n in names]
     previous = [module.__dict__.get(_MARK) for module in modules]
     if any(p is not None for p in previous):
-        from .errors import RematError
-
         raise RematError("the model already has autoremat wrappers; call "
                          "autoremat.remove(model) before profiling it")
     try:
