@@ -29,7 +29,7 @@ class CostModel:
     flops_per_byte: float  # memory-bound work per byte an op creates
     flops_per_random_byte: float  # the same for random ops (RNG is slower than arithmetic)
     flops_per_op: float  # eager dispatch overhead of re-running one op
-    flops_per_sac_op: float  # selective checkpointing: its policy runs for every op
+    flops_per_sac_op: float  # selective checkpointing: its dispatch modes see every op
 
 
 # ~100 GFLOP/s matmul, ~5 GB/s elementwise, ~10 us per op on a small multi-core CPU;
@@ -60,7 +60,10 @@ def recompute_cost(stats: dict[str, OpStats], fwd_flops: int, model: CostModel,
     for kind, s in stats.items():
         if kind in keep:
             continue
-        rate = model.flops_per_random_byte if kind == "dropout" else model.flops_per_byte
+        # Whole-block recompute draws random numbers again; selective recompute copies
+        # the kept Bernoulli draws back (NOTE [ Our own selective contexts, and random bits ]).
+        drawn = kind == "dropout" and saved is None
+        rate = model.flops_per_random_byte if drawn else model.flops_per_byte
         total += s.flops + rate * s.out_bytes + model.flops_per_op * s.count
     if saved is not None:
         total += model.flops_per_sac_op * sum(s.count for s in stats.values())

@@ -52,7 +52,8 @@ class OpStats:
 
     count: int  # ops dispatched (views included)
     flops: int  # their FLOPs
-    out_bytes: int  # bytes of the storages they create (views create none)
+    out_bytes: int  # bytes of the storages they create (views create none; random ops
+    # count the bytes they draw, in place or not)
     ms: float  # their time, measured op by op (inflated a little by the measuring)
 
 
@@ -73,12 +74,15 @@ class OpRecorder(FlopCounter):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         elapsed = (time.perf_counter() - start) * 1e3
         created = 0
+        random = is_random_op(str(func))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 if st._cdata not in inputs:
                     created += st.nbytes()
                     inputs.add(st._cdata)
+                elif random:  # an in-place draw (CPU dropout's bernoulli_): its bytes cost
+                    created += t.nbytes
         row = self.stats.setdefault(self.label, {}).setdefault(op_kind(str(func)),
                                                                [0, 0, 0, 0.0])
         row[0] += 1

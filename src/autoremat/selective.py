@@ -4,21 +4,47 @@ NOTE [ Save-sets by op kind ]
     Following Korthikanti et al. (Megatron-LM, 2022), a block's compute-heavy ops
     (matmul, attention, conv) are worth saving and its memory-heavy, compute-light ops
     (norms, activations, dropout, elementwise) worth recomputing. A *save-set* names the
-    op kinds whose outputs stay saved (``op_kind`` in ``profile.py``); the mechanism is
-    PyTorch's selective activation checkpointing (``create_selective_checkpoint_contexts``).
-    Random ops (dropout) are never saved: they are recomputed from the restored RNG
-    state, so they draw the same mask. Views are never saved: they follow their base.
-    The planner considers every non-empty subset of the compute kinds a block has.
+    op kinds whose outputs stay saved (``op_kind`` in ``ops.py``). Views are never saved:
+    they follow their base. The planner considers every non-empty subset of the compute
+    kinds a block has.
+
+NOTE [ Our own selective contexts, and random bits ]
+    The mechanism is the one of PyTorch's selective activation checkpointing (SAC): a
+    ``context_fn`` for non-reentrant ``torch.utils.checkpoint`` whose forward dispatch
+    mode keeps the outputs of the ops to save, and whose recompute dispatch mode hands
+    them back instead of re-running those ops. We write the two modes ourselves
+    (``_KeepOutputs``, ``_ReuseOutputs``) for two reasons measured on CPU (see
+    benchmarks/selective_overhead.md):
+
+    * Random draws. On CPU, dropout is ``empty_like(x).bernoulli_(1 - p)`` followed by
+      arithmetic, and ``bernoulli_`` was a third of a GPT-2 block's forward time at
+      n_embd=512, seq 512. Replaying it under the restored RNG state, as SAC does, pays
+      that again. We keep each Bernoulli draw instead, as one byte per element (the
+      draw is exactly 0 or 1 in any dtype), and the recompute copies it back into the
+      fresh tensor: the same values bit for bit, a quarter of the float mask's bytes,
+      and no random numbers drawn. Because a kept draw consumes no random numbers in
+      recompute, any *other* random op in the region (``rand``, ``native_dropout`` on
+      GPU, ...) would see a shifted RNG stream; so if the region has one, we drop the
+      kept draws when its forward ends and replay every random op under the RNG state
+      checkpoint restores, exactly as SAC does.
+    * Per-op overhead. SAC builds a policy context and calls a Python policy for every
+      op; ours does a set lookup. Per op it is still a Python dispatch, so small blocks
+      (a few ms) pay a visible share; the cost model prices it (``costs.py``).
+
+    A kept output that is later changed in place (its version counter moved) is not
+    handed back: the recompute re-runs that op instead, which is always correct.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import RematError
 from .ops import is_random_op, op_kind
@@ -32,23 +58,143 @@ SAVEABLE_KINDS = ("attention", "bmm", "conv", "matmul")  # compute-heavy: worth 
 MEGATRON = ("attention", "conv", "matmul")
 
 
-def _policy(save: frozenset[str], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    name = str(op)
-    if is_random_op(name) or getattr(op, "is_view", False):
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if op_kind(name) in save:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+# Ops that checkpoint itself may dispatch a different number of times in forward and in
+# recompute (as SAC_IGNORED_OPS in torch/utils/checkpoint.py): never counted or kept.
+_IGNORED = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+
+class _Kept:
+    """What one checkpointed call of a region keeps, shared by its two dispatch modes."""
+
+    def __init__(self, save: frozenset[str]) -> None:
+        self.save = save
+        # op -> one entry per call of it in forward order: None (recompute it), the
+        # Bernoulli draw as bool, or (outputs, their version counters)
+        self.entries: dict[Any, list[Any]] = defaultdict(list)
+        self.replay_rng = False  # the region has a random op other than Bernoulli
+
+
+def _is_bernoulli(func: Any) -> bool:
+    return "bernoulli" in func.__name__
+
+
+class _KeepOutputs(TorchDispatchMode):
+    """Forward: keep the outputs of the save-set's ops and every Bernoulli draw."""
+
+    def __init__(self, kept: _Kept) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in _IGNORED:
+            return out
+        kept, name = self.kept, str(func)
+        entry: Any = None
+        if is_random_op(name):
+            if _is_bernoulli(func) and isinstance(out, torch.Tensor):
+                entry = out.to(torch.bool)  # a copy: later in-place ops do not reach it
+            else:
+                kept.replay_rng = True
+        elif not func.is_view and op_kind(name) in kept.save \
+                and all(r.alias_info is None for r in func._schema.returns):
+            detached = tree_map(_detach, out)
+            entry = (detached, [t._version if isinstance(t, torch.Tensor) else 0
+                                for t in tree_flatten(detached)[0]])
+        kept.entries[func].append(entry)
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.kept.replay_rng:  # see NOTE [ Our own selective contexts, and random bits ]
+            for func, entries in self.kept.entries.items():
+                if _is_bernoulli(func):
+                    entries[:] = [None] * len(entries)
+        super().__exit__(*exc)
+
+
+class _ReuseOutputs(TorchDispatchMode):
+    """Recompute: hand back what forward kept, re-run everything else."""
+
+    def __init__(self, kept: _Kept) -> None:
+        super().__init__()
+        self.kept = kept
+        self.calls: dict[Any, int] = defaultdict(int)
+
+    def __enter__(self) -> _ReuseOutputs:
+        self.calls.clear()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        entries = self.kept.entries.get(func)
+        index = self.calls[func]
+        self.calls[func] += 1
+        entry = entries[index] if entries is not None and index < len(entries) else None
+        if entry is None:
+            return func(*args, **kwargs)
+        if isinstance(entry, torch.Tensor):  # a Bernoulli draw
+            return _restore_draw(func, entry, args)
+        out, versions = entry
+        flat = tree_flatten(out)[0]
+        if any(isinstance(t, torch.Tensor) and t._version != v
+               for t, v in zip(flat, versions, strict=True)):
+            return func(*args, **kwargs)  # changed in place since: recompute it
+        return out
+
+
+def _detach(t: Any) -> Any:
+    """Detach below autograd so the copy shares the version counter (as SAC's helper)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+def _restore_draw(func: Any, bits: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    target = args[0] if func._schema.is_mutable else None
+    shape = tuple(target.shape if target is not None else bits.shape)
+    if shape != tuple(bits.shape):
+        raise RematError(
+            f"selective recompute of {func} expected a draw of shape {tuple(bits.shape)} "
+            f"but the recompute asked for {shape}: the checkpointed region ran differently "
+            "in backward than in forward (data-dependent control flow?); use "
+            "strategy='full' for this block"
+        )
+    if target is not None:  # bernoulli_: fill the fresh tensor in place, as the draw did
+        return target.copy_(bits)
+    return bits.to(args[0].dtype)
 
 
 def selective_context(save_ops: Iterable[str]) -> ContextFn:
-    """A ``context_fn`` for ``torch.utils.checkpoint`` saving the outputs of ``save_ops``."""
+    """A ``context_fn`` for ``torch.utils.checkpoint`` saving the outputs of ``save_ops``.
+
+    Random Bernoulli draws are kept as one byte per element rather than replayed; see
+    NOTE [ Our own selective contexts, and random bits ].
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> lin = torch.nn.Linear(8, 8)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = checkpoint(lambda t: torch.dropout(lin(t).relu(), 0.5, True), x,
+        ...                use_reentrant=False, context_fn=selective_context(["matmul"]))
+        >>> y.sum().backward()
+        >>> x.grad.shape
+        torch.Size([4, 8])
+    """
     save = frozenset(save_ops)
     unknown = save - set(SAVEABLE_KINDS)
     if unknown:
         raise RematError(f"cannot save op kinds {sorted(unknown)}; selective plans save a "
                          f"subset of {list(SAVEABLE_KINDS)}")
-    return partial(create_selective_checkpoint_contexts, partial(_policy, save))
+
+    def contexts() -> tuple[_KeepOutputs, _ReuseOutputs]:
+        kept = _Kept(save)
+        return _KeepOutputs(kept), _ReuseOutputs(kept)
+
+    return contexts
 
 
 def save_sets(kinds_present: Iterable[str]) -> list[tuple[str, ...]]:

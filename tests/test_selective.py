@@ -1,0 +1,143 @@
+"""The selective-recompute mechanism: kept outputs, kept Bernoulli draws, and fallbacks.
+
+Every test compares gradients with ``torch.equal`` against the same function run without
+checkpointing, under the same seed (dropout on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from autoremat import RematError
+from autoremat.selective import save_sets, selective_context
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts ops by name, split into forward and backward (recompute included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if torch._C._current_graph_task_id() != -1:
+            name = func.__name__
+            self.backward[name] = self.backward.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _grads(fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.Tensor],
+           save: tuple[str, ...] | None, seed: int = 0) -> tuple[list[torch.Tensor], _CountOps]:
+    torch.manual_seed(seed)
+    x = torch.randn(6, 16, requires_grad=True)
+    for p in params:
+        p.grad = None
+    counter = _CountOps()
+    with counter:
+        if save is None:
+            out = fn(x)
+        else:
+            out = checkpoint(fn, x, use_reentrant=False, context_fn=selective_context(save))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = [x.grad] + [p.grad for p in params]
+    return [g.clone() for g in grads if g is not None], counter
+
+
+def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for ga, gb in zip(a, b, strict=True):
+        assert torch.equal(ga, gb)
+
+
+@pytest.fixture()
+def mlp() -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(123)
+    fc1, fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+    ln = torch.nn.LayerNorm(32)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(torch.nn.functional.gelu(ln(fc1(x))), 0.3, True)
+        return torch.nn.functional.dropout(fc2(h), 0.2, True)
+
+    return fn, [*fc1.parameters(), *fc2.parameters(), *ln.parameters()]
+
+
+@pytest.mark.parametrize("save", [(), ("matmul",), ("matmul", "bmm")])
+def test_gradients_equal_and_dropout_is_not_drawn_again(mlp, save):  # type: ignore[no-untyped-def]
+    fn, params = mlp
+    plain, _ = _grads(fn, params, None)
+    sel, counter = _grads(fn, params, save)
+    _assert_same(plain, sel)
+    # The CPU dropout draws with bernoulli_; selective recompute copies the kept draws back.
+    assert counter.backward.get("bernoulli_.float", 0) == 0
+    # Linear's forward is addmm, its backward mm: an addmm in backward is a re-run.
+    assert counter.backward.get("addmm.default", 0) == (0 if "matmul" in save else 2)
+
+
+def test_whole_block_checkpoint_draws_again_for_reference(mlp):  # type: ignore[no-untyped-def]
+    # The counter can see a re-draw: plain checkpointing replays both dropouts.
+    fn, _ = mlp
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    counter = _CountOps()
+    with counter:
+        checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert counter.backward["bernoulli_.float"] == 2
+
+
+def test_other_random_ops_replay_the_rng_and_stay_exact() -> None:
+    # torch.rand after a dropout: keeping the Bernoulli draw alone would shift rand's
+    # stream in recompute, so the region falls back to replaying every random op.
+    torch.manual_seed(7)
+    lin = torch.nn.Linear(16, 16)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(lin(x), 0.5, True)
+        return h * torch.rand_like(h) + torch.nn.functional.dropout(h.tanh(), 0.5, True)
+
+    plain, _ = _grads(fn, list(lin.parameters()), None)
+    sel, counter = _grads(fn, list(lin.parameters()), ("matmul",))
+    _assert_same(plain, sel)
+    assert counter.backward["bernoulli_.float"] == 2  # replayed, not copied
+
+
+def test_a_kept_output_changed_in_place_later_is_recomputed() -> None:
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(16, 16)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)  # kept (matmul) ...
+        g = h.sigmoid()  # ... saved by sigmoid's backward through its output
+        h.mul_(2.0)  # ... then changed in place: the kept copy is stale
+        return g * h
+
+    plain, _ = _grads(fn, list(lin.parameters()), None)
+    sel, _ = _grads(fn, list(lin.parameters()), ("matmul",))
+    _assert_same(plain, sel)
+
+
+def test_retain_graph_allows_a_second_backward() -> None:
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = checkpoint(lambda t: torch.dropout(lin(t).relu(), 0.5, True), x,
+                     use_reentrant=False, context_fn=selective_context(["matmul"]))
+    out.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    out.sum().backward()
+    assert torch.equal(x.grad, 2 * first)
+
+
+def test_unknown_kinds_are_refused() -> None:
+    with pytest.raises(RematError, match=r"cannot save op kinds \['softmax'\]"):
+        selective_context(["matmul", "softmax"])
+
+
+def test_save_sets_are_the_non_empty_subsets_of_present_compute_kinds() -> None:
+    assert save_sets(["matmul", "softmax", "bmm"]) == [("bmm", "matmul"), ("bmm",), ("matmul",)]
+    assert save_sets(["softmax", "norm"]) == []
