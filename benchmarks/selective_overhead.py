@@ -6,7 +6,11 @@ budget, apply it, and measure, in one process with interleaved runs: the step pe
 (track_memory), the step time against no checkpointing (median of interleaved steps),
 and the same for per-block full checkpointing as the reference.
 
-Run:  python benchmarks/selective_overhead.py [--repeats 15] [--set n_embd=384,seq_len=256]
+Two sizes per model: the zoo defaults (n_embd=128, seq 128: blocks of a few ms, where
+per-op dispatch overhead dominates) and "medium" (12 layers, n_embd=512, seq 512, batch 2:
+GPT-2-small-like widths, blocks of ~100 ms).
+
+Run:  python benchmarks/selective_overhead.py [--repeats 7] [--sizes default,medium]
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ def _peak(model: torch.nn.Module, inputs: object) -> int:
     return mem.peak_bytes
 
 
+SIZES: dict[str, dict[str, dict[str, int]]] = {
+    "default": {"gpt2": {}, "llama": {}},
+    "medium": {
+        "gpt2": {"n_layer": 12, "n_embd": 512, "n_head": 8, "seq_len": 512, "batch_size": 2},
+        "llama": {"n_layer": 12, "n_embd": 512, "n_head": 8, "n_kv_head": 4,
+                  "ffn_hidden": 1368, "seq_len": 512, "batch_size": 2},
+    },
+}
+
+
 def bench(name: str, repeats: int, sizes: dict[str, int]) -> list[str]:
     model, inputs = autoremat.zoo.build(name, **sizes)
     tape = autoremat.profile(model, inputs)
@@ -65,13 +79,14 @@ def bench(name: str, repeats: int, sizes: dict[str, int]) -> list[str]:
     lines = [f"### {name} ({size_text}): budget {format_bytes(budget)} "
              f"(peak {format_bytes(tape.step_peak_bytes)} - 2/3 x blocks' saved "
              f"{format_bytes(tape.block_saved_bytes)})", "",
-             "| plan | decisions | measured peak | fits | recompute FLOPs | median step | "
-             "time vs none | spread |", "|---|---|---|---|---|---|---|---|"]
+             "| plan | decisions | predicted peak | measured peak | fits | recompute FLOPs | "
+             "median step | time vs none | spread |", "|---|---|---|---|---|---|---|---|---|"]
     for label, p in plans.items():
         med = statistics.median(times[label])
         spread = (max(times[label]) - min(times[label])) / med
         decisions = "".join(b.decision[0] for b in p.blocks)
-        lines.append(f"| {label} | `{decisions}` | {format_bytes(peaks[label])} | "
+        lines.append(f"| {label} | `{decisions}` | {format_bytes(p.predicted_peak_bytes)} | "
+                     f"{format_bytes(peaks[label])} | "
                      f"{'yes' if peaks[label] <= budget else 'no'} | "
                      f"{100 * p.recompute_overhead:.1f}% | {med:.1f} ms | "
                      f"x{med / base:.3f} | {100 * spread:.0f}% |")
@@ -83,19 +98,21 @@ def bench(name: str, repeats: int, sizes: dict[str, int]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--set", default="", help="zoo size options, e.g. n_embd=256")
+    parser.add_argument("--sizes", default="default,medium", help=f"from {sorted(SIZES)}")
+    parser.add_argument("--set", default="", help="extra zoo size options, e.g. n_embd=256")
     parser.add_argument("--out", default="benchmarks/selective_overhead.md")
     args = parser.parse_args()
     lines = ["# Selective recompute at one third of the blocks' activations", "",
-             f"Command: `python benchmarks/selective_overhead.py --repeats {args.repeats}"
-             + (f" --set {args.set}" if args.set else "") + "`  ",
+             f"Command: `python benchmarks/selective_overhead.py --repeats {args.repeats} "
+             f"--sizes {args.sizes}" + (f" --set {args.set}" if args.set else "") + "`  ",
              f"Machine: {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}", ""]
-    sizes = {k: int(v) for k, v in (item.split("=") for item in args.set.split(",") if item)}
-    for name in args.models.split(","):
-        lines += bench(name, args.repeats, sizes)
+    extra = {k: int(v) for k, v in (item.split("=") for item in args.set.split(",") if item)}
+    for size in args.sizes.split(","):
+        for name in args.models.split(","):
+            lines += bench(name, args.repeats, {**SIZES[size][name], **extra})
     text = "\n".join(lines)
     print(text)
     Path(args.out).write_text(text + "\n")

@@ -6,6 +6,7 @@ checkpointing, under the same seed (dropout on).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -14,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from autoremat import RematError
-from autoremat.selective import save_sets, selective_context
+from autoremat.selective import save_set_name, save_set_of, save_sets, selective_context
 
 
 class _CountOps(TorchDispatchMode):
@@ -141,3 +142,29 @@ def test_unknown_kinds_are_refused() -> None:
 def test_save_sets_are_the_non_empty_subsets_of_present_compute_kinds() -> None:
     assert save_sets(["matmul", "softmax", "bmm"]) == [("bmm", "matmul"), ("bmm",), ("matmul",)]
     assert save_sets(["softmax", "norm"]) == []
+
+
+def test_blocks_with_dropout_also_get_the_empty_save_set() -> None:
+    assert save_sets(["matmul", "dropout", "pointwise"]) == [("matmul",), ()]
+    assert save_set_of(save_set_name(())) == ()
+    assert save_set_of(save_set_name(("matmul", "bmm"))) == ("bmm", "matmul")
+
+
+def test_plans_with_the_empty_save_set_apply_exactly_and_print() -> None:
+    import autoremat
+    from autoremat import zoo
+    from autoremat.solvers.chain import predict_peak
+
+    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
+    tape = autoremat.profile(model, inputs, repeats=1)
+    assert all("" in b.selective for b in tape.blocks)
+    base = autoremat.plan(tape, strategy="full")
+    blocks = tuple(dataclasses.replace(b, decision="selective", save_ops=()) for b in base.blocks)
+    options = [(i, i + 1, ("selective", ())) for i in range(len(blocks))]
+    plan = dataclasses.replace(base, blocks=blocks,
+                               predicted_peak_bytes=predict_peak(tape, options))
+    assert "recompute all ops, keep the random draws" in str(plan)
+    assert autoremat.Plan.from_json(plan.to_json()).blocks[0].save_ops == ()
+    report = autoremat.verify(model, inputs, plan, repeats=1)
+    assert report.grads_equal
+    assert report.peak_bytes == report.predicted_peak_bytes

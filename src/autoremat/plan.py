@@ -122,7 +122,8 @@ class Plan:
                 block = self.blocks[i]
                 what = decision
                 if decision == "selective":
-                    what += " (save " + ", ".join(block.save_ops) + " outputs)"
+                    what += (" (save " + ", ".join(block.save_ops) + " outputs)" if block.save_ops
+                             else " (recompute all ops, keep the random draws)")
                 if stop > start + 1:
                     what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
                 rows.append([block.name, what])

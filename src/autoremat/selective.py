@@ -6,7 +6,7 @@ NOTE [ Save-sets by op kind ]
     (norms, activations, dropout, elementwise) worth recomputing. A *save-set* names the
     op kinds whose outputs stay saved (``op_kind`` in ``ops.py``). Views are never saved:
     they follow their base. The planner considers every non-empty subset of the compute
-    kinds a block has.
+    kinds a block has, and for blocks with dropout the empty set (``save_sets``).
 
 NOTE [ Our own selective contexts, and random bits ]
     The mechanism is the one of PyTorch's selective activation checkpointing (SAC): a
@@ -50,7 +50,8 @@ from .errors import RematError
 from .ops import is_random_op, op_kind
 from .wrap import ContextFn
 
-__all__ = ["MEGATRON", "SAVEABLE_KINDS", "save_set_name", "save_sets", "selective_context"]
+__all__ = ["MEGATRON", "SAVEABLE_KINDS", "save_set_name", "save_set_of", "save_sets",
+           "selective_context"]
 
 SAVEABLE_KINDS = ("attention", "bmm", "conv", "matmul")  # compute-heavy: worth keeping
 # strategy="selective": Megatron-LM's policy. Save what has weights (linear, conv) and
@@ -198,13 +199,31 @@ def selective_context(save_ops: Iterable[str]) -> ContextFn:
 
 
 def save_sets(kinds_present: Iterable[str]) -> list[tuple[str, ...]]:
-    """Every non-empty subset of the saveable kinds present in a block, largest first."""
-    present = sorted(set(kinds_present) & set(SAVEABLE_KINDS))
+    """The save-sets worth measuring for a block with these op kinds, largest first.
+
+    Every non-empty subset of the saveable kinds present, and, if the block draws random
+    numbers (``dropout``), the empty save-set: recompute every op but copy the kept
+    draws back, which costs less than whole-block recompute where drawing is slow (CPU).
+
+    Example:
+        >>> save_sets(["matmul", "bmm", "softmax", "dropout"])
+        [('bmm', 'matmul'), ('bmm',), ('matmul',), ()]
+    """
+    kinds = set(kinds_present)
+    present = sorted(kinds & set(SAVEABLE_KINDS))
     out: list[tuple[str, ...]] = []
     for size in range(len(present), 0, -1):
         out.extend(itertools.combinations(present, size))
+    if "dropout" in kinds:
+        out.append(())
     return out
 
 
 def save_set_name(save: Iterable[str]) -> str:
+    """The key of a save-set in a tape: kinds joined by ``+`` ("" for the empty set)."""
     return "+".join(sorted(save))
+
+
+def save_set_of(name: str) -> tuple[str, ...]:
+    """The save-set a tape key names; the inverse of :func:`save_set_name`."""
+    return tuple(name.split("+")) if name else ()

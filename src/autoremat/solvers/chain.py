@@ -43,7 +43,7 @@ import numpy as np
 
 from ..costs import CostModel, cost_model_for, recompute_cost
 from ..errors import internal_assert
-from ..selective import save_set_name
+from ..selective import save_set_name, save_set_of
 from ..tape import Tape, WindowMemory
 
 __all__ = ["ChainSolution", "Option", "SegmentCost", "plan_costs", "predict_peak", "segment_cost",
@@ -197,7 +197,7 @@ def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
 
 def selective_options(tape: Tape) -> list[list[Option]]:
     """Per block, the selective options its tape measured."""
-    return [[("selective", tuple(name.split("+"))) for name in sorted(b.selective)]
+    return [[("selective", save_set_of(name)) for name in sorted(b.selective)]
             for b in tape.blocks]
 
 
