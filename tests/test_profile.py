@@ -121,6 +121,18 @@ def test_profile_measures_every_block_and_leaves_no_trace(name: str) -> None:
     assert tape.model == type(model).__name__ and tape.device == "cpu"
     _check_tape_invariants(tape)
 
+    for b in tape.blocks:  # the per-op trace adds up to the per-kind stats and saved bytes
+        assert sum(r.kept_bytes for r in b.ops) == b.saved_bytes, b.name
+        assert sum(r.flops for r in b.ops) == b.fwd_flops, b.name
+        for kind, stats in b.op_stats.items():
+            rows = [r for r in b.ops if r.kind == kind]
+            assert len(rows) == stats.count and sum(r.out_bytes for r in rows) == stats.out_bytes
+        assert all(r.out_bytes == r.kept_bytes == 0 for r in b.ops if r.view), b.name
+        assert all(0 <= r.kept_bytes <= r.out_bytes for r in b.ops), b.name
+        draws = [r for r in b.ops if r.random]
+        assert all(r.inplace and r.kind == "dropout" for r in draws), b.name  # bernoulli_
+        assert bool(draws) == (name != "resnet"), b.name  # resnet's only dropout is outside
+
     if name in ("gpt2", "llama"):  # identical blocks: identical figures
         first = tape.blocks[0]
         for b in tape.blocks[1:]:

@@ -168,3 +168,19 @@ def test_plans_with_the_empty_save_set_apply_exactly_and_print() -> None:
     report = autoremat.verify(model, inputs, plan, repeats=1)
     assert report.grads_equal
     assert report.peak_bytes == report.predicted_peak_bytes
+
+
+def test_print_plan_says_what_each_selective_block_saves_and_recomputes() -> None:
+    import autoremat
+    from autoremat import zoo
+
+    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
+    tape = autoremat.profile(model, inputs, repeats=1)
+    plan = autoremat.plan(tape, strategy="selective")
+    for block, stats in zip(plan.blocks, (b.op_stats for b in tape.blocks), strict=True):
+        assert block.save_ops == ("matmul",)  # gpt2's SDPA on CPU with dropout is bmm-based
+        assert set(block.recompute_ops) == {k for k, s in stats.items() if s.count} - {"matmul"}
+        assert "dropout" in block.recompute_ops and "softmax" in block.recompute_ops
+    text = str(plan)
+    assert "save matmul outputs; recompute bmm, copy, dropout" in text
+    assert autoremat.Plan.from_json(plan.to_json()) == plan

@@ -141,6 +141,8 @@ def test_missing_field_is_named(
         (_set("1", "pre", "peak_bytes"), "tape.pre.peak_bytes"),
         (_set(0.5, "blocks", 0, "bwd", "KK", "peak_bytes"), "tape.blocks[0].bwd.KK.peak_bytes"),
         (_set(7, "post"), "tape.post"),
+        (_set("yes", "blocks", 0, "ops", 0, "random"), "tape.blocks[0].ops[0].random"),
+        (_set({}, "blocks", 0, "ops"), "tape.blocks[0].ops"),
     ],
 )
 def test_wrong_type_field_is_named(

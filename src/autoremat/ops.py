@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .flops import FlopCounter
 
-__all__ = ["OpRecorder", "OpStats", "is_random_op", "op_kind"]
+__all__ = ["OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind"]
 
 _KINDS = (
     ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention")),
@@ -57,15 +59,40 @@ class OpStats:
     ms: float  # their time, measured op by op (inflated a little by the measuring)
 
 
+@dataclass(frozen=True)
+class OpRecord:
+    """One forward op inside a block, in dispatch order."""
+
+    op: str  # ATen overload, e.g. "aten.addmm.default"
+    kind: str  # op_kind(op)
+    out_bytes: int  # bytes of the storages it created (random ops: also bytes drawn in place)
+    flops: int  # its FLOPs
+    ms: float  # its time, measured op by op (inflated a little by the measuring)
+    random: bool  # draws random numbers (recomputing it needs the RNG state, or a kept draw)
+    view: bool  # returns a view of an input: it creates no storage and follows its base
+    inplace: bool  # writes into one of its arguments
+    kept_bytes: int  # of out_bytes, those still alive when backward started (saved for
+    # backward, or still referenced as an output): what autograd keeps of this op
+
+
 class OpRecorder(FlopCounter):
-    """FLOPs by label and phase, plus per-kind forward stats by label."""
+    """FLOPs by label and phase, plus per-kind stats and a per-op trace of each label's
+    forward."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stats: dict[str, dict[str, list[float]]] = {}
+        # label -> per forward op: [OpRecord fields but kept_bytes, (storage ref, bytes)s]
+        self._trace: dict[str, list[list[Any]]] = {}
+        self._kept: dict[str, tuple[OpRecord, ...]] | None = None  # set when backward starts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if torch._C._current_graph_task_id() != -1 or self.label == "<outside>":
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._kept is None:
+            self._close_forward()  # backward started: what is alive now was kept
+        if in_backward or self._kept is not None or self.label == "<outside>":
+            # FLOPs only: forward stats cover the forward before backward, not ops that
+            # run after it under a block's label
             return super().__torch_dispatch__(func, types, args, kwargs)
         before = self.total
         flat_in = tree_flatten((args, kwargs or {}))[0]
@@ -74,24 +101,46 @@ class OpRecorder(FlopCounter):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         elapsed = (time.perf_counter() - start) * 1e3
         created = 0
-        random = is_random_op(str(func))
+        name = str(func)
+        random = is_random_op(name)
+        refs = []
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 if st._cdata not in inputs:
                     created += st.nbytes()
                     inputs.add(st._cdata)
+                    refs.append((weakref.ref(st), st.nbytes()))
                 elif random:  # an in-place draw (CPU dropout's bernoulli_): its bytes cost
                     created += t.nbytes
-        row = self.stats.setdefault(self.label, {}).setdefault(op_kind(str(func)),
-                                                               [0, 0, 0, 0.0])
+        kind = op_kind(name)
+        flops = self.total - before
+        row = self.stats.setdefault(self.label, {}).setdefault(kind, [0, 0, 0, 0.0])
         row[0] += 1
-        row[1] += self.total - before
+        row[1] += flops
         row[2] += created
         row[3] += elapsed
+        self._trace.setdefault(self.label, []).append(
+            [name, kind, created, flops, round(elapsed, 4), random, bool(func.is_view),
+             bool(func._schema.is_mutable), refs])
         return out
+
+    def _close_forward(self) -> None:
+        self._kept = {
+            label: tuple(OpRecord(*row[:-1], kept_bytes=sum(n for ref, n in row[-1]
+                                                            if ref() is not None))
+                         for row in rows)
+            for label, rows in self._trace.items()}
+        self._trace.clear()
 
     def block_stats(self, label: str) -> dict[str, OpStats]:
         rows = self.stats.get(label, {})
         return {k: OpStats(int(r[0]), int(r[1]), int(r[2]), round(float(r[3]), 4))
                 for k, r in sorted(rows.items())}
+
+    def block_ops(self, label: str) -> tuple[OpRecord, ...]:
+        """The forward ops of ``label`` in order; ``kept`` is decided when backward
+        starts (if no backward ran, by what is alive now)."""
+        if self._kept is None:
+            self._close_forward()
+        return self._kept.get(label, ()) if self._kept is not None else ()

@@ -39,6 +39,7 @@ class BlockDecision:
     decision: str  # "keep" | "recompute" | "selective"
     segment: int  # index of its segment; blocks sharing one are recomputed together
     save_ops: tuple[str, ...] = ()  # selective: op kinds whose outputs stay saved
+    recompute_ops: tuple[str, ...] = ()  # selective: op kinds re-run in backward
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,8 @@ class Plan:
         for i, item in enumerate(raw):
             where = f"plan.blocks[{i}]"
             if isinstance(item, dict):
-                item = dict(item, save_ops=_strings(item.get("save_ops", []),
-                                                    f"{where}.save_ops"))
+                item = dict(item, **{key: _strings(item.get(key, []), f"{where}.{key}")
+                                     for key in ("save_ops", "recompute_ops")})
             block = build_dataclass(BlockDecision, item, where)
             _expect(block.name, str, f"{where}.name")
             _expect(block.segment, int, f"{where}.segment")
@@ -122,8 +123,11 @@ class Plan:
                 block = self.blocks[i]
                 what = decision
                 if decision == "selective":
-                    what += (" (save " + ", ".join(block.save_ops) + " outputs)" if block.save_ops
-                             else " (recompute all ops, keep the random draws)")
+                    what += (" (save " + ", ".join(block.save_ops) + " outputs" if block.save_ops
+                             else " (recompute all ops, keep the random draws")
+                    if block.save_ops and block.recompute_ops:
+                        what += "; recompute " + ", ".join(block.recompute_ops)
+                    what += ")"
                 if stop > start + 1:
                     what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
                 rows.append([block.name, what])
@@ -285,6 +289,15 @@ def smallest_feasible_bytes(tape: Tape) -> int:
     return _smallest(tape).peak_bytes
 
 
+def _recomputed_kinds(tape: Tape, i: int, option: Option) -> tuple[str, ...]:
+    """Op kinds a selective block re-runs in backward (dropout copies its kept draws
+    back; see NOTE [ Our own selective contexts, and random bits ])."""
+    if option[0] != "selective":
+        return ()
+    stats = tape.blocks[i].op_stats
+    return tuple(k for k, s in stats.items() if s.count and k not in option[1])
+
+
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
          max_memory: int | str | None = None, optimizer: str | int | None = None) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
@@ -336,7 +349,8 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     decisions = []
     for seg_index, (start, stop, opt) in enumerate(segments):
         for i in range(start, stop):
-            decisions.append(BlockDecision(tape.blocks[i].name, opt[0], seg_index, opt[1]))
+            decisions.append(BlockDecision(tape.blocks[i].name, opt[0], seg_index, opt[1],
+                                           _recomputed_kinds(tape, i, opt)))
     return Plan(
         strategy=strategy, blocks=tuple(decisions), budget_bytes=budget_bytes,
         predicted_peak_bytes=peak,

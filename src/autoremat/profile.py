@@ -386,7 +386,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             param_bytes=unique_storage_bytes(list(module.parameters())),
             grad_bytes=block_grad_bytes[i],
             fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
-            op_stats=op_stats[i], selective=selective[i],
+            op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
             chain_bytes=plain.probe.chain_bytes[i] if i > 0 else 0,
         ))

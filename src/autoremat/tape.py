@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SchemaError
-from .ops import OpStats
+from .ops import OpRecord, OpStats
 from .units import format_bytes
 
 __all__ = ["SCHEMA_VERSION", "BlockProfile", "SelectiveProfile", "Tape", "WindowMemory"]
@@ -76,6 +76,8 @@ class BlockProfile:
     recompute_flops: int = -1  # -1: not measured; use fwd_flops
     # Forward ops by kind (count, FLOPs, bytes created, ms), for costing recompute.
     op_stats: dict[str, OpStats] = field(default_factory=dict)
+    # Its forward ops in order (kind, bytes, FLOPs, ms, random/view/in-place, kept).
+    ops: tuple[OpRecord, ...] = ()
     # Selective recompute options keyed by save-set name, e.g. "matmul" or "bmm+matmul".
     selective: dict[str, SelectiveProfile] = field(default_factory=dict)
 
@@ -239,6 +241,12 @@ def _window(data: Any, where: str) -> WindowMemory:
     return window  # type: ignore[no-any-return]
 
 
+def _op_record(data: Any, where: str) -> OpRecord:
+    record = build_dataclass(OpRecord, data, where)
+    _check_types(record, where)
+    return record  # type: ignore[no-any-return]
+
+
 def _mapping(data: Any, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SchemaError(f"{where} must be an object")
@@ -267,6 +275,10 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             str(k): build_dataclass(OpStats, v, f"{where}.op_stats.{k}")
             for k, v in _mapping(raw.get("op_stats", {}), f"{where}.op_stats").items()
         }
+        raw_ops = raw.get("ops", [])
+        if not isinstance(raw_ops, list):
+            raise SchemaError(f"{where}.ops must be a list")
+        raw["ops"] = tuple(_op_record(v, f"{where}.ops[{j}]") for j, v in enumerate(raw_ops))
         selective = {}
         for k, v in _mapping(raw.get("selective", {}), f"{where}.selective").items():
             v = dict(_mapping(v, f"{where}.selective.{k}"))
