@@ -80,6 +80,10 @@ def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
     with _status(console, f"profiling {args.target} (several instrumented steps)"):
         tape = profile(model, inputs)
     console.print(str(tape), highlight=False, soft_wrap=True)
+    if args.ops:
+        from .tables import ops_table
+
+        console.print(ops_table(tape, args.ops), highlight=False, soft_wrap=True)
     if args.out:
         tape.to_json(args.out)
         console.print(f"tape written to {args.out}")
@@ -185,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("target", help="zoo name or package.module:factory")
         p.add_argument("--set", help="size options, e.g. n_layer=12,batch_size=8")
         p.add_argument("--out", help="write the tape/plan JSON here")
+        if name == "profile":
+            p.add_argument("--ops", metavar="BLOCK",
+                           help="also list the forward ops of this block (e.g. blocks.0)")
         if name == "plan":
             p.add_argument("--budget", help="bytes, '6GiB', '500MB' or '40%%' of the plain peak")
             p.add_argument("--strategy", default="optimal",

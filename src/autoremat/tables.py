@@ -10,7 +10,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     from .tape import Tape
 
-__all__ = ["render_table", "tape_table"]
+__all__ = ["ops_table", "render_table", "tape_table"]
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -66,3 +66,29 @@ def tape_table(tape: Tape) -> str:
             f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
             f"step {tape.step_ms:.1f} ms, {_flops(tape.step_flops)}FLOPs\n")
     return head + table
+
+
+def ops_table(tape: Tape, block: str) -> str:
+    """The forward ops of one block of ``tape``, in order, with what backward keeps."""
+    from .errors import RematError, did_you_mean
+
+    names = [b.name for b in tape.blocks]
+    if block not in names:
+        raise RematError(f"no block {block!r} in the tape of {tape.model}."
+                         + did_you_mean(block, names) + f" Blocks: {', '.join(names[:8])}"
+                         + (", ..." if len(names) > 8 else ""))
+    profile = tape.blocks[names.index(block)]
+    if not profile.ops:
+        raise RematError(f"the tape has no per-op trace for {block!r} (made by an older "
+                         "autoremat); profile the model again")
+    rows = []
+    for i, r in enumerate(profile.ops):
+        flags = ",".join(f for f, on in (("random", r.random), ("view", r.view),
+                                         ("in-place", r.inplace)) if on)
+        rows.append([i, r.op.removeprefix("aten."), r.kind, format_bytes(r.out_bytes),
+                     format_bytes(r.kept_bytes) if r.kept_bytes else "-", _flops(r.flops),
+                     f"{r.ms:.3f}", flags])
+    kept = sum(r.kept_bytes for r in profile.ops)
+    return (f"{block}: {len(profile.ops)} forward ops; backward keeps "
+            f"{format_bytes(kept)} of them\n"
+            + render_table(["#", "op", "kind", "creates", "kept", "FLOPs", "ms", "flags"], rows))

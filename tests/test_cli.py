@@ -1,0 +1,66 @@
+"""The ``autoremat`` command line: demo, profile and plan (doctor and bench have their own)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import autoremat
+from autoremat.cli import main
+
+_SMALL_GPT2 = "n_layer=2,batch_size=2,seq_len=32"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["profile", "gtp2"], "unknown target 'gtp2'"),
+        (["profile", "gpt2", "--set", "n_layer"], "cannot read option 'n_layer'"),
+        (["profile", "gpt2", "--set", _SMALL_GPT2, "--ops", "block.1"],
+         "no block 'block.1' in the tape of GPT. Did you mean 'blocks.1'?"),
+        (["plan", "mlp", "--budget", "lots"], "lots"),
+        (["plan", "mlp", "--strategy", "optimall", "--budget", "50%"], "optimall"),
+        (["plan", "no_such_module:factory"], "cannot import 'no_such_module'"),
+    ],
+)
+def test_errors_name_the_problem(argv: list[str], message: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "error:" in out and message in out, out
+
+
+def test_profile_lists_a_blocks_ops_and_writes_the_tape(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "tape.json"
+    assert main(["profile", "gpt2", "--set", _SMALL_GPT2, "--ops", "blocks.1",
+                 "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    tape = autoremat.Tape.from_json(out_file)
+    block = tape.blocks[1]
+    assert f"blocks.1: {len(block.ops)} forward ops" in out
+    assert "bernoulli_.float" in out and "random,in-place" in out
+    assert tape.model == "GPT" and len(tape.blocks) == 2
+
+
+def test_plan_verifies_and_writes_the_plan(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "plan.json"
+    assert main(["plan", "gpt2", "--set", "n_layer=3", "--budget", "60%", "--verify",
+                 "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    plan = autoremat.Plan.from_json(out_file)
+    assert plan.strategy == "optimal" and plan.budget_bytes is not None
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert "Plan (optimal) for GPT" in out
+    assert json.loads(out_file.read_text())["schema_version"] == plan.schema_version
+
+
+@pytest.mark.slow
+def test_demo_measures_every_plan_with_exact_gradients(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--model", "mlp", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp: plans, measured" in out
+    assert "DIFFER" not in out and out.count("equal") >= 4
