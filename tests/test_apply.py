@@ -24,6 +24,8 @@ from autoremat import Plan, Tape, zoo
 from autoremat.apply import ShapeMismatchWarning
 from autoremat.errors import BudgetError, PlanMismatchError, RematError
 from autoremat.plan import smallest_feasible_bytes
+from autoremat.selective import save_set_of
+from autoremat.solvers.chain import plan_costs, predict_peak
 from autoremat.wrap import is_wrapped
 
 SMALL: dict[str, dict[str, Any]] = {
@@ -604,3 +606,31 @@ def test_hugging_face_recompute_flops_are_predicted(name: str, use_cache: bool |
     report = autoremat.verify(model, inputs, repeats=1)
     assert report.grads_equal
     assert report.recompute_flops == pytest.approx(plan.predicted_recompute_flops, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_hugging_face_every_selective_option_is_exact_and_predicted(name: str) -> None:
+    # Each save-set the tape measured, applied to every block: HF attention code (SDPA with
+    # dropout, rotary embeddings, in-place residual adds) under the selective dispatch modes.
+    model, inputs = _hf(name, False if name != "bert" else None)
+    tape = autoremat.profile(model, inputs, repeats=1)
+    names = set.intersection(*(set(b.selective) for b in tape.blocks))
+    assert names, "every block should have selective options"
+    for save_name in sorted(names):
+        save = save_set_of(save_name)
+        options = [(i, i + 1, ("selective", save)) for i in range(len(tape.blocks))]
+        base = autoremat.plan(tape, None, "full")
+        plan = dataclasses.replace(
+            base, strategy=f"selective:{save_name}",
+            blocks=tuple(dataclasses.replace(b, decision="selective", save_ops=save)
+                         for b in base.blocks),
+            predicted_peak_bytes=predict_peak(tape, options),
+            predicted_recompute_flops=sum(c.flops for c in plan_costs(tape, options)))
+        autoremat.apply(model, plan)
+        report = autoremat.verify(model, inputs, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal, (save_name, report.max_grad_diff)
+        assert abs(report.prediction_error) <= 0.05, (save_name, report.prediction_error)
+        assert report.recompute_flops == pytest.approx(plan.predicted_recompute_flops,
+                                                       rel=0.02, abs=1), save_name

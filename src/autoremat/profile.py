@@ -268,21 +268,30 @@ def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, Wind
 
 
 def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                    op_stats: list[dict[str, OpStats]]) -> list[dict[str, SelectiveProfile]]:
-    """One memory step per save-set: blocks that have its kinds run selective, the
-    others fully checkpointed (so every block's neighbours are checkpointed)."""
+                    op_stats: list[dict[str, OpStats]],
+                    plain: OpRecorder) -> list[dict[str, SelectiveProfile]]:
+    """Per save-set, one memory step and one FLOP step: blocks that have its kinds run
+    selective, the others fully checkpointed (so every block's neighbours are
+    checkpointed). Recompute FLOPs are measured, as for whole blocks: checkpoint's early
+    stop skips the ops after the last one whose output backward needs."""
     candidates = [save_sets(k for k, s in stats.items() if s.count) for stats in op_stats]
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
     for save in sorted({s for c in candidates for s in c}):
         users = {names[i]: save for i, c in enumerate(candidates) if save in c}
         run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), users)
+        contexts = {n: selective_context(s) for n, s in users.items()}
+        with checkpointed(model, names, contexts):
+            counter = _flops(model, inputs, loss_fn, names)
+        for p in model.parameters():
+            p.grad = None
         for i, name in enumerate(names):
             if name not in users:
                 continue
             redo = [s for k, s in op_stats[i].items() if k not in save]
             out[i][save_set_name(save)] = SelectiveProfile(
                 fwd=run.fwd[i], bwd=run.bwd[i],
-                recompute_flops=sum(s.flops for s in redo),
+                recompute_flops=counter.by_label.get((name, "bwd"), 0)
+                - plain.by_label.get((name, "bwd"), 0),
                 recompute_bytes=sum(s.out_bytes for s in redo),
                 recompute_ops=sum(s.count for s in redo),
             )
@@ -358,7 +367,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         for p in model.parameters():
             p.grad = None
         op_stats = [counter.block_stats(name) for name in names]
-        selective = _selective_runs(model, inputs, loss_fn, names, op_stats) \
+        selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter) \
             if with_selective else [{} for _ in names]
         params = list(model.parameters())
         on_meta = any(p.device.type == "meta" for p in params)

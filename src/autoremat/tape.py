@@ -44,7 +44,7 @@ class SelectiveProfile:
 
     fwd: WindowMemory
     bwd: WindowMemory  # recompute of the unsaved ops included
-    recompute_flops: int  # FLOPs of the ops that are not saved (re-run in backward)
+    recompute_flops: int  # FLOPs re-run in backward (measured: early stop included)
     recompute_bytes: int  # bytes those ops create
     recompute_ops: int  # how many ops are re-run
 
