@@ -184,3 +184,63 @@ def test_print_plan_says_what_each_selective_block_saves_and_recomputes() -> Non
     text = str(plan)
     assert "save matmul outputs; recompute bmm, copy, dropout" in text
     assert autoremat.Plan.from_json(plan.to_json()) == plan
+
+
+class _OddBlock(torch.nn.Module):
+    """In-place ops on matmul outputs, a non-Bernoulli random op, BatchNorm, kwargs."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.fc2 = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.act, self.bn = torch.nn.ReLU(inplace=True), torch.nn.BatchNorm1d(d)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, *,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.nn.functional.dropout(self.act(self.fc(x)), 0.3, True)  # relu_ on a kept output
+        h = self.bn(h + 0.01 * torch.rand_like(h))
+        h2 = self.fc2(h)
+        h2.mul_(scale)  # changes a kept output in place
+        return x + (h2 if bias is None else h2 + bias)
+
+
+class _OddNet(torch.nn.Module):
+    def __init__(self, d: int = 32, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_OddBlock(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, 3)
+        self.blocks[2].fc2.weight = self.blocks[1].fc2.weight  # tied across blocks
+        for p in self.blocks[3].fc.parameters():
+            p.requires_grad_(False)  # frozen
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        bias = torch.ones(x.shape[-1])
+        for block in self.blocks:
+            x = block(x, 0.5, bias=bias)
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
+    import autoremat
+    from autoremat.solvers.chain import plan_costs, predict_peak
+
+    torch.manual_seed(0)
+    model = _OddNet()
+    inputs = {"x": torch.randn(16, 32), "y": torch.randint(0, 3, (16,))}
+    tape = autoremat.profile(model, inputs, loss_fn=lambda out: out, repeats=1)
+    names = set.intersection(*(set(b.selective) for b in tape.blocks))
+    assert names == {"", "matmul"}
+    base = autoremat.plan(tape, None, "full")
+    for name in sorted(names):
+        options = [(i, i + 1, ("selective", save_set_of(name))) for i in range(len(tape.blocks))]
+        plan = dataclasses.replace(
+            base, blocks=tuple(dataclasses.replace(b, decision="selective",
+                                                   save_ops=save_set_of(name))
+                               for b in base.blocks),
+            predicted_peak_bytes=predict_peak(tape, options),
+            predicted_recompute_flops=sum(c.flops for c in plan_costs(tape, options)))
+        autoremat.apply(model, plan)
+        report = autoremat.verify(model, inputs, loss_fn=lambda out: out, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal, name
+        assert report.peak_bytes == report.predicted_peak_bytes, name
+        assert report.recompute_flops == plan.predicted_recompute_flops, name

@@ -32,7 +32,9 @@ NOTE [ Our own selective contexts, and random bits ]
       (a few ms) pay a visible share; the cost model prices it (``costs.py``).
 
     A kept output that is later changed in place (its version counter moved) is not
-    handed back: the recompute re-runs that op instead, which is always correct.
+    handed back: the recompute re-runs that op instead, which is always correct. If the
+    change happens inside the region's forward, the kept copy is dropped when the
+    forward ends, so it costs no memory either.
 """
 
 from __future__ import annotations
@@ -106,11 +108,19 @@ class _KeepOutputs(TorchDispatchMode):
         return out
 
     def __exit__(self, *exc: Any) -> None:
-        if self.kept.replay_rng:  # see NOTE [ Our own selective contexts, and random bits ]
-            for func, entries in self.kept.entries.items():
-                if _is_bernoulli(func):
+        for func, entries in self.kept.entries.items():
+            if _is_bernoulli(func):
+                if self.kept.replay_rng:  # NOTE [ Our own selective contexts, and random bits ]
                     entries[:] = [None] * len(entries)
+            else:  # changed in place later in the region: recomputed anyway, free it now
+                entries[:] = [None if e is None or _changed(e) else e for e in entries]
         super().__exit__(*exc)
+
+
+def _changed(entry: tuple[Any, list[int]]) -> bool:
+    out, versions = entry
+    return any(isinstance(t, torch.Tensor) and t._version != v
+               for t, v in zip(tree_flatten(out)[0], versions, strict=True))
 
 
 class _ReuseOutputs(TorchDispatchMode):
@@ -137,12 +147,9 @@ class _ReuseOutputs(TorchDispatchMode):
             return func(*args, **kwargs)
         if isinstance(entry, torch.Tensor):  # a Bernoulli draw
             return _restore_draw(func, entry, args)
-        out, versions = entry
-        flat = tree_flatten(out)[0]
-        if any(isinstance(t, torch.Tensor) and t._version != v
-               for t, v in zip(flat, versions, strict=True)):
+        if _changed(entry):
             return func(*args, **kwargs)  # changed in place since: recompute it
-        return out
+        return entry[0]
 
 
 def _detach(t: Any) -> Any:
