@@ -32,10 +32,11 @@ class CostModel:
     flops_per_sac_op: float  # selective checkpointing: its dispatch modes see every op
 
 
-# ~100 GFLOP/s matmul, ~5 GB/s elementwise, ~10 us per op on a small multi-core CPU;
+# ~100 GFLOP/s matmul, ~5 GB/s elementwise, ~10 us per op on a small multi-core CPU,
+# ~9 us per op for the two selective dispatch modes (selective.py);
 # ~300 TFLOP/s, ~2 TB/s, ~10 us per op on a data-centre GPU.
 _MODELS = {
-    "cpu": CostModel(20.0, 80.0, 1e6, 3e6),
+    "cpu": CostModel(20.0, 80.0, 1e6, 9e5),
     "cuda": CostModel(150.0, 150.0, 3e9, 6e9),
 }
 
