@@ -17,12 +17,19 @@ For each model, one process measures, on the same batch and from the same RNG st
                                 style: save matmul/bmm/attention/conv outputs, recompute
                                 the rest
 ``torch.compile``               ``activation_memory_budget`` at the budgets' fractions, in
-                                a subprocess and measured by the OS (see the note)
+                                a subprocess and measured by the OS (NOTE [ Measuring
+                                torch.compile ] in ``bench_compile``)
 ==============================  ==========================================================
 
 Each row: step peak (as in DESIGN.md), recompute FLOPs as a percentage of the plain
 step, median step time and its ratio to the plain step with its spread, and max |grad
 diff| against the plain step (0 means every gradient is ``torch.equal``).
+
+This module is the sweep and the command line; the rest of the bench lives beside it:
+``bench_rows`` (the row, result and settings dataclasses and the method names),
+``bench_measure`` (one measured or timed step), ``bench_refs`` (the references),
+``bench_compile`` (the torch.compile subprocess) and ``bench_report`` (verdicts, tables
+and result files); what other code imports from ``autoremat.bench`` is re-exported here.
 
 NOTE [ Fair timing ]
     Steps of all variants of one model are interleaved round-robin (the order rotates
@@ -33,44 +40,21 @@ NOTE [ Fair timing ]
     (a descheduled thread stalls the other), one thread by ~10%. The CPU time of the
     process is recorded too (``cpu_ratio``): it leaves out time spent descheduled.
     Identical autoremat plans (two budgets that give the same plan) are measured once.
-
-NOTE [ Measuring torch.compile ]
-    A Python dispatch mode (the memory tracker, the FLOP counter) makes Dynamo run
-    compiled frames eagerly, so a compiled step is measured from outside: a fresh
-    process started with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then returns freed
-    tensor memory at once), the resident high-water mark reset before each step
-    (``reset_os_peak``), and an eager plain step measured the same way in the same
-    process as its baseline. One process per budget: Dynamo caches compiled code per
-    code object, so two budgets compiled in one process could silently share code.
-    Recompute FLOPs of a compiled step are counted during its backward only (entered
-    after the compiled forward ran, so Dynamo does not fall back); the compiled
-    backward's matmuls are ATen calls the counter sees. Inductor's ``fallback_random``
-    is on so dropout draws the same masks as eager: otherwise no gradient could match.
-    With a budget below 1, compile currently re-draws dropout in backward (pytorch#190758)
-    and its gradients differ; the table shows that difference rather than hiding it.
-    Compile's fraction is of *its own* saved activations, not of the step peak, so
-    "50%" for compile and for autoremat are not the same target.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import math
 import os
-import platform
 import shlex
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -81,270 +65,49 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    checkpoint_sequential,
-    create_selective_checkpoint_contexts,
-)
 
 from . import zoo
 from .apply import apply, remove
+from .bench_compile import compile_rows
+from .bench_measure import (
+    Measure,
+    build_target,
+    first_line,
+    largest_grad,
+    max_diff,
+    measure_step,
+    ratio_range,
+    time_step,
+)
+from .bench_refs import (
+    Toggle,
+    hf_toggle,
+    per_block,
+    sac_per_block,
+    sequential_chain,
+    sequential_toggle,
+)
+from .bench_report import SCHEMA_VERSION, headline, machine_info, rich_table, write_results
+from .bench_rows import AUTO, BLOCK, HF, NONE, SAC, SEQ, BenchRow, ModelResult, Settings
+from .bench_rows import COMPILE as COMPILE
+from .bench_rows import COMPILE_EAGER as COMPILE_EAGER
+from .bench_rows import METHODS as METHODS
+from .bench_rows import Status as Status
 from .blocks import resolve_blocks
 from .errors import BudgetError, RematError, internal_assert
-from .flops import FlopCounter
-from .memory import os_peak_bytes, reset_os_peak, track_memory
 from .plan import Plan, plan, smallest_feasible_bytes
 from .profile import profile
-from .step import call_model, default_loss, preserved_state, run_step
-from .tape import Tape, write_atomic
+from .tape import Tape
 from .units import format_bytes
 
 __all__ = ["SCHEMA_VERSION", "BenchRow", "ModelResult", "bench_main", "hf_gpt2", "run_bench"]
 
-SCHEMA_VERSION = 1  # of results.json
-
-NONE = "no checkpointing"
-AUTO = "autoremat optimal"
-BLOCK = "checkpoint per block"
-HF = "HF gradient_checkpointing"
-SEQ = "checkpoint_sequential"
-SAC = "SAC per block"
-COMPILE = "torch.compile"
-COMPILE_EAGER = "no checkpointing (OS)"
-METHODS = (NONE, AUTO, BLOCK, HF, SEQ, SAC, COMPILE, COMPILE_EAGER)
-
-Status = Literal["ok", "infeasible", "n/a", "error"]
-
-
-@dataclass(frozen=True)
-class BenchRow:
-    """One line of the benchmark. Figures are ``None`` when the row did not run."""
-
-    method: str  # one of METHODS
-    budget: str  # "75%", "min", "peak of <method>", or "-" for references without one
-    status: Status  # ok | infeasible (budget below the smallest plan) | n/a | error
-    peak_bytes: int | None = None  # measured step peak
-    peak_source: Literal["tracker", "os"] = "tracker"  # storage accounting, or OS VmHWM
-    plain_peak_bytes: int | None = None  # no-checkpointing peak, same measurement system
-    budget_bytes: int | None = None  # autoremat: the budget in bytes
-    predicted_peak_bytes: int | None = None  # autoremat: the plan's prediction
-    recompute_pct: float | None = None  # extra FLOPs / plain step FLOPs, in percent
-    step_ms: float | None = None  # median step time
-    time_ratio: float | None = None  # step_ms / median plain step time (same process)
-    time_spread: float | None = None  # (max - min) / median of this row's steps
-    time_ratio_range: tuple[float, float] | None = None  # (min, max) step / plain median
-    cpu_ratio: float | None = None  # the same ratio in CPU time of the process (less noisy)
-    max_grad_diff: float | None = None  # max |grad - plain grad|; 0.0 when all torch.equal
-    grads_equal: bool | None = None  # every gradient torch.equal to the plain step's
-    relative_grad_diff: float | None = None  # max_grad_diff / the largest plain |gradient|
-    max_buffer_diff: float | None = None  # max |buffer - plain buffer| after the step
-    note: str = ""
-
-    @property
-    def grads_rounding_only(self) -> bool:
-        """Gradients differ, but only as float rounding does (< 1e-5 of the largest)."""
-        return self.grads_equal is False and (self.relative_grad_diff or 0.0) < 1e-5
-
-    @property
-    def peak_fraction(self) -> float | None:
-        """Peak over the plain peak of the same measurement system."""
-        if self.peak_bytes is None or not self.plain_peak_bytes:
-            return None
-        return self.peak_bytes / self.plain_peak_bytes
-
-
-@dataclass(frozen=True)
-class ModelResult:
-    """All rows of one target, and the verdicts drawn from them."""
-
-    target: str  # as given on the command line
-    model: str  # class name
-    inputs: str  # input signature
-    n_blocks: int
-    plain_peak_bytes: int
-    plain_step_ms: float
-    plain_flops: int
-    min_feasible_bytes: int | None  # smallest peak autoremat can plan (None: no tape)
-    rows: tuple[BenchRow, ...]
-    headline: tuple[str, ...]
-
-
-# --- one measured step ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Measure:
-    peak_bytes: int
-    flops: int
-    grads: dict[str, torch.Tensor | None]
-    buffers: dict[str, torch.Tensor]
-
-
-def _measure(model: nn.Module, inputs: Any, rng: torch.Tensor) -> _Measure:
-    """Peak, FLOPs, gradients and buffers after one step from RNG state ``rng``."""
-    with preserved_state(model):
-        torch.set_rng_state(rng)
-        # Both modes in one step: the FLOP counter holds no tensors, so it does not
-        # change what the memory tracker sees.
-        with track_memory() as mem, FlopCounter() as counter:
-            run_step(model, inputs, None)
-        grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
-                 for n, p in model.named_parameters()}
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return _Measure(mem.peak_bytes, counter.total, grads, buffers)
-
-
-def _time_step(model: nn.Module, inputs: Any, rng: torch.Tensor) -> tuple[float, float]:
-    """(wall ms, CPU ms of this process) of one plain, uninstrumented step."""
-    with preserved_state(model):
-        torch.set_rng_state(rng)
-        wall, cpu = time.perf_counter(), time.process_time()
-        run_step(model, inputs, None)
-        return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
-
-
-def _max_diff(a: dict[str, torch.Tensor | None],
-              b: dict[str, torch.Tensor | None]) -> tuple[bool, float]:
-    """(all torch.equal, max |a - b|) over matching entries; a missing one is unequal."""
-    equal, worst = True, 0.0
-    for name, x in a.items():
-        y = b.get(name)
-        if x is None or y is None:
-            if (x is None) != (y is None):
-                equal, worst = False, math.inf
-            continue
-        if x.shape != y.shape:
-            equal, worst = False, math.inf
-            continue
-        if torch.equal(x, y):
-            continue
-        equal = False
-        worst = max(worst, float((x.double() - y.double()).abs().max()))
-    return equal, worst
-
-
-# --- the references, written the way a user would ------------------------------------
-
-Toggle = tuple[Callable[[], None], Callable[[], None]]  # (install, uninstall)
-
-
-def _per_block(modules: list[nn.Module], context_fn: Callable[..., Any] | None = None) -> Toggle:
-    """Each module's forward under non-reentrant ``torch.utils.checkpoint``.
-
-    Independent of autoremat's ``wrap.py`` on purpose: this is the reference a user
-    writes in five lines, BatchNorm statistics and all (see the buffer column).
-    """
-    previous: list[tuple[nn.Module, Any]] = []
-    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
-
-    def install() -> None:
-        for module in modules:
-            previous.append((module, module.__dict__.get("forward")))
-            inner = module.forward
-
-            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-                return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
-
-            module.forward = forward  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        for module, before in reversed(previous):
-            if before is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = before  # type: ignore[method-assign]
-        previous.clear()
-
-    return install, uninstall
-
-
-# Megatron-style selective checkpointing (Korthikanti et al. 2022, as in torchtitan's
-# op-level SAC): keep what is expensive to compute, recompute what is cheap.
-_SAVE_PACKETS = tuple(
-    getattr(torch.ops.aten, name) for name in (
-        "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    ) if hasattr(torch.ops.aten, name)
-)
-
-
-def _megatron_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if getattr(op, "overloadpacket", None) in _SAVE_PACKETS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _sac_per_block(modules: list[nn.Module]) -> Toggle:
-    return _per_block(modules, functools.partial(create_selective_checkpoint_contexts,
-                                                 _megatron_policy))
-
-
-def _hf_toggle(model: nn.Module) -> Toggle | None:
-    """transformers' own switch: ``gradient_checkpointing_enable`` (renamed
-    ``activation_checkpointing_enable`` in transformers 5; the old name warns)."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        return None
-    kwargs = {"use_reentrant": False}
-    hf: Any = model  # a transformers PreTrainedModel; nn.Module's typing hides its methods
-    if hasattr(hf, "activation_checkpointing_enable"):
-        enable = functools.partial(hf.activation_checkpointing_enable,
-                                   activation_checkpointing_kwargs=kwargs)
-        disable = hf.activation_checkpointing_disable
-    elif hasattr(hf, "gradient_checkpointing_enable"):
-        enable = functools.partial(hf.gradient_checkpointing_enable,
-                                   gradient_checkpointing_kwargs=kwargs)
-        disable = hf.gradient_checkpointing_disable
-    else:
-        return None
-
-    def install() -> None:
-        enable()
-
-    def uninstall() -> None:
-        disable()
-
-    return install, uninstall
-
-
-def _sequential_chain(model: nn.Module, names: list[str]) -> tuple[nn.Module, list[nn.Module]] \
-        | None:
-    """The ``nn.Sequential`` that runs exactly the chain ``names``, flattened one level
-    (a ResNet's Sequential of stages), or ``None`` when the blocks are called otherwise."""
-    modules = [model.get_submodule(n) for n in names]
-    parents = {n.rpartition(".")[0] for n in names}
-    candidates = list(parents) if len(parents) == 1 else \
-        list({p.rpartition(".")[0] for p in parents})
-    if len(candidates) != 1:
-        return None
-    container = model.get_submodule(candidates[0])
-    if not isinstance(container, nn.Sequential):
-        return None
-    flat: list[nn.Module] = []
-    for child in container:
-        if len(parents) > 1 and isinstance(child, nn.Sequential):
-            flat.extend(child)
-        else:
-            flat.append(child)
-    if len(flat) != len(modules) or any(a is not b for a, b in zip(flat, modules, strict=True)):
-        return None
-    return container, flat
-
-
-def _sequential_toggle(container: nn.Module, chain: list[nn.Module], segments: int) -> Toggle:
-    def install() -> None:
-        def forward(x: Any) -> Any:
-            return checkpoint_sequential(chain, segments, x, use_reentrant=False)
-
-        container.forward = forward  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        container.__dict__.pop("forward", None)
-
-    return install, uninstall
+# NOTE [ Re-exports ]
+#     Code and tests import the method names, BenchRow, ModelResult, Settings, headline
+#     and SCHEMA_VERSION from here, as they did before the bench was split into modules;
+#     the "X as X" imports above keep the ones this module does not use itself.
+_sequential_chain = sequential_chain  # tests/test_bench.py imports it under this name
 
 
 # --- the sweep for one model ----------------------------------------------------------
@@ -359,7 +122,7 @@ class _Variant:
     toggle: Toggle
     plan: Plan | None = None
     note: str = ""
-    measure: _Measure | None = None
+    measure: Measure | None = None
     error: str = ""  # why measuring it failed
     times_ms: list[float] = field(default_factory=list)  # wall
     cpu_ms: list[float] = field(default_factory=list)  # CPU time of this process
@@ -388,19 +151,6 @@ def _plan_key(chosen: Plan) -> tuple[Any, ...]:
     return tuple((b.decision, b.segment, tuple(b.save_ops)) for b in chosen.blocks)
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What one ``bench`` run does."""
-
-    budgets: tuple[str, ...] = ("75%", "50%", "30%", "min")
-    repeats: int = 5  # timed rounds per model (after one warm-up round)
-    compile: bool = True  # run the torch.compile rows (subprocesses)
-    compile_fractions: tuple[float, ...] | None = None  # default: from the budgets, and 1.0
-    overrides: tuple[tuple[str, Any], ...] = ()  # size options for every target
-    threads: int = 1  # torch threads (0: leave torch's default); see NOTE [ Fair timing ]
-    compile_timeout_s: float = 1800.0
-
-
 class _Sweep:
     """Measures one target. ``progress(n, text)`` reports units of work done (and what is
     running), ``grow(n)`` announces more units."""
@@ -411,7 +161,7 @@ class _Sweep:
         self.settings = settings
         self.progress = progress
         self.grow = grow
-        self.model, self.inputs = _build(target, dict(settings.overrides))
+        self.model, self.inputs = build_target(target, dict(settings.overrides))
         self.rng = torch.get_rng_state()  # every step starts from this RNG state
         self.tape: Tape | None = None
         self.tape_error = ""
@@ -430,7 +180,7 @@ class _Sweep:
             self.tape = profile(self.model, self.inputs)
             names = [b.name for b in self.tape.blocks]
         except Exception as exc:  # reported in the table; the references still run
-            self.tape_error = f"profile failed: {type(exc).__name__}: {_first_line(exc)}"
+            self.tape_error = f"profile failed: {type(exc).__name__}: {first_line(exc)}"
         self.progress(1, f"{self.target}: measuring")
         min_bytes = smallest_feasible_bytes(self.tape) if self.tape is not None else None
         for label in self.settings.budgets:
@@ -450,7 +200,8 @@ class _Sweep:
         assert plain is not None
         rows = sorted((self._row(template, v) for template, v in self.rows), key=_row_order)
         if self.settings.compile:
-            rows.extend(self._compile_rows(plain.peak_bytes))
+            rows.extend(compile_rows(self.target, self.settings, plain.peak_bytes,
+                                     self.progress, self.grow))
         return ModelResult(
             target=self.target, model=type(self.model).__name__,
             inputs=_signature(self.inputs), n_blocks=len(names),
@@ -495,18 +246,18 @@ class _Sweep:
             self.references.append(variant)
             self.rows.append((BenchRow(method, "-", "ok"), variant))
 
-        add(BLOCK, _per_block(modules))
-        add(HF, _hf_toggle(self.model), "not a transformers model")
-        chain = _sequential_chain(self.model, names)
+        add(BLOCK, per_block(modules))
+        add(HF, hf_toggle(self.model), "not a transformers model")
+        chain = sequential_chain(self.model, names)
         if chain is None:
             add(SEQ, None, "blocks are not an nn.Sequential (called in a Python loop)")
         else:
             container, chained = chain
             segments = max(1, round(math.sqrt(len(chained))))
-            add(SEQ, _sequential_toggle(container, chained, segments),
+            add(SEQ, sequential_toggle(container, chained, segments),
                 note=f"{segments} segments of {len(chained)} blocks (the last one not "
                      f"checkpointed)")
-        add(SAC, _sac_per_block(modules), note="saves mm/bmm/sdpa/conv outputs")
+        add(SAC, sac_per_block(modules), note="saves mm/bmm/sdpa/conv outputs")
 
     def _measure_all(self, variants: list[_Variant]) -> None:
         self.grow(len(variants))
@@ -517,11 +268,11 @@ class _Sweep:
         self.progress(0, f"{self.target}: measuring {variant.method} {variant.budget}")
         try:
             with variant.installed():
-                variant.measure = _measure(self.model, self.inputs, self.rng)
+                variant.measure = measure_step(self.model, self.inputs, self.rng)
         except Exception as exc:  # a reference that breaks on this model is a result too
             if variant.method == NONE:
                 raise
-            variant.error = f"{type(exc).__name__}: {_first_line(exc)}"
+            variant.error = f"{type(exc).__name__}: {first_line(exc)}"
         self.progress(1, "")
 
     def _time_rounds(self, variants: list[_Variant]) -> None:
@@ -533,7 +284,7 @@ class _Sweep:
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for variant in order:
                 with variant.installed():
-                    ms, cpu = _time_step(self.model, self.inputs, self.rng)
+                    ms, cpu = time_step(self.model, self.inputs, self.rng)
                 if r:
                     variant.times_ms.append(ms)
                     variant.cpu_ms.append(cpu)
@@ -547,8 +298,8 @@ class _Sweep:
             return template
         m, p = variant.measure, plain.measure
         assert p is not None
-        equal, diff = _max_diff(p.grads, m.grads)
-        _, buffer_diff = _max_diff(dict(p.buffers), dict(m.buffers))
+        equal, diff = max_diff(p.grads, m.grads)
+        _, buffer_diff = max_diff(dict(p.buffers), dict(m.buffers))
         med, plain_ms = statistics.median(variant.times_ms), statistics.median(plain.times_ms)
         cpu, plain_cpu = statistics.median(variant.cpu_ms), statistics.median(plain.cpu_ms)
         note = variant.note
@@ -565,79 +316,12 @@ class _Sweep:
             recompute_pct=100 * (m.flops - p.flops) / p.flops if p.flops else None,
             step_ms=med, time_ratio=med / plain_ms if plain_ms else None,
             time_spread=(max(variant.times_ms) - min(variant.times_ms)) / med if med else None,
-            time_ratio_range=_range(variant.times_ms, plain_ms),
+            time_ratio_range=ratio_range(variant.times_ms, plain_ms),
             cpu_ratio=cpu / plain_cpu if plain_cpu else None,
             max_grad_diff=0.0 if equal else diff, grads_equal=equal,
-            relative_grad_diff=0.0 if equal else diff / _largest(p.grads),
+            relative_grad_diff=0.0 if equal else diff / largest_grad(p.grads),
             max_buffer_diff=buffer_diff, note=note,
         )
-
-    def _compile_rows(self, plain_peak: int) -> list[BenchRow]:
-        s = self.settings
-        fractions = s.compile_fractions
-        if fractions is None:
-            fractions = (1.0, *(_fraction(b, plain_peak) for b in s.budgets))
-        fractions = tuple(dict.fromkeys(fractions))  # unique, in order
-        self.grow(len(fractions))
-        rows: list[BenchRow] = []
-        eager_row_added = False
-        for fraction in fractions:
-            self.progress(0, f"{self.target}: torch.compile, activation_memory_budget="
-                             f"{fraction:g} (subprocess; compiling is slow on CPU)")
-            label = f"{fraction:g}" + (" (no budget)" if fraction >= 1 else "")
-            try:
-                res = _run_compile_worker(self.target, dict(s.overrides), fraction, s.repeats,
-                                          s.compile_timeout_s)
-            except RematError as exc:
-                rows.append(BenchRow(COMPILE, label, "error", peak_source="os",
-                                     note=_first_line(exc)))
-                self.progress(1, "")
-                continue
-            eager_ms = statistics.median(res["eager_ms"])
-            if not eager_row_added:
-                eager_row_added = True
-                rows.append(BenchRow(
-                    COMPILE_EAGER, "-", "ok", peak_bytes=res["eager_peak_bytes"],
-                    peak_source="os", plain_peak_bytes=res["eager_peak_bytes"],
-                    recompute_pct=0.0, step_ms=eager_ms, time_ratio=1.0,
-                    time_spread=_spread(res["eager_ms"]),
-                    time_ratio_range=_range(res["eager_ms"], eager_ms), cpu_ratio=1.0,
-                    max_grad_diff=0.0, grads_equal=True, relative_grad_diff=0.0,
-                    note=f"eager plain step in the first compile subprocess, baseline of the "
-                         f"OS rows; OS / tracker peak for it: "
-                         f"{res['eager_peak_bytes'] / plain_peak:.1%}"))
-            med = statistics.median(res["compiled_ms"])
-            eager_cpu = statistics.median(res["eager_cpu_ms"])
-            plain_flops = res["eager_step_flops"]
-            extra = res["compiled_bwd_flops"] - res["eager_bwd_flops"]
-            note = f"OS-measured; compiled in {res['compile_s']:.0f} s"
-            relative = 0.0 if res["grads_equal"] else res["max_grad_diff"] / res["max_abs_grad"]
-            if not res["grads_equal"]:
-                note += f"; max |Δgrad| is {relative:.1e} of the largest gradient"
-                if relative > 1e-3 and fraction < 1:
-                    note += ", as when dropout is re-drawn in backward (pytorch#190758)"
-                elif relative < 1e-5:
-                    note += " (float rounding of fused kernels)"
-            rows.append(BenchRow(
-                COMPILE, label, "ok", peak_bytes=res["compiled_peak_bytes"], peak_source="os",
-                plain_peak_bytes=res["eager_peak_bytes"],
-                recompute_pct=100 * extra / plain_flops if plain_flops else None,
-                step_ms=med, time_ratio=med / eager_ms if eager_ms else None,
-                time_spread=_spread(res["compiled_ms"]),
-                time_ratio_range=_range(res["compiled_ms"], eager_ms),
-                cpu_ratio=statistics.median(res["compiled_cpu_ms"]) / eager_cpu
-                if eager_cpu else None,
-                max_grad_diff=0.0 if res["grads_equal"] else res["max_grad_diff"],
-                grads_equal=res["grads_equal"], relative_grad_diff=relative, note=note))
-            self.progress(1, "")
-        return rows
-
-
-def _largest(grads: dict[str, torch.Tensor | None]) -> float:
-    """The largest |gradient| entry (1.0 when all are zero, to keep ratios finite)."""
-    scale = max((float(g.abs().max()) for g in grads.values() if g is not None and g.numel()),
-                default=0.0)
-    return scale or 1.0
 
 
 def _row_order(row: BenchRow) -> int:
@@ -649,24 +333,8 @@ def _row_order(row: BenchRow) -> int:
     return 3
 
 
-def _spread(times: list[float]) -> float | None:
-    med = statistics.median(times)
-    return (max(times) - min(times)) / med if med else None
-
-
-def _range(times: list[float], reference_ms: float) -> tuple[float, float] | None:
-    if not times or not reference_ms:
-        return None
-    return min(times) / reference_ms, max(times) / reference_ms
-
-
 def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
 
 
 def _budget_bytes(budget: int | str, tape: Any) -> int | None:
@@ -676,16 +344,6 @@ def _budget_bytes(budget: int | str, tape: Any) -> int | None:
         return parse_budget(budget, tape.step_peak_bytes)
     except BudgetError:
         return None
-
-
-def _fraction(budget: str, plain_peak: int) -> float:
-    """compile's ``activation_memory_budget`` matching a bench budget: '50%' -> 0.5,
-    'min' -> 0.0 (recompute all it can), a size -> size / plain peak."""
-    from .units import parse_budget
-
-    if budget == "min":
-        return 0.0
-    return round(min(1.0, parse_budget(budget, plain_peak) / plain_peak), 3)
 
 
 def _describe_plan(chosen: Plan) -> str:
@@ -708,218 +366,7 @@ def _signature(inputs: Any) -> str:
     return describe_inputs(inputs)
 
 
-def _build(target: str, overrides: dict[str, Any]) -> tuple[nn.Module, Any]:
-    from .cli import load_target
-
-    torch.manual_seed(0)  # factories that do not seed still build the same model each time
-    model, inputs = load_target(target, overrides)
-    model.train()
-    return model, inputs
-
-
-# --- torch.compile, in a subprocess ----------------------------------------------------
-
-
-def _run_compile_worker(target: str, overrides: dict[str, Any], fraction: float, repeats: int,
-                        timeout_s: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="autoremat-bench-") as tmp:
-        out = Path(tmp) / "result.json"
-        spec = {"target": target, "overrides": overrides, "fraction": fraction,
-                "repeats": repeats, "threads": torch.get_num_threads(), "out": str(out)}
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = "import sys; from autoremat.bench import _compile_worker; " \
-               "sys.exit(_compile_worker(sys.argv[1]))"
-        try:
-            proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env,
-                                  capture_output=True, text=True, timeout=timeout_s,
-                                  check=False)
-        except subprocess.TimeoutExpired as exc:
-            raise RematError(f"torch.compile subprocess timed out after {timeout_s:.0f} s; "
-                             f"rerun with --no-compile or a smaller model") from exc
-        if proc.returncode != 0 or not out.exists():
-            tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:]
-            raise RematError(f"torch.compile subprocess failed (exit {proc.returncode}): "
-                             f"{tail[0] if tail else 'no output'}")
-        result: dict[str, Any] = json.loads(out.read_text())
-        return result
-
-
-def _compile_worker(spec_text: str) -> int:
-    """Entry point of the compile subprocess; writes its figures as JSON to spec['out']."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    spec = json.loads(spec_text)
-    torch.set_num_threads(int(spec["threads"]))
-    functorch_config.activation_memory_budget = float(spec["fraction"])
-    inductor_config.fallback_random = True  # same dropout masks as eager (module note)
-    model, inputs = _build(spec["target"], spec["overrides"])
-    rng = torch.get_rng_state()
-    compiled: nn.Module = torch.compile(model)  # type: ignore[assignment]
-
-    Grads = dict[str, torch.Tensor | None]
-
-    def step(module: nn.Module) -> tuple[float, float, int, Grads]:
-        with preserved_state(model):
-            torch.set_rng_state(rng)
-            since = reset_os_peak()
-            wall, cpu = time.perf_counter(), time.process_time()
-            run_step(module, inputs, None)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            peak = os_peak_bytes(since)
-            grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
-                     for n, p in model.named_parameters()}
-        return wall * 1e3, cpu * 1e3, peak, grads
-
-    step(model)
-    start = time.perf_counter()
-    step(compiled)  # compiles forward and backward
-    compile_s = time.perf_counter() - start
-    figures: dict[str, dict[str, list[float]]] = {
-        kind: {"ms": [], "cpu_ms": [], "peak": []} for kind in ("eager", "compiled")}
-    grads: dict[str, Grads] = {}
-    for r in range(int(spec["repeats"]) + 1):  # round 0 is a warm-up
-        for kind in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
-            ms, cpu, peak, grads[kind] = step(model if kind == "eager" else compiled)
-            if r:
-                for key, value in (("ms", ms), ("cpu_ms", cpu), ("peak", peak)):
-                    figures[kind][key].append(value)
-    equal, diff = _max_diff(grads["eager"], grads["compiled"])
-    eager_fwd, eager_bwd = _step_flops(model, model, inputs, rng)
-    _, compiled_bwd = _step_flops(model, compiled, inputs, rng)
-    result = {
-        "fraction": spec["fraction"], "compile_s": compile_s,
-        "eager_ms": figures["eager"]["ms"], "compiled_ms": figures["compiled"]["ms"],
-        "eager_cpu_ms": figures["eager"]["cpu_ms"],
-        "compiled_cpu_ms": figures["compiled"]["cpu_ms"],
-        # the median step: the OS figure is exact to a page but not free of noise
-        "eager_peak_bytes": int(statistics.median(figures["eager"]["peak"])),
-        "compiled_peak_bytes": int(statistics.median(figures["compiled"]["peak"])),
-        "grads_equal": equal, "max_grad_diff": diff, "max_abs_grad": _largest(grads["eager"]),
-        "eager_step_flops": eager_fwd + eager_bwd, "eager_bwd_flops": eager_bwd,
-        "compiled_bwd_flops": compiled_bwd,
-    }
-    write_atomic(Path(spec["out"]), json.dumps(result))
-    return 0
-
-
-def _step_flops(model: nn.Module, module: nn.Module, inputs: Any,
-                rng: torch.Tensor) -> tuple[int, int]:
-    """(forward, backward) FLOPs. The forward runs without the counter when ``module`` is
-    compiled (a dispatch mode would make Dynamo fall back to eager), so its figure is 0."""
-    eager = module is model
-    with preserved_state(model):
-        torch.set_rng_state(rng)
-        with (FlopCounter() if eager else _nothing()) as fwd:
-            loss = default_loss(call_model(module, inputs))
-        with FlopCounter() as bwd:
-            loss.backward()
-    return (fwd.total if isinstance(fwd, FlopCounter) else 0), bwd.total
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
-
-
-# --- verdicts ---------------------------------------------------------------------------
-
-
-def headline(rows: Sequence[BenchRow]) -> list[str]:
-    """One sentence per reference: how autoremat's plans at an equal or lower peak compare.
-
-    Peaks are compared within one measurement system: bytes for the eager references,
-    fractions of the plain peak for the OS-measured compile rows. Among the autoremat
-    plans at or below the reference's peak, the one with the fewest recompute FLOPs
-    (exact) is compared on FLOPs and time; when another of them is clearly faster, it is
-    named too. A time difference counts only when the min..max ranges do not overlap.
-    """
-    autos = [r for r in rows if r.method == AUTO and r.status == "ok"
-             and r.peak_bytes is not None]
-    out: list[str] = []
-    for ref in rows:
-        if ref.method in (NONE, AUTO, COMPILE_EAGER) or ref.status != "ok":
-            continue
-        assert ref.peak_bytes is not None
-        name = ref.method + (f" at activation_memory_budget={ref.budget.split()[0]}"
-                             if ref.method == COMPILE else "")
-        if ref.peak_source == "os":
-            frac = ref.peak_fraction or 0.0
-            fits = [a for a in autos if (a.peak_fraction or 0.0) <= frac]
-            where = f"{100 * frac:.0f}% of the plain peak, OS-measured"
-        else:
-            fits = [a for a in autos if a.peak_bytes is not None
-                    and a.peak_bytes <= ref.peak_bytes]
-            where = format_bytes(ref.peak_bytes)
-        caveats = []
-        if ref.grads_rounding_only:
-            caveats.append(f"{ref.method}'s gradients differ by float rounding (max |diff| "
-                           f"{ref.max_grad_diff:.2g})")
-        elif ref.grads_equal is False:
-            caveats.append(f"{ref.method}'s gradients differ from the plain step's (max "
-                           f"|diff| {ref.max_grad_diff:.2g})")
-        if ref.max_buffer_diff:
-            caveats.append(f"{ref.method} updates BatchNorm running statistics twice")
-        caveat = "".join(f"; {c}" for c in caveats)
-        if not fits:
-            least = min(autos, key=lambda a: a.peak_bytes or 0, default=None)
-            if least is None:
-                out.append(f"{name}: no autoremat plan to compare{caveat}.")
-                continue
-            below = (least.peak_bytes or 0) - ref.peak_bytes
-            by = f"{below} B" if below < 1024 and ref.peak_source != "os" else \
-                f"{100 * ((least.peak_fraction or 0) - (ref.peak_fraction or 0)):.0f} points"
-            out.append(f"{name} wins on memory: it reaches {where}, {by} below autoremat's "
-                       f"lowest plan ({format_bytes(least.peak_bytes or 0)}, "
-                       f"[{least.budget}]){caveat}.")
-            continue
-        best = min(fits, key=lambda a: (a.recompute_pct or 0.0, a.time_ratio or 0.0))
-        text = (f"vs {name} ({where}, {_flops_text(ref.recompute_pct)} FLOPs, "
-                f"x{ref.time_ratio or 0:.2f} time): autoremat [{best.budget}] "
-                f"{format_bytes(best.peak_bytes or 0)}, {_flops_text(best.recompute_pct)} "
-                f"FLOPs, x{best.time_ratio or 0:.2f} time: {_flops_verdict(best, ref)}")
-        if ref.method == COMPILE:
-            text += " (compiled times include compile's own speed-up: not compared)"
-        else:
-            text += f", {_speed(best, ref)}"
-            fastest = min(fits, key=lambda a: a.time_ratio or math.inf)
-            if fastest is not best and _speed(fastest, ref) == "faster" \
-                    and _speed(best, ref) != "faster":
-                text += (f"; autoremat [{fastest.budget}] ({format_bytes(fastest.peak_bytes or 0)}"
-                         f", x{fastest.time_ratio or 0:.2f}) is faster")
-        out.append(text + caveat + ".")
-    return out
-
-
-def _flops_text(pct: float | None) -> str:
-    return "?" if pct is None else f"+{pct:.1f}%"
-
-
-def _flops_verdict(mine: BenchRow, ref: BenchRow) -> str:
-    a, b = mine.recompute_pct or 0.0, ref.recompute_pct
-    if b is None:
-        return "reference FLOPs unknown"
-    if a < b - 0.05:
-        return "fewer recompute FLOPs"
-    if a <= b + 0.05:
-        return "same recompute FLOPs"
-    return "more recompute FLOPs"
-
-
-def _speed(mine: BenchRow, ref: BenchRow) -> str:
-    """'faster', 'slower' or 'time within noise': min..max ranges must not overlap."""
-    a, b = mine.time_ratio_range, ref.time_ratio_range
-    if a is None or b is None:
-        return "time not measured"
-    if a[1] < b[0]:
-        return "faster"
-    if b[1] < a[0]:
-        return "slower"
-    return "time within noise"
-
-
-# --- the whole run and its outputs ----------------------------------------------------
+# --- the whole run --------------------------------------------------------------------
 
 
 def run_bench(targets: Sequence[str], settings: Settings | None = None,
@@ -963,170 +410,12 @@ def run_bench(targets: Sequence[str], settings: Settings | None = None,
             for target in targets:
                 result = _Sweep(target, settings, progress, grow).run()
                 results.append(result)
-                bar.console.print(_rich_table(result))
+                bar.console.print(rich_table(result))
                 if on_model is not None:
                     on_model(results)
     finally:
         torch.set_num_threads(threads)
     return results
-
-
-def _cells(r: BenchRow) -> list[str]:
-    ok = r.status == "ok"
-    peak = "-" if r.peak_bytes is None else format_bytes(r.peak_bytes) + \
-        (" (OS)" if r.peak_source == "os" else "")
-    frac = f"{100 * r.peak_fraction:.0f}%" if r.peak_fraction is not None else "-"
-    fits = "-"
-    if r.budget_bytes is not None and ok and r.peak_bytes is not None:
-        fits = "yes" if r.peak_bytes <= r.budget_bytes else "NO"
-    elif r.status == "infeasible":
-        fits = "infeasible"
-    budget = r.budget
-    if r.method == AUTO and r.budget_bytes is not None and not budget.startswith("peak"):
-        budget += f" ({format_bytes(r.budget_bytes)})"
-    return [
-        r.method, budget, peak if ok else r.status, frac, fits,
-        f"+{r.recompute_pct:.1f}%" if r.recompute_pct is not None else "-",
-        f"{r.step_ms:.0f}" if r.step_ms is not None else "-",
-        f"x{r.time_ratio:.2f}" if r.time_ratio is not None else "-",
-        f"{100 * r.time_spread:.0f}%" if r.time_spread is not None else "-",
-        f"x{r.cpu_ratio:.2f}" if r.cpu_ratio is not None else "-",
-        ("0" if r.grads_equal else f"{r.max_grad_diff:.2g}") if r.max_grad_diff is not None
-        else "-",
-        r.note,
-    ]
-
-
-_HEADERS = ["method", "budget", "step peak", "% plain", "fits", "+FLOPs", "ms", "x plain",
-            "spread", "x CPU", "max|Δgrad|", "note"]
-
-
-def _rich_table(result: ModelResult) -> Table:
-    table = Table(title=f"{result.target} ({result.model}, {result.n_blocks} blocks, inputs "
-                        f"{result.inputs}): plain step {format_bytes(result.plain_peak_bytes)}, "
-                        f"{result.plain_step_ms:.0f} ms", title_justify="left")
-    for h in _HEADERS:
-        table.add_column(h, justify="left" if h in ("method", "budget", "note") else "right",
-                         overflow="fold")
-    for r in result.rows:
-        style = "bold" if r.method == AUTO and r.status == "ok" else None
-        table.add_row(*_cells(r), style=style)
-    return table
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from . import __version__
-
-    return {
-        "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "autoremat": __version__, "cpu": cpu,
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-
-
-def _markdown(results: list[ModelResult], command: str, machine: dict[str, Any],
-              elapsed_s: float, complete: bool) -> str:
-    lines = [
-        "# autoremat bench results", "",
-        f"Command: `{command}`  ",
-        f"Sweep time: {elapsed_s / 60:.1f} min" + ("" if complete else " (INCOMPLETE: still "
-                                                   "running or interrupted)") + "  ",
-        f"Machine: {machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} "
-        f"torch threads), {machine['platform']}, Python {machine['python']}, torch "
-        f"{machine['torch']}, autoremat {machine['autoremat']}; load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in machine.get('load_average_end') or [])}", "",
-        "How to read the tables:", "",
-        "- **step peak**: as in DESIGN.md (storage accounting), with **% plain** its share "
-        "of the no-checkpointing peak. Rows marked (OS) are torch.compile runs measured by "
-        "the OS high-water mark in a subprocess; their % is of an eager plain step measured "
-        "the same way in that subprocess (row `no checkpointing (OS)`).",
-        "- **+FLOPs**: recompute FLOPs over the plain step's, exact, from "
-        "`torch.utils.flop_counter` formulas, which cover matmul, attention and "
-        "convolution only. Recomputed norms, activations and dropout cost time but no "
-        "counted FLOPs: a selective plan can show +0.0% and still be slower.",
-        "- **ms / x plain / spread**: median wall time of the step, its ratio to the plain "
-        "step's, and (max - min) / median, over steps interleaved round-robin with every "
-        "other variant after a warm-up round. **x CPU**: the same ratio in CPU time of "
-        "the process, which leaves out time spent descheduled on a shared machine.",
-        "- **max|Δgrad|**: against the plain step from the same RNG state; 0 means every "
-        "gradient is `torch.equal`.",
-        "- **autoremat optimal, peak of X**: autoremat planned with X's measured peak as "
-        "its budget: the like-for-like comparison. Identical plans are measured once.",
-        "",
-    ]
-    for res in results:
-        lines += [f"## {res.target}", "",
-                  f"{res.model}, {res.n_blocks} blocks, inputs {res.inputs}; plain step "
-                  f"{format_bytes(res.plain_peak_bytes)}, {res.plain_step_ms:.0f} ms, "
-                  f"{res.plain_flops / 1e9:.2f} GFLOPs"
-                  + (f"; smallest autoremat plan {format_bytes(res.min_feasible_bytes)}"
-                     if res.min_feasible_bytes else ""), ""]
-        lines.append("| " + " | ".join(h.replace("|", "\\|") for h in _HEADERS) + " |")
-        lines.append("|" + "|".join("---" if h in ("method", "budget", "note") else "---:"
-                                    for h in _HEADERS) + "|")
-        for r in res.rows:
-            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |")
-        lines += ["", *[f"- {h}" for h in res.headline], "",
-                  f"![{res.target} Pareto plot]({_slug(res.target)}_pareto.png)", ""]
-    return "\n".join(lines)
-
-
-def _slug(target: str) -> str:
-    """File-name stem: the zoo name, or the factory's name of ``package.module:factory``."""
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in target.rpartition(":")[2])
-
-
-def write_results(results: list[ModelResult], out: Path, command: str,
-                  machine: dict[str, Any], elapsed_s: float, settings: Settings, *,
-                  complete: bool = True) -> list[Path]:
-    """results.md, results.json (atomically) and one Pareto PNG per model in ``out``.
-
-    ``complete=False`` marks a sweep still running (files are rewritten after each model).
-    """
-    from .plots import pareto_plot
-
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for res in results:
-        path = out / f"{_slug(res.target)}_pareto.png"
-        pareto_plot(res, path)
-        written.append(path)
-    payload = {
-        "schema_version": SCHEMA_VERSION, "complete": complete, "command": command,
-        "machine": machine, "elapsed_s": elapsed_s,
-        "settings": {**asdict(settings), "overrides": dict(settings.overrides)},
-        "models": [{**{k: v for k, v in asdict(res).items() if k != "rows"},
-                    "rows": [asdict(r) for r in res.rows]} for res in results],
-    }
-    json_path, md_path = out / "results.json", out / "results.md"
-    write_atomic(json_path, json.dumps(_finite(payload), indent=1, default=_json_default,
-                                       allow_nan=False))
-    write_atomic(md_path, _markdown(results, command, machine, elapsed_s, complete))
-    return [md_path, json_path, *written]
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no inf/nan: a non-finite figure (a gradient missing on one side) -> None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _json_default(value: Any) -> Any:
-    raise TypeError(f"cannot write {type(value).__name__} to results.json")
 
 
 # --- command line -------------------------------------------------------------------------
@@ -1186,7 +475,7 @@ def bench_main(argv: list[str]) -> int:
             raise RematError(f"--threads must be 0 (torch's default) or more, got "
                              f"{args.threads}")
         targets = list(args.targets) or zoo.names()
-        machine = _machine()
+        machine = machine_info()
         machine["torch_threads"] = settings.threads or torch.get_num_threads()
         command = "autoremat bench " + shlex.join(argv)
         start = time.perf_counter()

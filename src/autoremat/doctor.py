@@ -20,7 +20,7 @@ NOTE [ Hugging Face configs for training ]
     training with gradient checkpointing: with the cache on, every recompute appends its
     keys and values to the cache and the checkpointed step grows by two (B, heads, T,
     head_dim) tensors per layer. Attention is ``"autoremat_sdpa"`` (see NOTE [ Hugging
-    Face models on meta ] in ``estimate.py``): Transformers' SDPA without mask building.
+    Face models on meta ] in ``fake.py``): Transformers' SDPA without mask building.
 
 Known limitations:
     * ZeRO figures are arithmetic on the measured step: gradients shard as they are
