@@ -36,6 +36,7 @@ NOTE [ Why a DP over (F, cost) frontiers ]
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -323,13 +324,16 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             targets = fig["stop"][cols] * 2 + (fig["mode"][cols] == ord("C"))
             order = np.argsort(targets, kind="stable")
             rows, cols, targets = rows[order], cols[order], targets[order]
-            bounds = np.flatnonzero(np.diff(targets)) + 1
-            for r, c in zip(np.split(rows, bounds), np.split(cols, bounds), strict=True):
-                stop, mode = int(fig["stop"][c[0]]), chr(int(fig["mode"][c[0]]))
+            F_new = cur["F"][rows] + fig["hold"][cols]
+            cost_new = cur["cost"][rows] + fig["cost"][cols]
+            peak_new = peak[rows, cols]
+            edges = [0, *(np.flatnonzero(np.diff(targets)) + 1).tolist(), len(targets)]
+            for a, b in itertools.pairwise(edges):  # one group per target state (views)
+                c0 = cols[a]
+                stop, mode = int(fig["stop"][c0]), chr(int(fig["mode"][c0]))
                 incoming.setdefault((stop, mode), []).append({
-                    "F": cur["F"][r] + fig["hold"][c], "cost": cur["cost"][r] + fig["cost"][c],
-                    "peak": peak[r, c], "prev": r, "move": c,
-                    "from": np.full(len(r), i), "from_mode": np.full(len(r), ord(prev)),
+                    "F": F_new[a:b], "cost": cost_new[a:b], "peak": peak_new[a:b],
+                    "prev": rows[a:b], "move": cols[a:b], "from": i, "from_mode": ord(prev),
                 })
         for mode in ("K", "C"):
             parts = incoming.pop((i + 1, mode), None)
@@ -366,7 +370,10 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
 
 def _prune(parts: list[dict[str, np.ndarray]], objective: str) -> dict[str, np.ndarray]:
     """Pareto frontier of (F, objective) over the candidate rows; deterministic order."""
-    cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    sizes = [len(p["F"]) for p in parts]
+    cat = {k: np.concatenate([p[k] for p in parts]) for k in _ROW_ARRAYS}
+    for k in ("from", "from_mode"):  # one source state per part: expand to its rows
+        cat[k] = np.repeat(np.array([p[k] for p in parts]), sizes)
     primary = cat["cost"] if objective == "cost" else cat["peak"]
     secondary = cat["peak"] if objective == "cost" else cat["cost"]
     # Candidates arrive in a deterministic order (by source index), and the sort is
@@ -382,6 +389,7 @@ def _prune(parts: list[dict[str, np.ndarray]], objective: str) -> dict[str, np.n
 
 
 _MAX_FRONTIER = 128  # see NOTE [ Large frontiers ]
+_ROW_ARRAYS = ("F", "cost", "peak", "prev", "move")  # per-row arrays of a frontier part
 
 
 def _thin(sel: np.ndarray, F: np.ndarray, primary: np.ndarray) -> np.ndarray:
