@@ -244,3 +244,28 @@ def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
         assert report.grads_equal, name
         assert report.peak_bytes == report.predicted_peak_bytes, name
         assert report.recompute_flops == plan.predicted_recompute_flops, name
+
+
+def test_kept_outputs_changed_in_place_in_forward_are_freed_when_it_ends() -> None:
+    from autoremat.selective import _KeepOutputs
+
+    lin = torch.nn.Linear(16, 16)
+    seen: list[_KeepOutputs] = []
+
+    def contexts():  # type: ignore[no-untyped-def]
+        keep, reuse = selective_context(["matmul"])()
+        seen.append(keep)
+        return keep, reuse
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a = lin(x)  # kept, then changed in place: its copy is stale
+        a.mul_(2.0)
+        b = lin(a.tanh())  # kept and unchanged
+        return (a * b).sum()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=contexts)
+    entries = seen[0].kept.entries[torch.ops.aten.addmm.default]
+    assert entries[0] is None and entries[1] is not None
+    out.backward()
+    assert x.grad is not None
