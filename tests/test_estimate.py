@@ -28,6 +28,7 @@ from autoremat.estimate import (
     to_meta,
 )
 from autoremat.flops import FlopCounter
+from autoremat.optimizers import OPTIMIZERS
 from autoremat.step import run_step, unique_storage_bytes
 from autoremat.wrap import checkpointed
 
@@ -372,3 +373,16 @@ def test_parse_dtype(text: str | None, dtype: torch.dtype | None) -> None:
 def test_parse_dtype_suggests() -> None:
     with pytest.raises(RematError, match="Did you mean 'bf16'"):
         parse_dtype("bf61")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_plan_and_estimate_agree_on_optimizer_state(name: str) -> None:
+    # plan(max_memory=, optimizer=) prices optimizer state from the tape alone (states per
+    # parameter); estimate measures PyTorch's optimizer on meta. They must not drift apart.
+    from autoremat.plan import optimizer_state_bytes
+
+    model, _ = zoo.build("mlp", device="meta")
+    trainable = unique_storage_bytes([p for p in model.parameters() if p.requires_grad])
+    tape = type("TapeLike", (), {"trainable_param_bytes": trainable})()
+    state_bytes, _ = optimizer_memory(model, name)
+    assert optimizer_state_bytes(tape, name) == state_bytes  # type: ignore[arg-type]
