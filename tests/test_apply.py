@@ -634,3 +634,64 @@ def test_hugging_face_every_selective_option_is_exact_and_predicted(name: str) -
         assert abs(report.prediction_error) <= 0.05, (save_name, report.prediction_error)
         assert report.recompute_flops == pytest.approx(plan.predicted_recompute_flops,
                                                        rel=0.02, abs=1), save_name
+
+
+# --- skip connections: outputs held outside the chain -------------------------------------------
+
+
+class _SkipBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv, self.norm, self.drop = nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(4, c), \
+            nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.drop(F.silu(self.norm(self.conv(x))))
+        return h + x if skip is None else h + x + skip
+
+
+class _UNetish(nn.Module):
+    """Down blocks whose outputs a list holds until the matching up block (U-Net style)."""
+
+    def __init__(self, c: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, 3, 1)
+        self.down = nn.ModuleList(_SkipBlock(c) for _ in range(n))
+        self.up = nn.ModuleList(_SkipBlock(c) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, skips = self.inp(x), []
+        for block in self.down:
+            h = block(h)
+            skips.append(h)
+        for block in self.up:
+            h = block(h, skip=skips.pop())
+        return F.mse_loss(self.out(h), x)
+
+
+def test_auto_measures_and_corrects_when_skip_connections_fool_the_peak_model() -> None:
+    torch.manual_seed(0)
+    model, x = _UNetish(), torch.randn(4, 3, 32, 32)
+    names = [f"down.{i}" for i in range(4)] + [f"up.{i}" for i in range(4)]
+    tape = autoremat.profile(model, x, loss_fn=lambda out: out, blocks=names, repeats=1)
+    over = {}  # budget -> (plan, measured peak) for plans that measure over their budget
+    for budget in ("75%", "60%", "50%", "40%"):
+        first = autoremat.plan(tape, budget)
+        autoremat.apply(model, first)
+        report = autoremat.verify(model, x, loss_fn=lambda out: out, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal
+        assert first.budget_bytes is not None
+        if report.peak_bytes > first.budget_bytes:
+            over[budget] = (first, report.peak_bytes)
+    # the known limitation this test is about: some plan measures over its budget
+    assert over, "the peak model is exact here; this test needs a model that fools it"
+
+    for budget, (first, _) in over.items():
+        chosen = autoremat.auto(model, x, budget=budget, loss_fn=lambda out: out, blocks=names)
+        assert chosen.budget_bytes == first.budget_bytes
+        assert any("so that the measured step fits" in n for n in chosen.notes)
+        assert "note: planned for" in str(chosen)
+        report = autoremat.verify(model, x, loss_fn=lambda out: out, repeats=1)
+        assert report.grads_equal and report.peak_bytes <= chosen.budget_bytes
+        autoremat.remove(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,11 +10,13 @@ from typing import Any
 from torch import nn
 
 from .blocks import BlockSpec
-from .errors import PlanMismatchError, RematError, did_you_mean
+from .errors import BudgetError, PlanMismatchError, RematError, did_you_mean
+from .memory import track_memory
 from .plan import Plan, plan
 from .profile import profile
 from .segments import SegmentRunner
-from .step import LossFn, describe_inputs
+from .step import LossFn, describe_inputs, preserved_state, run_step
+from .units import format_bytes
 from .wrap import is_wrapped, unwrap, wrap
 
 __all__ = ["ShapeMismatchWarning", "applied_plan", "apply", "auto", "remove"]
@@ -156,6 +159,13 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
          optimizer: str | int | None = None) -> Plan:
     """Profile, plan and apply in one call; returns the plan applied.
 
+    With a budget, ``auto`` then measures one step with the plan applied and, if the
+    measured peak is over the budget, plans again for a budget smaller by the overshoot
+    (at most twice more); see NOTE [ auto measures what it applies ].
+
+    Raises:
+        BudgetError: no plan fits, or the plans tried still measure over the budget.
+
     Example:
         >>> import autoremat
         >>> model, inputs = autoremat.zoo.build("gpt2")
@@ -167,4 +177,49 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer)
     apply(model, chosen)
-    return chosen
+    if chosen.budget_bytes is None:
+        return chosen
+    # NOTE [ auto measures what it applies ]
+    #     The peak model composes per-block windows keyed by the modes of a block and its
+    #     predecessor. Where a block's output lives on in code outside the chain (U-Net
+    #     style skip connections held in a list), its lifetime depends on blocks further
+    #     away, and a plan can measure one such tensor over its prediction. verify()
+    #     reports that; auto(), which has the model, measures the plan it applied and
+    #     tightens the budget by the overshoot until the measured step fits.
+    limit, target = chosen.budget_bytes, chosen.budget_bytes
+    for attempt in range(_AUTO_ATTEMPTS):
+        peak = _measured_peak(model, inputs, loss_fn)
+        if peak <= limit:
+            return chosen
+        remove(model)
+        if attempt == _AUTO_ATTEMPTS - 1:
+            break
+        target -= peak - limit
+        try:
+            retry = plan(tape, target, strategy)
+        except BudgetError as exc:
+            raise BudgetError(
+                f"the plan for {format_bytes(limit)} measured {format_bytes(peak)}; a plan "
+                f"for {format_bytes(target)} to make up for it does not exist: {exc}",
+                min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy) from exc
+        note = (f"planned for {format_bytes(target)} so that the measured step fits "
+                f"{format_bytes(limit)} (a plan for {format_bytes(limit)} measured "
+                f"{format_bytes(peak)}: the peak model missed tensors held outside the "
+                "chain of blocks)")
+        chosen = dataclasses.replace(retry, budget_bytes=limit,
+                                     notes=(*retry.notes, note))
+        apply(model, chosen)
+    raise BudgetError(
+        f"after {_AUTO_ATTEMPTS} plans the measured step peak is still "
+        f"{format_bytes(peak)}, over the budget of {format_bytes(limit)}; give a smaller "
+        "budget, or pass blocks=[...] so that tensors held between blocks are inside them",
+        min_feasible_bytes=None, strategy=strategy)
+
+
+_AUTO_ATTEMPTS = 3  # plans auto() measures before giving up (NOTE [ auto measures ... ])
+
+
+def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> int:
+    with preserved_state(model), track_memory() as mem:
+        run_step(model, inputs, loss_fn)
+    return mem.peak_bytes

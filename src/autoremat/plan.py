@@ -137,7 +137,8 @@ class Plan:
                 f"(unplanned {format_bytes(self.unplanned_peak_bytes)}); recompute "
                 f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
                 f"{100 * self.recompute_overhead:.1f}% of the step\n")
-        return head + render_table(["block", "decision"], rows)
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
+        return head + render_table(["block", "decision"], rows) + notes
 
 
 def _expect(value: Any, kind: type, where: str) -> None:
