@@ -298,6 +298,16 @@ def test_block_that_runs_twice_is_rejected_and_the_model_is_left_clean() -> None
     _assert_unchanged(model, before)
 
 
+def test_blocks_listed_out_of_running_order_are_rejected() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(4, 8)
+    before = _snapshot(model)
+    with pytest.raises(BlockError, match=r"the blocks ran in the order \['0', '2'\], not in "
+                                         r"the order given \(\['2', '0'\]\)"):
+        autoremat.profile(model, x, blocks=["2", "0"])
+    _assert_unchanged(model, before)
+
+
 def test_loss_that_does_not_require_grad_is_rejected() -> None:
     model, inputs = zoo.build("mlp", **SMALL["mlp"])
     with pytest.raises(RematError, match="the loss does not require grad"):

@@ -70,6 +70,7 @@ class _Probe:
     output_bytes: list[int] = field(default_factory=list)
     chained: list[bool] = field(default_factory=list)
     chain_bytes: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # block indices in the order they ran
     _prev_outputs: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -94,6 +95,7 @@ class _Probe:
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.calls[i] += 1
+            self.order.append(i)
             self.on_mark(f"fwd:{i}")
             tensors = flat_tensors((args, kwargs))
             self.input_bytes[i] = unique_storage_bytes(tensors)
@@ -135,6 +137,11 @@ def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: li
         if calls != 1:
             raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
                              f"over blocks that run once each (pass blocks=[...] to choose)")
+    if probe.order != sorted(probe.order):
+        ran = [names[i] for i in probe.order]
+        raise BlockError(f"the blocks ran in the order {ran}, not in the order given "
+                         f"({names}); autoremat plans over a chain: list the blocks in the "
+                         "order they run")
     return probe
 
 
