@@ -90,9 +90,10 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
     Args:
         module: any ``nn.Module``; its parameters, hooks and state dict are untouched.
         tag: a label kept for inspection (``is_wrapped`` returns it).
-        selective: a ``context_fn`` as made by
-            ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, to save
-            some op outputs instead of recomputing everything.
+        selective: a ``context_fn`` for ``torch.utils.checkpoint`` (autoremat's
+            ``selective.selective_context``, or PyTorch's
+            ``create_selective_checkpoint_contexts``), to save some op outputs instead
+            of recomputing everything.
     """
     if is_wrapped(module):
         unwrap(module)
