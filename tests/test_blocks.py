@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from autoremat import zoo
-from autoremat.blocks import discover_blocks, resolve_blocks
+from autoremat.blocks import discover_blocks, other_repeated_blocks, resolve_blocks
 from autoremat.errors import BlockError
 
 
@@ -153,3 +154,43 @@ def test_a_string_instead_of_a_list_is_rejected_with_the_fix() -> None:
         resolve_blocks(Wrapped(), "encoder.layers.0")  # type: ignore[arg-type]
     assert "not the string 'encoder.layers.0'" in str(info.value)
     assert "blocks=['encoder.layers.0']" in str(info.value)
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(self.up(x).relu())
+        return out
+
+
+class _EncoderDecoder(nn.Module):
+    """Two containers of repeated blocks; the decoder holds more parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.decoder = nn.ModuleList(_Wide() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in [*self.encoder, *self.decoder]:
+            x = block(x)
+        return x
+
+
+def test_repeated_blocks_left_out_of_the_chain_are_named_not_ignored() -> None:
+    import autoremat
+
+    model = _EncoderDecoder()
+    names = discover_blocks(model)
+    assert names == ["decoder.0", "decoder.1"]
+    assert other_repeated_blocks(model, names) == ["encoder"]
+    assert other_repeated_blocks(model, ["encoder.0", "encoder.1", *names]) == []
+    tape = autoremat.profile(model, torch.randn(4, 8), repeats=1)
+    assert any("also repeated, not planned over: encoder" in n for n in tape.notes)
+    assert "note: planning over the blocks found in one container" in str(tape)
+    both = autoremat.profile(model, torch.randn(4, 8), blocks=["encoder.0", "encoder.1", *names],
+                             repeats=1)
+    assert not any("not planned over" in n for n in both.notes)

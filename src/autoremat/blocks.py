@@ -18,7 +18,7 @@ from torch import nn
 
 from .errors import BlockError, did_you_mean
 
-__all__ = ["BlockSpec", "discover_blocks", "resolve_blocks"]
+__all__ = ["BlockSpec", "discover_blocks", "other_repeated_blocks", "resolve_blocks"]
 
 BlockSpec = None | Sequence[str] | Callable[[str, nn.Module], bool]
 
@@ -69,6 +69,35 @@ def discover_blocks(model: nn.Module) -> list[str]:
         else:
             names.append(f"{prefix}{child_name}")
     return names
+
+
+def other_repeated_blocks(model: nn.Module, chosen: Sequence[str]) -> list[str]:
+    """Containers of repeated blocks that ``chosen`` leaves out (an encoder beside a
+    decoder, a U-Net's down path beside its up path), so that callers can say so.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> class EncDec(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.enc = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        ...         self.dec = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        >>> m = EncDec()
+        >>> discover_blocks(m), other_repeated_blocks(m, discover_blocks(m))
+        (['dec.0', 'dec.1', 'dec.2'], ['enc'])
+    """
+    taken = [n for n in chosen if n]
+    out: list[str] = []
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, _CONTAINERS) or len(module) < 2 \
+                or _repeated_score(module)[0] <= 0:
+            continue
+        inside = [t for t in taken if t == name or t.startswith(name + ".")]
+        outside = any(name.startswith(t + ".") for t in taken)
+        if inside or outside or any(name.startswith(o + ".") for o in out):
+            continue
+        out.append(name)
+    return out
 
 
 def resolve_blocks(model: nn.Module, blocks: BlockSpec) -> list[str]:

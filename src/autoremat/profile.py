@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .blocks import BlockSpec, resolve_blocks
+from .blocks import BlockSpec, other_repeated_blocks, resolve_blocks
 from .errors import BlockError, RematError
 from .memory import MemoryTracker, track_memory
 from .ops import OpRecorder, OpStats, op_kind
@@ -379,6 +379,12 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         params = list(model.parameters())
         on_meta = any(p.device.type == "meta" for p in params)
         notes: list[str] = []
+        if blocks is None:
+            others = other_repeated_blocks(model, names)
+            if others:
+                notes.append(f"planning over the blocks found in one container; also "
+                             f"repeated, not planned over: {', '.join(others)} (pass "
+                             "blocks=[...] with all of them, in the order they run)")
         if timing and not on_meta:
             fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats)
         else:

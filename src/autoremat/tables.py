@@ -65,7 +65,8 @@ def tape_table(tape: Tape) -> str:
             f"parameters {format_bytes(tape.param_bytes)}, buffers "
             f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
             f"step {tape.step_ms:.1f} ms, {_flops(tape.step_flops)}FLOPs\n")
-    return head + table
+    notes = "".join(f"\nnote: {n}" for n in tape.notes)
+    return head + table + notes
 
 
 def ops_table(tape: Tape, block: str) -> str:
