@@ -12,7 +12,7 @@ NOTE [ Which container is the chain ]
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from torch import nn
 
@@ -38,6 +38,18 @@ def _repeated_score(container: nn.Module) -> tuple[int, int]:
     return (covered, len(children))
 
 
+def _is_repeated_container(module: nn.Module) -> bool:
+    return isinstance(module, _CONTAINERS) and len(module) >= 2 \
+        and _repeated_score(module)[0] >= 0
+
+
+def _repeated_containers(model: nn.Module) -> Iterator[tuple[str, tuple[int, int]]]:
+    """``(name, score)`` of every ModuleList/Sequential holding repeated children."""
+    for name, module in model.named_modules():
+        if _is_repeated_container(module):
+            yield name, _repeated_score(module)
+
+
 def discover_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the model's chain of repeated blocks, in definition order.
 
@@ -47,12 +59,7 @@ def discover_blocks(model: nn.Module) -> list[str]:
         ['0', '1', '2']
     """
     best: tuple[tuple[int, int], int, str] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, _CONTAINERS) or len(module) < 2:
-            continue
-        score = _repeated_score(module)
-        if score[0] < 0:
-            continue
+    for name, score in _repeated_containers(model):
         depth = name.count(".") if name else -1
         key = (score, -depth, name)
         if best is None or key[:2] > best[:2]:
@@ -64,7 +71,7 @@ def discover_blocks(model: nn.Module) -> list[str]:
     prefix = f"{root}." if root else ""
     names: list[str] = []
     for child_name, child in container.named_children():
-        if isinstance(child, _CONTAINERS) and len(child) > 1 and _repeated_score(child)[0] >= 0:
+        if _is_repeated_container(child):
             names.extend(f"{prefix}{child_name}.{n}" for n, _ in child.named_children())
         else:
             names.append(f"{prefix}{child_name}")
@@ -88,15 +95,13 @@ def other_repeated_blocks(model: nn.Module, chosen: Sequence[str]) -> list[str]:
     """
     taken = [n for n in chosen if n]
     out: list[str] = []
-    for name, module in model.named_modules():
-        if not name or not isinstance(module, _CONTAINERS) or len(module) < 2 \
-                or _repeated_score(module)[0] <= 0:
+    for name, score in _repeated_containers(model):
+        if not name or score[0] == 0:  # the model itself; or parameter-free repeats
             continue
-        inside = [t for t in taken if t == name or t.startswith(name + ".")]
-        outside = any(name.startswith(t + ".") for t in taken)
-        if inside or outside or any(name.startswith(o + ".") for o in out):
-            continue
-        out.append(name)
+        inside = any(t == name or t.startswith(name + ".") for t in taken)
+        outside = any(name.startswith(t + ".") for t in [*taken, *out])
+        if not (inside or outside):
+            out.append(name)
     return out
 
 
