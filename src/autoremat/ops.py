@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from dataclasses import dataclass
@@ -82,8 +83,9 @@ class OpRecorder(FlopCounter):
     def __init__(self) -> None:
         super().__init__()
         self.stats: dict[str, dict[str, list[float]]] = {}
-        # label -> per forward op: [OpRecord fields but kept_bytes, (storage ref, bytes)s]
-        self._trace: dict[str, list[list[Any]]] = {}
+        # label -> per forward op: its record (kept_bytes still 0) and the storages it
+        # created, as (weak reference, bytes)
+        self._trace: dict[str, list[tuple[OpRecord, list[tuple[Any, int]]]]] = {}
         self._kept: dict[str, tuple[OpRecord, ...]] | None = None  # set when backward starts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -120,18 +122,19 @@ class OpRecorder(FlopCounter):
         row[1] += flops
         row[2] += created
         row[3] += elapsed
-        self._trace.setdefault(self.label, []).append(
-            [name, kind, created, flops, round(elapsed, 4), random, bool(func.is_view),
-             bool(func._schema.is_mutable), refs])
+        record = OpRecord(op=name, kind=kind, out_bytes=created, flops=flops,
+                          ms=round(elapsed, 4), random=random, view=bool(func.is_view),
+                          inplace=bool(func._schema.is_mutable), kept_bytes=0)
+        self._trace.setdefault(self.label, []).append((record, refs))
         return out
 
-    def _close_forward(self) -> None:
+    def _close_forward(self) -> dict[str, tuple[OpRecord, ...]]:
         self._kept = {
-            label: tuple(OpRecord(*row[:-1], kept_bytes=sum(n for ref, n in row[-1]
-                                                            if ref() is not None))
-                         for row in rows)
+            label: tuple(dataclasses.replace(record, kept_bytes=sum(
+                n for ref, n in refs if ref() is not None)) for record, refs in rows)
             for label, rows in self._trace.items()}
         self._trace.clear()
+        return self._kept
 
     def block_stats(self, label: str) -> dict[str, OpStats]:
         rows = self.stats.get(label, {})
@@ -141,6 +144,5 @@ class OpRecorder(FlopCounter):
     def block_ops(self, label: str) -> tuple[OpRecord, ...]:
         """The forward ops of ``label`` in order; ``kept`` is decided when backward
         starts (if no backward ran, by what is alive now)."""
-        if self._kept is None:
-            self._close_forward()
-        return self._kept.get(label, ()) if self._kept is not None else ()
+        kept = self._kept if self._kept is not None else self._close_forward()
+        return kept.get(label, ())

@@ -232,6 +232,21 @@ def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     return counter
 
 
+def _recompute_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+                     plain: OpRecorder,
+                     selective: dict[str, tuple[str, ...]] | None = None) -> list[int]:
+    """Per block, the FLOPs its recompute runs with every block checkpointed (those in
+    ``selective`` with that save-set): backward FLOPs minus the plain step's. Measured, so
+    checkpoint's early stop (no re-run after the last op backward needs) is included."""
+    contexts = {n: selective_context(s) for n, s in (selective or {}).items()}
+    with checkpointed(model, names, contexts):
+        counter = _flops(model, inputs, loss_fn, names)
+    for p in model.parameters():
+        p.grad = None
+    return [counter.by_label.get((n, "bwd"), 0) - plain.by_label.get((n, "bwd"), 0)
+            for n in names]
+
+
 def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
              repeats: int) -> tuple[list[float], list[float], float]:
     n = len(names)
@@ -286,19 +301,14 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
     for save in sorted({s for c in candidates for s in c}):
         users = {names[i]: save for i, c in enumerate(candidates) if save in c}
         run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), users)
-        contexts = {n: selective_context(s) for n, s in users.items()}
-        with checkpointed(model, names, contexts):
-            counter = _flops(model, inputs, loss_fn, names)
-        for p in model.parameters():
-            p.grad = None
+        flops = _recompute_flops(model, inputs, loss_fn, names, plain, users)
         for i, name in enumerate(names):
             if name not in users:
                 continue
             redo = [s for k, s in op_stats[i].items() if k not in save]
             out[i][save_set_name(save)] = SelectiveProfile(
                 fwd=run.fwd[i], bwd=run.bwd[i],
-                recompute_flops=counter.by_label.get((name, "bwd"), 0)
-                - plain.by_label.get((name, "bwd"), 0),
+                recompute_flops=flops[i],
                 recompute_bytes=sum(s.out_bytes for s in redo),
                 recompute_ops=sum(s.count for s in redo),
             )
@@ -369,10 +379,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         counter = _flops(model, inputs, loss_fn, names)
         for p in model.parameters():
             p.grad = None
-        with checkpointed(model, names):
-            ckpt_counter = _flops(model, inputs, loss_fn, names)
-        for p in model.parameters():
-            p.grad = None
+        recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter)
         op_stats = [counter.block_stats(name) for name in names]
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter) \
             if with_selective else [{} for _ in names]
@@ -400,8 +407,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             name=name, fwd_ms=fwd_ms[i], bwd_ms=bwd_ms[i],
             fwd_flops=counter.by_label.get((name, "fwd"), 0),
             bwd_flops=counter.by_label.get((name, "bwd"), 0),
-            recompute_flops=ckpt_counter.by_label.get((name, "bwd"), 0)
-            - counter.by_label.get((name, "bwd"), 0),
+            recompute_flops=recompute_flops[i],
             saved_bytes=sum(saved[i].values()),
             saved_bytes_by_kind=dict(sorted(saved[i].items())),
             input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -307,7 +308,8 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
                    "prev": np.array([-1]), "move": np.array([-1]), "from": np.array([-1]),
                    "from_mode": np.array([-1])},
     }
-    incoming: dict[tuple[int, str], list[dict[str, np.ndarray]]] = {}
+    # per target state, parts: row arrays (_ROW_ARRAYS) plus the source state's scalars
+    incoming: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for i in range(n):
         for prev in ("K", "C"):
             cur = frontier.get((i, prev))
@@ -368,7 +370,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     return ChainSolution(tuple(segments), result_cost, result_peak)
 
 
-def _prune(parts: list[dict[str, np.ndarray]], objective: str) -> dict[str, np.ndarray]:
+def _prune(parts: list[dict[str, Any]], objective: str) -> dict[str, np.ndarray]:
     """Pareto frontier of (F, objective) over the candidate rows; deterministic order."""
     sizes = [len(p["F"]) for p in parts]
     cat = {k: np.concatenate([p[k] for p in parts]) for k in _ROW_ARRAYS}
