@@ -325,3 +325,27 @@ def test_model_without_a_chain_and_non_modules_are_rejected() -> None:
     with pytest.raises(RematError, match="repeats must be at least 1"):
         autoremat.profile(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), torch.randn(1, 2),
                           repeats=0)
+
+
+def test_the_tape_records_dataflow_and_what_autograd_saved() -> None:
+    model, inputs = zoo.build("gpt2", n_layer=2)
+    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
+    ops = tape.blocks[1].ops
+    names = [o.op for o in ops]
+    assert "aten.detach.default" not in names  # checkpoint's own ops are not traced
+    for i, o in enumerate(ops):
+        assert all(0 <= j < i for j in o.inputs), (i, o)
+        assert -1 <= o.target < i and (o.target == -1 or o.inplace)
+    draws = [o for o in ops if o.op == "aten.bernoulli_.float"]
+    assert len(draws) == 3  # attention, residual and MLP dropout
+    for o in draws:  # each fills an empty_like, which reads no values (only a shape)
+        assert ops[o.target].op == "aten.empty_like.default" and ops[o.target].inputs == ()
+        assert ops[o.target].saved  # the mask: the dropout multiply's backward reads it
+    soft = names.index("aten._safe_softmax.default")
+    assert ops[soft].saved and ops[soft].kept_bytes == ops[soft].out_bytes
+    assert ops[soft + 1].inputs == ()  # the empty_like of the attention dropout
+    assert names.index("aten.bmm.default") in ops[soft - 1].inputs  # scores + causal mask
+    # the block's output is alive when backward starts (the next block holds it), but
+    # autograd did not save it: recompute need not make it again
+    assert names[-1] == "aten.add.Tensor" and ops[-1].kept_bytes > 0 and not ops[-1].saved
+    assert sum(o.kept_bytes for o in ops) == tape.blocks[1].saved_bytes

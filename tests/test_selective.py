@@ -15,7 +15,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from autoremat import RematError
-from autoremat.selective import save_set_name, save_set_of, save_sets, selective_context
+from autoremat.selective import (
+    op_signature,
+    save_set_name,
+    save_set_of,
+    save_sets,
+    selective_context,
+)
+from autoremat.wrap import ContextFn
 
 
 class _CountOps(TorchDispatchMode):
@@ -33,7 +40,8 @@ class _CountOps(TorchDispatchMode):
 
 
 def _grads(fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.Tensor],
-           save: tuple[str, ...] | None, seed: int = 0) -> tuple[list[torch.Tensor], _CountOps]:
+           save: tuple[str, ...] | ContextFn | None,
+           seed: int = 0) -> tuple[list[torch.Tensor], _CountOps]:
     torch.manual_seed(seed)
     x = torch.randn(6, 16, requires_grad=True)
     for p in params:
@@ -43,7 +51,8 @@ def _grads(fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.Tensor
         if save is None:
             out = fn(x)
         else:
-            out = checkpoint(fn, x, use_reentrant=False, context_fn=selective_context(save))
+            context = save if callable(save) else selective_context(save)
+            out = checkpoint(fn, x, use_reentrant=False, context_fn=context)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     grads = [x.grad] + [p.grad for p in params]
     return [g.clone() for g in grads if g is not None], counter
@@ -221,23 +230,18 @@ class _OddNet(torch.nn.Module):
 
 def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
     import autoremat
-    from autoremat.solvers.chain import plan_costs, predict_peak
+    from autoremat.plan import plan_of_segments
+    from autoremat.selective import is_keep_set
 
     torch.manual_seed(0)
     model = _OddNet()
     inputs = {"x": torch.randn(16, 32), "y": torch.randint(0, 3, (16,))}
     tape = autoremat.profile(model, inputs, loss_fn=lambda out: out, repeats=1)
     names = set.intersection(*(set(b.selective) for b in tape.blocks))
-    assert names == {"", "matmul"}
-    base = autoremat.plan(tape, None, "full")
+    assert {"", "matmul"} < names and all(is_keep_set(n) for n in names - {"", "matmul"})
     for name in sorted(names):
         options = [(i, i + 1, ("selective", save_set_of(name))) for i in range(len(tape.blocks))]
-        plan = dataclasses.replace(
-            base, blocks=tuple(dataclasses.replace(b, decision="selective",
-                                                   save_ops=save_set_of(name))
-                               for b in base.blocks),
-            predicted_peak_bytes=predict_peak(tape, options),
-            predicted_recompute_flops=sum(c.flops for c in plan_costs(tape, options)))
+        plan = plan_of_segments(tape, options, f"selective:{name}")
         autoremat.apply(model, plan)
         report = autoremat.verify(model, inputs, loss_fn=lambda out: out, repeats=1)
         autoremat.remove(model)
@@ -269,3 +273,89 @@ def test_kept_outputs_changed_in_place_in_forward_are_freed_when_it_ends() -> No
     assert entries[0] is None and entries[1] is not None
     out.backward()
     assert x.grad is not None
+
+
+# --- keep-sets by position, and dead ops (NOTE [ Dead ops ]) --------------------------------
+
+_CORE_OPS = ["aten.mm.default", "aten._softmax.default", "aten.empty_like.default",
+             "aten.bernoulli_.float", "aten.div_.Scalar", "aten.mul.Tensor", "aten.mm.default"]
+
+
+@pytest.fixture()
+def core() -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
+    """mm -> softmax -> dropout -> mm: the ops of _CORE_OPS, in that order."""
+    torch.manual_seed(11)
+    w1, w2 = torch.randn(16, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(x @ w1, -1)
+        return torch.nn.functional.dropout(p, 0.3, True) @ w2
+
+    return fn, [w1, w2]
+
+
+def test_a_kept_softmax_makes_the_matmuls_around_it_dead(core) -> None:  # type: ignore[no-untyped-def]
+    fn, params = core
+    plain, _ = _grads(fn, params, None)
+    every, all_ops = _grads(fn, params, ())
+    # keep the softmax output: the first mm only computed it, so it is not run again
+    # (the last mm only makes the output: checkpoint's early stop spares it anyway); the
+    # draw is copied back, not drawn
+    dead = selective_context(keep_ops=(1,), skip_ops=(0, 6), signature=op_signature(_CORE_OPS))
+    kept, counter = _grads(fn, params, dead)
+    _assert_same(plain, every)
+    _assert_same(plain, kept)
+    assert counter.backward["mm.default"] == all_ops.backward["mm.default"] - 1
+    assert "_softmax.default" not in counter.backward
+    assert "bernoulli_.float" not in counter.backward
+
+
+def test_a_keep_set_for_other_ops_falls_back_to_recomputing_everything(core) -> None:  # type: ignore[no-untyped-def]
+    fn, params = core
+    plain, _ = _grads(fn, params, None)
+    wrong = selective_context(keep_ops=(1,), skip_ops=(0, 6), signature="0" * 16)
+    with pytest.warns(UserWarning, match="different sequence of ops than when it was profiled"):
+        got, counter = _grads(fn, params, wrong)
+    _assert_same(plain, got)
+    assert counter.backward["_softmax.default"] == 1  # recomputed: nothing kept by position
+
+
+def test_recompute_that_runs_other_ops_than_forward_raises() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(16, 16, requires_grad=True)
+    calls = [0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:  # forward and recompute take different paths
+        calls[0] += 1
+        h = x @ w
+        return (h.relu() if calls[0] == 1 else h.sigmoid()) * 2
+
+    ops = ["aten.mm.default", "aten.relu.default", "aten.mul.Tensor"]
+    context = selective_context(keep_ops=(), skip_ops=(2,), signature=op_signature(ops))
+    with pytest.raises(RematError, match=r"ran aten.sigmoid.default as op 1 of the block, "
+                                         r"where its forward ran aten.relu.default"):
+        _grads(fn, [w], context)
+
+
+def test_a_kept_output_changed_in_place_after_forward_turns_skipping_off() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x + 1  # dead while `a` is kept ...
+        a = t * 2  # ... kept by position and returned ...
+        b = a.sigmoid()
+        a.add_(1)  # ... but changed in place: recompute must rebuild it from real `t`
+        return b * a
+
+    ops = ["aten.add.Tensor", "aten.mul.Tensor", "aten.sigmoid.default", "aten.add_.Tensor",
+           "aten.mul.Tensor"]
+    plain, _ = _grads(fn, [], None)
+    got, counter = _grads(fn, [], selective_context(keep_ops=(1,), skip_ops=(0,),
+                                                    signature=op_signature(ops)))
+    _assert_same(plain, got)
+    assert counter.backward["add.Tensor"] >= 1  # the skipped op ran after all
+
+
+def test_keep_sets_need_a_signature_and_cannot_also_skip_a_kept_op() -> None:
+    with pytest.raises(RematError, match="needs the signature"):
+        selective_context(keep_ops=(1,))
+    with pytest.raises(RematError, match=r"op positions \[1\] are both kept and skipped"):
+        selective_context(keep_ops=(1,), skip_ops=(1,), signature="x")

@@ -93,7 +93,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                 from .selective import selective_context
 
                 for b, module in zip(plan.blocks[start:stop], blocks, strict=False):
-                    wrap(module, tag="selective", selective=selective_context(b.save_ops))
+                    wrap(module, tag="selective", selective=selective_context(
+                        b.save_ops, keep_ops=b.keep_ops, skip_ops=b.skip_ops,
+                        signature=b.op_signature))
                     state.wrapped.append(module)
             elif stop == start + 1:
                 wrap(blocks[0], tag="recompute")
@@ -160,8 +162,8 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     """Profile, plan and apply in one call; returns the plan applied.
 
     With a budget, ``auto`` then measures one step with the plan applied and, if the
-    measured peak is over the budget, plans again for a budget smaller by the overshoot
-    (at most twice more); see NOTE [ auto measures what it applies ].
+    measured peak is over the budget, plans again for a budget smaller by the plan's
+    prediction error (at most twice more); see NOTE [ auto measures what it applies ].
 
     Raises:
         BudgetError: no plan fits, or the plans tried still measure over the budget.
@@ -185,7 +187,9 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     #     style skip connections held in a list), its lifetime depends on blocks further
     #     away, and a plan can measure one such tensor over its prediction. verify()
     #     reports that; auto(), which has the model, measures the plan it applied and
-    #     tightens the budget by the overshoot until the measured step fits.
+    #     plans again for the budget less that plan's prediction error (or less the
+    #     overshoot, if that is tighter), until the measured step fits: the error is much
+    #     the same from plan to plan, so one retry usually does it.
     limit, target = chosen.budget_bytes, chosen.budget_bytes
     for attempt in range(_AUTO_ATTEMPTS):
         peak = _measured_peak(model, inputs, loss_fn)
@@ -194,7 +198,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         remove(model)
         if attempt == _AUTO_ATTEMPTS - 1:
             break
-        target -= peak - limit
+        target = min(target - (peak - limit), limit - (peak - chosen.predicted_peak_bytes))
         try:
             retry = plan(tape, target, strategy)
         except BudgetError as exc:

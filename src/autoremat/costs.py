@@ -14,12 +14,12 @@ NOTE [ Why not plain FLOPs, and why not measured times ]
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from .ops import OpStats
+from .ops import OpRecord, OpStats
 
-__all__ = ["CostModel", "cost_model_for", "recompute_cost"]
+__all__ = ["CostModel", "cost_model_for", "keep_set_cost", "op_cost", "recompute_cost"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,17 @@ def recompute_cost(stats: dict[str, OpStats], fwd_flops: int, model: CostModel,
     if saved is not None:
         total += model.flops_per_sac_op * sum(s.count for s in stats.values())
     return int(total)
+
+
+def op_cost(op: OpRecord, model: CostModel) -> float:
+    """FLOP-equivalents of re-running one op under selective recompute (a random draw is
+    copied back from the kept one, so it costs as memory, not as drawing)."""
+    return op.flops + model.flops_per_byte * op.out_bytes + model.flops_per_op
+
+
+def keep_set_cost(ops: Sequence[OpRecord], keep: Collection[int], skip: Collection[int],
+                  model: CostModel) -> int:
+    """FLOP-equivalents of a block's recompute under a keep-set: every op not kept or
+    skipped re-runs, and the selective dispatch modes see every op."""
+    total = sum(op_cost(o, model) for i, o in enumerate(ops) if i not in keep and i not in skip)
+    return int(total + model.flops_per_sac_op * len(ops))

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import BudgetError, RematError, SchemaError, did_you_mean
-from .selective import MEGATRON, save_set_name
+from .selective import MEGATRON, is_keep_set, op_signature, save_set_name
 from .solvers.chain import (
     RECOMPUTE,
     ChainSolution,
@@ -25,7 +25,7 @@ from .solvers.chain import (
     solve,
 )
 from .tables import render_table
-from .tape import SCHEMA_VERSION, Tape, build_dataclass, dump_json, load_json
+from .tape import SCHEMA_VERSION, Tape, build_dataclass, dump_json, int_tuples, load_json
 from .units import format_bytes, parse_budget, parse_size
 
 __all__ = ["STRATEGIES", "BlockDecision", "Plan", "optimizer_state_bytes", "plan"]
@@ -40,6 +40,10 @@ class BlockDecision:
     segment: int  # index of its segment; blocks sharing one are recomputed together
     save_ops: tuple[str, ...] = ()  # selective: op kinds whose outputs stay saved
     recompute_ops: tuple[str, ...] = ()  # selective: op kinds re-run in backward
+    # selective with a keep-set (NOTE [ Dead ops ] in selective.py): op positions
+    keep_ops: tuple[int, ...] = ()  # whose outputs stay saved
+    skip_ops: tuple[int, ...] = ()  # that recompute skips (dead)
+    op_signature: str = ""  # of the op sequence the positions index
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,9 @@ class Plan:
             if isinstance(item, dict):
                 item = dict(item, **{key: _strings(item.get(key, []), f"{where}.{key}")
                                      for key in ("save_ops", "recompute_ops")})
+            item = int_tuples(item, ("keep_ops", "skip_ops"), where)
             block = build_dataclass(BlockDecision, item, where)
+            _expect(block.op_signature, str, f"{where}.op_signature")
             _expect(block.name, str, f"{where}.name")
             _expect(block.segment, int, f"{where}.segment")
             if block.decision not in ("keep", "recompute", "selective"):
@@ -122,7 +128,11 @@ class Plan:
             for i in range(start, stop):
                 block = self.blocks[i]
                 what = decision
-                if decision == "selective":
+                if decision == "selective" and block.op_signature:
+                    what += (f" (keep the outputs of {len(block.keep_ops)} ops, skip "
+                             f"{len(block.skip_ops)} dead ops; recompute "
+                             + ", ".join(block.recompute_ops) + ")")
+                elif decision == "selective":
                     what += (" (save " + ", ".join(block.save_ops) + " outputs" if block.save_ops
                              else " (recompute all ops, keep the random draws")
                     if block.save_ops and block.recompute_ops:
@@ -290,13 +300,23 @@ def smallest_feasible_bytes(tape: Tape) -> int:
     return _smallest(tape).peak_bytes
 
 
-def _recomputed_kinds(tape: Tape, i: int, option: Option) -> tuple[str, ...]:
-    """Op kinds a selective block re-runs in backward (dropout copies its kept draws
-    back; see NOTE [ Our own selective contexts, and random bits ])."""
-    if option[0] != "selective":
-        return ()
-    stats = tape.blocks[i].op_stats
-    return tuple(k for k, s in stats.items() if s.count and k not in option[1])
+def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision:
+    """Block ``i``'s decision under ``option``; a selective one names the op kinds it
+    re-runs in backward (dropout copies its kept draws back; see NOTE [ Our own selective
+    contexts, and random bits ])."""
+    block = tape.blocks[i]
+    kind, save = option
+    if kind != "selective":
+        return BlockDecision(block.name, kind, segment)
+    name = save_set_name(save)
+    if is_keep_set(name):
+        sel = block.selective[name]
+        redo = sorted({o.kind for j, o in enumerate(block.ops) if not o.view
+                       and j not in sel.keep_ops and j not in sel.skip_ops})
+        return BlockDecision(block.name, kind, segment, (), tuple(redo), sel.keep_ops,
+                             sel.skip_ops, op_signature(block.ops))
+    redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
+    return BlockDecision(block.name, kind, segment, save, tuple(redo))
 
 
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
@@ -343,15 +363,22 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         raise RematError(f"strategy {name!r} takes no argument, got {strategy!r}")
     budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer)
     segments = STRATEGIES[name](tape, budget_bytes, arg)
+    found = plan_of_segments(tape, segments, strategy, budget_bytes)
+    if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
+        _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes)
+    return found
+
+
+def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
+                     budget_bytes: int | None = None) -> Plan:
+    """The plan that runs ``segments`` (consecutive ``(start, stop, option)``), with its
+    predictions; no budget check."""
     costs = plan_costs(tape, segments)
     peak = predict_peak(tape, segments)
-    if budget_bytes is not None and peak > budget_bytes:
-        _raise_infeasible(tape, budget_bytes, strategy, predicted=peak)
     decisions = []
     for seg_index, (start, stop, opt) in enumerate(segments):
         for i in range(start, stop):
-            decisions.append(BlockDecision(tape.blocks[i].name, opt[0], seg_index, opt[1],
-                                           _recomputed_kinds(tape, i, opt)))
+            decisions.append(_decision(tape, i, seg_index, opt))
     return Plan(
         strategy=strategy, blocks=tuple(decisions), budget_bytes=budget_bytes,
         predicted_peak_bytes=peak,

@@ -22,6 +22,7 @@ NOTE [ Block boundaries in backward ]
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -34,10 +35,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .blocks import BlockSpec, other_repeated_blocks, resolve_blocks
+from .costs import CostModel, cost_model_for
 from .errors import BlockError, RematError
 from .memory import MemoryTracker, track_memory
 from .ops import OpRecorder, OpStats, op_kind
-from .selective import save_set_name, save_sets, selective_context
+from .selective import op_signature, save_set_name, save_sets, selective_context
+from .solvers.keepsets import keep_sets
 from .step import (
     LossFn,
     describe_inputs,
@@ -48,7 +51,7 @@ from .step import (
     unique_storage_bytes,
 )
 from .tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
-from .wrap import checkpointed
+from .wrap import ContextFn, checkpointed
 
 __all__ = ["op_kind", "profile"]
 
@@ -172,11 +175,10 @@ class _MemoryRun:
 
 def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                 names: list[str], ckpt: list[bool],
-                selective: dict[str, tuple[str, ...]] | None = None) -> _MemoryRun:
+                contexts: dict[str, ContextFn] | None = None) -> _MemoryRun:
     for p in model.parameters():
         p.grad = None
     chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
-    contexts = {n: selective_context(s) for n, s in (selective or {}).items()}
     with checkpointed(model, chosen, contexts), track_memory() as mem:
         probe = _run_marked(model, inputs, loss_fn, names, mem.mark)
     marks = _marks(mem)
@@ -227,18 +229,18 @@ def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
         else:
             counter.label = "<outside>"
 
-    with counter:
+    with counter, torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         _run_marked(model, inputs, loss_fn, names, on_mark)
     return counter
 
 
 def _recompute_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
                      plain: OpRecorder,
-                     selective: dict[str, tuple[str, ...]] | None = None) -> list[int]:
+                     contexts: dict[str, ContextFn] | None = None) -> list[int]:
     """Per block, the FLOPs its recompute runs with every block checkpointed (those in
-    ``selective`` with that save-set): backward FLOPs minus the plain step's. Measured, so
-    checkpoint's early stop (no re-run after the last op backward needs) is included."""
-    contexts = {n: selective_context(s) for n, s in (selective or {}).items()}
+    ``contexts`` selective with that context): backward FLOPs minus the plain step's.
+    Measured, so checkpoint's early stop (no re-run after the last op backward needs)
+    and skipped dead ops are included."""
     with checkpointed(model, names, contexts):
         counter = _flops(model, inputs, loss_fn, names)
     for p in model.parameters():
@@ -290,29 +292,50 @@ def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, Wind
 
 
 def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                    op_stats: list[dict[str, OpStats]],
-                    plain: OpRecorder) -> list[dict[str, SelectiveProfile]]:
-    """Per save-set, one memory step and one FLOP step: blocks that have its kinds run
-    selective, the others fully checkpointed (so every block's neighbours are
-    checkpointed). Recompute FLOPs are measured, as for whole blocks: checkpoint's early
-    stop skips the ops after the last one whose output backward needs."""
-    candidates = [save_sets(k for k, s in stats.items() if s.count) for stats in op_stats]
+                    op_stats: list[dict[str, OpStats]], plain: OpRecorder,
+                    cost_model: CostModel) -> list[dict[str, SelectiveProfile]]:
+    """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
+    step: blocks that have that option run selective, the others fully checkpointed (so
+    every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
+    blocks: checkpoint's early stop skips the ops after the last one backward needs."""
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
-    for save in sorted({s for c in candidates for s in c}):
-        users = {names[i]: save for i, c in enumerate(candidates) if save in c}
-        run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), users)
-        flops = _recompute_flops(model, inputs, loss_fn, names, plain, users)
+    options: dict[str, dict[str, tuple[ContextFn, SelectiveProfile]]] = {}
+    for i, stats in enumerate(op_stats):  # save-sets of op kinds (NOTE [ Save-sets by op kind ])
+        for save in save_sets(k for k, s in stats.items() if s.count):
+            redo = [s for k, s in stats.items() if k not in save]
+            options.setdefault(save_set_name(save), {})[names[i]] = (
+                selective_context(save), _partial(sum(s.out_bytes for s in redo),
+                                                  sum(s.count for s in redo)))
+    for name in names:  # keep-sets by position (NOTE [ Dead ops ])
+        ops = plain.block_ops(name)
+        signature = op_signature(ops)
+        for k, found in enumerate(keep_sets(ops, cost_model)):
+            rerun = [o for j, o in enumerate(ops)
+                     if j not in found.keep and j not in found.skip]
+            options.setdefault(f"#{k + 1}", {})[name] = (
+                selective_context(keep_ops=found.keep, skip_ops=found.skip,
+                                  signature=signature),
+                _partial(sum(o.out_bytes for o in rerun), len(rerun),
+                         found.keep, found.skip))
+    for key in sorted(options):
+        users = options[key]
+        contexts = {n: ctx for n, (ctx, _) in users.items()}
+        run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), contexts)
+        flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts)
         for i, name in enumerate(names):
-            if name not in users:
-                continue
-            redo = [s for k, s in op_stats[i].items() if k not in save]
-            out[i][save_set_name(save)] = SelectiveProfile(
-                fwd=run.fwd[i], bwd=run.bwd[i],
-                recompute_flops=flops[i],
-                recompute_bytes=sum(s.out_bytes for s in redo),
-                recompute_ops=sum(s.count for s in redo),
-            )
+            if name in users:
+                out[i][key] = dataclasses.replace(users[name][1], fwd=run.fwd[i],
+                                                  bwd=run.bwd[i], recompute_flops=flops[i])
     return out
+
+
+def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (),
+             skip: tuple[int, ...] = ()) -> SelectiveProfile:
+    """A selective option's static figures; the measured ones are filled in later."""
+    empty = WindowMemory(peak_bytes=0, delta_bytes=0)
+    return SelectiveProfile(fwd=empty, bwd=empty, recompute_flops=0,
+                            recompute_bytes=recompute_bytes, recompute_ops=recompute_ops,
+                            keep_ops=keep, skip_ops=skip)
 
 
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
@@ -381,7 +404,9 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             p.grad = None
         recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter)
         op_stats = [counter.block_stats(name) for name in names]
-        selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter) \
+        device = str(next((p.device for p in model.parameters()), torch.device("cpu")))
+        selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
+                                    cost_model_for(device)) \
             if with_selective else [{} for _ in names]
         params = list(model.parameters())
         on_meta = any(p.device.type == "meta" for p in params)

@@ -36,26 +36,44 @@ NOTE [ Our own selective contexts, and random bits ]
     handed back: the recompute re-runs that op instead, which is always correct. If the
     change happens inside the region's forward, the kept copy is dropped when the
     forward ends, so it costs no memory either.
+
+NOTE [ Dead ops ]
+    Recompute re-runs a block's Python forward, so every op is dispatched again; but
+    backward only needs the tensors autograd saved. An op whose output is neither saved
+    nor read by an op that must run is *dead*: once the softmax output is kept, the
+    ``bmm`` and mask that computed it are; so is a block's last projection, whose output
+    only feeds the block's (kept) output. A keep-set (``solvers/keepsets.py``) names, by
+    position in the block's op sequence, the outputs to keep and the dead ops; recompute
+    returns uninitialised tensors of the right shape for dead ops (``_placeholder``) and
+    hands kept outputs back. Which outputs autograd saves and which op reads which
+    storage come from the tape (``OpRecord.kept_bytes`` and ``inputs``), so a keep-set
+    only applies to the same op sequence: forward compares the ops it ran with the
+    tape's (``op_signature``) and, if they differ, keeps nothing by position and skips
+    nothing (recompute re-runs every op, with a warning). Recompute checks that it
+    dispatches the ops forward did, position by position, and raises if not. If a kept
+    output was changed in place since forward, recompute re-runs it and so skips nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import RematError
-from .ops import is_random_op, op_kind
+from .ops import IGNORED_OPS, OpRecord, is_random_op, op_kind
 from .wrap import ContextFn
 
-__all__ = ["MEGATRON", "SAVEABLE_KINDS", "save_set_name", "save_set_of", "save_sets",
-           "selective_context"]
+__all__ = ["MEGATRON", "SAVEABLE_KINDS", "is_keep_set", "op_signature", "save_set_name",
+           "save_set_of", "save_sets", "selective_context"]
 
 SAVEABLE_KINDS = ("attention", "bmm", "conv", "matmul")  # compute-heavy: worth keeping
 # strategy="selective": Megatron-LM's policy. Save what has weights (linear, conv) and
@@ -63,20 +81,26 @@ SAVEABLE_KINDS = ("attention", "bmm", "conv", "matmul")  # compute-heavy: worth 
 MEGATRON = ("attention", "conv", "matmul")
 
 
-# Ops that checkpoint itself may dispatch a different number of times in forward and in
-# recompute (as SAC_IGNORED_OPS in torch/utils/checkpoint.py): never counted or kept.
-_IGNORED = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+_IGNORED = IGNORED_OPS  # dispatched by checkpoint itself: never counted, kept or skipped
 
 
 class _Kept:
     """What one checkpointed call of a region keeps, shared by its two dispatch modes."""
 
-    def __init__(self, save: frozenset[str]) -> None:
+    def __init__(self, save: frozenset[str], keep: frozenset[int] = frozenset(),
+                 skip: frozenset[int] = frozenset(), signature: str = "") -> None:
         self.save = save
+        self.keep = keep  # op positions whose outputs stay saved (a keep-set)
+        self.skip = skip  # op positions recompute need not run (NOTE [ Dead ops ])
+        self.signature = signature  # op_signature of the region the positions are for
         # op -> one entry per call of it in forward order: None (recompute it), the
         # Bernoulli draw as bool, or (outputs, their version counters)
         self.entries: dict[Any, list[Any]] = defaultdict(list)
         self.replay_rng = False  # the region has a random op other than Bernoulli
+        self.funcs: list[Any] = []  # forward's ops by position
+        self.placeholders: dict[int, tuple[Any, list[Any]]] = {}  # skip position -> (tree
+        # spec, per output (shape, stride, dtype, device) or the value)
+        self.kept_at: dict[int, Any] = {}  # keep position -> its entry
 
 
 def _is_bernoulli(func: Any) -> bool:
@@ -106,6 +130,8 @@ class _KeepOutputs(TorchDispatchMode):
         if func in _IGNORED:
             return out
         kept = self.kept
+        position = len(kept.funcs)
+        kept.funcs.append(func)
         kind, random = _op_info(func)
         entry: Any = None
         if random:
@@ -113,21 +139,68 @@ class _KeepOutputs(TorchDispatchMode):
                 entry = out.to(torch.bool)  # a copy: later in-place ops do not reach it
             else:
                 kept.replay_rng = True
-        elif kind in kept.save:
+        elif kind in kept.save or (position in kept.keep and kind is not None):
             detached = tree_map(_detach, out)
             entry = (detached, [t._version if isinstance(t, torch.Tensor) else 0
                                 for t in tree_flatten(detached)[0]])
+            if position in kept.keep:
+                kept.kept_at[position] = entry
+        elif position in kept.keep:  # not keepable after all: re-run it, on real inputs
+            kept.skip = frozenset()
+        if position in kept.skip:
+            _note_skipped(kept, position, func, args, out)
         kept.entries[func].append(entry)
         return out
 
     def __exit__(self, *exc: Any) -> None:
-        for func, entries in self.kept.entries.items():
+        kept = self.kept
+        if (kept.keep or kept.skip) and op_signature(kept.funcs) != kept.signature:
+            _fall_back(kept)  # NOTE [ Dead ops ]
+        for func, entries in kept.entries.items():
             if _is_bernoulli(func):
-                if self.kept.replay_rng:  # NOTE [ Our own selective contexts, and random bits ]
+                if kept.replay_rng:  # NOTE [ Our own selective contexts, and random bits ]
                     entries[:] = [None] * len(entries)
             else:  # changed in place later in the region: recomputed anyway, free it now
                 entries[:] = [None if e is None or _changed(e) else e for e in entries]
+        if any(_changed(e) for e in kept.kept_at.values()):
+            kept.skip = frozenset()  # a kept output's inputs must be real to re-run it
         super().__exit__(*exc)
+
+
+def _note_skipped(kept: _Kept, position: int, func: Any, args: tuple[Any, ...],
+                  out: Any) -> None:
+    """Record what recompute returns in place of skipped op ``position``; an op that
+    cannot be stood in for (a random one, a value Python reads, an in-place op that does
+    not return its first argument) turns skipping off for this call."""
+    leaves, spec = tree_flatten(out)
+    if func._schema.is_mutable:
+        first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+        if first is None or not first.is_write or out is not args[0] or _op_info(func)[1]:
+            kept.skip = frozenset()
+        return
+    if _op_info(func)[1] or not all(isinstance(t, torch.Tensor) for t in leaves):
+        kept.skip = frozenset()
+        return
+    kept.placeholders[position] = (spec, [(t.shape, t.stride(), t.dtype, t.device)
+                                          for t in leaves])
+
+
+def _fall_back(kept: _Kept) -> None:
+    """The region ran other ops than the keep-set was planned for: keep no outputs by
+    position and skip nothing, so recompute re-runs every op (always correct)."""
+    warnings.warn(
+        "autoremat: a selective block ran a different sequence of ops than when it was "
+        "profiled, so its keep-set does not apply; this call recomputes every op of the "
+        "block (correct, but slower). Profile with the inputs you train on, or plan the "
+        "block with strategy='full'", UserWarning, stacklevel=3)
+    dropped = {id(e) for e in kept.kept_at.values()}
+    for func, entries in kept.entries.items():
+        if not _is_bernoulli(func):
+            keep_kind = _op_info(func)[0] in kept.save
+            entries[:] = [None if id(e) in dropped and not keep_kind else e for e in entries]
+    kept.keep, kept.skip = frozenset(), frozenset()
+    kept.kept_at.clear()
+    kept.placeholders.clear()
 
 
 def _changed(entry: tuple[Any, list[int]]) -> bool:
@@ -143,15 +216,35 @@ class _ReuseOutputs(TorchDispatchMode):
         super().__init__()
         self.kept = kept
         self.calls: dict[Any, int] = defaultdict(int)
+        self.position = 0
+        self.skip: frozenset[int] = frozenset()
 
     def __enter__(self) -> _ReuseOutputs:
         self.calls.clear()
+        self.position = 0
+        kept = self.kept
+        # a kept output changed in place since forward is re-run, so nothing may be skipped
+        self.skip = frozenset() if any(_changed(e) for e in kept.kept_at.values()) \
+            else kept.skip
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func in _IGNORED:
             return func(*args, **kwargs)
+        position = self.position
+        self.position += 1
+        funcs = self.kept.funcs
+        positional = self.kept.keep or self.kept.skip  # (save-sets by kind match by op)
+        if positional and (position >= len(funcs) or funcs[position] is not func):
+            ran = funcs[position] if position < len(funcs) else "nothing"
+            raise RematError(
+                f"selective recompute ran {func} as op {position} of the block, where its "
+                f"forward ran {ran}: the block's ops depend on something other than its "
+                "inputs (data-dependent control flow?); plan it with strategy='full'")
+        if position in self.skip:
+            self.calls[func] += 1
+            return _placeholder(func, args, self.kept.placeholders.get(position))
         entries = self.kept.entries.get(func)
         index = self.calls[func]
         self.calls[func] += 1
@@ -163,6 +256,17 @@ class _ReuseOutputs(TorchDispatchMode):
         if _changed(entry):
             return func(*args, **kwargs)  # changed in place since: recompute it
         return entry[0]
+
+
+def _placeholder(func: Any, args: tuple[Any, ...],
+                 meta: tuple[Any, list[Any]] | None) -> Any:
+    """What a skipped op returns: its in-place target untouched, or empty tensors shaped
+    like its forward outputs (NOTE [ Dead ops ])."""
+    if meta is None:  # an in-place op on a dead storage: it returns its target
+        return args[0]
+    spec, leaves = meta
+    return tree_unflatten([torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                           for shape, stride, dtype, device in leaves], spec)
 
 
 def _detach(t: Any) -> Any:
@@ -188,11 +292,21 @@ def _restore_draw(func: Any, bits: torch.Tensor, args: tuple[Any, ...]) -> torch
     return bits.to(args[0].dtype)
 
 
-def selective_context(save_ops: Iterable[str]) -> ContextFn:
+def selective_context(save_ops: Iterable[str] = (), *, keep_ops: Iterable[int] = (),
+                      skip_ops: Iterable[int] = (), signature: str = "") -> ContextFn:
     """A ``context_fn`` for ``torch.utils.checkpoint`` saving the outputs of ``save_ops``.
 
     Random Bernoulli draws are kept as one byte per element rather than replayed; see
     NOTE [ Our own selective contexts, and random bits ].
+
+    Args:
+        save_ops: op kinds whose outputs stay saved (a subset of ``SAVEABLE_KINDS``).
+        keep_ops: op positions in the region (its ops in dispatch order, checkpoint's own
+            ``detach`` not counted) whose outputs stay saved: a keep-set from the tape.
+        skip_ops: op positions recompute need not run; NOTE [ Dead ops ].
+        signature: ``op_signature`` of the ops the positions refer to. Required with
+            ``keep_ops`` or ``skip_ops``: a call that runs other ops falls back to
+            recomputing every op, with a warning.
 
     Example:
         >>> import torch
@@ -210,12 +324,37 @@ def selective_context(save_ops: Iterable[str]) -> ContextFn:
     if unknown:
         raise RematError(f"cannot save op kinds {sorted(unknown)}; selective plans save a "
                          f"subset of {list(SAVEABLE_KINDS)}")
+    keep, skip = frozenset(keep_ops), frozenset(skip_ops)
+    if (keep or skip) and not signature:
+        raise RematError("selective_context(keep_ops=..., skip_ops=...) needs the signature "
+                         "of the ops they index (op_signature(tape_block.ops))")
+    if keep & skip:
+        raise RematError(f"op positions {sorted(keep & skip)} are both kept and skipped; "
+                         "a kept output is handed back, so it cannot be skipped too")
 
     def contexts() -> tuple[_KeepOutputs, _ReuseOutputs]:
-        kept = _Kept(save)
+        kept = _Kept(save, keep, skip, signature)
         return _KeepOutputs(kept), _ReuseOutputs(kept)
 
     return contexts
+
+
+def op_signature(ops: Sequence[Any]) -> str:
+    """A short hash of a region's op sequence (op overloads, their names, or tape
+    ``OpRecord``s): keep-sets index ops by position, so they apply only to the same ops.
+
+    Example:
+        >>> op_signature(["aten.mm.default", "aten.relu.default"])
+        '4ee845a0f4e35ffa'
+    """
+    names = [o.op if isinstance(o, OpRecord) else str(o) for o in ops]
+    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
+
+
+def is_keep_set(name: str) -> bool:
+    """Whether a tape's selective key names a keep-set by position ("#1", "#2", ...)
+    rather than a save-set of op kinds."""
+    return name.startswith("#")
 
 
 def save_sets(kinds_present: Iterable[str]) -> list[tuple[str, ...]]:

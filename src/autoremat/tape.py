@@ -47,6 +47,8 @@ class SelectiveProfile:
     recompute_flops: int  # FLOPs re-run in backward (measured: early stop included)
     recompute_bytes: int  # bytes those ops create
     recompute_ops: int  # how many ops are re-run
+    keep_ops: tuple[int, ...] = ()  # a keep-set: op positions whose outputs stay saved
+    skip_ops: tuple[int, ...] = ()  # and the dead ops recompute skips (selective.py)
 
 
 @dataclass(frozen=True)
@@ -241,8 +243,23 @@ def _window(data: Any, where: str) -> WindowMemory:
     return window  # type: ignore[no-any-return]
 
 
+def int_tuples(data: Any, keys: tuple[str, ...], where: str) -> Any:
+    """``data`` with its JSON lists of integers under ``keys`` as tuples."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for key in keys:
+        if key in data:
+            raw = data[key]
+            if not isinstance(raw, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in raw):
+                raise SchemaError(f"{where}.{key} must be a list of integers, got {raw!r}")
+            data[key] = tuple(raw)
+    return data
+
+
 def _op_record(data: Any, where: str) -> OpRecord:
-    record = build_dataclass(OpRecord, data, where)
+    record = build_dataclass(OpRecord, int_tuples(data, ("inputs",), where), where)
     _check_types(record, where)
     return record  # type: ignore[no-any-return]
 
@@ -284,7 +301,9 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             v = dict(_mapping(v, f"{where}.selective.{k}"))
             for key in ("fwd", "bwd"):
                 v[key] = _window(v.get(key), f"{where}.selective.{k}.{key}")
-            selective[str(k)] = build_dataclass(SelectiveProfile, v, f"{where}.selective.{k}")
+            where_k = f"{where}.selective.{k}"
+            selective[str(k)] = build_dataclass(
+                SelectiveProfile, int_tuples(v, ("keep_ops", "skip_ops"), where_k), where_k)
         raw["selective"] = selective
         block = build_dataclass(BlockProfile, raw, where)
         _check_types(block, where)

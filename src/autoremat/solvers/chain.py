@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from ..costs import CostModel, cost_model_for, recompute_cost
+from ..costs import CostModel, cost_model_for, keep_set_cost, recompute_cost
 from ..errors import internal_assert
-from ..selective import save_set_name, save_set_of
+from ..selective import is_keep_set, save_set_name, save_set_of
 from ..tape import Tape, WindowMemory
 
 __all__ = ["ChainSolution", "Option", "SegmentCost", "plan_costs", "predict_peak", "segment_cost",
@@ -193,7 +193,10 @@ def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
         fwd_peak += f_here.peak_bytes - f_ref.peak_bytes
         hold += f_here.delta_bytes - f_ref.delta_bytes
         bwd_peak += b_here.peak_bytes - b_ref.peak_bytes
-    cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=save)
+    if is_keep_set(name):
+        cost = keep_set_cost(block.ops, sel.keep_ops, sel.skip_ops, model)
+    else:
+        cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=save)
     return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, "C", cost)
 
 
