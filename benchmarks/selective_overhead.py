@@ -6,11 +6,12 @@ budget, apply it, and measure, in one process with interleaved runs: the step pe
 (track_memory), the step time against no checkpointing (median of interleaved steps),
 and the same for per-block full checkpointing as the reference.
 
-Two sizes per model: the zoo defaults (n_embd=128, seq 128: blocks of a few ms, where
-per-op dispatch overhead dominates) and "medium" (12 layers, n_embd=512, seq 512, batch 2:
-GPT-2-small-like widths, blocks of ~100 ms).
+Three sizes per model: the zoo defaults (n_embd=128, seq 128: blocks of a few ms, where
+per-op dispatch overhead dominates), "medium" (12 layers, n_embd=512, seq 512, batch 2:
+blocks of ~100 ms) and "gpt2-small" (GPT-2 small's 12 layers of width 768 with 12 heads,
+seq 512, batch 2: blocks of ~200 ms).
 
-Run:  python benchmarks/selective_overhead.py [--repeats 7] [--sizes default,medium]
+Run:  python benchmarks/selective_overhead.py [--repeats 7] [--sizes default,medium,gpt2-small]
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "llama": {"n_layer": 12, "n_embd": 512, "n_head": 8, "n_kv_head": 4,
                   "ffn_hidden": 1368, "seq_len": 512, "batch_size": 2},
     },
+    # GPT-2 small's shape (12 layers, n_embd 768, 12 heads of 64) at seq 512
+    "gpt2-small": {
+        "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq_len": 512, "batch_size": 2},
+        "llama": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_kv_head": 4,
+                  "ffn_hidden": 2048, "seq_len": 512, "batch_size": 2},
+    },
 }
 
 
@@ -84,14 +91,15 @@ def bench(name: str, repeats: int, sizes: dict[str, int]) -> list[str]:
     for label, p in plans.items():
         med = statistics.median(times[label])
         spread = (max(times[label]) - min(times[label])) / med
-        decisions = "".join(b.decision[0] for b in p.blocks)
+        decisions = "".join("p" if b.op_signature else b.decision[0] for b in p.blocks)
         lines.append(f"| {label} | `{decisions}` | {format_bytes(p.predicted_peak_bytes)} | "
                      f"{format_bytes(peaks[label])} | "
                      f"{'yes' if peaks[label] <= budget else 'no'} | "
                      f"{100 * p.recompute_overhead:.1f}% | {med:.1f} ms | "
                      f"x{med / base:.3f} | {100 * spread:.0f}% |")
     lines.append("")
-    lines.append("decisions: k = keep, r = recompute, s = selective (one letter per block)")
+    lines.append("decisions: k = keep, r = recompute, s = selective with a save-set of op "
+                 "kinds, p = selective with a keep-set of ops (one letter per block)")
     lines.append("")
     return lines
 

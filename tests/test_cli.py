@@ -42,6 +42,7 @@ def test_profile_lists_a_blocks_ops_and_writes_the_tape(
     block = tape.blocks[1]
     assert f"blocks.1: {len(block.ops)} forward ops" in out
     assert "bernoulli_.float" in out and "random,in-place" in out
+    assert "not saved" in out  # the block's output: alive, but autograd did not save it
     assert tape.model == "GPT" and len(tape.blocks) == 2
 
 

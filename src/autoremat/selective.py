@@ -1,4 +1,4 @@
-"""Selective recompute inside a block: save the outputs of some op kinds, recompute the rest.
+"""Selective recompute inside a block: keep the outputs of some ops, recompute the rest.
 
 NOTE [ Save-sets by op kind ]
     Following Korthikanti et al. (Megatron-LM, 2022), a block's compute-heavy ops
@@ -7,6 +7,10 @@ NOTE [ Save-sets by op kind ]
     op kinds whose outputs stay saved (``op_kind`` in ``ops.py``). Views are never saved:
     they follow their base. The planner considers every non-empty subset of the compute
     kinds a block has, and for blocks with dropout the empty set (``save_sets``).
+    Kinds are a rule of thumb: a kept matmul output is wasted if nothing backward needs
+    is computed from it, and a cheap op's output can be worth keeping if it spares a
+    chain of recompute. So the planner also considers *keep-sets*, op outputs chosen one
+    by one from the tape's dataflow (``solvers/keepsets.py``, NOTE [ Dead ops ]).
 
 NOTE [ Our own selective contexts, and random bits ]
     The mechanism is the one of PyTorch's selective activation checkpointing (SAC): a

@@ -85,11 +85,16 @@ def ops_table(tape: Tape, block: str) -> str:
     rows = []
     for i, r in enumerate(profile.ops):
         flags = ",".join(f for f, on in (("random", r.random), ("view", r.view),
-                                         ("in-place", r.inplace)) if on)
+                                         ("in-place", r.inplace),
+                                         ("not saved", r.kept_bytes > 0 and not r.saved))
+                         if on)
+        reads = ",".join(map(str, r.inputs)) + (f" (writes {r.target})" if r.target >= 0 else "")
         rows.append([i, r.op.removeprefix("aten."), r.kind, format_bytes(r.out_bytes),
                      format_bytes(r.kept_bytes) if r.kept_bytes else "-", _flops(r.flops),
-                     f"{r.ms:.3f}", flags])
+                     f"{r.ms:.3f}", reads or "-", flags])
     kept = sum(r.kept_bytes for r in profile.ops)
     return (f"{block}: {len(profile.ops)} forward ops; backward keeps "
-            f"{format_bytes(kept)} of them\n"
-            + render_table(["#", "op", "kind", "creates", "kept", "FLOPs", "ms", "flags"], rows))
+            f"{format_bytes(kept)} of them (\"kept\": alive when backward starts; \"reads\": "
+            "the ops whose outputs it reads)\n"
+            + render_table(["#", "op", "kind", "creates", "kept", "FLOPs", "ms", "reads",
+                            "flags"], rows))

@@ -221,6 +221,10 @@ def build_dataclass(cls: type, data: Any, where: str) -> Any:
         raise SchemaError(f"{where}: {exc}") from exc
 
 
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int, "float": (int, float), "str": str, "bool": bool}
+
+
 def _check_types(obj: Any, where: str) -> None:
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -231,7 +235,7 @@ def _check_types(obj: Any, where: str) -> None:
                 raise SchemaError(f"{where}.{f.name} must be an object of integers, "
                                   f"got {value!r}")
             continue
-        expected = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(str(f.type))
+        expected = _TYPES.get(str(f.type))
         if expected is not None and (not isinstance(value, expected) or
                                      (expected is int and isinstance(value, bool))):
             raise SchemaError(f"{where}.{f.name} must be {f.type}, got {value!r}")

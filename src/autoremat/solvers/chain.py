@@ -351,10 +351,10 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         if f is None:
             continue
         peak = np.maximum(f["peak"], f["F"] + tape.post[last].peak_bytes)
-        for row in np.nonzero(peak <= budget)[0]:
-            cost, top = int(f["cost"][row]), int(peak[row])
+        for found in np.nonzero(peak <= budget)[0]:
+            cost, top = int(f["cost"][found]), int(peak[found])
             key = (cost, top) if objective == "cost" else (top, cost)
-            finals.append((key, last, int(row), cost, top))
+            finals.append((key, last, int(found), cost, top))
     if not finals:
         return None
     _, last, chosen, result_cost, result_peak = min(finals)
