@@ -22,6 +22,7 @@ from torch import nn
 import autoremat
 from autoremat import Plan, Tape, zoo
 from autoremat.apply import ShapeMismatchWarning
+from autoremat.costs import cost_model_for, keep_set_cost
 from autoremat.errors import BudgetError, PlanMismatchError, RematError
 from autoremat.plan import plan_of_segments, smallest_feasible_bytes
 from autoremat.selective import is_keep_set, save_set_of
@@ -618,9 +619,11 @@ def test_zoo_keep_sets_are_exact_predicted_and_skip_dead_ops(name: str) -> None:
         assert len(names) >= 2
         assert all(tape.blocks[1].selective[n].skip_ops for n in names)
     assert names
-    holds = [tape.blocks[1].selective[n].fwd.delta_bytes for n in names]
-    flops = [tape.blocks[1].selective[n].recompute_flops for n in names]
-    assert holds == sorted(holds) and flops == sorted(flops, reverse=True)  # more kept, less run
+    block = tape.blocks[1]
+    holds = [block.selective[n].fwd.delta_bytes for n in names]
+    costs = [keep_set_cost(block.ops, block.selective[n].keep_ops, block.selective[n].skip_ops,
+                           cost_model_for(tape.device)) for n in names]
+    assert holds == sorted(holds) and costs == sorted(costs, reverse=True)  # more kept, less run
     for key in names:
         options = [(i, i + 1, ("selective", save_set_of(key))) for i in range(len(tape.blocks))]
         plan = plan_of_segments(tape, options, f"selective:{key}")

@@ -239,8 +239,14 @@ def _keep_set(g: _Graph, keep: np.ndarray, run: np.ndarray, cap: int) -> KeepSet
     return KeepSet(keep=kept, skip=tuple(skip), kept_bytes=kept_bytes, cost=int(cost))
 
 
+# Caps as fractions of a block's saved bytes: dense around a third, where budgets that
+# halve or third the activations land (a coarser grid cost 10% more recompute FLOPs on
+# GPT-2 small's shape at issue 4's budget; benchmarks/selective_overhead.md).
+CAPS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.45)
+
+
 def keep_sets(ops: Sequence[OpRecord], model: CostModel,
-              fractions: Sequence[float] = (0.1, 0.2, 0.3, 0.45)) -> list[KeepSet]:
+              fractions: Sequence[float] = CAPS) -> list[KeepSet]:
     """Pareto-good keep-sets of one block for selective recompute, one per memory cap.
 
     For each fraction ``f`` the cap is ``f`` times the bytes the block's forward leaves
