@@ -404,11 +404,11 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             p.grad = None
         recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter)
         op_stats = [counter.block_stats(name) for name in names]
-        device = str(next((p.device for p in model.parameters()), torch.device("cpu")))
+        params = list(model.parameters())
+        device = str(next((p.device for p in params), torch.device("cpu")))
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
                                     cost_model_for(device)) \
             if with_selective else [{} for _ in names]
-        params = list(model.parameters())
         on_meta = any(p.device.type == "meta" for p in params)
         notes: list[str] = []
         if blocks is None:
@@ -445,7 +445,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),
-        device=str(next((p.device for p in params), torch.device("cpu"))),
+        device=device,
         blocks=tuple(block_list),
         step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
         ckpt_step_peak_bytes=runs["C"].mem.peak_bytes,

@@ -85,9 +85,6 @@ SAVEABLE_KINDS = ("attention", "bmm", "conv", "matmul")  # compute-heavy: worth 
 MEGATRON = ("attention", "conv", "matmul")
 
 
-_IGNORED = IGNORED_OPS  # dispatched by checkpoint itself: never counted, kept or skipped
-
-
 class _Kept:
     """What one checkpointed call of a region keeps, shared by its two dispatch modes."""
 
@@ -103,7 +100,7 @@ class _Kept:
         self.replay_rng = False  # the region has a random op other than Bernoulli
         self.funcs: list[Any] = []  # forward's ops by position
         self.placeholders: dict[int, tuple[Any, list[Any]]] = {}  # skip position -> (tree
-        # spec, per output (shape, stride, dtype, device) or the value)
+        # spec, per output (shape, stride, dtype, device))
         self.kept_at: dict[int, Any] = {}  # keep position -> its entry
 
 
@@ -131,7 +128,7 @@ class _KeepOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func in _IGNORED:
+        if func in IGNORED_OPS:
             return out
         kept = self.kept
         position = len(kept.funcs)
@@ -177,12 +174,13 @@ def _note_skipped(kept: _Kept, position: int, func: Any, args: tuple[Any, ...],
     cannot be stood in for (a random one, a value Python reads, an in-place op that does
     not return its first argument) turns skipping off for this call."""
     leaves, spec = tree_flatten(out)
+    random = _op_info(func)[1]
     if func._schema.is_mutable:
         first = func._schema.arguments[0].alias_info if func._schema.arguments else None
-        if first is None or not first.is_write or out is not args[0] or _op_info(func)[1]:
+        if first is None or not first.is_write or out is not args[0] or random:
             kept.skip = frozenset()
         return
-    if _op_info(func)[1] or not all(isinstance(t, torch.Tensor) for t in leaves):
+    if random or not all(isinstance(t, torch.Tensor) for t in leaves):
         kept.skip = frozenset()
         return
     kept.placeholders[position] = (spec, [(t.shape, t.stride(), t.dtype, t.device)
@@ -234,7 +232,7 @@ class _ReuseOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in _IGNORED:
+        if func in IGNORED_OPS:
             return func(*args, **kwargs)
         position = self.position
         self.position += 1
