@@ -275,6 +275,37 @@ def test_kept_outputs_changed_in_place_in_forward_are_freed_when_it_ends() -> No
     assert x.grad is not None
 
 
+
+def test_outputs_kept_by_position_and_changed_in_forward_are_freed_too() -> None:
+    from autoremat.selective import _KeepOutputs
+
+    torch.manual_seed(4)
+    w = torch.randn(16, 16, requires_grad=True)
+    ops = ["aten.mm.default", "aten.mul_.Tensor", "aten.tanh.default", "aten.mm.default",
+           "aten.mul.Tensor", "aten.sum.default"]
+    seen: list[_KeepOutputs] = []
+
+    def contexts():  # type: ignore[no-untyped-def]
+        keep, reuse = selective_context(keep_ops=(0, 3), skip_ops=(2,),
+                                        signature=op_signature(ops))()
+        seen.append(keep)
+        return keep, reuse
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a = x @ w  # kept by position, then changed in place: its copy is stale
+        a.mul_(2.0)
+        b = a.tanh() @ w  # kept and unchanged
+        return (a * b).sum()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    plain = torch.autograd.grad(fn(x), [x, w])
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=contexts)
+    kept = seen[0].kept
+    assert sorted(kept.kept_at) == [3]  # no reference left to the stale copy
+    assert kept.entries[torch.ops.aten.mm.default][0] is None
+    assert not kept.skip  # re-running op 0 would need real inputs
+    _assert_same(list(plain), list(torch.autograd.grad(out, [x, w])))
+
 # --- keep-sets by position, and dead ops (NOTE [ Dead ops ]) --------------------------------
 
 _CORE_OPS = ["aten.mm.default", "aten._softmax.default", "aten.empty_like.default",

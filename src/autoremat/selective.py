@@ -163,8 +163,11 @@ class _KeepOutputs(TorchDispatchMode):
                     entries[:] = [None] * len(entries)
             else:  # changed in place later in the region: recomputed anyway, free it now
                 entries[:] = [None if e is None or _changed(e) else e for e in entries]
-        if any(_changed(e) for e in kept.kept_at.values()):
-            kept.skip = frozenset()  # a kept output's inputs must be real to re-run it
+        changed = [p for p, e in kept.kept_at.items() if _changed(e)]
+        if changed:  # recompute re-runs these, so their inputs must be real; free the copies
+            kept.skip = frozenset()
+            for position in changed:
+                del kept.kept_at[position]
         super().__exit__(*exc)
 
 
