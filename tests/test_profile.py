@@ -349,3 +349,26 @@ def test_the_tape_records_dataflow_and_what_autograd_saved() -> None:
     # autograd did not save it: recompute need not make it again
     assert names[-1] == "aten.add.Tensor" and ops[-1].kept_bytes > 0 and not ops[-1].saved
     assert sum(o.kept_bytes for o in ops) == tape.blocks[1].saved_bytes
+
+
+class _OutBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        c = torch.ones_like(h)  # no grad: out= is allowed
+        buf = torch.empty_like(h)
+        torch.add(c, c, out=buf)  # writes buf through a keyword after a defaulted one (alpha)
+        return h * buf
+
+
+def test_an_out_argument_is_the_target_of_the_op_that_writes_it() -> None:
+    model = nn.Sequential(_OutBlock(), _OutBlock())
+    tape = autoremat.profile(model, torch.randn(4, 8), loss_fn=lambda out: out.sum(),
+                             blocks=["0", "1"], repeats=1, with_selective=False, timing=False)
+    ops = tape.blocks[1].ops
+    names = [o.op for o in ops]
+    add = ops[names.index("aten.add.out")]
+    assert add.inplace and ops[add.target].op == "aten.empty_like.default"

@@ -136,12 +136,12 @@ class OpRecorder(FlopCounter):
         read = () if func._opname in _METADATA_ONLY else \
             tuple(sorted({creators[c] for c in inputs if c in creators}))
         target = -1
-        if func._schema.is_mutable:
-            written = [a for a, arg in zip(flat_in, func._schema.arguments, strict=False)
-                       if arg.alias_info is not None and arg.alias_info.is_write
-                       and isinstance(a, torch.Tensor)]
-            if written:
-                target = creators.get(written[0].untyped_storage()._cdata, -1)
+        for i, arg in enumerate(func._schema.arguments if func._schema.is_mutable else ()):
+            value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and \
+                    isinstance(value, torch.Tensor):
+                target = creators.get(value.untyped_storage()._cdata, -1)
+                break
         start = time.perf_counter()
         out = super().__torch_dispatch__(func, types, args, kwargs)
         elapsed = (time.perf_counter() - start) * 1e3
