@@ -61,7 +61,7 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
 }
 
 
-def bench(name: str, repeats: int, sizes: dict[str, int]) -> list[str]:
+def bench(name: str, repeats: int, sizes: dict[str, int], fixed_order: bool = False) -> list[str]:
     model, inputs = autoremat.zoo.build(name, **sizes)
     tape = autoremat.profile(model, inputs)
     budget = tape.step_peak_bytes - (2 * tape.block_saved_bytes) // 3
@@ -79,9 +79,9 @@ def bench(name: str, repeats: int, sizes: dict[str, int]) -> list[str]:
     labels = list(plans)
     for r in range(repeats + 1):  # the first round warms up
         # Rotate the order each round so every plan follows every other equally often: a
-        # step's time depends on what ran before it (the allocator's state), by up to
-        # ~10% on this machine when a low-peak plan precedes.
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+        # step's time depends on the plan run before it (benchmarks/order_effect.py).
+        shift = 0 if fixed_order else r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
             autoremat.apply(model, plans[label])
             t = _step_ms(model, inputs)
             autoremat.remove(model)
@@ -122,16 +122,20 @@ def main() -> None:
     parser.add_argument("--sizes", default="default,medium", help=f"from {sorted(SIZES)}")
     parser.add_argument("--set", default="", help="extra zoo size options, e.g. n_embd=256")
     parser.add_argument("--out", default="benchmarks/selective_overhead.md")
+    parser.add_argument("--fixed-order", action="store_true",
+                        help="run the plans in the same order every round (runs A-D did)")
     args = parser.parse_args()
     lines = ["# Selective recompute at one third of the blocks' activations", "",
              f"Command: `python benchmarks/selective_overhead.py --repeats {args.repeats} "
-             f"--sizes {args.sizes}" + (f" --set {args.set}" if args.set else "") + "`  ",
+             f"--sizes {args.sizes}" + (f" --set {args.set}" if args.set else "")
+             + (" --fixed-order" if args.fixed_order else "") + "`  ",
              f"Machine: {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}", ""]
     extra = {k: int(v) for k, v in (item.split("=") for item in args.set.split(",") if item)}
     for size in args.sizes.split(","):
         for name in args.models.split(","):
-            lines += bench(name, args.repeats, {**SIZES[size][name], **extra})
+            lines += bench(name, args.repeats, {**SIZES[size][name], **extra},
+                           args.fixed_order)
     text = "\n".join(lines)
     print(text)
     Path(args.out).write_text(text + "\n")
