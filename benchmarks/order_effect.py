@@ -12,13 +12,15 @@ Run:  python benchmarks/order_effect.py [--model gpt2] [--size gpt2-small] [--ro
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from selective_overhead import SIZES, _step_ms  # this script's folder is on sys.path
+from selective_overhead import issue_plans, profiled_zoo_model, step_ms  # this folder: sys.path
 
 import autoremat
 
+# short names -> issue_plans' labels
+_LABELS = {"none": "none", "full": "full (per block)", "Megatron": "selective (Megatron)",
+           "optimal": "optimal @ budget"}
 PATTERNS = {
     "none, optimal": ["none", "optimal"],
     "none, full, Megatron, optimal": ["none", "full", "Megatron", "optimal"],
@@ -27,27 +29,17 @@ PATTERNS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2")
-    parser.add_argument("--size", default="gpt2-small", help=f"from {sorted(SIZES)}")
-    parser.add_argument("--rounds", type=int, default=6)
-    args = parser.parse_args()
-    model, inputs = autoremat.zoo.build(args.model, **SIZES[args.size][args.model])
-    tape = autoremat.profile(model, inputs)
-    budget = tape.step_peak_bytes - (2 * tape.block_saved_bytes) // 3
-    plans = {"none": autoremat.plan(tape, strategy="none"),
-             "full": autoremat.plan(tape, strategy="full"),
-             "Megatron": autoremat.plan(tape, strategy="selective"),
-             "optimal": autoremat.plan(tape, budget)}
+    args, model, inputs, tape = profiled_zoo_model(__doc__, "gpt2-small", 6)
+    plans = issue_plans(tape)[1]
     times: dict[str, dict[str, list[float]]] = {p: {} for p in PATTERNS}
     for r in range(args.rounds + 1):  # the first round warms up
         for pattern, order in PATTERNS.items():
             for label in order:
-                autoremat.apply(model, plans[label])
-                t = _step_ms(model, inputs)
+                autoremat.apply(model, plans[_LABELS[label]])
+                elapsed = step_ms(model, inputs)
                 autoremat.remove(model)
                 if r:
-                    times[pattern].setdefault(label, []).append(t)
+                    times[pattern].setdefault(label, []).append(elapsed)
     print(f"{args.model}, size {args.size}: medians of {args.rounds} rounds per pattern\n")
     print("| order of each round | optimal vs none | ratio per round | full vs none |")
     print("|---|---|---|---|")

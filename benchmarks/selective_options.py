@@ -12,28 +12,19 @@ Run:  python benchmarks/selective_options.py [--model gpt2] [--size medium] [--r
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
-from selective_overhead import SIZES  # this script's folder is on sys.path when run
+from selective_overhead import profiled_zoo_model, step_ms  # this folder is on sys.path
 
 import autoremat
 from autoremat.plan import plan_of_segments
 from autoremat.selective import save_set_of
 from autoremat.solvers.chain import segment_cost
-from autoremat.step import preserved_state, run_step
 from autoremat.units import format_bytes
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2")
-    parser.add_argument("--size", default="medium", help=f"from {sorted(SIZES)}")
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
-    model, inputs = autoremat.zoo.build(args.model, **SIZES[args.size][args.model])
-    tape = autoremat.profile(model, inputs)
+    args, model, inputs, tape = profiled_zoo_model(__doc__, "medium", 4)
     n, probe = len(tape.blocks), tape.blocks[1 if len(tape.blocks) > 1 else 0]
     plans = {"none": autoremat.plan(tape, strategy="none"),
              "full": autoremat.plan(tape, strategy="full")}
@@ -45,10 +36,7 @@ def main() -> None:
     for r in range(args.rounds + 1):  # round-robin; the first round warms up
         for label, p in plans.items():
             autoremat.apply(model, p)
-            with preserved_state(model):
-                start = time.perf_counter()
-                run_step(model, inputs, None)
-                elapsed = (time.perf_counter() - start) * 1e3
+            elapsed = step_ms(model, inputs)
             autoremat.remove(model)
             if r:
                 times[label].append(elapsed)

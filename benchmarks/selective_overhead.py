@@ -32,7 +32,8 @@ from autoremat.step import preserved_state, run_step
 from autoremat.units import format_bytes
 
 
-def _step_ms(model: torch.nn.Module, inputs: object) -> float:
+def step_ms(model: torch.nn.Module, inputs: object) -> float:
+    """One training step's wall time in ms; the model's state is restored after it."""
     with preserved_state(model):
         start = time.perf_counter()
         run_step(model, inputs, None)
@@ -61,16 +62,34 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
 }
 
 
-def bench(name: str, repeats: int, sizes: dict[str, int], fixed_order: bool = False) -> list[str]:
-    model, inputs = autoremat.zoo.build(name, **sizes)
-    tape = autoremat.profile(model, inputs)
+def profiled_zoo_model(doc: str, size: str, rounds: int) -> tuple[
+        argparse.Namespace, torch.nn.Module, object, autoremat.Tape]:
+    """Parse ``--model``/``--size``/``--rounds`` (defaults ``gpt2``, ``size``, ``rounds``),
+    build that zoo model at that size and profile it: the setup of the other scripts here."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--size", default=size, help=f"from {sorted(SIZES)}")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    args = parser.parse_args()
+    model, inputs = autoremat.zoo.build(args.model, **SIZES[args.size][args.model])
+    return args, model, inputs, autoremat.profile(model, inputs)
+
+
+def issue_plans(tape: autoremat.Tape) -> tuple[int, dict[str, autoremat.Plan]]:
+    """Issue 4's budget for ``tape`` and the plans compared at it, by label."""
     budget = tape.step_peak_bytes - (2 * tape.block_saved_bytes) // 3
-    plans = {
+    return budget, {
         "none": autoremat.plan(tape, strategy="none"),
         "full (per block)": autoremat.plan(tape, strategy="full"),
         "selective (Megatron)": autoremat.plan(tape, strategy="selective"),
         "optimal @ budget": autoremat.plan(tape, budget),
     }
+
+
+def bench(name: str, repeats: int, sizes: dict[str, int], fixed_order: bool = False) -> list[str]:
+    model, inputs = autoremat.zoo.build(name, **sizes)
+    tape = autoremat.profile(model, inputs)
+    budget, plans = issue_plans(tape)
     peaks, times = {}, {k: [] for k in plans}
     for label, p in plans.items():
         autoremat.apply(model, p)
@@ -83,7 +102,7 @@ def bench(name: str, repeats: int, sizes: dict[str, int], fixed_order: bool = Fa
         shift = 0 if fixed_order else r % len(labels)
         for label in labels[shift:] + labels[:shift]:
             autoremat.apply(model, plans[label])
-            t = _step_ms(model, inputs)
+            t = step_ms(model, inputs)
             autoremat.remove(model)
             if r:
                 times[label].append(t)
