@@ -12,10 +12,12 @@ NOTE [ Segments without a wrapper module ]
     For recompute, the frame replays the segment: the first block with the arguments it
     got, each next block with the arguments it got except its first tensor, which is
     the replayed output of the block before (the profile checks that blocks are
-    "chained" like this before the planner groups them). RNG state is restored before
-    replay, as for one block. Anything the parent computes between two grouped blocks
-    that autograd must save would break the replay, and PyTorch's check of the number
-    and shapes of recomputed tensors raises an error rather than returning wrong grads.
+    "chained" like this before the planner groups them). RNG states are replayed as for
+    one block (NOTE [ Replaying the forward's RNG ]): checkpoint itself would stash no
+    device state here, since the frame gets no function arguments to find devices in.
+    Anything the parent computes between two grouped blocks that autograd must save
+    would break the replay, and PyTorch's check of the number and shapes of recomputed
+    tensors raises an error rather than returning wrong grads.
 """
 
 from __future__ import annotations
@@ -92,9 +94,12 @@ class SegmentRunner:
                                      f"again before its last block ran")
                 calls = [_Call(module, args, kwargs)]
                 self._calls = calls  # this step's calls; the frame replays exactly these
+                # The input tensors go to the frame only so that it infers the device
+                # type (autocast is replayed for it); the replay ignores them. RNG is
+                # ours: NOTE [ Replaying the forward's RNG ] (rng.py).
                 self._gen = _cp._checkpoint_without_reentrant_generator(
-                    lambda: self._replay(calls), True, _context_fn(self.modules, None),
-                    "default", False, True,
+                    lambda *_: self._replay(calls), False, _context_fn(self.modules, None),
+                    "default", False, True, *flat_tensors((args, kwargs)),
                 )
                 next(self._gen)
                 return

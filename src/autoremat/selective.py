@@ -26,11 +26,12 @@ NOTE [ Our own selective contexts, and random bits ]
       that again. We keep each Bernoulli draw instead, as one byte per element (the
       draw is exactly 0 or 1 in any dtype), and the recompute copies it back into the
       fresh tensor: the same values bit for bit, a quarter of the float mask's bytes,
-      and no random numbers drawn. Because a kept draw consumes no random numbers in
-      recompute, any *other* random op in the region (``rand``, ``native_dropout`` on
-      GPU, ...) would see a shifted RNG stream; so if the region has one, we drop the
-      kept draws when its forward ends and replay every random op under the RNG state
-      checkpoint restores, exactly as SAC does.
+      and no random numbers drawn. A kept draw consumes no random numbers in
+      recompute, and neither does a kept or skipped op that draws inside its kernel
+      (SDPA's ``dropout_p`` on GPU), so every *other* random op the recompute re-runs
+      (``rand``, ``native_dropout`` on GPU, ...) is replayed from the RNG states
+      noted just before it ran in forward (NOTE [ Replaying the forward's RNG ] in
+      ``rng.py``), not from the stream left by what ran before it.
     * Per-op overhead. SAC builds a policy context and calls a Python policy for every
       op; ours looks the op up in a memo (``_op_info``). Measured here on 8x8 adds: a
       Python dispatch mode that does nothing costs ~4 us per op, ours ~4.4 us in each of
@@ -72,6 +73,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from . import rng
 from .errors import RematError
 from .ops import IGNORED_OPS, OpRecord, is_random_op, op_kind
 from .wrap import ContextFn
@@ -97,7 +99,8 @@ class _Kept:
         # op -> one entry per call of it in forward order: None (recompute it), the
         # Bernoulli draw as bool, or (outputs, their version counters)
         self.entries: dict[Any, list[Any]] = defaultdict(list)
-        self.replay_rng = False  # the region has a random op other than Bernoulli
+        # (op, call index) -> RNG states just before that call of a drawing op in forward
+        self.draws: dict[tuple[Any, int], rng.RngSnapshot] = {}
         self.funcs: list[Any] = []  # forward's ops by position
         self.placeholders: dict[int, tuple[Any, list[Any]]] = {}  # skip position -> (tree
         # spec, per output (shape, stride, dtype, device))
@@ -109,14 +112,20 @@ def _is_bernoulli(func: Any) -> bool:
 
 
 @functools.cache
-def _op_info(func: Any) -> tuple[str | None, bool]:
-    """``(kind if its outputs may be kept else None, is random)`` for an op overload;
-    memoised: the modes see every op of a region, and naming an op is slow."""
+def _op_info(func: Any) -> tuple[str | None, bool, bool]:
+    """``(kind if its outputs may be kept else None, is random, draws)`` for an op
+    overload; memoised: the modes see every op of a region, and naming an op is slow.
+
+    *Random* ops (dropout, ``rand``...) are never kept; an op *draws* if it is random or
+    PyTorch tags it ``nondeterministic_seeded`` (fused attention kernels, which draw
+    their dropout inside and return the RNG seed and offset backward uses: those may be
+    kept, outputs and seed together)."""
     name = str(func)
     random = is_random_op(name)
     keepable = not (random or func.is_view
                     or any(r.alias_info is not None for r in func._schema.returns))
-    return (op_kind(name) if keepable else None), random
+    draws = random or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    return (op_kind(name) if keepable else None), random, draws
 
 
 class _KeepOutputs(TorchDispatchMode):
@@ -127,19 +136,19 @@ class _KeepOutputs(TorchDispatchMode):
         self.kept = kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        draws = _op_info(func)[2] and func not in IGNORED_OPS
+        states = rng.snapshot() if draws else None  # NOTE [ Replaying the forward's RNG ]
         out = func(*args, **(kwargs or {}))
         if func in IGNORED_OPS:
             return out
         kept = self.kept
         position = len(kept.funcs)
         kept.funcs.append(func)
-        kind, random = _op_info(func)
+        kind, random, _ = _op_info(func)
         entry: Any = None
         if random:
             if _is_bernoulli(func) and isinstance(out, torch.Tensor):
                 entry = out.to(torch.bool)  # a copy: later in-place ops do not reach it
-            else:
-                kept.replay_rng = True
         elif kind in kept.save or (position in kept.keep and kind is not None):
             detached = tree_map(_detach, out)
             entry = (detached, [t._version if isinstance(t, torch.Tensor) else 0
@@ -150,6 +159,8 @@ class _KeepOutputs(TorchDispatchMode):
             kept.skip = frozenset()
         if position in kept.skip:
             _note_skipped(kept, position, func, args, out)
+        if states is not None and not isinstance(entry, torch.Tensor):  # may be re-run
+            kept.draws[func, len(kept.entries[func])] = states
         kept.entries[func].append(entry)
         return out
 
@@ -158,10 +169,8 @@ class _KeepOutputs(TorchDispatchMode):
         if (kept.keep or kept.skip) and op_signature(kept.funcs) != kept.signature:
             _fall_back(kept)  # NOTE [ Dead ops ]
         for func, entries in kept.entries.items():
-            if _is_bernoulli(func):
-                if kept.replay_rng:  # NOTE [ Our own selective contexts, and random bits ]
-                    entries[:] = [None] * len(entries)
-            else:  # changed in place later in the region: recomputed anyway, free it now
+            if not _is_bernoulli(func):  # changed in place later in the region: recomputed
+                # anyway, free it now
                 entries[:] = [None if e is None or _changed(e) else e for e in entries]
         changed = [p for p, e in kept.kept_at.items() if _changed(e)]
         if changed:  # recompute re-runs these, so their inputs must be real; free the copies
@@ -177,7 +186,7 @@ def _note_skipped(kept: _Kept, position: int, func: Any, args: tuple[Any, ...],
     cannot be stood in for (a random one, a value Python reads, an in-place op that does
     not return its first argument) turns skipping off for this call."""
     leaves, spec = tree_flatten(out)
-    random = _op_info(func)[1]
+    random = _op_info(func)[1]  # (a skipped op that only draws inside needs no stand-in draw)
     if func._schema.is_mutable:
         first = func._schema.arguments[0].alias_info if func._schema.arguments else None
         if first is None or not first.is_write or out is not args[0] or random:
@@ -254,13 +263,16 @@ class _ReuseOutputs(TorchDispatchMode):
         index = self.calls[func]
         self.calls[func] += 1
         entry = entries[index] if entries is not None and index < len(entries) else None
-        if entry is None:
-            return func(*args, **kwargs)
         if isinstance(entry, torch.Tensor):  # a Bernoulli draw
             return _restore_draw(func, entry, args)
-        if _changed(entry):
-            return func(*args, **kwargs)  # changed in place since: recompute it
-        return entry[0]
+        if entry is not None and not _changed(entry):
+            return entry[0]
+        # recompute it (also a kept output changed in place since forward), drawing what
+        # it drew in forward: NOTE [ Replaying the forward's RNG ]
+        states = self.kept.draws.get((func, index))
+        if states is not None:
+            states.restore()
+        return func(*args, **kwargs)
 
 
 def _placeholder(func: Any, args: tuple[Any, ...],

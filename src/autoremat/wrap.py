@@ -30,7 +30,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-from .errors import RematError
+from . import rng
+from .errors import RematError, internal_assert
 
 __all__ = ["checkpointed", "is_wrapped", "unwrap", "wrap"]
 
@@ -63,22 +64,34 @@ def _restored_batchnorm_stats(layers: list[_BatchNorm]) -> Iterator[None]:
 
 
 def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> ContextFn:
+    """The ``context_fn`` of one checkpointed region (a block or a segment): forward
+    notes the RNG states, recompute replays them (NOTE [ Replaying the forward's RNG ])
+    and puts BatchNorm statistics back; ``selective`` adds its modes inside both."""
     def make() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         layers = [
             m for module in modules for m in module.modules()
             if isinstance(m, _BatchNorm) and m.track_running_stats
         ]
         forward_ctx, recompute_ctx = selective() if selective else (nullcontext(), nullcontext())
-        stack = ExitStack()
+        start: list[rng.RngSnapshot] = []
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            start.append(rng.snapshot())
+            with forward_ctx:
+                yield
 
         @contextmanager
         def recompute() -> Iterator[None]:
-            with stack:
+            internal_assert(bool(start), "a checkpointed region is recomputed before its "
+                                         "forward ran")
+            with ExitStack() as stack:
                 stack.enter_context(_restored_batchnorm_stats(layers))
+                stack.enter_context(rng.replaying(start[0]))
                 stack.enter_context(recompute_ctx)
                 yield
 
-        return forward_ctx, recompute()
+        return forward(), recompute()
 
     return make
 
@@ -104,7 +117,8 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)  # nothing is saved without grad: no recompute
-        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
+                          preserve_rng_state=False, **kwargs)  # we replay it ourselves
 
     module.forward = forward  # type: ignore[method-assign]
     setattr(module, _MARK, _WrapState(user_forward=user_forward, tag=tag))
