@@ -1,0 +1,57 @@
+"""The GPU issue's done-when in the ``gpu`` tier (``pytest -m gpu``; skipped without CUDA),
+and the same check on the CPU at a tiny size, so the harness itself is tested in CI.
+
+The harness is ``benchmarks/gpu_exact.py`` (one command writes the full matrix to
+``benchmarks/results/``); here it runs at a size that takes a few minutes on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+
+def _harness() -> ModuleType:
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_exact.py"
+    spec = importlib.util.spec_from_file_location("gpu_exact", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_exact"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+exact = _harness()
+SIZE = (4, 256, 4, 128, 2)  # layers, width, heads, seq, batch
+
+
+def _assert_all_ok(rows: list) -> None:  # type: ignore[type-arg]
+    failed = [f"{r.model} {r.dtype} {r.plan}: {r.status}" for r in rows
+              if not (r.status == "ok" or r.status.startswith("infeasible"))]
+    assert not failed, "\n".join(failed)
+    assert sum(r.status == "ok" for r in rows) >= len(rows) - 1  # at most 30% infeasible
+
+
+@pytest.mark.slow
+def test_harness_on_cpu_tiny() -> None:
+    model, inputs = exact.MODELS["zoo-gpt2"](exact.SIZES["tiny"], torch.device("cpu"),
+                                             torch.float32)
+    rows = exact.check("zoo-gpt2", model, inputs, "fp32",
+                       ("full", "every:2", "selective", "optimal@50%", "optimal@min"))
+    _assert_all_ok(rows)
+    assert all(r.prediction_error == 0 for r in rows)  # exact on the CPU tracker
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(exact.MODELS))
+def test_every_plan_is_exact_and_fits_on_cuda(name: str, dtype: str) -> None:
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model, inputs = exact.MODELS[name](SIZE, torch.device("cuda"), torch_dtype)
+    _assert_all_ok(exact.check(name, model, inputs, dtype))
