@@ -44,6 +44,7 @@ def test_profile_lists_a_blocks_ops_and_writes_the_tape(
     assert "bernoulli_.float" in out and "random,in-place" in out
     assert "not saved" in out  # the block's output: alive, but autograd did not save it
     assert tape.model == "GPT" and len(tape.blocks) == 2
+    assert tape.loop == "holds_output" and "loop holds_output" in out  # the default loop
 
 
 def test_plan_verifies_and_writes_the_plan(tmp_path: Path,
@@ -57,6 +58,24 @@ def test_plan_verifies_and_writes_the_plan(tmp_path: Path,
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert "Plan (optimal) for GPT" in out
     assert json.loads(out_file.read_text())["schema_version"] == plan.schema_version
+
+
+@pytest.mark.slow
+def test_loop_option_reaches_the_plan(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "gpt2", "--set", _SMALL_GPT2, "--strategy", "full",
+                 "--loop", "loss_only", "--out", str(plan_file)]) == 0
+    assert autoremat.Plan.from_json(plan_file).loop == "loss_only"
+    assert "loop loss_only" in capsys.readouterr().out
+
+
+def test_an_unknown_loop_option_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "mlp", "--loop", "hold_output"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'hold_output'" in err and "'holds_output'" in err
 
 
 @pytest.mark.slow

@@ -162,7 +162,9 @@ def test_mlp_block_flops_by_hand() -> None:
 
 # NOTE [ Do saved activations and gradients account for the peak? ]
 #     Measured at the zoo's default sizes, (sum of the blocks' saved bytes + gradient
-#     bytes) / step peak is: gpt2 0.977, llama 0.973, mlp 1.075, resnet 0.930.
+#     bytes) / step peak is: gpt2 0.977, llama 0.973, mlp 1.075, resnet 0.930 (gpt2 and
+#     llama with the output, ``tape.output_bytes``, added: the default loop holds the
+#     logits through backward, 2 MiB of gpt2's 56 MB peak; without them, 0.940).
 #     * gpt2, llama: within 5% below the peak, as expected when activations dominate.
 #     * mlp: above 1. Its peak is reached as backward starts (gradients at the peak:
 #       15 KB of 7.7 MB); the gradients are made while the activations are freed, so the
@@ -172,10 +174,10 @@ def test_mlp_block_flops_by_hand() -> None:
 #       activations account for 96.9% of the peak, and only 0.6 of the 2.8 MB of
 #       gradients are alive then.
 _RELATION = {
-    "gpt2": lambda t: 0.95 * t.step_peak_bytes <= t.block_saved_bytes + t.grad_bytes
-    <= t.step_peak_bytes,
-    "llama": lambda t: 0.95 * t.step_peak_bytes <= t.block_saved_bytes + t.grad_bytes
-    <= t.step_peak_bytes,
+    "gpt2": lambda t: 0.95 * t.step_peak_bytes
+    <= t.block_saved_bytes + t.grad_bytes + t.output_bytes <= t.step_peak_bytes,
+    "llama": lambda t: 0.95 * t.step_peak_bytes
+    <= t.block_saved_bytes + t.grad_bytes + t.output_bytes <= t.step_peak_bytes,
     "mlp": lambda t: t.block_saved_bytes + t.grad_bytes > t.step_peak_bytes
     and 0.95 * t.step_peak_bytes <= t.block_saved_bytes <= t.step_peak_bytes
     and t.peak_breakdown["gradients"] < 0.01 * t.grad_bytes,

@@ -14,11 +14,19 @@ Example:
 
 from . import zoo
 from .apply import ShapeMismatchWarning, applied_plan, apply, auto, remove
-from .errors import BlockError, BudgetError, PlanMismatchError, RematError, SchemaError
+from .errors import (
+    BlockError,
+    BudgetError,
+    LoopError,
+    PlanMismatchError,
+    RematError,
+    SchemaError,
+)
 from .estimate import Estimate, estimate
 from .memory import MemoryTracker, track_memory
 from .plan import BlockDecision, Plan, plan
 from .profile import profile
+from .step import Loop
 from .tape import BlockProfile, Tape
 from .verify import Report, verify
 
@@ -30,6 +38,8 @@ __all__ = [
     "BlockProfile",
     "BudgetError",
     "Estimate",
+    "Loop",
+    "LoopError",
     "MemoryTracker",
     "Plan",
     "PlanMismatchError",

@@ -15,7 +15,7 @@ from .memory import track_memory
 from .plan import Plan, plan
 from .profile import profile
 from .segments import SegmentRunner
-from .step import LossFn, describe_inputs, preserved_state, run_step
+from .step import Loop, LossFn, describe_inputs, preserved_state, run_step
 from .units import format_bytes
 from .wrap import is_wrapped, unwrap, wrap
 
@@ -158,12 +158,21 @@ def remove(model: nn.Module) -> nn.Module:
 def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
          strategy: str = "optimal", *, loss_fn: LossFn | None = None,
          blocks: BlockSpec = None, max_memory: int | str | None = None,
-         optimizer: str | int | None = None) -> Plan:
+         optimizer: str | int | None = None, loop: Loop = "holds_output") -> Plan:
     """Profile, plan and apply in one call; returns the plan applied.
 
     With a budget, ``auto`` then measures one step with the plan applied and, if the
     measured peak is over the budget, plans again for a budget smaller by the plan's
     prediction error (at most twice more); see NOTE [ auto measures what it applies ].
+
+    Args:
+        model, inputs, loss_fn, blocks: as for :func:`autoremat.profile`.
+        budget, strategy, max_memory, optimizer: as for :func:`autoremat.plan`.
+        loop: the training loop the budget must hold for, as for
+            :func:`autoremat.profile` (recorded as ``plan.loop``). ``"holds_output"``
+            (default): ``out = model(**batch); out.loss.backward()``, and every loop
+            that releases the output sooner. ``"loss_only"``: a tighter plan for a loop
+            that keeps only the loss (``loss = model(**batch).loss``).
 
     Raises:
         BudgetError: no plan fits, or the plans tried still measure over the budget.
@@ -176,7 +185,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         True
     """
     remove(model)
-    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks)
+    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer)
     apply(model, chosen)
     if chosen.budget_bytes is None:
@@ -192,7 +201,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     #     the same from plan to plan, so one retry usually does it.
     limit, target = chosen.budget_bytes, chosen.budget_bytes
     for attempt in range(_AUTO_ATTEMPTS):
-        peak = _measured_peak(model, inputs, loss_fn)
+        peak = _measured_peak(model, inputs, loss_fn, chosen.loop)
         if peak <= limit:
             return chosen
         remove(model)
@@ -223,7 +232,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
 _AUTO_ATTEMPTS = 3  # plans auto() measures before giving up (NOTE [ auto measures ... ])
 
 
-def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> int:
+def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, loop: Loop) -> int:
     with preserved_state(model), track_memory() as mem:
-        run_step(model, inputs, loss_fn)
+        run_step(model, inputs, loss_fn, loop=loop)
     return mem.peak_bytes

@@ -177,7 +177,7 @@ class _Sweep:
         names = resolve_blocks(self.model, None)
         self.progress(0, f"{self.target}: profiling")
         try:
-            self.tape = profile(self.model, self.inputs)
+            self.tape = profile(self.model, self.inputs, loop=self.settings.loop)
             names = [b.name for b in self.tape.blocks]
         except Exception as exc:  # reported in the table; the references still run
             self.tape_error = f"profile failed: {type(exc).__name__}: {first_line(exc)}"
@@ -268,7 +268,8 @@ class _Sweep:
         self.progress(0, f"{self.target}: measuring {variant.method} {variant.budget}")
         try:
             with variant.installed():
-                variant.measure = measure_step(self.model, self.inputs, self.rng)
+                variant.measure = measure_step(self.model, self.inputs, self.rng,
+                                               loop=self.settings.loop)
         except Exception as exc:  # a reference that breaks on this model is a result too
             if variant.method == NONE:
                 raise
@@ -284,7 +285,8 @@ class _Sweep:
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for variant in order:
                 with variant.installed():
-                    ms, cpu = time_step(self.model, self.inputs, self.rng)
+                    ms, cpu = time_step(self.model, self.inputs, self.rng,
+                                        loop=self.settings.loop)
                 if r:
                     variant.times_ms.append(ms)
                     variant.cpu_ms.append(cpu)

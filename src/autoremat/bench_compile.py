@@ -47,7 +47,7 @@ from .bench_rows import COMPILE, COMPILE_EAGER, BenchRow, Settings
 from .errors import RematError
 from .flops import FlopCounter
 from .memory import os_peak_bytes, reset_os_peak
-from .step import call_model, default_loss, preserved_state, run_step
+from .step import Loop, call_model, default_loss, preserved_state, run_step
 from .tape import write_atomic
 
 __all__ = ["compile_rows", "compile_worker"]
@@ -77,7 +77,7 @@ def compile_rows(target: str, settings: Settings, plain_peak: int,
         label = f"{fraction:g}" + (" (no budget)" if fraction >= 1 else "")
         try:
             res = _run_compile_worker(target, dict(s.overrides), fraction, s.repeats,
-                                      s.compile_timeout_s)
+                                      s.compile_timeout_s, s.loop)
         except RematError as exc:
             rows.append(BenchRow(COMPILE, label, "error", peak_source="os",
                                  note=first_line(exc)))
@@ -139,7 +139,7 @@ def _fraction(budget: str, plain_peak: int) -> float:
 
 
 def _run_compile_worker(target: str, overrides: dict[str, Any], fraction: float, repeats: int,
-                        timeout_s: float) -> dict[str, Any]:
+                        timeout_s: float, loop: Loop = "holds_output") -> dict[str, Any]:
     """The figures :func:`compile_worker` writes for one fraction, run in a fresh process.
 
     Raises :class:`RematError` when the process times out or fails (with its last line of
@@ -148,7 +148,8 @@ def _run_compile_worker(target: str, overrides: dict[str, Any], fraction: float,
     with tempfile.TemporaryDirectory(prefix="autoremat-bench-") as tmp:
         out = Path(tmp) / "result.json"
         spec = {"target": target, "overrides": overrides, "fraction": fraction,
-                "repeats": repeats, "threads": torch.get_num_threads(), "out": str(out)}
+                "repeats": repeats, "threads": torch.get_num_threads(), "out": str(out),
+                "loop": loop}
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         code = "import sys; from autoremat.bench_compile import compile_worker; " \
@@ -178,6 +179,7 @@ def compile_worker(spec_text: str) -> int:
     functorch_config.activation_memory_budget = float(spec["fraction"])
     inductor_config.fallback_random = True  # same dropout masks as eager (module note)
     model, inputs = build_target(spec["target"], spec["overrides"])
+    loop: Loop = spec.get("loop", "holds_output")
     rng = torch.get_rng_state()
     compiled: nn.Module = torch.compile(model)  # type: ignore[assignment]
 
@@ -188,7 +190,7 @@ def compile_worker(spec_text: str) -> int:
             torch.set_rng_state(rng)
             since = reset_os_peak()
             wall, cpu = time.perf_counter(), time.process_time()
-            run_step(module, inputs, None)
+            run_step(module, inputs, None, loop=loop)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             peak = os_peak_bytes(since)
             grads = {n: (p.grad.detach().clone() if p.grad is not None else None)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .flops import FlopCounter
 from .memory import track_memory
-from .step import preserved_state, run_step
+from .step import Loop, preserved_state, run_step
 
 __all__ = ["Measure", "build_target", "first_line", "largest_grad", "max_diff",
            "measure_step", "ratio_range", "time_step"]
@@ -47,26 +47,29 @@ class Measure:
     buffers: dict[str, torch.Tensor]
 
 
-def measure_step(model: nn.Module, inputs: Any, rng: torch.Tensor) -> Measure:
-    """Peak, FLOPs, gradients and buffers after one step from RNG state ``rng``."""
+def measure_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
+                 loop: Loop = "holds_output") -> Measure:
+    """Peak, FLOPs, gradients and buffers after one step from RNG state ``rng``, in the
+    training loop ``loop`` (see NOTE [ Which loop a step models ] in ``step.py``)."""
     with preserved_state(model):
         torch.set_rng_state(rng)
         # Both modes in one step: the FLOP counter holds no tensors, so it does not
         # change what the memory tracker sees.
         with track_memory() as mem, FlopCounter() as counter:
-            run_step(model, inputs, None)
+            run_step(model, inputs, None, loop=loop)
         grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
                  for n, p in model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     return Measure(mem.peak_bytes, counter.total, grads, buffers)
 
 
-def time_step(model: nn.Module, inputs: Any, rng: torch.Tensor) -> tuple[float, float]:
-    """(wall ms, CPU ms of this process) of one plain, uninstrumented step."""
+def time_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
+              loop: Loop = "holds_output") -> tuple[float, float]:
+    """(wall ms, CPU ms of this process) of one plain, uninstrumented step in ``loop``."""
     with preserved_state(model):
         torch.set_rng_state(rng)
         wall, cpu = time.perf_counter(), time.process_time()
-        run_step(model, inputs, None)
+        run_step(model, inputs, None, loop=loop)
         return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
 
 

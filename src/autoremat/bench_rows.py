@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .step import Loop
+
 __all__ = [
     "AUTO", "BLOCK", "COMPILE", "COMPILE_EAGER", "HF", "METHODS", "NONE", "SAC", "SEQ",
     "BenchRow", "ModelResult", "Settings", "Status",
@@ -92,3 +94,4 @@ class Settings:
     overrides: tuple[tuple[str, Any], ...] = ()  # size options for every target
     threads: int = 1  # torch threads (0: torch's default); NOTE [ Fair timing ] in bench.py
     compile_timeout_s: float = 1800.0
+    loop: Loop = "holds_output"  # the training loop every step follows (step.Loop)

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from . import zoo
 from .errors import BudgetError, RematError, did_you_mean
+from .step import LOOPS
 from .units import format_bytes
 
 __all__ = ["load_target", "main"]
@@ -78,7 +79,7 @@ def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
 
     model, inputs = load_target(args.target, _parse_overrides(args.set))
     with _status(console, f"profiling {args.target} (several instrumented steps)"):
-        tape = profile(model, inputs)
+        tape = profile(model, inputs, loop=args.loop)
     console.print(str(tape), highlight=False, soft_wrap=True)
     if args.ops:
         from .tables import ops_table
@@ -96,7 +97,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
     model, inputs = load_target(args.target, _parse_overrides(args.set))
     with _status(console, f"profiling {args.target}"):
-        tape = profile(model, inputs)
+        tape = profile(model, inputs, loop=args.loop)
     chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
                   optimizer=args.optimizer)
     console.print(str(chosen), highlight=False, soft_wrap=True)
@@ -189,6 +190,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("target", help="zoo name or package.module:factory")
         p.add_argument("--set", help="size options, e.g. n_layer=12,batch_size=8")
         p.add_argument("--out", help="write the tape/plan JSON here")
+        p.add_argument("--loop", choices=LOOPS, default="holds_output",
+                       help="the training loop the figures hold for: holds_output (default; "
+                            "out = model(...); out.loss.backward()) or loss_only (only the "
+                            "loss is kept through backward)")
         if name == "profile":
             p.add_argument("--ops", metavar="BLOCK",
                            help="also list the forward ops of this block (e.g. blocks.0)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["BlockError", "BudgetError", "PlanMismatchError", "RematError", "SchemaError"]
+__all__ = ["BlockError", "BudgetError", "LoopError", "PlanMismatchError", "RematError",
+           "SchemaError"]
 
 
 class RematError(Exception):
@@ -31,6 +32,10 @@ class BudgetError(RematError):
 
 class BlockError(RematError):
     """The blocks to checkpoint could not be found or were named wrongly."""
+
+
+class LoopError(RematError):
+    """An unknown training-loop name was given as ``loop=`` (see ``step.Loop``)."""
 
 
 class PlanMismatchError(RematError):

@@ -57,7 +57,7 @@ from .fake import (
 )
 from .optimizers import OPTIMIZERS, _optimizer_class, optimizer_memory
 from .profile import profile
-from .step import LossFn, describe_inputs, preserved_state, unique_storage_bytes
+from .step import Loop, LossFn, check_loop, describe_inputs, preserved_state, unique_storage_bytes
 from .tape import Tape, dump_json
 from .tracked_step import (
     LOSS_CHUNKS,
@@ -129,6 +129,7 @@ class Estimate:
     plan_peak_bytes: int | None = None  # the plan's predicted step peak
     plan_recompute_flops: int | None = None
     throughput_flops: float | None = None  # FLOP/s the user said the device sustains
+    loop: Loop = "holds_output"  # the training loop the step figures are for (step.Loop)
     notes: tuple[str, ...] = ()
     tape: Tape | None = field(default=None, repr=False, compare=False)
     plan: Any = field(default=None, repr=False, compare=False)
@@ -235,7 +236,7 @@ def _render(est: Estimate) -> str:
     dtype = f" at {est.dtype}" if est.dtype else ""
     opt = est.optimizer or "none"
     lines = [
-        f"Estimate for {est.model} on {est.device}{dtype}; batch {est.inputs}",
+        f"Estimate for {est.model} on {est.device}{dtype}; batch {est.inputs}; loop {est.loop}",
         f"  parameters        {_exact(est.param_bytes)}  {est.param_count:,} parameters",
         f"  gradients         {_exact(est.grad_bytes)}",
         f"  optimizer state   {_exact(est.optimizer_bytes)}  {opt}",
@@ -317,6 +318,7 @@ def estimate(
     max_memory: int | str | None = None,
     selective: bool = True,
     top: int = 8,
+    loop: Loop = "holds_output",
 ) -> Estimate:
     """Predict the memory of one training step without running it for real.
 
@@ -340,6 +342,10 @@ def estimate(
         selective: also measure selective-recompute options, so that plans made from
             this estimate can use them (one more pass per save-set; cheap on meta).
         top: how many of the largest live tensors to report.
+        loop: the training loop to estimate, as for :func:`autoremat.profile`:
+            ``"holds_output"`` (default) keeps the model's output (logits) alive through
+            backward, as ``out = model(**batch); out.loss.backward()`` does;
+            ``"loss_only"`` releases it before backward.
 
     Returns:
         A frozen :class:`Estimate`.
@@ -362,6 +368,7 @@ def estimate(
     if budget is not None and max_memory is not None:
         raise BudgetError("give either budget= (the step's own budget) or max_memory= (the "
                           "whole device, parameters and optimizer included), not both")
+    check_loop(loop)
     target = _resolve_device(model, device)
     target_type = torch.device(target).type
     cast = parse_dtype(dtype)
@@ -372,9 +379,11 @@ def estimate(
         with preserved_state(model), sdpa_as_on(target_type), \
                 _hf_attention_without_masks(model, inputs) as hf_notes:
             tape = profile(model, inputs, loss_fn, names, repeats=1,
-                           with_selective=selective)
-            plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False)
-            ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True)
+                           with_selective=selective, loop=loop)
+            plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False,
+                                  loop=loop)
+            ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True,
+                                 loop=loop)
     except (RuntimeError, NotImplementedError) as exc:
         if "meta" not in str(exc):
             raise
@@ -415,7 +424,7 @@ def estimate(
         ckpt_head_chunked_step_peak_bytes=chunked_loss_peak(ckpt, LOSS_CHUNKS),
         step_fwd_flops=tape.step_fwd_flops, step_bwd_flops=tape.step_bwd_flops,
         ckpt_recompute_flops=sum(b.fwd_flops for b in tape.blocks),
-        throughput_flops=throughput_flops, notes=tuple(notes), tape=tape,
+        throughput_flops=throughput_flops, loop=loop, notes=tuple(notes), tape=tape,
     )
     if budget is None and max_memory is None:
         return est

@@ -24,8 +24,17 @@ from .solvers.chain import (
     selective_options,
     solve,
 )
+from .step import Loop
 from .tables import render_table
-from .tape import SCHEMA_VERSION, Tape, build_dataclass, dump_json, int_tuples, load_json
+from .tape import (
+    SCHEMA_VERSION,
+    Tape,
+    build_dataclass,
+    check_loop_field,
+    dump_json,
+    int_tuples,
+    load_json,
+)
 from .units import format_bytes, parse_budget, parse_size
 
 __all__ = ["STRATEGIES", "BlockDecision", "Plan", "optimizer_state_bytes", "plan"]
@@ -60,6 +69,9 @@ class Plan:
     step_flops: int  # FLOPs of the plain step (forward + backward)
     model: str  # class name of the model it was made for
     inputs: str  # input signature it was made for
+    # The training loop its tape measured, which its predictions and budget hold for
+    # (step.Loop); plans saved before this field existed were made "loss_only".
+    loop: Loop = "loss_only"
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -118,6 +130,7 @@ class Plan:
             _expect(getattr(loaded, key), int, f"plan.{key}")
         for key in ("strategy", "model", "inputs"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
+        check_loop_field(loaded.loop, "plan.loop")
         if loaded.budget_bytes is not None:
             _expect(loaded.budget_bytes, int, "plan.budget_bytes")
         return loaded
@@ -146,7 +159,7 @@ class Plan:
                 f"budget {budget}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
                 f"(unplanned {format_bytes(self.unplanned_peak_bytes)}); recompute "
                 f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
-                f"{100 * self.recompute_overhead:.1f}% of the step\n")
+                f"{100 * self.recompute_overhead:.1f}% of the step; loop {self.loop}\n")
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return head + render_table(["block", "decision"], rows) + notes
 
@@ -385,5 +398,5 @@ def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
         predicted_recompute_flops=sum(c.flops for c in costs),
         predicted_cost=sum(c.rank_cost for c in costs),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
-        model=tape.model, inputs=tape.inputs,
+        model=tape.model, inputs=tape.inputs, loop=tape.loop,
     )

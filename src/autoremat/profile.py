@@ -10,6 +10,9 @@ NOTE [ Three kinds of run ]
       is exact and deterministic.
     * FLOPs: one step under a FLOP counter labelled by block.
     * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
+    Every run follows the training loop ``loop`` (NOTE [ Which loop a step models ] in
+    ``step.py``), so with ``"holds_output"`` each window sees the model's output alive
+    until backward has finished, and every prediction made from the tape includes it.
     All runs go through ``preserved_state``: BatchNorm statistics, gradients and RNG
     states are as they were when ``profile`` returns.
 
@@ -42,9 +45,13 @@ from .ops import OpRecorder, OpStats, op_kind
 from .selective import op_signature, save_set_name, save_sets, selective_context
 from .solvers.keepsets import keep_sets
 from .step import (
+    Loop,
     LossFn,
+    check_loop,
+    default_loss,
     describe_inputs,
     flat_tensors,
+    output_bytes,
     preserved_state,
     run_step,
     training_config,
@@ -130,11 +137,11 @@ class _Probe:
 
 
 def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                on_mark: Callable[[str], None]) -> _Probe:
+                on_mark: Callable[[str], None], *, loop: Loop) -> _Probe:
     probe = _Probe(names, on_mark)
     with probe.installed(model):
         on_mark("start")
-        run_step(model, inputs, loss_fn, between=lambda: on_mark("backward"))
+        run_step(model, inputs, loss_fn, between=lambda: on_mark("backward"), loop=loop)
         on_mark("end")
     for name, calls in zip(names, probe.calls, strict=False):
         if calls != 1:
@@ -175,12 +182,12 @@ class _MemoryRun:
 
 def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                 names: list[str], ckpt: list[bool],
-                contexts: dict[str, ContextFn] | None = None) -> _MemoryRun:
+                contexts: dict[str, ContextFn] | None = None, *, loop: Loop) -> _MemoryRun:
     for p in model.parameters():
         p.grad = None
     chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
     with checkpointed(model, chosen, contexts), track_memory() as mem:
-        probe = _run_marked(model, inputs, loss_fn, names, mem.mark)
+        probe = _run_marked(model, inputs, loss_fn, names, mem.mark, loop=loop)
     marks = _marks(mem)
     n = len(names)
     missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
@@ -219,7 +226,7 @@ def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
 
 
 def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-           names: list[str]) -> OpRecorder:
+           names: list[str], *, loop: Loop) -> OpRecorder:
     counter = OpRecorder()
 
     def on_mark(label: str) -> None:
@@ -230,19 +237,20 @@ def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
             counter.label = "<outside>"
 
     with counter, torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        _run_marked(model, inputs, loss_fn, names, on_mark)
+        _run_marked(model, inputs, loss_fn, names, on_mark, loop=loop)
     return counter
 
 
 def _recompute_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
                      plain: OpRecorder,
-                     contexts: dict[str, ContextFn] | None = None) -> list[int]:
+                     contexts: dict[str, ContextFn] | None = None, *,
+                     loop: Loop) -> list[int]:
     """Per block, the FLOPs its recompute runs with every block checkpointed (those in
     ``contexts`` selective with that context): backward FLOPs minus the plain step's.
     Measured, so checkpoint's early stop (no re-run after the last op backward needs)
     and skipped dead ops are included."""
     with checkpointed(model, names, contexts):
-        counter = _flops(model, inputs, loss_fn, names)
+        counter = _flops(model, inputs, loss_fn, names, loop=loop)
     for p in model.parameters():
         p.grad = None
     return [counter.by_label.get((n, "bwd"), 0) - plain.by_label.get((n, "bwd"), 0)
@@ -250,7 +258,7 @@ def _recompute_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None, name
 
 
 def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-             repeats: int) -> tuple[list[float], list[float], float]:
+             repeats: int, *, loop: Loop) -> tuple[list[float], list[float], float]:
     n = len(names)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
@@ -260,7 +268,7 @@ def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[
         def stamp(label: str, stamps: dict[str, float] = stamps) -> None:
             stamps.setdefault(label, time.perf_counter())
 
-        _run_marked(model, inputs, loss_fn, names, stamp)
+        _run_marked(model, inputs, loss_fn, names, stamp, loop=loop)
         for i in range(n):
             nxt = stamps[f"fwd:{i + 1}"] if i + 1 < n else stamps["fwd_end"]
             fwd[i].append((nxt - stamps[f"fwd:{i}"]) * 1e3)
@@ -293,7 +301,7 @@ def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, Wind
 
 def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
                     op_stats: list[dict[str, OpStats]], plain: OpRecorder,
-                    cost_model: CostModel) -> list[dict[str, SelectiveProfile]]:
+                    cost_model: CostModel, *, loop: Loop) -> list[dict[str, SelectiveProfile]]:
     """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
     step: blocks that have that option run selective, the others fully checkpointed (so
     every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
@@ -320,8 +328,9 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
     for key in sorted(options):
         users = options[key]
         contexts = {n: ctx for n, (ctx, _) in users.items()}
-        run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), contexts)
-        flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts)
+        run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), contexts,
+                          loop=loop)
+        flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts, loop=loop)
         for i, name in enumerate(names):
             if name in users:
                 out[i][key] = dataclasses.replace(users[name][1], fwd=run.fwd[i],
@@ -340,7 +349,8 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
 
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
-            with_selective: bool = True, timing: bool = True) -> Tape:
+            with_selective: bool = True, timing: bool = True,
+            loop: Loop = "holds_output") -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -355,6 +365,14 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             per distinct save-set), so that plans can use them.
         timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
             all times as 0.0 and says so in ``tape.notes``.
+        loop: the training loop to measure (recorded as ``tape.loop``; plans made from
+            the tape hold for it). ``"holds_output"`` (default): the output stays
+            referenced until backward has finished (``out = model(**batch);
+            out.loss.backward()``); a budget that holds for it also holds for a loop
+            that releases the output earlier. ``"loss_only"``: only the loss survives
+            the forward (``loss = model(**batch).loss``, or ``del out`` before
+            backward); tighter, but a loop that holds the output goes over it by up to
+            ``tape.output_bytes``.
 
     Returns:
         A frozen :class:`~autoremat.tape.Tape`. The model's buffers, gradients and the
@@ -375,39 +393,49 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
     if repeats < 1:
         raise RematError(f"repeats must be at least 1, got {repeats}")
+    check_loop(loop)
     names = resolve_blocks(model, blocks)
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
                          f"blocks=[...] with the names of the layers to plan over")
     with preserved_state(model), training_config(model) as cache_notes:
-        _run_marked(model, inputs, loss_fn, names, lambda label: None)  # warm-up
+        held: list[int] = []
+
+        def measure_output(output: Any) -> torch.Tensor:
+            loss = (loss_fn or default_loss)(output)
+            held.append(output_bytes(output, loss))
+            return loss
+
+        _run_marked(model, inputs, measure_output, names, lambda label: None,
+                    loop=loop)  # warm-up, and the output's size
         for p in model.parameters():
             p.grad = None
         n = len(names)
-        plain = _memory_run(model, inputs, loss_fn, names, [False] * n)
+        plain = _memory_run(model, inputs, loss_fn, names, [False] * n, loop=loop)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
         grad_bytes = unique_storage_bytes(list(grads.values()))
         block_grad_bytes = [
             unique_storage_bytes([p.grad for p in model.get_submodule(n).parameters()
                                   if p.grad is not None]) for n in names
         ]
-        runs = {"K": plain, "C": _memory_run(model, inputs, loss_fn, names, [True] * n)}
+        runs = {"K": plain,
+                "C": _memory_run(model, inputs, loss_fn, names, [True] * n, loop=loop)}
         if n > 1:
             runs["even"] = _memory_run(model, inputs, loss_fn, names,
-                                       [i % 2 == 0 for i in range(n)])
+                                       [i % 2 == 0 for i in range(n)], loop=loop)
             runs["odd"] = _memory_run(model, inputs, loss_fn, names,
-                                      [i % 2 == 1 for i in range(n)])
+                                      [i % 2 == 1 for i in range(n)], loop=loop)
         for p in model.parameters():
             p.grad = None
-        counter = _flops(model, inputs, loss_fn, names)
+        counter = _flops(model, inputs, loss_fn, names, loop=loop)
         for p in model.parameters():
             p.grad = None
-        recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter)
+        recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter, loop=loop)
         op_stats = [counter.block_stats(name) for name in names]
         params = list(model.parameters())
         device = str(next((p.device for p in params), torch.device("cpu")))
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
-                                    cost_model_for(device)) \
+                                    cost_model_for(device), loop=loop) \
             if with_selective else [{} for _ in names]
         on_meta = any(p.device.type == "meta" for p in params)
         notes: list[str] = []
@@ -418,7 +446,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                              f"repeated, not planned over: {', '.join(others)} (pass "
                              "blocks=[...] with all of them, in the order they run)")
         if timing and not on_meta:
-            fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats)
+            fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats,
+                                               loop=loop)
         else:
             fwd_ms, bwd_ms, step_ms = [0.0] * n, [0.0] * n, 0.0
             notes.append("times not measured (" + ("meta tensors" if on_meta else
@@ -456,5 +485,6 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         pre=plain.pre, post={m: runs[m].post for m in "KC"},
         tail={m: runs[m].tail for m in "KC"},
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
-        step_ms=step_ms, notes=tuple(notes + cache_notes),
+        step_ms=step_ms, loop=loop, output_bytes=held[0],
+        notes=tuple(notes + cache_notes),
     )

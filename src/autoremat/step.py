@@ -8,19 +8,23 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .errors import RematError
+from .errors import LoopError, RematError, did_you_mean
 
 __all__ = [
+    "LOOPS",
+    "Loop",
     "call_model",
+    "check_loop",
     "default_loss",
     "describe_inputs",
     "flat_tensors",
+    "output_bytes",
     "preserved_state",
     "run_step",
     "training_config",
@@ -28,6 +32,19 @@ __all__ = [
 ]
 
 LossFn = Callable[[Any], torch.Tensor]
+
+# NOTE [ Which loop a step models ]
+#     What the user's training loop holds while backward runs is part of the step peak:
+#     * "holds_output": ``out = model(**batch); out.loss.backward()``: the model's output
+#       (logits, a KV cache if one is built) stays referenced until backward has finished.
+#       The common idiom, and the default: a budget that holds for it also holds for a loop
+#       that lets the output go earlier, since releasing a tensor sooner never raises a peak.
+#     * "loss_only": ``loss = model(**batch).loss; loss.backward()`` (or ``del out`` before
+#       backward): only the loss and what autograd saved survive the forward. Tighter.
+#     Every measurement (profile, auto's check, estimate, bench) runs one loop, recorded in
+#     the tape and the plan, so that a prediction and the step it predicts agree.
+Loop = Literal["holds_output", "loss_only"]
+LOOPS: tuple[Loop, ...] = get_args(Loop)  # ("holds_output", "loss_only")
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -61,9 +78,35 @@ def default_loss(output: Any) -> torch.Tensor:
                      f"pass loss_fn=lambda out: ... returning a scalar tensor")
 
 
+def check_loop(loop: Any) -> Loop:
+    """``loop`` if it is one of :data:`LOOPS`, else :class:`~autoremat.errors.LoopError`."""
+    if loop not in LOOPS:
+        raise LoopError(f"unknown loop {loop!r}; choose one of {list(LOOPS)}: "
+                        f"'holds_output' when your loop keeps the model's output until "
+                        f"backward has run (out = model(**batch); out.loss.backward()), "
+                        f"'loss_only' when only the loss survives the forward."
+                        + did_you_mean(str(loop), LOOPS))
+    return cast(Loop, loop)
+
+
 def run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-             between: Callable[[], None] | None = None) -> torch.Tensor:
-    """Forward, loss, backward. ``between`` runs after the loss and before backward."""
+             between: Callable[[], None] | None = None, *,
+             loop: Loop = "holds_output") -> torch.Tensor:
+    """Forward, loss, backward, as the training loop ``loop`` runs them.
+
+    Args:
+        model, inputs: ``model`` is called on ``inputs`` as by :func:`call_model`.
+        loss_fn: ``loss_fn(output) -> scalar``; ``None``: :func:`default_loss`.
+        between: runs after the loss and before backward.
+        loop: ``"holds_output"`` (default) keeps the model's output referenced until
+            backward has finished, then releases it before returning;
+            ``"loss_only"`` releases it before backward. See NOTE [ Which loop a step
+            models ].
+
+    Returns:
+        The loss, detached.
+    """
+    check_loop(loop)
     output = call_model(model, inputs)
     loss = (loss_fn or default_loss)(output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -72,11 +115,21 @@ def run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     if not loss.requires_grad:
         raise RematError("the loss does not require grad: no parameter of the model is "
                          "trainable, or the output was detached")
+    held = output if loop == "holds_output" else None
     del output
     if between is not None:
         between()
     loss.backward()
+    del held  # backward has finished: "holds_output" lets the output go only now
     return loss.detach()
+
+
+def output_bytes(output: Any, loss: torch.Tensor | None = None) -> int:
+    """Bytes of the distinct storages in a model's output other than the loss's: what a
+    loop that holds the output through backward keeps alive beyond the loss."""
+    skip = loss.untyped_storage()._cdata if isinstance(loss, torch.Tensor) else None
+    return unique_storage_bytes([t for t in flat_tensors(output)
+                                 if t.untyped_storage()._cdata != skip])
 
 
 def describe_inputs(inputs: Any) -> str:

@@ -61,12 +61,20 @@ def tape_table(tape: Tape) -> str:
     bd = ", ".join(f"{k} {format_bytes(v)}" for k, v in tape.peak_breakdown.items())
     head = (f"Tape of {tape.model} on {tape.device}, inputs {tape.inputs}\n"
             f"step peak {format_bytes(tape.step_peak_bytes)} ({bd}); "
-            f"all blocks checkpointed: {format_bytes(tape.ckpt_step_peak_bytes)}\n"
+            f"all blocks checkpointed: {format_bytes(tape.ckpt_step_peak_bytes)}; "
+            f"loop {tape.loop}{_held(tape)}\n"
             f"parameters {format_bytes(tape.param_bytes)}, buffers "
             f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
             f"step {tape.step_ms:.1f} ms, {_flops(tape.step_flops)}FLOPs\n")
     notes = "".join(f"\nnote: {n}" for n in tape.notes)
     return head + table + notes
+
+
+def _held(tape: Tape) -> str:
+    if tape.output_bytes < 0:
+        return ""
+    what = "held through backward" if tape.loop == "holds_output" else "released before it"
+    return f" (output {format_bytes(tape.output_bytes)}, {what})"
 
 
 def ops_table(tape: Tape, block: str) -> str:

@@ -8,7 +8,9 @@ Memory figures are bytes of live tensor storages above the level before the step
 (the plain step) and ``ckpt`` (every block checkpointed on its own). For each, the
 forward window of block ``i`` runs from its forward start to the next block's start,
 and its backward window from the moment the gradient of its output is ready to the
-moment the gradient of its input is ready.
+moment the gradient of its input is ready. Every run follows one training loop,
+``tape.loop`` (NOTE [ Which loop a step models ] in ``step.py``): with
+``"holds_output"`` the model's output is alive through backward, in every window.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from .errors import SchemaError
 from .ops import OpRecord, OpStats
+from .step import LOOPS, Loop
 from .units import format_bytes
 
 __all__ = ["SCHEMA_VERSION", "BlockProfile", "SelectiveProfile", "Tape", "WindowMemory"]
@@ -122,6 +125,10 @@ class Tape:
     step_fwd_flops: int
     step_bwd_flops: int
     step_ms: float  # median plain step (forward + backward)
+    # The training loop every run followed (step.Loop). Tapes saved before this field
+    # existed were measured with the output released before backward: "loss_only".
+    loop: Loop = "loss_only"
+    output_bytes: int = -1  # the output's storages other than the loss's; -1: not measured
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -323,7 +330,14 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
         data[key] = _windows(data.get(key), f"tape.{key}")
     tape = build_dataclass(Tape, data, "tape")
     _check_types(tape, "tape")
+    check_loop_field(tape.loop, "tape.loop")
     return tape  # type: ignore[no-any-return]
+
+
+def check_loop_field(value: Any, where: str) -> None:
+    """A loaded ``loop`` must name one of :data:`~autoremat.step.LOOPS`."""
+    if value not in LOOPS:
+        raise SchemaError(f"{where} must be one of {list(LOOPS)}, got {value!r}")
 
 
 def fmt(n: int) -> str:

@@ -22,7 +22,7 @@ from .blocks import BlockSpec, resolve_blocks
 from .fake import _hf_attention_without_masks, _resolve_device, parse_dtype, sdpa_as_on, to_meta
 from .memory import MemoryTracker, track_memory
 from .profile import op_kind
-from .step import LossFn, preserved_state, run_step
+from .step import Loop, LossFn, check_loop, preserved_state, run_step
 from .wrap import checkpointed
 
 __all__ = [
@@ -86,7 +86,7 @@ class _MarkWalk:
 
 
 def _tracked_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                  *, checkpoint_all: bool) -> _Run:
+                  *, checkpoint_all: bool, loop: Loop) -> _Run:
     root = type(model).__name__
     block_set = set(names)
     with ExitStack() as stack, track_memory() as mem:
@@ -105,7 +105,7 @@ def _tracked_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: 
             stack.callback(module.register_forward_hook(post).remove)
         if checkpoint_all:
             stack.enter_context(checkpointed(model, names))
-        run_step(model, inputs, loss_fn, between=lambda: mem.mark("backward"))
+        run_step(model, inputs, loss_fn, between=lambda: mem.mark("backward"), loop=loop)
     for p in model.parameters():
         p.grad = None  # inside preserved_state: the caller's gradients come back after
 
@@ -187,10 +187,14 @@ class StepPeak:
 def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
                  blocks: BlockSpec = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | str | None = None,
-                 checkpoint_all: bool = False) -> StepPeak:
+                 checkpoint_all: bool = False, loop: Loop = "holds_output") -> StepPeak:
     """Just the step peak on ``meta`` (two passes cheaper than
     :func:`autoremat.estimate.estimate`), with every block checkpointed or none; for
     re-measuring at another batch size.
+
+    Args:
+        loop: the training loop, as for :func:`autoremat.estimate.estimate` (default
+            ``"holds_output"``: the output lives until backward has finished).
 
     Example:
         >>> import autoremat
@@ -198,11 +202,13 @@ def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
         >>> measure_step(model, inputs).peak_bytes > 0
         True
     """
+    check_loop(loop)
     target = torch.device(_resolve_device(model, device)).type
     model, inputs = to_meta(model, inputs, parse_dtype(dtype))
     names = resolve_blocks(model, blocks)
     with preserved_state(model), sdpa_as_on(target), _hf_attention_without_masks(model, inputs):
-        run = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=checkpoint_all)
+        run = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=checkpoint_all,
+                            loop=loop)
     return StepPeak(peak_bytes=run.mem.peak_bytes,
                     grads_at_peak_bytes=run.mem.breakdown["gradients"],
                     chunked_loss_peak_bytes=chunked_loss_peak(run, LOSS_CHUNKS))
