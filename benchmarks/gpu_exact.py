@@ -67,7 +67,7 @@ def hf_gpt2(attention: str) -> Builder:
         torch.manual_seed(0)
         config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=2048,
                             n_positions=seq, resid_pdrop=0.1, embd_pdrop=0.1,
-                            attn_pdrop=0.1, use_cache=False)
+                            attn_pdrop=0.1, bos_token_id=0, eos_token_id=0, use_cache=False)
         config._attn_implementation = attention
         model = GPT2LMHeadModel(config).to(device=device, dtype=dtype).train()
         return model, _batch(config.vocab_size, seq, batch, device)
