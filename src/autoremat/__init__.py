@@ -14,7 +14,14 @@ Example:
 
 from . import zoo
 from .apply import ShapeMismatchWarning, applied_plan, apply, auto, remove
-from .errors import BlockError, BudgetError, PlanMismatchError, RematError, SchemaError
+from .errors import (
+    BlockError,
+    BudgetError,
+    DeterminismError,
+    PlanMismatchError,
+    RematError,
+    SchemaError,
+)
 from .estimate import Estimate, estimate
 from .memory import MemoryTracker, track_memory
 from .plan import BlockDecision, Plan, plan
@@ -29,6 +36,7 @@ __all__ = [
     "BlockError",
     "BlockProfile",
     "BudgetError",
+    "DeterminismError",
     "Estimate",
     "MemoryTracker",
     "Plan",

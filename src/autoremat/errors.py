@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["BlockError", "BudgetError", "PlanMismatchError", "RematError", "SchemaError"]
+__all__ = ["BlockError", "BudgetError", "DeterminismError", "PlanMismatchError", "RematError",
+           "SchemaError"]
 
 
 class RematError(Exception):
@@ -31,6 +32,12 @@ class BudgetError(RematError):
 
 class BlockError(RematError):
     """The blocks to checkpoint could not be found or were named wrongly."""
+
+
+class DeterminismError(RematError):
+    """``verify(deterministic=True)`` cannot make the step deterministic: cuBLAS is not
+    configured for it (``CUBLAS_WORKSPACE_CONFIG``), or an op has no deterministic
+    implementation on the device."""
 
 
 class PlanMismatchError(RematError):
