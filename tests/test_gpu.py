@@ -92,11 +92,13 @@ def test_tracker_matches_the_allocator_on_a_chain_step() -> None:
     layers = [nn.Linear(16, 16, bias=False, device=DEVICE) for _ in range(3)]
     x = torch.randn(64, 16, device=DEVICE)
 
-    def step() -> None:
-        h = x
+    def forward(h: torch.Tensor) -> torch.Tensor:
         for layer in layers:
             h = torch.relu(layer(h))
-        h.sum().backward()
+        return h
+
+    def step() -> None:
+        forward(x).sum().backward()  # no Python name holds an activation
         for layer in layers:
             layer.weight.grad = None
 

@@ -326,7 +326,8 @@ class _Sweep:
             note = f"same plan as {variant.budget}"
         if buffer_diff:
             note = _join(note, "BatchNorm running stats updated twice (buffers differ)")
-        if not equal and 0 < diff <= NOISE_MULTIPLE * self.noise_floor:
+        if not equal and math.isfinite(self.noise_floor) \
+                and 0 < diff <= NOISE_MULTIPLE * self.noise_floor:
             note = _join(note, f"gradients within the plain step's own noise (floor "
                                f"{self.noise_floor:.2g})")
         peak = _peak(m)

@@ -23,10 +23,11 @@ NOTE [ CUDA allocator rounding ]
     ``torch.cuda.max_memory_allocated()``, which counts *blocks*, and a request of n > 0
     bytes gets a block of ``max(512, ceil(n / 512) * 512)`` bytes (``round_size`` with
     ``kMinBlockSize = 512`` in ``c10/cuda/CUDACachingAllocator.cpp``; a 0-byte storage
-    gets none). Counting ``nbytes`` left plans 0.3% low and budgets overshot by tens of
-    MB on an H100, so storages on a CUDA device are counted in blocks (``rounding=None``
-    picks by each storage's device), and ``rounding="cuda"`` forces it for any device, so
-    that a step run on ``meta`` predicts a CUDA device's bytes (``estimate(device="cuda")``).
+    gets none). Counting ``nbytes``, predictions were 0.3% low on an H100 and plans
+    measured 12-23 MB over their budgets, so storages on a CUDA device are counted in
+    blocks (``rounding=None`` picks by each storage's device), and ``rounding="cuda"``
+    forces it for any device, so that a step run on ``meta`` predicts a CUDA device's
+    bytes (``estimate(device="cuda")``).
     Not modelled, each making the allocator's figure larger than the tracker's:
     * a block taken from the large pool (requests over 1 MiB) is split only when more
       than 1 MiB would remain, so a request served from a slightly larger cached block
