@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from autoremat import zoo
 from autoremat.bench import (
@@ -17,10 +18,14 @@ from autoremat.bench import (
     SCHEMA_VERSION,
     SEQ,
     BenchRow,
+    ModelResult,
     _sequential_chain,
     bench_main,
     headline,
 )
+from autoremat.bench_measure import build_target
+from autoremat.bench_report import device_info, machine_info, write_results
+from autoremat.bench_rows import Settings
 from autoremat.blocks import resolve_blocks
 
 # Small enough for a few seconds a step on a busy 2-core machine, large enough that
@@ -104,3 +109,60 @@ def test_headline_verdicts() -> None:
     assert "[min]" in block and "more recompute FLOPs, slower" in block
     assert "[50%]" in sac and "fewer recompute FLOPs, time within noise" in sac
     assert seq.startswith(f"{SEQ} wins on memory") and "[min]" in seq
+
+
+# --- bench --device ---------------------------------------------------------------------------
+
+_NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["gpt2", "--device", "tpu"], "--device 'tpu' is not a device name"),
+    (["gpt2", "--device", "mps"], "bench measures on cpu or cuda, not mps"),
+    pytest.param(["gpt2", "--device", "cuda"], "--device cuda: no CUDA device is available",
+                 marks=pytest.mark.skipif(not _NO_CUDA, reason="CUDA is available here")),
+])
+def test_bench_device_errors(argv: list[str], message: str, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main([*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # refused before anything was measured or written
+
+
+def test_build_target_moves_model_and_inputs_to_the_device() -> None:
+    model, (x, y) = build_target("mlp", {"widths": (8, 4), "batch_size": 2}, "meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert x.is_meta and y.is_meta and model.training
+
+
+@pytest.mark.parametrize(("device", "suffix"), [("cpu", ""), ("cuda", "_cuda"),
+                                                ("cuda:1", "_cuda1")])
+def test_result_files_are_named_after_the_device(device: str, suffix: str,
+                                                 tmp_path: Path) -> None:
+    rows = (BenchRow(NONE, "-", "ok", peak_bytes=100, plain_peak_bytes=100, step_ms=10.0,
+                     time_ratio=1.0, recompute_pct=0.0, grads_equal=True, max_grad_diff=0.0,
+                     peak_source="allocator", tracker_peak_bytes=99),
+            BenchRow(AUTO, "50%", "ok", peak_bytes=50, plain_peak_bytes=100, budget_bytes=50,
+                     step_ms=12.0, time_ratio=1.2, recompute_pct=30.0, grads_equal=False,
+                     max_grad_diff=1e-8, relative_grad_diff=1e-7, peak_source="allocator",
+                     tracker_peak_bytes=50))
+    result = ModelResult(target="gpt2", model="GPT", inputs="(2, 8) int64", n_blocks=2,
+                         plain_peak_bytes=100, plain_step_ms=10.0, plain_flops=1000,
+                         min_feasible_bytes=40, rows=rows, headline=())
+    machine = {**machine_info(), "device": device, "device_name": "Some GPU"}
+    written = write_results([result], tmp_path, "autoremat bench gpt2", machine, 1.0,
+                            Settings(device=device))
+    names = {p.name for p in written}
+    assert names == {f"results{suffix}.md", f"results{suffix}.json", f"gpt2_pareto{suffix}.png"}
+    data = json.loads((tmp_path / f"results{suffix}.json").read_text())
+    assert data["settings"]["device"] == device
+    assert data["machine"]["device_name"] == "Some GPU"
+    assert data["models"][0]["rows"][0]["tracker_peak_bytes"] == 99
+    text = (tmp_path / f"results{suffix}.md").read_text()
+    assert f"(gpt2_pareto{suffix}.png)" in text
+    assert ("max_memory_allocated" in text) == (device != "cpu")
+
+
+def test_device_info_on_the_cpu() -> None:
+    info = device_info("cpu")
+    assert info["device"] == "cpu" and info["device_name"] == machine_info()["cpu"]

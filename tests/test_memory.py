@@ -22,7 +22,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autoremat import zoo
-from autoremat.memory import MemoryTracker, track_memory
+from autoremat.errors import RematError
+from autoremat.memory import (
+    CUDA_MIN_BLOCK_BYTES,
+    MemoryTracker,
+    allocator_config_note,
+    counted_bytes,
+    cuda_block_bytes,
+    track_allocator,
+    track_memory,
+)
 from autoremat.step import run_step
 
 F32 = 4  # bytes per float32 element
@@ -284,6 +293,113 @@ def test_track_memory_pops_its_mode_when_the_block_raises() -> None:
     assert mem.peak_bytes == 40
     assert [r.nbytes for r in mem.records] == [40]
     del outside
+
+
+# --- the CUDA caching allocator's rounding (NOTE [ CUDA allocator rounding ]) ------------
+
+BLOCK = CUDA_MIN_BLOCK_BYTES  # 512: the smallest block the CUDA caching allocator hands out
+
+
+@pytest.mark.parametrize(("nbytes", "block"), [
+    (0, 0),  # an empty storage allocates nothing
+    (1, BLOCK), (100, BLOCK), (511, BLOCK), (512, BLOCK),
+    (513, 2 * BLOCK), (4096, 4096), (4097, 4096 + BLOCK), (10**6, 1954 * BLOCK),
+])
+def test_cuda_block_bytes(nbytes: int, block: int) -> None:
+    assert cuda_block_bytes(nbytes) == block
+
+
+def _three_buffers() -> list[torch.Tensor]:
+    """Storages of 100, 513 and 4096 bytes (uint8: one byte an element), kept alive."""
+    return [torch.empty(n, dtype=torch.uint8) for n in (100, 513, 4096)]
+
+
+def test_forced_cuda_rounding_on_cpu_tensors_gives_allocator_blocks() -> None:
+    with track_memory(rounding="cuda") as mem:
+        kept = _three_buffers()
+    # by hand: max(512, ceil(n / 512) * 512) for n = 100, 513, 4096
+    assert [r.nbytes for r in mem.records] == [512, 1024, 4096]
+    assert mem.peak_bytes == mem.current_bytes == 512 + 1024 + 4096 == 5632
+    assert mem.rounding == "cuda"
+    for rounding in (None, "exact"):  # on the CPU the default is the exact bytes
+        with track_memory(rounding=rounding) as exact:
+            again = _three_buffers()
+        assert [r.nbytes for r in exact.records] == [100, 513, 4096]
+        assert exact.peak_bytes == 100 + 513 + 4096 == 4709
+        del again
+    del kept
+
+
+def test_forced_cuda_rounding_of_the_chain_step_by_hand() -> None:
+    # NOTE [ The chain's peak by hand ] with each storage in CUDA blocks: S = 4096 and
+    # P = 1024 are whole blocks already; each 4-byte scalar takes a 512-byte block.
+    layers, x = _chain_inputs("cpu")
+    with track_memory(rounding="cuda") as mem:
+        _chain_step(layers, x)
+    assert mem.peak_bytes == (K + 1) * S + P + 2 * BLOCK == 18432
+    assert mem.current_bytes == CHAIN_LEFT
+
+
+def test_resize_under_cuda_rounding_grows_by_blocks() -> None:
+    with track_memory(rounding="cuda") as mem:
+        t = torch.empty(100, dtype=torch.uint8)  # one 512-byte block
+        t.resize_(600)  # 600 bytes: two blocks
+    assert mem.peak_bytes == mem.current_bytes == 2 * BLOCK
+    assert [r.nbytes for r in mem.records] == [2 * BLOCK]
+    del t
+
+
+@pytest.mark.parametrize(("nbytes", "device", "rounding", "counted"), [
+    (100, "cpu", None, 100), (100, "meta", None, 100), (100, "cuda", None, 512),
+    (100, "cuda:1", None, 512), (100, "cpu", "cuda", 512), (100, "meta", "cuda", 512),
+    (100, "cuda", "exact", 100), (0, "cuda", None, 0),
+])
+def test_counted_bytes_by_device(nbytes: int, device: str, rounding: str | None,
+                                 counted: int) -> None:
+    assert counted_bytes(nbytes, device, rounding) == counted  # type: ignore[arg-type]
+
+
+def test_a_misspelt_rounding_is_refused() -> None:
+    with pytest.raises(RematError, match="Did you mean 'cuda'"), track_memory("cdua"):  # type: ignore[arg-type]
+        pass
+
+
+@pytest.mark.parametrize(("environ", "named"), [
+    ({}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:4"}, "roundup_power2_divisions:4"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,garbage_collection_threshold:0.6"},
+     "max_split_size_mb:128"),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "expandable_segments:True"),
+])
+def test_allocator_settings_that_change_blocks_are_named(environ: dict[str, str],
+                                                         named: str | None) -> None:
+    note = allocator_config_note(environ)
+    if named is None:
+        assert note is None
+    else:
+        assert note is not None and named in note and "max_memory_allocated" in note
+
+
+def test_cuda_rounding_warns_when_the_allocator_settings_are_not_modelled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")
+    with pytest.warns(RuntimeWarning, match="roundup_power2_divisions"), \
+            track_memory("cuda") as mem:
+        kept = torch.empty(100)
+    assert len(mem.notes) == 1 and "roundup_power2_divisions" in mem.notes[0]
+    with track_memory() as exact:  # nothing CUDA-rounded on the CPU: nothing to say
+        again = torch.empty(100)
+    assert exact.notes == []
+    del kept, again
+
+
+def test_track_allocator_measures_nothing_off_cuda() -> None:
+    with track_allocator("cpu") as alloc:
+        kept = torch.empty(1000)
+    assert alloc.peak_bytes is None and alloc.device == torch.device("cpu")
+    del kept
 
 
 # --- the operating system's view -----------------------------------------------------

@@ -16,6 +16,7 @@ Set ``AUTOREMAT_VERIFY_TABLE=path.md`` to write the measured table there.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -25,13 +26,19 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch._prims_common import alert_not_deterministic
 
 import autoremat
 from autoremat import Plan, Report, Tape, zoo
-from autoremat.errors import BudgetError, RematError
+from autoremat.errors import BudgetError, DeterminismError, RematError
 from autoremat.plan import smallest_feasible_bytes
 from autoremat.units import format_bytes
-from autoremat.verify import measure_step
+from autoremat.verify import (
+    NOISE_MULTIPLE,
+    _check_cublas_workspace,
+    judge_gradients,
+    measure_step,
+)
 
 BUDGETS = ["75%", "50%", "30%", "min"]
 STRATEGIES = ["optimal", "full", "sqrt", "every:2"]
@@ -276,3 +283,244 @@ def test_measure_step_leaves_no_trace() -> None:
     assert all(p.grad is None for p in model.parameters())
     again = measure_step(model, inputs, None, rng=torch.get_rng_state())
     assert all(torch.equal(m.grads[n], again.grads[n]) for n in params)
+
+
+# --- judging gradients: deterministic mode and the noise floor -------------------------------
+# NOTE [ Judging gradients ] in verify.py. CPU kernels are deterministic, so the floor is
+# exercised with models that bring their own nondeterminism: _Noisy adds fresh noise to
+# its backward from a private generator (as atomic adds do on CUDA, nothing resets it),
+# and _Redraw draws its dropout mask from Python's random, which checkpoint does not
+# restore, so a recomputed block draws a different mask (a wrong plan on purpose).
+
+_NOISE = 1e-6  # absolute noise _Noisy adds to each gradient entry (gradients are ~1e-2)
+
+
+class _AddNoise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        ctx.gen = gen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        noise = torch.randn(grad.shape, generator=ctx.gen, dtype=grad.dtype) * _NOISE
+        return grad + noise, None
+
+
+class _Block(nn.Module):
+    """Linear + tanh; ``noisy``: gradient noise in backward; ``redraw``: a dropout mask
+    drawn from Python's random (different on recompute)."""
+
+    def __init__(self, noisy: bool, redraw: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.gen = torch.Generator().manual_seed(1234) if noisy else None
+        self.redraw = redraw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        if self.redraw:
+            masks = torch.Generator().manual_seed(random.getrandbits(63))
+            h = h * (torch.rand(h.shape, generator=masks) > 0.5) * 2.0
+        if self.gen is not None:
+            h = _AddNoise.apply(h, self.gen)
+        return h
+
+
+class _Chain(nn.Module):
+    def __init__(self, noisy: bool = False, redraw: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(noisy, redraw) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).sum()
+
+
+def _chain_case(noisy: bool = False, redraw: bool = False,
+                strategy: str = "full") -> tuple[nn.Module, torch.Tensor, Plan]:
+    torch.manual_seed(0)
+    model, x = _Chain(noisy, redraw), torch.randn(8, 16)
+    return model, x, autoremat.plan(autoremat.profile(model, x, repeats=1), None, strategy)
+
+
+def _grads(*values: float | None) -> dict[str, torch.Tensor | None]:
+    return {f"p{i}": None if v is None else torch.tensor([1.0, v])
+            for i, v in enumerate(values)}
+
+
+@pytest.mark.parametrize(("plain", "planned", "floor", "verdict", "diff"), [
+    (_grads(2.0), _grads(2.0), 0.0, "equal", 0.0),
+    (_grads(2.0), _grads(2.0), 0.5, "equal", 0.0),  # equal needs no floor
+    (_grads(2.0), _grads(2.5), 0.0, "differ", 0.5),  # a floor of 0: exact equality only
+    (_grads(2.0), _grads(2.5), 0.125, "within noise", 0.5),  # 0.5 == 4 x 0.125: allowed
+    (_grads(2.0), _grads(2.5), 0.124, "differ", 0.5),  # just over 4 floors
+    (_grads(2.0, 3.0), _grads(2.0, 3.25), 0.0625, "within noise", 0.25),
+    (_grads(None, 3.0), _grads(None, 3.0), 0.0, "equal", 0.0),  # no gradient on both sides
+    (_grads(None), _grads(2.0), 1.0, "differ", math.inf),  # one side lacks a gradient
+    (_grads(2.0), _grads(math.nan), 1.0, "differ", math.nan),  # NaN: no floor accepts it
+])
+def test_judge_gradients(plain: dict[str, torch.Tensor | None],
+                         planned: dict[str, torch.Tensor | None], floor: float, verdict: str,
+                         diff: float) -> None:
+    judged = judge_gradients(plain, planned, floor)
+    assert judged.verdict == verdict
+    assert judged.grads_equal == (verdict == "equal")
+    assert judged.noise_floor == floor
+    if math.isnan(diff):
+        assert math.isnan(judged.max_grad_diff)
+    else:
+        assert judged.max_grad_diff == diff
+
+
+def test_judge_gradients_of_another_shape_differ() -> None:
+    judged = judge_gradients({"w": torch.zeros(2)}, {"w": torch.zeros(3)}, 1.0)
+    assert judged.verdict == "differ" and judged.max_grad_diff == math.inf
+
+
+@pytest.mark.parametrize("floor", [-1e-9, math.nan, math.inf])
+def test_judge_gradients_refuses_a_floor_that_is_not_a_finite_number(floor: float) -> None:
+    with pytest.raises(RematError, match="noise_floor must be a finite number"):
+        judge_gradients(_grads(2.0), _grads(2.0), floor)
+
+
+def test_report_verdict_follows_its_fields() -> None:
+    report = Report(ok=True, grads_equal=False, max_grad_diff=3e-8, peak_bytes=1,
+                    plain_peak_bytes=1, predicted_peak_bytes=1, budget_bytes=None,
+                    recompute_flops=0, plain_flops=1, step_ms=1.0, plain_step_ms=1.0,
+                    time_spread=0.0, noise_floor=1e-8, noise_measured=True)
+    assert report.grads_verdict == "within noise"
+    assert not report.deterministic and report.peak_source == "tracker"
+    text = str(report)
+    assert "gradients within noise, max |diff| 3e-08, noise floor 1e-08" in text
+    assert f"(allowed: {NOISE_MULTIPLE:g}x)" in text
+    assert dataclasses.replace(report, noise_floor=0.0).grads_verdict == "differ"
+
+
+def test_a_correct_plan_is_within_the_noise_floor() -> None:
+    """A model that is nondeterministic on its own: the plan differs from the plain step as
+    much as the plain step differs from itself, and is judged ok for that."""
+    model, x, plan = _chain_case(noisy=True)
+    report = autoremat.verify(model, x, plan, repeats=1, measure_noise=True)
+    assert report.noise_measured and report.noise_floor > 0
+    assert not report.grads_equal and report.max_grad_diff > 0
+    assert report.max_grad_diff <= NOISE_MULTIPLE * report.noise_floor
+    assert report.grads_verdict == "within noise" and report.ok
+    assert "gradients within noise" in str(report)
+    # without the floor (CPU default) the same plan is judged by torch.equal
+    strict = autoremat.verify(model, x, plan, repeats=1)
+    assert not strict.noise_measured and strict.noise_floor == 0.0
+    assert strict.grads_verdict == "differ" and not strict.ok
+
+
+def test_a_wrong_plan_fails_against_the_noise_floor() -> None:
+    model, x, plan = _chain_case(noisy=True, redraw=True)
+    report = autoremat.verify(model, x, plan, repeats=1, measure_noise=True)
+    assert report.noise_measured and report.noise_floor > 0  # a floor to hide in...
+    assert report.max_grad_diff > 100 * NOISE_MULTIPLE * report.noise_floor  # ...but no
+    assert report.grads_verdict == "differ" and not report.ok
+    assert "gradients DIFFER" in str(report) and "noise floor" in str(report)
+
+
+def test_a_wrong_plan_fails_with_a_zero_floor() -> None:
+    """Python's random is restored between steps, so the plain step reproduces itself
+    exactly: the floor is 0 and only torch.equal would pass."""
+    model, x, plan = _chain_case(redraw=True)
+    report = autoremat.verify(model, x, plan, repeats=1, measure_noise=True)
+    assert report.noise_measured and report.noise_floor == 0.0
+    assert report.max_grad_diff > 0 and report.grads_verdict == "differ" and not report.ok
+
+
+def test_a_wrong_plan_fails_under_deterministic_algorithms() -> None:
+    model, x, plan = _chain_case(redraw=True)
+    report = autoremat.verify(model, x, plan, repeats=1, deterministic=True)
+    assert report.deterministic and not report.noise_measured and report.noise_floor == 0.0
+    assert not report.grads_equal and report.grads_verdict == "differ" and not report.ok
+    assert "deterministic algorithms" in str(report)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_verify_of_a_correct_plan(gpt2: tuple[nn.Module, Any, Tape]) -> None:
+    model, inputs, tape = gpt2
+    plan = autoremat.plan(tape, "90%", "full")
+    report = autoremat.verify(model, inputs, plan, repeats=1, deterministic=True)
+    assert report.ok and report.deterministic and report.grads_equal
+    assert report.grads_verdict == "equal" and report.max_grad_diff == 0.0
+    assert report.peak_bytes == tape.ckpt_step_peak_bytes  # determinism changes no bytes
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_the_floor_of_a_deterministic_model_on_cpu_is_zero(
+        gpt2: tuple[nn.Module, Any, Tape]) -> None:
+    model, inputs, tape = gpt2
+    report = autoremat.verify(model, inputs, autoremat.plan(tape, None, "full"), repeats=1,
+                              measure_noise=True)
+    assert report.noise_measured and report.noise_floor == 0.0
+    assert report.ok and report.grads_equal
+
+
+class _NoDeterministicKernel(nn.Module):
+    """Calls torch's own alert, as an op without a deterministic kernel does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alert_not_deterministic("my_scatter_kernel")
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("previous", [(False, False), (True, True)])
+def test_an_op_without_a_deterministic_kernel_is_a_determinism_error(
+        previous: tuple[bool, bool]) -> None:
+    torch.manual_seed(0)
+    model, x = _NoDeterministicKernel(), torch.randn(2, 4)
+    plan = autoremat.plan(autoremat.profile(model, x, repeats=1), None, "full")
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    try:
+        with pytest.raises(DeterminismError) as info:
+            autoremat.verify(model, x, plan, repeats=1, deterministic=True)
+        # the setting the caller had comes back, warn_only included
+        assert (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) == previous
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    message = str(info.value)
+    assert "my_scatter_kernel has no deterministic implementation" in message
+    assert "deterministic=False" in message and "noise floor" in message
+    assert isinstance(info.value.__cause__, RuntimeError)  # torch's error, chained
+    assert autoremat.applied_plan(model) is None
+
+
+@pytest.mark.parametrize(("device", "environ", "fails"), [
+    ("cuda", {}, True),
+    ("cuda:0", {"CUBLAS_WORKSPACE_CONFIG": ":4096:2"}, True),
+    ("cuda", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, False),
+    ("cuda", {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, False),
+    ("cpu", {}, False),  # no cuBLAS on the CPU
+])
+def test_deterministic_cuda_needs_the_cublas_workspace_setting(
+        device: str, environ: dict[str, str], fails: bool) -> None:
+    if not fails:
+        _check_cublas_workspace(device, environ)  # no error
+        return
+    with pytest.raises(DeterminismError) as info:
+        _check_cublas_workspace(device, environ)
+    message = str(info.value)
+    assert "CUBLAS_WORKSPACE_CONFIG=:4096:8" in message
+    assert "before" in message or "start the process" in message
+    assert "deterministic=False" in message
+
+
+def test_deterministic_and_measure_noise_exclude_each_other(
+        gpt2: tuple[nn.Module, Any, Tape]) -> None:
+    model, inputs, tape = gpt2
+    with pytest.raises(RematError, match="pass one"):
+        autoremat.verify(model, inputs, autoremat.plan(tape, None, "full"),
+                         deterministic=True, measure_noise=True)

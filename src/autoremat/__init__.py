@@ -17,6 +17,7 @@ from .apply import ShapeMismatchWarning, applied_plan, apply, auto, remove
 from .errors import (
     BlockError,
     BudgetError,
+    DeterminismError,
     LoopError,
     PlanMismatchError,
     RematError,
@@ -37,6 +38,7 @@ __all__ = [
     "BlockError",
     "BlockProfile",
     "BudgetError",
+    "DeterminismError",
     "Estimate",
     "Loop",
     "LoopError",

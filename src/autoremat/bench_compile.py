@@ -23,6 +23,10 @@ NOTE [ Measuring torch.compile ]
     and its gradients differ; the table shows that difference rather than hiding it.
     Compile's fraction is of *its own* saved activations, not of the step peak, so
     "50%" for compile and for autoremat are not the same target.
+    With ``--device cuda`` the worker runs on the GPU and measures each step by the rise
+    of ``torch.cuda.max_memory_allocated()`` (which sees inside compiled code) and
+    CUDA-synchronised times; its rows say ``peak_source="allocator"``, and the baseline
+    row keeps its name, ``no checkpointing (OS)``, with a note saying how it was measured.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -46,9 +50,10 @@ from .bench_measure import build_target, first_line, largest_grad, max_diff, rat
 from .bench_rows import COMPILE, COMPILE_EAGER, BenchRow, Settings
 from .errors import RematError
 from .flops import FlopCounter
-from .memory import os_peak_bytes, reset_os_peak
+from .memory import os_peak_bytes, reset_os_peak, track_allocator
 from .step import Loop, call_model, default_loss, preserved_state, run_step
 from .tape import write_atomic
+from .timing import time_ms
 
 __all__ = ["compile_rows", "compile_worker"]
 
@@ -59,8 +64,8 @@ def compile_rows(target: str, settings: Settings, plain_peak: int,
     """The compile rows of ``target``, one subprocess per fraction (see the module note).
 
     Fractions are ``settings.compile_fractions``, by default 1.0 and one per budget
-    (:func:`_fraction`). ``plain_peak`` is the in-process plain step's tracker peak, for
-    the OS / tracker ratio in the baseline row's note. A failed subprocess gives an
+    (:func:`_fraction`). ``plain_peak`` is the in-process plain step's peak (the tracker's;
+    the allocator's on CUDA), for the ratio in the baseline row's note. A failed subprocess gives an
     ``error`` row, not an exception. ``progress`` and ``grow`` as in the sweep.
     """
     s = settings
@@ -71,36 +76,44 @@ def compile_rows(target: str, settings: Settings, plain_peak: int,
     grow(len(fractions))
     rows: list[BenchRow] = []
     eager_row_added = False
+    source: Literal["os", "allocator"] = \
+        "allocator" if torch.device(s.device).type == "cuda" else "os"
+    measured = "allocator-measured" if source == "allocator" else "OS-measured"
     for fraction in fractions:
         progress(0, f"{target}: torch.compile, activation_memory_budget="
                     f"{fraction:g} (subprocess; compiling is slow on CPU)")
         label = f"{fraction:g}" + (" (no budget)" if fraction >= 1 else "")
         try:
             res = _run_compile_worker(target, dict(s.overrides), fraction, s.repeats,
-                                      s.compile_timeout_s, s.loop)
+                                      s.compile_timeout_s, s.device, s.loop)
         except RematError as exc:
-            rows.append(BenchRow(COMPILE, label, "error", peak_source="os",
+            rows.append(BenchRow(COMPILE, label, "error", peak_source=source,
                                  note=first_line(exc)))
             progress(1, "")
             continue
         eager_ms = statistics.median(res["eager_ms"])
         if not eager_row_added:
             eager_row_added = True
+            ratio = res["eager_peak_bytes"] / plain_peak
+            baseline = (f"eager plain step in the first compile subprocess, baseline of the "
+                        f"OS rows; OS / tracker peak for it: {ratio:.1%}"
+                        if source == "os" else
+                        f"eager plain step in the first compile subprocess, {measured}, "
+                        f"baseline of the compile rows; its peak / the in-process plain "
+                        f"step's: {ratio:.1%}")
             rows.append(BenchRow(
                 COMPILE_EAGER, "-", "ok", peak_bytes=res["eager_peak_bytes"],
-                peak_source="os", plain_peak_bytes=res["eager_peak_bytes"],
+                peak_source=source, plain_peak_bytes=res["eager_peak_bytes"],
                 recompute_pct=0.0, step_ms=eager_ms, time_ratio=1.0,
                 time_spread=_spread(res["eager_ms"]),
                 time_ratio_range=ratio_range(res["eager_ms"], eager_ms), cpu_ratio=1.0,
                 max_grad_diff=0.0, grads_equal=True, relative_grad_diff=0.0,
-                note=f"eager plain step in the first compile subprocess, baseline of the "
-                     f"OS rows; OS / tracker peak for it: "
-                     f"{res['eager_peak_bytes'] / plain_peak:.1%}"))
+                note=baseline))
         med = statistics.median(res["compiled_ms"])
         eager_cpu = statistics.median(res["eager_cpu_ms"])
         plain_flops = res["eager_step_flops"]
         extra = res["compiled_bwd_flops"] - res["eager_bwd_flops"]
-        note = f"OS-measured; compiled in {res['compile_s']:.0f} s"
+        note = f"{measured}; compiled in {res['compile_s']:.0f} s"
         relative = 0.0 if res["grads_equal"] else res["max_grad_diff"] / res["max_abs_grad"]
         if not res["grads_equal"]:
             note += f"; max |Δgrad| is {relative:.1e} of the largest gradient"
@@ -109,7 +122,7 @@ def compile_rows(target: str, settings: Settings, plain_peak: int,
             elif relative < 1e-5:
                 note += " (float rounding of fused kernels)"
         rows.append(BenchRow(
-            COMPILE, label, "ok", peak_bytes=res["compiled_peak_bytes"], peak_source="os",
+            COMPILE, label, "ok", peak_bytes=res["compiled_peak_bytes"], peak_source=source,
             plain_peak_bytes=res["eager_peak_bytes"],
             recompute_pct=100 * extra / plain_flops if plain_flops else None,
             step_ms=med, time_ratio=med / eager_ms if eager_ms else None,
@@ -139,7 +152,8 @@ def _fraction(budget: str, plain_peak: int) -> float:
 
 
 def _run_compile_worker(target: str, overrides: dict[str, Any], fraction: float, repeats: int,
-                        timeout_s: float, loop: Loop = "holds_output") -> dict[str, Any]:
+                        timeout_s: float, device: str = "cpu",
+                        loop: Loop = "holds_output") -> dict[str, Any]:
     """The figures :func:`compile_worker` writes for one fraction, run in a fresh process.
 
     Raises :class:`RematError` when the process times out or fails (with its last line of
@@ -149,7 +163,7 @@ def _run_compile_worker(target: str, overrides: dict[str, Any], fraction: float,
         out = Path(tmp) / "result.json"
         spec = {"target": target, "overrides": overrides, "fraction": fraction,
                 "repeats": repeats, "threads": torch.get_num_threads(), "out": str(out),
-                "loop": loop}
+                "device": device, "loop": loop}
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         code = "import sys; from autoremat.bench_compile import compile_worker; " \
@@ -178,7 +192,8 @@ def compile_worker(spec_text: str) -> int:
     torch.set_num_threads(int(spec["threads"]))
     functorch_config.activation_memory_budget = float(spec["fraction"])
     inductor_config.fallback_random = True  # same dropout masks as eager (module note)
-    model, inputs = build_target(spec["target"], spec["overrides"])
+    device = torch.device(spec.get("device", "cpu"))
+    model, inputs = build_target(spec["target"], spec["overrides"], device)
     loop: Loop = spec.get("loop", "holds_output")
     rng = torch.get_rng_state()
     compiled: nn.Module = torch.compile(model)  # type: ignore[assignment]
@@ -188,14 +203,15 @@ def compile_worker(spec_text: str) -> int:
     def step(module: nn.Module) -> tuple[float, float, int, Grads]:
         with preserved_state(model):
             torch.set_rng_state(rng)
-            since = reset_os_peak()
-            wall, cpu = time.perf_counter(), time.process_time()
-            run_step(module, inputs, None, loop=loop)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            peak = os_peak_bytes(since)
+            since = reset_os_peak() if device.type == "cpu" else 0
+            cpu = time.process_time()
+            with track_allocator(device) as alloc:  # CUDA only; see the module note
+                wall = time_ms(lambda: run_step(module, inputs, None, loop=loop), device)
+            cpu = time.process_time() - cpu
+            peak = alloc.peak_bytes if alloc.peak_bytes is not None else os_peak_bytes(since)
             grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
                      for n, p in model.named_parameters()}
-        return wall * 1e3, cpu * 1e3, peak, grads
+        return wall, cpu * 1e3, peak, grads
 
     step(model)
     start = time.perf_counter()

@@ -4,8 +4,9 @@
 plans at an equal or lower peak compare); :func:`rich_table` shows a model's rows on the
 console; :func:`write_results` writes ``results.md``, ``results.json`` (versioned by
 :data:`SCHEMA_VERSION`, written atomically) and one Pareto plot per model, with the
-machine description of :func:`machine_info`. Everything here reads finished rows and
-measures nothing.
+machine description of :func:`machine_info` and :func:`device_info`; on a device other
+than the CPU the file names carry it (``results_cuda.json``). Everything here reads
+finished rows and measures nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .bench_rows import AUTO, COMPILE, COMPILE_EAGER, NONE, BenchRow, ModelResul
 from .tape import write_atomic
 from .units import format_bytes
 
-__all__ = ["SCHEMA_VERSION", "headline", "machine_info", "rich_table", "write_results"]
+__all__ = ["SCHEMA_VERSION", "device_info", "headline", "machine_info", "rich_table",
+           "write_results"]
 
 SCHEMA_VERSION = 1  # of results.json
 
@@ -195,8 +197,26 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def device_info(device: torch.device | str) -> dict[str, Any]:
+    """``device`` (as given) and ``device_name``: the GPU's name on CUDA
+    (``torch.cuda.get_device_name``), the CPU's model elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = str(machine_info()["cpu"])
+    return {"device": str(device), "device_name": name}
+
+
+def _suffix(device: str) -> str:
+    """File-name suffix for results measured on ``device``: none on the CPU (the committed
+    results keep their names), ``_cuda`` / ``_cuda1`` otherwise."""
+    return "" if device == "cpu" else "_" + "".join(c for c in device if c.isalnum())
+
+
 def _markdown(results: list[ModelResult], command: str, machine: dict[str, Any],
-              elapsed_s: float, complete: bool) -> str:
+              elapsed_s: float, complete: bool, device: str = "cpu") -> str:
+    on_cuda = torch.device(device).type == "cuda"
     lines = [
         "# autoremat bench results", "",
         f"Command: `{command}`  ",
@@ -206,6 +226,13 @@ def _markdown(results: list[ModelResult], command: str, machine: dict[str, Any],
         f"torch threads), {machine['platform']}, Python {machine['python']}, torch "
         f"{machine['torch']}, autoremat {machine['autoremat']}; load average at the end "
         f"{', '.join(f'{x:.1f}' for x in machine.get('load_average_end') or [])}", "",
+        *([f"Device: {device} ({machine.get('device_name', '?')}). Step peaks are the rise of "
+           "`torch.cuda.max_memory_allocated()` over the step (peak statistics reset "
+           "before it); the storage tracker's figure is in the JSON (`tracker_peak_bytes`) "
+           "and in a row's note when it is off by more than 0.5%. Times are "
+           "CUDA-synchronised (events). Gradients are compared with `torch.equal`; CUDA "
+           "kernels are not deterministic, so a row within 4x the plain step's own "
+           "run-to-run difference says so in its note.", ""] if on_cuda else []),
         "How to read the tables:", "",
         "- **step peak**: as in DESIGN.md (storage accounting), with **% plain** its share "
         "of the no-checkpointing peak. Rows marked (OS) are torch.compile runs measured by "
@@ -238,7 +265,7 @@ def _markdown(results: list[ModelResult], command: str, machine: dict[str, Any],
         for r in res.rows:
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |")
         lines += ["", *[f"- {h}" for h in res.headline], "",
-                  f"![{res.target} Pareto plot]({_slug(res.target)}_pareto.png)", ""]
+                  f"![{res.target} Pareto plot]({_plot_name(res.target, device)})", ""]
     return "\n".join(lines)
 
 
@@ -247,19 +274,26 @@ def _slug(target: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in target.rpartition(":")[2])
 
 
+def _plot_name(target: str, device: str) -> str:
+    return f"{_slug(target)}_pareto{_suffix(device)}.png"
+
+
 def write_results(results: list[ModelResult], out: Path, command: str,
                   machine: dict[str, Any], elapsed_s: float, settings: Settings, *,
                   complete: bool = True) -> list[Path]:
-    """results.md, results.json (atomically) and one Pareto PNG per model in ``out``.
+    """results.md, results.json (atomically) and one Pareto PNG per model in ``out``; with
+    ``settings.device`` other than the CPU the names carry it (``results_cuda.md``,
+    ``gpt2_pareto_cuda.png``), so that CPU and GPU results live side by side.
 
     ``complete=False`` marks a sweep still running (files are rewritten after each model).
     """
     from .plots import pareto_plot
 
     out.mkdir(parents=True, exist_ok=True)
+    suffix = _suffix(settings.device)
     written = []
     for res in results:
-        path = out / f"{_slug(res.target)}_pareto.png"
+        path = out / _plot_name(res.target, settings.device)
         pareto_plot(res, path)
         written.append(path)
     payload = {
@@ -269,10 +303,11 @@ def write_results(results: list[ModelResult], out: Path, command: str,
         "models": [{**{k: v for k, v in asdict(res).items() if k != "rows"},
                     "rows": [asdict(r) for r in res.rows]} for res in results],
     }
-    json_path, md_path = out / "results.json", out / "results.md"
+    json_path, md_path = out / f"results{suffix}.json", out / f"results{suffix}.md"
     write_atomic(json_path, json.dumps(_finite(payload), indent=1, default=_json_default,
                                        allow_nan=False))
-    write_atomic(md_path, _markdown(results, command, machine, elapsed_s, complete))
+    write_atomic(md_path, _markdown(results, command, machine, elapsed_s, complete,
+                                    settings.device))
     return [md_path, json_path, *written]
 
 

@@ -38,7 +38,9 @@ class BenchRow:
     budget: str  # "75%", "min", "peak of <method>", or "-" for references without one
     status: Status  # ok | infeasible (budget below the smallest plan) | n/a | error
     peak_bytes: int | None = None  # measured step peak
-    peak_source: Literal["tracker", "os"] = "tracker"  # storage accounting, or OS VmHWM
+    # storage accounting, OS VmHWM (compile on CPU), or the rise of
+    # torch.cuda.max_memory_allocated() (every row with --device cuda)
+    peak_source: Literal["tracker", "os", "allocator"] = "tracker"
     plain_peak_bytes: int | None = None  # no-checkpointing peak, same measurement system
     budget_bytes: int | None = None  # autoremat: the budget in bytes
     predicted_peak_bytes: int | None = None  # autoremat: the plan's prediction
@@ -53,6 +55,8 @@ class BenchRow:
     relative_grad_diff: float | None = None  # max_grad_diff / the largest plain |gradient|
     max_buffer_diff: float | None = None  # max |buffer - plain buffer| after the step
     note: str = ""
+    tracker_peak_bytes: int | None = None  # the tracker's peak, when peak_bytes is the
+    #                                        allocator's: the cross-check
 
     @property
     def grads_rounding_only(self) -> bool:
@@ -95,3 +99,4 @@ class Settings:
     threads: int = 1  # torch threads (0: torch's default); NOTE [ Fair timing ] in bench.py
     compile_timeout_s: float = 1800.0
     loop: Loop = "holds_output"  # the training loop every step follows (step.Loop)
+    device: str = "cpu"  # where models and inputs run: "cpu", "cuda", "cuda:1"

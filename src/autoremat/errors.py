@@ -5,8 +5,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["BlockError", "BudgetError", "LoopError", "PlanMismatchError", "RematError",
-           "SchemaError"]
+__all__ = ["BlockError", "BudgetError", "DeterminismError", "LoopError", "PlanMismatchError",
+           "RematError", "SchemaError"]
 
 
 class RematError(Exception):
@@ -36,6 +36,12 @@ class BlockError(RematError):
 
 class LoopError(RematError):
     """An unknown training-loop name was given as ``loop=`` (see ``step.Loop``)."""
+
+
+class DeterminismError(RematError):
+    """``verify(deterministic=True)`` cannot make the step deterministic: cuBLAS is not
+    configured for it (``CUBLAS_WORKSPACE_CONFIG``), or an op has no deterministic
+    implementation on the device."""
 
 
 class PlanMismatchError(RematError):

@@ -26,9 +26,12 @@ Known limitations:
     * Those of ``fake.py``: attention bound at import (``from torch.nn.functional import
       scaled_dot_product_attention``) runs the math kernel, an overestimate; parameters
       that are views of one storage are counted once per parameter.
-    * Allocator effects are not modelled: CUDA's caching allocator rounds blocks up and
-      fragments, and kernels' workspaces (cuBLAS, flash-attention backward's fp32
-      accumulators) are invisible to storage accounting. Keep some headroom.
+    * For a ``cuda`` target the step's storages are counted in the caching allocator's
+      512-byte blocks (NOTE [ CUDA allocator rounding ] in ``memory.py``); parameters,
+      buffers, the batch and optimizer state are counted in exact bytes (at most 511
+      bytes a tensor less than the allocator). Not modelled: blocks the allocator leaves
+      unsplit, fragmentation, and kernels' workspaces (cuBLAS, flash-attention backward's
+      fp32 accumulators), invisible to storage accounting. Keep some headroom.
     * A model that reads tensor values in forward (``.item()``, data-dependent shapes)
       cannot run on ``meta``.
 """
@@ -68,6 +71,7 @@ from .tracked_step import (
     _tracked_step,
     chunked_loss_peak,
     measure_step,
+    target_rounding,
 )
 from .units import format_bytes, parse_budget, parse_size
 
@@ -371,6 +375,7 @@ def estimate(
     check_loop(loop)
     target = _resolve_device(model, device)
     target_type = torch.device(target).type
+    rounding = target_rounding(target_type)  # NOTE [ CUDA allocator rounding ] in memory.py
     cast = parse_dtype(dtype)
     _optimizer_class(optimizer)  # a misspelt name fails before any work
     model, inputs = to_meta(model, inputs, cast)
@@ -379,11 +384,12 @@ def estimate(
         with preserved_state(model), sdpa_as_on(target_type), \
                 _hf_attention_without_masks(model, inputs) as hf_notes:
             tape = profile(model, inputs, loss_fn, names, repeats=1,
-                           with_selective=selective, loop=loop)
+                           with_selective=selective, rounding=rounding,
+                           loop=loop)
             plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False,
-                                  loop=loop)
+                                  rounding=rounding, loop=loop)
             ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True,
-                                 loop=loop)
+                                 rounding=rounding, loop=loop)
     except (RuntimeError, NotImplementedError) as exc:
         if "meta" not in str(exc):
             raise
@@ -405,6 +411,10 @@ def estimate(
     by_block["(outside blocks)"] = max(0, activation_bytes - sum(by_block.values()))
     notes = [f"attention runs the kernel {target_type} would pick "
              f"(see NOTE [ Attention on meta ]); times are not measured on meta", *hf_notes]
+    if rounding == "cuda":
+        notes.append("the step's storages are counted in the CUDA caching allocator's "
+                     "512-byte blocks (parameters, optimizer state and the batch exactly)")
+    notes.extend(plain.mem.notes)
 
     est = Estimate(
         model=type(model).__name__, inputs=describe_inputs(inputs), device=target,

@@ -97,7 +97,8 @@ def _draw(ax: Any, result: ModelResult, axis: str) -> None:
         if xy is None:
             continue
         marker, colour, filled = _STYLES.get(row.method, ("o", "#999999", True))
-        label = row.method + (" (OS-measured)" if row.method == "torch.compile" else "")
+        label = row.method + (" (OS-measured)" if row.method == "torch.compile"
+                              and row.peak_source == "os" else "")
         wrong = row.grads_equal is False and not row.grads_rounding_only
         xerr = None
         if axis == "time" and row.time_ratio_range is not None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 from .blocks import BlockSpec, other_repeated_blocks, resolve_blocks
 from .costs import CostModel, cost_model_for
 from .errors import BlockError, RematError
-from .memory import MemoryTracker, track_memory
+from .memory import MemoryTracker, Rounding, counted_bytes, track_memory
 from .ops import OpRecorder, OpStats, op_kind
 from .selective import op_signature, save_set_name, save_sets, selective_context
 from .solvers.keepsets import keep_sets
@@ -58,6 +57,7 @@ from .step import (
     unique_storage_bytes,
 )
 from .tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
+from .timing import clock_for, device_of
 from .wrap import ContextFn, checkpointed
 
 __all__ = ["op_kind", "profile"]
@@ -182,11 +182,12 @@ class _MemoryRun:
 
 def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                 names: list[str], ckpt: list[bool],
-                contexts: dict[str, ContextFn] | None = None, *, loop: Loop) -> _MemoryRun:
+                contexts: dict[str, ContextFn] | None = None, *,
+                rounding: Rounding | None, loop: Loop) -> _MemoryRun:
     for p in model.parameters():
         p.grad = None
     chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
-    with checkpointed(model, chosen, contexts), track_memory() as mem:
+    with checkpointed(model, chosen, contexts), track_memory(rounding) as mem:
         probe = _run_marked(model, inputs, loss_fn, names, mem.mark, loop=loop)
     marks = _marks(mem)
     n = len(names)
@@ -259,23 +260,30 @@ def _recompute_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None, name
 
 def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
              repeats: int, *, loop: Loop) -> tuple[list[float], list[float], float]:
+    """Per-block forward and backward medians and the step's, from stamps at the block
+    boundaries: ``perf_counter`` on the CPU, CUDA events read after one synchronise at
+    the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``)."""
     n = len(names)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
     steps: list[float] = []
+    clock = clock_for(device_of(model, inputs))
     for _ in range(repeats):
-        stamps: dict[str, float] = {}
-        def stamp(label: str, stamps: dict[str, float] = stamps) -> None:
-            stamps.setdefault(label, time.perf_counter())
+        stamps: dict[str, Any] = {}
+        def stamp(label: str, stamps: dict[str, Any] = stamps) -> None:
+            if label not in stamps:  # the first time a boundary is reached
+                stamps[label] = clock.stamp()
 
+        clock.sync()
         _run_marked(model, inputs, loss_fn, names, stamp, loop=loop)
+        clock.sync()
         for i in range(n):
             nxt = stamps[f"fwd:{i + 1}"] if i + 1 < n else stamps["fwd_end"]
-            fwd[i].append((nxt - stamps[f"fwd:{i}"]) * 1e3)
+            fwd[i].append(clock.elapsed_ms(stamps[f"fwd:{i}"], nxt))
             end = stamps.get(f"bwd:{i - 1}", stamps["end"]) if i else \
                 stamps.get("bwd:-1", stamps["end"])
-            bwd[i].append((end - stamps[f"bwd:{i}"]) * 1e3)
-        steps.append((stamps["end"] - stamps["start"]) * 1e3)
+            bwd[i].append(clock.elapsed_ms(stamps[f"bwd:{i}"], end))
+        steps.append(clock.elapsed_ms(stamps["start"], stamps["end"]))
         for p in model.parameters():
             p.grad = None
     return ([statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd],
@@ -301,7 +309,9 @@ def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, Wind
 
 def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
                     op_stats: list[dict[str, OpStats]], plain: OpRecorder,
-                    cost_model: CostModel, *, loop: Loop) -> list[dict[str, SelectiveProfile]]:
+                    cost_model: CostModel,
+                    rounding: Rounding | None, *,
+                    loop: Loop) -> list[dict[str, SelectiveProfile]]:
     """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
     step: blocks that have that option run selective, the others fully checkpointed (so
     every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
@@ -329,7 +339,7 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
         users = options[key]
         contexts = {n: ctx for n, (ctx, _) in users.items()}
         run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), contexts,
-                          loop=loop)
+                          rounding=rounding, loop=loop)
         flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts, loop=loop)
         for i, name in enumerate(names):
             if name in users:
@@ -350,7 +360,7 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
             with_selective: bool = True, timing: bool = True,
-            loop: Loop = "holds_output") -> Tape:
+            rounding: Rounding | None = None, loop: Loop = "holds_output") -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -364,7 +374,11 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         with_selective: also measure selective-recompute options (one more memory step
             per distinct save-set), so that plans can use them.
         timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
-            all times as 0.0 and says so in ``tape.notes``.
+            all times as 0.0 and says so in ``tape.notes``. On CUDA, times are taken
+            with CUDA events (see ``timing.py``).
+        rounding: how storage bytes are counted, as in :func:`autoremat.track_memory`:
+            by default by device (the CUDA caching allocator's blocks on a GPU);
+            ``"cuda"`` predicts a GPU's bytes from a step on ``meta``.
         loop: the training loop to measure (recorded as ``tape.loop``; plans made from
             the tape hold for it). ``"holds_output"`` (default): the output stays
             referenced until backward has finished (``out = model(**batch);
@@ -411,7 +425,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         for p in model.parameters():
             p.grad = None
         n = len(names)
-        plain = _memory_run(model, inputs, loss_fn, names, [False] * n, loop=loop)
+        plain = _memory_run(model, inputs, loss_fn, names, [False] * n, rounding=rounding,
+                            loop=loop)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
         grad_bytes = unique_storage_bytes(list(grads.values()))
         block_grad_bytes = [
@@ -419,12 +434,15 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                                   if p.grad is not None]) for n in names
         ]
         runs = {"K": plain,
-                "C": _memory_run(model, inputs, loss_fn, names, [True] * n, loop=loop)}
+                "C": _memory_run(model, inputs, loss_fn, names, [True] * n, rounding=rounding,
+                                 loop=loop)}
         if n > 1:
             runs["even"] = _memory_run(model, inputs, loss_fn, names,
-                                       [i % 2 == 0 for i in range(n)], loop=loop)
+                                       [i % 2 == 0 for i in range(n)], rounding=rounding,
+                                       loop=loop)
             runs["odd"] = _memory_run(model, inputs, loss_fn, names,
-                                      [i % 2 == 1 for i in range(n)], loop=loop)
+                                      [i % 2 == 1 for i in range(n)], rounding=rounding,
+                                       loop=loop)
         for p in model.parameters():
             p.grad = None
         counter = _flops(model, inputs, loss_fn, names, loop=loop)
@@ -435,7 +453,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         params = list(model.parameters())
         device = str(next((p.device for p in params), torch.device("cpu")))
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
-                                    cost_model_for(device), loop=loop) \
+                                    cost_model_for(device), rounding, loop=loop) \
             if with_selective else [{} for _ in names]
         on_meta = any(p.device.type == "meta" for p in params)
         notes: list[str] = []
@@ -470,7 +488,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
             op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
-            chain_bytes=plain.probe.chain_bytes[i] if i > 0 else 0,
+            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], device, rounding)
+            if i > 0 else 0,
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),
@@ -486,5 +505,5 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         tail={m: runs[m].tail for m in "KC"},
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=step_ms, loop=loop, output_bytes=held[0],
-        notes=tuple(notes + cache_notes),
+        notes=tuple(notes + cache_notes + plain.mem.notes),
     )

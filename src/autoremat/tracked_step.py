@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 
 from .blocks import BlockSpec, resolve_blocks
 from .fake import _hf_attention_without_masks, _resolve_device, parse_dtype, sdpa_as_on, to_meta
-from .memory import MemoryTracker, track_memory
+from .memory import MemoryTracker, Rounding, track_memory
 from .profile import op_kind
 from .step import Loop, LossFn, check_loop, preserved_state, run_step
 from .wrap import checkpointed
@@ -86,10 +86,10 @@ class _MarkWalk:
 
 
 def _tracked_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                  *, checkpoint_all: bool, loop: Loop) -> _Run:
+                  *, checkpoint_all: bool, rounding: Rounding | None, loop: Loop) -> _Run:
     root = type(model).__name__
     block_set = set(names)
-    with ExitStack() as stack, track_memory() as mem:
+    with ExitStack() as stack, track_memory(rounding) as mem:
         for qualname, module in model.named_modules():
             def pre(module: nn.Module, args: Any, qualname: str = qualname) -> None:
                 mem.mark(f"enter:{qualname}")
@@ -175,6 +175,13 @@ def chunked_loss_peak(run: _Run, chunks: int) -> int | None:
     return max(outside, chunked)
 
 
+def target_rounding(device_type: str) -> Rounding | None:
+    """How a step on ``meta`` counts bytes for a ``device_type`` target: the CUDA caching
+    allocator's blocks for ``"cuda"`` (NOTE [ CUDA allocator rounding ] in ``memory.py``),
+    exact bytes for any other."""
+    return "cuda" if device_type == "cuda" else None
+
+
 @dataclass(frozen=True)
 class StepPeak:
     """One forward+backward measured on ``meta`` (see :func:`measure_step`)."""
@@ -190,7 +197,8 @@ def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
                  checkpoint_all: bool = False, loop: Loop = "holds_output") -> StepPeak:
     """Just the step peak on ``meta`` (two passes cheaper than
     :func:`autoremat.estimate.estimate`), with every block checkpointed or none; for
-    re-measuring at another batch size.
+    re-measuring at another batch size. For a ``cuda`` target storages are counted in
+    the CUDA caching allocator's blocks, as :func:`~autoremat.estimate.estimate` does.
 
     Args:
         loop: the training loop, as for :func:`autoremat.estimate.estimate` (default
@@ -208,7 +216,7 @@ def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
     names = resolve_blocks(model, blocks)
     with preserved_state(model), sdpa_as_on(target), _hf_attention_without_masks(model, inputs):
         run = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=checkpoint_all,
-                            loop=loop)
+                            rounding=target_rounding(target), loop=loop)
     return StepPeak(peak_bytes=run.mem.peak_bytes,
                     grads_at_peak_bytes=run.mem.breakdown["gradients"],
                     chunked_loss_peak_bytes=chunked_loss_peak(run, LOSS_CHUNKS))
