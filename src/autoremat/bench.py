@@ -210,7 +210,7 @@ class _Sweep:
         self._measure_all(self.variants[before:])
         if self.plain.measure is not None and self.plain.measure.allocator_peak_bytes is not None:
             # CUDA kernels differ from themselves (NOTE [ Judging gradients ] in verify.py)
-            again = measure_step(self.model, self.inputs, self.rng)
+            again = measure_step(self.model, self.inputs, self.rng, loop=self.settings.loop)
             _, self.noise_floor = max_diff(self.plain.measure.grads, again.grads)
         self._time_rounds([v for v in self.variants if v.measure is not None])
 
