@@ -56,7 +56,8 @@ class Case:
     reports: dict[Any, Report]
 
     def verify(self, plan: Plan) -> Report:
-        key = tuple((b.name, b.decision, b.segment, b.save_ops) for b in plan.blocks)
+        key = tuple((b.name, b.decision, b.segment, b.save_ops, b.keep_ops, b.skip_ops)
+                    for b in plan.blocks)
         if key not in self.reports:
             autoremat.apply(self.model, plan)
             try:
