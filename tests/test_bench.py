@@ -19,6 +19,7 @@ from autoremat.bench import (
     SEQ,
     BenchRow,
     ModelResult,
+    _plan_key,
     _sequential_chain,
     bench_main,
     headline,
@@ -166,3 +167,17 @@ def test_result_files_are_named_after_the_device(device: str, suffix: str,
 def test_device_info_on_the_cpu() -> None:
     info = device_info("cpu")
     assert info["device"] == "cpu" and info["device_name"] == machine_info()["cpu"]
+
+
+def test_plans_differing_only_in_a_keep_set_are_measured_apart(tiny_tape) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from autoremat import plan
+
+    base = plan(tiny_tape, None, "full")
+    first = dataclasses.replace(base.blocks[0], decision="selective", keep_ops=(1, 2))
+    other = dataclasses.replace(first, keep_ops=(1,), skip_ops=(0,))
+    one = dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
+    two = dataclasses.replace(base, blocks=(other, *base.blocks[1:]))
+    assert _plan_key(one) != _plan_key(two)
+    assert _plan_key(one) == _plan_key(dataclasses.replace(one, strategy="optimal"))

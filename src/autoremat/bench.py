@@ -161,7 +161,10 @@ def _plan_toggle(model: nn.Module, chosen: Plan) -> Toggle:
 
 
 def _plan_key(chosen: Plan) -> tuple[Any, ...]:
-    return tuple((b.decision, b.segment, tuple(b.save_ops)) for b in chosen.blocks)
+    """What a plan runs: equal keys are the same plan (measured once). Keep-sets count:
+    two plans that differ only in which op outputs a block keeps are different plans."""
+    return tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
+                  tuple(b.skip_ops)) for b in chosen.blocks)
 
 
 class _Sweep:
