@@ -23,6 +23,7 @@ _SMALL_GPT2 = "n_layer=2,batch_size=2,seq_len=32"
         (["plan", "mlp", "--budget", "lots"], "lots"),
         (["plan", "mlp", "--strategy", "optimall", "--budget", "50%"], "optimall"),
         (["plan", "no_such_module:factory"], "cannot import 'no_such_module'"),
+        (["plan", "mlp", "--deterministic"], "--deterministic only changes how --verify"),
     ],
 )
 def test_errors_name_the_problem(argv: list[str], message: str,
@@ -51,8 +52,9 @@ def test_plan_verifies_and_writes_the_plan(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "plan.json"
     assert main(["plan", "gpt2", "--set", "n_layer=3", "--budget", "60%", "--verify",
-                 "--out", str(out_file)]) == 0
+                 "--deterministic", "--out", str(out_file)]) == 0
     out = capsys.readouterr().out
+    assert "verify: OK" in out and "deterministic algorithms" in out
     plan = autoremat.Plan.from_json(out_file)
     assert plan.strategy == "optimal" and plan.budget_bytes is not None
     assert plan.predicted_peak_bytes <= plan.budget_bytes

@@ -44,7 +44,7 @@ def test_harness_on_cpu_tiny() -> None:
     rows = exact.check("zoo-gpt2", model, inputs, "fp32",
                        ("full", "every:2", "selective", "optimal@50%", "optimal@min"))
     _assert_all_ok(rows)
-    assert all(r.prediction_error == 0 for r in rows)  # exact on the CPU tracker
+    assert all(r.prediction_error == 0 for r in rows if r.status == "ok")  # exact on CPU
 
 
 @pytest.mark.gpu

@@ -95,6 +95,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from .plan import plan
     from .profile import profile
 
+    if args.deterministic and not args.verify:
+        raise RematError("--deterministic only changes how --verify compares gradients: "
+                         "add --verify, or leave --deterministic out")
     model, inputs = load_target(args.target, _parse_overrides(args.set))
     with _status(console, f"profiling {args.target}"):
         tape = profile(model, inputs, loop=args.loop)
@@ -107,7 +110,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
         apply(model, chosen)
         with _status(console, "verifying: plain and planned steps"):
-            report = verify(model, inputs)
+            report = verify(model, inputs, deterministic=args.deterministic)
         console.print(str(report), highlight=False, soft_wrap=True)
         if not report.ok:
             return 1
@@ -205,6 +208,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--optimizer", help="optimizer state for --max-memory, e.g. adamw")
             p.add_argument("--verify", action="store_true",
                            help="apply the plan and measure it against the plain step")
+            p.add_argument("--deterministic", action="store_true",
+                           help="with --verify: both steps under deterministic algorithms, "
+                                "gradients compared with torch.equal (on CUDA, start with "
+                                "CUBLAS_WORKSPACE_CONFIG=:4096:8)")
     sub.add_parser("doctor", help="will it fit? estimate on fake tensors and prescribe",
                    add_help=False)
     sub.add_parser("estimate", help="alias of doctor", add_help=False)
