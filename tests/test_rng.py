@@ -145,6 +145,11 @@ def test_every_recompute_path_replays_every_generator(device_generator):  # type
             layouts[f"block {i} {key}"] = [(j, j + 1, _sel(key) if j == i else RECOMPUTE)
                                            for j in range(4)]
     assert any(k.split()[-1].startswith("#") for k in layouts)  # keep-sets are among them
+    _assert_every_layout_exact(model, x, tape, layouts, plain)
+
+
+def _assert_every_layout_exact(model: _Net, x: torch.Tensor, tape: Any,
+                               layouts: dict[str, Any], plain: list[torch.Tensor]) -> None:
     for name, segments in layouts.items():
         autoremat.apply(model, plan_of_segments(tape, segments, name))
         try:
@@ -209,13 +214,7 @@ def test_every_path_replays_under_autocast(device_generator):  # type: ignore[no
     layouts = dict(_LAYOUTS, selective=[(i, i + 1, _sel(sorted(b.selective)[0]))
                                         for i, b in enumerate(tape.blocks)])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain = _grads(model, x)
-        for name, segments in layouts.items():
-            autoremat.apply(model, plan_of_segments(tape, segments, name))
-            try:
-                assert _equal(_grads(model, x), plain), name
-            finally:
-                autoremat.remove(model)
+        _assert_every_layout_exact(model, x, tape, layouts, _grads(model, x))
 
 
 def test_replaying_restores_states_and_leaves_the_stream_as_it_was() -> None:
