@@ -592,6 +592,28 @@ def test_hugging_face_models_auto_at_half_the_peak(name: str, use_cache: bool | 
         assert model.config.use_cache is True  # restored
 
 
+def test_a_plan_that_recomputes_nothing_also_turns_the_kv_cache_off() -> None:
+    # The plan was profiled without a cache; a loop holding the output would hold one.
+    model, inputs = _hf("gpt2", None)
+    assert model.config.use_cache is True
+    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False)
+    plan = autoremat.plan(tape, None, "none")
+    assert plan.recompute_blocks == 0
+    with pytest.warns(UserWarning, match="KV cache the plan's figures do not include"):
+        autoremat.apply(model, plan)
+    try:
+        assert model.config.use_cache is False
+        with autoremat.track_memory() as mem:
+            out = model(**{k: v for k, v in inputs.items() if k != "use_cache"})
+            out.loss.backward()
+            assert getattr(out, "past_key_values", None) is None
+        model.zero_grad(set_to_none=True)
+        assert mem.peak_bytes <= plan.predicted_peak_bytes
+    finally:
+        autoremat.remove(model)
+    assert model.config.use_cache is True  # restored
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "use_cache"), [
     ("gpt2", False),

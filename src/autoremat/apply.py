@@ -78,9 +78,14 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                              f"this plan; remove that wrapper first")
     state = _Applied(plan)
     config = getattr(model, "config", None)
-    if plan.recompute_blocks and getattr(config, "use_cache", False):
-        warnings.warn("autoremat: config.use_cache=True is incompatible with recomputation "
-                      "(each recompute appends to the KV cache); setting use_cache=False "
+    if getattr(config, "use_cache", False):
+        # profile measured without a cache (step.training_config); a loop that holds
+        # the output would hold the cache too, over the plan's budget
+        why = ("is incompatible with recomputation (each recompute appends to the KV "
+               "cache)" if plan.recompute_blocks else
+               "keeps a KV cache the plan's figures do not include (it was profiled "
+               "without one)")
+        warnings.warn(f"autoremat: config.use_cache=True {why}; setting use_cache=False "
                       "until autoremat.remove(model)", UserWarning, stacklevel=2)
         config.use_cache = False  # type: ignore[union-attr]
         state.config_restore = config

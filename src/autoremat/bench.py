@@ -75,7 +75,6 @@ from .bench_measure import (
     build_target,
     first_line,
     largest_grad,
-    max_diff,
     measure_step,
     ratio_range,
     resolve_device,
@@ -108,7 +107,7 @@ from .plan import Plan, plan, smallest_feasible_bytes
 from .profile import profile
 from .tape import Tape
 from .units import format_bytes
-from .verify import NOISE_MULTIPLE
+from .verify import NOISE_MULTIPLE, max_grad_diff
 
 __all__ = ["SCHEMA_VERSION", "BenchRow", "ModelResult", "bench_main", "hf_gpt2", "run_bench"]
 
@@ -214,7 +213,7 @@ class _Sweep:
         if self.plain.measure is not None and self.plain.measure.allocator_peak_bytes is not None:
             # CUDA kernels differ from themselves (NOTE [ Judging gradients ] in verify.py)
             again = measure_step(self.model, self.inputs, self.rng, loop=self.settings.loop)
-            _, self.noise_floor = max_diff(self.plain.measure.grads, again.grads)
+            _, self.noise_floor = max_grad_diff(self.plain.measure.grads, again.grads)
         self._time_rounds([v for v in self.variants if v.measure is not None])
 
         plain = self.plain.measure
@@ -322,8 +321,8 @@ class _Sweep:
             return template
         m, p = variant.measure, plain.measure
         assert p is not None
-        equal, diff = max_diff(p.grads, m.grads)
-        _, buffer_diff = max_diff(dict(p.buffers), dict(m.buffers))
+        equal, diff = max_grad_diff(p.grads, m.grads)
+        _, buffer_diff = max_grad_diff(dict(p.buffers), dict(m.buffers))
         med, plain_ms = statistics.median(variant.times_ms), statistics.median(plain.times_ms)
         cpu, plain_cpu = statistics.median(variant.cpu_ms), statistics.median(plain.cpu_ms)
         note = variant.note

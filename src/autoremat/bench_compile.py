@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .bench_measure import build_target, first_line, largest_grad, max_diff, ratio_range
+from .bench_measure import build_target, first_line, largest_grad, ratio_range
 from .bench_rows import COMPILE, COMPILE_EAGER, BenchRow, Settings
 from .errors import RematError
 from .flops import FlopCounter
@@ -54,6 +54,7 @@ from .memory import os_peak_bytes, reset_os_peak, track_allocator
 from .step import Loop, call_model, default_loss, preserved_state, run_step
 from .tape import write_atomic
 from .timing import time_ms
+from .verify import max_grad_diff
 
 __all__ = ["compile_rows", "compile_worker"]
 
@@ -226,7 +227,7 @@ def compile_worker(spec_text: str) -> int:
             if r:
                 for key, value in (("ms", ms), ("cpu_ms", cpu), ("peak", peak)):
                     figures[kind][key].append(value)
-    equal, diff = max_diff(grads["eager"], grads["compiled"])
+    equal, diff = max_grad_diff(grads["eager"], grads["compiled"])
     eager_fwd, eager_bwd = _step_flops(model, model, inputs, rng)
     _, compiled_bwd = _step_flops(model, compiled, inputs, rng)
     result = {

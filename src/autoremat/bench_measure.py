@@ -4,15 +4,14 @@
 :func:`resolve_device` accepts; :func:`measure_step` runs one instrumented step from a
 given RNG state (peak, FLOPs, gradients, buffers; on CUDA also the allocator's peak) and
 :func:`time_step` one bare step (wall ms, CUDA-synchronised on a GPU, and CPU ms of the
-process); :func:`max_diff` and
-:func:`largest_grad` compare gradients. :func:`ratio_range` and :func:`first_line` turn
+process); :func:`largest_grad` sizes gradients (``verify.max_grad_diff`` compares
+them). :func:`ratio_range` and :func:`first_line` turn
 figures and failures into table cells. Used by :mod:`autoremat.bench` and
 :mod:`autoremat.bench_compile`, so that neither imports the other.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from .memory import track_allocator, track_memory
 from .step import Loop, preserved_state, run_step
 from .timing import device_of, time_ms
 
-__all__ = ["Measure", "build_target", "first_line", "largest_grad", "max_diff",
+__all__ = ["Measure", "build_target", "first_line", "largest_grad",
            "measure_step", "ratio_range", "resolve_device", "time_step"]
 
 
@@ -118,26 +117,6 @@ def time_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
         cpu = time.process_time()
         wall = time_ms(lambda: run_step(model, inputs, None, loop=loop), device)
         return wall, (time.process_time() - cpu) * 1e3
-
-
-def max_diff(a: dict[str, torch.Tensor | None],
-             b: dict[str, torch.Tensor | None]) -> tuple[bool, float]:
-    """(all torch.equal, max |a - b|) over matching entries; a missing one is unequal."""
-    equal, worst = True, 0.0
-    for name, x in a.items():
-        y = b.get(name)
-        if x is None or y is None:
-            if (x is None) != (y is None):
-                equal, worst = False, math.inf
-            continue
-        if x.shape != y.shape:
-            equal, worst = False, math.inf
-            continue
-        if torch.equal(x, y):
-            continue
-        equal = False
-        worst = max(worst, float((x.double() - y.double()).abs().max()))
-    return equal, worst
 
 
 def largest_grad(grads: dict[str, torch.Tensor | None]) -> float:

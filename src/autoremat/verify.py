@@ -55,7 +55,7 @@ from .timing import device_of, time_ms
 from .units import format_bytes
 
 __all__ = ["NOISE_MULTIPLE", "GradientJudgement", "Report", "Verdict", "judge_gradients",
-           "measure_step", "verify"]
+           "max_grad_diff", "measure_step", "verify"]
 
 Verdict = Literal["equal", "within noise", "differ"]
 
@@ -153,7 +153,7 @@ class GradientJudgement:
     noise_floor: float  # the floor it was judged against
 
 
-def _max_grad_diff(a: Grads, b: Grads) -> tuple[bool, float]:
+def max_grad_diff(a: Grads, b: Grads) -> tuple[bool, float]:
     """(every gradient ``torch.equal``, max |a - b|) over the parameters of ``a``.
 
     A gradient present on one side only, or of another shape, is unequal by ``inf``; a
@@ -205,7 +205,7 @@ def judge_gradients(plain: Grads, planned: Grads, noise_floor: float = 0.0) -> G
     """
     if not noise_floor >= 0 or math.isinf(noise_floor):  # also refuses NaN
         raise RematError(f"noise_floor must be a finite number >= 0, got {noise_floor!r}")
-    equal, diff = _max_grad_diff(plain, planned)
+    equal, diff = max_grad_diff(plain, planned)
     return GradientJudgement(_verdict(equal, diff, noise_floor), equal, diff, noise_floor)
 
 
@@ -378,7 +378,7 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
             plain = measure_step(model, inputs, loss_fn, rng, loop=loop)
             floor = 0.0
             if measure_floor:
-                _, floor = _max_grad_diff(plain.grads,
+                _, floor = max_grad_diff(plain.grads,
                                           _plain_grads(model, inputs, loss_fn, rng, loop))
             apply(model, plan)
             planned = measure_step(model, inputs, loss_fn, rng, loop=loop)
