@@ -136,15 +136,17 @@ class _KeepOutputs(TorchDispatchMode):
         self.kept = kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        draws = _op_info(func)[2] and func not in IGNORED_OPS
-        states = rng.snapshot() if draws else None  # NOTE [ Replaying the forward's RNG ]
+        kind, random, draws = _op_info(func)
+        # RNG states for a draw recompute may run again (NOTE [ Replaying the forward's
+        # RNG ]); a Bernoulli draw (always a tensor) is kept as bits and never re-run
+        again = draws and func not in IGNORED_OPS and not _is_bernoulli(func)
+        states = rng.snapshot() if again else None
         out = func(*args, **(kwargs or {}))
         if func in IGNORED_OPS:
             return out
         kept = self.kept
         position = len(kept.funcs)
         kept.funcs.append(func)
-        kind, random, _ = _op_info(func)
         entry: Any = None
         if random:
             if _is_bernoulli(func) and isinstance(out, torch.Tensor):
