@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import platform
 import re
 import time
 from collections.abc import Callable
@@ -38,10 +37,12 @@ import torch
 from torch import nn
 
 import autoremat
+from autoremat.bench_report import device_info
 from autoremat.errors import BudgetError
-from autoremat.memory import track_memory
+from autoremat.memory import track_allocator, track_memory
 from autoremat.plan import smallest_feasible_bytes
 from autoremat.step import preserved_state, run_step
+from autoremat.timing import device_of
 
 PLANS = ("none", "full", "every:2", "sqrt", "selective",
          "optimal@75%", "optimal@50%", "optimal@30%", "optimal@min")
@@ -108,19 +109,10 @@ MODELS: dict[str, Builder] = {
 def allocator_peak(model: nn.Module, inputs: Any) -> int:
     """The step peak by the device's own count: on CUDA the rise of
     ``max_memory_allocated`` over one step (gradients None first), else the tracker."""
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        with preserved_state(model), track_memory() as mem:
-            run_step(model, inputs, None)
-        return mem.peak_bytes
-    with preserved_state(model):
-        gc.collect()
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    device = device_of(model, inputs)
+    with preserved_state(model), track_allocator(device) as alloc, track_memory() as mem:
         run_step(model, inputs, None)
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
+    return alloc.peak_bytes if alloc.peak_bytes is not None else mem.peak_bytes
 
 
 def _plan(tape: autoremat.Tape, spec: str) -> autoremat.Plan:
@@ -177,12 +169,6 @@ def check(name: str, model: nn.Module, inputs: Any, dtype: str,
     return rows
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
 def _markdown(rows: list[Row], device: str, command: str) -> str:
     lines = [f"# Exactness: gradients, verify, peak vs budget ({device})", "",
              f"`{command}`, torch {torch.__version__}, dropout 0.1, deterministic algorithms.",
@@ -222,7 +208,7 @@ def main() -> None:
                   f" ({time.perf_counter() - start:.0f} s)", flush=True)
             del model, inputs
             gc.collect()
-    name = _device_name(device)
+    name = device_info(device)["device_name"]
     slug = re.sub(r"[^a-z0-9]+", "-", f"{device.type}-{name}".lower()).strip("-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

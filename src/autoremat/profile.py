@@ -442,7 +442,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                                        loop=loop)
             runs["odd"] = _memory_run(model, inputs, loss_fn, names,
                                       [i % 2 == 1 for i in range(n)], rounding=rounding,
-                                       loop=loop)
+                                      loop=loop)
         for p in model.parameters():
             p.grad = None
         counter = _flops(model, inputs, loss_fn, names, loop=loop)
