@@ -37,12 +37,12 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat.bench_report import device_info
-from autoremat.errors import BudgetError
-from autoremat.memory import track_allocator, track_memory
-from autoremat.plan import smallest_feasible_bytes
-from autoremat.step import preserved_state, run_step
-from autoremat.timing import device_of
+from autoremat._bench.report import device_info
+from autoremat._core.errors import BudgetError
+from autoremat._core.memory import track_allocator, track_memory
+from autoremat._core.step import preserved_state, run_step
+from autoremat._core.timing import device_of
+from autoremat._plan.plan import smallest_feasible_bytes
 
 PLANS = ("none", "full", "every:2", "sqrt", "selective",
          "optimal@75%", "optimal@50%", "optimal@30%", "optimal@min")

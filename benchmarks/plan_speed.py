@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 import autoremat
-from autoremat.plan import smallest_feasible_bytes
-from autoremat.solvers.chain import predict_peak
-from autoremat.tape import BlockProfile, Tape, WindowMemory
-from autoremat.units import format_bytes
+from autoremat._core.units import format_bytes
+from autoremat._measure.tape import BlockProfile, Tape, WindowMemory
+from autoremat._plan.peak import predict_peak
+from autoremat._plan.plan import smallest_feasible_bytes
 
 MiB = 1 << 20
 

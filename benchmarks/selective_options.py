@@ -17,10 +17,10 @@ import statistics
 from selective_overhead import profiled_zoo_model, step_ms  # this folder is on sys.path
 
 import autoremat
-from autoremat.plan import plan_of_segments
-from autoremat.selective import save_set_of
-from autoremat.solvers.chain import segment_cost
-from autoremat.units import format_bytes
+from autoremat._core.units import format_bytes
+from autoremat._mechanism.selective import save_set_of
+from autoremat._plan.peak import segment_cost
+from autoremat._plan.plan import plan_of_segments
 
 
 def main() -> None:

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import autoremat
-from autoremat.memory import track_memory
-from autoremat.step import preserved_state, run_step
-from autoremat.units import format_bytes
+from autoremat._core.memory import track_memory
+from autoremat._core.step import preserved_state, run_step
+from autoremat._core.units import format_bytes
 
 
 def step_ms(model: torch.nn.Module, inputs: object) -> float:

@@ -21,12 +21,12 @@ from torch import nn
 
 import autoremat
 from autoremat import Plan, Tape, zoo
-from autoremat.apply import ShapeMismatchWarning
-from autoremat.costs import cost_model_for, keep_set_cost
-from autoremat.errors import BudgetError, PlanMismatchError, RematError
-from autoremat.plan import plan_of_segments, smallest_feasible_bytes
-from autoremat.selective import is_keep_set, save_set_of
-from autoremat.wrap import is_wrapped
+from autoremat._apply import ShapeMismatchWarning
+from autoremat._core.errors import BudgetError, PlanMismatchError, RematError
+from autoremat._measure.costs import cost_model_for, keep_set_cost
+from autoremat._mechanism.selective import is_keep_set, save_set_of
+from autoremat._mechanism.wrap import is_wrapped
+from autoremat._plan.plan import plan_of_segments, smallest_feasible_bytes
 
 SMALL: dict[str, dict[str, Any]] = {
     "gpt2": {"n_layer": 4, "batch_size": 2, "seq_len": 64},

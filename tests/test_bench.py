@@ -9,25 +9,28 @@ import pytest
 import torch
 
 from autoremat import zoo
-from autoremat.bench import (
+from autoremat._bench.bench import _plan_key, bench_main
+from autoremat._bench.measure import build_target
+from autoremat._bench.refs import sequential_chain
+from autoremat._bench.report import (
+    SCHEMA_VERSION,
+    device_info,
+    headline,
+    machine_info,
+    write_results,
+)
+from autoremat._bench.rows import (
     AUTO,
     BLOCK,
     COMPILE,
     NONE,
     SAC,
-    SCHEMA_VERSION,
     SEQ,
     BenchRow,
     ModelResult,
-    _plan_key,
-    _sequential_chain,
-    bench_main,
-    headline,
+    Settings,
 )
-from autoremat.bench_measure import build_target
-from autoremat.bench_report import device_info, machine_info, write_results
-from autoremat.bench_rows import Settings
-from autoremat.blocks import resolve_blocks
+from autoremat._core.blocks import resolve_blocks
 
 # Small enough for a few seconds a step on a busy 2-core machine, large enough that
 # activations dominate the step so that "50%" is a feasible budget.
@@ -81,9 +84,9 @@ def test_bench_errors(argv: list[str], message: str, tmp_path: Path,
     ("gpt2", None),  # a ModuleList called in a Python loop
     ("llama", None),
 ])
-def test_sequential_chain(name: str, expected: int | None) -> None:
+def testsequential_chain(name: str, expected: int | None) -> None:
     model, _ = zoo.build(name, device="meta")
-    found = _sequential_chain(model, resolve_blocks(model, None))
+    found = sequential_chain(model, resolve_blocks(model, None))
     if expected is None:
         assert found is None
     else:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from autoremat import zoo
-from autoremat.blocks import discover_blocks, other_repeated_blocks, resolve_blocks
-from autoremat.errors import BlockError
+from autoremat._core.blocks import discover_blocks, other_repeated_blocks, resolve_blocks
+from autoremat._core.errors import BlockError
 
 
 class Layer(nn.Module):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import autoremat
-from autoremat.cli import main
+from autoremat._cli import main
 
 _SMALL_GPT2 = "n_layer=2,batch_size=2,seq_len=32"
 

@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from autoremat import zoo
-from autoremat.doctor import (
+from autoremat._core.errors import RematError
+from autoremat._estimate.doctor import (
     HF_FAMILIES,
     build_hf_model,
     doctor,
     doctor_main,
-    parse_config,
 )
-from autoremat.errors import RematError
-from autoremat.estimate import estimate, measure_step
+from autoremat._estimate.estimate import estimate, measure_step
+from autoremat._targets import parse_options
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,23 +38,6 @@ def tiny_factory(batch_size: int = 4, width: int = 32) -> tuple[nn.Module, Any]:
 # --- parsing and building --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("num_hidden_layers=32,hidden_size=4096", {"num_hidden_layers": 32, "hidden_size": 4096}),
-    ("rope_theta=1e6, tie_word_embeddings=False ,act=silu",
-     {"rope_theta": 1e6, "tie_word_embeddings": False, "act": "silu"}),
-    ("dropout=0.0,sliding_window=null,x=-3", {"dropout": 0.0, "sliding_window": None, "x": -3}),
-    ("", {}), (None, {}), ("a=1,,", {"a": 1}),
-])
-def test_parse_config(text: str | None, expected: dict[str, Any]) -> None:
-    assert parse_config(text) == expected
-
-
-@pytest.mark.parametrize("text", ["hidden_size", "=3", "hidden size=3", "a=1,b"])
-def test_parse_config_errors_show_the_format(text: str) -> None:
-    with pytest.raises(RematError, match="key=value pairs"):
-        parse_config(text)
-
-
 @pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_build_hf_model_on_meta_for_every_family(family: str) -> None:
     small = {
@@ -63,7 +46,7 @@ def test_build_hf_model_on_meta_for_every_family(family: str) -> None:
         "bert": "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,"
                 "intermediate_size=128,vocab_size=512",
     }[family]
-    model, inputs = build_hf_model(family, parse_config(small), batch=2, seq=32, dtype="bf16")
+    model, inputs = build_hf_model(family, parse_options(small), batch=2, seq=32, dtype="bf16")
     assert type(model) is getattr(transformers, HF_FAMILIES[family][1])
     config: Any = model.config
     assert model.training and not config.use_cache
@@ -89,7 +72,7 @@ def test_build_hf_model_errors(family: str, config: dict[str, Any], seq: int,
 
 
 def test_rotary_families_take_any_sequence_length() -> None:
-    _, inputs = build_hf_model("llama", parse_config(_TINY_LLAMA), batch=1, seq=8192)
+    _, inputs = build_hf_model("llama", parse_options(_TINY_LLAMA), batch=1, seq=8192)
     assert inputs["input_ids"].shape == (1, 8192)
 
 
@@ -200,11 +183,11 @@ def test_plot_is_a_png(tmp_path: Any, gpt2: tuple[nn.Module, Any, Any]) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     ([], "name what to examine"),
     (["--hf", "lama"], "Did you mean 'llama'?"),
-    (["gtp2"], "unknown zoo model 'gtp2'. Did you mean 'gpt2'?"),
+    (["gtp2"], "unknown target 'gtp2'"),
     (["mlp", "--hf", "llama"], "not both"),
     (["--hf", "llama", "--config", "num_layers=2"], "Did you mean 'num_hidden_layers'?"),
     (["--hf", "gpt2", "--seq", "4096"], "add n_positions=4096"),
-    (["--hf", "llama", "--config", "layers"], "cannot read config item 'layers'"),
+    (["--hf", "llama", "--config", "layers"], "cannot read option 'layers'"),
     (["mlp", "--optimizer", "adamww"], "Did you mean 'adamw'?"),
     (["mlp", "--memory", "8 parsecs"], "cannot read memory '8 parsecs'"),
     (["mlp", "--dtype", "bf61"], "Did you mean 'bf16'?"),

@@ -15,10 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoremat
 from autoremat import zoo
-from autoremat.blocks import resolve_blocks
-from autoremat.doctor import build_hf_model
-from autoremat.errors import BudgetError, RematError
-from autoremat.estimate import (
+from autoremat._core.blocks import resolve_blocks
+from autoremat._core.errors import BudgetError, RematError
+from autoremat._core.flops import FlopCounter
+from autoremat._core.optimizers import OPTIMIZERS
+from autoremat._core.step import run_step, unique_storage_bytes
+from autoremat._estimate.doctor import build_hf_model
+from autoremat._estimate.estimate import (
     Estimate,
     estimate,
     measure_step,
@@ -27,10 +30,7 @@ from autoremat.estimate import (
     sdpa_as_on,
     to_meta,
 )
-from autoremat.flops import FlopCounter
-from autoremat.optimizers import OPTIMIZERS
-from autoremat.step import run_step, unique_storage_bytes
-from autoremat.wrap import checkpointed
+from autoremat._mechanism.wrap import checkpointed
 
 transformers = pytest.importorskip("transformers")
 
@@ -379,7 +379,7 @@ def test_parse_dtype_suggests() -> None:
 def test_plan_and_estimate_agree_on_optimizer_state(name: str) -> None:
     # plan(max_memory=, optimizer=) prices optimizer state from the tape alone (states per
     # parameter); estimate measures PyTorch's optimizer on meta. They must not drift apart.
-    from autoremat.plan import optimizer_state_bytes
+    from autoremat._plan.plan import optimizer_state_bytes
 
     model, _ = zoo.build("mlp", device="meta")
     trainable = unique_storage_bytes([p for p in model.parameters() if p.requires_grad])

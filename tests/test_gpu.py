@@ -32,11 +32,11 @@ from torch import nn
 
 import autoremat
 from autoremat import zoo
-from autoremat.bench import bench_main
-from autoremat.memory import track_allocator, track_memory
-from autoremat.plan import smallest_feasible_bytes
-from autoremat.step import preserved_state, run_step
-from autoremat.timing import CudaClock, clock_for, time_ms
+from autoremat._bench.bench import bench_main
+from autoremat._core.memory import track_allocator, track_memory
+from autoremat._core.step import preserved_state, run_step
+from autoremat._core.timing import CudaClock, clock_for, time_ms
+from autoremat._plan.plan import smallest_feasible_bytes
 
 pytestmark = pytest.mark.gpu
 

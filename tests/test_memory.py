@@ -22,8 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autoremat import zoo
-from autoremat.errors import RematError
-from autoremat.memory import (
+from autoremat._core.errors import RematError
+from autoremat._core.memory import (
     CUDA_MIN_BLOCK_BYTES,
     MemoryTracker,
     allocator_config_note,
@@ -32,7 +32,7 @@ from autoremat.memory import (
     track_allocator,
     track_memory,
 )
-from autoremat.step import run_step
+from autoremat._core.step import run_step
 
 F32 = 4  # bytes per float32 element
 B, D, K = 64, 16, 3  # batch, width, number of Linear+ReLU layers in the chain

@@ -14,11 +14,11 @@ from torch import nn
 
 import autoremat
 from autoremat import Tape, zoo
-from autoremat.blocks import discover_blocks
-from autoremat.errors import BlockError, RematError
-from autoremat.step import run_step
-from autoremat.tape import WindowMemory
-from autoremat.wrap import is_wrapped
+from autoremat._core.blocks import discover_blocks
+from autoremat._core.errors import BlockError, RematError
+from autoremat._core.step import run_step
+from autoremat._measure.tape import WindowMemory
+from autoremat._mechanism.wrap import is_wrapped
 
 SMALL: dict[str, dict[str, Any]] = {
     "gpt2": {"n_layer": 3, "batch_size": 2, "seq_len": 16},

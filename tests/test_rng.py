@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoremat
-from autoremat import rng
-from autoremat.plan import plan_of_segments
-from autoremat.selective import _op_info, save_set_of
+from autoremat._core import rng
+from autoremat._mechanism.selective import _op_info, save_set_of
+from autoremat._plan.plan import plan_of_segments
 
 KEEP, RECOMPUTE = ("keep", ()), ("recompute", ())
 
@@ -186,7 +186,7 @@ def test_a_kernel_that_draws_inside_is_replayed_by_its_tag(  # type: ignore[no-u
     # The fused op re-runs in recompute after a dropout whose draw is copied back (no
     # numbers drawn): without its own RNG states it would draw from where the stream
     # was before that dropout. Ignoring the tag shows the check can fail.
-    from autoremat import selective
+    from autoremat._mechanism import selective
 
     model, x, tape = _model_and_tape(device_generator)
     plain = _grads(model, x)

@@ -15,14 +15,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from autoremat import RematError
-from autoremat.selective import (
+from autoremat._mechanism.selective import (
     op_signature,
     save_set_name,
     save_set_of,
     save_sets,
     selective_context,
 )
-from autoremat.wrap import ContextFn
+from autoremat._mechanism.wrap import ContextFn
 
 
 class _CountOps(TorchDispatchMode):
@@ -163,7 +163,7 @@ def test_blocks_with_dropout_also_get_the_empty_save_set() -> None:
 def test_plans_with_the_empty_save_set_apply_exactly_and_print() -> None:
     import autoremat
     from autoremat import zoo
-    from autoremat.solvers.chain import predict_peak
+    from autoremat._plan.peak import predict_peak
 
     model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
     tape = autoremat.profile(model, inputs, repeats=1)
@@ -231,8 +231,8 @@ class _OddNet(torch.nn.Module):
 
 def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
     import autoremat
-    from autoremat.plan import plan_of_segments
-    from autoremat.selective import is_keep_set
+    from autoremat._mechanism.selective import is_keep_set
+    from autoremat._plan.plan import plan_of_segments
 
     torch.manual_seed(0)
     model = _OddNet()
@@ -252,7 +252,7 @@ def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
 
 
 def test_kept_outputs_changed_in_place_in_forward_are_freed_when_it_ends() -> None:
-    from autoremat.selective import _KeepOutputs
+    from autoremat._mechanism.selective import _KeepOutputs
 
     lin = torch.nn.Linear(16, 16)
     seen: list[_KeepOutputs] = []
@@ -278,7 +278,7 @@ def test_kept_outputs_changed_in_place_in_forward_are_freed_when_it_ends() -> No
 
 
 def test_outputs_kept_by_position_and_changed_in_forward_are_freed_too() -> None:
-    from autoremat.selective import _KeepOutputs
+    from autoremat._mechanism.selective import _KeepOutputs
 
     torch.manual_seed(4)
     w = torch.randn(16, 16, requires_grad=True)

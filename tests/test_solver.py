@@ -20,10 +20,12 @@ from functools import cache
 import pytest
 
 import autoremat
-from autoremat.errors import BudgetError
-from autoremat.plan import smallest_feasible_bytes
-from autoremat.solvers.chain import Option, plan_costs, predict_peak, solve
-from autoremat.tape import BlockProfile, Tape, WindowMemory
+from autoremat._core.errors import BudgetError
+from autoremat._measure.tape import BlockProfile, Tape, WindowMemory
+from autoremat._plan import chain
+from autoremat._plan.chain import solve
+from autoremat._plan.peak import Option, plan_costs, predict_peak
+from autoremat._plan.plan import smallest_feasible_bytes
 
 KEEP: Option = ("keep", ())
 RECOMPUTE: Option = ("recompute", ())
@@ -187,11 +189,12 @@ def test_cost_objective_matches_brute_force(seed: int) -> None:
     peaks = [peak for peak, _, _ in table]
     for budget in _budgets(random.Random(seed), peaks):
         fits = [(cost, peak) for peak, cost, _ in table if peak <= budget]
-        got = solve(tape, budget, objective="cost")
         if not fits:
-            assert got is None, f"n={n} budget={budget}: solver found {got}, brute force none"
+            with pytest.raises(BudgetError) as info:
+                solve(tape, budget, objective="cost")
+            assert info.value.min_feasible_bytes == min(peaks), f"n={n} budget={budget}"
             continue
-        assert got is not None, f"n={n} budget={budget}: brute force fits, solver says none"
+        got = solve(tape, budget, objective="cost")
         best = min(cost for cost, _ in fits)
         check_valid(tape, got.segments)
         assert got.cost == best, f"n={n} budget={budget}: {got.segments}"
@@ -207,17 +210,18 @@ def test_peak_objective_matches_brute_force(seed: int) -> None:
     table = _brute(tape)
     smallest = min(peak for peak, _, _ in table)
     got = solve(tape, None, objective="peak")
-    assert got is not None
     check_valid(tape, got.segments)
     assert got.peak_bytes == smallest == predict_peak(tape, got.segments)
     # "peak" ignores cost; "cost" at exactly that budget takes a cheapest such plan
     cheapest = solve(tape, smallest, objective="cost")
-    assert cheapest is not None and cheapest.peak_bytes == smallest
+    assert cheapest.peak_bytes == smallest
     assert cheapest.cost == min(cost for peak, cost, _ in table if peak == smallest)
     assert smallest_feasible_bytes(tape) == smallest
-    assert solve(tape, smallest - 1, objective="peak") is None
+    with pytest.raises(BudgetError, match="smallest feasible budget") as info:
+        solve(tape, smallest - 1, objective="peak")
+    assert info.value.min_feasible_bytes == smallest
     with_budget = solve(tape, max(peak for peak, _, _ in table), objective="peak")
-    assert with_budget is not None and with_budget.peak_bytes == smallest
+    assert with_budget.peak_bytes == smallest
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -256,7 +260,7 @@ def test_random_instances_need_multi_block_segments() -> None:
             if not singles or min(singles) > best:
                 needed += 1
                 got = solve(tape, budget)
-                assert got is not None and got.cost == best
+                assert got.cost == best
                 assert any(e > s + 1 for s, e, _ in got.segments)
     assert needed >= 5
 
@@ -395,7 +399,7 @@ def test_identical_blocks_give_the_same_plan_every_time(n: int) -> None:
         for _ in range(3):
             assert autoremat.plan(tape, budget) == first
             again = solve(tape, budget)
-            assert again is not None and list(again.segments) == [
+            assert list(again.segments) == [
                 (s, e, ("keep" if d == "keep" else "recompute", ())) for s, e, d in first.segments
             ]
         # a fresh but equal tape (no shared objects) gives the same plan too
@@ -436,8 +440,6 @@ def test_200_block_chain_is_close_to_the_exact_optimum(budget: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Past 128 points per state the frontier is thinned (NOTE [ Large frontiers ]): the
     plan still fits, and costs at most 10% more than the exact DP's."""
-    import autoremat.solvers.chain as chain
-
     tape = random_tape(200, 42, chained_p=0.95, scale=1 << 20)
     thinned = autoremat.plan(tape, budget)
     monkeypatch.setattr(chain, "_MAX_FRONTIER", 10**9)

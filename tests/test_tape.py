@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-import autoremat.tape as tape_module
+import autoremat._measure.tape as tape_module
 from autoremat import Tape
-from autoremat.errors import SchemaError
-from autoremat.tape import SCHEMA_VERSION
+from autoremat._core.errors import SchemaError
+from autoremat._measure.tape import SCHEMA_VERSION
 
 
 def _data(tape: Tape) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from torch import nn
 
 import autoremat
 from autoremat import zoo
-from autoremat.timing import CudaClock, WallClock, clock_for, clock_kind, device_of, time_ms
+from autoremat._core.timing import CudaClock, WallClock, clock_for, clock_kind, device_of, time_ms
 
 
 @pytest.mark.parametrize(("device", "kind"), [

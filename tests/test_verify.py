@@ -30,10 +30,10 @@ from torch._prims_common import alert_not_deterministic
 
 import autoremat
 from autoremat import Plan, Report, Tape, zoo
-from autoremat.errors import BudgetError, DeterminismError, RematError
-from autoremat.plan import smallest_feasible_bytes
-from autoremat.units import format_bytes
-from autoremat.verify import (
+from autoremat._core.errors import BudgetError, DeterminismError, RematError
+from autoremat._core.units import format_bytes
+from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._verify import (
     NOISE_MULTIPLE,
     _check_cublas_workspace,
     judge_gradients,

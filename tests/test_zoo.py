@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from autoremat import zoo
-from autoremat.errors import RematError
+from autoremat._core.errors import RematError
 
 # small sizes keep the tests fast; the defaults are exercised once in test_default_sizes
 _SMALL: dict[str, dict[str, Any]] = {

@@ -12,9 +12,10 @@ Example:
     True
 """
 
-from . import zoo
-from .apply import ShapeMismatchWarning, applied_plan, apply, auto, remove
-from .errors import (
+from autoremat import zoo
+from autoremat._apply import ShapeMismatchWarning, applied_plan, apply, remove
+from autoremat._auto import auto
+from autoremat._core.errors import (
     BlockError,
     BudgetError,
     DeterminismError,
@@ -23,15 +24,15 @@ from .errors import (
     RematError,
     SchemaError,
 )
-from .estimate import Estimate, estimate
-from .memory import MemoryTracker, track_memory
-from .plan import BlockDecision, Plan, plan
-from .profile import profile
-from .step import Loop
-from .tape import BlockProfile, Tape
-from .verify import Report, verify
-
-__version__ = "0.1.0"
+from autoremat._core.memory import MemoryTracker, track_memory
+from autoremat._core.step import Loop
+from autoremat._core.version import __version__
+from autoremat._estimate.doctor import Prescription, Remedy, doctor
+from autoremat._estimate.estimate import Estimate, estimate
+from autoremat._measure.profile import profile
+from autoremat._measure.tape import BlockProfile, Tape
+from autoremat._plan.plan import BlockDecision, Plan, plan
+from autoremat._verify import Report, verify
 
 __all__ = [
     "BlockDecision",
@@ -45,7 +46,9 @@ __all__ = [
     "MemoryTracker",
     "Plan",
     "PlanMismatchError",
+    "Prescription",
     "RematError",
+    "Remedy",
     "Report",
     "SchemaError",
     "ShapeMismatchWarning",
@@ -54,6 +57,7 @@ __all__ = [
     "applied_plan",
     "apply",
     "auto",
+    "doctor",
     "estimate",
     "plan",
     "profile",

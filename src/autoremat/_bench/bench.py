@@ -1,0 +1,570 @@
+"""``autoremat bench``: autoremat's plans side by side with PyTorch's own options.
+
+For each model, one process measures, on the same batch and from the same RNG state:
+
+==============================  ==========================================================
+``no checkpointing``            the plain step; every ratio is relative to it
+``autoremat optimal``           ``plan(tape, budget)`` for each ``--budgets`` entry, and
+                                again at the measured peak of every eager reference below
+``checkpoint per block``        each block's forward under ``torch.utils.checkpoint``
+                                (non-reentrant), written the way a user would
+``HF gradient_checkpointing``   ``model.gradient_checkpointing_enable(...)`` (transformers
+                                models only)
+``checkpoint_sequential``       ``torch.utils.checkpoint.checkpoint_sequential`` with
+                                ``round(sqrt(n))`` segments, where the blocks form an
+                                ``nn.Sequential`` (or a Sequential of Sequentials)
+``SAC per block``               selective activation checkpointing per block, Megatron
+                                style: save matmul/bmm/attention/conv outputs, recompute
+                                the rest
+``torch.compile``               ``activation_memory_budget`` at the budgets' fractions, in
+                                a subprocess and measured by the OS (NOTE [ Measuring
+                                torch.compile ] in ``bench_compile``)
+==============================  ==========================================================
+
+Each row: step peak (as in DESIGN.md), recompute FLOPs as a percentage of the plain
+step, median step time and its ratio to the plain step with its spread, and max |grad
+diff| against the plain step (0 means every gradient is ``torch.equal``).
+
+This module is the sweep and the command line; the rest of the bench lives beside it:
+``bench_rows`` (the row, result and settings dataclasses and the method names),
+``bench_measure`` (one measured or timed step), ``bench_refs`` (the references),
+``bench_compile`` (the torch.compile subprocess) and ``bench_report`` (verdicts, tables
+and result files); what other code imports from ``autoremat.bench`` is re-exported here.
+
+NOTE [ Fair timing ]
+    Steps of all variants of one model are interleaved round-robin (the order rotates
+    each round) after one warm-up round, so a slow spell on a shared machine hits every
+    variant alike. Spread is (max - min) / median of a variant's steps. FLOPs are exact
+    and deterministic; times are not. The bench runs single-threaded by default: on a
+    shared 2-core machine, OpenMP barriers made 2-thread step times swing by 2-5x
+    (a descheduled thread stalls the other), one thread by ~10%. The CPU time of the
+    process is recorded too (``cpu_ratio``): it leaves out time spent descheduled.
+    Identical autoremat plans (two budgets that give the same plan) are measured once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from torch import nn
+
+from autoremat import zoo
+from autoremat._apply import apply, remove
+from autoremat._bench.compiled import compile_rows
+from autoremat._bench.measure import (
+    Measure,
+    build_target,
+    first_line,
+    largest_grad,
+    measure_step,
+    ratio_range,
+    resolve_device,
+    time_step,
+)
+from autoremat._bench.refs import (
+    Toggle,
+    hf_toggle,
+    per_block,
+    sac_per_block,
+    sequential_chain,
+    sequential_toggle,
+)
+from autoremat._bench.report import (
+    device_info,
+    headline,
+    machine_info,
+    rich_table,
+    write_results,
+)
+from autoremat._bench.rows import AUTO, BLOCK, HF, NONE, SAC, SEQ, BenchRow, ModelResult, Settings
+from autoremat._core.blocks import resolve_blocks
+from autoremat._core.errors import BudgetError, RematError, internal_assert
+from autoremat._core.step import describe_inputs
+from autoremat._core.units import format_bytes, parse_budget
+from autoremat._measure.profile import profile
+from autoremat._measure.tape import Tape
+from autoremat._plan.plan import Plan, plan, smallest_feasible_bytes
+from autoremat._targets import parse_options
+from autoremat._verify import NOISE_MULTIPLE, max_grad_diff
+
+__all__ = ["bench_main", "hf_gpt2", "run_bench"]
+
+# |tracker - allocator| / allocator peak above which a CUDA row says both (the GPU tests'
+# bar for the tracker, NOTE [ CUDA allocator rounding ] in memory.py)
+TRACKER_TOLERANCE = 0.005
+
+
+
+# --- the sweep for one model ----------------------------------------------------------
+
+
+@dataclass
+class _Variant:
+    """One configuration of the model that is measured and timed."""
+
+    method: str
+    budget: str
+    toggle: Toggle
+    plan: Plan | None = None
+    note: str = ""
+    measure: Measure | None = None
+    error: str = ""  # why measuring it failed
+    times_ms: list[float] = field(default_factory=list)  # wall
+    cpu_ms: list[float] = field(default_factory=list)  # CPU time of this process
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        install, uninstall = self.toggle
+        install()
+        try:
+            yield
+        finally:
+            uninstall()
+
+
+def _plan_toggle(model: nn.Module, chosen: Plan) -> Toggle:
+    def install() -> None:
+        apply(model, chosen)
+
+    def uninstall() -> None:
+        remove(model)
+
+    return install, uninstall
+
+
+def _plan_key(chosen: Plan) -> tuple[Any, ...]:
+    """What a plan runs: equal keys are the same plan (measured once). Keep-sets count:
+    two plans that differ only in which op outputs a block keeps are different plans."""
+    return tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
+                  tuple(b.skip_ops)) for b in chosen.blocks)
+
+
+class _Sweep:
+    """Measures one target. ``progress(n, text)`` reports units of work done (and what is
+    running), ``grow(n)`` announces more units."""
+
+    def __init__(self, target: str, settings: Settings,
+                 progress: Callable[[int, str], None], grow: Callable[[int], None]) -> None:
+        self.target = target
+        self.settings = settings
+        self.progress = progress
+        self.grow = grow
+        self.model, self.inputs = build_target(target, dict(settings.overrides),
+                                               settings.device)
+        self.rng = torch.get_rng_state()  # every step starts from this RNG state
+        self.tape: Tape | None = None
+        self.tape_error = ""
+        self.plain = _Variant(NONE, "-", (lambda: None, lambda: None))
+        self.variants: list[_Variant] = [self.plain]  # what is measured and timed
+        self.references: list[_Variant] = []
+        # each row, and the variant that gives its figures (None: it did not run)
+        self.rows: list[tuple[BenchRow, _Variant | None]] = [
+            (BenchRow(NONE, "-", "ok"), self.plain)]
+        self._by_plan: dict[tuple[Any, ...], _Variant] = {}
+        self.noise_floor = 0.0  # max |Δgrad| of the plain step against itself (CUDA)
+
+    def run(self) -> ModelResult:
+        names = resolve_blocks(self.model, None)
+        self.progress(0, f"{self.target}: profiling")
+        try:
+            self.tape = profile(self.model, self.inputs, loop=self.settings.loop)
+            names = [b.name for b in self.tape.blocks]
+        except Exception as exc:  # reported in the table; the references still run
+            self.tape_error = f"profile failed: {type(exc).__name__}: {first_line(exc)}"
+        self.progress(1, f"{self.target}: measuring")
+        min_bytes = smallest_feasible_bytes(self.tape) if self.tape is not None else None
+        for label in self.settings.budgets:
+            self._add_plan(label, min_bytes if label == "min" and min_bytes else label)
+        self._add_references(names)
+        self._measure_all(self.variants)
+        # autoremat at the peak each reference reached: the like-for-like comparison
+        before = len(self.variants)
+        for ref in self.references:
+            if ref.measure is not None:
+                self._add_plan(f"peak of {ref.method}", _peak(ref.measure))
+        self._measure_all(self.variants[before:])
+        if self.plain.measure is not None and self.plain.measure.allocator_peak_bytes is not None:
+            # CUDA kernels differ from themselves (NOTE [ Judging gradients ] in verify.py)
+            again = measure_step(self.model, self.inputs, self.rng, loop=self.settings.loop)
+            _, self.noise_floor = max_grad_diff(self.plain.measure.grads, again.grads)
+        self._time_rounds([v for v in self.variants if v.measure is not None])
+
+        plain = self.plain.measure
+        internal_assert(plain is not None, "the plain step was not measured")
+        assert plain is not None
+        rows = sorted((self._row(template, v) for template, v in self.rows), key=_row_order)
+        if self.settings.compile:
+            rows.extend(compile_rows(self.target, self.settings, _peak(plain),
+                                     self.progress, self.grow))
+        return ModelResult(
+            target=self.target, model=type(self.model).__name__,
+            inputs=_signature(self.inputs), n_blocks=len(names),
+            plain_peak_bytes=_peak(plain),
+            plain_step_ms=statistics.median(self.plain.times_ms), plain_flops=plain.flops,
+            min_feasible_bytes=min_bytes, rows=tuple(rows), headline=tuple(headline(rows)),
+        )
+
+    def _add_plan(self, label: str, budget: int | str) -> None:
+        """A row for ``plan(tape, budget)``; identical plans share one variant."""
+        if self.tape is None:
+            self.rows.append((BenchRow(AUTO, label, "error", note=self.tape_error), None))
+            return
+        try:
+            chosen = plan(self.tape, budget, "optimal")
+        except BudgetError as exc:
+            self.rows.append((BenchRow(
+                AUTO, label, "infeasible", budget_bytes=_budget_bytes(budget, self.tape),
+                note=f"below the smallest feasible budget, "
+                     f"{format_bytes(exc.min_feasible_bytes or 0)}"), None))
+            return
+        row = BenchRow(AUTO, label, "ok", budget_bytes=chosen.budget_bytes,
+                       predicted_peak_bytes=chosen.predicted_peak_bytes)
+        key = _plan_key(chosen)
+        variant = self._by_plan.get(key)
+        if variant is None:
+            variant = _Variant(AUTO, label, _plan_toggle(self.model, chosen), plan=chosen,
+                               note=_describe_plan(chosen))
+            self._by_plan[key] = variant
+            self.variants.append(variant)
+        self.rows.append((row, variant))
+
+    def _add_references(self, names: list[str]) -> None:
+        modules = [self.model.get_submodule(n) for n in names]
+
+        def add(method: str, toggle: Toggle | None, why_not: str = "", note: str = "") -> None:
+            if toggle is None:
+                self.rows.append((BenchRow(method, "-", "n/a", note=why_not), None))
+                return
+            variant = _Variant(method, "-", toggle, note=note)
+            self.variants.append(variant)
+            self.references.append(variant)
+            self.rows.append((BenchRow(method, "-", "ok"), variant))
+
+        add(BLOCK, per_block(modules))
+        add(HF, hf_toggle(self.model), "not a transformers model")
+        chain = sequential_chain(self.model, names)
+        if chain is None:
+            add(SEQ, None, "blocks are not an nn.Sequential (called in a Python loop)")
+        else:
+            container, chained = chain
+            segments = max(1, round(math.sqrt(len(chained))))
+            add(SEQ, sequential_toggle(container, chained, segments),
+                note=f"{segments} segments of {len(chained)} blocks (the last one not "
+                     f"checkpointed)")
+        add(SAC, sac_per_block(modules), note="saves mm/bmm/sdpa/conv outputs")
+
+    def _measure_all(self, variants: list[_Variant]) -> None:
+        self.grow(len(variants))
+        for variant in variants:
+            self._measure_one(variant)
+
+    def _measure_one(self, variant: _Variant) -> None:
+        self.progress(0, f"{self.target}: measuring {variant.method} {variant.budget}")
+        try:
+            with variant.installed():
+                variant.measure = measure_step(self.model, self.inputs, self.rng,
+                                               loop=self.settings.loop)
+        except Exception as exc:  # a reference that breaks on this model is a result too
+            if variant.method == NONE:
+                raise
+            variant.error = f"{type(exc).__name__}: {first_line(exc)}"
+        self.progress(1, "")
+
+    def _time_rounds(self, variants: list[_Variant]) -> None:
+        rounds = self.settings.repeats + 1
+        self.grow(rounds * len(variants))
+        for r in range(rounds):
+            self.progress(0, f"{self.target}: timing round {r + 1}/{rounds}"
+                             + (" (warm-up)" if r == 0 else ""))
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            for variant in order:
+                with variant.installed():
+                    ms, cpu = time_step(self.model, self.inputs, self.rng,
+                                        loop=self.settings.loop)
+                if r:
+                    variant.times_ms.append(ms)
+                    variant.cpu_ms.append(cpu)
+                self.progress(1, "")
+
+    def _row(self, template: BenchRow, variant: _Variant | None) -> BenchRow:
+        plain = self.plain
+        if variant is not None and variant.error:
+            return replace(template, status="error", note=_join(variant.note, variant.error))
+        if variant is None or variant.measure is None:
+            return template
+        m, p = variant.measure, plain.measure
+        assert p is not None
+        equal, diff = max_grad_diff(p.grads, m.grads)
+        _, buffer_diff = max_grad_diff(dict(p.buffers), dict(m.buffers))
+        med, plain_ms = statistics.median(variant.times_ms), statistics.median(plain.times_ms)
+        cpu, plain_cpu = statistics.median(variant.cpu_ms), statistics.median(plain.cpu_ms)
+        note = variant.note
+        if variant.method == AUTO and variant.budget != template.budget:
+            note = f"same plan as {variant.budget}"
+        if buffer_diff:
+            note = _join(note, "BatchNorm running stats updated twice (buffers differ)")
+        if not equal and math.isfinite(self.noise_floor) \
+                and 0 < diff <= NOISE_MULTIPLE * self.noise_floor:
+            note = _join(note, f"gradients within the plain step's own noise (floor "
+                               f"{self.noise_floor:.2g})")
+        peak = _peak(m)
+        if template.budget_bytes is not None and peak > template.budget_bytes:
+            note = _join(note, "OVER BUDGET")
+        on_allocator = m.allocator_peak_bytes is not None
+        if on_allocator and abs(m.peak_bytes - peak) > TRACKER_TOLERANCE * peak:
+            note = _join(note, f"tracker {format_bytes(m.peak_bytes)}, "
+                               f"{100 * (m.peak_bytes - peak) / peak:+.1f}% of the allocator")
+        return BenchRow(
+            template.method, template.budget, "ok", peak_bytes=peak,
+            peak_source="allocator" if on_allocator else "tracker",
+            tracker_peak_bytes=m.peak_bytes if on_allocator else None,
+            plain_peak_bytes=_peak(p), budget_bytes=template.budget_bytes,
+            predicted_peak_bytes=template.predicted_peak_bytes,
+            recompute_pct=100 * (m.flops - p.flops) / p.flops if p.flops else None,
+            step_ms=med, time_ratio=med / plain_ms if plain_ms else None,
+            time_spread=(max(variant.times_ms) - min(variant.times_ms)) / med if med else None,
+            time_ratio_range=ratio_range(variant.times_ms, plain_ms),
+            cpu_ratio=cpu / plain_cpu if plain_cpu else None,
+            max_grad_diff=0.0 if equal else diff, grads_equal=equal,
+            relative_grad_diff=0.0 if equal else diff / largest_grad(p.grads),
+            max_buffer_diff=buffer_diff, note=note,
+        )
+
+
+def _peak(m: Measure) -> int:
+    """The step's peak: the allocator's on CUDA (DESIGN.md, "GPU and compile"), else the
+    tracker's."""
+    return m.allocator_peak_bytes if m.allocator_peak_bytes is not None else m.peak_bytes
+
+
+def _row_order(row: BenchRow) -> int:
+    """none, autoremat at the budgets, autoremat at the references' peaks, references."""
+    if row.method == NONE:
+        return 0
+    if row.method == AUTO:
+        return 2 if row.budget.startswith("peak of") else 1
+    return 3
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
+
+
+def _budget_bytes(budget: int | str, tape: Any) -> int | None:
+    try:
+        return parse_budget(budget, tape.step_peak_bytes)
+    except BudgetError:
+        return None
+
+
+def _describe_plan(chosen: Plan) -> str:
+    parts = []
+    for start, stop, decision in chosen.segments:
+        if decision == "keep":
+            continue
+        what = f"{start}" if stop == start + 1 else f"{start}-{stop - 1}"
+        if decision == "selective":
+            what += "(sel)"
+        parts.append(what)
+    if not parts:
+        return "keeps every block"
+    return "recomputes blocks " + ", ".join(parts)
+
+
+def _signature(inputs: Any) -> str:
+    return describe_inputs(inputs)
+
+
+# --- the whole run --------------------------------------------------------------------
+
+
+def run_bench(targets: Sequence[str], settings: Settings | None = None,
+              console: Console | None = None,
+              on_model: Callable[[list[ModelResult]], None] | None = None) -> list[ModelResult]:
+    """Measure every target, showing a progress bar and each model's table on ``console``.
+
+    Args:
+        targets: zoo names or ``package.module:factory`` specs.
+        settings: what to run; default :class:`Settings`.
+        on_model: called with the results so far after each model (to save them early).
+
+    Example:
+        >>> from autoremat._bench.bench import Settings, run_bench
+        >>> results = run_bench(["mlp"], Settings(budgets=("50%",), repeats=1,
+        ...                     compile=False, overrides=(("batch_size", 64),)))
+        >>> results[0].rows[0].method
+        'no checkpointing'
+    """
+    settings = settings or Settings()
+    console = console or Console()
+    results: list[ModelResult] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    threads = torch.get_num_threads()
+    try:
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("bench", total=len(targets))
+
+            def progress(n: int, text: str) -> None:
+                if text:
+                    bar.update(task, advance=n, description=text)
+                else:
+                    bar.update(task, advance=n)
+
+            def grow(n: int) -> None:
+                bar.update(task, total=(bar.tasks[0].total or 0) + n)
+
+            for target in targets:
+                result = _Sweep(target, settings, progress, grow).run()
+                results.append(result)
+                bar.console.print(rich_table(result))
+                if on_model is not None:
+                    on_model(results)
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="autoremat bench",
+        description="Compare autoremat's plans with PyTorch's own checkpointing options on "
+                    "the same model, interleaved in one process; write a table, JSON and "
+                    "a Pareto plot per model.")
+    p.add_argument("targets", nargs="*", metavar="TARGET",
+                   help=f"zoo name ({', '.join(zoo.names())}; default: all) or "
+                        f"package.module:factory")
+    p.add_argument("--budgets", default="75%,50%,30%,min",
+                   help="comma-separated: percentages of the plain step peak, sizes "
+                        "('40MiB') or 'min' (default: %(default)s)")
+    p.add_argument("--out", default="bench-results", help="output directory (default: "
+                                                          "%(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="3 timed rounds and no torch.compile rows (under 5 minutes for the "
+                        "zoo on 2 CPU cores)")
+    p.add_argument("--repeats", type=int, help="timed rounds after one warm-up (default: 5; "
+                                               "3 with --quick)")
+    p.add_argument("--compile", dest="compile", action="store_true", default=None,
+                   help="run the torch.compile rows (default unless --quick)")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="skip the torch.compile rows")
+    p.add_argument("--set", help="size options for every target, e.g. n_layer=2,batch_size=2")
+    p.add_argument("--device", default="cpu",
+                   help="where models and inputs run: cpu or cuda[:N] (default: %(default)s); "
+                        "on CUDA peaks are the rise of torch.cuda.max_memory_allocated() and "
+                        "times are CUDA-synchronised; result files are named after it")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for the measured steps (default 1: steadiest times on "
+                        "a shared CPU; 0 keeps torch's default)")
+    return p
+
+
+def bench_main(argv: list[str]) -> int:
+    """``autoremat bench ...``; returns the exit status."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a log file: do not fold the table into 80 columns
+    args = _parser().parse_args(argv)
+    try:
+        budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
+        if not budgets:
+            raise RematError("--budgets is empty; e.g. --budgets 75%,50%,30%,min")
+        repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
+        if repeats < 1:
+            raise RematError(f"--repeats must be at least 1, got {repeats}")
+        device = resolve_device(args.device)
+        settings = Settings(
+            budgets=budgets, repeats=repeats,
+            compile=(not args.quick) if args.compile is None else args.compile,
+            overrides=tuple(parse_options(args.set).items()), threads=args.threads,
+            device=str(device),
+        )
+        if args.threads < 0:
+            raise RematError(f"--threads must be 0 (torch's default) or more, got "
+                             f"{args.threads}")
+        targets = list(args.targets) or zoo.names()
+        machine = machine_info()
+        machine["torch_threads"] = settings.threads or torch.get_num_threads()
+        machine.update(device_info(device))
+        command = "autoremat bench " + shlex.join(argv)
+        start = time.perf_counter()
+        out = Path(args.out)
+
+        def save(done: list[ModelResult]) -> Any:
+            machine["load_average_end"] = list(os.getloadavg()) \
+                if hasattr(os, "getloadavg") else None
+            return write_results(done, out, command, machine, time.perf_counter() - start,
+                                 settings, complete=len(done) == len(targets))
+
+        results = run_bench(targets, settings, console, on_model=save)
+        elapsed = time.perf_counter() - start
+        paths = save(results)
+    except RematError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+    for res in results:
+        console.print(f"[bold]{res.target}[/]")
+        for line in res.headline:
+            console.print(f"  - {line}", highlight=False, markup=False)
+    if settings.compile:
+        how = "allocator-measured (max_memory_allocated" if device.type == "cuda" else \
+            "OS-measured (VmHWM"
+        console.print(f"torch.compile rows are {how} in a subprocess, against an eager plain "
+                      "step there): a dispatch mode cannot see inside compiled code.",
+                      highlight=False)
+    console.print(f"{len(targets)} model(s) in {elapsed / 60:.1f} min; wrote "
+                  + ", ".join(str(p) for p in paths), highlight=False)
+    return 0
+
+
+# --- an extra target: a small Hugging Face model ------------------------------------------
+
+
+def hf_gpt2(**overrides: Any) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A small randomly initialised ``transformers`` GPT-2 and a batch, for
+    ``autoremat bench autoremat.bench:hf_gpt2`` (the HF gradient-checkpointing row).
+
+    Sizes as the zoo's gpt2: 6 layers, width 128, 4 heads, vocabulary 1024, batch 4 x 128
+    tokens, dropout 0.1. ``overrides``: ``n_layer``, ``n_embd``, ``n_head``,
+    ``batch_size``, ``seq_len``. Nothing is downloaded.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    sizes = {"n_layer": 6, "n_embd": 128, "n_head": 4, "batch_size": 4, "seq_len": 128}
+    unknown = set(overrides) - set(sizes)
+    if unknown:
+        raise RematError(f"hf_gpt2: unknown option(s) {sorted(unknown)}; valid: {list(sizes)}")
+    sizes.update(overrides)
+    # use_cache=False as in any training script: with a KV cache, a recomputed layer
+    # appends its keys to the cache a second time and attends over both
+    config = GPT2Config(n_layer=sizes["n_layer"], n_embd=sizes["n_embd"],
+                        n_head=sizes["n_head"], vocab_size=1024, n_positions=1024,
+                        bos_token_id=0, eos_token_id=0, use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, config.vocab_size, (sizes["batch_size"], sizes["seq_len"]))
+    return model, {"input_ids": ids, "labels": ids.clone()}

@@ -1,0 +1,138 @@
+"""One step of a bench target, measured: what the sweep and the compile subprocess share.
+
+:func:`build_target` builds a target from a fixed seed on the device
+:func:`resolve_device` accepts; :func:`measure_step` runs one instrumented step from a
+given RNG state (peak, FLOPs, gradients, buffers; on CUDA also the allocator's peak) and
+:func:`time_step` one bare step (wall ms, CUDA-synchronised on a GPU, and CPU ms of the
+process); :func:`largest_grad` sizes gradients (``verify.max_grad_diff`` compares
+them). :func:`ratio_range` and :func:`first_line` turn
+figures and failures into table cells. Used by :mod:`autoremat._bench.bench` and
+:mod:`autoremat._bench.compiled`, so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoremat._core.errors import RematError
+from autoremat._core.flops import FlopCounter
+from autoremat._core.memory import track_allocator, track_memory
+from autoremat._core.step import Loop, preserved_state, run_step
+from autoremat._core.timing import device_of, time_ms
+from autoremat._targets import load_target
+
+__all__ = ["Measure", "build_target", "first_line", "largest_grad",
+           "measure_step", "ratio_range", "resolve_device", "time_step"]
+
+
+def resolve_device(text: str) -> torch.device:
+    """The device ``bench --device`` names: ``cpu`` or an available CUDA device.
+
+    Raises:
+        RematError: a malformed name, another kind of device, or CUDA not available.
+    """
+    try:
+        device = torch.device(text)
+    except RuntimeError as exc:
+        raise RematError(f"--device {text!r} is not a device name: use cpu, cuda or "
+                         f"cuda:N") from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise RematError(f"--device {text}: bench measures on cpu or cuda, not "
+                         f"{device.type}")
+    if not torch.cuda.is_available():
+        raise RematError(f"--device {text}: no CUDA device is available "
+                         f"(torch.cuda.is_available() is False; this PyTorch "
+                         f"{torch.__version__} was built "
+                         + (f"with CUDA {torch.version.cuda}" if torch.version.cuda
+                            else "without CUDA") + "); run with --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise RematError(f"--device {text}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def build_target(target: str, overrides: dict[str, Any],
+                 device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
+    """``(model, inputs)`` of a zoo name or ``package.module:factory``, seeded and in
+    train mode, so that every process builds the same model; built on the CPU, then
+    moved (model and every input tensor) to ``device``."""
+    torch.manual_seed(0)  # factories that do not seed still build the same model each time
+    model, inputs = load_target(target, overrides)
+    model.train()
+    device = torch.device(device)
+    if device.type != "cpu":
+        model.to(device)
+        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                          inputs)
+    return model, inputs
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What one instrumented step gave: peak and FLOPs, gradients and buffers after it."""
+
+    peak_bytes: int  # the storage tracker's (CUDA storages in allocator blocks)
+    flops: int
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    allocator_peak_bytes: int | None = None  # rise of max_memory_allocated (CUDA only)
+
+
+def measure_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
+                 loop: Loop = "holds_output") -> Measure:
+    """Peak, FLOPs, gradients and buffers after one step from RNG state ``rng``, in the
+    training loop ``loop`` (see NOTE [ Which loop a step models ] in ``step.py``); on CUDA
+    also the rise of ``torch.cuda.max_memory_allocated()`` over the same step (peak
+    statistics reset just before it)."""
+    with preserved_state(model):
+        torch.set_rng_state(rng)
+        # All three in one step: neither the FLOP counter nor the tracker holds tensors,
+        # so none changes what the others see.
+        with track_allocator(device_of(model, inputs)) as alloc, track_memory() as mem, \
+                FlopCounter() as counter:
+            run_step(model, inputs, None, loop=loop)
+        grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
+                 for n, p in model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return Measure(mem.peak_bytes, counter.total, grads, buffers, alloc.peak_bytes)
+
+
+def time_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
+              loop: Loop = "holds_output") -> tuple[float, float]:
+    """(wall ms, CPU ms of this process) of one plain, uninstrumented step in ``loop``;
+    the wall time is CUDA-synchronised on a GPU (``timing.py``)."""
+    device = device_of(model, inputs)
+    with preserved_state(model):
+        torch.set_rng_state(rng)
+        cpu = time.process_time()
+        wall = time_ms(lambda: run_step(model, inputs, None, loop=loop), device)
+        return wall, (time.process_time() - cpu) * 1e3
+
+
+def largest_grad(grads: dict[str, torch.Tensor | None]) -> float:
+    """The largest |gradient| entry (1.0 when all are zero, to keep ratios finite)."""
+    scale = max((float(g.abs().max()) for g in grads.values() if g is not None and g.numel()),
+                default=0.0)
+    return scale or 1.0
+
+
+def ratio_range(times: list[float], reference_ms: float) -> tuple[float, float] | None:
+    """(min, max) of ``times`` over ``reference_ms``, or None when either is missing."""
+    if not times or not reference_ms:
+        return None
+    return min(times) / reference_ms, max(times) / reference_ms
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (at most 200 characters), for a table note."""
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

@@ -1,0 +1,180 @@
+"""The ``autoremat`` command line: demo, profile, plan, doctor, bench.
+
+Every subcommand takes a TARGET: a zoo name (``gpt2``, ``llama``, ``mlp``, ``resnet``)
+or ``package.module:factory`` where ``factory()`` returns ``(model, inputs)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from autoremat import zoo
+from autoremat._apply import apply, remove
+from autoremat._bench.bench import bench_main
+from autoremat._core.errors import BudgetError, RematError
+from autoremat._core.step import LOOPS
+from autoremat._core.units import format_bytes
+from autoremat._estimate.doctor import doctor_main
+from autoremat._measure.profile import profile
+from autoremat._measure.tape import ops_table
+from autoremat._plan.plan import plan, smallest_feasible_bytes
+from autoremat._targets import load_target, parse_options
+from autoremat._verify import verify
+
+__all__ = ["main"]
+
+
+def _status(console: Console, text: str) -> Any:
+    return console.status(text, spinner="dots")
+
+
+def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
+
+    model, inputs = load_target(args.target, parse_options(args.set))
+    with _status(console, f"profiling {args.target} (several instrumented steps)"):
+        tape = profile(model, inputs, loop=args.loop)
+    console.print(str(tape), highlight=False, soft_wrap=True)
+    if args.ops:
+        console.print(ops_table(tape, args.ops), highlight=False, soft_wrap=True)
+    if args.out:
+        tape.to_json(args.out)
+        console.print(f"tape written to {args.out}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    if args.deterministic and not args.verify:
+        raise RematError("--deterministic only changes how --verify compares gradients: "
+                         "add --verify, or leave --deterministic out")
+    model, inputs = load_target(args.target, parse_options(args.set))
+    with _status(console, f"profiling {args.target}"):
+        tape = profile(model, inputs, loop=args.loop)
+    chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
+                  optimizer=args.optimizer)
+    console.print(str(chosen), highlight=False, soft_wrap=True)
+    if args.verify:
+        apply(model, chosen)
+        with _status(console, "verifying: plain and planned steps"):
+            report = verify(model, inputs, deterministic=args.deterministic)
+        console.print(str(report), highlight=False, soft_wrap=True)
+        if not report.ok:
+            return 1
+    if args.out:
+        chosen.to_json(args.out)
+        console.print(f"plan written to {args.out}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    console.print(f"[bold]autoremat demo[/]: {zoo.ZOO[args.model].description}")
+    model, inputs = zoo.build(args.model)
+    with _status(console, f"profiling the {args.model} step block by block"):
+        tape = profile(model, inputs)
+    console.print(str(tape), highlight=False, soft_wrap=True)
+    least = smallest_feasible_bytes(tape)
+    rows: list[tuple[str, str, Any]] = [("none", "none", None),
+                                        ("every block", "full", None)]
+    rows += [(f"optimal {b}", "optimal", b) for b in ("75%", "50%", "30%")]
+    rows.append(("optimal min", "optimal", least))
+    table = Table(title=f"{args.model}: plans, measured (step peak as in DESIGN.md)")
+    for col in ("plan", "budget", "predicted", "measured", "+FLOPs", "time", "grads"):
+        table.add_column(col, justify="left" if col in ("plan",) else "right")
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring plans", total=len(rows))
+        for label, strategy, budget in rows:
+            try:
+                chosen = plan(tape, budget, strategy)
+            except BudgetError as exc:
+                table.add_row(label, str(budget), "-", "does not fit", "-", "-", "-")
+                console.print(f"[yellow]{label}: {exc}[/]")
+                progress.advance(task)
+                continue
+            apply(model, chosen)
+            report = verify(model, inputs, repeats=args.repeats)
+            remove(model)
+            budget_text = format_bytes(chosen.budget_bytes) if chosen.budget_bytes else "-"
+            table.add_row(label, budget_text, format_bytes(chosen.predicted_peak_bytes),
+                          format_bytes(report.peak_bytes),
+                          f"{100 * report.recompute_overhead:.1f}%",
+                          f"x{report.time_ratio:.2f}", "equal" if report.grads_equal else "DIFFER")
+            progress.advance(task)
+    console.print(table)
+    console.print("time: median of interleaved steps vs no checkpointing on this machine "
+                  "(noisy on a shared CPU); +FLOPs: recompute, counted exactly.")
+    return 0
+
+
+def _cmd_delegate(name: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        if name == "doctor":
+            return doctor_main(argv)
+        return bench_main(argv)
+    return run
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoremat", description=(
+        "Plan activation checkpointing for a PyTorch training step under a memory budget."))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="profile a built-in model and compare plans")
+    demo.add_argument("--model", default="gpt2", choices=zoo.names())
+    demo.add_argument("--repeats", type=int, default=3, help="timed steps per plan")
+
+    for name, helptext in (("profile", "measure a step block by block"),
+                           ("plan", "plan checkpointing under a budget")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("target", help="zoo name or package.module:factory")
+        p.add_argument("--set", help="size options, e.g. n_layer=12,batch_size=8")
+        p.add_argument("--out", help="write the tape/plan JSON here")
+        p.add_argument("--loop", choices=LOOPS, default="holds_output",
+                       help="the training loop the figures hold for: holds_output (default; "
+                            "out = model(...); out.loss.backward()) or loss_only (only the "
+                            "loss is kept through backward)")
+        if name == "profile":
+            p.add_argument("--ops", metavar="BLOCK",
+                           help="also list the forward ops of this block (e.g. blocks.0)")
+        if name == "plan":
+            p.add_argument("--budget", help="bytes, '6GiB', '500MB' or '40%%' of the plain peak")
+            p.add_argument("--strategy", default="optimal",
+                           help="optimal | none | full | every:K | sqrt | selective")
+            p.add_argument("--max-memory", help="absolute device limit, e.g. 24GiB")
+            p.add_argument("--optimizer", help="optimizer state for --max-memory, e.g. adamw")
+            p.add_argument("--verify", action="store_true",
+                           help="apply the plan and measure it against the plain step")
+            p.add_argument("--deterministic", action="store_true",
+                           help="with --verify: both steps under deterministic algorithms, "
+                                "gradients compared with torch.equal (on CUDA, start with "
+                                "CUBLAS_WORKSPACE_CONFIG=:4096:8)")
+    sub.add_parser("doctor", help="will it fit? estimate on fake tensors and prescribe",
+                   add_help=False)
+    sub.add_parser("estimate", help="alias of doctor", add_help=False)
+    sub.add_parser("bench", help="side-by-side benchmark against PyTorch's options",
+                   add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autoremat`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console()
+    try:
+        if argv and argv[0] in ("doctor", "estimate", "bench"):
+            return _cmd_delegate("bench" if argv[0] == "bench" else "doctor")(argv[1:])
+        args = _parser().parse_args(argv)
+        handler = {"demo": _cmd_demo, "profile": _cmd_profile, "plan": _cmd_plan}[args.command]
+        return handler(args, console)
+    except RematError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

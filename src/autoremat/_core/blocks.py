@@ -1,0 +1,146 @@
+"""Find the chain of blocks to plan over: the repeated layers of a model.
+
+NOTE [ Which container is the chain ]
+    We score every ``nn.ModuleList`` / ``nn.Sequential`` with at least two children by
+    the parameters held in its children of the most common class (repeated layers hold
+    most of a model), tie-broken by the number of children. A container whose children
+    are themselves containers (a CNN's stages of residual blocks) is flattened one level,
+    so the chain is the residual blocks, in order. A model with no such container is its
+    own single block. Explicit names or a predicate override all of this.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+from torch import nn
+
+from autoremat._core.errors import BlockError, did_you_mean
+
+__all__ = ["BlockSpec", "discover_blocks", "other_repeated_blocks", "resolve_blocks"]
+
+BlockSpec = None | Sequence[str] | Callable[[str, nn.Module], bool]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _repeated_score(container: nn.Module) -> tuple[int, int]:
+    children = list(container.children())
+    common, count = Counter(type(c) for c in children).most_common(1)[0]
+    if count < 2:
+        return (-1, 0)
+    covered = sum(_param_count(c) for c in children if type(c) is common)
+    return (covered, len(children))
+
+
+def _is_repeated_container(module: nn.Module) -> bool:
+    return isinstance(module, _CONTAINERS) and len(module) >= 2 \
+        and _repeated_score(module)[0] >= 0
+
+
+def _repeated_containers(model: nn.Module) -> Iterator[tuple[str, tuple[int, int]]]:
+    """``(name, score)`` of every ModuleList/Sequential holding repeated children."""
+    for name, module in model.named_modules():
+        if _is_repeated_container(module):
+            yield name, _repeated_score(module)
+
+
+def discover_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the model's chain of repeated blocks, in definition order.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> discover_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+        ['0', '1', '2']
+    """
+    best: tuple[tuple[int, int], int, str] | None = None
+    for name, score in _repeated_containers(model):
+        depth = name.count(".") if name else -1
+        key = (score, -depth, name)
+        if best is None or key[:2] > best[:2]:
+            best = (score, -depth, name)
+    if best is None:
+        return [""]  # the whole model is one block
+    root = best[2]
+    container = model.get_submodule(root)
+    prefix = f"{root}." if root else ""
+    names: list[str] = []
+    for child_name, child in container.named_children():
+        if _is_repeated_container(child):
+            names.extend(f"{prefix}{child_name}.{n}" for n, _ in child.named_children())
+        else:
+            names.append(f"{prefix}{child_name}")
+    return names
+
+
+def other_repeated_blocks(model: nn.Module, chosen: Sequence[str]) -> list[str]:
+    """Containers of repeated blocks that ``chosen`` leaves out (an encoder beside a
+    decoder, a U-Net's down path beside its up path), so that callers can say so.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> class EncDec(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.enc = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        ...         self.dec = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        >>> m = EncDec()
+        >>> discover_blocks(m), other_repeated_blocks(m, discover_blocks(m))
+        (['dec.0', 'dec.1', 'dec.2'], ['enc'])
+    """
+    taken = [n for n in chosen if n]
+    out: list[str] = []
+    for name, score in _repeated_containers(model):
+        if not name or score[0] == 0:  # the model itself; or parameter-free repeats
+            continue
+        inside = any(t == name or t.startswith(name + ".") for t in taken)
+        outside = any(name.startswith(t + ".") for t in [*taken, *out])
+        if not (inside or outside):
+            out.append(name)
+    return out
+
+
+def resolve_blocks(model: nn.Module, blocks: BlockSpec) -> list[str]:
+    """Turn the ``blocks`` argument of :func:`autoremat.profile` into module names.
+
+    Raises:
+        BlockError: a name that is not a submodule (with a close match when there is
+            one), nested names, or a predicate that matches nothing.
+    """
+    modules = dict(model.named_modules())
+    if blocks is None:
+        names = discover_blocks(model)
+    elif callable(blocks):
+        names = []
+        for name, module in model.named_modules():
+            if any(outer == "" or name.startswith(f"{outer}.") for outer in names):
+                continue  # inside a block already chosen: keep the outermost
+            if blocks(name, module):
+                names.append(name)
+        if not names:
+            raise BlockError("the blocks predicate matched no module; check it against "
+                             "[name for name, _ in model.named_modules()]")
+    elif isinstance(blocks, str):
+        raise BlockError(f"blocks must be a list of module names, not the string {blocks!r}; "
+                         f"write blocks=[{blocks!r}]")
+    else:
+        names = list(blocks)
+        for name in names:
+            if name not in modules:
+                raise BlockError(f"no submodule named {name!r} in {type(model).__name__}."
+                                 + did_you_mean(name, [n for n in modules if n]))
+        if len(set(names)) != len(names):
+            raise BlockError(f"blocks lists a module twice: {names}")
+        for a in names:
+            for b in names:
+                if a != b and (a == "" or b.startswith(f"{a}.")):
+                    raise BlockError(f"block {b!r} is inside block {a!r}; give blocks that "
+                                     f"do not nest")
+    if not names:
+        raise BlockError("no blocks to plan over; pass blocks=[...] with module names")
+    return names

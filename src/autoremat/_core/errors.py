@@ -1,0 +1,72 @@
+"""The exceptions autoremat raises: one root, :class:`RematError`, and a subclass per kind."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = ["BlockError", "BudgetError", "DeterminismError", "InternalError", "LoopError",
+           "PlanMismatchError", "RematError", "SchemaError", "internal_assert"]
+
+
+class RematError(Exception):
+    """Root of every error autoremat raises on purpose; catch this to catch them all."""
+
+
+class BudgetError(RematError):
+    """The memory budget is malformed, or no plan of the requested strategy fits it.
+
+    Attributes:
+        min_feasible_bytes: the smallest step peak any plan reaches (``None`` when the
+            budget string itself was malformed).
+        strategy: the strategy that reaches ``min_feasible_bytes``.
+    """
+
+    def __init__(
+        self, message: str, *, min_feasible_bytes: int | None = None, strategy: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.min_feasible_bytes = min_feasible_bytes
+        self.strategy = strategy
+
+
+class BlockError(RematError):
+    """The blocks to checkpoint could not be found or were named wrongly."""
+
+
+class LoopError(RematError):
+    """An unknown training-loop name was given as ``loop=`` (see ``step.Loop``)."""
+
+
+class DeterminismError(RematError):
+    """``verify(deterministic=True)`` cannot make the step deterministic: cuBLAS is not
+    configured for it (``CUBLAS_WORKSPACE_CONFIG``), or an op has no deterministic
+    implementation on the device."""
+
+
+class PlanMismatchError(RematError):
+    """A plan was applied to a model or input shape it was not made for."""
+
+
+class SchemaError(RematError):
+    """A saved tape or plan could not be loaded: wrong version or a malformed field."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest choice, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+class InternalError(AssertionError):
+    """An invariant of autoremat itself failed: a bug in autoremat, not a user error.
+
+    Deliberately not a :class:`RematError`: code that catches ``RematError`` to report a
+    user's mistake must not present a bug as one, nor hide it.
+    """
+
+
+def internal_assert(condition: bool, message: str) -> None:
+    """Check an invariant of autoremat itself; failing raises :class:`InternalError`."""
+    if not condition:
+        raise InternalError(f"autoremat internal error (please report it): {message}")

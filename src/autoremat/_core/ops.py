@@ -1,0 +1,202 @@
+"""Op kinds, and a per-op recorder used by ``profile`` for selective-recompute costing."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from autoremat._core.flops import FlopCounter
+
+__all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind"]
+
+# Ops that checkpoint itself may dispatch a different number of times in forward and in
+# recompute (as SAC_IGNORED_OPS in torch/utils/checkpoint.py): never traced, counted or
+# kept, so op positions agree between the tape and a checkpointed block.
+IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+_KINDS = (
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention")),
+    ("bmm", ("aten.bmm", "aten.baddbmm")),  # activation x activation: attention cores
+    ("matmul", ("aten.mm", "aten.addmm", "aten.matmul", "aten.linear", "aten._int_mm")),
+    ("conv", ("convolution", "conv")),
+    ("norm", ("layer_norm", "batch_norm", "group_norm", "rms_norm", "_native_batch_norm")),
+    ("dropout", ("dropout", "bernoulli")),
+    ("softmax", ("softmax",)),
+    ("embedding", ("embedding",)),
+    ("loss", ("nll_loss", "cross_entropy")),
+    ("copy", ("clone", "_to_copy", "copy", "cat", "stack", "contiguous")),
+)
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform_", "exponential")
+# Ops that read only their argument's shape, dtype and device, never its values: no
+# dataflow from it (an uninitialised stand-in serves as well; NOTE [ Dead ops ]).
+_METADATA_ONLY = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+                            "randn_like", "randint_like", "new_empty", "new_empty_strided",
+                            "new_zeros", "new_ones", "new_full"})
+
+
+def op_kind(op: str) -> str:
+    """Coarse kind of an ATen op name: attention (fused kernels), bmm, matmul, conv, norm,
+    dropout, softmax, embedding, loss, copy or pointwise.
+
+    Example:
+        >>> op_kind("aten.addmm.default"), op_kind("aten.bmm.default")
+        ('matmul', 'bmm')
+    """
+    for kind, needles in _KINDS:
+        if any(n in op for n in needles):
+            return kind
+    return "pointwise"
+
+
+def is_random_op(op: str) -> bool:
+    """Whether the op draws random numbers (its recompute needs the RNG state restored)."""
+    return any(r in op for r in _RANDOM)
+
+
+@dataclass(frozen=True)
+class OpStats:
+    """Forward ops of one kind inside one block."""
+
+    count: int  # ops dispatched (views included)
+    flops: int  # their FLOPs
+    out_bytes: int  # bytes of the storages they create (views create none; random ops
+    # count the bytes they draw, in place or not)
+    ms: float  # their time, measured op by op (inflated a little by the measuring)
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One forward op inside a block, in dispatch order."""
+
+    op: str  # ATen overload, e.g. "aten.addmm.default"
+    kind: str  # op_kind(op)
+    out_bytes: int  # bytes of the storages it created (random ops: also bytes drawn in place)
+    flops: int  # its FLOPs
+    ms: float  # its time, measured op by op (inflated a little by the measuring)
+    random: bool  # draws random numbers (recomputing it needs the RNG state, or a kept draw)
+    view: bool  # returns a view of an input: it creates no storage and follows its base
+    inplace: bool  # writes into one of its arguments
+    kept_bytes: int  # of out_bytes, those still alive when backward started (saved for
+    # backward, or still referenced as an output): what autograd keeps of this op
+    # Dataflow, by storage (NOTE [ Keep-sets by MILP ] in solvers/keepsets.py):
+    inputs: tuple[int, ...] = ()  # indices of the ops of this block that created the
+    # storages it reads (storages from outside the block are not listed)
+    target: int = -1  # in-place ops: index of the op that created the storage written
+    saved: bool = True  # autograd saved a storage it created for backward (True when
+    # unknown, e.g. tapes from before this field: the safe assumption)
+    value_out: bool = False  # it returns a non-tensor value (Python reads it, e.g. .item())
+
+
+class OpRecorder(FlopCounter):
+    """FLOPs by label and phase, plus per-kind stats and a per-op trace of each label's
+    forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, dict[str, list[float]]] = {}
+        # label -> per forward op: its record (kept_bytes still 0) and the storages it
+        # created, as (weak reference, bytes)
+        self._trace: dict[str, list[tuple[OpRecord, list[tuple[Any, int]]]]] = {}
+        self._kept: dict[str, tuple[OpRecord, ...]] | None = None  # set when backward starts
+        self._creators: dict[str, dict[int, int]] = {}  # label -> storage -> creating op
+        self._packed: dict[str, set[int]] = {}  # label -> storages autograd saved
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A saved-tensors pack hook: note which storages autograd saves in each block's
+        forward, and keep the tensor itself (``saved_tensors_hooks(rec.pack, rec.unpack)``)."""
+        if self._kept is None and self.label != "<outside>":
+            self._packed.setdefault(self.label, set()).add(tensor.untyped_storage()._cdata)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._kept is None:
+            self._close_forward()  # backward started: what is alive now was kept
+        if (in_backward or self._kept is not None or self.label == "<outside>"
+                or func in IGNORED_OPS):
+            # FLOPs only: forward stats cover the forward before backward, not ops that
+            # run after it under a block's label
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        before = self.total
+        flat_in = tree_flatten((args, kwargs or {}))[0]
+        inputs = {t.untyped_storage()._cdata for t in flat_in if isinstance(t, torch.Tensor)}
+        creators = self._creators.setdefault(self.label, {})
+        index = len(self._trace.get(self.label, ()))
+        read = () if func._opname in _METADATA_ONLY else \
+            tuple(sorted({creators[c] for c in inputs if c in creators}))
+        target = -1
+        for i, arg in enumerate(func._schema.arguments if func._schema.is_mutable else ()):
+            value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and \
+                    isinstance(value, torch.Tensor):
+                target = creators.get(value.untyped_storage()._cdata, -1)
+                break
+        start = time.perf_counter()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        elapsed = (time.perf_counter() - start) * 1e3
+        created = 0
+        name = str(func)
+        random = is_random_op(name)
+        refs = []
+        flat_out = tree_flatten(out)[0]
+        for t in flat_out:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st._cdata not in inputs:
+                    created += st.nbytes()
+                    inputs.add(st._cdata)
+                    creators[st._cdata] = index
+                    refs.append((weakref.ref(st), st.nbytes()))
+                elif random:  # an in-place draw (CPU dropout's bernoulli_): its bytes cost
+                    created += t.nbytes
+        kind = op_kind(name)
+        flops = self.total - before
+        row = self.stats.setdefault(self.label, {}).setdefault(kind, [0, 0, 0, 0.0])
+        row[0] += 1
+        row[1] += flops
+        row[2] += created
+        row[3] += elapsed
+        record = OpRecord(op=name, kind=kind, out_bytes=created, flops=flops,
+                          ms=round(elapsed, 4), random=random, view=bool(func.is_view),
+                          inplace=bool(func._schema.is_mutable), kept_bytes=0,
+                          inputs=read, target=target,
+                          value_out=any(not isinstance(t, torch.Tensor) and t is not None
+                                        for t in flat_out))
+        self._trace.setdefault(self.label, []).append((record, refs))
+        return out
+
+    def _close_forward(self) -> dict[str, tuple[OpRecord, ...]]:
+        def closed(label: str, record: OpRecord, refs: list[tuple[Any, int]]) -> OpRecord:
+            alive = [(ref(), n) for ref, n in refs if ref() is not None]
+            packed = self._packed.get(label, set())
+            return dataclasses.replace(record, kept_bytes=sum(n for _, n in alive),
+                                       saved=any(st._cdata in packed for st, _ in alive))
+
+        self._kept = {label: tuple(closed(label, record, refs) for record, refs in rows)
+                      for label, rows in self._trace.items()}
+        self._trace.clear()
+        self._creators.clear()
+        self._packed.clear()
+        return self._kept
+
+    def block_stats(self, label: str) -> dict[str, OpStats]:
+        rows = self.stats.get(label, {})
+        return {k: OpStats(int(r[0]), int(r[1]), int(r[2]), round(float(r[3]), 4))
+                for k, r in sorted(rows.items())}
+
+    def block_ops(self, label: str) -> tuple[OpRecord, ...]:
+        """The forward ops of ``label`` in order; ``kept`` is decided when backward
+        starts (if no backward ran, by what is alive now)."""
+        kept = self._kept if self._kept is not None else self._close_forward()
+        return kept.get(label, ())

@@ -1,0 +1,202 @@
+"""One training step of a user's model: call it, take the loss, run backward.
+
+Shared by profile, verify, estimate and bench so every figure comes from the same step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, cast, get_args
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from autoremat._core.errors import LoopError, RematError, did_you_mean
+
+__all__ = [
+    "LOOPS",
+    "Loop",
+    "call_model",
+    "check_loop",
+    "default_loss",
+    "describe_inputs",
+    "flat_tensors",
+    "output_bytes",
+    "preserved_state",
+    "run_step",
+    "training_config",
+    "unique_storage_bytes",
+]
+
+LossFn = Callable[[Any], torch.Tensor]
+
+# NOTE [ Which loop a step models ]
+#     What the user's training loop holds while backward runs is part of the step peak:
+#     * "holds_output": ``out = model(**batch); out.loss.backward()``: the model's output
+#       (logits, a KV cache if one is built) stays referenced until backward has finished.
+#       The common idiom, and the default: a budget that holds for it also holds for a loop
+#       that lets the output go earlier, since releasing a tensor sooner never raises a peak.
+#     * "loss_only": ``loss = model(**batch).loss; loss.backward()`` (or ``del out`` before
+#       backward): only the loss and what autograd saved survive the forward. Tighter.
+#     Every measurement (profile, auto's check, estimate, bench) runs one loop, recorded in
+#     the tape and the plan, so that a prediction and the step it predicts agree.
+Loop = Literal["holds_output", "loss_only"]
+LOOPS: tuple[Loop, ...] = get_args(Loop)  # ("holds_output", "loss_only")
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(x)``, ``model(*args)`` or ``model(**kwargs)`` by the type of ``inputs``."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a nested structure, in order; dataclass outputs are opened too."""
+    if hasattr(obj, "__dataclass_fields__"):
+        obj = list(vars(obj).values())
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` when present (and not None), else the sum of the first floating
+    tensor in the output."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    for item in flat_tensors(output):
+        if item.is_floating_point():
+            return item.sum()
+    raise RematError(f"cannot find a loss in the model output of type {type(output).__name__}: "
+                     f"pass loss_fn=lambda out: ... returning a scalar tensor")
+
+
+def check_loop(loop: Any) -> Loop:
+    """``loop`` if it is one of :data:`LOOPS`, else :class:`~autoremat.errors.LoopError`."""
+    if loop not in LOOPS:
+        raise LoopError(f"unknown loop {loop!r}; choose one of {list(LOOPS)}: "
+                        f"'holds_output' when your loop keeps the model's output until "
+                        f"backward has run (out = model(**batch); out.loss.backward()), "
+                        f"'loss_only' when only the loss survives the forward."
+                        + did_you_mean(str(loop), LOOPS))
+    return cast(Loop, loop)
+
+
+def run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+             between: Callable[[], None] | None = None, *,
+             loop: Loop = "holds_output") -> torch.Tensor:
+    """Forward, loss, backward, as the training loop ``loop`` runs them.
+
+    Args:
+        model, inputs: ``model`` is called on ``inputs`` as by :func:`call_model`.
+        loss_fn: ``loss_fn(output) -> scalar``; ``None``: :func:`default_loss`.
+        between: runs after the loss and before backward.
+        loop: ``"holds_output"`` (default) keeps the model's output referenced until
+            backward has finished, then releases it before returning;
+            ``"loss_only"`` releases it before backward. See NOTE [ Which loop a step
+            models ].
+
+    Returns:
+        The loss, detached.
+    """
+    check_loop(loop)
+    output = call_model(model, inputs)
+    loss = (loss_fn or default_loss)(output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise RematError(f"loss_fn must return a scalar tensor, got "
+                         f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+    if not loss.requires_grad:
+        raise RematError("the loss does not require grad: no parameter of the model is "
+                         "trainable, or the output was detached")
+    held = output if loop == "holds_output" else None
+    del output
+    if between is not None:
+        between()
+    loss.backward()
+    del held  # backward has finished: "holds_output" lets the output go only now
+    return loss.detach()
+
+
+def output_bytes(output: Any, loss: torch.Tensor | None = None) -> int:
+    """Bytes of the distinct storages in a model's output other than the loss's: what a
+    loop that holds the output through backward keeps alive beyond the loss."""
+    skip = loss.untyped_storage()._cdata if isinstance(loss, torch.Tensor) else None
+    return unique_storage_bytes([t for t in flat_tensors(output)
+                                 if t.untyped_storage()._cdata != skip])
+
+
+def describe_inputs(inputs: Any) -> str:
+    """``"idx: (4, 128) int64, targets: (4, 128) int64"``-style signature of the inputs."""
+    def one(t: Any) -> str:
+        if isinstance(t, torch.Tensor):
+            return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        return type(t).__name__
+    if isinstance(inputs, dict):
+        return ", ".join(f"{k}: {one(v)}" for k, v in inputs.items())
+    if isinstance(inputs, (tuple, list)):
+        return ", ".join(one(v) for v in inputs)
+    return one(inputs)
+
+
+def unique_storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages among the tensors in a (nested) structure."""
+    seen: dict[int, int] = {}
+    for t in tree_flatten(tensors)[0]:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+@contextmanager
+def training_config(model: nn.Module) -> Iterator[list[str]]:
+    """Turn off a Hugging Face KV cache while training (restored on exit).
+
+    With ``config.use_cache`` on, every layer appends to the cache in forward, and a
+    recompute appends again: wrong memory and a broken recompute. Hugging Face turns it
+    off when gradient checkpointing is enabled; we do the same, and say so.
+    """
+    config = getattr(model, "config", None)
+    notes: list[str] = []
+    if model.training and getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        notes.append("config.use_cache was turned off while training (a KV cache is "
+                     "useless in training and breaks recomputation)")
+        try:
+            yield notes
+        finally:
+            config.use_cache = True  # type: ignore[union-attr]
+        return
+    yield notes
+
+
+@contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Run measurement steps without leaving a trace on the model or the RNGs.
+
+    Saves and restores: buffers (BatchNorm statistics), parameters' ``.grad``, the
+    Python, CPU and CUDA random states. Gradients are ``None`` inside.
+    """
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    grads = [(p, p.grad) for p in model.parameters()]
+    py_state = random.getstate()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
+        try:
+            for p, _ in grads:
+                p.grad = None
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            for p, g in grads:
+                p.grad = g
+            random.setstate(py_state)

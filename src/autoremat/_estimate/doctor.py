@@ -1,0 +1,575 @@
+"""``autoremat doctor``: will this training step fit in this much memory, and if not, what to do.
+
+The doctor measures the step on ``meta`` tensors with :func:`autoremat.estimate.estimate`
+and compares the whole iteration's peak (parameters, optimizer state, batch, and the
+larger of the forward/backward and the optimizer-step peaks) with the device's memory.
+It prescribes, in order:
+
+1. nothing, when the plain step fits;
+2. activation checkpointing, when every block checkpointed fits: the cheapest plan the
+   planner finds, with selective recompute among its options (or every block, when the
+   planner finds none);
+3. otherwise, remedies, each with its estimated effect: a fused optimizer, a chunked loss
+   when the logits dominate, a smaller micro-batch with gradient accumulation
+   (re-measured at that batch, not scaled), sharding optimizer state, gradients and
+   parameters over N data-parallel ranks (ZeRO-1/2/3 arithmetic), and if none is enough
+   alone, all of them together.
+
+NOTE [ Hugging Face configs for training ]
+    :func:`build_hf_model` sets ``use_cache=False``, as Transformers itself does when
+    training with gradient checkpointing: with the cache on, every recompute appends its
+    keys and values to the cache and the checkpointed step grows by two (B, heads, T,
+    head_dim) tensors per layer. Attention is ``"autoremat_sdpa"`` (see NOTE [ Hugging
+    Face models on meta ] in ``fake.py``): Transformers' SDPA without mask building.
+
+Known limitations:
+    * ZeRO figures are arithmetic on the measured step: gradients shard as they are
+      reduced (buckets ignored), and FSDP holds two blocks' parameters unsharded.
+    * The chunked-loss figure assumes everything the head and loss create (except the
+      head's weight gradients) shrinks with the chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autoremat import zoo
+from autoremat._core.blocks import BlockSpec
+from autoremat._core.errors import BudgetError, RematError, did_you_mean
+from autoremat._core.step import LossFn, unique_storage_bytes
+from autoremat._core.units import format_bytes, parse_size
+from autoremat._estimate.estimate import (
+    LOSS_CHUNKS,
+    Estimate,
+    StepPeak,
+    estimate,
+    measure_step,
+    parse_dtype,
+    register_hf_attention,
+)
+from autoremat._measure.tape import dump_json
+from autoremat._targets import load_target, parse_options
+
+__all__ = [
+    "HF_FAMILIES",
+    "Prescription",
+    "Remedy",
+    "build_hf_model",
+    "doctor",
+    "doctor_main",
+    "plot_memory",
+]
+
+DOCTOR_SCHEMA_VERSION = 1
+_RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # data-parallel sizes tried for sharding
+_FUSED = ("adamw", "adam", "sgd", "sgd-momentum")  # optimizers with fused=True in torch.optim
+
+# family -> (config class, model class) in transformers
+HF_FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "bert": ("BertConfig", "BertForMaskedLM"),
+}
+# learned position tables limit the sequence; rotary families (llama, ...) have no table
+_POSITION_LIMITS = {"gpt2": "n_positions", "bert": "max_position_embeddings"}
+
+
+# --- building targets ----------------------------------------------------------------------
+
+
+def build_hf_model(family: str, config_overrides: dict[str, Any] | None = None, batch: int = 1,
+                   seq: int = 2048, dtype: torch.dtype | str | None = None, *,
+                   device: str | torch.device = "meta",
+                   seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A Transformers model built from its config class (nothing downloaded), in train mode,
+    and a batch of ``input_ids`` and ``labels`` of shape (batch, seq).
+
+    Args:
+        family: one of :data:`HF_FAMILIES` (``"llama"``, ``"mistral"``, ``"qwen2"``,
+            ``"gpt2"``, ``"bert"``).
+        config_overrides: fields of the family's config, e.g. ``{"num_hidden_layers": 32}``;
+            a misspelt field is an error (Transformers would silently keep it).
+        batch, seq: the batch shape.
+        dtype: floating dtype of parameters and buffers (default: the config's float32).
+        device: ``"meta"`` (default: nothing allocated) or a real device for comparisons.
+        seed: seeds the weights and token ids on a real device.
+
+    Example:
+        >>> model, inputs = build_hf_model("gpt2", {"n_layer": 2}, batch=1, seq=16)
+        >>> type(model).__name__, tuple(inputs["input_ids"].shape)
+        ('GPT2LMHeadModel', (1, 16))
+    """
+    key = family.strip().lower()
+    if key not in HF_FAMILIES:
+        raise RematError(f"unknown Hugging Face family {family!r}.{did_you_mean(key, HF_FAMILIES)}"
+                         f" Available: {', '.join(HF_FAMILIES)}")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise RematError("--hf needs transformers: pip install 'autoremat[hf]'") from exc
+    config_cls = getattr(transformers, HF_FAMILIES[key][0])
+    model_cls = getattr(transformers, HF_FAMILIES[key][1])
+    overrides = dict(config_overrides or {})
+    defaults = config_cls()
+    valid = set(vars(defaults)) | set(getattr(config_cls, "attribute_map", {}))
+    for name in overrides:
+        if name not in valid:
+            raise RematError(f"{HF_FAMILIES[key][0]} has no field {name!r}."
+                             f"{did_you_mean(name, sorted(valid))}")
+    overrides.setdefault("use_cache", False)
+    overrides.setdefault("attn_implementation", register_hf_attention() or "sdpa")
+    config = config_cls(**overrides)
+    limit = _POSITION_LIMITS.get(key)
+    if limit is not None and seq > getattr(config, limit):
+        raise RematError(f"{family}: seq={seq} exceeds {limit}={getattr(config, limit)}; "
+                         f"add {limit}={seq} to the config")
+    if batch < 1 or seq < 1:
+        raise RematError(f"batch and seq must be at least 1, got batch={batch}, seq={seq}")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))  # (B, T)
+    cast = parse_dtype(dtype)
+    if cast is not None:
+        model.to(dtype=cast)
+    model.train()
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def _load_target(target: str | None, args: argparse.Namespace,
+                 config: dict[str, Any]) -> tuple[str, nn.Module, Any]:
+    """(description, model, inputs) for ``--hf``, a zoo name or ``module:factory``."""
+    if args.hf is not None:
+        if target is not None:
+            raise RematError(f"give either a target ({target!r}) or --hf, not both")
+        batch, seq = args.batch or 1, args.seq or 2048
+        model, inputs = build_hf_model(args.hf, config, batch, seq, args.dtype)
+        return f"hf:{args.hf} batch {batch} seq {seq}", model, inputs
+    if target is None:
+        raise RematError("name what to examine: a zoo model (" + ", ".join(zoo.names()) +
+                         "), module:factory, or --hf FAMILY --config ...")
+    sizes = {k: v for k, v in (("batch_size", args.batch), ("seq_len", args.seq)) if v}
+    clash = sorted(set(sizes) & set(config))
+    if clash:
+        raise RematError(f"{', '.join(clash)} given twice, in --config and as --batch/--seq; "
+                         "give each once")
+    dtype = parse_dtype(args.dtype)
+    model, inputs = load_target(target, {**config, **sizes}, device="meta",
+                                dtype=(dtype or torch.float32) if ":" not in target else None)
+    return (target if ":" in target else f"zoo:{target}"), model, inputs
+
+
+# --- the prescription ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One thing to change, and the device peak it leads to."""
+
+    name: str  # "fused-optimizer", "chunked-loss", "micro-batch", "zero-1", ..., "combined"
+    action: str  # what to do, in one sentence
+    total_peak_bytes: int  # the iteration's device peak with it (best checkpointing choice)
+    fits: bool
+    checkpointing: str  # "none" or "every block" (the lighter one that fits, if any)
+
+
+@dataclass(frozen=True)
+class Prescription:
+    """The doctor's answer. ``print(p)`` shows it; ``p.fits_as_is`` / ``p.fits`` decide."""
+
+    target: str
+    memory_bytes: int
+    estimate: Estimate
+    fits_as_is: bool  # the plain step fits
+    fits: bool  # fits as is or with checkpointing (no other change)
+    verdict: str
+    plan_total_peak_bytes: int | None  # with the prescribed checkpointing, when it fits
+    plan_recompute_overhead: float | None  # its extra FLOPs over the plain step
+    plan_source: str | None  # "planner" or "every block" (the planner is not available)
+    remedies: tuple[Remedy, ...] = ()
+    notes: tuple[str, ...] = ()
+    plot_path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["estimate"] = self.estimate.to_dict()
+        data["remedies"] = [dataclasses.asdict(r) for r in self.remedies]
+        data["schema_version"] = DOCTOR_SCHEMA_VERSION
+        return data
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        return dump_json(self.to_dict(), path)
+
+    def __str__(self) -> str:
+        lines = [str(self.estimate), "", self.verdict]
+        if self.remedies:
+            lines.append("Remedies, each on its own (peak of the iteration with it):")
+            for r in self.remedies:
+                ckpt = "no checkpointing" if r.checkpointing == "none" else \
+                    f"{r.checkpointing} checkpointed"
+                lines.append(f"  {'fits' if r.fits else 'no':<5}{r.name:<16}"
+                             f"{format_bytes(r.total_peak_bytes):>11}  ({ckpt})")
+                lines.append(textwrap.fill(r.action, width=100, initial_indent=" " * 21,
+                                           subsequent_indent=" " * 21))
+        lines.extend(f"Note: {n}" for n in self.notes)
+        if self.plot_path:
+            lines.append(f"Plot: {self.plot_path}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One way to run the step, for the device-peak arithmetic."""
+
+    ckpt: bool = False  # every block checkpointed
+    chunked_loss: bool = False
+    fused_optimizer: bool = False
+    zero_stage: int = 0  # 0: none, 1: optimizer state, 2: + gradients, 3: + parameters
+    ranks: int = 1
+    step: StepPeak | None = None  # measured at another micro-batch (None: the estimate's)
+    input_bytes: int | None = None
+
+
+def _device_peak(est: Estimate, s: _Setting) -> int:
+    """The iteration's device peak under setting ``s`` (see NOTE [ Total peak ])."""
+    step = s.step or _steps(est)[s.ckpt]
+    n = s.ranks if s.zero_stage else 1
+    peak = step.peak_bytes
+    if s.chunked_loss and step.chunked_loss_peak_bytes is not None:
+        peak = min(peak, step.chunked_loss_peak_bytes)
+    grads = est.grad_bytes
+    if s.zero_stage >= 2:
+        peak -= step.grads_at_peak_bytes - step.grads_at_peak_bytes // n
+        grads //= n
+    optimizer = est.optimizer_bytes // n if s.zero_stage >= 1 else est.optimizer_bytes
+    opt_step = 0 if s.fused_optimizer else est.optimizer_step_bytes // n
+    params = est.param_bytes
+    if s.zero_stage >= 3:
+        params = params // n + 2 * _largest_unit_param_bytes(est)
+    inputs = est.input_bytes if s.input_bytes is None else s.input_bytes
+    return params + est.buffer_bytes + inputs + optimizer + max(peak, grads + opt_step)
+
+
+def _largest_unit_param_bytes(est: Estimate) -> int:
+    blocks = [b.param_bytes for b in est.tape.blocks] if est.tape is not None else [0]
+    return max(*blocks, est.param_bytes - sum(blocks))
+
+
+def _steps(est: Estimate) -> dict[bool, StepPeak]:
+    return {
+        False: StepPeak(est.step_peak_bytes, est.peak_breakdown.get("gradients", 0),
+                        est.head_chunked_step_peak_bytes),
+        True: StepPeak(est.ckpt_step_peak_bytes, est.ckpt_peak_breakdown.get("gradients", 0),
+                       est.ckpt_head_chunked_step_peak_bytes),
+    }
+
+
+def _best(est: Estimate, memory: int, name: str, action: str, **setting: Any) -> Remedy:
+    """The remedy without checkpointing if that fits, else with every block checkpointed."""
+    plain = _device_peak(est, _Setting(ckpt=False, **setting))
+    if plain <= memory:
+        return Remedy(name, action, plain, True, "none")
+    ckpt = _device_peak(est, _Setting(ckpt=True, **setting))
+    return Remedy(name, action, ckpt, ckpt <= memory, "every block")
+
+
+def _batch_of(inputs: Any) -> int | None:
+    """The leading size of the first tensor in ``inputs`` (the batch, by convention)."""
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.dim()]
+    return int(tensors[0].shape[0]) if tensors else None
+
+
+def _rebatch(inputs: Any, batch: int, new: int) -> Any:
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch:
+            return torch.empty_like(t[:new], device="meta")
+        return t
+
+    return tree_map(cut, inputs)
+
+
+def _remedies(est: Estimate, memory: int, model: nn.Module, inputs: Any,
+              measure: Callable[[Any, bool], StepPeak]) -> list[Remedy]:
+    out: list[Remedy] = []
+    opt = (est.optimizer or "").lower()
+    if opt in _FUSED and est.optimizer_step_bytes > 0:
+        out.append(_best(est, memory, "fused-optimizer",
+                         f"construct the optimizer with fused=True: it updates in place, without "
+                         f"the {format_bytes(est.optimizer_step_bytes)} of foreach temporaries",
+                         fused_optimizer=True))
+    for ckpt, peak, chunked in ((False, est.step_peak_bytes, est.head_chunked_step_peak_bytes),
+                                (True, est.ckpt_step_peak_bytes,
+                                 est.ckpt_head_chunked_step_peak_bytes)):
+        if chunked is None or chunked >= peak:
+            continue
+        chunks = _best(est, memory, "chunked-loss", "", chunked_loss=True)
+        if (chunks.checkpointing != "none") != ckpt:
+            continue  # the other configuration is the one that ends up used
+        out.append(dataclasses.replace(chunks, action=(
+            f"compute the logits and loss in {LOSS_CHUNKS} chunks of the sequence (a chunked "
+            f"or fused linear+cross-entropy): the logits and their gradient make the step's "
+            f"peak, which drops by about {format_bytes(peak - chunked)}")))
+    batch = _batch_of(inputs)
+    micro = _micro_batch(est, memory, inputs, batch, measure) if batch and batch > 1 else None
+    if micro is not None:
+        out.append(micro)
+    for stage, label, what in ((1, "zero-1", "optimizer state"),
+                               (2, "zero-2", "optimizer state and gradients"),
+                               (3, "fsdp", "parameters, gradients and optimizer state")):
+        remedy = _sharded(est, memory, stage, label, what)
+        if remedy is not None:
+            out.append(remedy)
+    if out and not any(r.fits for r in out):
+        out.append(_combined(est, memory, inputs, batch, measure))
+    return out
+
+
+def _sharded(est: Estimate, memory: int, stage: int, label: str, what: str) -> Remedy | None:
+    how = {1: "ZeRO-1, e.g. torch.distributed.optim.ZeroRedundancyOptimizer",
+           2: "ZeRO-2, e.g. DeepSpeed stage 2", 3: "FSDP2 fully_shard or ZeRO-3"}[stage]
+    remedy: Remedy | None = None
+    for n in _RANKS:
+        remedy = _best(est, memory, label,
+                       f"shard the {what} over {n} data-parallel ranks ({how})",
+                       zero_stage=stage, ranks=n)
+        if remedy.fits:
+            return remedy
+    if remedy is None:
+        return None
+    return dataclasses.replace(remedy, action=f"sharding the {what} ({how}) is not enough "
+                                              f"alone, even over {_RANKS[-1]} ranks")
+
+
+def _micro_batch(est: Estimate, memory: int, inputs: Any, batch: int,
+                 measure: Callable[[Any, bool], StepPeak]) -> Remedy | None:
+    sizes = sorted({max(1, batch // 2**k) for k in range(1, 12)} - {batch}, reverse=True)
+    last: Remedy | None = None
+    for micro in sizes:
+        small = _rebatch(inputs, batch, micro)
+        steps = {False: measure(small, False), True: measure(small, True)}
+        action = (f"micro-batch {micro} with {math.ceil(batch / micro)} gradient-accumulation "
+                  f"steps (effective batch {batch}); re-measured at batch {micro}")
+        input_bytes = unique_storage_bytes(small)
+        plain = _device_peak(est, _Setting(step=steps[False], input_bytes=input_bytes))
+        ckpt = _device_peak(est, _Setting(ckpt=True, step=steps[True], input_bytes=input_bytes))
+        last = Remedy("micro-batch", action, plain, True, "none") if plain <= memory else \
+            Remedy("micro-batch", action, ckpt, ckpt <= memory, "every block")
+        if last.fits:
+            return last
+    return last
+
+
+def _combined(est: Estimate, memory: int, inputs: Any, batch: int | None,
+              measure: Callable[[Any, bool], StepPeak]) -> Remedy:
+    step, input_bytes, parts = None, None, ["every block checkpointed"]
+    if batch and batch > 1:
+        small = _rebatch(inputs, batch, 1)
+        step, input_bytes = measure(small, True), unique_storage_bytes(small)
+        parts.append(f"micro-batch 1 x {batch} accumulation steps")
+    fused = (est.optimizer or "").lower() in _FUSED
+    parts += ["fused optimizer"] * fused + [f"loss in {LOSS_CHUNKS} chunks"]
+    total = 0
+    for n in _RANKS:
+        total = _device_peak(est, _Setting(ckpt=True, chunked_loss=True, fused_optimizer=fused,
+                                           zero_stage=3, ranks=n, step=step,
+                                           input_bytes=input_bytes))
+        if total <= memory:
+            break
+    return Remedy("combined", ", ".join([*parts, f"FSDP over {n} ranks"]), total,
+                  total <= memory, "every block")
+
+
+def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
+           device: str | torch.device | None = "cuda", dtype: torch.dtype | str | None = None,
+           optimizer: str | int | None = "adamw", loss_fn: LossFn | None = None,
+           blocks: BlockSpec = None, throughput_flops: float | None = None,
+           plot_path: str | os.PathLike[str] | None = None,
+           target: str | None = None) -> Prescription:
+    """Estimate a training step on ``meta`` and prescribe what makes it fit in ``memory``.
+
+    Args:
+        model, inputs: as for :func:`autoremat.estimate.estimate` (any device; ``meta``
+            is cheapest).
+        memory: the device's memory (``"80GiB"``, bytes).
+        device, dtype, optimizer, loss_fn, blocks, throughput_flops: as for ``estimate``.
+        plot_path: write a PNG of where the memory goes there (needs matplotlib).
+        target: a label for the report (default: the model's class name).
+
+    Returns:
+        A :class:`Prescription`.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("gpt2", device="meta", n_layer=2)
+        >>> p = doctor(model, inputs, memory="1GiB")
+        >>> p.fits_as_is
+        True
+    """
+    limit = parse_size(memory, what="memory")
+    options: dict[str, Any] = {"loss_fn": loss_fn, "blocks": blocks, "device": device,
+                               "dtype": dtype, "optimizer": optimizer,
+                               "throughput_flops": throughput_flops}
+    # selective-recompute options cost a pass per save-set: measured only for a plan
+    est = estimate(model, inputs, selective=False, **options)
+    label = target or est.model
+    plain, ckpt = est.total_peak_bytes, est.ckpt_total_peak_bytes
+    notes: list[str] = []
+    plan_total: int | None = None
+    overhead: float | None = None
+    source: str | None = None
+    remedies: list[Remedy] = []
+    if plain <= limit:
+        verdict = (f"FITS in {format_bytes(limit)} without checkpointing: peak "
+                   f"{format_bytes(plain)}, {format_bytes(limit - plain)} to spare.")
+    elif ckpt <= limit:
+        try:
+            est = estimate(model, inputs, max_memory=limit, **options)
+        except BudgetError as exc:
+            notes.append(f"the planner found no plan under the limit ({exc}); the "
+                         f"prescription checkpoints every block")
+        if est.plan_total_peak_bytes is not None:
+            plan_total, overhead, source = (est.plan_total_peak_bytes,
+                                            est.recompute_overhead or 0.0, "planner")
+        else:
+            plan_total, overhead, source = (est.ckpt_total_peak_bytes,
+                                            est.ckpt_recompute_overhead, "every block")
+        verdict = (f"FITS in {format_bytes(limit)} with checkpointing ({source}): peak "
+                   f"{format_bytes(plan_total)} instead of {format_bytes(plain)}, "
+                   f"+{100 * overhead:.1f}% FLOPs recomputed.")
+    else:
+        def measure(small: Any, ckpt_all: bool) -> StepPeak:
+            return measure_step(model, small, loss_fn=loss_fn, blocks=blocks, device=est.device,
+                                dtype=dtype, checkpoint_all=ckpt_all)
+
+        remedies = _remedies(est, limit, model, inputs, measure)
+        verdict = (f"DOES NOT FIT in {format_bytes(limit)}: peak {format_bytes(plain)} without "
+                   f"checkpointing, {format_bytes(ckpt)} with every block checkpointed.")
+    result = Prescription(
+        target=label, memory_bytes=limit, estimate=est, fits_as_is=plain <= limit,
+        fits=ckpt <= limit, verdict=verdict, plan_total_peak_bytes=plan_total,
+        plan_recompute_overhead=overhead, plan_source=source, remedies=tuple(remedies),
+        notes=tuple(notes))
+    if plot_path is not None:
+        plot_memory(result, plot_path)
+        result = dataclasses.replace(result, plot_path=str(plot_path))
+    return result
+
+
+# --- the plot ------------------------------------------------------------------------------
+
+
+def plot_memory(prescription: Prescription, path: str | os.PathLike[str]) -> None:
+    """Stacked bars of where the device's memory goes at the peak of each phase (forward+
+    backward without and with checkpointing, the optimizer step), against the limit."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise RematError("the plot needs matplotlib: pip install 'autoremat[plot]'") from exc
+    est = prescription.estimate
+    resting = [est.param_bytes, est.optimizer_bytes, est.buffer_bytes + est.input_bytes]
+    segments = ["parameters", "optimizer state", "buffers + batch", "activations",
+                "gradients", "temporaries", "optimizer step temporaries"]
+    bars: dict[str, list[int]] = {}
+    for label, breakdown in (("forward+backward\nno checkpointing", est.peak_breakdown),
+                             ("forward+backward\nevery block\ncheckpointed",
+                              est.ckpt_peak_breakdown)):
+        bars[label] = [*resting, breakdown.get("activations", 0), breakdown.get("gradients", 0),
+                       breakdown.get("temporaries", 0), 0]
+    bars["optimizer.step()"] = [*resting, 0, est.grad_bytes, 0, est.optimizer_step_bytes]
+    gib = 2**30
+    figure = Figure(figsize=(9, 4.8))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for x, values in enumerate(bars.values()):
+        bottom = 0.0
+        for i, value in enumerate(values):
+            axes.bar(x, value / gib, bottom=bottom, color=f"C{i}", width=0.6,
+                     label=segments[i] if x == 0 else None)
+            bottom += value / gib
+    axes.axhline(prescription.memory_bytes / gib, color="black", linestyle="--",
+                 label=f"memory {format_bytes(prescription.memory_bytes)}")
+    axes.set_xticks(range(len(bars)), list(bars))
+    axes.set_ylabel("GiB on the device")
+    axes.set_title(f"{prescription.target} on {est.device}: peak of each phase")
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    figure.savefig(tmp, format="png", dpi=110)
+    os.replace(tmp, target)
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoremat doctor",
+        description="Will a training step fit in this much memory, and if not, what to do. "
+                    "Runs the step on fake (meta) tensors: nothing is allocated or downloaded. "
+                    "Exit status: 0 fits (maybe with checkpointing), 1 does not fit, 2 error.")
+    parser.add_argument("target", nargs="?",
+                        help=f"a zoo model ({', '.join(zoo.names())}) or module:factory "
+                             f"returning (model, inputs); or use --hf")
+    parser.add_argument("--hf", metavar="FAMILY",
+                        help=f"a Transformers family built from its config: "
+                             f"{', '.join(HF_FAMILIES)}")
+    parser.add_argument("--config", "--set", default="", metavar="K=V,...",
+                        help="config fields (Transformers config, zoo options or factory "
+                             "keyword arguments), e.g. num_hidden_layers=32,hidden_size=4096")
+    parser.add_argument("--batch", type=int, help="batch size (--hf default 1)")
+    parser.add_argument("--seq", type=int, help="sequence length (--hf default 2048)")
+    parser.add_argument("--dtype", help="floating dtype of parameters and inputs: bf16, fp16, "
+                                        "fp32")
+    parser.add_argument("--optimizer", default="adamw",
+                        help="adamw (default), adam, sgd, sgd-momentum, rmsprop, adagrad, "
+                             "none, or the state's size (e.g. 20GiB)")
+    parser.add_argument("--memory", default="80GiB", help="device memory (default 80GiB)")
+    parser.add_argument("--device", default="cuda", help="device to estimate for (default cuda)")
+    parser.add_argument("--throughput", type=float, metavar="FLOP/S",
+                        help="sustained FLOP/s of the device, to turn FLOPs into seconds")
+    parser.add_argument("--plot", metavar="PNG", help="write a stacked bar of the memory here")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+def _optimizer_arg(text: str) -> str | int | None:
+    if text.strip().lower() == "none":
+        return None
+    if text.strip()[:1].isdigit():
+        return parse_size(text, what="optimizer state")
+    return text
+
+
+def doctor_main(argv: Sequence[str]) -> int:
+    """``autoremat doctor ...``; returns the exit status (0 fits, 1 does not fit, 2 error)."""
+    args = _parser().parse_args(list(argv))
+    try:
+        config = parse_options(args.config)
+        label, model, inputs = _load_target(args.target, args, config)
+        result = doctor(model, inputs, memory=args.memory, device=args.device,
+                        dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),
+                        throughput_flops=args.throughput, plot_path=args.plot, target=label)
+    except RematError as exc:
+        print(f"autoremat doctor: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.to_json() if args.json else result)
+    return 0 if result.fits else 1
+

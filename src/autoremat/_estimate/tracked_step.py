@@ -1,0 +1,228 @@
+"""One forward+backward on ``meta``, tracked storage by storage, each storage attributed to
+the module whose forward (or the block whose backward) made it.
+
+:func:`measure_step` gives just the step peak, for re-measuring at another batch size;
+:func:`autoremat.estimate.estimate` reads the same tracked run for its breakdowns: the
+storages alive at the peak (:class:`LiveTensor`), what forward leaves for backward, and the
+peak with the head and loss computed in :data:`LOSS_CHUNKS` slices
+(:func:`chunked_loss_peak`).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoremat._core.blocks import BlockSpec, resolve_blocks
+from autoremat._core.memory import MemoryTracker, Rounding, track_memory
+from autoremat._core.ops import op_kind
+from autoremat._core.step import Loop, LossFn, check_loop, preserved_state, run_step
+from autoremat._estimate.fake import (
+    _hf_attention_without_masks,
+    _resolve_device,
+    parse_dtype,
+    sdpa_as_on,
+    to_meta,
+)
+from autoremat._mechanism.wrap import checkpointed
+
+__all__ = [
+    "LOSS_CHUNKS",
+    "LiveTensor",
+    "StepPeak",
+    "measure_step",
+]
+
+LOSS_CHUNKS = 8  # slices of the head and loss assumed by the chunked-loss figures
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """A storage alive at the step's peak."""
+
+    nbytes: int
+    op: str  # the ATen op that created it, e.g. "aten.mm.default"
+    where: str  # the module whose forward created it ("lm_head"), or "backward: <block>"
+    kind: str  # "activation" (made in forward), "gradient" or "temporary" (backward)
+
+
+@dataclass
+class _Run:
+    mem: MemoryTracker
+    where: list[str]  # per record of mem.records
+    backward_event: int
+    head: tuple[int, int] | None  # events from the last block's forward end to its backward
+
+
+@dataclass
+class _MarkWalk:
+    """Replays the marks of a tracked step in event order: the forward call stack, the
+    phase, the block whose backward is running, and when each block ended."""
+
+    marks: list[tuple[int, str]]
+    next: int = 0
+    phase: str = "forward"
+    bwd_block: str = "head and loss"  # backward before the last block's is the head's
+    modules: list[str] = field(default_factory=list)
+    first_exit: dict[str, int] = field(default_factory=dict)
+    first_bwd: dict[str, int] = field(default_factory=dict)
+
+    def advance(self, until: int) -> None:
+        """Apply the marks made before event ``until``."""
+        while self.next < len(self.marks) and self.marks[self.next][0] < until:
+            event, label = self.marks[self.next]
+            kind, _, name = label.partition(":")
+            if kind == "enter":
+                self.modules.append(name)
+            elif kind == "exit":
+                if self.modules and self.modules[-1] == name:
+                    self.modules.pop()
+                self.first_exit.setdefault(name, event)
+            elif kind == "bwd":
+                self.bwd_block = name
+                self.first_bwd.setdefault(name, event)
+            elif label == "backward":
+                self.phase = "backward"
+            self.next += 1
+
+
+def _tracked_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+                  *, checkpoint_all: bool, rounding: Rounding | None, loop: Loop) -> _Run:
+    root = type(model).__name__
+    block_set = set(names)
+    with ExitStack() as stack, track_memory(rounding) as mem:
+        for qualname, module in model.named_modules():
+            def pre(module: nn.Module, args: Any, qualname: str = qualname) -> None:
+                mem.mark(f"enter:{qualname}")
+
+            def post(module: nn.Module, args: Any, output: Any, qualname: str = qualname) -> None:
+                mem.mark(f"exit:{qualname}")
+                if qualname in block_set and torch.is_grad_enabled():
+                    out = next((t for t in _tensors(output) if t.requires_grad), None)
+                    if out is not None:
+                        out.register_hook(lambda g, n=qualname: mem.mark(f"bwd:{n}"))
+
+            stack.callback(module.register_forward_pre_hook(pre).remove)
+            stack.callback(module.register_forward_hook(post).remove)
+        if checkpoint_all:
+            stack.enter_context(checkpointed(model, names))
+        run_step(model, inputs, loss_fn, between=lambda: mem.mark("backward"), loop=loop)
+    for p in model.parameters():
+        p.grad = None  # inside preserved_state: the caller's gradients come back after
+
+    walk = _MarkWalk(list(mem.marks))  # in event order already; never sort them
+    where: list[str] = []
+    for record in mem.records:
+        walk.advance(record.born)
+        if walk.phase == "forward":
+            where.append((walk.modules[-1] or root) if walk.modules else "(outside the model)")
+        else:
+            # No "recompute" label: checkpoint stops recomputing early, so the forward hooks
+            # that would close a recomputed module never run.
+            where.append(f"backward: {walk.bwd_block}")
+    walk.advance(len(mem.levels) + 1)
+    backward_event = next(e for e, label in walk.marks if label == "backward")
+    last = names[-1]
+    head = (walk.first_exit[last], walk.first_bwd[last]) \
+        if last in walk.first_exit and last in walk.first_bwd else None
+    return _Run(mem=mem, where=where, backward_event=backward_event, head=head)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
+        obj = list(vars(obj).values()) if hasattr(obj, "__dataclass_fields__") else \
+            list(obj.to_tuple())
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, obj)
+    return found
+
+
+def _live_at_peak(run: _Run, top: int) -> tuple[LiveTensor, ...]:
+    peak = run.mem.peak_event
+    live = []
+    for record, where in zip(run.mem.records, run.where, strict=True):
+        if record.born <= peak and (record.died is None or record.died > peak):
+            kind = ("activation" if not record.backward
+                    else "gradient" if record.died is None else "temporary")
+            live.append(LiveTensor(record.nbytes, record.op, where, kind))
+    live.sort(key=lambda t: -t.nbytes)
+    return tuple(live[:top])
+
+
+def _saved(run: _Run) -> list[tuple[str, str, int]]:
+    """(where, op kind, bytes) of storages made in forward and alive when backward starts."""
+    out = []
+    for record, where in zip(run.mem.records, run.where, strict=True):
+        if (record.born <= run.backward_event and not record.backward
+                and (record.died is None or record.died > run.backward_event)):
+            out.append((where, op_kind(record.op), record.nbytes))
+    return out
+
+
+def chunked_loss_peak(run: _Run, chunks: int) -> int | None:
+    """The step peak if the head and loss (logits and their gradient) ran in ``chunks``
+    slices; ``None`` when the step has no head window. Gradients of the head's weights
+    do not shrink; everything else made in the window is assumed to scale with the slice."""
+    if run.head is None:
+        return None
+    start, stop = run.head
+    levels = run.mem.levels
+    window_peak_event = max(range(start, stop + 1), key=lambda e: levels[e])
+    grads = sum(r.nbytes for r in run.mem.records
+                if start < r.born <= window_peak_event and r.backward and r.died is None)
+    head_rise = levels[window_peak_event] - levels[start]
+    chunked = levels[start] + grads + (head_rise - grads) // chunks
+    outside = max([*levels[:start + 1], *levels[stop:]])
+    return max(outside, chunked)
+
+
+def target_rounding(device_type: str) -> Rounding | None:
+    """How a step on ``meta`` counts bytes for a ``device_type`` target: the CUDA caching
+    allocator's blocks for ``"cuda"`` (NOTE [ CUDA allocator rounding ] in ``memory.py``),
+    exact bytes for any other."""
+    return "cuda" if device_type == "cuda" else None
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """One forward+backward measured on ``meta`` (see :func:`measure_step`)."""
+
+    peak_bytes: int  # the step peak
+    grads_at_peak_bytes: int  # gradients alive at that peak
+    chunked_loss_peak_bytes: int | None  # the peak with the head and loss in 8 chunks
+
+
+def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
+                 blocks: BlockSpec = None, device: str | torch.device | None = None,
+                 dtype: torch.dtype | str | None = None,
+                 checkpoint_all: bool = False, loop: Loop = "holds_output") -> StepPeak:
+    """Just the step peak on ``meta`` (two passes cheaper than
+    :func:`autoremat.estimate.estimate`), with every block checkpointed or none; for
+    re-measuring at another batch size. For a ``cuda`` target storages are counted in
+    the CUDA caching allocator's blocks, as :func:`~autoremat.estimate.estimate` does.
+
+    Args:
+        loop: the training loop, as for :func:`autoremat.estimate.estimate` (default
+            ``"holds_output"``: the output lives until backward has finished).
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp", device="meta", batch_size=8)
+        >>> measure_step(model, inputs).peak_bytes > 0
+        True
+    """
+    check_loop(loop)
+    target = torch.device(_resolve_device(model, device)).type
+    model, inputs = to_meta(model, inputs, parse_dtype(dtype))
+    names = resolve_blocks(model, blocks)
+    with preserved_state(model), sdpa_as_on(target), _hf_attention_without_masks(model, inputs):
+        run = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=checkpoint_all,
+                            rounding=target_rounding(target), loop=loop)
+    return StepPeak(peak_bytes=run.mem.peak_bytes,
+                    grads_at_peak_bytes=run.mem.breakdown["gradients"],
+                    chunked_loss_peak_bytes=chunked_loss_peak(run, LOSS_CHUNKS))

@@ -1,0 +1,1 @@
+"""Layer 2, measure: one instrumented training step becomes a Tape."""

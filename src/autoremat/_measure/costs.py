@@ -1,0 +1,88 @@
+"""What recomputation costs, in FLOP-equivalents, from a block's op statistics.
+
+NOTE [ Why not plain FLOPs, and why not measured times ]
+    FLOPs count matmuls and convs but not the memory-bound ops (norms, activations,
+    dropout) a recompute also re-runs, nor the per-op overhead of eager dispatch and of
+    selective checkpointing's policy, which made SAC on an MLP chain 1.21x slower here
+    at "zero" extra FLOPs. Measured times would capture all that but are noisy: two
+    identical blocks would get different costs and the plan would flip between runs.
+    So the cost is a fixed linear model of exact quantities: FLOPs, plus bytes the
+    re-run ops create times a per-device rate, plus a per-op overhead. The rates are
+    rough for each device type and only ever rank plans; every figure autoremat reports
+    is FLOPs or measured time, never this cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from autoremat._core.ops import OpRecord, OpStats
+
+__all__ = ["CostModel", "cost_model_for", "keep_set_cost", "op_cost", "recompute_cost"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates that turn op statistics into FLOP-equivalents."""
+
+    flops_per_byte: float  # memory-bound work per byte an op creates
+    flops_per_random_byte: float  # the same for random ops (RNG is slower than arithmetic)
+    flops_per_op: float  # eager dispatch overhead of re-running one op
+    flops_per_sac_op: float  # selective checkpointing: its dispatch modes see every op
+
+
+# ~100 GFLOP/s matmul, ~5 GB/s elementwise, ~10 us per op on a small multi-core CPU;
+# ~300 TFLOP/s, ~2 TB/s, ~10 us per op on a data-centre GPU.
+# Selective recompute, per op of the block: its two dispatch modes take ~9 us here
+# (selective.py), but measured whole steps cost more: at the gpt2 zoo defaults, Megatron's
+# policy on every block costs 0.8x of whole-block recompute (benchmarks/
+# selective_overhead.md), which 30 us per op reproduces and 9 us (0.55x) does not.
+_MODELS = {
+    "cpu": CostModel(20.0, 80.0, 1e6, 3e6),
+    "cuda": CostModel(150.0, 150.0, 3e9, 6e9),
+}
+
+
+def cost_model_for(device: str) -> CostModel:
+    """The cost model for a device string such as ``"cpu"`` or ``"cuda:0"``."""
+    return _MODELS.get(device.split(":")[0], _MODELS["cuda"])
+
+
+def recompute_cost(stats: dict[str, OpStats], fwd_flops: int, model: CostModel,
+                   saved: Iterable[str] | None = None) -> int:
+    """FLOP-equivalents of re-running a block's forward in backward.
+
+    Args:
+        stats: the block's forward op statistics by kind (empty: cost = ``fwd_flops``).
+        saved: op kinds kept by selective checkpointing (``None``: whole-block recompute).
+    """
+    if not stats:
+        return fwd_flops
+    keep = set(saved or ())
+    total = 0.0
+    for kind, s in stats.items():
+        if kind in keep:
+            continue
+        # Whole-block recompute draws random numbers again; selective recompute copies
+        # the kept Bernoulli draws back (NOTE [ Our own selective contexts, and random bits ]).
+        drawn = kind == "dropout" and saved is None
+        rate = model.flops_per_random_byte if drawn else model.flops_per_byte
+        total += s.flops + rate * s.out_bytes + model.flops_per_op * s.count
+    if saved is not None:
+        total += model.flops_per_sac_op * sum(s.count for s in stats.values())
+    return int(total)
+
+
+def op_cost(op: OpRecord, model: CostModel) -> float:
+    """FLOP-equivalents of re-running one op under selective recompute (a random draw is
+    copied back from the kept one, so it costs as memory, not as drawing)."""
+    return op.flops + model.flops_per_byte * op.out_bytes + model.flops_per_op
+
+
+def keep_set_cost(ops: Sequence[OpRecord], keep: Collection[int], skip: Collection[int],
+                  model: CostModel) -> int:
+    """FLOP-equivalents of a block's recompute under a keep-set: every op not kept or
+    skipped re-runs, and the selective dispatch modes see every op."""
+    total = sum(op_cost(o, model) for i, o in enumerate(ops) if i not in keep and i not in skip)
+    return int(total + model.flops_per_sac_op * len(ops))

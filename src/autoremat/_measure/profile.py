@@ -1,0 +1,509 @@
+"""``profile``: measure one training step block by block and return a :class:`Tape`.
+
+NOTE [ Three kinds of run ]
+    Per-op instrumentation slows a step several-fold, so no figure mixes kinds:
+    * memory: four steps under ``track_memory`` (plain; every block checkpointed on its
+      own; and two that alternate kept and checkpointed blocks), with marks at block
+      boundaries. Windows between marks give what the planner composes (see
+      ``tape.py``), for each pair (previous block's mode, this block's mode): who
+      holds a boundary tensor depends on both its producer and its consumer. Memory
+      is exact and deterministic.
+    * FLOPs: one step under a FLOP counter labelled by block.
+    * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
+    Every run follows the training loop ``loop`` (NOTE [ Which loop a step models ] in
+    ``step.py``), so with ``"holds_output"`` each window sees the model's output alive
+    until backward has finished, and every prediction made from the tape includes it.
+    All runs go through ``preserved_state``: BatchNorm statistics, gradients and RNG
+    states are as they were when ``profile`` returns.
+
+NOTE [ Block boundaries in backward ]
+    A forward post-hook registers a tensor hook on the block's output; it fires when
+    that gradient is complete, which is when the block's backward starts. The block's
+    backward ends when the gradient of its input is ready: the previous block's mark, or
+    a hook on the first block's input (when it requires grad), or the end of backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from autoremat._core.blocks import BlockSpec, other_repeated_blocks, resolve_blocks
+from autoremat._core.errors import BlockError, RematError
+from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes, track_memory
+from autoremat._core.ops import OpRecorder, OpStats, op_kind
+from autoremat._core.step import (
+    Loop,
+    LossFn,
+    check_loop,
+    default_loss,
+    describe_inputs,
+    flat_tensors,
+    output_bytes,
+    preserved_state,
+    run_step,
+    training_config,
+    unique_storage_bytes,
+)
+from autoremat._core.timing import clock_for, device_of
+from autoremat._measure.costs import CostModel, cost_model_for
+from autoremat._measure.keepsets import keep_sets
+from autoremat._measure.tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
+from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
+from autoremat._mechanism.wrap import ContextFn, checkpointed
+
+__all__ = ["op_kind", "profile"]
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
+    for t in tree_flatten(obj)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            return t
+    return None
+
+
+@dataclass
+class _Probe:
+    """Hooks at block boundaries; calls ``on_mark(label)`` at each."""
+
+    names: list[str]
+    on_mark: Callable[[str], None]
+    calls: list[int] = field(default_factory=list)
+    input_bytes: list[int] = field(default_factory=list)
+    output_bytes: list[int] = field(default_factory=list)
+    chained: list[bool] = field(default_factory=list)
+    chain_bytes: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # block indices in the order they ran
+    _prev_outputs: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        self.calls = [0] * n
+        self.input_bytes = [0] * n
+        self.output_bytes = [0] * n
+        self.chained = [False] * n
+        self.chain_bytes = [0] * n
+
+    @contextmanager
+    def installed(self, model: nn.Module) -> Iterator[None]:
+        with ExitStack() as stack:
+            for i, name in enumerate(self.names):
+                module = model.get_submodule(name)
+                pre = module.register_forward_pre_hook(self._pre(i), with_kwargs=True)
+                post = module.register_forward_hook(self._post(i))
+                stack.callback(pre.remove)
+                stack.callback(post.remove)
+            yield
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.calls[i] += 1
+            self.order.append(i)
+            self.on_mark(f"fwd:{i}")
+            tensors = flat_tensors((args, kwargs))
+            self.input_bytes[i] = unique_storage_bytes(tensors)
+            self.chained[i] = bool(tensors) and id(tensors[0]) in self._prev_outputs
+            if self.chained[i]:
+                self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
+            if i == 0:
+                first = _first_grad_tensor((args, kwargs))
+                if first is not None:
+                    first.register_hook(self._grad_mark("bwd:-1"))
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            tensors = flat_tensors(output)
+            self.output_bytes[i] = unique_storage_bytes(tensors)
+            self._prev_outputs = [id(t) for t in tensors]
+            out = _first_grad_tensor(tensors)
+            if out is not None:
+                out.register_hook(self._grad_mark(f"bwd:{i}"))
+            if i == len(self.names) - 1:
+                self.on_mark("fwd_end")
+        return hook
+
+    def _grad_mark(self, label: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.on_mark(label)
+        return hook
+
+
+def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+                on_mark: Callable[[str], None], *, loop: Loop) -> _Probe:
+    probe = _Probe(names, on_mark)
+    with probe.installed(model):
+        on_mark("start")
+        run_step(model, inputs, loss_fn, between=lambda: on_mark("backward"), loop=loop)
+        on_mark("end")
+    for name, calls in zip(names, probe.calls, strict=False):
+        if calls != 1:
+            raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
+                             f"over blocks that run once each (pass blocks=[...] to choose)")
+    if probe.order != sorted(probe.order):
+        ran = [names[i] for i in probe.order]
+        raise BlockError(f"the blocks ran in the order {ran}, not in the order given "
+                         f"({names}); autoremat plans over a chain: list the blocks in the "
+                         "order they run")
+    return probe
+
+
+def _marks(mem: MemoryTracker) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for event, label in mem.marks:
+        found.setdefault(label, event)
+    return found
+
+
+def _window(mem: MemoryTracker, start: int, stop: int) -> WindowMemory:
+    base = mem.levels[start]
+    return WindowMemory(peak_bytes=mem.window_peak(start, stop) - base,
+                        delta_bytes=mem.levels[stop] - base)
+
+
+@dataclass
+class _MemoryRun:
+    mem: MemoryTracker
+    probe: _Probe
+    fwd: list[WindowMemory]
+    bwd: list[WindowMemory]
+    pre: WindowMemory
+    post: WindowMemory
+    tail: WindowMemory
+    bounds: list[int]  # forward window starts, then fwd_end
+
+
+def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+                names: list[str], ckpt: list[bool],
+                contexts: dict[str, ContextFn] | None = None, *,
+                rounding: Rounding | None, loop: Loop) -> _MemoryRun:
+    for p in model.parameters():
+        p.grad = None
+    chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
+    with checkpointed(model, chosen, contexts), track_memory(rounding) as mem:
+        probe = _run_marked(model, inputs, loss_fn, names, mem.mark, loop=loop)
+    marks = _marks(mem)
+    n = len(names)
+    missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
+    if missing:
+        raise BlockError(f"no gradient reached the output of block(s) "
+                         f"{[names[int(m[4:])] for m in missing]}; autoremat plans over blocks "
+                         f"whose output is part of the loss")
+    bounds = [marks[f"fwd:{i}"] for i in range(n)] + [marks["fwd_end"]]
+    fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
+    bwd_marks = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    # bwd_marks[i + 1] starts block i's backward; bwd_marks[i] ends it.
+    bwd = [_window(mem, bwd_marks[i + 1], bwd_marks[i]) for i in range(n)]
+    return _MemoryRun(
+        mem=mem, probe=probe, fwd=fwd, bwd=bwd,
+        pre=_window(mem, 0, bounds[0]),
+        post=_window(mem, bounds[-1], bwd_marks[n]),
+        tail=_window(mem, bwd_marks[0], len(mem.levels) - 1),
+        bounds=bounds,
+    )
+
+
+def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
+    """Bytes created in each block's forward window that are alive when backward starts."""
+    mem, bounds = run.mem, run.bounds
+    backward_at = _marks(mem)["backward"]
+    out: list[dict[str, int]] = [{} for _ in range(len(bounds) - 1)]
+    for r in mem.records:
+        if r.born > backward_at or (r.died is not None and r.died <= backward_at):
+            continue
+        for i in range(len(bounds) - 1):
+            if bounds[i] < r.born <= bounds[i + 1]:
+                kind = op_kind(r.op)
+                out[i][kind] = out[i].get(kind, 0) + r.nbytes
+                break
+    return out
+
+
+def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+           names: list[str], *, loop: Loop) -> OpRecorder:
+    counter = OpRecorder()
+
+    def on_mark(label: str) -> None:
+        kind, _, index = label.partition(":")
+        if kind in ("fwd", "bwd") and index != "-1":
+            counter.label = names[int(index)]
+        else:
+            counter.label = "<outside>"
+
+    with counter, torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        _run_marked(model, inputs, loss_fn, names, on_mark, loop=loop)
+    return counter
+
+
+def _recompute_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+                     plain: OpRecorder,
+                     contexts: dict[str, ContextFn] | None = None, *,
+                     loop: Loop) -> list[int]:
+    """Per block, the FLOPs its recompute runs with every block checkpointed (those in
+    ``contexts`` selective with that context): backward FLOPs minus the plain step's.
+    Measured, so checkpoint's early stop (no re-run after the last op backward needs)
+    and skipped dead ops are included."""
+    with checkpointed(model, names, contexts):
+        counter = _flops(model, inputs, loss_fn, names, loop=loop)
+    for p in model.parameters():
+        p.grad = None
+    return [counter.by_label.get((n, "bwd"), 0) - plain.by_label.get((n, "bwd"), 0)
+            for n in names]
+
+
+def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+             repeats: int, *, loop: Loop) -> tuple[list[float], list[float], float]:
+    """Per-block forward and backward medians and the step's, from stamps at the block
+    boundaries: ``perf_counter`` on the CPU, CUDA events read after one synchronise at
+    the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``)."""
+    n = len(names)
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    steps: list[float] = []
+    clock = clock_for(device_of(model, inputs))
+    for _ in range(repeats):
+        stamps: dict[str, Any] = {}
+        def stamp(label: str, stamps: dict[str, Any] = stamps) -> None:
+            if label not in stamps:  # the first time a boundary is reached
+                stamps[label] = clock.stamp()
+
+        clock.sync()
+        _run_marked(model, inputs, loss_fn, names, stamp, loop=loop)
+        clock.sync()
+        for i in range(n):
+            nxt = stamps[f"fwd:{i + 1}"] if i + 1 < n else stamps["fwd_end"]
+            fwd[i].append(clock.elapsed_ms(stamps[f"fwd:{i}"], nxt))
+            end = stamps.get(f"bwd:{i - 1}", stamps["end"]) if i else \
+                stamps.get("bwd:-1", stamps["end"])
+            bwd[i].append(clock.elapsed_ms(stamps[f"bwd:{i}"], end))
+        steps.append(clock.elapsed_ms(stamps["start"], stamps["end"]))
+        for p in model.parameters():
+            p.grad = None
+    return ([statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd],
+            statistics.median(steps))
+
+
+def _mode_of(run: str, i: int) -> str:
+    if run in ("K", "C"):
+        return run
+    even = i % 2 == 0
+    return "C" if even == (run == "even") else "K"
+
+
+def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, WindowMemory]:
+    """Block ``i``'s windows keyed by (previous mode, own mode) over the runs made."""
+    out: dict[str, WindowMemory] = {}
+    for run_name, run in runs.items():
+        prev = _mode_of(run_name, i - 1) if i > 0 else "K"
+        key = prev + _mode_of(run_name, i)
+        out.setdefault(key, run.fwd[i] if which == "fwd" else run.bwd[i])
+    return dict(sorted(out.items()))
+
+
+def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+                    op_stats: list[dict[str, OpStats]], plain: OpRecorder,
+                    cost_model: CostModel,
+                    rounding: Rounding | None, *,
+                    loop: Loop) -> list[dict[str, SelectiveProfile]]:
+    """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
+    step: blocks that have that option run selective, the others fully checkpointed (so
+    every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
+    blocks: checkpoint's early stop skips the ops after the last one backward needs."""
+    out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
+    options: dict[str, dict[str, tuple[ContextFn, SelectiveProfile]]] = {}
+    for i, stats in enumerate(op_stats):  # save-sets of op kinds (NOTE [ Save-sets by op kind ])
+        for save in save_sets(k for k, s in stats.items() if s.count):
+            redo = [s for k, s in stats.items() if k not in save]
+            options.setdefault(save_set_name(save), {})[names[i]] = (
+                selective_context(save), _partial(sum(s.out_bytes for s in redo),
+                                                  sum(s.count for s in redo)))
+    for name in names:  # keep-sets by position (NOTE [ Dead ops ])
+        ops = plain.block_ops(name)
+        signature = op_signature(ops)
+        for k, found in enumerate(keep_sets(ops, cost_model)):
+            rerun = [o for j, o in enumerate(ops)
+                     if j not in found.keep and j not in found.skip]
+            options.setdefault(f"#{k + 1}", {})[name] = (
+                selective_context(keep_ops=found.keep, skip_ops=found.skip,
+                                  signature=signature),
+                _partial(sum(o.out_bytes for o in rerun), len(rerun),
+                         found.keep, found.skip))
+    for key in sorted(options):
+        users = options[key]
+        contexts = {n: ctx for n, (ctx, _) in users.items()}
+        run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), contexts,
+                          rounding=rounding, loop=loop)
+        flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts, loop=loop)
+        for i, name in enumerate(names):
+            if name in users:
+                out[i][key] = dataclasses.replace(users[name][1], fwd=run.fwd[i],
+                                                  bwd=run.bwd[i], recompute_flops=flops[i])
+    return out
+
+
+def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (),
+             skip: tuple[int, ...] = ()) -> SelectiveProfile:
+    """A selective option's static figures; the measured ones are filled in later."""
+    empty = WindowMemory(peak_bytes=0, delta_bytes=0)
+    return SelectiveProfile(fwd=empty, bwd=empty, recompute_flops=0,
+                            recompute_bytes=recompute_bytes, recompute_ops=recompute_ops,
+                            keep_ops=keep, skip_ops=skip)
+
+
+def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
+            blocks: BlockSpec = None, *, repeats: int = 3,
+            with_selective: bool = True, timing: bool = True,
+            rounding: Rounding | None = None, loop: Loop = "holds_output") -> Tape:
+    """Measure one training step of ``model`` block by block.
+
+    Args:
+        model: the model, in the mode you train it in (dropout and BatchNorm active).
+        inputs: a tensor, a tuple of positional args, or a dict of keyword args.
+        loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` when present,
+            else the sum of the first floating tensor in the output.
+        blocks: ``None`` to find the chain of repeated layers, a list of qualified
+            module names, or a predicate ``(name, module) -> bool``.
+        repeats: uninstrumented steps timed (medians are reported).
+        with_selective: also measure selective-recompute options (one more memory step
+            per distinct save-set), so that plans can use them.
+        timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
+            all times as 0.0 and says so in ``tape.notes``. On CUDA, times are taken
+            with CUDA events (see ``timing.py``).
+        rounding: how storage bytes are counted, as in :func:`autoremat.track_memory`:
+            by default by device (the CUDA caching allocator's blocks on a GPU);
+            ``"cuda"`` predicts a GPU's bytes from a step on ``meta``.
+        loop: the training loop to measure (recorded as ``tape.loop``; plans made from
+            the tape hold for it). ``"holds_output"`` (default): the output stays
+            referenced until backward has finished (``out = model(**batch);
+            out.loss.backward()``); a budget that holds for it also holds for a loop
+            that releases the output earlier. ``"loss_only"``: only the loss survives
+            the forward (``loss = model(**batch).loss``, or ``del out`` before
+            backward); tighter, but a loop that holds the output goes over it by up to
+            ``tape.output_bytes``.
+
+    Returns:
+        A frozen :class:`~autoremat.tape.Tape`. The model's buffers, gradients and the
+        RNG states are left as they were.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp")
+        >>> tape = autoremat.profile(model, inputs)
+        >>> len(tape.blocks) > 1
+        True
+
+    Known limitations:
+        * A block that runs more than once per step (shared weights) is rejected.
+        * Times on a busy machine are noisy; planning uses FLOPs and bytes, not times.
+    """
+    if not isinstance(model, nn.Module):
+        raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
+    if repeats < 1:
+        raise RematError(f"repeats must be at least 1, got {repeats}")
+    check_loop(loop)
+    names = resolve_blocks(model, blocks)
+    if names == [""]:
+        raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
+                         f"blocks=[...] with the names of the layers to plan over")
+    with preserved_state(model), training_config(model) as cache_notes:
+        held: list[int] = []
+
+        def measure_output(output: Any) -> torch.Tensor:
+            loss = (loss_fn or default_loss)(output)
+            held.append(output_bytes(output, loss))
+            return loss
+
+        _run_marked(model, inputs, measure_output, names, lambda label: None,
+                    loop=loop)  # warm-up, and the output's size
+        for p in model.parameters():
+            p.grad = None
+        n = len(names)
+        plain = _memory_run(model, inputs, loss_fn, names, [False] * n, rounding=rounding,
+                            loop=loop)
+        grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
+        grad_bytes = unique_storage_bytes(list(grads.values()))
+        block_grad_bytes = [
+            unique_storage_bytes([p.grad for p in model.get_submodule(n).parameters()
+                                  if p.grad is not None]) for n in names
+        ]
+        runs = {"K": plain,
+                "C": _memory_run(model, inputs, loss_fn, names, [True] * n, rounding=rounding,
+                                 loop=loop)}
+        if n > 1:
+            runs["even"] = _memory_run(model, inputs, loss_fn, names,
+                                       [i % 2 == 0 for i in range(n)], rounding=rounding,
+                                       loop=loop)
+            runs["odd"] = _memory_run(model, inputs, loss_fn, names,
+                                      [i % 2 == 1 for i in range(n)], rounding=rounding,
+                                      loop=loop)
+        for p in model.parameters():
+            p.grad = None
+        counter = _flops(model, inputs, loss_fn, names, loop=loop)
+        for p in model.parameters():
+            p.grad = None
+        recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter, loop=loop)
+        op_stats = [counter.block_stats(name) for name in names]
+        params = list(model.parameters())
+        device = str(next((p.device for p in params), torch.device("cpu")))
+        selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
+                                    cost_model_for(device), rounding, loop=loop) \
+            if with_selective else [{} for _ in names]
+        on_meta = any(p.device.type == "meta" for p in params)
+        notes: list[str] = []
+        if blocks is None:
+            others = other_repeated_blocks(model, names)
+            if others:
+                notes.append(f"planning over the blocks found in one container; also "
+                             f"repeated, not planned over: {', '.join(others)} (pass "
+                             "blocks=[...] with all of them, in the order they run)")
+        if timing and not on_meta:
+            fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats,
+                                               loop=loop)
+        else:
+            fwd_ms, bwd_ms, step_ms = [0.0] * n, [0.0] * n, 0.0
+            notes.append("times not measured (" + ("meta tensors" if on_meta else
+                                                   "timing=False") + ")")
+
+    saved = _saved_by_block(plain)
+    block_list = []
+    for i, name in enumerate(names):
+        module = model.get_submodule(name)
+        block_list.append(BlockProfile(
+            name=name, fwd_ms=fwd_ms[i], bwd_ms=bwd_ms[i],
+            fwd_flops=counter.by_label.get((name, "fwd"), 0),
+            bwd_flops=counter.by_label.get((name, "bwd"), 0),
+            recompute_flops=recompute_flops[i],
+            saved_bytes=sum(saved[i].values()),
+            saved_bytes_by_kind=dict(sorted(saved[i].items())),
+            input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],
+            param_bytes=unique_storage_bytes(list(module.parameters())),
+            grad_bytes=block_grad_bytes[i],
+            fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
+            op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],
+            chained=i > 0 and plain.probe.chained[i],
+            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], device, rounding)
+            if i > 0 else 0,
+        ))
+    return Tape(
+        model=type(model).__name__, inputs=describe_inputs(inputs),
+        device=device,
+        blocks=tuple(block_list),
+        step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
+        ckpt_step_peak_bytes=runs["C"].mem.peak_bytes,
+        param_bytes=unique_storage_bytes(params),
+        trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
+        buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        grad_bytes=grad_bytes,
+        pre=plain.pre, post={m: runs[m].post for m in "KC"},
+        tail={m: runs[m].tail for m in "KC"},
+        step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
+        step_ms=step_ms, loop=loop, output_bytes=held[0],
+        notes=tuple(notes + cache_notes + plain.mem.notes),
+    )

@@ -1,0 +1,408 @@
+"""The Tape: what one instrumented training step measured, block by block.
+
+A Tape is plain, frozen data. It prints as a table, and round-trips through versioned
+JSON without the model, so a plan can be made, diffed and reviewed anywhere.
+
+Memory figures are bytes of live tensor storages above the level before the step
+(see "What peak means" in DESIGN.md). Per block, two runs are summarised: ``keep``
+(the plain step) and ``ckpt`` (every block checkpointed on its own). For each, the
+forward window of block ``i`` runs from its forward start to the next block's start,
+and its backward window from the moment the gradient of its output is ready to the
+moment the gradient of its input is ready. Every run follows one training loop,
+``tape.loop`` (NOTE [ Which loop a step models ] in ``step.py``): with
+``"holds_output"`` the model's output is alive through backward, in every window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from autoremat._core.errors import RematError, SchemaError, did_you_mean
+from autoremat._core.ops import OpRecord, OpStats
+from autoremat._core.step import LOOPS, Loop
+from autoremat._core.tables import render_table
+from autoremat._core.units import format_bytes, format_flops
+
+__all__ = [
+    "SCHEMA_VERSION", "BlockProfile", "SelectiveProfile", "Tape", "WindowMemory", "ops_table",
+    "tape_table",
+]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WindowMemory:
+    """Memory over one window of the step, relative to the level at its start."""
+
+    peak_bytes: int  # highest level in the window minus the level at its start
+    delta_bytes: int  # level at the window's end minus the level at its start
+
+
+@dataclass(frozen=True)
+class SelectiveProfile:
+    """A block under selective recompute with one save-set (see ``selective.py``),
+    measured in a step where the blocks around it are checkpointed."""
+
+    fwd: WindowMemory
+    bwd: WindowMemory  # recompute of the unsaved ops included
+    recompute_flops: int  # FLOPs re-run in backward (measured: early stop included)
+    recompute_bytes: int  # bytes those ops create
+    recompute_ops: int  # how many ops are re-run
+    keep_ops: tuple[int, ...] = ()  # a keep-set: op positions whose outputs stay saved
+    skip_ops: tuple[int, ...] = ()  # and the dead ops recompute skips (selective.py)
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block of the chain. Times are medians of uninstrumented steps."""
+
+    name: str  # qualified module name, e.g. "blocks.3"
+    fwd_ms: float  # forward time of the block
+    bwd_ms: float  # backward time (grad of output ready -> grad of input ready)
+    fwd_flops: int  # forward FLOPs
+    bwd_flops: int  # backward FLOPs
+    saved_bytes: int  # bytes created in the block's forward still alive when backward starts
+    saved_bytes_by_kind: dict[str, int]  # the same, by the kind of op that created them
+    input_bytes: int  # unique storages of the tensors passed in
+    output_bytes: int  # unique storages of the tensors returned
+    param_bytes: int  # parameters owned by the block
+    grad_bytes: int  # gradients of the block's trainable parameters
+    # Memory windows keyed by (previous block's mode, this block's mode), K = kept,
+    # C = checkpointed: "KK" is the plain step, "CC" every block checkpointed, "KC" and
+    # "CK" come from steps that alternate. The first block's previous mode is always K.
+    fwd: dict[str, WindowMemory]  # forward window
+    bwd: dict[str, WindowMemory]  # backward window (recompute included when C)
+    chained: bool  # its first tensor input is an output of the previous block, unchanged
+    chain_bytes: int  # bytes of that input when chained (freed early inside a segment)
+    # FLOPs a checkpointed recompute of this block runs (measured: recompute stops
+    # after the last op whose output backward needs, so it can be below fwd_flops).
+    recompute_flops: int = -1  # -1: not measured; use fwd_flops
+    # Forward ops by kind (count, FLOPs, bytes created, ms), for costing recompute.
+    op_stats: dict[str, OpStats] = field(default_factory=dict)
+    # Its forward ops in order (kind, bytes, FLOPs, ms, random/view/in-place, kept).
+    ops: tuple[OpRecord, ...] = ()
+    # Selective recompute options keyed by save-set name, e.g. "matmul" or "bmm+matmul".
+    selective: dict[str, SelectiveProfile] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.recompute_flops < 0:
+            object.__setattr__(self, "recompute_flops", self.fwd_flops)
+
+    @property
+    def keep_fwd(self) -> WindowMemory:
+        return self.fwd["KK"]
+
+    @property
+    def keep_bwd(self) -> WindowMemory:
+        return self.bwd["KK"]
+
+
+@dataclass(frozen=True)
+class Tape:
+    """One measured training step. ``print(tape)`` shows a table.
+
+    The step is: ``pre`` (before the first block), the blocks, ``post`` (after the last
+    block's forward until its backward starts: head and loss forward and backward),
+    the blocks' backward, and ``tail`` (after the first block's backward).
+    """
+
+    model: str  # class name of the model
+    inputs: str  # signature of the inputs: shapes and dtypes
+    device: str
+    blocks: tuple[BlockProfile, ...]
+    step_peak_bytes: int  # measured peak of the plain step
+    peak_breakdown: dict[str, int]  # activations / gradients / temporaries at that peak
+    ckpt_step_peak_bytes: int  # measured peak with every block checkpointed
+    param_bytes: int  # all parameters
+    trainable_param_bytes: int  # parameters that get gradients
+    buffer_bytes: int  # buffers (BatchNorm statistics, rotary tables, ...)
+    grad_bytes: int  # gradient bytes alive after the step
+    pre: WindowMemory  # before the first block's forward
+    post: dict[str, WindowMemory]  # head and loss, keyed by the last block's mode (K/C)
+    tail: dict[str, WindowMemory]  # after the first block's backward, by its mode (K/C)
+    step_fwd_flops: int
+    step_bwd_flops: int
+    step_ms: float  # median plain step (forward + backward)
+    # The training loop every run followed (step.Loop). Tapes saved before this field
+    # existed were measured with the output released before backward: "loss_only".
+    loop: Loop = "loss_only"
+    output_bytes: int = -1  # the output's storages other than the loss's; -1: not measured
+    schema_version: int = SCHEMA_VERSION
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def resting_bytes(self) -> int:
+        """Parameters and buffers: held before and after the step."""
+        return self.param_bytes + self.buffer_bytes
+
+    @property
+    def block_saved_bytes(self) -> int:
+        """What the blocks keep for backward in the plain step."""
+        return sum(b.saved_bytes for b in self.blocks)
+
+    @property
+    def step_flops(self) -> int:
+        return self.step_fwd_flops + self.step_bwd_flops
+
+    # -- serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Return the JSON text; with ``path``, also write it there atomically."""
+        return dump_json(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> Tape:
+        """Load a tape from JSON text or a file; says which field is wrong if any."""
+        data = load_json(text_or_path, what="tape")
+        return _tape_from_dict(data)
+
+    def __str__(self) -> str:
+        return tape_table(self)
+
+
+def dump_json(data: dict[str, Any], path: str | os.PathLike[str] | None = None) -> str:
+    """JSON text of a report (sorted keys); with ``path``, also written atomically."""
+    text = json.dumps(data, indent=1, sort_keys=True)
+    if path is not None:
+        write_atomic(Path(path), text)
+    return text
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a report is for everyone to read
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_json(text_or_path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
+    text = str(text_or_path)
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except OSError as exc:
+            raise SchemaError(f"cannot read {what} file {str(text_or_path)!r}: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SchemaError(f"{what} JSON must be an object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"{what} has schema_version {version!r}; this autoremat reads "
+                          f"version {SCHEMA_VERSION}. Re-create it with this version.")
+    return data
+
+
+def build_dataclass(cls: type, data: Any, where: str) -> Any:
+    """Build a flat dataclass from a dict, naming the field that is missing or wrong."""
+    if not isinstance(data, dict):
+        raise SchemaError(f"{where} must be an object, got {type(data).__name__}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise SchemaError(f"{where}: missing field {f.name!r}")
+        kwargs[f.name] = data[f.name]
+    unknown = set(data) - {f.name for f in fields(cls)}
+    if unknown:
+        raise SchemaError(f"{where}: unknown field(s) {sorted(unknown)}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise SchemaError(f"{where}: {exc}") from exc
+
+
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int, "float": (int, float), "str": str, "bool": bool}
+
+
+def _check_types(obj: Any, where: str) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if str(f.type) == "dict[str, int]":
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                    for k, v in value.items()):
+                raise SchemaError(f"{where}.{f.name} must be an object of integers, "
+                                  f"got {value!r}")
+            continue
+        expected = _TYPES.get(str(f.type))
+        if expected is not None and (not isinstance(value, expected) or
+                                     (expected is int and isinstance(value, bool))):
+            raise SchemaError(f"{where}.{f.name} must be {f.type}, got {value!r}")
+
+
+def _window(data: Any, where: str) -> WindowMemory:
+    window = build_dataclass(WindowMemory, data, where)
+    _check_types(window, where)
+    return window  # type: ignore[no-any-return]
+
+
+def int_tuples(data: Any, keys: tuple[str, ...], where: str) -> Any:
+    """``data`` with its JSON lists of integers under ``keys`` as tuples."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for key in keys:
+        if key in data:
+            raw = data[key]
+            if not isinstance(raw, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in raw):
+                raise SchemaError(f"{where}.{key} must be a list of integers, got {raw!r}")
+            data[key] = tuple(raw)
+    return data
+
+
+def _op_record(data: Any, where: str) -> OpRecord:
+    record = build_dataclass(OpRecord, int_tuples(data, ("inputs",), where), where)
+    _check_types(record, where)
+    return record  # type: ignore[no-any-return]
+
+
+def _mapping(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise SchemaError(f"{where} must be an object")
+    return data
+
+
+def _windows(data: Any, where: str) -> dict[str, WindowMemory]:
+    if not isinstance(data, dict) or not data:
+        raise SchemaError(f"{where} must be a non-empty object of windows")
+    return {str(k): _window(v, f"{where}.{k}") for k, v in data.items()}
+
+
+def _tape_from_dict(data: dict[str, Any]) -> Tape:
+    raw_blocks = data.get("blocks")
+    if not isinstance(raw_blocks, list):
+        raise SchemaError("tape.blocks must be a list")
+    blocks = []
+    for i, raw in enumerate(raw_blocks):
+        where = f"tape.blocks[{i}]"
+        if not isinstance(raw, dict):
+            raise SchemaError(f"{where} must be an object")
+        raw = dict(raw)
+        for key in ("fwd", "bwd"):
+            raw[key] = _windows(raw.get(key), f"{where}.{key}")
+        raw["op_stats"] = {
+            str(k): build_dataclass(OpStats, v, f"{where}.op_stats.{k}")
+            for k, v in _mapping(raw.get("op_stats", {}), f"{where}.op_stats").items()
+        }
+        raw_ops = raw.get("ops", [])
+        if not isinstance(raw_ops, list):
+            raise SchemaError(f"{where}.ops must be a list")
+        raw["ops"] = tuple(_op_record(v, f"{where}.ops[{j}]") for j, v in enumerate(raw_ops))
+        selective = {}
+        for k, v in _mapping(raw.get("selective", {}), f"{where}.selective").items():
+            v = dict(_mapping(v, f"{where}.selective.{k}"))
+            for key in ("fwd", "bwd"):
+                v[key] = _window(v.get(key), f"{where}.selective.{k}.{key}")
+            where_k = f"{where}.selective.{k}"
+            selective[str(k)] = build_dataclass(
+                SelectiveProfile, int_tuples(v, ("keep_ops", "skip_ops"), where_k), where_k)
+        raw["selective"] = selective
+        block = build_dataclass(BlockProfile, raw, where)
+        _check_types(block, where)
+        blocks.append(block)
+    data = dict(data)
+    data["blocks"] = tuple(blocks)
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise SchemaError(f"tape.notes must be a list of strings, got {notes!r}")
+    data["notes"] = tuple(notes)
+    data["pre"] = _window(data.get("pre"), "tape.pre")
+    for key in ("post", "tail"):
+        data[key] = _windows(data.get(key), f"tape.{key}")
+    tape = build_dataclass(Tape, data, "tape")
+    _check_types(tape, "tape")
+    check_loop_field(tape.loop, "tape.loop")
+    return tape  # type: ignore[no-any-return]
+
+
+def check_loop_field(value: Any, where: str) -> None:
+    """A loaded ``loop`` must name one of :data:`~autoremat.step.LOOPS`."""
+    if value not in LOOPS:
+        raise SchemaError(f"{where} must be one of {list(LOOPS)}, got {value!r}")
+
+
+def fmt(n: int) -> str:
+    return format_bytes(n)
+
+
+def tape_table(tape: Tape) -> str:
+    rows = []
+    for b in tape.blocks:
+        kinds = sorted(b.saved_bytes_by_kind.items(), key=lambda kv: -kv[1])[:3]
+        top = ", ".join(f"{k} {100 * v / max(b.saved_bytes, 1):.0f}%" for k, v in kinds if v)
+        rows.append([
+            b.name, f"{b.fwd_ms:.2f}", f"{b.bwd_ms:.2f}", format_flops(b.fwd_flops),
+            format_bytes(b.saved_bytes), format_bytes(b.input_bytes),
+            format_bytes(b.param_bytes), top,
+        ])
+    table = render_table(
+        ["block", "fwd ms", "bwd ms", "fwd FLOPs", "saved", "input", "params", "saved by op kind"],
+        rows,
+    )
+    bd = ", ".join(f"{k} {format_bytes(v)}" for k, v in tape.peak_breakdown.items())
+    head = (f"Tape of {tape.model} on {tape.device}, inputs {tape.inputs}\n"
+            f"step peak {format_bytes(tape.step_peak_bytes)} ({bd}); "
+            f"all blocks checkpointed: {format_bytes(tape.ckpt_step_peak_bytes)}; "
+            f"loop {tape.loop}{_held(tape)}\n"
+            f"parameters {format_bytes(tape.param_bytes)}, buffers "
+            f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
+            f"step {tape.step_ms:.1f} ms, {format_flops(tape.step_flops, 'FLOPs')}\n")
+    notes = "".join(f"\nnote: {n}" for n in tape.notes)
+    return head + table + notes
+
+
+def _held(tape: Tape) -> str:
+    if tape.output_bytes < 0:
+        return ""
+    what = "held through backward" if tape.loop == "holds_output" else "released before it"
+    return f" (output {format_bytes(tape.output_bytes)}, {what})"
+
+
+def ops_table(tape: Tape, block: str) -> str:
+    """The forward ops of one block of ``tape``, in order, with what backward keeps."""
+    names = [b.name for b in tape.blocks]
+    if block not in names:
+        raise RematError(f"no block {block!r} in the tape of {tape.model}."
+                         + did_you_mean(block, names) + f" Blocks: {', '.join(names[:8])}"
+                         + (", ..." if len(names) > 8 else ""))
+    profile = tape.blocks[names.index(block)]
+    if not profile.ops:
+        raise RematError(f"the tape has no per-op trace for {block!r} (made by an older "
+                         "autoremat); profile the model again")
+    rows = []
+    for i, r in enumerate(profile.ops):
+        flags = ",".join(f for f, on in (("random", r.random), ("view", r.view),
+                                         ("in-place", r.inplace),
+                                         ("not saved", r.kept_bytes > 0 and not r.saved))
+                         if on)
+        reads = ",".join(map(str, r.inputs)) + (f" (writes {r.target})" if r.target >= 0 else "")
+        rows.append([i, r.op.removeprefix("aten."), r.kind, format_bytes(r.out_bytes),
+                     format_bytes(r.kept_bytes) if r.kept_bytes else "-", format_flops(r.flops),
+                     f"{r.ms:.3f}", reads or "-", flags])
+    kept = sum(r.kept_bytes for r in profile.ops)
+    return (f"{block}: {len(profile.ops)} forward ops; backward keeps "
+            f"{format_bytes(kept)} of them (\"kept\": alive when backward starts; \"reads\": "
+            "the ops whose outputs it reads)\n"
+            + render_table(["#", "op", "kind", "creates", "kept", "FLOPs", "ms", "reads",
+                            "flags"], rows))

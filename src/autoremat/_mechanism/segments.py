@@ -1,0 +1,151 @@
+"""Checkpoint a run of consecutive blocks as one segment (Chen et al.'s sqrt(n) scheme).
+
+NOTE [ Segments without a wrapper module ]
+    The blocks of a segment are called one by one by their parent's ``forward`` (a
+    ``for`` loop over a ``ModuleList``), so there is no single function to hand to
+    ``torch.utils.checkpoint``. Instead a forward pre-hook on the first block opens
+    PyTorch's non-reentrant checkpoint frame (``_checkpoint_without_reentrant_generator``,
+    the generator behind ``checkpoint``) and a forward hook on the last block closes it.
+    In between every tensor saved for backward is replaced by a handle, exactly as in
+    ``checkpoint``; inner block outputs are therefore not kept.
+
+    For recompute, the frame replays the segment: the first block with the arguments it
+    got, each next block with the arguments it got except its first tensor, which is
+    the replayed output of the block before (the profile checks that blocks are
+    "chained" like this before the planner groups them). RNG states are replayed as for
+    one block (NOTE [ Replaying the forward's RNG ]): checkpoint itself would stash no
+    device state here, since the frame gets no function arguments to find devices in.
+    Anything the parent computes between two grouped blocks that autograd must save
+    would break the replay, and PyTorch's check of the number and shapes of recomputed
+    tensors raises an error rather than returning wrong grads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as _cp
+from torch.utils._pytree import tree_map
+
+from autoremat._core.errors import PlanMismatchError, RematError
+from autoremat._core.step import flat_tensors
+from autoremat._mechanism.wrap import _context_fn
+
+__all__ = ["SegmentRunner"]
+
+_SLOT = object()  # stands for the chained input of an inner block while recording
+
+
+def _fill_slot(tree: Any, value: torch.Tensor) -> Any:
+    return tree_map(lambda x: value if x is _SLOT else x, tree)
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    args: Any
+    kwargs: Any
+    slot_from: int = -1  # index into the previous block's flat output for the chained input
+
+
+@dataclass
+class SegmentRunner:
+    """Hooks that make ``modules`` (consecutive blocks) one checkpointed segment."""
+
+    modules: list[nn.Module]
+    names: list[str]
+    _stack: ExitStack = field(default_factory=ExitStack)
+    _gen: Any = None
+    _calls: list[_Call] = field(default_factory=list)
+    _prev_out: list[Any] = field(default_factory=list)
+    _replaying: bool = False
+
+    def install(self) -> None:
+        for i, module in enumerate(self.modules):
+            handle = module.register_forward_pre_hook(self._pre(i), with_kwargs=True)
+            self._stack.callback(handle.remove)
+            handle = module.register_forward_hook(self._post(i), always_call=True)
+            self._stack.callback(handle.remove)
+
+    def uninstall(self) -> None:
+        self.abort()
+        self._stack.close()
+
+    def abort(self) -> None:
+        """Close an open frame (the forward raised between the first and last block)."""
+        gen, self._gen = self._gen, None
+        self._calls, self._prev_out = [], []
+        if gen is not None:
+            gen.close()
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if self._replaying or not torch.is_grad_enabled():
+                return
+            if i == 0:
+                if self._gen is not None:
+                    self.abort()
+                    raise RematError(f"segment {self.names[0]}..{self.names[-1]} started "
+                                     f"again before its last block ran")
+                calls = [_Call(module, args, kwargs)]
+                self._calls = calls  # this step's calls; the frame replays exactly these
+                # The input tensors go to the frame only so that it infers the device
+                # type (autocast is replayed for it); the replay ignores them. RNG is
+                # ours: NOTE [ Replaying the forward's RNG ] (rng.py).
+                self._gen = _cp._checkpoint_without_reentrant_generator(
+                    lambda *_: self._replay(calls), False, _context_fn(self.modules, None),
+                    "default", False, True, *flat_tensors((args, kwargs)),
+                )
+                next(self._gen)
+                return
+            if self._gen is None or len(self._calls) != i:
+                self.abort()
+                raise PlanMismatchError(
+                    f"block {self.names[i]!r} ran outside its segment's order "
+                    f"({self.names[0]}..{self.names[-1]}); the plan assumed the blocks run "
+                    f"once each, in order: re-plan with autoremat.plan")
+            self._calls.append(self._record(module, args, kwargs, i))
+        return hook
+
+    def _record(self, module: nn.Module, args: Any, kwargs: Any, i: int) -> _Call:
+        flat = flat_tensors((args, kwargs))
+        ids = [id(t) for t in self._prev_out]
+        if not flat or id(flat[0]) not in ids:
+            self.abort()
+            raise PlanMismatchError(
+                f"block {self.names[i]!r} does not take the previous block's output as its "
+                f"first tensor argument, so it cannot share a checkpoint segment with "
+                f"{self.names[i - 1]!r}; re-plan (the profile marks such blocks unchained)")
+        target = flat[0]
+        slot_from = ids.index(id(target))
+        recorded = tree_map(lambda x: _SLOT if x is target else x, (args, kwargs))
+        return _Call(module, recorded[0], recorded[1], slot_from)
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._replaying or self._gen is None:
+                return
+            self._prev_out = flat_tensors(output)
+            if i == len(self.modules) - 1:
+                gen, self._gen = self._gen, None
+                self._prev_out = []
+                next(gen, None)
+        return hook
+
+    def _replay(self, calls: list[_Call]) -> None:
+        self._replaying = True
+        try:
+            out: Any = None
+            for k, call in enumerate(calls):
+                args, kwargs = call.args, call.kwargs
+                if k > 0:
+                    prev = flat_tensors(out)
+                    args, kwargs = _fill_slot((args, kwargs), prev[call.slot_from])
+                out = call.module.forward(*args, **kwargs)
+        finally:
+            self._replaying = False

@@ -1,0 +1,164 @@
+"""The mechanism under ``apply``: checkpoint one module's forward in place.
+
+NOTE [ Patching forward instead of wrapping the module ]
+    Replacing ``blocks[3]`` with a wrapper module would rename every parameter
+    (``blocks.3.inner.weight``) and break the user's state dicts, optimizers and hooks.
+    We set an instance attribute ``forward`` instead: ``nn.Module.__call__`` still runs
+    the module's hooks and then our forward, which runs the original one under
+    ``torch.utils.checkpoint`` (non-reentrant: kwargs, non-tensor args and frozen inputs
+    all work, RNG state is restored on recompute). ``unwrap`` deletes the attribute, so
+    the module is exactly as before.
+
+NOTE [ BatchNorm under recompute ]
+    Recomputing a BatchNorm in training mode would update its running statistics a
+    second time. Recompute saves the block's BatchNorm statistics (a few KiB) and puts
+    them back when it ends. (Setting ``track_running_stats = False`` instead looks
+    simpler, but the layer then saves a different number of tensors and checkpoint's
+    recompute check fails.) Other modules that change their own buffers in forward are
+    not handled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from autoremat._core import rng
+from autoremat._core.errors import RematError, internal_assert
+
+__all__ = ["checkpointed", "is_wrapped", "unwrap", "wrap"]
+
+_MARK = "_autoremat_wrap"
+
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+PolicyFactory = Callable[[], ContextFn | None]
+
+
+@dataclass(frozen=True)
+class _WrapState:
+    user_forward: Any  # an instance-level forward that was there before us, or None
+    tag: str  # what the wrapper does, e.g. "recompute" or "selective"
+
+
+@contextmanager
+def _restored_batchnorm_stats(layers: list[_BatchNorm]) -> Iterator[None]:
+    saved = [
+        [(buf, buf.detach().clone()) for buf in (m.running_mean, m.running_var,
+                                                  m.num_batches_tracked) if buf is not None]
+        for m in layers
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for pairs in saved:
+                for buf, value in pairs:
+                    buf.copy_(value)
+
+
+def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> ContextFn:
+    """The ``context_fn`` of one checkpointed region (a block or a segment): forward
+    notes the RNG states, recompute replays them (NOTE [ Replaying the forward's RNG ])
+    and puts BatchNorm statistics back; ``selective`` adds its modes inside both."""
+    def make() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        layers = [
+            m for module in modules for m in module.modules()
+            if isinstance(m, _BatchNorm) and m.track_running_stats
+        ]
+        forward_ctx, recompute_ctx = selective() if selective else (nullcontext(), nullcontext())
+        start: list[rng.RngSnapshot] = []
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            start.append(rng.snapshot())
+            with forward_ctx:
+                yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            internal_assert(bool(start), "a checkpointed region is recomputed before its "
+                                         "forward ran")
+            with ExitStack() as stack:
+                stack.enter_context(_restored_batchnorm_stats(layers))
+                stack.enter_context(rng.replaying(start[0]))
+                stack.enter_context(recompute_ctx)
+                yield
+
+        return forward(), recompute()
+
+    return make
+
+
+def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None) -> None:
+    """Make ``module`` recompute its forward during backward. Idempotent; re-wrapping
+    replaces the previous wrapper.
+
+    Args:
+        module: any ``nn.Module``; its parameters, hooks and state dict are untouched.
+        tag: a label kept for inspection (``is_wrapped`` returns it).
+        selective: a ``context_fn`` for ``torch.utils.checkpoint`` (autoremat's
+            ``selective.selective_context``, or PyTorch's
+            ``create_selective_checkpoint_contexts``), to save some op outputs instead
+            of recomputing everything.
+    """
+    if is_wrapped(module):
+        unwrap(module)
+    user_forward = module.__dict__.get("forward")
+    original = module.forward
+    context_fn = _context_fn([module], selective)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)  # nothing is saved without grad: no recompute
+        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
+                          preserve_rng_state=False, **kwargs)  # we replay it ourselves
+
+    module.forward = forward  # type: ignore[method-assign]
+    setattr(module, _MARK, _WrapState(user_forward=user_forward, tag=tag))
+
+
+def unwrap(module: nn.Module) -> bool:
+    """Undo :func:`wrap`; returns whether there was anything to undo."""
+    state = module.__dict__.get(_MARK)
+    if state is None:
+        return False
+    del module.__dict__[_MARK]
+    if state.user_forward is not None:
+        module.forward = state.user_forward  # type: ignore[method-assign]
+    else:
+        del module.__dict__["forward"]
+    return True
+
+
+def is_wrapped(module: nn.Module) -> str | None:
+    """The tag of the wrapper on ``module``, or ``None``."""
+    state = module.__dict__.get(_MARK)
+    return state.tag if state is not None else None
+
+
+@contextmanager
+def checkpointed(model: nn.Module, names: list[str],
+                 selective: dict[str, ContextFn] | None = None) -> Iterator[None]:
+    """Temporarily checkpoint the named submodules (each on its own); those named in
+    ``selective`` with that selective ``context_fn``."""
+    selective = selective or {}
+    modules = [model.get_submodule(n) for n in names]
+    previous = [module.__dict__.get(_MARK) for module in modules]
+    if any(p is not None for p in previous):
+        raise RematError("the model already has autoremat wrappers; call "
+                         "autoremat.remove(model) before profiling it")
+    try:
+        for name, module in zip(names, modules, strict=True):
+            wrap(module, tag="selective" if name in selective else "recompute",
+                 selective=selective.get(name))
+        yield
+    finally:
+        for module in modules:
+            unwrap(module)

@@ -1,0 +1,220 @@
+"""The peak model: what a plan of a chain of blocks holds, step by step, and its peak.
+
+A plan cuts the chain into segments. Each segment is one kept block, or a run of
+consecutive blocks checkpointed together (recomputed in backward from its first input),
+or one selective block. Everything here is a pure function of the Tape; the solvers
+(:mod:`autoremat._plan.chain`) search over it.
+
+NOTE [ The peak model ]
+    The tape gives, per block, windows of the measured timeline (forward and backward,
+    plain and checkpointed). Levels compose: the level at any point is the sum of the
+    deltas of the windows before it. For a plan, with ``F_i`` the level when block ``i``
+    starts its forward, a segment ``s = [i, j]`` contributes
+
+    * forward:   ``F_i + fwd_s``           (the segment's forward transient)
+    * holds:     ``F_{j+1} = F_i + hold_s`` (what it keeps until its backward)
+    * backward:  ``F_i + hold_s + Z_j + bwd_s``, where ``Z_j`` = post.delta + the
+      net leftovers (gradients, mostly) of all blocks after ``j``, which do not depend
+      on the plan, and ``bwd_s`` is the segment's backward transient (recompute
+      included) above the level at its start.
+
+    plus the plan-independent ``pre``, ``post`` (``F_n + post.peak``) and ``tail``.
+    A single kept or checkpointed block uses its measured windows, so the model is
+    exact for "none" and "full". A multi-block segment is composed: its forward drops
+    the inner boundaries ``x_k`` (no checkpoint holds them), its backward recomputes
+    every block as in the plain run and then runs their plain backward windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autoremat._core.errors import internal_assert
+from autoremat._measure.costs import CostModel, cost_model_for, keep_set_cost, recompute_cost
+from autoremat._measure.tape import Tape, WindowMemory
+from autoremat._mechanism.selective import is_keep_set, save_set_name, save_set_of
+
+__all__ = [
+    "KEEP", "RECOMPUTE", "Option", "SegmentCost", "block_costs", "fixed_peaks", "plan_costs",
+    "predict_peak", "segment_cost", "segment_runs", "selective_options", "suffix_z",
+]
+
+# An option for a segment: ("keep", ()) | ("recompute", ()) | ("selective", save_ops).
+Option = tuple[str, tuple[str, ...]]
+KEEP: Option = ("keep", ())
+RECOMPUTE: Option = ("recompute", ())
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """What a segment does to memory and time; see NOTE [ The peak model ]."""
+
+    fwd_peak: int  # forward transient above F_i
+    hold: int  # bytes held from the end of its forward until its backward
+    bwd_peak: int  # backward transient above the level at its start
+    flops: int  # recompute FLOPs
+    mode: str  # "K" kept or "C" checkpointed: what the next block sees as its neighbour
+    cost: int | None = None  # what the planner minimises (FLOP-equivalents, see costs.py);
+    # None: the recompute FLOPs themselves
+
+    @property
+    def rank_cost(self) -> int:
+        return self.flops if self.cost is None else self.cost
+
+
+def _fwd(tape: Tape, k: int, key: str) -> WindowMemory:
+    windows = tape.blocks[k].fwd
+    return windows[key] if key in windows else windows[key[1] * 2]
+
+
+def _bwd(tape: Tape, k: int, key: str) -> WindowMemory:
+    windows = tape.blocks[k].bwd
+    return windows[key] if key in windows else windows[key[1] * 2]
+
+
+def _net(tape: Tape, k: int, mode: str) -> int:
+    """Bytes block ``k`` leaves behind after its backward in a run of uniform ``mode``."""
+    b = tape.blocks[k]
+    key = mode * 2 if mode * 2 in b.fwd else "K" + mode
+    return b.fwd[key].delta_bytes + b.bwd[key].delta_bytes
+
+
+def suffix_z(tape: Tape) -> dict[str, list[int]]:
+    """``Z[mode][j]``: post.delta + net leftovers of the blocks after ``j``, when block
+    ``j`` has ``mode``. See NOTE [ Who frees a boundary tensor ]."""
+    n = len(tape.blocks)
+    out = {}
+    for mode in ("K", "C"):
+        z = [0] * n
+        acc = tape.post[mode].delta_bytes
+        for j in range(n - 1, -1, -1):
+            z[j] = acc
+            acc += _net(tape, j, mode)
+        out[mode] = z
+    return out
+
+
+def fixed_peaks(tape: Tape, first: str) -> int:
+    """Peaks that do not depend on the plan's middle: pre, and the tail."""
+    tail_level = (tape.pre.delta_bytes + tape.post["K"].delta_bytes
+                  + sum(_net(tape, k, "K") for k in range(len(tape.blocks))))
+    return max(tape.pre.peak_bytes, tail_level + tape.tail[first].peak_bytes)
+
+
+def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
+                 prev: str = "K") -> SegmentCost:
+    """Figures of blocks ``start..stop-1`` as one segment under ``option``, after a
+    block of mode ``prev`` ("K" before the first block)."""
+    blocks = tape.blocks
+    internal_assert(0 <= start < stop <= len(blocks), f"bad segment {start}:{stop}")
+    kind = option[0]
+    if kind == "keep":
+        internal_assert(stop == start + 1, "a kept segment is one block")
+        fwd, bwd = _fwd(tape, start, prev + "K"), _bwd(tape, start, prev + "K")
+        return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, "K")
+    model = cost_model_for(tape.device)
+    if kind == "selective":
+        internal_assert(stop == start + 1, "a selective segment is one block")
+        return _selective_cost(tape, start, option[1], prev, model)
+    internal_assert(kind == "recompute", f"unknown segment option {kind!r}")
+    return segment_runs(tape, start, stop, prev)[-1]
+
+
+def block_costs(tape: Tape) -> list[int]:
+    model = cost_model_for(tape.device)
+    return [recompute_cost(b.op_stats, b.fwd_flops, model) for b in tape.blocks]
+
+
+def segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
+                  costs: list[int] | None = None) -> list[SegmentCost]:
+    """Costs of the checkpointed segments ``[start, stop)`` for every ``stop`` up to
+    ``last_stop``, built incrementally (O(length) for all of them)."""
+    blocks = tape.blocks
+    costs = costs if costs is not None else block_costs(tape)
+    out: list[SegmentCost] = []
+    f_level = f_peak = 0  # forward: every block as checkpointed; inner inputs released
+    r_level = r_peak = 0  # backward: recompute all blocks as in the plain forward...
+    back = 0  # ...then their plain backward: max over k of (deltas after k + peak of k)
+    flops = cost = 0
+    for k in range(start, last_stop):
+        b = blocks[k]
+        cost += costs[k]
+        window = _fwd(tape, k, (prev if k == start else "C") + "C")
+        f_peak = max(f_peak, f_level + window.peak_bytes)
+        f_level += window.delta_bytes
+        if k > start:
+            f_level -= b.chain_bytes
+        if k == start:  # a single block: its measured checkpointed windows
+            fwd, bwd = _fwd(tape, k, prev + "C"), _bwd(tape, k, prev + "C")
+            out.append(SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
+                                   flops + b.recompute_flops, "C", cost))
+        else:
+            # Blocks start..k-1 are recomputed in full (later ones need their outputs);
+            # the last one stops early as a checkpointed block does, so its measured
+            # checkpointed backward window (recompute included) applies; then the plain
+            # backward of the others.
+            last = _bwd(tape, k, "CC")
+            bwd_peak = max(r_peak, r_level + last.peak_bytes,
+                           r_level + last.delta_bytes + back)
+            out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
+                                   "C", cost))
+        flops += b.fwd_flops
+        r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes)
+        r_level += b.keep_fwd.delta_bytes
+        back = b.keep_bwd.peak_bytes if k == start else \
+            max(b.keep_bwd.peak_bytes, back + b.keep_bwd.delta_bytes)
+    return out
+
+
+def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
+                    model: CostModel) -> SegmentCost:
+    """A selective block, measured between checkpointed neighbours; after a kept block
+    we add the difference that neighbour makes to the same block fully checkpointed."""
+    block = tape.blocks[i]
+    name = save_set_name(save)
+    internal_assert(name in block.selective, f"no selective profile {name!r} for {block.name}")
+    sel = block.selective[name]
+    fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes
+    bwd_peak = sel.bwd.peak_bytes
+    if i > 0 and prev != "C":
+        f_here, f_ref = _fwd(tape, i, prev + "C"), _fwd(tape, i, "CC")
+        b_here, b_ref = _bwd(tape, i, prev + "C"), _bwd(tape, i, "CC")
+        fwd_peak += f_here.peak_bytes - f_ref.peak_bytes
+        hold += f_here.delta_bytes - f_ref.delta_bytes
+        bwd_peak += b_here.peak_bytes - b_ref.peak_bytes
+    if is_keep_set(name):
+        cost = keep_set_cost(block.ops, sel.keep_ops, sel.skip_ops, model)
+    else:
+        cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=save)
+    return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, "C", cost)
+
+
+def selective_options(tape: Tape) -> list[list[Option]]:
+    """Per block, the selective options its tape measured."""
+    return [[("selective", save_set_of(name)) for name in sorted(b.selective)]
+            for b in tape.blocks]
+
+
+def plan_costs(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> list[SegmentCost]:
+    """Costs of consecutive segments, each seeing its predecessor's mode."""
+    out: list[SegmentCost] = []
+    prev = "K"
+    for start, stop, option in segments:
+        cost = segment_cost(tape, start, stop, option, prev)
+        out.append(cost)
+        prev = cost.mode
+    return out
+
+
+def predict_peak(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> int:
+    """Predicted step peak of a plan given as consecutive ``(start, stop, option)``."""
+    costs = plan_costs(tape, segments)
+    z = suffix_z(tape)
+    level = tape.pre.delta_bytes
+    peak = fixed_peaks(tape, costs[0].mode)
+    for (_start, stop, _), cost in zip(segments, costs, strict=False):
+        bwd = level + cost.hold + z[cost.mode][stop - 1] + cost.bwd_peak
+        peak = max(peak, level + cost.fwd_peak, bwd)
+        level += cost.hold
+    return max(peak, level + tape.post[costs[-1].mode].peak_bytes)

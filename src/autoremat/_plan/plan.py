@@ -1,0 +1,388 @@
+"""``plan``: choose what each block keeps or recomputes so the step fits a budget.
+
+A pure function of (Tape, budget, strategy). The :class:`Plan` it returns is plain,
+frozen data: it prints as a table, round-trips through versioned JSON, and records the
+model and input shapes it was made for, so ``apply`` can refuse a mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autoremat._core.errors import BudgetError, RematError, SchemaError, did_you_mean
+from autoremat._core.step import Loop
+from autoremat._core.tables import render_table
+from autoremat._core.units import format_bytes, parse_budget, parse_size
+from autoremat._measure.tape import (
+    SCHEMA_VERSION,
+    Tape,
+    build_dataclass,
+    check_loop_field,
+    dump_json,
+    int_tuples,
+    load_json,
+)
+from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
+from autoremat._plan.chain import ChainSolution, solve
+from autoremat._plan.peak import RECOMPUTE, Option, plan_costs, predict_peak, selective_options
+
+__all__ = ["STRATEGIES", "BlockDecision", "Plan", "optimizer_state_bytes", "plan"]
+
+
+@dataclass(frozen=True)
+class BlockDecision:
+    """What one block does in backward."""
+
+    name: str  # qualified module name
+    decision: str  # "keep" | "recompute" | "selective"
+    segment: int  # index of its segment; blocks sharing one are recomputed together
+    save_ops: tuple[str, ...] = ()  # selective: op kinds whose outputs stay saved
+    recompute_ops: tuple[str, ...] = ()  # selective: op kinds re-run in backward
+    # selective with a keep-set (NOTE [ Dead ops ] in selective.py): op positions
+    keep_ops: tuple[int, ...] = ()  # whose outputs stay saved
+    skip_ops: tuple[int, ...] = ()  # that recompute skips (dead)
+    op_signature: str = ""  # of the op sequence the positions index
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpointing plan for one model and input shape. ``print(plan)`` shows a table."""
+
+    strategy: str  # how it was chosen, e.g. "optimal" or "every:2"
+    blocks: tuple[BlockDecision, ...]
+    budget_bytes: int | None  # the step-peak budget it was made for (None: no budget)
+    predicted_peak_bytes: int  # predicted step peak with the plan
+    predicted_recompute_flops: int  # extra forward FLOPs from recomputation
+    predicted_cost: int  # the planner's objective: FLOP-equivalents (see costs.py)
+    unplanned_peak_bytes: int  # measured step peak without checkpointing
+    step_flops: int  # FLOPs of the plain step (forward + backward)
+    model: str  # class name of the model it was made for
+    inputs: str  # input signature it was made for
+    # The training loop its tape measured, which its predictions and budget hold for
+    # (step.Loop); plans saved before this field existed were made "loss_only".
+    loop: Loop = "loss_only"
+    schema_version: int = SCHEMA_VERSION
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def recompute_overhead(self) -> float:
+        """Recompute FLOPs as a fraction of the plain step's FLOPs."""
+        return self.predicted_recompute_flops / self.step_flops if self.step_flops else 0.0
+
+    @property
+    def recompute_blocks(self) -> int:
+        """How many blocks recompute anything in backward."""
+        return sum(b.decision != "keep" for b in self.blocks)
+
+    @property
+    def segments(self) -> list[tuple[int, int, str]]:
+        """``(start, stop, decision)`` runs of blocks that share a segment."""
+        out: list[tuple[int, int, str]] = []
+        for i, b in enumerate(self.blocks):
+            if out and b.segment == self.blocks[out[-1][0]].segment:
+                out[-1] = (out[-1][0], i + 1, out[-1][2])
+            else:
+                out.append((i, i + 1, b.decision))
+        return out
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Return the JSON text; with ``path``, also write it there atomically."""
+        return dump_json(asdict(self), path)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> Plan:
+        """Load a plan from JSON text or a file; says which field is wrong if any."""
+        data = dict(load_json(text_or_path, what="plan"))
+        raw = data.get("blocks")
+        if not isinstance(raw, list):
+            raise SchemaError("plan.blocks must be a list")
+        blocks = []
+        for i, item in enumerate(raw):
+            where = f"plan.blocks[{i}]"
+            if isinstance(item, dict):
+                item = dict(item, **{key: _strings(item.get(key, []), f"{where}.{key}")
+                                     for key in ("save_ops", "recompute_ops")})
+            item = int_tuples(item, ("keep_ops", "skip_ops"), where)
+            block = build_dataclass(BlockDecision, item, where)
+            _expect(block.op_signature, str, f"{where}.op_signature")
+            _expect(block.name, str, f"{where}.name")
+            _expect(block.segment, int, f"{where}.segment")
+            if block.decision not in ("keep", "recompute", "selective"):
+                raise SchemaError(f"{where}.decision must be keep, recompute or "
+                                  f"selective, got {block.decision!r}")
+            blocks.append(block)
+        data["blocks"] = tuple(blocks)
+        data["notes"] = _strings(data.get("notes", []), "plan.notes")
+        loaded: Plan = build_dataclass(cls, data, "plan")
+        for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
+                    "step_flops", "predicted_cost"):
+            _expect(getattr(loaded, key), int, f"plan.{key}")
+        for key in ("strategy", "model", "inputs"):
+            _expect(getattr(loaded, key), str, f"plan.{key}")
+        check_loop_field(loaded.loop, "plan.loop")
+        if loaded.budget_bytes is not None:
+            _expect(loaded.budget_bytes, int, "plan.budget_bytes")
+        return loaded
+
+    def __str__(self) -> str:
+        rows = []
+        for start, stop, decision in self.segments:
+            for i in range(start, stop):
+                block = self.blocks[i]
+                what = decision
+                if decision == "selective" and block.op_signature:
+                    what += (f" (keep the outputs of {len(block.keep_ops)} ops, skip "
+                             f"{len(block.skip_ops)} dead ops; recompute "
+                             + ", ".join(block.recompute_ops) + ")")
+                elif decision == "selective":
+                    what += (" (save " + ", ".join(block.save_ops) + " outputs" if block.save_ops
+                             else " (recompute all ops, keep the random draws")
+                    if block.save_ops and block.recompute_ops:
+                        what += "; recompute " + ", ".join(block.recompute_ops)
+                    what += ")"
+                if stop > start + 1:
+                    what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
+                rows.append([block.name, what])
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        head = (f"Plan ({self.strategy}) for {self.model}, inputs {self.inputs}\n"
+                f"budget {budget}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
+                f"(unplanned {format_bytes(self.unplanned_peak_bytes)}); recompute "
+                f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
+                f"{100 * self.recompute_overhead:.1f}% of the step; loop {self.loop}\n")
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
+        return head + render_table(["block", "decision"], rows) + notes
+
+
+def _expect(value: Any, kind: type, where: str) -> None:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        what = {int: "an integer", str: "a string"}.get(kind, kind.__name__)
+        raise SchemaError(f"{where} must be {what}, got {value!r}")
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise SchemaError(f"{where} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+# --- budgets -------------------------------------------------------------------------
+
+_OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1,
+                     "rmsprop": 1, "lion": 1}
+
+
+def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:
+    """Bytes of optimizer state for the tape's trainable parameters.
+
+    ``optimizer`` is a name (states per parameter, in the parameters' dtype, as PyTorch's
+    optimizers allocate them: adamw/adam 2, sgd-momentum/adagrad/rmsprop/lion 1, sgd 0)
+    or a number of bytes.
+    """
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+        return parse_size(optimizer, what="optimizer state")
+    if isinstance(optimizer, str) and optimizer.lower() in _OPTIMIZER_STATES:
+        return _OPTIMIZER_STATES[optimizer.lower()] * tape.trainable_param_bytes
+    if isinstance(optimizer, str):
+        try:
+            return parse_size(optimizer, what="optimizer state")
+        except BudgetError:
+            pass
+    raise BudgetError(f"unknown optimizer {optimizer!r}: use one of "
+                      f"{sorted(_OPTIMIZER_STATES)} or a number of bytes."
+                      + did_you_mean(str(optimizer).lower(), _OPTIMIZER_STATES))
+
+
+def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
+                  optimizer: str | int | None) -> int | None:
+    limits = []
+    if budget is not None:
+        limits.append(parse_budget(budget, tape.step_peak_bytes))
+    if max_memory is not None:
+        device = parse_size(max_memory, what="max_memory")
+        fixed = tape.param_bytes + tape.buffer_bytes + optimizer_state_bytes(tape, optimizer)
+        if device <= fixed:
+            raise BudgetError(
+                f"max_memory {format_bytes(device)} does not even hold the parameters, "
+                f"buffers and optimizer state ({format_bytes(fixed)}); checkpointing cannot "
+                f"help: shard the model or optimizer state, or use a smaller model")
+        limits.append(device - fixed)
+    elif optimizer is not None:
+        raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
+    return min(limits) if limits else None
+
+
+# --- strategies ----------------------------------------------------------------------
+
+Segments = list[tuple[int, int, Option]]
+Strategy = Callable[[Tape, int | None, str], Segments]
+
+
+def _none(tape: Tape, budget: int | None, arg: str) -> Segments:
+    return [(i, i + 1, ("keep", ())) for i in range(len(tape.blocks))]
+
+
+def _full(tape: Tape, budget: int | None, arg: str) -> Segments:
+    return [(i, i + 1, RECOMPUTE) for i in range(len(tape.blocks))]
+
+
+def _every(tape: Tape, budget: int | None, arg: str) -> Segments:
+    try:
+        k = int(arg)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise RematError(f"strategy 'every:K' needs a whole number K >= 1, got 'every:{arg}'")
+    return [(i, i + 1, RECOMPUTE if i % k == 0 else ("keep", ()))
+            for i in range(len(tape.blocks))]
+
+
+def _sqrt(tape: Tape, budget: int | None, arg: str) -> Segments:
+    n = len(tape.blocks)
+    size = max(1, round(math.sqrt(n)))
+    out: Segments = []
+    start = 0
+    while start < n:
+        stop = start + 1
+        while stop < min(start + size, n) and tape.blocks[stop].chained:
+            stop += 1
+        out.append((start, stop, RECOMPUTE))
+        start = stop
+    return out
+
+
+def _selective(tape: Tape, budget: int | None, arg: str) -> Segments:
+    out: Segments = []
+    for i, block in enumerate(tape.blocks):
+        kinds = [k for k in MEGATRON if k in block.op_stats and block.op_stats[k].count]
+        name = save_set_name(kinds)
+        if kinds and name in block.selective:
+            out.append((i, i + 1, ("selective", tuple(sorted(kinds)))))
+        else:
+            out.append((i, i + 1, RECOMPUTE))  # nothing worth saving: recompute it all
+    return out
+
+
+def _optimal(tape: Tape, budget: int | None, arg: str) -> Segments:
+    return list(solve(tape, budget, objective="cost", options=selective_options(tape)).segments)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "none": _none, "full": _full, "every": _every, "sqrt": _sqrt, "optimal": _optimal,
+    "selective": _selective,
+}
+
+
+def _smallest(tape: Tape) -> ChainSolution:
+    return solve(tape, None, objective="peak", options=selective_options(tape))
+
+
+def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
+                      predicted: int | None = None) -> None:
+    best = _smallest(tape)
+    got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
+    raise BudgetError(
+        f"no {strategy!r} plan fits the budget of {format_bytes(budget or 0)}{got}. The "
+        f"smallest feasible budget is {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes), "
+        f"reached by strategy 'optimal'; use a budget of at least that, a smaller batch, "
+        f"or also offload/shard",
+        min_feasible_bytes=best.peak_bytes, strategy="optimal")
+
+
+def smallest_feasible_bytes(tape: Tape) -> int:
+    """The smallest step peak any plan in autoremat's space reaches for this tape."""
+    return _smallest(tape).peak_bytes
+
+
+def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision:
+    """Block ``i``'s decision under ``option``; a selective one names the op kinds it
+    re-runs in backward (dropout copies its kept draws back; see NOTE [ Our own selective
+    contexts, and random bits ])."""
+    block = tape.blocks[i]
+    kind, save = option
+    if kind != "selective":
+        return BlockDecision(block.name, kind, segment)
+    name = save_set_name(save)
+    if is_keep_set(name):
+        sel = block.selective[name]
+        redo = sorted({o.kind for j, o in enumerate(block.ops) if not o.view
+                       and j not in sel.keep_ops and j not in sel.skip_ops})
+        return BlockDecision(block.name, kind, segment, (), tuple(redo), sel.keep_ops,
+                             sel.skip_ops, op_signature(block.ops))
+    redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
+    return BlockDecision(block.name, kind, segment, save, tuple(redo))
+
+
+def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
+         max_memory: int | str | None = None, optimizer: str | int | None = None) -> Plan:
+    """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
+
+    Args:
+        tape: from :func:`autoremat.profile`.
+        budget: the step peak to fit: bytes, a size string (``"6GiB"``, ``"500MB"``),
+            or a percentage of the unplanned step peak (``"50%"``).
+        strategy: ``"optimal"`` (least recompute FLOPs that fits), ``"none"``,
+            ``"full"`` (every block on its own), ``"every:K"`` (one block in K),
+            ``"sqrt"`` (Chen et al.: segments of about sqrt(n) blocks), ``"selective"``
+            (Megatron-LM's policy in every block: keep linear/conv outputs, recompute
+            the rest). ``"optimal"`` also considers selective save-sets per block.
+        max_memory: an absolute device limit; parameters, buffers and optimizer state
+            are subtracted from it. With ``budget`` too, the tighter one wins.
+        optimizer: optimizer name (``"adamw"``) or state bytes, for ``max_memory``.
+
+    Returns:
+        A frozen :class:`Plan`.
+
+    Raises:
+        BudgetError: the budget cannot be read, or no plan of the strategy fits it;
+            the message and ``err.min_feasible_bytes`` give the smallest feasible budget.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("gpt2")
+        >>> p = autoremat.plan(autoremat.profile(model, inputs), budget="50%")
+        >>> p.predicted_peak_bytes <= p.budget_bytes
+        True
+    """
+    if not isinstance(tape, Tape):
+        raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
+    if not isinstance(strategy, str):
+        raise RematError(f"strategy must be a string such as 'optimal', got {strategy!r}")
+    name, _, arg = strategy.partition(":")
+    if name not in STRATEGIES:
+        raise RematError(f"unknown strategy {strategy!r}; choose from "
+                         f"{['optimal', 'none', 'full', 'every:K', 'sqrt', 'selective']}."
+                         + did_you_mean(name, STRATEGIES))
+    if arg and name != "every":
+        raise RematError(f"strategy {name!r} takes no argument, got {strategy!r}")
+    budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer)
+    segments = STRATEGIES[name](tape, budget_bytes, arg)
+    found = plan_of_segments(tape, segments, strategy, budget_bytes)
+    if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
+        _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes)
+    return found
+
+
+def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
+                     budget_bytes: int | None = None) -> Plan:
+    """The plan that runs ``segments`` (consecutive ``(start, stop, option)``), with its
+    predictions; no budget check."""
+    costs = plan_costs(tape, segments)
+    peak = predict_peak(tape, segments)
+    decisions = []
+    for seg_index, (start, stop, opt) in enumerate(segments):
+        for i in range(start, stop):
+            decisions.append(_decision(tape, i, seg_index, opt))
+    return Plan(
+        strategy=strategy, blocks=tuple(decisions), budget_bytes=budget_bytes,
+        predicted_peak_bytes=peak,
+        predicted_recompute_flops=sum(c.flops for c in costs),
+        predicted_cost=sum(c.rank_cost for c in costs),
+        unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
+        model=tape.model, inputs=tape.inputs, loop=tape.loop,
+    )

@@ -1,0 +1,423 @@
+"""``verify``: run the step with and without the plan and compare what matters.
+
+NOTE [ Judging gradients ]
+    A correct plan recomputes exactly what the plain step computed, so on the CPU, where
+    every kernel autoremat meets is deterministic, its gradients are ``torch.equal`` to
+    the plain model's and nothing less is accepted. On CUDA many kernels are not
+    deterministic (atomic adds in reductions, attention and embedding backward): the
+    plain model differs from *itself* by ~1e-8 from run to run, and so would every plan,
+    correct ones included. Two ways out:
+
+    * ``deterministic=True``: both steps run under
+      ``torch.use_deterministic_algorithms(True)`` (restored afterwards) and are compared
+      with ``torch.equal``. cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or ``:16:8``)
+      in the environment when it initialises, so verify checks it up front; an op with no
+      deterministic implementation raises a :class:`~autoremat.DeterminismError`.
+    * otherwise, on a device other than the CPU (or with ``measure_noise=True``): the
+      **noise floor**. The plain step runs a second time from the same RNG state; the
+      largest |difference| between the two runs' gradients is the floor. The plan's
+      gradients are "equal" when ``torch.equal``, "within noise" when their largest
+      |difference| from the plain step's is at most ``NOISE_MULTIPLE`` (4) times the
+      floor, and "differ" otherwise. A floor of 0 (the plain step reproduced itself
+      exactly) leaves no room: then only ``torch.equal`` passes.
+
+    Why 4: the floor is one sample of the run-to-run noise and the plan's difference is
+    another sample of the same noise (a correct plan runs the same kernels, a recompute
+    once more), so the two are alike but not equal; the maximum over many gradient
+    entries of one sample can be a few times another's. 4x leaves room for that, and is
+    still 4-6 orders of magnitude below what a wrong plan does: a re-drawn dropout mask
+    or a BatchNorm updated twice changes gradients by 1e-4 to 1, against a floor of
+    ~1e-8. (The project states its tolerances as multiples or percentages of a measured
+    reference, as with the 5% for predicted peaks; this is that, for gradients.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from autoremat._apply import applied_plan, apply, remove
+from autoremat._core.errors import DeterminismError, RematError
+from autoremat._core.flops import FlopCounter
+from autoremat._core.memory import track_allocator, track_memory
+from autoremat._core.step import Loop, LossFn, preserved_state, run_step, training_config
+from autoremat._core.tables import render_table
+from autoremat._core.timing import device_of, time_ms
+from autoremat._core.units import format_bytes
+from autoremat._plan.plan import Plan
+
+__all__ = ["NOISE_MULTIPLE", "GradientJudgement", "Report", "Verdict", "judge_gradients",
+           "max_grad_diff", "measure_step", "verify"]
+
+Verdict = Literal["equal", "within noise", "differ"]
+
+NOISE_MULTIPLE = 4.0  # plan's max |Δgrad| allowed, in noise floors (NOTE [ Judging gradients ])
+
+# cuBLAS workspace settings under which cuBLAS is deterministic (PyTorch's randomness notes)
+_CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+@dataclass(frozen=True)
+class Report:
+    """What :func:`verify` measured. ``ok``: gradients equal (or within the noise floor,
+    see NOTE [ Judging gradients ]) and peak within budget."""
+
+    ok: bool
+    grads_equal: bool  # every gradient torch.equal to the plain model's
+    max_grad_diff: float  # max |grad - plain grad| over all parameters
+    peak_bytes: int  # measured step peak with the plan (peak_source says how)
+    plain_peak_bytes: int  # measured step peak without it
+    predicted_peak_bytes: int  # the plan's prediction
+    budget_bytes: int | None  # the plan's budget
+    recompute_flops: int  # extra FLOPs of the planned step (flop counter)
+    plain_flops: int  # FLOPs of the plain step
+    step_ms: float  # median planned step time (interleaved with plain)
+    plain_step_ms: float  # median plain step time
+    time_spread: float  # (max - min) / median of the planned step times
+    deterministic: bool = False  # both steps ran under torch.use_deterministic_algorithms
+    noise_floor: float = 0.0  # max |grad - grad| of the plain step against itself; 0.0
+    #                           when not measured (CPU, deterministic=True)
+    noise_measured: bool = False  # the floor was measured (a second plain step ran)
+    peak_source: Literal["tracker", "allocator"] = "tracker"  # storage accounting, or
+    #                           the rise of torch.cuda.max_memory_allocated() (CUDA)
+    tracked_peak_bytes: int | None = None  # the tracker's planned peak, when peak_bytes
+    #                                        is the allocator's
+
+    @property
+    def grads_verdict(self) -> Verdict:
+        """"equal", "within noise" (of the plain step's own noise floor) or "differ"."""
+        return _verdict(self.grads_equal, self.max_grad_diff, self.noise_floor)
+
+    @property
+    def recompute_overhead(self) -> float:
+        return self.recompute_flops / self.plain_flops if self.plain_flops else 0.0
+
+    @property
+    def time_ratio(self) -> float:
+        return self.step_ms / self.plain_step_ms if self.plain_step_ms else float("nan")
+
+    @property
+    def prediction_error(self) -> float:
+        """(predicted - measured) / measured peak."""
+        return (self.predicted_peak_bytes - self.peak_bytes) / max(self.peak_bytes, 1)
+
+    def __str__(self) -> str:
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        peak_row = "step peak" + (" (allocator)" if self.peak_source == "allocator" else "")
+        rows = [
+            [peak_row, format_bytes(self.plain_peak_bytes), format_bytes(self.peak_bytes)],
+            ["predicted peak", "", format_bytes(self.predicted_peak_bytes)],
+            ["FLOPs", f"{self.plain_flops / 1e9:.3f} G",
+             f"{(self.plain_flops + self.recompute_flops) / 1e9:.3f} G"],
+            ["step time (median)", f"{self.plain_step_ms:.1f} ms", f"{self.step_ms:.1f} ms"],
+        ]
+        if self.tracked_peak_bytes is not None:
+            rows.insert(1, ["step peak (tracker)", "", format_bytes(self.tracked_peak_bytes)])
+        verdict = "OK" if self.ok else "FAILED"
+        grads = {"equal": "gradients equal", "within noise": "gradients within noise",
+                 "differ": "gradients DIFFER"}[self.grads_verdict]
+        if self.deterministic:
+            floor = "deterministic algorithms"
+        elif self.noise_measured:
+            floor = f"noise floor {self.noise_floor:.3g}"
+            if self.grads_verdict == "within noise":
+                floor += f" (allowed: {NOISE_MULTIPLE:g}x)"
+        else:
+            floor = "noise floor not measured"
+        return (f"verify: {verdict} (budget {budget}; {grads}, max |diff| "
+                f"{self.max_grad_diff:.3g}, {floor}; recompute "
+                f"+{100 * self.recompute_overhead:.1f}% FLOPs, time x{self.time_ratio:.2f})\n"
+                + render_table(["", "plain", "planned"], rows))
+
+
+# --- judging gradients (pure) ---------------------------------------------------------------
+
+Grads = Mapping[str, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class GradientJudgement:
+    """What :func:`judge_gradients` found."""
+
+    verdict: Verdict
+    grads_equal: bool  # every gradient torch.equal (and both sides have the same ones)
+    max_grad_diff: float  # max |a - b| over all entries; inf when one side lacks a gradient
+    noise_floor: float  # the floor it was judged against
+
+
+def max_grad_diff(a: Grads, b: Grads) -> tuple[bool, float]:
+    """(every gradient ``torch.equal``, max |a - b|) over the parameters of ``a``.
+
+    A gradient present on one side only, or of another shape, is unequal by ``inf``; a
+    NaN difference makes the maximum NaN (which no floor accepts).
+    """
+    equal, worst = True, 0.0
+    for name, x in a.items():
+        y = b.get(name)
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                equal, worst = False, math.inf
+            continue
+        if x.shape != y.shape:
+            equal, worst = False, math.inf
+            continue
+        if torch.equal(x, y):
+            continue
+        equal = False
+        if x.numel():
+            diff = float((x.double() - y.double()).abs().max())
+            worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)
+    return equal, worst
+
+
+def _verdict(equal: bool, diff: float, floor: float) -> Verdict:
+    if equal:
+        return "equal"
+    if floor > 0 and diff <= NOISE_MULTIPLE * floor:  # False for a NaN diff
+        return "within noise"
+    return "differ"
+
+
+def judge_gradients(plain: Grads, planned: Grads, noise_floor: float = 0.0) -> GradientJudgement:
+    """Judge a plan's gradients against the plain step's (NOTE [ Judging gradients ]).
+
+    Args:
+        plain, planned: gradients by parameter name (``None`` for none).
+        noise_floor: max |difference| of the plain step against itself; 0 (the default,
+            and what deterministic kernels give) accepts only ``torch.equal``.
+
+    Example:
+        >>> a = {"w": torch.tensor([1.0, 2.0])}
+        >>> judge_gradients(a, {"w": torch.tensor([1.0, 2.0])}).verdict
+        'equal'
+        >>> judge_gradients(a, {"w": torch.tensor([1.0, 2.5])}, noise_floor=0.25).verdict
+        'within noise'
+        >>> judge_gradients(a, {"w": torch.tensor([1.0, 2.5])}).verdict
+        'differ'
+    """
+    if not noise_floor >= 0 or math.isinf(noise_floor):  # also refuses NaN
+        raise RematError(f"noise_floor must be a finite number >= 0, got {noise_floor!r}")
+    equal, diff = max_grad_diff(plain, planned)
+    return GradientJudgement(_verdict(equal, diff, noise_floor), equal, diff, noise_floor)
+
+
+# --- determinism ------------------------------------------------------------------------------
+
+
+def _check_cublas_workspace(device: torch.device | str,
+                           environ: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`~autoremat.DeterminismError` when ``device`` is a CUDA device and
+    cuBLAS is not configured to be deterministic (``CUBLAS_WORKSPACE_CONFIG``)."""
+    if torch.device(device).type != "cuda":
+        return
+    value = (os.environ if environ is None else environ).get("CUBLAS_WORKSPACE_CONFIG")
+    if value not in _CUBLAS_DETERMINISTIC:
+        raise DeterminismError(
+            f"verify(deterministic=True) on {device} needs cuBLAS's deterministic "
+            f"workspace, but CUBLAS_WORKSPACE_CONFIG is {value!r}: start the process with "
+            f"CUBLAS_WORKSPACE_CONFIG=:4096:8 (or :16:8) in its environment (cuBLAS reads "
+            f"it when it initialises, so setting os.environ in a running process is too "
+            f"late), or pass deterministic=False to judge the plan against the plain "
+            f"model's own noise floor")
+
+
+@contextmanager
+def _deterministic_algorithms(device: torch.device) -> Iterator[None]:
+    """Run the block under ``torch.use_deterministic_algorithms(True)``; the previous
+    setting (``warn_only`` included) comes back on exit, also when the block raises. An
+    op with no deterministic implementation becomes a :class:`~autoremat.DeterminismError`
+    (chained to torch's error)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        marker = " does not have a deterministic implementation"
+        if marker not in text and "CUBLAS_WORKSPACE_CONFIG" not in text:
+            raise
+        op = text.split(marker)[0].strip() if marker in text else "a cuBLAS call"
+        raise DeterminismError(
+            f"verify(deterministic=True): {op} has no deterministic implementation on "
+            f"{device} (torch: {text.splitlines()[0][:300]}). Pass deterministic=False to "
+            f"judge the plan against the plain model's own run-to-run noise floor instead"
+        ) from exc
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    peak_bytes: int  # the storage tracker's step peak
+    flops: int
+    grads: dict[str, torch.Tensor | None]
+    allocator_peak_bytes: int | None = None  # rise of max_memory_allocated (CUDA only)
+
+
+@contextmanager
+def _same_start(model: nn.Module, rng: torch.Tensor) -> Iterator[None]:
+    with preserved_state(model):
+        torch.set_rng_state(rng)
+        yield
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (p.grad.detach().clone() if p.grad is not None else None)
+            for n, p in model.named_parameters()}
+
+
+def measure_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+                 rng: torch.Tensor | None = None, *,
+                 loop: Loop = "holds_output") -> StepMeasure:
+    """One step in the training loop ``loop``: measured peak, FLOPs and gradients
+    (clones), leaving no trace. On CUDA the allocator's peak is measured in the same step
+    (the tracker allocates nothing)."""
+    rng = torch.get_rng_state() if rng is None else rng
+    device = device_of(model, inputs)
+    with _same_start(model, rng):
+        with track_allocator(device) as alloc, track_memory() as mem:
+            run_step(model, inputs, loss_fn, loop=loop)
+        grads = _grads(model)
+    with _same_start(model, rng), FlopCounter() as counter:
+        run_step(model, inputs, loss_fn, loop=loop)
+    return StepMeasure(mem.peak_bytes, counter.total, grads, alloc.peak_bytes)
+
+
+def _plain_grads(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+                 rng: torch.Tensor, loop: Loop) -> dict[str, torch.Tensor | None]:
+    with _same_start(model, rng):
+        run_step(model, inputs, loss_fn, loop=loop)
+        return _grads(model)
+
+
+def _time_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+               rng: torch.Tensor, device: torch.device, loop: Loop) -> float:
+    with _same_start(model, rng):
+        return time_ms(lambda: run_step(model, inputs, loss_fn, loop=loop), device)
+
+
+def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
+           loss_fn: LossFn | None = None, repeats: int = 3, deterministic: bool = False,
+           measure_noise: bool | None = None) -> Report:
+    """Run one step with and one without the plan and compare them.
+
+    Both steps start from the same RNG state and BatchNorm statistics, so dropout draws
+    the same masks, and follow the training loop the plan was made for (``plan.loop``);
+    gradients are judged as NOTE [ Judging gradients ] says: with ``torch.equal``, or on
+    CUDA against the plain model's own run-to-run noise. Times are medians of ``repeats``
+    interleaved plain/planned steps after one warm-up each, CUDA-synchronised on a GPU,
+    with the user's determinism setting. On CUDA the peak is the rise of
+    ``torch.cuda.max_memory_allocated()`` (after one unmeasured warm-up step, so that
+    one-time allocations such as cuBLAS's workspace are not in it), and the tracker's
+    figure is reported beside it.
+
+    Args:
+        plan: the plan to check; default the plan applied to ``model``.
+        repeats: timed steps of each kind (after one warm-up).
+        deterministic: run both measured steps under
+            ``torch.use_deterministic_algorithms(True)`` and require ``torch.equal``. On
+            CUDA the process must have been started with
+            ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or ``:16:8``).
+        measure_noise: measure the plain step's noise floor (one more plain step) and
+            judge against it. Default (``None``): on any device but the CPU, unless
+            ``deterministic``.
+
+    Returns:
+        A :class:`Report`. ``report.ok`` is true only when the gradients are equal (or
+        within the noise floor) and the measured peak is within the plan's budget (when
+        it has one). The model is left with the plan applied, its gradients, buffers, the
+        RNG and the determinism setting as before.
+
+    Raises:
+        DeterminismError: ``deterministic=True`` and cuBLAS is not configured for it, or
+            an op has no deterministic implementation.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp")
+        >>> plan = autoremat.auto(model, inputs, budget="90%")
+        >>> autoremat.verify(model, inputs).grads_equal
+        True
+    """
+    before = applied_plan(model)
+    plan = plan or before
+    if plan is None:
+        raise RematError("verify() needs a plan: pass plan=..., or apply one first "
+                         "(autoremat.apply / autoremat.auto)")
+    if repeats < 1:
+        raise RematError(f"repeats must be at least 1, got {repeats}")
+    if deterministic and measure_noise:
+        raise RematError("deterministic=True requires torch.equal gradients and "
+                         "measure_noise=True judges them against a noise floor: pass one")
+    device = device_of(model, inputs)
+    if deterministic:
+        _check_cublas_workspace(device)
+    measure_floor = not deterministic and (
+        measure_noise if measure_noise is not None else device.type not in ("cpu", "meta"))
+    rng = torch.get_rng_state()
+    loop = plan.loop
+    stack = ExitStack()
+    remove(model)
+    try:
+        stack.enter_context(training_config(model))  # both steps without a KV cache
+        if device.type == "cuda":
+            _plain_grads(model, inputs, loss_fn, rng, loop)  # warm-up: one-time allocations
+        with _deterministic_algorithms(device) if deterministic else nullcontext():
+            plain = measure_step(model, inputs, loss_fn, rng, loop=loop)
+            floor = 0.0
+            if measure_floor:
+                _, floor = max_grad_diff(plain.grads,
+                                          _plain_grads(model, inputs, loss_fn, rng, loop))
+            apply(model, plan)
+            planned = measure_step(model, inputs, loss_fn, rng, loop=loop)
+        plain_ms, planned_ms = [], []
+        for r in range(repeats + 1):
+            remove(model)
+            t_plain = _time_step(model, inputs, loss_fn, rng, device, loop)
+            apply(model, plan)
+            t_planned = _time_step(model, inputs, loss_fn, rng, device, loop)
+            if r:  # the first pair is a warm-up
+                plain_ms.append(t_plain)
+                planned_ms.append(t_planned)
+    finally:
+        remove(model)
+        stack.close()
+        if before is not None:
+            apply(model, before)
+        torch.set_rng_state(rng)
+    if not math.isfinite(floor):
+        raise RematError(f"the plain model's gradients differ between two runs from the same "
+                         f"state by {floor} (a gradient missing in one run, or not finite): "
+                         f"verify cannot judge a plan against that")
+    judged = judge_gradients(plain.grads, planned.grads, floor)
+    peak, plain_peak = planned.peak_bytes, plain.peak_bytes
+    on_allocator = False
+    if planned.allocator_peak_bytes is not None and plain.allocator_peak_bytes is not None:
+        peak, plain_peak = planned.allocator_peak_bytes, plain.allocator_peak_bytes
+        on_allocator = True  # CUDA: the allocator is the truth (DESIGN.md)
+    within = plan.budget_bytes is None or peak <= plan.budget_bytes
+    med = statistics.median(planned_ms)
+    return Report(
+        ok=judged.verdict != "differ" and within, grads_equal=judged.grads_equal,
+        max_grad_diff=judged.max_grad_diff,
+        peak_bytes=peak, plain_peak_bytes=plain_peak,
+        predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=plan.budget_bytes,
+        recompute_flops=planned.flops - plain.flops, plain_flops=plain.flops,
+        step_ms=med, plain_step_ms=statistics.median(plain_ms),
+        time_spread=(max(planned_ms) - min(planned_ms)) / med if med else 0.0,
+        deterministic=deterministic, noise_floor=floor, noise_measured=measure_floor,
+        peak_source="allocator" if on_allocator else "tracker",
+        tracked_peak_bytes=planned.peak_bytes if on_allocator else None,
+    )

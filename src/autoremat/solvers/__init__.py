@@ -1,1 +1,0 @@
-"""Solvers: pure functions from a Tape (and a budget) to segment decisions."""

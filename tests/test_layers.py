@@ -1,0 +1,158 @@
+"""The package's import graph against its declared layers (see NOTE [ Layers ] below).
+
+NOTE [ Layers ]
+~~~~~~~~~~~~~~~
+autoremat is built in layers, each a folder or file found by name. A module imports only
+its own package and the layers below it, so a reader can learn the project bottom up:
+
+    0  _core        errors, units, the training step, RNG, timing, memory, op records
+    1  _mechanism   checkpoint wrappers, segment hooks, selective modes (knows no Plan)
+       zoo          the example models (public: ``autoremat.zoo``)
+    2  _measure     one instrumented step -> Tape
+       _targets     "zoo name or module:function" -> (model, inputs), key=value parsing
+    3  _plan        pure functions of a Tape: peak model, solvers, Plan
+    4  _apply       Plan -> wrapped model (apply, remove)
+       _estimate    fake-tensor measurement, optimizer state, doctor
+    5  _verify      gradients and peak of an applied plan against the plain model
+    6  _auto        the one place that composes profile, plan and apply
+    7  _bench       sweeps against PyTorch's own options, reports, plots
+    8  _cli         argparse only
+    9  autoremat    the public names (``__init__``)
+
+Every import of another autoremat module sits at the top of its file: no import inside a
+function, so none can be hiding a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import autoremat
+
+SRC = pathlib.Path(autoremat.__file__).parent
+
+LAYERS: dict[str, int] = {
+    "autoremat._core": 0,
+    "autoremat._mechanism": 1,
+    "autoremat.zoo": 1,
+    "autoremat._measure": 2,
+    "autoremat._targets": 2,
+    "autoremat._plan": 3,
+    "autoremat._apply": 4,
+    "autoremat._estimate": 4,
+    "autoremat._verify": 5,
+    "autoremat._auto": 6,
+    "autoremat._bench": 7,
+    "autoremat._cli": 8,
+    "autoremat.__main__": 8,
+    "autoremat": 9,
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _unit(module: str) -> str:
+    """The layer entry a module belongs to: its package, or itself for a single file."""
+    best = ""
+    for name in LAYERS:
+        if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+            best = name
+    if not best:
+        raise AssertionError(f"{module} is in no declared layer; add it to LAYERS")
+    return best
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
+    """(imported autoremat module, line, at top level) for every import in ``path``."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [target]
+            if target == "autoremat" or target.startswith("autoremat."):
+                # `from autoremat._core import rng` imports a module, not a name
+                names = [f"{target}.{a.name}" if (SRC.parent / f"{target}.{a.name}".replace(
+                    ".", "/")).with_suffix(".py").exists() or (SRC.parent / f"{target}.{a.name}"
+                    .replace(".", "/")).is_dir() else target for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "autoremat" or name.startswith("autoremat."):
+                found.append((name, node.lineno, id(node) in top))
+    return found
+
+
+def _graph() -> dict[str, list[tuple[str, int, bool]]]:
+    return {_module_name(p): _imports(p) for p in sorted(SRC.rglob("*.py"))}
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for module in _graph():
+        _unit(module)
+
+
+def test_imports_point_down() -> None:
+    wrong = []
+    for module, imports in _graph().items():
+        unit = _unit(module)
+        for target, line, _ in imports:
+            other = _unit(target)
+            if other != unit and LAYERS[other] >= LAYERS[unit]:
+                wrong.append(f"{module}:{line} imports {target} (layer {LAYERS[other]}, "
+                             f"not below {unit}'s {LAYERS[unit]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_imports_inside_functions() -> None:
+    lazy = [f"{module}:{line} imports {target} inside a function or block"
+            for module, imports in _graph().items()
+            for target, line, top in imports if not top]
+    assert not lazy, "\n".join(lazy)
+
+
+def test_no_import_cycles() -> None:
+    graph = {m: {t for t, _, _ in imps if t != m} for m, imps in _graph().items()}
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if target not in graph:
+                continue
+            if state.get(target) == 1:
+                cycle = [*path[path.index(target):], target] if target in path else [module, target]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if state.get(target) is None:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+
+
+def test_internal_modules_are_private() -> None:
+    """Only ``autoremat`` and ``autoremat.zoo`` are public; everything else is ``_private``."""
+    public = {"autoremat", "autoremat.zoo"}
+    exposed = [m for m in _graph() if m not in public
+               and not any(part.startswith("_") for part in m.split(".")[1:])]
+    assert not exposed, f"modules with a public path: {exposed}"

@@ -1,0 +1,78 @@
+"""Tests for autoremat._targets: TARGET specs and key=value options, one rule for every command."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autoremat._core.errors import RematError
+from autoremat._targets import load_target, parse_options
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("num_hidden_layers=32,hidden_size=4096", {"num_hidden_layers": 32, "hidden_size": 4096}),
+    ("rope_theta=1e6, tie_word_embeddings=False ,act=silu",
+     {"rope_theta": 1e6, "tie_word_embeddings": False, "act": "silu"}),
+    ("dropout=0.0,sliding_window=null,x=-3", {"dropout": 0.0, "sliding_window": None, "x": -3}),
+    ("", {}), (None, {}), ("a=1,,", {"a": 1}),
+])
+def test_parse_options(text: str | None, expected: dict[str, Any]) -> None:
+    assert parse_options(text) == expected
+
+
+@pytest.mark.parametrize("text", ["hidden_size", "=3", "hidden size=3", "a=1,b"])
+def test_parse_options_errors_show_the_format(text: str) -> None:
+    with pytest.raises(RematError, match="key=value pairs"):
+        parse_options(text)
+
+
+def test_an_option_given_twice_is_an_error() -> None:
+    with pytest.raises(RematError, match="'n_layer' is given twice"):
+        parse_options("n_layer=2,n_layer=3")
+
+
+@pytest.fixture
+def factories(monkeypatch: pytest.MonkeyPatch) -> str:
+    module = types.ModuleType("_autoremat_test_factories")
+
+    def good(width: int = 4) -> tuple[nn.Module, Any]:
+        return nn.Linear(width, width), torch.ones(2, width)
+
+    module.good = good  # type: ignore[attr-defined]
+    module.bad = lambda: "not a pair"  # type: ignore[attr-defined]
+    module.not_callable = 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.__name__
+
+
+def test_a_factory_gets_the_options_and_builds_on_the_device(factories: str) -> None:
+    model, inputs = load_target(f"{factories}:good", {"width": 6}, device="meta")
+    assert model.weight.shape == (6, 6) and model.weight.is_meta and inputs.is_meta
+
+
+def test_a_zoo_target_gets_options_device_and_dtype() -> None:
+    model, _ = load_target("mlp", {"batch_size": 2}, device="meta", dtype=torch.bfloat16)
+    param = next(model.parameters())
+    assert param.is_meta and param.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("gtp2", "unknown target 'gtp2'.*Did you mean 'gpt2'"),
+    ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+    ("{m}:goood", "has no callable 'goood'.*Did you mean 'good'"),
+    ("{m}:not_callable", "has no callable 'not_callable'"),
+    ("{m}:bad", "must return \\(model, inputs\\), got str"),
+])
+def test_target_errors_say_what_to_do(factories: str, target: str, message: str) -> None:
+    with pytest.raises(RematError, match=message):
+        load_target(target.format(m=factories))
+
+
+def test_a_dtype_for_a_factory_is_refused_not_ignored(factories: str) -> None:
+    with pytest.raises(RematError, match="dtype= applies to zoo models only"):
+        load_target(f"{factories}:good", dtype=torch.float16)
