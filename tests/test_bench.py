@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autoremat import zoo
-from autoremat._bench.bench import _plan_key, bench_main
+from autoremat._bench.bench import _plan_key
 from autoremat._bench.measure import build_target
 from autoremat._bench.refs import sequential_chain
 from autoremat._bench.report import (
@@ -30,6 +30,7 @@ from autoremat._bench.rows import (
     ModelResult,
     Settings,
 )
+from autoremat._cli.bench import bench_main
 from autoremat._core.blocks import resolve_blocks
 
 # Small enough for a few seconds a step on a busy 2-core machine, large enough that

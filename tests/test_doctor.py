@@ -12,13 +12,9 @@ import torch
 from torch import nn
 
 from autoremat import zoo
+from autoremat._cli.doctor import doctor_main
 from autoremat._core.errors import RematError
-from autoremat._estimate.doctor import (
-    HF_FAMILIES,
-    build_hf_model,
-    doctor,
-    doctor_main,
-)
+from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
 from autoremat._estimate.estimate import estimate, measure_step
 from autoremat._targets import parse_options
 

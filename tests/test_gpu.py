@@ -32,7 +32,7 @@ from torch import nn
 
 import autoremat
 from autoremat import zoo
-from autoremat._bench.bench import bench_main
+from autoremat._cli.bench import bench_main
 from autoremat._core.memory import track_allocator, track_memory
 from autoremat._core.step import preserved_state, run_step
 from autoremat._core.timing import CudaClock, clock_for, time_ms

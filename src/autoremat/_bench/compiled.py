@@ -2,7 +2,7 @@
 
 :func:`compile_rows` runs, for each ``activation_memory_budget`` fraction, a fresh Python
 process whose entry point is :func:`compile_worker` (started as ``python -c "from
-autoremat.bench_compile import compile_worker; ..."``, so that name must not move). The
+autoremat._bench.compiled import compile_worker; ..."``, so that name must not move). The
 worker compiles the target, times it against an eager plain step in the same process and
 writes its figures as JSON; :func:`compile_rows` turns them into rows, led by one
 ``no checkpointing (OS)`` row that is their baseline.

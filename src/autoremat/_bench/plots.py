@@ -46,7 +46,7 @@ def pareto_plot(result: ModelResult, path: str | Path) -> Path:
     users feel, noisy on a shared machine) and against recompute FLOPs (exact).
 
     Example:
-        >>> # results = autoremat.bench.run_bench(["mlp"]); pareto_plot(results[0], "m.png")
+        >>> # results = autoremat._bench.bench.run_bench(["mlp"]); pareto_plot(results[0], "m.png")
     """
     try:
         import matplotlib

@@ -1,8 +1,8 @@
 """The plain data of ``autoremat bench``: method names, one row, one model's result, settings.
 
-The sweep (:mod:`autoremat.bench`) fills these and the report (:mod:`autoremat.bench_report`)
-reads them; they live here so that neither imports the other. All are frozen dataclasses
-that serialise with :func:`dataclasses.asdict`; ``autoremat.bench`` re-exports them.
+The sweep (:mod:`autoremat._bench.bench`) fills these and the report
+(:mod:`autoremat._bench.report`) reads them; they live here so that neither imports the
+other. All are frozen dataclasses that serialise with :func:`dataclasses.asdict`.
 """
 
 from __future__ import annotations

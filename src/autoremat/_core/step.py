@@ -79,7 +79,7 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 def check_loop(loop: Any) -> Loop:
-    """``loop`` if it is one of :data:`LOOPS`, else :class:`~autoremat.errors.LoopError`."""
+    """``loop`` if it is one of :data:`LOOPS`, else :class:`~autoremat.LoopError`."""
     if loop not in LOOPS:
         raise LoopError(f"unknown loop {loop!r}; choose one of {list(LOOPS)}: "
                         f"'holds_output' when your loop keeps the model's output until "

@@ -5,8 +5,8 @@ computes shapes and allocates nothing, with floating tensors cast to the dtype b
 estimated (:func:`parse_dtype`). :func:`sdpa_as_on` makes attention on ``meta`` run the
 kernel the target device would pick (NOTE [ Attention on meta ]), and
 :func:`register_hf_attention` lets Transformers models run on ``meta`` without building
-masks (NOTE [ Hugging Face models on meta ]). :func:`autoremat.estimate.estimate` and
-:func:`autoremat.estimate.measure_step` run their step inside both.
+masks (NOTE [ Hugging Face models on meta ]). :func:`autoremat.estimate` and
+:func:`autoremat._estimate.tracked_step.measure_step` run their step inside both.
 
 Known limitations:
     * Code that bound ``scaled_dot_product_attention`` at import

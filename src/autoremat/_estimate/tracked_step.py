@@ -2,7 +2,7 @@
 the module whose forward (or the block whose backward) made it.
 
 :func:`measure_step` gives just the step peak, for re-measuring at another batch size;
-:func:`autoremat.estimate.estimate` reads the same tracked run for its breakdowns: the
+:func:`autoremat.estimate` reads the same tracked run for its breakdowns: the
 storages alive at the peak (:class:`LiveTensor`), what forward leaves for backward, and the
 peak with the head and loss computed in :data:`LOSS_CHUNKS` slices
 (:func:`chunked_loss_peak`).
@@ -202,12 +202,12 @@ def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
                  dtype: torch.dtype | str | None = None,
                  checkpoint_all: bool = False, loop: Loop = "holds_output") -> StepPeak:
     """Just the step peak on ``meta`` (two passes cheaper than
-    :func:`autoremat.estimate.estimate`), with every block checkpointed or none; for
+    :func:`autoremat.estimate`), with every block checkpointed or none; for
     re-measuring at another batch size. For a ``cuda`` target storages are counted in
-    the CUDA caching allocator's blocks, as :func:`~autoremat.estimate.estimate` does.
+    the CUDA caching allocator's blocks, as :func:`~autoremat.estimate` does.
 
     Args:
-        loop: the training loop, as for :func:`autoremat.estimate.estimate` (default
+        loop: the training loop, as for :func:`autoremat.estimate` (default
             ``"holds_output"``: the output lives until backward has finished).
 
     Example:

@@ -60,7 +60,8 @@ from autoremat._measure.tape import BlockProfile, SelectiveProfile, Tape, Window
 from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
 from autoremat._mechanism.wrap import ContextFn, checkpointed
 
-__all__ = ["op_kind", "profile"]
+__all__ = ["profile"]
+
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     for t in tree_flatten(obj)[0]:
@@ -389,7 +390,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             ``tape.output_bytes``.
 
     Returns:
-        A frozen :class:`~autoremat.tape.Tape`. The model's buffers, gradients and the
+        A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
         RNG states are left as they were.
 
     Example:

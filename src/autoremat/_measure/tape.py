@@ -337,7 +337,7 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
 
 
 def check_loop_field(value: Any, where: str) -> None:
-    """A loaded ``loop`` must name one of :data:`~autoremat.step.LOOPS`."""
+    """A loaded ``loop`` must name one of :data:`~autoremat._core.step.LOOPS`."""
     if value not in LOOPS:
         raise SchemaError(f"{where} must be one of {list(LOOPS)}, got {value!r}")
 

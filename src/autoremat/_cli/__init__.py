@@ -17,11 +17,11 @@ from rich.table import Table
 
 from autoremat import zoo
 from autoremat._apply import apply, remove
-from autoremat._bench.bench import bench_main
+from autoremat._cli.bench import bench_main
+from autoremat._cli.doctor import doctor_main
 from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.step import LOOPS
 from autoremat._core.units import format_bytes
-from autoremat._estimate.doctor import doctor_main
 from autoremat._measure.profile import profile
 from autoremat._measure.tape import ops_table
 from autoremat._plan.plan import plan, smallest_feasible_bytes

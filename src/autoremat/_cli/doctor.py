@@ -1,0 +1,103 @@
+"""``autoremat doctor`` (alias ``estimate``): will a step fit, and if not, what to do.
+
+Argument parsing and printing only; the work is :func:`autoremat.doctor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat import zoo
+from autoremat._core.errors import RematError
+from autoremat._core.units import parse_size
+from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
+from autoremat._estimate.fake import parse_dtype
+from autoremat._targets import load_target, parse_options
+
+__all__ = ["doctor_main"]
+
+
+def _target(target: str | None, args: argparse.Namespace,
+                 config: dict[str, Any]) -> tuple[str, nn.Module, Any]:
+    """(description, model, inputs) for ``--hf``, a zoo name or ``module:factory``."""
+    if args.hf is not None:
+        if target is not None:
+            raise RematError(f"give either a target ({target!r}) or --hf, not both")
+        batch, seq = args.batch or 1, args.seq or 2048
+        model, inputs = build_hf_model(args.hf, config, batch, seq, args.dtype)
+        return f"hf:{args.hf} batch {batch} seq {seq}", model, inputs
+    if target is None:
+        raise RematError("name what to examine: a zoo model (" + ", ".join(zoo.names()) +
+                         "), module:factory, or --hf FAMILY --config ...")
+    sizes = {k: v for k, v in (("batch_size", args.batch), ("seq_len", args.seq)) if v}
+    clash = sorted(set(sizes) & set(config))
+    if clash:
+        raise RematError(f"{', '.join(clash)} given twice, in --config and as --batch/--seq; "
+                         "give each once")
+    dtype = parse_dtype(args.dtype)
+    model, inputs = load_target(target, {**config, **sizes}, device="meta",
+                                dtype=(dtype or torch.float32) if ":" not in target else None)
+    return (target if ":" in target else f"zoo:{target}"), model, inputs
+
+
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoremat doctor",
+        description="Will a training step fit in this much memory, and if not, what to do. "
+                    "Runs the step on fake (meta) tensors: nothing is allocated or downloaded. "
+                    "Exit status: 0 fits (maybe with checkpointing), 1 does not fit, 2 error.")
+    parser.add_argument("target", nargs="?",
+                        help=f"a zoo model ({', '.join(zoo.names())}) or module:factory "
+                             f"returning (model, inputs); or use --hf")
+    parser.add_argument("--hf", metavar="FAMILY",
+                        help=f"a Transformers family built from its config: "
+                             f"{', '.join(HF_FAMILIES)}")
+    parser.add_argument("--config", "--set", default="", metavar="K=V,...",
+                        help="config fields (Transformers config, zoo options or factory "
+                             "keyword arguments), e.g. num_hidden_layers=32,hidden_size=4096")
+    parser.add_argument("--batch", type=int, help="batch size (--hf default 1)")
+    parser.add_argument("--seq", type=int, help="sequence length (--hf default 2048)")
+    parser.add_argument("--dtype", help="floating dtype of parameters and inputs: bf16, fp16, "
+                                        "fp32")
+    parser.add_argument("--optimizer", default="adamw",
+                        help="adamw (default), adam, sgd, sgd-momentum, rmsprop, adagrad, "
+                             "none, or the state's size (e.g. 20GiB)")
+    parser.add_argument("--memory", default="80GiB", help="device memory (default 80GiB)")
+    parser.add_argument("--device", default="cuda", help="device to estimate for (default cuda)")
+    parser.add_argument("--throughput", type=float, metavar="FLOP/S",
+                        help="sustained FLOP/s of the device, to turn FLOPs into seconds")
+    parser.add_argument("--plot", metavar="PNG", help="write a stacked bar of the memory here")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+def _optimizer_arg(text: str) -> str | int | None:
+    if text.strip().lower() == "none":
+        return None
+    if text.strip()[:1].isdigit():
+        return parse_size(text, what="optimizer state")
+    return text
+
+
+def doctor_main(argv: Sequence[str]) -> int:
+    """``autoremat doctor ...``; returns the exit status (0 fits, 1 does not fit, 2 error)."""
+    args = _parser().parse_args(list(argv))
+    try:
+        config = parse_options(args.config)
+        label, model, inputs = _target(args.target, args, config)
+        result = doctor(model, inputs, memory=args.memory, device=args.device,
+                        dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),
+                        throughput_flops=args.throughput, plot_path=args.plot, target=label)
+    except RematError as exc:
+        print(f"autoremat doctor: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.to_json() if args.json else result)
+    return 0 if result.fits else 1
