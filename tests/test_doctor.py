@@ -187,7 +187,7 @@ def test_plot_is_a_png(tmp_path: Any, gpt2: tuple[nn.Module, Any, Any]) -> None:
     (["mlp", "--optimizer", "adamww"], "Did you mean 'adamw'?"),
     (["mlp", "--memory", "8 parsecs"], "cannot read memory '8 parsecs'"),
     (["mlp", "--dtype", "bf61"], "Did you mean 'bf16'?"),
-    (["no_such_module:f"], "cannot load factory 'no_such_module:f'"),
+    (["no_such_module:f"], "cannot import 'no_such_module' for target 'no_such_module:f'"),
     (["mlp", "--config", "depth=3"], "mlp: unknown option 'depth'"),
 ])
 def test_cli_errors_name_the_problem(argv: list[str], message: str,
