@@ -56,7 +56,7 @@ from autoremat._estimate.estimate import (
     Estimate,
     StepPeak,
     estimate,
-    measure_step,
+    meta_step_peak,
     parse_dtype,
     register_hf_attention,
 )
@@ -453,8 +453,8 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
                    f"+{100 * overhead:.1f}% FLOPs recomputed.")
     else:
         def measure(small: Any, ckpt_all: bool) -> StepPeak:
-            return measure_step(model, small, loss_fn=loss_fn, blocks=blocks, device=est.device,
-                                dtype=dtype, checkpoint_all=ckpt_all)
+            return meta_step_peak(model, small, loss_fn=loss_fn, blocks=blocks, device=est.device,
+                                  dtype=dtype, checkpoint_all=ckpt_all)
 
         remedies = _remedies(est, limit, model, inputs, measure)
         verdict = (f"DOES NOT FIT in {format_bytes(limit)}: peak {format_bytes(plain)} without "

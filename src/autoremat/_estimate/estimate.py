@@ -75,7 +75,7 @@ from autoremat._estimate.tracked_step import (
     _saved,
     _tracked_step,
     chunked_loss_peak,
-    measure_step,
+    meta_step_peak,
     target_rounding,
 )
 from autoremat._measure.profile import profile
@@ -90,7 +90,7 @@ __all__ = [
     "LiveTensor",
     "StepPeak",
     "estimate",
-    "measure_step",
+    "meta_step_peak",
     "optimizer_memory",
     "parse_dtype",
     "register_hf_attention",
