@@ -376,9 +376,10 @@ def estimate(
     try:
         with preserved_state(model), sdpa_as_on(target_type), \
                 _hf_attention_without_masks(model, inputs) as hf_notes:
+            # the tape is for the target (its costs, tape.device), not for meta
             tape = profile(model, inputs, loss_fn, names, repeats=1,
                            with_selective=selective, rounding=rounding,
-                           loop=loop)
+                           loop=loop, device=target)
             plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False,
                                   rounding=rounding, loop=loop)
             ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True,
