@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autoremat import zoo
 from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
+from autoremat._core.optimizers import takes_fused
 from autoremat._core.step import LossFn, unique_storage_bytes
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._estimate.estimate import (
@@ -75,7 +76,6 @@ __all__ = [
 
 DOCTOR_SCHEMA_VERSION = 1
 _RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # data-parallel sizes tried for sharding
-_FUSED = ("adamw", "adam", "sgd", "sgd-momentum")  # optimizers with fused=True in torch.optim
 
 # family -> (config class, model class) in transformers
 HF_FAMILIES: dict[str, tuple[str, str]] = {
@@ -306,8 +306,7 @@ def _rebatch(inputs: Any, batch: int, new: int) -> Any:
 def _remedies(est: Estimate, memory: int, model: nn.Module, inputs: Any,
               measure: Callable[[Any, bool], StepPeak]) -> list[Remedy]:
     out: list[Remedy] = []
-    opt = (est.optimizer or "").lower()
-    if opt in _FUSED and est.optimizer_step_bytes > 0:
+    if takes_fused(est.optimizer) and est.optimizer_step_bytes > 0:
         out.append(_best(est, memory, "fused-optimizer",
                          f"construct the optimizer with fused=True: it updates in place, without "
                          f"the {format_bytes(est.optimizer_step_bytes)} of foreach temporaries",
@@ -381,7 +380,7 @@ def _combined(est: Estimate, memory: int, inputs: Any, batch: int | None,
         small = _rebatch(inputs, batch, 1)
         step, input_bytes = measure(small, True), unique_storage_bytes(small)
         parts.append(f"micro-batch 1 x {batch} accumulation steps")
-    fused = (est.optimizer or "").lower() in _FUSED
+    fused = takes_fused(est.optimizer)
     parts += ["fused optimizer"] * fused + [f"loss in {LOSS_CHUNKS} chunks"]
     total = 0
     for n in _RANKS:

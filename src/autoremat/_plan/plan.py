@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoremat._core.errors import BudgetError, RematError, SchemaError, did_you_mean
+from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.step import Loop
 from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes, parse_budget, parse_size
@@ -171,31 +172,17 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
 
 # --- budgets -------------------------------------------------------------------------
 
-_OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1,
-                     "rmsprop": 1, "lion": 1}
-
-
 def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:
-    """Bytes of optimizer state for the tape's trainable parameters.
+    """Bytes of parameter-sized optimizer state for the tape's trainable parameters.
 
-    ``optimizer`` is a name (states per parameter, in the parameters' dtype, as PyTorch's
-    optimizers allocate them: adamw/adam 2, sgd-momentum/adagrad/rmsprop/lion 1, sgd 0)
-    or a number of bytes.
+    ``optimizer`` is a name in :data:`~autoremat._core.optimizers.OPTIMIZERS` (states per
+    parameter, in the parameters' dtype, as PyTorch's optimizers allocate them: adamw/adam
+    2, sgd-momentum/adagrad/rmsprop 1, sgd 0) or a number of bytes, taken as given.
     """
-    if optimizer is None:
-        return 0
-    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
-        return parse_size(optimizer, what="optimizer state")
-    if isinstance(optimizer, str) and optimizer.lower() in _OPTIMIZER_STATES:
-        return _OPTIMIZER_STATES[optimizer.lower()] * tape.trainable_param_bytes
-    if isinstance(optimizer, str):
-        try:
-            return parse_size(optimizer, what="optimizer state")
-        except BudgetError:
-            pass
-    raise BudgetError(f"unknown optimizer {optimizer!r}: use one of "
-                      f"{sorted(_OPTIMIZER_STATES)} or a number of bytes."
-                      + did_you_mean(str(optimizer).lower(), _OPTIMIZER_STATES))
+    spec = resolve_optimizer(optimizer)
+    if isinstance(spec, OptimizerSpec):
+        return spec.state_bytes(tape.trainable_param_bytes)
+    return spec or 0
 
 
 def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
