@@ -262,7 +262,10 @@ def _device_peak(est: Estimate, s: _Setting) -> int:
     if s.zero_stage >= 3:
         params = params // n + 2 * _largest_unit_param_bytes(est)
     inputs = est.input_bytes if s.input_bytes is None else s.input_bytes
-    return params + est.buffer_bytes + inputs + optimizer + max(peak, grads + opt_step)
+    held = dataclasses.replace(est.iteration_memory, param_bytes=params, optimizer_bytes=optimizer,
+                               input_bytes=inputs, grad_bytes=grads,
+                               optimizer_step_bytes=opt_step)
+    return held.peak_bytes(peak)
 
 
 def _largest_unit_param_bytes(est: Estimate) -> int:
