@@ -15,7 +15,8 @@ from autoremat import zoo
 from autoremat._cli.doctor import doctor_main
 from autoremat._core.errors import RematError
 from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
-from autoremat._estimate.estimate import estimate, measure_step
+from autoremat._estimate.estimate import estimate
+from autoremat._estimate.tracked_step import meta_step_peak
 from autoremat._targets import parse_options
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +50,7 @@ def test_build_hf_model_on_meta_for_every_family(family: str) -> None:
     assert config._attn_implementation == "autoremat_sdpa"
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
     assert inputs["input_ids"].shape == inputs["labels"].shape == (2, 32)
-    peak = measure_step(model, inputs, device="cuda")  # it runs on meta, forward and backward
+    peak = meta_step_peak(model, inputs, device="cuda")  # it runs on meta, forward and backward
     assert peak.peak_bytes > 0
 
 
@@ -122,7 +123,7 @@ def test_does_not_fit_prescribes_remedies_with_their_effect(
     micro = by_name["micro-batch"]
     batch = int(micro.action.split()[1])
     small = {k: torch.empty_like(v[:batch]) for k, v in inputs.items()}
-    step = measure_step(model, small, checkpoint_all=micro.checkpointing != "none")
+    step = meta_step_peak(model, small, checkpoint_all=micro.checkpointing != "none")
     small_inputs = sum(v.numel() * v.element_size() for v in small.values())
     expected = (est.resting_bytes - est.input_bytes + small_inputs
                 + max(step.peak_bytes, est.grad_bytes + est.optimizer_step_bytes))

@@ -24,7 +24,7 @@ from autoremat._estimate.doctor import build_hf_model
 from autoremat._estimate.estimate import (
     Estimate,
     estimate,
-    measure_step,
+    meta_step_peak,
     optimizer_memory,
     parse_dtype,
     sdpa_as_on,
@@ -315,11 +315,11 @@ def test_breakdowns_add_up_and_the_logits_are_among_the_largest() -> None:
     assert est.head_chunked_step_peak_bytes < est.step_peak_bytes  # the head makes the peak
 
 
-def test_measure_step_agrees_with_estimate() -> None:
+def test_meta_step_peak_agrees_with_estimate() -> None:
     model, inputs = zoo.build("llama", device="meta", **_ZOO_SIZES["llama"])
     est = estimate(model, inputs, device="cpu", selective=False)
-    plain = measure_step(model, inputs, device="cpu")
-    ckpt = measure_step(model, inputs, device="cpu", checkpoint_all=True)
+    plain = meta_step_peak(model, inputs, device="cpu")
+    ckpt = meta_step_peak(model, inputs, device="cpu", checkpoint_all=True)
     assert plain.peak_bytes == est.step_peak_bytes
     assert ckpt.peak_bytes == est.ckpt_step_peak_bytes
     assert plain.chunked_loss_peak_bytes == est.head_chunked_step_peak_bytes

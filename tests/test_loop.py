@@ -26,7 +26,7 @@ from torch import nn
 import autoremat
 from autoremat import LoopError, Plan, SchemaError, Tape, zoo
 from autoremat._core.step import LOOPS, Loop, call_model, run_step
-from autoremat._estimate.estimate import estimate, measure_step
+from autoremat._estimate.estimate import estimate, meta_step_peak
 
 # Tiny transformers: 2 layers, width 32, a batch of 4 x 32 tokens, 128-token vocabulary,
 # dropout on. Blocks' activations dominate the step, so that 75% and 62% are feasible.
@@ -171,7 +171,7 @@ def test_a_loss_only_plan_fits_a_loop_that_keeps_only_the_loss() -> None:
     assert Plan.from_json(plan.to_json()).loop == "loss_only"
 
 
-def test_estimate_and_measure_step_take_the_loop() -> None:
+def test_estimate_and_meta_step_peak_take_the_loop() -> None:
     model, inputs = zoo.build("mlp", widths=(64, 48), d_in=32, n_classes=512, batch_size=64,
                               device="meta")
     held = estimate(model, inputs, device="cpu", selective=False)
@@ -181,7 +181,7 @@ def test_estimate_and_measure_step_take_the_loop() -> None:
     assert held.step_peak_bytes - loss_only.step_peak_bytes == held.tape.output_bytes
     assert "loop holds_output" in str(held)
     assert json.loads(loss_only.to_json())["loop"] == "loss_only"
-    steps = {loop: measure_step(model, inputs, device="cpu", loop=loop) for loop in LOOPS}
+    steps = {loop: meta_step_peak(model, inputs, device="cpu", loop=loop) for loop in LOOPS}
     assert steps["holds_output"].peak_bytes == held.step_peak_bytes
     assert steps["loss_only"].peak_bytes == loss_only.step_peak_bytes
 
@@ -197,7 +197,7 @@ def test_an_unknown_loop_names_the_value_and_the_choices() -> None:
         lambda: autoremat.profile(model, inputs, loop=bad),
         lambda: autoremat.auto(model, inputs, budget="90%", loop=bad),
         lambda: estimate(model, inputs, loop=bad),
-        lambda: measure_step(model, inputs, loop=bad),
+        lambda: meta_step_peak(model, inputs, loop=bad),
     ]
     for call in calls:
         with pytest.raises(LoopError) as info:

@@ -222,13 +222,18 @@ def _nbytes(tensors: Any) -> int:
 
 def test_max_memory_subtracts_parameters_buffers_and_adamw_state(
         small: tuple[torch.nn.Module, Any, Tape]) -> None:
-    model, _, tape = small
+    model, inputs, tape = small
     params = _nbytes(model.parameters())  # parameters() skips the tied lm_head weight
     buffers = _nbytes(model.buffers())
     trainable = _nbytes(p for p in model.parameters() if p.requires_grad)
     assert (tape.param_bytes, tape.buffer_bytes, tape.trainable_param_bytes) == \
         (params, buffers, trainable)
-    fixed = params + buffers + 2 * trainable
+    # The batch is on the device before the step too (NOTE [ From max_memory to a step
+    # budget ] in budget.py), and on the CPU so are AdamW's step counters, 4 bytes a tensor.
+    batch = _nbytes(inputs.values())  # idx and targets
+    assert tape.input_bytes == batch > 0
+    counters = 4 * sum(p.requires_grad for p in model.parameters())
+    fixed = params + buffers + 2 * trainable + counters + batch
     device = fixed + tape.step_peak_bytes
     p = autoremat.plan(tape, max_memory=device, optimizer="adamw")
     assert p.budget_bytes == tape.step_peak_bytes
@@ -236,12 +241,13 @@ def test_max_memory_subtracts_parameters_buffers_and_adamw_state(
         tape.step_peak_bytes
     # sgd keeps no state, sgd-momentum one buffer per parameter; bytes are taken as given
     assert autoremat.plan(tape, max_memory=device, optimizer="sgd").budget_bytes == \
-        device - params - buffers
+        device - params - buffers - batch
     assert autoremat.plan(tape, max_memory=device, optimizer="sgd-momentum").budget_bytes == \
-        device - params - buffers - trainable
+        device - params - buffers - batch - trainable
     assert autoremat.plan(tape, max_memory=device, optimizer=12345).budget_bytes == \
-        device - params - buffers - 12345
-    assert autoremat.plan(tape, max_memory=device).budget_bytes == device - params - buffers
+        device - params - buffers - batch - 12345
+    assert autoremat.plan(tape, max_memory=device).budget_bytes == \
+        device - params - buffers - batch
     assert optimizer_state_bytes(tape, "adam") == 2 * trainable
     # with a budget too, the tighter one wins
     assert autoremat.plan(tape, "90%", max_memory=device, optimizer="adamw").budget_bytes == \
@@ -260,7 +266,9 @@ def test_frozen_parameters_carry_no_optimizer_state() -> None:
     tape = autoremat.profile(model, inputs, repeats=1)
     trainable = _nbytes(p for p in model.parameters() if p.requires_grad)
     assert tape.trainable_param_bytes == trainable < tape.param_bytes
-    device = tape.param_bytes + tape.buffer_bytes + 2 * trainable + tape.step_peak_bytes
+    counters = 4 * sum(p.requires_grad for p in model.parameters())  # AdamW's, on the CPU
+    device = (tape.param_bytes + tape.buffer_bytes + 2 * trainable + counters
+              + tape.input_bytes + tape.step_peak_bytes)
     assert autoremat.plan(tape, max_memory=device, optimizer="adamw").budget_bytes == \
         tape.step_peak_bytes
 

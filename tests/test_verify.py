@@ -37,7 +37,7 @@ from autoremat._verify import (
     NOISE_MULTIPLE,
     _check_cublas_workspace,
     judge_gradients,
-    measure_step,
+    step_measure,
 )
 
 BUDGETS = ["75%", "50%", "30%", "min"]
@@ -273,16 +273,16 @@ def test_verify_errors(gpt2: tuple[nn.Module, Any, Tape], kwargs: dict[str, Any]
     assert message in str(info.value)
 
 
-def test_measure_step_leaves_no_trace() -> None:
+def test_step_measure_leaves_no_trace() -> None:
     model, inputs, tape = _small("mlp")
     params = dict(model.named_parameters())
-    m = measure_step(model, inputs, None)
+    m = step_measure(model, inputs, None)
     assert m.peak_bytes == tape.step_peak_bytes
     assert m.flops == tape.step_flops
     assert m.grads.keys() == params.keys()
     assert all(g is not None and g.shape == params[n].shape for n, g in m.grads.items())
     assert all(p.grad is None for p in model.parameters())
-    again = measure_step(model, inputs, None, rng=torch.get_rng_state())
+    again = step_measure(model, inputs, None, rng=torch.get_rng_state())
     assert all(torch.equal(m.grads[n], again.grads[n]) for n in params)
 
 

@@ -55,7 +55,7 @@ from autoremat._core.units import format_bytes
 from autoremat._plan.plan import Plan
 
 __all__ = ["NOISE_MULTIPLE", "GradientJudgement", "Report", "Verdict", "judge_gradients",
-           "max_grad_diff", "measure_step", "verify"]
+           "max_grad_diff", "step_measure", "verify"]
 
 Verdict = Literal["equal", "within noise", "differ"]
 
@@ -278,7 +278,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
             for n, p in model.named_parameters()}
 
 
-def measure_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+def step_measure(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                  rng: torch.Tensor | None = None, *,
                  loop: Loop = "holds_output") -> StepMeasure:
     """One step in the training loop ``loop``: measured peak, FLOPs and gradients
@@ -375,13 +375,13 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
         if device.type == "cuda":
             _plain_grads(model, inputs, loss_fn, rng, loop)  # warm-up: one-time allocations
         with _deterministic_algorithms(device) if deterministic else nullcontext():
-            plain = measure_step(model, inputs, loss_fn, rng, loop=loop)
+            plain = step_measure(model, inputs, loss_fn, rng, loop=loop)
             floor = 0.0
             if measure_floor:
                 _, floor = max_grad_diff(plain.grads,
                                           _plain_grads(model, inputs, loss_fn, rng, loop))
             apply(model, plan)
-            planned = measure_step(model, inputs, loss_fn, rng, loop=loop)
+            planned = step_measure(model, inputs, loss_fn, rng, loop=loop)
         plain_ms, planned_ms = [], []
         for r in range(repeats + 1):
             remove(model)

@@ -65,11 +65,11 @@ from torch import nn
 from autoremat._apply import apply, remove
 from autoremat._bench.compiled import compile_rows
 from autoremat._bench.measure import (
-    Measure,
+    BenchMeasure,
+    bench_measure,
     build_target,
     first_line,
     largest_grad,
-    measure_step,
     ratio_range,
     time_step,
 )
@@ -115,7 +115,7 @@ class _Variant:
     toggle: Toggle
     plan: Plan | None = None
     note: str = ""
-    measure: Measure | None = None
+    measure: BenchMeasure | None = None
     error: str = ""  # why measuring it failed
     times_ms: list[float] = field(default_factory=list)  # wall
     cpu_ms: list[float] = field(default_factory=list)  # CPU time of this process
@@ -193,7 +193,7 @@ class _Sweep:
         self._measure_all(self.variants[before:])
         if self.plain.measure is not None and self.plain.measure.allocator_peak_bytes is not None:
             # CUDA kernels differ from themselves (NOTE [ Judging gradients ] in verify.py)
-            again = measure_step(self.model, self.inputs, self.rng, loop=self.settings.loop)
+            again = bench_measure(self.model, self.inputs, self.rng, loop=self.settings.loop)
             _, self.noise_floor = max_grad_diff(self.plain.measure.grads, again.grads)
         self._time_rounds([v for v in self.variants if v.measure is not None])
 
@@ -270,8 +270,8 @@ class _Sweep:
         self.progress(0, f"{self.target}: measuring {variant.method} {variant.budget}")
         try:
             with variant.installed():
-                variant.measure = measure_step(self.model, self.inputs, self.rng,
-                                               loop=self.settings.loop)
+                variant.measure = bench_measure(self.model, self.inputs, self.rng,
+                                                loop=self.settings.loop)
         except Exception as exc:  # a reference that breaks on this model is a result too
             if variant.method == NONE:
                 raise
@@ -339,7 +339,7 @@ class _Sweep:
         )
 
 
-def _peak(m: Measure) -> int:
+def _peak(m: BenchMeasure) -> int:
     """The step's peak: the allocator's on CUDA (DESIGN.md, "GPU and compile"), else the
     tracker's."""
     return m.allocator_peak_bytes if m.allocator_peak_bytes is not None else m.peak_bytes

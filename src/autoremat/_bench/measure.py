@@ -1,7 +1,7 @@
 """One step of a bench target, measured: what the sweep and the compile subprocess share.
 
 :func:`build_target` builds a target from a fixed seed on the device
-:func:`resolve_device` accepts; :func:`measure_step` runs one instrumented step from a
+:func:`resolve_device` accepts; :func:`bench_measure` runs one instrumented step from a
 given RNG state (peak, FLOPs, gradients, buffers; on CUDA also the allocator's peak) and
 :func:`time_step` one bare step (wall ms, CUDA-synchronised on a GPU, and CPU ms of the
 process); :func:`largest_grad` sizes gradients (``verify.max_grad_diff`` compares
@@ -27,8 +27,8 @@ from autoremat._core.step import Loop, preserved_state, run_step
 from autoremat._core.timing import device_of, time_ms
 from autoremat._targets import load_target
 
-__all__ = ["Measure", "build_target", "first_line", "largest_grad",
-           "measure_step", "ratio_range", "resolve_device", "time_step"]
+__all__ = ["BenchMeasure", "bench_measure", "build_target", "first_line", "largest_grad",
+           "ratio_range", "resolve_device", "time_step"]
 
 
 def resolve_device(text: str) -> torch.device:
@@ -77,7 +77,7 @@ def build_target(target: str, overrides: dict[str, Any],
 
 
 @dataclass(frozen=True)
-class Measure:
+class BenchMeasure:
     """What one instrumented step gave: peak and FLOPs, gradients and buffers after it."""
 
     peak_bytes: int  # the storage tracker's (CUDA storages in allocator blocks)
@@ -87,8 +87,8 @@ class Measure:
     allocator_peak_bytes: int | None = None  # rise of max_memory_allocated (CUDA only)
 
 
-def measure_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
-                 loop: Loop = "holds_output") -> Measure:
+def bench_measure(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
+                  loop: Loop = "holds_output") -> BenchMeasure:
     """Peak, FLOPs, gradients and buffers after one step from RNG state ``rng``, in the
     training loop ``loop`` (see NOTE [ Which loop a step models ] in ``step.py``); on CUDA
     also the rise of ``torch.cuda.max_memory_allocated()`` over the same step (peak
@@ -103,7 +103,7 @@ def measure_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
         grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
                  for n, p in model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return Measure(mem.peak_bytes, counter.total, grads, buffers, alloc.peak_bytes)
+    return BenchMeasure(mem.peak_bytes, counter.total, grads, buffers, alloc.peak_bytes)
 
 
 def time_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,

@@ -15,6 +15,7 @@ from torch import nn
 
 from autoremat import zoo
 from autoremat._core.errors import RematError
+from autoremat._core.optimizers import OPTIMIZERS
 from autoremat._core.units import parse_size
 from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
 from autoremat._estimate.fake import parse_dtype
@@ -68,8 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", help="floating dtype of parameters and inputs: bf16, fp16, "
                                         "fp32")
     parser.add_argument("--optimizer", default="adamw",
-                        help="adamw (default), adam, sgd, sgd-momentum, rmsprop, adagrad, "
-                             "none, or the state's size (e.g. 20GiB)")
+                        help=f"{', '.join(OPTIMIZERS)} (default adamw), none, or the "
+                             "state's size (e.g. 20GiB)")
     parser.add_argument("--memory", default="80GiB", help="device memory (default 80GiB)")
     parser.add_argument("--device", default="cuda", help="device to estimate for (default cuda)")
     parser.add_argument("--throughput", type=float, metavar="FLOP/S",

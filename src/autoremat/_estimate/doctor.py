@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
+from autoremat._core.optimizers import takes_fused
 from autoremat._core.step import LossFn, unique_storage_bytes
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._estimate.estimate import (
@@ -53,7 +54,7 @@ from autoremat._estimate.estimate import (
     Estimate,
     StepPeak,
     estimate,
-    measure_step,
+    meta_step_peak,
     parse_dtype,
     register_hf_attention,
 )
@@ -70,7 +71,6 @@ __all__ = [
 
 DOCTOR_SCHEMA_VERSION = 1
 _RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # data-parallel sizes tried for sharding
-_FUSED = ("adamw", "adam", "sgd", "sgd-momentum")  # optimizers with fused=True in torch.optim
 
 # family -> (config class, model class) in transformers
 HF_FAMILIES: dict[str, tuple[str, str]] = {
@@ -234,7 +234,10 @@ def _device_peak(est: Estimate, s: _Setting) -> int:
     if s.zero_stage >= 3:
         params = params // n + 2 * _largest_unit_param_bytes(est)
     inputs = est.input_bytes if s.input_bytes is None else s.input_bytes
-    return params + est.buffer_bytes + inputs + optimizer + max(peak, grads + opt_step)
+    held = dataclasses.replace(est.iteration_memory, param_bytes=params, optimizer_bytes=optimizer,
+                               input_bytes=inputs, grad_bytes=grads,
+                               optimizer_step_bytes=opt_step)
+    return held.peak_bytes(peak)
 
 
 def _largest_unit_param_bytes(est: Estimate) -> int:
@@ -278,8 +281,7 @@ def _rebatch(inputs: Any, batch: int, new: int) -> Any:
 def _remedies(est: Estimate, memory: int, model: nn.Module, inputs: Any,
               measure: Callable[[Any, bool], StepPeak]) -> list[Remedy]:
     out: list[Remedy] = []
-    opt = (est.optimizer or "").lower()
-    if opt in _FUSED and est.optimizer_step_bytes > 0:
+    if takes_fused(est.optimizer) and est.optimizer_step_bytes > 0:
         out.append(_best(est, memory, "fused-optimizer",
                          f"construct the optimizer with fused=True: it updates in place, without "
                          f"the {format_bytes(est.optimizer_step_bytes)} of foreach temporaries",
@@ -353,7 +355,7 @@ def _combined(est: Estimate, memory: int, inputs: Any, batch: int | None,
         small = _rebatch(inputs, batch, 1)
         step, input_bytes = measure(small, True), unique_storage_bytes(small)
         parts.append(f"micro-batch 1 x {batch} accumulation steps")
-    fused = (est.optimizer or "").lower() in _FUSED
+    fused = takes_fused(est.optimizer)
     parts += ["fused optimizer"] * fused + [f"loss in {LOSS_CHUNKS} chunks"]
     total = 0
     for n in _RANKS:
@@ -425,8 +427,8 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
                    f"+{100 * overhead:.1f}% FLOPs recomputed.")
     else:
         def measure(small: Any, ckpt_all: bool) -> StepPeak:
-            return measure_step(model, small, loss_fn=loss_fn, blocks=blocks, device=est.device,
-                                dtype=dtype, checkpoint_all=ckpt_all)
+            return meta_step_peak(model, small, loss_fn=loss_fn, blocks=blocks, device=est.device,
+                                  dtype=dtype, checkpoint_all=ckpt_all)
 
         remedies = _remedies(est, limit, model, inputs, measure)
         verdict = (f"DOES NOT FIT in {format_bytes(limit)}: peak {format_bytes(plain)} without "

@@ -20,7 +20,10 @@ NOTE [ Total peak ]
         optimizer.step():  resting + grad_bytes + optimizer_step_bytes
 
     ``optimizer_step_bytes`` are the temporaries of a steady-state ``step()`` (the
-    ``foreach`` AdamW used on CUDA holds one parameter-sized temporary).
+    ``foreach`` AdamW used on CUDA holds one parameter-sized temporary). The rule lives
+    in one place, ``IterationMemory`` in ``_plan/budget.py``, which also turns
+    ``max_memory`` into the step budget for ``plan`` and ``estimate`` alike (NOTE [ From
+    max_memory to a step budget ]).
 
 Known limitations:
     * Those of ``fake.py``: attention bound at import (``from torch.nn.functional import
@@ -57,7 +60,7 @@ from autoremat._core.step import (
     preserved_state,
     unique_storage_bytes,
 )
-from autoremat._core.units import format_bytes, format_flops, parse_budget, parse_size
+from autoremat._core.units import format_bytes, format_flops, parse_budget
 from autoremat._estimate.fake import HF_META_ATTENTION as HF_META_ATTENTION
 from autoremat._estimate.fake import (
     _hf_attention_without_masks,
@@ -75,11 +78,12 @@ from autoremat._estimate.tracked_step import (
     _saved,
     _tracked_step,
     chunked_loss_peak,
-    measure_step,
+    meta_step_peak,
     target_rounding,
 )
 from autoremat._measure.profile import profile
 from autoremat._measure.tape import Tape, dump_json
+from autoremat._plan.budget import IterationMemory, step_budget_bytes
 from autoremat._plan.plan import plan as make_plan
 
 # Names from fake, tracked_step and optimizers are re-exported: they were defined here
@@ -90,7 +94,7 @@ __all__ = [
     "LiveTensor",
     "StepPeak",
     "estimate",
-    "measure_step",
+    "meta_step_peak",
     "optimizer_memory",
     "parse_dtype",
     "register_hf_attention",
@@ -151,13 +155,22 @@ class Estimate:
         return self.step_fwd_flops + self.step_bwd_flops
 
     @property
+    def iteration_memory(self) -> IterationMemory:
+        """What the iteration holds besides the step's peak, as ``plan`` reads it from a
+        tape (NOTE [ From max_memory to a step budget ] in ``budget.py``)."""
+        return IterationMemory(
+            param_bytes=self.param_bytes, buffer_bytes=self.buffer_bytes,
+            optimizer_bytes=self.optimizer_bytes, input_bytes=self.input_bytes,
+            grad_bytes=self.grad_bytes, optimizer_step_bytes=self.optimizer_step_bytes)
+
+    @property
     def resting_bytes(self) -> int:
         """Held for the whole iteration: parameters, buffers, optimizer state, the batch."""
-        return self.param_bytes + self.buffer_bytes + self.optimizer_bytes + self.input_bytes
+        return self.iteration_memory.resting_bytes
 
     def total_for(self, step_peak: int) -> int:
         """Device peak of an iteration whose forward+backward peaks at ``step_peak``."""
-        return self.resting_bytes + max(step_peak, self.grad_bytes + self.optimizer_step_bytes)
+        return self.iteration_memory.peak_bytes(step_peak)
 
     @property
     def total_peak_bytes(self) -> int:
@@ -327,7 +340,9 @@ def estimate(
         budget: with ``strategy``, ask the planner for a plan under this step budget
             (bytes, ``"6GiB"``, ``"50%"`` of the unplanned step peak).
         max_memory: instead of ``budget``, the device's whole memory: the step budget is
-            what parameters, buffers, optimizer state and the batch leave of it.
+            what parameters, buffers, optimizer state and the batch leave of it, by the
+            rule :func:`autoremat.plan` follows (NOTE [ From max_memory to a step
+            budget ] in ``budget.py``).
         loss_fn, blocks: as for :func:`autoremat.profile`.
         device: the device to estimate for (``"cuda"``, ``"cpu"``); it need not exist.
             Default: the model's device, or ``"cuda"`` for a model on ``meta``.
@@ -376,9 +391,10 @@ def estimate(
     try:
         with preserved_state(model), sdpa_as_on(target_type), \
                 _hf_attention_without_masks(model, inputs) as hf_notes:
+            # the tape is for the target (its costs, tape.device), not for meta
             tape = profile(model, inputs, loss_fn, names, repeats=1,
                            with_selective=selective, rounding=rounding,
-                           loop=loop)
+                           loop=loop, device=target)
             plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False,
                                   rounding=rounding, loop=loop)
             ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True,
@@ -437,17 +453,7 @@ def estimate(
 def _with_plan(est: Estimate, tape: Tape, budget: int | str | None,
                max_memory: int | str | None, strategy: str) -> Estimate:
     if max_memory is not None:
-        limit = parse_size(max_memory, what="max_memory")
-        fixed = est.resting_bytes + est.grad_bytes + est.optimizer_step_bytes
-        if fixed > limit:
-            raise BudgetError(
-                f"max_memory {format_bytes(limit)} is below what the step needs whatever is "
-                f"recomputed: parameters, buffers, batch and optimizer state "
-                f"({format_bytes(est.resting_bytes)}) plus gradients and the optimizer "
-                f"step's temporaries ({format_bytes(est.grad_bytes + est.optimizer_step_bytes)})"
-                f". Shard the optimizer state or use a smaller optimizer",
-                min_feasible_bytes=fixed)
-        budget = limit - est.resting_bytes
+        budget = step_budget_bytes(max_memory, est.iteration_memory)
     internal_assert(budget is not None, "no budget to plan for")
     budget_bytes = parse_budget(budget, tape.step_peak_bytes)
     plan = make_plan(tape, budget=budget_bytes, strategy=strategy)

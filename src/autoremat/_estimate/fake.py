@@ -6,7 +6,7 @@ estimated (:func:`parse_dtype`). :func:`sdpa_as_on` makes attention on ``meta`` 
 kernel the target device would pick (NOTE [ Attention on meta ]), and
 :func:`register_hf_attention` lets Transformers models run on ``meta`` without building
 masks (NOTE [ Hugging Face models on meta ]). :func:`autoremat.estimate` and
-:func:`autoremat._estimate.tracked_step.measure_step` run their step inside both.
+:func:`autoremat._estimate.tracked_step.meta_step_peak` run their step inside both.
 
 Known limitations:
     * Code that bound ``scaled_dot_product_attention`` at import

@@ -1,7 +1,7 @@
 """One forward+backward on ``meta``, tracked storage by storage, each storage attributed to
 the module whose forward (or the block whose backward) made it.
 
-:func:`measure_step` gives just the step peak, for re-measuring at another batch size;
+:func:`meta_step_peak` gives just the step peak, for re-measuring at another batch size;
 :func:`autoremat.estimate` reads the same tracked run for its breakdowns: the
 storages alive at the peak (:class:`LiveTensor`), what forward leaves for backward, and the
 peak with the head and loss computed in :data:`LOSS_CHUNKS` slices
@@ -35,7 +35,7 @@ __all__ = [
     "LOSS_CHUNKS",
     "LiveTensor",
     "StepPeak",
-    "measure_step",
+    "meta_step_peak",
 ]
 
 LOSS_CHUNKS = 8  # slices of the head and loss assumed by the chunked-loss figures
@@ -190,17 +190,17 @@ def target_rounding(device_type: str) -> Rounding | None:
 
 @dataclass(frozen=True)
 class StepPeak:
-    """One forward+backward measured on ``meta`` (see :func:`measure_step`)."""
+    """One forward+backward measured on ``meta`` (see :func:`meta_step_peak`)."""
 
     peak_bytes: int  # the step peak
     grads_at_peak_bytes: int  # gradients alive at that peak
     chunked_loss_peak_bytes: int | None  # the peak with the head and loss in 8 chunks
 
 
-def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
-                 blocks: BlockSpec = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | str | None = None,
-                 checkpoint_all: bool = False, loop: Loop = "holds_output") -> StepPeak:
+def meta_step_peak(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
+                   blocks: BlockSpec = None, device: str | torch.device | None = None,
+                   dtype: torch.dtype | str | None = None,
+                   checkpoint_all: bool = False, loop: Loop = "holds_output") -> StepPeak:
     """Just the step peak on ``meta`` (two passes cheaper than
     :func:`autoremat.estimate`), with every block checkpointed or none; for
     re-measuring at another batch size. For a ``cuda`` target storages are counted in
@@ -213,7 +213,7 @@ def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
     Example:
         >>> import autoremat
         >>> model, inputs = autoremat.zoo.build("mlp", device="meta", batch_size=8)
-        >>> measure_step(model, inputs).peak_bytes > 0
+        >>> meta_step_peak(model, inputs).peak_bytes > 0
         True
     """
     check_loop(loop)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from autoremat._core.errors import RematError
 from autoremat._core.ops import OpRecord, OpStats
 
 __all__ = ["CostModel", "cost_model_for", "keep_set_cost", "op_cost", "recompute_cost"]
@@ -45,8 +46,24 @@ _MODELS = {
 
 
 def cost_model_for(device: str) -> CostModel:
-    """The cost model for a device string such as ``"cpu"`` or ``"cuda:0"``."""
-    return _MODELS.get(device.split(":")[0], _MODELS["cuda"])
+    """The cost model for a device string such as ``"cpu"`` or ``"cuda:0"``.
+
+    Raises:
+        RematError: autoremat has no rates for the device type. There is no fallback:
+            ``meta`` (where :func:`autoremat.estimate` runs) is no device a plan runs on,
+            and the CPU and CUDA rates differ by orders of magnitude, so a guess would
+            rank plans by another machine's costs without saying so.
+    """
+    kind = device.split(":")[0]
+    if kind not in _MODELS:
+        hint = (" A step measured on meta is for another device: give it as "
+                "profile(..., device='cuda') or estimate(..., device=...)."
+                if kind == "meta" else
+                " To plan with the rates of a device autoremat knows, give it as "
+                "profile(..., device='cuda' or 'cpu').")
+        raise RematError(f"no recompute cost rates for device {device!r}; autoremat has "
+                         f"them for {', '.join(sorted(_MODELS))}.{hint}")
+    return _MODELS[kind]
 
 
 def recompute_cost(stats: dict[str, OpStats], fwd_flops: int, model: CostModel,

@@ -361,7 +361,8 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
             with_selective: bool = True, timing: bool = True,
-            rounding: Rounding | None = None, loop: Loop = "holds_output") -> Tape:
+            rounding: Rounding | None = None, loop: Loop = "holds_output",
+            device: str | torch.device | None = None) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -388,6 +389,12 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             the forward (``loss = model(**batch).loss``, or ``del out`` before
             backward); tighter, but a loop that holds the output goes over it by up to
             ``tape.output_bytes``.
+        device: the device the tape is for (``tape.device``), whose rates cost
+            recompute in plans made from it (``costs.py``). Default: the device the
+            model runs on. A model on ``meta`` runs nowhere, so it must be given
+            (:func:`autoremat.estimate` does); there ``rounding`` defaults to the given
+            device's. On a real device, giving another one costs its plans as if they
+            ran there (e.g. ``"cuda"`` for an accelerator autoremat has no rates for).
 
     Returns:
         A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
@@ -409,6 +416,15 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     if repeats < 1:
         raise RematError(f"repeats must be at least 1, got {repeats}")
     check_loop(loop)
+    ran_on = device_of(model, inputs)
+    if device is None and ran_on.type == "meta":
+        raise RematError("profile() of a model on meta needs device=, the device the tape is "
+                         "for (its recompute costs and tape.device), e.g. device='cuda'; or "
+                         "use autoremat.estimate(), which gives it")
+    target = str(ran_on if device is None else torch.device(device))
+    cost_model = cost_model_for(target)  # a device without rates fails before any work
+    if rounding is None and ran_on.type == "meta":
+        rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
     names = resolve_blocks(model, blocks)
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
@@ -452,11 +468,10 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter, loop=loop)
         op_stats = [counter.block_stats(name) for name in names]
         params = list(model.parameters())
-        device = str(next((p.device for p in params), torch.device("cpu")))
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
-                                    cost_model_for(device), rounding, loop=loop) \
+                                    cost_model, rounding, loop=loop) \
             if with_selective else [{} for _ in names]
-        on_meta = any(p.device.type == "meta" for p in params)
+        on_meta = ran_on.type == "meta"
         notes: list[str] = []
         if blocks is None:
             others = other_repeated_blocks(model, names)
@@ -489,17 +504,19 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
             op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
-            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], device, rounding)
+            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 else 0,
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),
-        device=device,
+        device=target,
         blocks=tuple(block_list),
         step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
         ckpt_step_peak_bytes=runs["C"].mem.peak_bytes,
         param_bytes=unique_storage_bytes(params),
         trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
+        trainable_param_tensors=sum(p.requires_grad for p in params),
+        input_bytes=unique_storage_bytes(inputs),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
         grad_bytes=grad_bytes,
         pre=plain.pre, post={m: runs[m].post for m in "KC"},

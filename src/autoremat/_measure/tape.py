@@ -133,6 +133,11 @@ class Tape:
     # existed were measured with the output released before backward: "loss_only".
     loop: Loop = "loss_only"
     output_bytes: int = -1  # the output's storages other than the loss's; -1: not measured
+    # The batch (unique storages of the inputs) and the number of trainable parameter
+    # tensors, which max_memory= needs (NOTE [ From max_memory to a step budget ] in
+    # plan/budget.py); -1: saved before they were recorded.
+    input_bytes: int = -1
+    trainable_param_tensors: int = -1
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 

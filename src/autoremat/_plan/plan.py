@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoremat._core.errors import BudgetError, RematError, SchemaError, did_you_mean
+from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.step import Loop
 from autoremat._core.tables import render_table
-from autoremat._core.units import format_bytes, parse_budget, parse_size
+from autoremat._core.units import format_bytes, parse_budget
 from autoremat._measure.tape import (
     SCHEMA_VERSION,
     Tape,
@@ -27,6 +28,7 @@ from autoremat._measure.tape import (
     load_json,
 )
 from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
+from autoremat._plan.budget import iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import RECOMPUTE, Option, plan_costs, predict_peak, selective_options
 
@@ -171,31 +173,17 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
 
 # --- budgets -------------------------------------------------------------------------
 
-_OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1,
-                     "rmsprop": 1, "lion": 1}
-
-
 def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:
-    """Bytes of optimizer state for the tape's trainable parameters.
+    """Bytes of parameter-sized optimizer state for the tape's trainable parameters.
 
-    ``optimizer`` is a name (states per parameter, in the parameters' dtype, as PyTorch's
-    optimizers allocate them: adamw/adam 2, sgd-momentum/adagrad/rmsprop/lion 1, sgd 0)
-    or a number of bytes.
+    ``optimizer`` is a name in :data:`~autoremat._core.optimizers.OPTIMIZERS` (states per
+    parameter, in the parameters' dtype, as PyTorch's optimizers allocate them: adamw/adam
+    2, sgd-momentum/adagrad/rmsprop 1, sgd 0) or a number of bytes, taken as given.
     """
-    if optimizer is None:
-        return 0
-    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
-        return parse_size(optimizer, what="optimizer state")
-    if isinstance(optimizer, str) and optimizer.lower() in _OPTIMIZER_STATES:
-        return _OPTIMIZER_STATES[optimizer.lower()] * tape.trainable_param_bytes
-    if isinstance(optimizer, str):
-        try:
-            return parse_size(optimizer, what="optimizer state")
-        except BudgetError:
-            pass
-    raise BudgetError(f"unknown optimizer {optimizer!r}: use one of "
-                      f"{sorted(_OPTIMIZER_STATES)} or a number of bytes."
-                      + did_you_mean(str(optimizer).lower(), _OPTIMIZER_STATES))
+    spec = resolve_optimizer(optimizer)
+    if isinstance(spec, OptimizerSpec):
+        return spec.state_bytes(tape.trainable_param_bytes)
+    return spec or 0
 
 
 def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
@@ -204,14 +192,7 @@ def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
     if budget is not None:
         limits.append(parse_budget(budget, tape.step_peak_bytes))
     if max_memory is not None:
-        device = parse_size(max_memory, what="max_memory")
-        fixed = tape.param_bytes + tape.buffer_bytes + optimizer_state_bytes(tape, optimizer)
-        if device <= fixed:
-            raise BudgetError(
-                f"max_memory {format_bytes(device)} does not even hold the parameters, "
-                f"buffers and optimizer state ({format_bytes(fixed)}); checkpointing cannot "
-                f"help: shard the model or optimizer state, or use a smaller model")
-        limits.append(device - fixed)
+        limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer)))
     elif optimizer is not None:
         raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
     return min(limits) if limits else None
@@ -331,9 +312,12 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             ``"sqrt"`` (Chen et al.: segments of about sqrt(n) blocks), ``"selective"``
             (Megatron-LM's policy in every block: keep linear/conv outputs, recompute
             the rest). ``"optimal"`` also considers selective save-sets per block.
-        max_memory: an absolute device limit; parameters, buffers and optimizer state
-            are subtracted from it. With ``budget`` too, the tighter one wins.
-        optimizer: optimizer name (``"adamw"``) or state bytes, for ``max_memory``.
+        max_memory: an absolute device limit; parameters, buffers, optimizer state and
+            the batch are subtracted from it (NOTE [ From max_memory to a step budget ]
+            in ``budget.py``, the rule :func:`autoremat.estimate` follows too). With
+            ``budget`` too, the tighter one wins.
+        optimizer: optimizer name (``"adamw"``; see ``OPTIMIZERS``) or state bytes, for
+            ``max_memory``.
 
     Returns:
         A frozen :class:`Plan`.

@@ -1,0 +1,116 @@
+"""From a device's memory to the step's budget: one rule for ``plan`` and ``estimate``.
+
+NOTE [ From max_memory to a step budget ]
+    The step peak (docs/design.md, "What peak means") is measured above the level just
+    before the forward, with gradients set to ``None``: it includes activations,
+    gradients and temporaries, and excludes everything alive before the forward. An
+    iteration's device peak is therefore::
+
+        resting = parameters + buffers + optimizer state + batch
+        peak    = resting + max(step peak, gradients + optimizer.step()'s temporaries)
+
+    and the step budget ``max_memory`` leaves is ``max_memory - resting``.
+
+    * The batch is in ``resting``: it is on the device before the forward starts, so no
+      step peak counts it. (``plan`` used to leave it out, and its plans could overrun
+      ``max_memory`` by the batch.)
+    * The optimizer state is the table's states per parameter, plus the scalar step
+      counters on a CPU (``_core/optimizers.py``); ``estimate`` measures the same figure
+      with the real class, and ``tests/test_optimizers.py`` keeps the two equal.
+    * Gradients and the optimizer step's temporaries are not subtracted: the gradients
+      are inside the step peak already (subtracting them would count them twice), and
+      ``optimizer.step()`` runs after backward has freed the activations, a second peak
+      rather than a share of the first. They decide only whether ``max_memory`` can hold
+      an iteration at all, whatever is recomputed: ``resting + gradients + temporaries``.
+      (``estimate`` checked that and ``plan`` did not.) A tape does not know the
+      temporaries (they depend on the implementation and on each tensor's size), so
+      :func:`iteration_memory` leaves them at 0; ``estimate`` measures them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoremat._core.errors import BudgetError
+from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
+from autoremat._core.units import format_bytes, parse_size
+from autoremat._measure.tape import Tape
+
+__all__ = ["IterationMemory", "iteration_memory", "step_budget_bytes"]
+
+
+@dataclass(frozen=True)
+class IterationMemory:
+    """What a training iteration holds on the device besides its step's own peak, in
+    bytes (NOTE [ From max_memory to a step budget ])."""
+
+    param_bytes: int  # all parameters
+    buffer_bytes: int
+    optimizer_bytes: int  # optimizer state
+    input_bytes: int  # the batch
+    grad_bytes: int  # inside the step peak too; alive through optimizer.step()
+    optimizer_step_bytes: int = 0  # temporaries of optimizer.step(); 0 where not measured
+
+    @property
+    def resting_bytes(self) -> int:
+        """Held for the whole iteration: parameters, buffers, optimizer state, the batch."""
+        return self.param_bytes + self.buffer_bytes + self.optimizer_bytes + self.input_bytes
+
+    def peak_bytes(self, step_peak: int) -> int:
+        """Device peak of an iteration whose forward+backward peaks at ``step_peak``."""
+        return self.resting_bytes + max(step_peak, self.grad_bytes + self.optimizer_step_bytes)
+
+
+def iteration_memory(tape: Tape, optimizer: str | int | None) -> IterationMemory:
+    """An iteration's memory outside the step, from a tape and an optimizer (a name in
+    ``OPTIMIZERS``, the state in bytes, or ``None``); the optimizer step's temporaries
+    are not known from a tape and are left at 0.
+
+    Raises:
+        BudgetError: an unknown optimizer, or a tape saved before autoremat recorded the
+            batch's bytes and the number of trainable tensors.
+    """
+    spec = resolve_optimizer(optimizer)
+    if tape.input_bytes < 0 or tape.trainable_param_tensors < 0:
+        raise BudgetError("this tape was saved by an older autoremat, which did not record "
+                          "the batch's bytes (tape.input_bytes) or the trainable tensors "
+                          "(tape.trainable_param_tensors) that max_memory= needs; profile "
+                          "again, or give the step's own budget= instead")
+    if isinstance(spec, OptimizerSpec):
+        state = (spec.state_bytes(tape.trainable_param_bytes)
+                 + spec.counter_bytes(tape.trainable_param_tensors, tape.device))
+    else:
+        state = spec or 0
+    return IterationMemory(param_bytes=tape.param_bytes, buffer_bytes=tape.buffer_bytes,
+                           optimizer_bytes=state, input_bytes=tape.input_bytes,
+                           grad_bytes=tape.grad_bytes)
+
+
+def step_budget_bytes(max_memory: int | str, memory: IterationMemory) -> int:
+    """The step-peak budget that ``max_memory`` (the whole device: bytes or a size
+    string) leaves an iteration holding ``memory``: ``max_memory - resting``.
+
+    Raises:
+        BudgetError: ``max_memory`` cannot hold the iteration whatever is recomputed
+            (``min_feasible_bytes`` says what can).
+
+    Example:
+        >>> memory = IterationMemory(param_bytes=1000, buffer_bytes=0, optimizer_bytes=2000,
+        ...                          input_bytes=500, grad_bytes=1000)
+        >>> step_budget_bytes("10000", memory)
+        6500
+    """
+    limit = parse_size(max_memory, what="max_memory")
+    resting = memory.resting_bytes
+    update = memory.grad_bytes + memory.optimizer_step_bytes
+    need = memory.peak_bytes(0)
+    if limit < need or limit <= resting:
+        raise BudgetError(
+            f"max_memory {format_bytes(limit)} does not even hold the parameters, buffers "
+            f"and optimizer state ({format_bytes(resting)} with the batch) plus the "
+            f"gradients and the optimizer step's temporaries ({format_bytes(update)}), "
+            f"which an iteration needs whatever is recomputed: at least {format_bytes(need)} "
+            f"({need} bytes). Shard the model or the optimizer state, use a smaller "
+            f"optimizer or batch, or a device with more memory",
+            min_feasible_bytes=need)
+    return limit - resting
