@@ -156,3 +156,27 @@ def test_internal_modules_are_private() -> None:
     exposed = [m for m in _graph() if m not in public
                and not any(part.startswith("_") for part in m.split(".")[1:])]
     assert not exposed, f"modules with a public path: {exposed}"
+
+
+def test_modules_export_only_what_they_define() -> None:
+    """No re-export shims: a module's ``__all__`` names what it defines; only a package's
+    ``__init__`` gathers names from its modules (``autoremat`` and ``autoremat.zoo``)."""
+    shims = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined: set[str] = set()
+        exported: list[str] = []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        defined.add(target.id)
+                        if target.id == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
+                            exported = [ast.literal_eval(e) for e in node.value.elts]
+        shims += [f"{_module_name(path)}: {name}" for name in exported if name not in defined]
+    assert not shims, "re-exported names: " + ", ".join(shims)

@@ -26,7 +26,8 @@ from torch import nn
 import autoremat
 from autoremat import LoopError, Plan, SchemaError, Tape, zoo
 from autoremat._core.step import LOOPS, Loop, call_model, run_step
-from autoremat._estimate.estimate import estimate, meta_step_peak
+from autoremat._estimate.estimate import estimate
+from autoremat._estimate.tracked_step import meta_step_peak
 
 # Tiny transformers: 2 layers, width 32, a batch of 4 x 32 tokens, 128-token vocabulary,
 # dropout on. Blocks' activations dominate the step, so that 75% and 62% are feasible.

@@ -49,15 +49,9 @@ from autoremat._core.errors import BudgetError, RematError, did_you_mean
 from autoremat._core.optimizers import takes_fused
 from autoremat._core.step import LossFn, unique_storage_bytes
 from autoremat._core.units import format_bytes, parse_size
-from autoremat._estimate.estimate import (
-    LOSS_CHUNKS,
-    Estimate,
-    StepPeak,
-    estimate,
-    meta_step_peak,
-    parse_dtype,
-    register_hf_attention,
-)
+from autoremat._estimate.estimate import Estimate, estimate
+from autoremat._estimate.fake import parse_dtype, register_hf_attention
+from autoremat._estimate.tracked_step import LOSS_CHUNKS, StepPeak, meta_step_peak
 from autoremat._measure.tape import dump_json
 
 __all__ = [

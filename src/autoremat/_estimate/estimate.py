@@ -51,7 +51,7 @@ from torch import nn
 
 from autoremat._core.blocks import BlockSpec, resolve_blocks
 from autoremat._core.errors import BudgetError, RematError, internal_assert
-from autoremat._core.optimizers import OPTIMIZERS, _optimizer_class, optimizer_memory
+from autoremat._core.optimizers import _optimizer_class, optimizer_memory
 from autoremat._core.step import (
     Loop,
     LossFn,
@@ -61,24 +61,20 @@ from autoremat._core.step import (
     unique_storage_bytes,
 )
 from autoremat._core.units import format_bytes, format_flops, parse_budget
-from autoremat._estimate.fake import HF_META_ATTENTION as HF_META_ATTENTION
 from autoremat._estimate.fake import (
     _hf_attention_without_masks,
     _resolve_device,
     parse_dtype,
-    register_hf_attention,
     sdpa_as_on,
     to_meta,
 )
 from autoremat._estimate.tracked_step import (
     LOSS_CHUNKS,
     LiveTensor,
-    StepPeak,
     _live_at_peak,
     _saved,
     _tracked_step,
     chunked_loss_peak,
-    meta_step_peak,
     target_rounding,
 )
 from autoremat._measure.profile import profile
@@ -86,21 +82,7 @@ from autoremat._measure.tape import Tape, dump_json
 from autoremat._plan.budget import IterationMemory, step_budget_bytes
 from autoremat._plan.plan import plan as make_plan
 
-# Names from fake, tracked_step and optimizers are re-exported: they were defined here
-# before the split, and doctor and the tests import them from this module.
-__all__ = [
-    "OPTIMIZERS",
-    "Estimate",
-    "LiveTensor",
-    "StepPeak",
-    "estimate",
-    "meta_step_peak",
-    "optimizer_memory",
-    "parse_dtype",
-    "register_hf_attention",
-    "sdpa_as_on",
-    "to_meta",
-]
+__all__ = ["Estimate", "estimate"]
 
 ESTIMATE_SCHEMA_VERSION = 1
 
