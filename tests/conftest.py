@@ -1,16 +1,99 @@
-"""Shared fixtures: a small profiled model whose tape the tape and profile tests reuse."""
+"""Shared sizes and fixtures.
+
+``SMALL`` and ``MEDIUM`` are the zoo at the two sizes most tests use (import them with
+``from conftest import SMALL``); ``zoo_tapes`` profiles a zoo model once per session, so
+that test files which plan over the same model share one tape instead of each profiling
+it again; ``tiny_tape`` is the tape of a three-block MLP for the tests of the tape itself;
+``hf_model`` builds the small Hugging Face models test_apply and test_auto run.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 # Deterministic cuBLAS (the gpu tier compares gradients with torch.equal) needs this set
 # before CUDA initialises; it changes nothing on the CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from autoremat import Tape, profile, zoo
+
+# The zoo at sizes where one step takes milliseconds: 2 transformer blocks, 4 MLP blocks,
+# a two-stage ResNet.
+SMALL: Mapping[str, Mapping[str, Any]] = {
+    "gpt2": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
+    "llama": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
+    "mlp": {"widths": (64, 128, 32, 96), "batch_size": 16},
+    "resnet": {"stage_channels": (8, 16), "stem_channels": 8, "batch_size": 4, "image_size": 16},
+}
+
+# The zoo with enough blocks for multi-block segments and alternating plans (gpt2 has
+# four blocks, so every:2 recomputes blocks 0 and 2), at a step of tens of milliseconds.
+MEDIUM: Mapping[str, Mapping[str, Any]] = {
+    "gpt2": {"n_layer": 4, "batch_size": 2, "seq_len": 64},
+    "llama": {"n_layer": 3, "batch_size": 2, "seq_len": 32},
+    "mlp": {"widths": (96, 64, 128, 48, 96, 64), "batch_size": 64},
+    "resnet": {"batch_size": 8, "image_size": 16},
+}
+
+
+def as_options(sizes: Mapping[str, Any]) -> str:
+    """``sizes`` as the command line's ``--set`` value, e.g. ``n_layer=2,batch_size=2``."""
+    return ",".join(f"{key}={value}" for key, value in sizes.items())
+
+
+def hf_model(name: str, use_cache: bool | None) -> tuple[nn.Module, dict[str, Any]]:
+    """A three-layer Hugging Face ``name`` ("gpt2", "llama" or "bert") with dropout, in
+    train mode, and a batch of 4 x 64 tokens; ``use_cache`` goes into the inputs unless None.
+    Skips the test when transformers is not installed."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+            attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, bos_token_id=0, eos_token_id=0))
+    elif name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+            attention_dropout=0.1))
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+            vocab_size=256, max_position_embeddings=64, attention_probs_dropout_prob=0.1,
+            hidden_dropout_prob=0.1))
+    model.train()
+    ids = torch.randint(0, 256, (4, 64))
+    inputs: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
+    if use_cache is not None:
+        inputs["use_cache"] = use_cache
+    return model, inputs
+
+
+@pytest.fixture(scope="session")
+def zoo_tapes() -> Callable[..., Tape]:
+    """``zoo_tapes(name, **sizes)``: the tape of ``zoo.build(name, **sizes)`` (seed 0),
+    profiled with ``repeats=1`` the first time it is asked for and shared after that.
+
+    A tape is frozen, so sharing it is safe; a test that runs the model builds its own
+    with the same arguments, which gives the model the tape was measured on (``build``
+    is seeded and ``profile`` leaves the model as it found it).
+    """
+    cache: dict[tuple[str, str], Tape] = {}
+
+    def get(name: str, **sizes: Any) -> Tape:
+        key = (name, repr(sorted(sizes.items())))
+        if key not in cache:
+            model, inputs = zoo.build(name, **sizes)
+            cache[key] = profile(model, inputs, repeats=1)
+        return cache[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,9 @@ import pytest
 import autoremat
 from autoremat._cli import main
 
-_SMALL_GPT2 = "n_layer=2,batch_size=2,seq_len=32"
+from conftest import SMALL, as_options
+
+_SMALL_GPT2 = as_options(SMALL["gpt2"])  # two blocks: the tests below count on it
 
 
 @pytest.mark.parametrize(

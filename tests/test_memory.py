@@ -34,20 +34,13 @@ from autoremat._core.memory import (
 )
 from autoremat._core.step import run_step
 
+from conftest import SMALL
+
 F32 = 4  # bytes per float32 element
 B, D, K = 64, 16, 3  # batch, width, number of Linear+ReLU layers in the chain
 S = B * D * F32  # one (B, D) activation: 4096 bytes
 P = D * D * F32  # one (D, D) weight or its gradient: 1024 bytes
 SCALAR = F32  # a 0-d float32 tensor (the loss, and the ones_like gradient backward seeds)
-
-# the zoo at sizes where one step takes milliseconds
-SMALL = {
-    "gpt2": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
-    "llama": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
-    "mlp": {"widths": (64, 128, 32, 96), "batch_size": 16},
-    "resnet": {"stage_channels": (8, 16), "stem_channels": 8, "batch_size": 4, "image_size": 16},
-}
-
 
 # --- the two synthetic steps --------------------------------------------------------
 

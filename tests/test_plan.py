@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,9 +25,8 @@ BASELINES = ["full", "every:2", "every:3", "sqrt"]
 
 
 @pytest.fixture(scope="module", params=zoo.names())
-def zoo_tape(request: pytest.FixtureRequest) -> Tape:
-    model, inputs = zoo.build(request.param)
-    return autoremat.profile(model, inputs, repeats=1)
+def zoo_tape(request: pytest.FixtureRequest, zoo_tapes: Callable[..., Tape]) -> Tape:
+    return zoo_tapes(request.param)  # the default sizes; test_verify measures the same tapes
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,14 @@ from autoremat._core.step import run_step
 from autoremat._measure.tape import WindowMemory
 from autoremat._mechanism.wrap import is_wrapped
 
-SMALL: dict[str, dict[str, Any]] = {
-    "gpt2": {"n_layer": 3, "batch_size": 2, "seq_len": 16},
-    "llama": {"n_layer": 3, "batch_size": 2, "seq_len": 16},
-    "mlp": {"widths": (64, 128, 32, 96), "batch_size": 16},
-    "resnet": {"stage_channels": (8, 16), "stem_channels": 8, "batch_size": 4, "image_size": 16},
+import conftest
+
+# conftest.SMALL with three transformer blocks, not two: these sizes matter, since
+# test_profile_measures_every_block_and_leaves_no_trace asserts at least three blocks and
+# test_mistyped_block_name_suggests_the_right_one counts on 'blocks.2'.
+_SIZES: dict[str, dict[str, Any]] = {
+    name: {**sizes, "n_layer": 3} if name in ("gpt2", "llama") else dict(sizes)
+    for name, sizes in conftest.SMALL.items()
 }
 
 
@@ -100,7 +103,7 @@ def _assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("name", zoo.names())
 def test_profile_measures_every_block_and_leaves_no_trace(name: str) -> None:
-    model, inputs = zoo.build(name, **SMALL[name])
+    model, inputs = zoo.build(name, **_SIZES[name])
     run_step(model, inputs, None)  # gradients exist; BatchNorm statistics have moved
     half = list(model.parameters())[::2]
     for p in half:
@@ -150,7 +153,7 @@ def test_profile_measures_every_block_and_leaves_no_trace(name: str) -> None:
 def test_mlp_block_flops_by_hand() -> None:
     # block i is Linear(d_in, d_out) on a (B, d_in) batch: one addmm of 2 * B * d_in * d_out
     # FLOPs (LayerNorm, GELU, ReLU and dropout count 0); backward is two mms of that size
-    model, inputs = zoo.build("mlp", **SMALL["mlp"])
+    model, inputs = zoo.build("mlp", **_SIZES["mlp"])
     tape = autoremat.profile(model, inputs, repeats=1)
     B, dims = 16, (256, 64, 128, 32, 96)  # d_in, then the widths
     expected = [2 * B * d_in * d_out for d_in, d_out in itertools.pairwise(dims)]
@@ -267,7 +270,7 @@ def test_hugging_face_decoder_with_the_default_kv_cache() -> None:
 
 
 def test_mistyped_block_name_suggests_the_right_one() -> None:
-    model, inputs = zoo.build("gpt2", **SMALL["gpt2"])
+    model, inputs = zoo.build("gpt2", **_SIZES["gpt2"])
     with pytest.raises(BlockError) as info:
         autoremat.profile(model, inputs, blocks=["blocks.O"])
     message = str(info.value)
@@ -311,7 +314,7 @@ def test_blocks_listed_out_of_running_order_are_rejected() -> None:
 
 
 def test_loss_that_does_not_require_grad_is_rejected() -> None:
-    model, inputs = zoo.build("mlp", **SMALL["mlp"])
+    model, inputs = zoo.build("mlp", **_SIZES["mlp"])
     with pytest.raises(RematError, match="the loss does not require grad"):
         autoremat.profile(model, inputs, loss_fn=lambda out: out.loss.detach())
     model.requires_grad_(False)

@@ -14,7 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from autoremat import RematError
+import autoremat
+from autoremat import RematError, Tape, zoo
 from autoremat._mechanism.selective import (
     op_signature,
     save_set_name,
@@ -23,6 +24,9 @@ from autoremat._mechanism.selective import (
     selective_context,
 )
 from autoremat._mechanism.wrap import ContextFn
+from autoremat._plan.peak import predict_peak
+
+from conftest import SMALL
 
 
 class _CountOps(TorchDispatchMode):
@@ -160,13 +164,10 @@ def test_blocks_with_dropout_also_get_the_empty_save_set() -> None:
     assert save_set_of(save_set_name(("matmul", "bmm"))) == ("bmm", "matmul")
 
 
-def test_plans_with_the_empty_save_set_apply_exactly_and_print() -> None:
-    import autoremat
-    from autoremat import zoo
-    from autoremat._plan.peak import predict_peak
-
-    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
-    tape = autoremat.profile(model, inputs, repeats=1)
+def test_plans_with_the_empty_save_set_apply_exactly_and_print(
+        zoo_tapes: Callable[..., Tape]) -> None:
+    model, inputs = zoo.build("gpt2", **SMALL["gpt2"])
+    tape = zoo_tapes("gpt2", **SMALL["gpt2"])  # measured on a model built the same way
     assert all("" in b.selective for b in tape.blocks)
     base = autoremat.plan(tape, strategy="full")
     blocks = tuple(dataclasses.replace(b, decision="selective", save_ops=()) for b in base.blocks)
@@ -180,12 +181,9 @@ def test_plans_with_the_empty_save_set_apply_exactly_and_print() -> None:
     assert report.peak_bytes == report.predicted_peak_bytes
 
 
-def test_print_plan_says_what_each_selective_block_saves_and_recomputes() -> None:
-    import autoremat
-    from autoremat import zoo
-
-    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
-    tape = autoremat.profile(model, inputs, repeats=1)
+def test_print_plan_says_what_each_selective_block_saves_and_recomputes(
+        zoo_tapes: Callable[..., Tape]) -> None:
+    tape = zoo_tapes("gpt2", **SMALL["gpt2"])
     plan = autoremat.plan(tape, strategy="selective")
     for block, stats in zip(plan.blocks, (b.op_stats for b in tape.blocks), strict=True):
         assert block.save_ops == ("matmul",)  # gpt2's SDPA on CPU with dropout is bmm-based

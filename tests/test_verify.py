@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ from autoremat._verify import (
     judge_gradients,
     step_measure,
 )
+
+from conftest import MEDIUM
 
 BUDGETS = ["75%", "50%", "30%", "min"]
 STRATEGIES = ["optimal", "full", "sqrt", "every:2"]
@@ -68,9 +70,10 @@ class Case:
 
 
 @pytest.fixture(scope="module", params=zoo.names())
-def case(request: pytest.FixtureRequest) -> Iterator[Case]:
+def case(request: pytest.FixtureRequest, zoo_tapes: Callable[..., Tape]) -> Iterator[Case]:
+    # the tape is the session's (test_plan plans over the same one); the model is fresh
     model, inputs = zoo.build(request.param)
-    yield Case(request.param, model, inputs, autoremat.profile(model, inputs, repeats=1), {})
+    yield Case(request.param, model, inputs, zoo_tapes(request.param), {})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,19 +140,21 @@ def test_some_budget_below_the_unplanned_peak_is_verified(case: Case) -> None:
 # --- verify's own contract, on small models ---------------------------------------------------
 
 
-def _small(name: str = "gpt2") -> tuple[nn.Module, Any, Tape]:
-    sizes: dict[str, dict[str, Any]] = {
-        "gpt2": {"n_layer": 4, "batch_size": 2, "seq_len": 64},
-        "resnet": {"batch_size": 8, "image_size": 16},
-        "mlp": {"widths": (96, 64, 128, 48), "batch_size": 64},
-    }
-    model, inputs = zoo.build(name, **sizes[name])
-    return model, inputs, autoremat.profile(model, inputs, repeats=1)
+@pytest.fixture(scope="module")
+def small(zoo_tapes: Callable[..., Tape]) -> Callable[[str], tuple[nn.Module, Any, Tape]]:
+    """``small(name)``: a fresh zoo model at MEDIUM sizes, its inputs, and the session's
+    tape of it (test_apply plans over the same tapes)."""
+
+    def get(name: str) -> tuple[nn.Module, Any, Tape]:
+        model, inputs = zoo.build(name, **MEDIUM[name])
+        return model, inputs, zoo_tapes(name, **MEDIUM[name])
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def gpt2() -> tuple[nn.Module, Any, Tape]:
-    return _small("gpt2")
+def gpt2(small: Callable[[str], tuple[nn.Module, Any, Tape]]) -> tuple[nn.Module, Any, Tape]:
+    return small("gpt2")
 
 
 def test_report_of_a_full_plan(gpt2: tuple[nn.Module, Any, Tape]) -> None:
@@ -225,8 +230,9 @@ def test_different_gradients_are_reported() -> None:
     assert "DIFFER" in str(report)
 
 
-def test_verify_leaves_model_grads_buffers_and_rng_as_they_were() -> None:
-    model, inputs, tape = _small("resnet")
+def test_verify_leaves_model_grads_buffers_and_rng_as_they_were(
+        small: Callable[[str], tuple[nn.Module, Any, Tape]]) -> None:
+    model, inputs, tape = small("resnet")
     plan = autoremat.plan(tape, None, "sqrt")
     marker = torch.full_like(model.fc.weight, 7.0)
     model.fc.weight.grad = marker
@@ -273,8 +279,9 @@ def test_verify_errors(gpt2: tuple[nn.Module, Any, Tape], kwargs: dict[str, Any]
     assert message in str(info.value)
 
 
-def test_step_measure_leaves_no_trace() -> None:
-    model, inputs, tape = _small("mlp")
+def test_step_measure_leaves_no_trace(
+        small: Callable[[str], tuple[nn.Module, Any, Tape]]) -> None:
+    model, inputs, tape = small("mlp")
     params = dict(model.named_parameters())
     m = step_measure(model, inputs, None)
     assert m.peak_bytes == tape.step_peak_bytes

@@ -11,13 +11,9 @@ from torch import Tensor, nn
 from autoremat import zoo
 from autoremat._core.errors import RematError
 
-# small sizes keep the tests fast; the defaults are exercised once in test_default_sizes
-_SMALL: dict[str, dict[str, Any]] = {
-    "gpt2": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
-    "llama": {"n_layer": 2, "batch_size": 2, "seq_len": 16},
-    "mlp": {"widths": (64, 128, 32, 96), "batch_size": 8},
-    "resnet": {"stage_channels": (8, 16), "stem_channels": 8, "batch_size": 4, "image_size": 16},
-}
+from conftest import SMALL
+
+# SMALL sizes keep the tests fast; the defaults are exercised once in test_default_sizes
 # the container each model keeps its repeated blocks in, and its length at the defaults
 _BLOCKS = {
     "gpt2": ("blocks", 6),
@@ -47,7 +43,7 @@ def test_names_and_registry() -> None:
 
 @pytest.mark.parametrize("name", zoo.names())
 def test_forward_backward_gives_finite_grad_to_every_parameter(name: str) -> None:
-    model, inputs = zoo.build(name, **_SMALL[name])
+    model, inputs = zoo.build(name, **SMALL[name])
     assert model.training and all(m.training for m in model.modules())
     out = _run(model, inputs)
     assert out.loss is not None and out.loss.ndim == 0 and torch.isfinite(out.loss)
@@ -73,9 +69,9 @@ def test_default_sizes(name: str) -> None:
 
 @pytest.mark.parametrize("name", zoo.names())
 def test_same_seed_gives_identical_weights_data_and_outputs(name: str) -> None:
-    model_a, inputs_a = zoo.build(name, seed=3, **_SMALL[name])
+    model_a, inputs_a = zoo.build(name, seed=3, **SMALL[name])
     out_a = _run(model_a, inputs_a)  # train mode: dropout masks come from the seeded RNG
-    model_b, inputs_b = zoo.build(name, seed=3, **_SMALL[name])
+    model_b, inputs_b = zoo.build(name, seed=3, **SMALL[name])
     out_b = _run(model_b, inputs_b)
 
     state_a, state_b = model_a.state_dict(), model_b.state_dict()
@@ -88,7 +84,7 @@ def test_same_seed_gives_identical_weights_data_and_outputs(name: str) -> None:
     assert out_a.loss is not None and out_b.loss is not None
     assert torch.equal(out_a.loss, out_b.loss)
 
-    model_c, _ = zoo.build(name, seed=4, **_SMALL[name])
+    model_c, _ = zoo.build(name, seed=4, **SMALL[name])
     weights_a = [p for p in model_a.parameters() if p.dim() > 1]
     weights_c = [p for p in model_c.parameters() if p.dim() > 1]
     assert not all(torch.equal(a, c) for a, c in zip(weights_a, weights_c, strict=True))
@@ -121,10 +117,10 @@ def test_overrides_change_sizes() -> None:
 
 
 def test_gpt2_ties_lm_head_and_llama_does_not() -> None:
-    gpt, _ = zoo.build("gpt2", dtype=torch.bfloat16, **_SMALL["gpt2"])
+    gpt, _ = zoo.build("gpt2", dtype=torch.bfloat16, **SMALL["gpt2"])
     assert isinstance(gpt, zoo.GPT)
     assert gpt.lm_head.weight is gpt.wte.weight
-    llama, _ = zoo.build("llama", **_SMALL["llama"])
+    llama, _ = zoo.build("llama", **SMALL["llama"])
     assert isinstance(llama, zoo.Llama)
     assert llama.lm_head.weight is not llama.embed_tokens.weight
     # the rotary tables are derived from the config, not saved
@@ -134,7 +130,7 @@ def test_gpt2_ties_lm_head_and_llama_does_not() -> None:
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_language_models_are_causal(name: str) -> None:
-    model, inputs = zoo.build(name, **_SMALL[name])
+    model, inputs = zoo.build(name, **SMALL[name])
     model.eval()  # no dropout, so the only difference can come from the changed token
     ids = next(iter(inputs.values()))  # idx or input_ids, (B, T)
     changed = ids.clone()
@@ -148,7 +144,7 @@ def test_language_models_are_causal(name: str) -> None:
 
 @pytest.mark.parametrize("name", zoo.names())
 def test_dtype(name: str) -> None:
-    model, inputs = zoo.build(name, dtype=torch.bfloat16, **_SMALL[name])
+    model, inputs = zoo.build(name, dtype=torch.bfloat16, **SMALL[name])
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     for tensor in _tensors(inputs):
         assert tensor.dtype in (torch.bfloat16, torch.long)
@@ -178,7 +174,7 @@ def test_entry_build_runs_without_the_wrapper() -> None:
 
 
 def test_no_targets_gives_no_loss() -> None:
-    model, inputs = zoo.build("gpt2", **_SMALL["gpt2"])
+    model, inputs = zoo.build("gpt2", **SMALL["gpt2"])
     out = model(inputs["idx"])
     assert out.loss is None and out.logits.shape == (2, 16, 1024)
 

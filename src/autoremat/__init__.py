@@ -6,7 +6,7 @@ step fits a budget at the least recompute cost, apply the plan to an ordinary
 
 Example:
     >>> import autoremat
-    >>> model, inputs = autoremat.zoo.build("mlp")
+    >>> model, inputs = autoremat.zoo.build("mlp", widths=(128,) * 4, batch_size=256)
     >>> tape = autoremat.profile(model, inputs)
     >>> tape.step_peak_bytes > 0
     True

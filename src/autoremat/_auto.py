@@ -46,8 +46,8 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
 
     Example:
         >>> import autoremat
-        >>> model, inputs = autoremat.zoo.build("gpt2")
-        >>> plan = autoremat.auto(model, inputs, budget="50%")
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(128,) * 4, batch_size=256)
+        >>> plan = autoremat.auto(model, inputs, budget="75%")
         >>> autoremat.applied_plan(model) is plan
         True
     """

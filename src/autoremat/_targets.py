@@ -73,9 +73,9 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
         dtype: floating dtype of a zoo model and its inputs.
 
     Example:
-        >>> model, inputs = load_target("mlp", {"n_layer": 2})
-        >>> type(model).__name__
-        'MLPChain'
+        >>> model, inputs = load_target("gpt2", {"n_layer": 2, "seq_len": 16})
+        >>> type(model).__name__, len(model.blocks), tuple(inputs["idx"].shape)
+        ('GPT', 2, (4, 16))
     """
     opts = dict(options or {})
     if ":" not in target:

@@ -346,8 +346,8 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
 
     Example:
         >>> import autoremat
-        >>> model, inputs = autoremat.zoo.build("mlp")
-        >>> plan = autoremat.auto(model, inputs, budget="90%")
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(128,) * 4, batch_size=256)
+        >>> plan = autoremat.auto(model, inputs, budget="75%")
         >>> autoremat.verify(model, inputs).grads_equal
         True
     """

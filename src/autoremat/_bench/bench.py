@@ -397,9 +397,11 @@ def run_bench(targets: Sequence[str], settings: Settings | None = None,
         on_model: called with the results so far after each model (to save them early).
 
     Example:
+        >>> from rich.console import Console
         >>> from autoremat._bench.bench import Settings, run_bench
-        >>> results = run_bench(["mlp"], Settings(budgets=("50%",), repeats=1,
-        ...                     compile=False, overrides=(("batch_size", 64),)))
+        >>> settings = Settings(budgets=("75%",), repeats=1, compile=False,
+        ...                     overrides=(("widths", (128,) * 4), ("batch_size", 256)))
+        >>> results = run_bench(["mlp"], settings, console=Console(quiet=True))  # no table
         >>> results[0].rows[0].method
         'no checkpointing'
     """

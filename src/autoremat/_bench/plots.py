@@ -46,7 +46,16 @@ def pareto_plot(result: ModelResult, path: str | Path) -> Path:
     users feel, noisy on a shared machine) and against recompute FLOPs (exact).
 
     Example:
-        >>> # results = autoremat._bench.bench.run_bench(["mlp"]); pareto_plot(results[0], "m.png")
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from rich.console import Console
+        >>> from autoremat._bench.bench import Settings, run_bench
+        >>> settings = Settings(budgets=("75%",), repeats=1, compile=False,
+        ...                     overrides=(("widths", (128,) * 4), ("batch_size", 256)))
+        >>> (result,) = run_bench(["mlp"], settings, console=Console(quiet=True))
+        >>> with tempfile.TemporaryDirectory() as out:
+        ...     pareto_plot(result, Path(out) / "mlp.png").stat().st_size > 0
+        True
     """
     try:
         import matplotlib

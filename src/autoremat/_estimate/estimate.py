@@ -350,7 +350,7 @@ def estimate(
 
     Example:
         >>> import autoremat
-        >>> model, inputs = autoremat.zoo.build("gpt2", device="meta", n_layer=2)
+        >>> model, inputs = autoremat.zoo.build("gpt2", device="meta", n_layer=2, seq_len=32)
         >>> est = estimate(model, inputs, device="cuda", dtype="bf16", optimizer="adamw")
         >>> est.optimizer_bytes == 2 * est.trainable_param_bytes  # two bf16 states
         True

@@ -328,8 +328,8 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
 
     Example:
         >>> import autoremat
-        >>> model, inputs = autoremat.zoo.build("gpt2")
-        >>> p = autoremat.plan(autoremat.profile(model, inputs), budget="50%")
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(128,) * 4, batch_size=256)
+        >>> p = autoremat.plan(autoremat.profile(model, inputs), budget="75%")
         >>> p.predicted_peak_bytes <= p.budget_bytes
         True
     """

@@ -1,4 +1,8 @@
-"""Tests for autoremat.solvers.chain: the peak model and the exact chain DP.
+"""Tests for the exact chain DP (``_plan/chain.py``) over the peak model (``_plan/peak.py``).
+
+The peak model is tested here with the solver rather than in a file of its own: the
+brute-force reference and the hand-made optima below are both statements about
+``predict_peak`` and ``solve`` at once, on the same synthetic tapes.
 
 Everything here runs on synthetic tapes built directly from ``BlockProfile`` /
 ``WindowMemory`` objects (no model, no profiling), so the solver is checked in isolation:

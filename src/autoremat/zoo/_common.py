@@ -1,0 +1,55 @@
+"""What the zoo models share: their output, their loss, their init, and their options."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autoremat._core.errors import RematError, did_you_mean
+
+
+@dataclass(frozen=True)
+class LMOutput:
+    """What every zoo model returns: the logits, and the mean cross-entropy loss or ``None``."""
+
+    logits: Tensor  # (B, T, vocab_size) for the language models, (B, n_classes) otherwise
+    loss: Tensor | None  # scalar, or None when no targets were given
+
+
+def cross_entropy(logits: Tensor, targets: Tensor | None) -> Tensor | None:
+    if targets is None:
+        return None
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def init_normal(module: nn.Module) -> None:
+    """GPT-2 / Llama init: N(0, 0.02) weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+_Config = TypeVar("_Config")
+
+
+def split_overrides(
+    model: str, config_cls: type[_Config], data_defaults: dict[str, int], overrides: dict[str, Any]
+) -> tuple[_Config, dict[str, int]]:
+    """Split ``overrides`` into a config of ``config_cls`` and the batch options; reject typos."""
+    config_fields = [f.name for f in dataclasses.fields(config_cls)]  # type: ignore[arg-type]
+    valid = [*config_fields, *data_defaults]
+    unknown = [key for key in overrides if key not in valid]
+    if unknown:
+        key = unknown[0]
+        raise RematError(
+            f"{model}: unknown option {key!r}.{did_you_mean(key, valid)} "
+            f"Valid options: {', '.join(valid)}"
+        )
+    config = config_cls(**{k: v for k, v in overrides.items() if k in config_fields})
+    data = {k: overrides.get(k, default) for k, default in data_defaults.items()}
+    return config, data

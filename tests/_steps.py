@@ -1,0 +1,92 @@
+"""One training step of the plain model and one of the planned model, compared exactly.
+
+``assert_same_step`` runs both from the same RNG state and BatchNorm statistics and
+asserts ``torch.equal`` on the loss and on every gradient (independently of ``verify``);
+``snapshot`` records what ``apply`` installs and ``remove`` must take away again. Shared by
+test_apply.py and test_auto.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import autoremat
+from autoremat import Plan
+
+
+def call(model: nn.Module, inputs: Any) -> Any:
+    """``model(**inputs)`` for a dict, ``model(*inputs)`` for a tuple, else ``model(inputs)``."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else out
+
+
+def step(model: nn.Module, inputs: Any, seed: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One step from a fixed RNG state; returns the loss and a copy of every gradient."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = _loss(call(model, inputs))
+    loss.backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _restore(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+
+
+def assert_same_step(model: nn.Module, inputs: Any, plan: Plan) -> None:
+    """A step of the plain model and one with ``plan`` applied (left applied) give equal
+    losses and gradients; BatchNorm statistics are restored after each."""
+    start = _buffers(model)
+    autoremat.remove(model)
+    plain_loss, plain = step(model, inputs)
+    _restore(model, start)
+    autoremat.apply(model, plan)
+    planned_loss, planned = step(model, inputs)
+    _restore(model, start)
+    assert torch.equal(plain_loss, planned_loss)
+    assert plain.keys() == planned.keys()
+    differ = [n for n in plain if (plain[n] is None) != (planned[n] is None) or
+              (plain[n] is not None and not torch.equal(plain[n], planned[n]))]
+    assert differ == [], f"gradients differ under {plan.strategy}: {differ[:5]}"
+    assert any(g is not None for g in planned.values())
+
+
+def recomputing(plan: Plan) -> bool:
+    """Whether ``plan`` recomputes anything."""
+    return any(b.decision != "keep" for b in plan.blocks)
+
+
+def _hook_dicts(module: nn.Module) -> dict[str, list[int]]:
+    return {attr: list(value) for attr, value in vars(module).items()
+            if "hook" in attr and isinstance(value, dict)}
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """What ``apply`` may change and ``remove`` must restore: attributes, hooks, state-dict
+    keys, parameter identities and train/eval flags of every submodule."""
+    return {
+        "attrs": {n: sorted(vars(m)) for n, m in model.named_modules(remove_duplicate=False)},
+        "hooks": {n: _hook_dicts(m) for n, m in model.named_modules(remove_duplicate=False)},
+        "state_dict": list(model.state_dict()),
+        "params": [(n, id(p)) for n, p in model.named_parameters()],
+        "training": [m.training for m in model.modules()],
+    }
