@@ -76,3 +76,12 @@ def test_target_errors_say_what_to_do(factories: str, target: str, message: str)
 def test_a_dtype_for_a_factory_is_refused_not_ignored(factories: str) -> None:
     with pytest.raises(RematError, match="dtype= applies to zoo models only"):
         load_target(f"{factories}:good", dtype=torch.float16)
+
+
+def test_the_hf_bench_target_loads_from_the_zoo() -> None:
+    pytest.importorskip("transformers")
+    model, inputs = load_target("autoremat.zoo:hf_gpt2", parse_options("n_layer=1,seq_len=8"))
+    assert type(model).__name__ == "GPT2LMHeadModel" and not model.config.use_cache
+    assert tuple(inputs["input_ids"].shape) == (4, 8)
+    with pytest.raises(RematError, match="unknown option"):
+        load_target("autoremat.zoo:hf_gpt2", {"layers": 2})

@@ -87,7 +87,7 @@ from autoremat._bench.report import (
 )
 from autoremat._bench.rows import AUTO, BLOCK, HF, NONE, SAC, SEQ, BenchRow, ModelResult, Settings
 from autoremat._core.blocks import resolve_blocks
-from autoremat._core.errors import BudgetError, RematError, internal_assert
+from autoremat._core.errors import BudgetError, internal_assert
 from autoremat._core.step import describe_inputs
 from autoremat._core.units import format_bytes, parse_budget
 from autoremat._measure.profile import profile
@@ -95,7 +95,7 @@ from autoremat._measure.tape import Tape
 from autoremat._plan.plan import Plan, plan, smallest_feasible_bytes
 from autoremat._verify import NOISE_MULTIPLE, max_grad_diff
 
-__all__ = ["hf_gpt2", "run_bench"]
+__all__ = ["run_bench"]
 
 # |tracker - allocator| / allocator peak above which a CUDA row says both (the GPU tests'
 # bar for the tracker, NOTE [ CUDA allocator rounding ] in memory.py)
@@ -435,32 +435,3 @@ def run_bench(targets: Sequence[str], settings: Settings | None = None,
     finally:
         torch.set_num_threads(threads)
     return results
-
-
-# --- an extra target: a small Hugging Face model ------------------------------------------
-
-
-def hf_gpt2(**overrides: Any) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A small randomly initialised ``transformers`` GPT-2 and a batch, for
-    ``autoremat bench autoremat.bench:hf_gpt2`` (the HF gradient-checkpointing row).
-
-    Sizes as the zoo's gpt2: 6 layers, width 128, 4 heads, vocabulary 1024, batch 4 x 128
-    tokens, dropout 0.1. ``overrides``: ``n_layer``, ``n_embd``, ``n_head``,
-    ``batch_size``, ``seq_len``. Nothing is downloaded.
-    """
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    sizes = {"n_layer": 6, "n_embd": 128, "n_head": 4, "batch_size": 4, "seq_len": 128}
-    unknown = set(overrides) - set(sizes)
-    if unknown:
-        raise RematError(f"hf_gpt2: unknown option(s) {sorted(unknown)}; valid: {list(sizes)}")
-    sizes.update(overrides)
-    # use_cache=False as in any training script: with a KV cache, a recomputed layer
-    # appends its keys to the cache a second time and attends over both
-    config = GPT2Config(n_layer=sizes["n_layer"], n_embd=sizes["n_embd"],
-                        n_head=sizes["n_head"], vocab_size=1024, n_positions=1024,
-                        bos_token_id=0, eos_token_id=0, use_cache=False)
-    config._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(config)
-    ids = torch.randint(0, config.vocab_size, (sizes["batch_size"], sizes["seq_len"]))
-    return model, {"input_ids": ids, "labels": ids.clone()}

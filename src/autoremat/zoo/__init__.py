@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from autoremat.zoo._common import LMOutput
 from autoremat.zoo._gpt2 import GPT, GPTConfig
+from autoremat.zoo._hf import hf_gpt2
 from autoremat.zoo._llama import Llama, LlamaConfig
 from autoremat.zoo._mlp import MLPChain, MLPConfig
 from autoremat.zoo._registry import ZOO, ZooEntry, build, names
@@ -49,5 +50,6 @@ __all__ = [
     "ResNetConfig",
     "ZooEntry",
     "build",
+    "hf_gpt2",
     "names",
 ]
