@@ -255,6 +255,7 @@ def test_other_input_shapes_warn_once_and_still_give_equal_gradients(
 # --- awkward models --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["full", "sqrt", "every:2", "optimal@min"])
 def test_frozen_embeddings_first_block_input_without_grad(strategy: str) -> None:
     model, inputs = build("gpt2")
@@ -449,7 +450,6 @@ def test_a_plan_that_recomputes_nothing_also_turns_the_kv_cache_off() -> None:
     assert model.config.use_cache is True  # restored
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("name", "use_cache"), [
     ("gpt2", False),
     ("llama", False),
@@ -465,6 +465,7 @@ def test_hugging_face_recompute_flops_are_predicted(name: str, use_cache: bool |
     assert report.recompute_flops == pytest.approx(plan.predicted_recompute_flops, rel=0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
 def test_zoo_keep_sets_are_exact_predicted_and_skip_dead_ops(name: str) -> None:
     # Keep-sets by position (NOTE [ Dead ops ]): every one the tape offers, on every block.

@@ -112,6 +112,7 @@ class _UNetish(nn.Module):
         return F.mse_loss(self.out(h), x)
 
 
+@pytest.mark.slow
 def test_auto_measures_and_corrects_when_skip_connections_fool_the_peak_model() -> None:
     torch.manual_seed(0)
     model, x = _UNetish(), torch.randn(4, 3, 32, 32)

@@ -39,6 +39,7 @@ from autoremat._core.blocks import resolve_blocks
 _TINY_GPT2 = "n_layer=3,seq_len=64,batch_size=2"
 
 
+@pytest.mark.slow
 def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     status = bench_main(["gpt2", "--quick", "--no-compile", "--repeats", "1",

@@ -250,6 +250,7 @@ def test_plan_optimal_matches_brute_force(seed: int) -> None:
         )
 
 
+@pytest.mark.slow
 def test_random_instances_need_multi_block_segments() -> None:
     """The brute-force comparison is only as strong as its instances: on some of them the
     optimum must use a multi-block segment (strictly cheaper than any plan without)."""

@@ -22,8 +22,10 @@ _SMALL_GPT2 = as_options(SMALL["gpt2"])  # two blocks: the tests below count on 
         (["profile", "gpt2", "--set", "n_layer"], "cannot read option 'n_layer'"),
         (["profile", "gpt2", "--set", _SMALL_GPT2, "--ops", "block.1"],
          "no block 'block.1' in the tape of GPT. Did you mean 'blocks.1'?"),
-        (["plan", "mlp", "--budget", "lots"], "lots"),
-        (["plan", "mlp", "--strategy", "optimall", "--budget", "50%"], "optimall"),
+        # these two profile the default-size mlp before the budget is read (~3 s each)
+        pytest.param(["plan", "mlp", "--budget", "lots"], "lots", marks=pytest.mark.slow),
+        pytest.param(["plan", "mlp", "--strategy", "optimall", "--budget", "50%"], "optimall",
+                     marks=pytest.mark.slow),
         (["plan", "no_such_module:factory"], "cannot import 'no_such_module'"),
         (["plan", "mlp", "--deterministic"], "--deterministic only changes how --verify"),
     ],
@@ -50,6 +52,7 @@ def test_profile_lists_a_blocks_ops_and_writes_the_tape(
     assert tape.loop == "holds_output" and "loop holds_output" in out  # the default loop
 
 
+@pytest.mark.slow
 def test_plan_verifies_and_writes_the_plan(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "plan.json"
@@ -64,7 +67,6 @@ def test_plan_verifies_and_writes_the_plan(tmp_path: Path,
     assert json.loads(out_file.read_text())["schema_version"] == plan.schema_version
 
 
-@pytest.mark.slow
 def test_loop_option_reaches_the_plan(tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     plan_file = tmp_path / "plan.json"

@@ -91,6 +91,7 @@ def test_fits_as_is(gpt2: tuple[nn.Module, Any, Any]) -> None:
     assert "FITS" in str(p) and "without checkpointing" in str(p)
 
 
+@pytest.mark.slow
 def test_fits_with_the_cheapest_plan(gpt2: tuple[nn.Module, Any, Any]) -> None:
     model, inputs, est = gpt2
     assert est.ckpt_total_peak_bytes < est.total_peak_bytes

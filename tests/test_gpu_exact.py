@@ -37,7 +37,6 @@ def _assert_all_ok(rows: list) -> None:  # type: ignore[type-arg]
     assert sum(r.status == "ok" for r in rows) >= len(rows) - 1  # at most 30% infeasible
 
 
-@pytest.mark.slow
 def test_harness_on_cpu_tiny() -> None:
     model, inputs = exact.MODELS["zoo-gpt2"](exact.SIZES["tiny"], torch.device("cpu"),
                                              torch.float32)

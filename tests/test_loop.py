@@ -111,7 +111,7 @@ def test_a_loop_that_holds_the_output_stays_within_the_budget(name: str) -> None
 # --- the difference is real: the held output --------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mlp", pytest.param("gpt2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
 def test_holding_the_output_adds_its_bytes_to_the_step_peak(name: str) -> None:
     # Logits large next to the blocks' activations: a 512-class head on the MLP, and GPT-2
     # with its zoo vocabulary of 1024. The plain and the all-checkpointed peaks both fall
@@ -161,7 +161,6 @@ def test_run_step_holds_the_output_until_backward_has_run() -> None:
 # --- loss_only end to end ----------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_loss_only_plan_fits_a_loop_that_keeps_only_the_loss() -> None:
     model, inputs = _build("gpt2")
     plan = autoremat.auto(model, inputs, budget="62%", loop="loss_only")

@@ -135,7 +135,6 @@ _LAYOUTS: dict[str, Any] = {
 }
 
 
-@pytest.mark.slow
 def test_every_recompute_path_replays_every_generator(device_generator):  # type: ignore[no-untyped-def]
     model, x, tape = _model_and_tape(device_generator)
     plain = _grads(model, x)
@@ -208,7 +207,6 @@ def test_a_kernel_that_draws_inside_is_replayed_by_its_tag(  # type: ignore[no-u
         autoremat.remove(model)
 
 
-@pytest.mark.slow
 def test_every_path_replays_under_autocast(device_generator):  # type: ignore[no-untyped-def]
     model, x, tape = _model_and_tape(device_generator)
     layouts = dict(_LAYOUTS, selective=[(i, i + 1, _sel(sorted(b.selective)[0]))
