@@ -83,7 +83,8 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
             raise RematError(f"unknown target {target!r}: use a zoo name "
                              f"({', '.join(zoo.names())}) or package.module:factory."
                              + did_you_mean(target, zoo.ZOO))
-        placement = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        placement: dict[str, Any] = {k: v for k, v in (("device", device), ("dtype", dtype))
+                                     if v is not None}
         return zoo.build(target, **placement, **opts)
     if dtype is not None:
         raise RematError(f"dtype= applies to zoo models only; make the factory of {target!r} "

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from autoremat._core.blocks import BlockSpec, resolve_blocks
-from autoremat._core.errors import BudgetError, RematError, internal_assert
+from autoremat._core.errors import BudgetError, InternalError, RematError
 from autoremat._core.optimizers import _optimizer_class, optimizer_memory
 from autoremat._core.step import (
     Loop,
@@ -436,7 +436,8 @@ def _with_plan(est: Estimate, tape: Tape, budget: int | str | None,
                max_memory: int | str | None, strategy: str) -> Estimate:
     if max_memory is not None:
         budget = step_budget_bytes(max_memory, est.iteration_memory)
-    internal_assert(budget is not None, "no budget to plan for")
+    if budget is None:
+        raise InternalError("autoremat internal error (please report it): no budget to plan for")
     budget_bytes = parse_budget(budget, tape.step_peak_bytes)
     plan = make_plan(tape, budget=budget_bytes, strategy=strategy)
     return dataclasses.replace(est, budget_bytes=budget_bytes, strategy=strategy, plan=plan,
