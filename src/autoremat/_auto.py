@@ -17,7 +17,7 @@ from autoremat._core.memory import track_memory
 from autoremat._core.step import Loop, LossFn, preserved_state, run_step
 from autoremat._core.units import format_bytes
 from autoremat._measure.profile import profile
-from autoremat._plan.plan import Plan, plan
+from autoremat._plan.plan import Plan, check_plan_args, plan
 
 __all__ = ["auto"]
 
@@ -51,6 +51,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         >>> autoremat.applied_plan(model) is plan
         True
     """
+    check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
     remove(model)
     tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer)

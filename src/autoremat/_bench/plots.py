@@ -11,13 +11,16 @@ Needs matplotlib (``pip install autoremat[plot]``); uses the Agg backend, no dis
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 from autoremat._bench.rows import BenchRow, ModelResult
 from autoremat._core.errors import RematError
 
-__all__ = ["pareto_plot"]
+__all__ = ["PLOT_HINT", "can_plot", "pareto_plot"]
+
+PLOT_HINT = "the Pareto plots need matplotlib: pip install 'autoremat[plot]'"
 
 # method -> (marker, colour, filled); one style per method, colour-blind-safe (Okabe-Ito)
 _STYLES: dict[str, tuple[str, str, bool]] = {
@@ -37,6 +40,11 @@ def _point(row: BenchRow, axis: str) -> tuple[float, float] | None:
     if row.status != "ok" or x is None or row.peak_fraction is None:
         return None
     return x, 100 * row.peak_fraction
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is installed (the plots are optional; the tables are not)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def pareto_plot(result: ModelResult, path: str | Path) -> Path:
@@ -63,8 +71,7 @@ def pareto_plot(result: ModelResult, path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RematError("the Pareto plot needs matplotlib: pip install 'autoremat[plot]'") \
-            from exc
+        raise RematError(PLOT_HINT) from exc
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 5.4), dpi=110, sharey=True,
                                       gridspec_kw={"width_ratios": [1.25, 1]})

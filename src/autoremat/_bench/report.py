@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from autoremat._bench.plots import pareto_plot
+from autoremat._bench.plots import can_plot, pareto_plot
 from autoremat._bench.rows import (
     AUTO,
     COMPILE,
@@ -294,11 +294,13 @@ def write_results(results: list[ModelResult], out: Path, command: str,
     ``gpt2_pareto_cuda.png``), so that CPU and GPU results live side by side.
 
     ``complete=False`` marks a sweep still running (files are rewritten after each model).
+    Without matplotlib the plots are skipped (the caller says so, :data:`PLOT_HINT`); the
+    tables and the JSON are written all the same.
     """
     out.mkdir(parents=True, exist_ok=True)
     suffix = _suffix(settings.device)
     written = []
-    for res in results:
+    for res in results if can_plot() else []:
         path = out / _plot_name(res.target, settings.device)
         pareto_plot(res, path)
         written.append(path)

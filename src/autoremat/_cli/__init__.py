@@ -24,7 +24,7 @@ from autoremat._core.step import LOOPS
 from autoremat._core.units import format_bytes
 from autoremat._measure.profile import profile
 from autoremat._measure.tape import ops_table
-from autoremat._plan.plan import plan, smallest_feasible_bytes
+from autoremat._plan.plan import check_plan_args, plan, smallest_feasible_bytes
 from autoremat._targets import load_target, parse_options
 from autoremat._verify import verify
 
@@ -53,6 +53,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.deterministic and not args.verify:
         raise RematError("--deterministic only changes how --verify compares gradients: "
                          "add --verify, or leave --deterministic out")
+    check_plan_args(args.budget, args.strategy, args.max_memory, args.optimizer)
     model, inputs = load_target(args.target, parse_options(args.set))
     with _status(console, f"profiling {args.target}"):
         tape = profile(model, inputs, loop=args.loop)
@@ -172,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler = {"demo": _cmd_demo, "profile": _cmd_profile, "plan": _cmd_plan}[args.command]
         return handler(args, console)
     except RematError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        console.print("[red]error:[/] ", end="")
+        console.print(str(exc), highlight=False, markup=False, soft_wrap=True)
         return 2
 
 

@@ -18,9 +18,11 @@ from rich.console import Console
 from autoremat import zoo
 from autoremat._bench.bench import run_bench
 from autoremat._bench.measure import resolve_device
+from autoremat._bench.plots import PLOT_HINT, can_plot
 from autoremat._bench.report import device_info, machine_info, write_results
 from autoremat._bench.rows import ModelResult, Settings
 from autoremat._core.errors import RematError
+from autoremat._core.units import parse_budget
 from autoremat._targets import parse_options
 
 __all__ = ["bench_main"]
@@ -70,6 +72,9 @@ def bench_main(argv: list[str]) -> int:
         budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
         if not budgets:
             raise RematError("--budgets is empty; e.g. --budgets 75%,50%,30%,min")
+        for budget in budgets:
+            if budget != "min":
+                parse_budget(budget, 1)  # the syntax, before any model is built
         repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
         if repeats < 1:
             raise RematError(f"--repeats must be at least 1, got {repeats}")
@@ -101,7 +106,8 @@ def bench_main(argv: list[str]) -> int:
         elapsed = time.perf_counter() - start
         paths = save(results)
     except RematError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        console.print("[red]error:[/] ", end="")
+        console.print(str(exc), highlight=False, markup=False, soft_wrap=True)
         return 2
     for res in results:
         console.print(f"[bold]{res.target}[/]")
@@ -114,5 +120,7 @@ def bench_main(argv: list[str]) -> int:
                       "step there): a dispatch mode cannot see inside compiled code.",
                       highlight=False)
     console.print(f"{len(targets)} model(s) in {elapsed / 60:.1f} min; wrote "
-                  + ", ".join(str(p) for p in paths), highlight=False)
+                  + ", ".join(str(p) for p in paths), highlight=False, markup=False)
+    if not can_plot():
+        console.print(f"no plots: {PLOT_HINT}", highlight=False, markup=False)
     return 0

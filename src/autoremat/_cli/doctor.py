@@ -30,13 +30,15 @@ def _target(target: str | None, args: argparse.Namespace,
     if args.hf is not None:
         if target is not None:
             raise RematError(f"give either a target ({target!r}) or --hf, not both")
-        batch, seq = args.batch or 1, args.seq or 2048
+        batch = 1 if args.batch is None else args.batch
+        seq = 2048 if args.seq is None else args.seq
         model, inputs = build_hf_model(args.hf, config, batch, seq, args.dtype)
         return f"hf:{args.hf} batch {batch} seq {seq}", model, inputs
     if target is None:
         raise RematError("name what to examine: a zoo model (" + ", ".join(zoo.names()) +
                          "), module:factory, or --hf FAMILY --config ...")
-    sizes = {k: v for k, v in (("batch_size", args.batch), ("seq_len", args.seq)) if v}
+    sizes = {k: v for k, v in (("batch_size", args.batch), ("seq_len", args.seq))
+             if v is not None}
     clash = sorted(set(sizes) & set(config))
     if clash:
         raise RematError(f"{', '.join(clash)} given twice, in --config and as --batch/--seq; "
@@ -64,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", "--set", default="", metavar="K=V,...",
                         help="config fields (Transformers config, zoo options or factory "
                              "keyword arguments), e.g. num_hidden_layers=32,hidden_size=4096")
-    parser.add_argument("--batch", type=int, help="batch size (--hf default 1)")
-    parser.add_argument("--seq", type=int, help="sequence length (--hf default 2048)")
+    parser.add_argument("--batch", type=_positive_int, help="batch size (--hf default 1)")
+    parser.add_argument("--seq", type=_positive_int,
+                        help="sequence length (--hf default 2048)")
     parser.add_argument("--dtype", help="floating dtype of parameters and inputs: bf16, fp16, "
                                         "fp32")
     parser.add_argument("--optimizer", default="adamw",
@@ -78,6 +81,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="PNG", help="write a stacked bar of the memory here")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (0 must not fall back to a default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
 
 
 def _optimizer_arg(text: str) -> str | int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from autoremat._core.errors import BudgetError
@@ -27,6 +28,8 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
     if isinstance(value, bool):
         raise BudgetError(f"{what} must be bytes or a size string like '6GiB', got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise BudgetError(f"{what} must be a finite number of bytes, got {value!r}")
         if value < 0:
             raise BudgetError(f"{what} must not be negative, got {value!r}")
         return int(value)
@@ -39,7 +42,10 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
             f"cannot read {what} {value!r}: use bytes (an int) or a number with one of the "
             f"units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '6GiB', '500MB')"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(size):
+        raise BudgetError(f"{what} {value!r} is too large to be a number of bytes")
+    return int(size)
 
 
 def parse_budget(budget: int | float | str, reference_bytes: int) -> int:
@@ -57,7 +63,7 @@ def parse_budget(budget: int | float | str, reference_bytes: int) -> int:
             raise BudgetError(
                 f"cannot read budget {budget!r}: expected a number before '%'"
             ) from None
-        if not 0 < percent <= 1000:
+        if not (math.isfinite(percent) and 0 < percent <= 1000):
             raise BudgetError(f"budget {budget!r} must be a percentage above 0%, e.g. '50%'")
         return int(reference_bytes * percent / 100)
     return parse_size(budget, what="budget")

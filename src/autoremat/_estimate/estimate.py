@@ -42,6 +42,7 @@ Known limitations:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -363,6 +364,14 @@ def estimate(
         raise BudgetError("give either budget= (the step's own budget) or max_memory= (the "
                           "whole device, parameters and optimizer included), not both")
     check_loop(loop)
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise RematError(f"top must be a whole number >= 0 (how many of the largest live "
+                         f"tensors to list), got {top!r}")
+    if throughput_flops is not None and not (isinstance(throughput_flops, (int, float))
+                                             and math.isfinite(throughput_flops)
+                                             and throughput_flops > 0):
+        raise RematError(f"throughput_flops must be a positive number of FLOP/s, e.g. 4e14, "
+                         f"got {throughput_flops!r}")
     target = _resolve_device(model, device)
     target_type = torch.device(target).type
     rounding = target_rounding(target_type)  # NOTE [ CUDA allocator rounding ] in memory.py

@@ -17,7 +17,7 @@ from autoremat._core.errors import BudgetError, RematError, SchemaError, did_you
 from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.step import Loop
 from autoremat._core.tables import render_table
-from autoremat._core.units import format_bytes, parse_budget
+from autoremat._core.units import format_bytes, parse_budget, parse_size
 from autoremat._measure.tape import (
     SCHEMA_VERSION,
     Tape,
@@ -32,7 +32,9 @@ from autoremat._plan.budget import iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import RECOMPUTE, Option, plan_costs, predict_peak, selective_options
 
-__all__ = ["STRATEGIES", "BlockDecision", "Plan", "optimizer_state_bytes", "plan"]
+__all__ = [
+    "STRATEGIES", "BlockDecision", "Plan", "check_plan_args", "optimizer_state_bytes", "plan",
+]
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,42 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
     return BlockDecision(block.name, kind, segment, save, tuple(redo))
 
 
+def check_plan_args(budget: int | float | str | None, strategy: str,
+                    max_memory: int | str | None = None,
+                    optimizer: str | int | None = None) -> tuple[str, str]:
+    """Validate the arguments of :func:`plan` before any work (``auto`` and the CLI call
+    it before they profile); returns the strategy's name and its argument.
+
+    Raises:
+        BudgetError: a malformed budget, max_memory or optimizer.
+        RematError: an unknown or malformed strategy.
+
+    Example:
+        >>> check_plan_args("50%", "every:2")
+        ('every', '2')
+    """
+    if not isinstance(strategy, str):
+        raise RematError(f"strategy must be a string such as 'optimal', got {strategy!r}")
+    name, _, arg = strategy.partition(":")
+    if name not in STRATEGIES:
+        raise RematError(f"unknown strategy {strategy!r}; choose from "
+                         f"{['optimal', 'none', 'full', 'every:K', 'sqrt', 'selective']}."
+                         + did_you_mean(name, STRATEGIES))
+    if arg and name != "every":
+        raise RematError(f"strategy {name!r} takes no argument, got {strategy!r}")
+    if name == "every" and not (arg.isdigit() and int(arg) >= 1):
+        raise RematError(f"strategy 'every:K' needs a whole number K >= 1, got {strategy!r}")
+    if budget is not None:
+        parse_budget(budget, 1)  # the syntax; the percentage's reference comes with the tape
+    if max_memory is not None:
+        parse_size(max_memory, what="max_memory")
+    if optimizer is not None:
+        if max_memory is None:
+            raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
+        resolve_optimizer(optimizer)
+    return name, arg
+
+
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
          max_memory: int | str | None = None, optimizer: str | int | None = None) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
@@ -335,15 +373,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     """
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
-    if not isinstance(strategy, str):
-        raise RematError(f"strategy must be a string such as 'optimal', got {strategy!r}")
-    name, _, arg = strategy.partition(":")
-    if name not in STRATEGIES:
-        raise RematError(f"unknown strategy {strategy!r}; choose from "
-                         f"{['optimal', 'none', 'full', 'every:K', 'sqrt', 'selective']}."
-                         + did_you_mean(name, STRATEGIES))
-    if arg and name != "every":
-        raise RematError(f"strategy {name!r} takes no argument, got {strategy!r}")
+    name, arg = check_plan_args(budget, strategy, max_memory, optimizer)
     budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer)
     segments = STRATEGIES[name](tape, budget_bytes, arg)
     found = plan_of_segments(tape, segments, strategy, budget_bytes)

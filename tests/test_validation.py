@@ -1,0 +1,151 @@
+"""Bad input is refused at the public entry point, before any work, with a RematError that
+names the value (issue 16, first part): a table of (call, exception, message fragment).
+
+The calls that profile are guarded: ``profile`` is replaced by a function that fails the
+test, so a case passes only if the argument is rejected before a step runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import autoremat
+from autoremat import zoo
+from autoremat._cli import main
+from autoremat._core.errors import BudgetError, RematError
+from autoremat._core.units import parse_budget, parse_size
+
+
+@pytest.fixture
+def no_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("profiled before the arguments were checked")
+
+    import autoremat._auto
+    import autoremat._cli
+
+    monkeypatch.setattr(autoremat._auto, "profile", refuse)
+    monkeypatch.setattr(autoremat._cli, "profile", refuse)
+    monkeypatch.setattr(autoremat._cli, "load_target", refuse)
+
+
+def _mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    return zoo.build("mlp", widths=(8, 8, 8), d_in=8, batch_size=2)
+
+
+_AUTO_CASES: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"budget": "abc"}, BudgetError, "cannot read budget 'abc'"),
+    ({"budget": float("nan")}, BudgetError, "finite number of bytes"),
+    ({"budget": float("inf")}, BudgetError, "finite number of bytes"),
+    ({"budget": "1e400"}, BudgetError, "too large"),
+    ({"budget": "nan%"}, BudgetError, "percentage above 0%"),
+    ({"budget": "0%"}, BudgetError, "percentage above 0%"),
+    ({"budget": -5}, BudgetError, "must not be negative"),
+    ({"budget": True}, BudgetError, "got True"),
+    ({"budget": [1]}, BudgetError, "got [1]"),
+    ({"strategy": "optimall"}, RematError, "Did you mean 'optimal'"),
+    ({"strategy": "every:0"}, RematError, "every:K' needs a whole number K >= 1"),
+    ({"strategy": "every:two"}, RematError, "got 'every:two'"),
+    ({"strategy": "sqrt:2"}, RematError, "takes no argument"),
+    ({"strategy": 3}, RematError, "strategy must be a string"),
+    ({"max_memory": "lots"}, BudgetError, "cannot read max_memory 'lots'"),
+    ({"optimizer": "adamw"}, BudgetError, "only matters with max_memory"),
+    ({"max_memory": "8GiB", "optimizer": "adamx"}, BudgetError, "adamx"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "fragment"), _AUTO_CASES)
+def test_auto_checks_its_arguments_before_profiling(
+        no_profile: None, kwargs: dict[str, Any], error: type[Exception], fragment: str) -> None:
+    model, inputs = _mlp()
+    with pytest.raises(error) as info:
+        autoremat.auto(model, inputs, **{"budget": "50%", **kwargs})
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    (float("nan"), "finite"), (float("-inf"), "finite"), ("1e400GiB", "too large"),
+    ("inf", "cannot read size 'inf'"), ("12 parsecs", "cannot read size"),
+])
+def test_sizes_are_finite_numbers(value: Any, fragment: str) -> None:
+    with pytest.raises(BudgetError, match=fragment):
+        parse_size(value)
+
+
+def test_a_percentage_must_be_finite() -> None:
+    with pytest.raises(BudgetError, match="percentage above 0%"):
+        parse_budget("inf%", 100)
+
+
+_CLI_CASES: list[tuple[list[str], str]] = [
+    (["plan", "mlp", "--budget", "abc"], "cannot read budget 'abc'"),
+    (["plan", "mlp", "--budget", "1e400"], "too large"),
+    (["plan", "mlp", "--strategy", "fulll"], "Did you mean 'full'"),
+    (["plan", "mlp", "--strategy", "every:0"], "needs a whole number K >= 1"),
+    (["plan", "mlp", "--max-memory", "lots"], "cannot read max_memory 'lots'"),
+    (["plan", "mlp", "--optimizer", "adamw"], "only matters with max_memory"),
+    (["plan", "mlp", "--budget", "1GiB", "--deterministic"], "add --verify"),
+    (["bench", "mlp", "--budgets", "abc"], "cannot read budget 'abc'"),
+    (["bench", "mlp", "--budgets", "50%,nope"], "cannot read budget 'nope'"),
+    (["bench", "mlp", "--budgets", ","], "--budgets is empty"),
+    (["bench", "mlp", "--repeats", "0"], "--repeats must be at least 1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "fragment"), _CLI_CASES)
+def test_cli_rejects_bad_input_in_one_line_before_any_work(
+        no_profile: None, argv: list[str], fragment: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert fragment in text
+    assert "Traceback" not in text
+    assert len([line for line in text.splitlines() if line.strip()]) == 1, text
+
+
+@pytest.mark.parametrize("argv", [["doctor", "mlp", "--batch", "0"],
+                                  ["doctor", "mlp", "--batch", "-1"],
+                                  ["doctor", "mlp", "--seq", "abc"]])
+def test_doctor_refuses_a_batch_or_length_below_one(argv: list[str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "expected a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"top": -1}, "top must be a whole number >= 0"),
+    ({"top": 2.5}, "top must be a whole number >= 0"),
+    ({"throughput_flops": 0.0}, "throughput_flops must be a positive number"),
+    ({"throughput_flops": float("nan")}, "throughput_flops must be a positive number"),
+])
+def test_estimate_checks_its_arguments(kwargs: dict[str, Any], fragment: str) -> None:
+    model, inputs = _mlp()
+    with pytest.raises(RematError, match=fragment):
+        autoremat.estimate(model, inputs, device="cpu", **kwargs)
+
+
+def test_bench_writes_tables_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Any) -> None:
+    """Without matplotlib the bench still writes results.md and results.json, and says
+    how to get the plots (the hint keeps its '[plot]')."""
+    import autoremat._bench.report as report
+    from autoremat._bench.plots import PLOT_HINT
+    from autoremat._bench.rows import ModelResult, Settings
+
+    monkeypatch.setattr(report, "can_plot", lambda: False)
+    result = ModelResult(target="mlp", model="MLPChain", inputs="-", n_blocks=0,
+                         plain_peak_bytes=0, plain_step_ms=0.0, plain_flops=0,
+                         min_feasible_bytes=None, rows=(), headline=())
+    settings = Settings(budgets=("50%",), repeats=1, compile=False)
+    paths = report.write_results([result], tmp_path, "autoremat bench mlp",
+                                 report.machine_info(), 1.0, settings)
+    assert sorted(p.name for p in paths) == ["results.json", "results.md"]
+    assert all(p.exists() for p in paths)
+    assert "pip install 'autoremat[plot]'" in PLOT_HINT
+
