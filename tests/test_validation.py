@@ -7,6 +7,9 @@ test, so a case passes only if the argument is rejected before a step runs.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from typing import Any
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 import autoremat
 from autoremat import zoo
 from autoremat._cli import main
-from autoremat._core.errors import BudgetError, RematError
+from autoremat._core.errors import BudgetError, RematError, SchemaError
 from autoremat._core.units import parse_budget, parse_size
 
 
@@ -149,3 +152,38 @@ def test_bench_writes_tables_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
     assert all(p.exists() for p in paths)
     assert "pip install 'autoremat[plot]'" in PLOT_HINT
 
+
+
+def _selective_plan() -> autoremat.Plan:
+    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
+    tape = autoremat.profile(model, inputs, repeats=1)
+    base = autoremat.plan(tape, None, "full")
+    first = dataclasses.replace(base.blocks[0], decision="selective", keep_ops=(3, 5),
+                                skip_ops=(2,), op_signature="abc")
+    return dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    (lambda b: b.update(keep_ops=[5, 3]), "distinct op positions >= 0 in increasing order"),
+    (lambda b: b.update(keep_ops=[3, 3]), "distinct op positions >= 0 in increasing order"),
+    (lambda b: b.update(skip_ops=[-1]), "distinct op positions >= 0 in increasing order"),
+    (lambda b: b.update(skip_ops=[3]), "ops [3] are both kept and skipped"),
+    (lambda b: b.update(op_signature=""), "op_signature is empty"),
+    (lambda b: b.update(decision="keep"), "keep_ops is set on a 'keep' block"),
+    (lambda b: b.update(segment=1), "segment must be 0 (segments number"),
+])
+def test_an_edited_plan_file_is_refused(change: Any, fragment: str) -> None:
+    data = json.loads(_selective_plan().to_json())
+    assert autoremat.Plan.from_json(json.dumps(data)).blocks[0].keep_ops == (3, 5)
+    change(data["blocks"][0])
+    with pytest.raises(SchemaError, match=re.escape(fragment)):
+        autoremat.Plan.from_json(json.dumps(data))
+
+
+def test_only_recomputed_blocks_share_a_segment() -> None:
+    data = json.loads(_selective_plan().to_json())
+    data["blocks"][1]["segment"] = data["blocks"][0]["segment"]
+    with pytest.raises(SchemaError, match="only recomputed blocks can share one"):
+        autoremat.Plan.from_json(json.dumps(data))
+    data["blocks"][0].update(decision="recompute", keep_ops=[], skip_ops=[])
+    assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0

@@ -118,7 +118,9 @@ class Plan:
             if block.decision not in ("keep", "recompute", "selective"):
                 raise SchemaError(f"{where}.decision must be keep, recompute or "
                                   f"selective, got {block.decision!r}")
+            _check_keep_set(block, where)
             blocks.append(block)
+        _check_segments(blocks)
         data["blocks"] = tuple(blocks)
         data["notes"] = _strings(data.get("notes", []), "plan.notes")
         loaded: Plan = build_dataclass(cls, data, "plan")
@@ -171,6 +173,42 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise SchemaError(f"{where} must be a list of strings, got {value!r}")
     return tuple(value)
+
+
+def _check_keep_set(block: BlockDecision, where: str) -> None:
+    """A keep-set indexes the block's op sequence: never trusted from a file."""
+    for key in ("keep_ops", "skip_ops"):
+        positions = getattr(block, key)
+        if positions and block.decision != "selective":
+            raise SchemaError(f"{where}.{key} is set on a {block.decision!r} block; op "
+                              "positions belong to selective blocks only")
+        if any(i < 0 for i in positions) or list(positions) != sorted(set(positions)):
+            raise SchemaError(f"{where}.{key} must be distinct op positions >= 0 in "
+                              f"increasing order, got {list(positions)}")
+    both = sorted(set(block.keep_ops) & set(block.skip_ops))
+    if both:
+        raise SchemaError(f"{where}: ops {both} are both kept and skipped; an op whose "
+                          "output is kept is never skipped. Plan again instead of editing")
+    if (block.keep_ops or block.skip_ops) and not block.op_signature:
+        raise SchemaError(f"{where}.op_signature is empty, but keep_ops/skip_ops index an op "
+                          "sequence it must name; plan again instead of editing")
+
+
+def _check_segments(blocks: list[BlockDecision]) -> None:
+    """Segments number the chain from 0 up, one step at a time; only recomputed blocks
+    share one (a kept or selective block is a segment of its own)."""
+    for i, block in enumerate(blocks):
+        prev = blocks[i - 1].segment if i else -1
+        allowed = (prev, prev + 1) if i else (0,)
+        if block.segment not in allowed:
+            raise SchemaError(f"plan.blocks[{i}].segment must be "
+                              f"{' or '.join(map(str, allowed))} (segments number the blocks "
+                              f"in order from 0), got {block.segment}")
+        if i and block.segment == prev and not (
+                block.decision == blocks[i - 1].decision == "recompute"):
+            raise SchemaError(f"plan.blocks[{i - 1}] and plan.blocks[{i}] share segment "
+                              f"{prev}, but only recomputed blocks can share one "
+                              f"(got {blocks[i - 1].decision!r} and {block.decision!r})")
 
 
 # --- budgets -------------------------------------------------------------------------
