@@ -373,7 +373,7 @@ def test_parse_dtype_suggests() -> None:
 def test_plan_and_estimate_agree_on_optimizer_state(name: str) -> None:
     # plan(max_memory=, optimizer=) prices optimizer state from the tape alone (states per
     # parameter); estimate measures PyTorch's optimizer on meta. They must not drift apart.
-    from autoremat._plan.plan import optimizer_state_bytes
+    from autoremat._plan.budget import optimizer_state_bytes
 
     model, _ = zoo.build("mlp", device="meta")
     trainable = unique_storage_bytes([p for p in model.parameters() if p.requires_grad])

@@ -20,7 +20,7 @@ from autoremat import zoo
 from autoremat._core.errors import RematError
 from autoremat._core.optimizers import OPTIMIZERS, optimizer_memory
 from autoremat._estimate.estimate import Estimate, estimate
-from autoremat._plan.plan import optimizer_state_bytes
+from autoremat._plan.budget import optimizer_state_bytes
 
 # Every known name, spellings of them, names nobody knows, and sizes in bytes.
 CANDIDATES: list[Any] = [*OPTIMIZERS, "AdamW", " sgd ", "lion", "adamww", "sgd_momentum",

@@ -18,7 +18,8 @@ import torch
 import autoremat
 from autoremat import Plan, Tape, zoo
 from autoremat._core.errors import BudgetError, RematError, SchemaError
-from autoremat._plan.plan import optimizer_state_bytes, smallest_feasible_bytes
+from autoremat._plan.budget import optimizer_state_bytes
+from autoremat._plan.plan import smallest_feasible_bytes
 
 BUDGETS = ["75%", "50%", "30%", "min"]
 BASELINES = ["full", "every:2", "every:3", "sqrt"]

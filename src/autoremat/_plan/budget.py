@@ -36,7 +36,7 @@ from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._measure.tape import Tape
 
-__all__ = ["IterationMemory", "iteration_memory", "step_budget_bytes"]
+__all__ = ["IterationMemory", "iteration_memory", "optimizer_state_bytes", "step_budget_bytes"]
 
 
 @dataclass(frozen=True)
@@ -70,20 +70,31 @@ def iteration_memory(tape: Tape, optimizer: str | int | None) -> IterationMemory
         BudgetError: an unknown optimizer, or a tape saved before autoremat recorded the
             batch's bytes and the number of trainable tensors.
     """
-    spec = resolve_optimizer(optimizer)
     if tape.input_bytes < 0 or tape.trainable_param_tensors < 0:
         raise BudgetError("this tape was saved by an older autoremat, which did not record "
                           "the batch's bytes (tape.input_bytes) or the trainable tensors "
                           "(tape.trainable_param_tensors) that max_memory= needs; profile "
                           "again, or give the step's own budget= instead")
+    spec = resolve_optimizer(optimizer)
+    state = optimizer_state_bytes(tape, optimizer)
     if isinstance(spec, OptimizerSpec):
-        state = (spec.state_bytes(tape.trainable_param_bytes)
-                 + spec.counter_bytes(tape.trainable_param_tensors, tape.device))
-    else:
-        state = spec or 0
+        state += spec.counter_bytes(tape.trainable_param_tensors, tape.device)
     return IterationMemory(param_bytes=tape.param_bytes, buffer_bytes=tape.buffer_bytes,
                            optimizer_bytes=state, input_bytes=tape.input_bytes,
                            grad_bytes=tape.grad_bytes)
+
+
+def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:
+    """Bytes of parameter-sized optimizer state for the tape's trainable parameters.
+
+    ``optimizer`` is a name in :data:`~autoremat._core.optimizers.OPTIMIZERS` (states per
+    parameter, in the parameters' dtype, as PyTorch's optimizers allocate them: adamw/adam
+    2, sgd-momentum/adagrad/rmsprop 1, sgd 0) or a number of bytes, taken as given.
+    """
+    spec = resolve_optimizer(optimizer)
+    if isinstance(spec, OptimizerSpec):
+        return spec.state_bytes(tape.trainable_param_bytes)
+    return spec or 0
 
 
 def step_budget_bytes(max_memory: int | str, memory: IterationMemory) -> int:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoremat._core.errors import BudgetError, RematError, SchemaError, did_you_mean
-from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
+from autoremat._core.optimizers import resolve_optimizer
 from autoremat._core.step import Loop
 from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes, parse_budget, parse_size
@@ -33,7 +33,7 @@ from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import RECOMPUTE, Option, plan_costs, predict_peak, selective_options
 
 __all__ = [
-    "STRATEGIES", "BlockDecision", "Plan", "check_plan_args", "optimizer_state_bytes", "plan",
+    "STRATEGIES", "BlockDecision", "Plan", "check_plan_args", "plan",
 ]
 
 
@@ -213,28 +213,13 @@ def _check_segments(blocks: list[BlockDecision]) -> None:
 
 # --- budgets -------------------------------------------------------------------------
 
-def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:
-    """Bytes of parameter-sized optimizer state for the tape's trainable parameters.
-
-    ``optimizer`` is a name in :data:`~autoremat._core.optimizers.OPTIMIZERS` (states per
-    parameter, in the parameters' dtype, as PyTorch's optimizers allocate them: adamw/adam
-    2, sgd-momentum/adagrad/rmsprop 1, sgd 0) or a number of bytes, taken as given.
-    """
-    spec = resolve_optimizer(optimizer)
-    if isinstance(spec, OptimizerSpec):
-        return spec.state_bytes(tape.trainable_param_bytes)
-    return spec or 0
-
-
 def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
                   optimizer: str | int | None) -> int | None:
     limits = []
     if budget is not None:
         limits.append(parse_budget(budget, tape.step_peak_bytes))
-    if max_memory is not None:
+    if max_memory is not None:  # optimizer= without it: refused by check_plan_args
         limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer)))
-    elif optimizer is not None:
-        raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
     return min(limits) if limits else None
 
 
@@ -253,12 +238,7 @@ def _full(tape: Tape, budget: int | None, arg: str) -> Segments:
 
 
 def _every(tape: Tape, budget: int | None, arg: str) -> Segments:
-    try:
-        k = int(arg)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise RematError(f"strategy 'every:K' needs a whole number K >= 1, got 'every:{arg}'")
+    k = int(arg)  # a whole number >= 1: check_plan_args refuses anything else
     return [(i, i + 1, RECOMPUTE if i % k == 0 else ("keep", ()))
             for i in range(len(tape.blocks))]
 
