@@ -47,28 +47,29 @@ def as_options(sizes: Mapping[str, Any]) -> str:
     return ",".join(f"{key}={value}" for key, value in sizes.items())
 
 
-def hf_model(name: str, use_cache: bool | None) -> tuple[nn.Module, dict[str, Any]]:
-    """A three-layer Hugging Face ``name`` ("gpt2", "llama" or "bert") with dropout, in
-    train mode, and a batch of 4 x 64 tokens; ``use_cache`` goes into the inputs unless None.
-    Skips the test when transformers is not installed."""
+def hf_model(name: str, use_cache: bool | None, layers: int = 3,
+             seq_len: int = 64) -> tuple[nn.Module, dict[str, Any]]:
+    """A ``layers``-layer Hugging Face ``name`` ("gpt2", "llama" or "bert") with dropout, in
+    train mode, and a batch of 4 x ``seq_len`` tokens; ``use_cache`` goes into the inputs
+    unless None. Skips the test when transformers is not installed."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+            n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
             attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, bos_token_id=0, eos_token_id=0))
     elif name == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
             attention_dropout=0.1))
     else:
         model = transformers.BertForMaskedLM(transformers.BertConfig(
-            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+            hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
             vocab_size=256, max_position_embeddings=64, attention_probs_dropout_prob=0.1,
             hidden_dropout_prob=0.1))
     model.train()
-    ids = torch.randint(0, 256, (4, 64))
+    ids = torch.randint(0, 256, (4, seq_len))
     inputs: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
     if use_cache is not None:
         inputs["use_cache"] = use_cache

@@ -6,10 +6,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
 from autoremat._core.step import describe_inputs
+from autoremat._mechanism.compiled import compiled_context, parse_keep_keys
 from autoremat._mechanism.segments import SegmentRunner
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
@@ -36,7 +38,7 @@ class _Applied:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model``, or ``None``."""
-    state = model.__dict__.get(_ATTR)
+    state = uncompiled(model).__dict__.get(_ATTR)
     return state.plan if state is not None else None
 
 
@@ -58,6 +60,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """
     if not isinstance(plan, Plan):
         raise RematError(f"apply() needs a Plan from autoremat.plan(), got {type(plan).__name__}")
+    given, model = model, uncompiled(model)
     if type(model).__name__ != plan.model:
         raise PlanMismatchError(f"this plan was made for a {plan.model}, not a "
                                 f"{type(model).__name__}; profile and plan this model")
@@ -67,6 +70,14 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             raise PlanMismatchError(f"the plan names block {block.name!r}, which "
                                     f"{type(model).__name__} does not have."
                                     + did_you_mean(block.name, [n for n in modules if n]))
+    compiled = compiled_parts(model, given)
+    if compiled and any(stop > start + 1 for start, stop, _ in plan.segments):
+        first = next(start for start, stop, _ in plan.segments if stop > start + 1)
+        raise RematError(
+            f"this plan checkpoints multi-block segments (from {plan.blocks[first].name}), "
+            f"which cannot run under torch.compile, and {compiled[0]} is compiled. Re-plan "
+            "for the compiled step: autoremat.auto(model, inputs, budget=..., compile=True) "
+            "or autoremat.plan(tape, budget, compile=True)")
     remove(model)
     for name, module in modules.items():
         if name and is_wrapped(module):
@@ -94,7 +105,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                 for b, module in zip(plan.blocks[start:stop], blocks, strict=False):
                     wrap(module, tag="selective", selective=selective_context(
                         b.save_ops, keep_ops=b.keep_ops, skip_ops=b.skip_ops,
-                        signature=b.op_signature))
+                        signature=b.op_signature),
+                        compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)))
                     state.wrapped.append(module)
             elif stop == start + 1:
                 wrap(blocks[0], tag="recompute")
@@ -111,7 +123,24 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         _undo(state)
         raise
     setattr(model, _ATTR, state)
-    return model
+    return given
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(model)`` wraps (``model`` itself if not compiled)."""
+    inner = model
+    while isinstance(inner, torch._dynamo.eval_frame.OptimizedModule):
+        inner = inner._orig_mod
+    return inner
+
+
+def compiled_parts(model: nn.Module, given: nn.Module | None = None) -> list[str]:
+    """Names of what runs compiled: the model (``torch.compile(model)``) or modules
+    compiled in place (``module.compile()``, regional compilation)."""
+    found = ["the model"] if given is not None and given is not model else []
+    found += [repr(name or type(model).__name__) for name, m in model.named_modules()
+              if getattr(m, "_compiled_call_impl", None) is not None]
+    return found
 
 
 def _shape_check(state: _Applied) -> Any:
@@ -148,7 +177,7 @@ def _undo(state: _Applied) -> None:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: the model is exactly as before. A no-op without a plan."""
-    state = model.__dict__.pop(_ATTR, None)
+    state = uncompiled(model).__dict__.pop(_ATTR, None)
     if state is not None:
         _undo(state)
     return model

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 
 from autoremat._core.errors import PlanMismatchError, RematError
 from autoremat._core.step import flat_tensors
+from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 from autoremat._mechanism.wrap import _context_fn
 
 __all__ = ["SegmentRunner"]
@@ -85,6 +86,8 @@ class SegmentRunner:
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if is_compiling():
+                refuse_under_compile(f"the segment {self.names[0]}..{self.names[-1]}")
             if self._replaying or not torch.is_grad_enabled():
                 return
             if i == 0:

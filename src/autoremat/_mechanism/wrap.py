@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autoremat._core import rng
 from autoremat._core.errors import RematError, internal_assert
+from autoremat._mechanism.compiled import is_compiling
 
 __all__ = ["checkpointed", "is_wrapped", "unwrap", "wrap"]
 
@@ -96,7 +97,8 @@ def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> Contex
     return make
 
 
-def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None) -> None:
+def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None,
+         compiled: Any = None) -> None:
     """Make ``module`` recompute its forward during backward. Idempotent; re-wrapping
     replaces the previous wrapper.
 
@@ -107,6 +109,9 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
             ``selective.selective_context``, or PyTorch's
             ``create_selective_checkpoint_contexts``), to save some op outputs instead
             of recomputing everything.
+        compiled: the ``context_fn`` used instead while Dynamo traces the module
+            (``compiled.compiled_context``; ``None``: a plain recompute). NOTE [ Plans
+            under torch.compile ].
     """
     if is_wrapped(module):
         unwrap(module)
@@ -117,6 +122,11 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)  # nothing is saved without grad: no recompute
+        if is_compiling():  # compile's own RNG handling and partitioner take over
+            if compiled is None:
+                return checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(original, *args, use_reentrant=False, context_fn=compiled,
+                              **kwargs)
         return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
                           preserve_rng_state=False, **kwargs)  # we replay it ourselves
 

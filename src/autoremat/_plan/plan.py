@@ -27,6 +27,7 @@ from autoremat._measure.tape import (
     int_tuples,
     load_json,
 )
+from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_keep_keys
 from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
 from autoremat._plan.budget import iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
@@ -50,6 +51,9 @@ class BlockDecision:
     keep_ops: tuple[int, ...] = ()  # whose outputs stay saved
     skip_ops: tuple[int, ...] = ()  # that recompute skips (dead)
     op_signature: str = ""  # of the op sequence the positions index
+    # the kept ops as "op#occurrence" (e.g. "aten.mm.default#1"): what they lower to
+    # under torch.compile (NOTE [ Plans under torch.compile ] in _mechanism/compiled.py)
+    keep_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class Plan:
             where = f"plan.blocks[{i}]"
             if isinstance(item, dict):
                 item = dict(item, **{key: _strings(item.get(key, []), f"{where}.{key}")
-                                     for key in ("save_ops", "recompute_ops")})
+                                     for key in ("save_ops", "recompute_ops", "keep_keys")})
             item = int_tuples(item, ("keep_ops", "skip_ops"), where)
             block = build_dataclass(BlockDecision, item, where)
             _expect(block.op_signature, str, f"{where}.op_signature")
@@ -189,6 +193,13 @@ def _check_keep_set(block: BlockDecision, where: str) -> None:
     if both:
         raise SchemaError(f"{where}: ops {both} are both kept and skipped; an op whose "
                           "output is kept is never skipped. Plan again instead of editing")
+    if block.keep_keys and not block.keep_ops:
+        raise SchemaError(f"{where}.keep_keys is set without keep_ops; they name the same "
+                          "kept ops. Plan again instead of editing")
+    try:
+        parse_keep_keys(block.keep_keys)
+    except RematError as exc:
+        raise SchemaError(f"{where}.keep_keys: {exc}") from exc
     if (block.keep_ops or block.skip_ops) and not block.op_signature:
         raise SchemaError(f"{where}.op_signature is empty, but keep_ops/skip_ops index an op "
                           "sequence it must name; plan again instead of editing")
@@ -314,7 +325,8 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
         redo = sorted({o.kind for j, o in enumerate(block.ops) if not o.view
                        and j not in sel.keep_ops and j not in sel.skip_ops})
         return BlockDecision(block.name, kind, segment, (), tuple(redo), sel.keep_ops,
-                             sel.skip_ops, op_signature(block.ops))
+                             sel.skip_ops, op_signature(block.ops),
+                             format_keep_keys(keep_keys(block.ops, sel.keep_ops)))
     redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
     return BlockDecision(block.name, kind, segment, save, tuple(redo))
 

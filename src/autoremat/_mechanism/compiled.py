@@ -1,0 +1,141 @@
+"""What a plan's decisions become when the model runs under ``torch.compile``.
+
+NOTE [ Plans under torch.compile ]
+    Dynamo traces non-reentrant ``torch.utils.checkpoint`` into a higher-order op, and
+    AOT Autograd's partitioner then decides, op by op, what the compiled forward saves
+    and what the compiled backward recomputes; a ``context_fn`` made by
+    ``create_selective_checkpoint_contexts`` tags ops MUST_SAVE or PREFER_RECOMPUTE for
+    it. Our eager machinery cannot be traced: the selective dispatch modes
+    (``selective.py``) run Python per op, the RNG replay reads generator states
+    (``rng.py``) and a multi-block segment opens checkpoint's frame from hooks
+    (``segments.py``). So a wrapped block looks at ``torch.compiler.is_compiling()``
+    when it is called, and under compile runs a plain non-reentrant checkpoint:
+
+    * ``recompute``: no ``context_fn`` (PyTorch's own policy: recompute what it can);
+    * a save-set by op kind: a policy saving the outputs of those kinds;
+    * a keep-set (op positions in the eager tape): a policy saving the k-th call of
+      each kept op, keyed by (op name, occurrence) (:func:`keep_keys`). The traced
+      graph can name ops differently from eager dispatch (``native_dropout`` for
+      ``bernoulli_`` and ``div_``, ``_safe_softmax``...): an op the key names but
+      the trace does not have is simply not saved. Dead ops need no stand-in: the
+      partitioner recomputes only what backward reads.
+
+    Random ops are left to compile, as in PyTorch's plain checkpoint: Inductor seeds
+    them so that the recompute draws the forward's numbers, and with
+    ``fallback_random`` on (or the ``aot_eager`` backend) the partitioner saves them.
+    What each lowering saves and costs differs from eager, so a plan for a compiled
+    step is made from a tape measured compiled (``profile(..., compile=True)``).
+    Multi-block segments have no lowering (there is no single function to trace) and
+    are refused under compile.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from autoremat._core.errors import RematError
+from autoremat._core.ops import IGNORED_OPS, OpRecord, op_kind
+
+__all__ = ["compiled_context", "format_keep_keys", "is_compiling", "keep_keys",
+           "parse_keep_keys", "refuse_under_compile"]
+
+KeepKey = tuple[str, int]  # (op overload name, its occurrence in the region: 0, 1, ...)
+
+
+def is_compiling() -> bool:
+    """Whether Dynamo is tracing the caller (``torch.compiler.is_compiling``)."""
+    return bool(torch.compiler.is_compiling())
+
+
+def keep_keys(ops: Sequence[OpRecord | str], keep: Iterable[int]) -> frozenset[KeepKey]:
+    """The (op name, occurrence) keys of the ops at positions ``keep`` of ``ops``.
+
+    Example:
+        >>> sorted(keep_keys(["aten.mm.default", "aten.relu.default", "aten.mm.default"],
+        ...                  [2]))
+        [('aten.mm.default', 1)]
+    """
+    names = [o.op if isinstance(o, OpRecord) else o for o in ops]
+    wanted = set(keep)
+    seen: Counter[str] = Counter()
+    out = set()
+    for position, name in enumerate(names):
+        if position in wanted:
+            out.add((name, seen[name]))
+        seen[name] += 1
+    return frozenset(out)
+
+
+def format_keep_keys(keys: Iterable[KeepKey]) -> tuple[str, ...]:
+    """Keys as plan-file strings, sorted: ``("aten.mm.default#1", ...)``."""
+    return tuple(f"{name}#{k}" for name, k in sorted(keys))
+
+
+def parse_keep_keys(texts: Iterable[str]) -> frozenset[KeepKey]:
+    """The inverse of :func:`format_keep_keys`; a malformed key raises ``RematError``.
+
+    Example:
+        >>> sorted(parse_keep_keys(["aten.mm.default#1"]))
+        [('aten.mm.default', 1)]
+    """
+    out = set()
+    for text in texts:
+        name, _, k = text.rpartition("#")
+        if not name or not k.isdigit():
+            raise RematError(f"a keep key is 'op#occurrence', e.g. 'aten.mm.default#0'; got "
+                             f"{text!r}")
+        out.add((name, int(k)))
+    return frozenset(out)
+
+
+def _contexts(save: frozenset[str], keep: frozenset[KeepKey]) -> Any:
+    """Fresh SAC contexts for one checkpointed call (the occurrence counts are per call)."""
+    calls: Counter[tuple[bool, str]] = Counter()  # forward and recompute count apart
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in IGNORED_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        name = str(op)
+        occurrence = calls[ctx.is_recompute, name]
+        calls[ctx.is_recompute, name] += 1
+        if op_kind(name) in save or (name, occurrence) in keep:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def compiled_context(save_ops: Iterable[str] = (),
+                     keep: Iterable[KeepKey] = ()) -> functools.partial[Any] | None:
+    """The ``context_fn`` a selective block uses under compile; ``None`` when it saves
+    nothing (a plain recompute). A ``functools.partial`` of constants, as Dynamo needs.
+
+    Example:
+        >>> compiled_context() is None
+        True
+        >>> callable(compiled_context(["matmul"]))
+        True
+    """
+    save, kept = frozenset(save_ops), frozenset(keep)
+    if not save and not kept:
+        return None
+    return functools.partial(_contexts, save, kept)
+
+
+@torch.compiler.disable
+def refuse_under_compile(what: str) -> None:
+    """Raise a :class:`RematError` from code Dynamo is tracing. The function is excluded
+    from tracing, so Dynamo breaks the graph before it and the error reaches the caller
+    as it would in eager (a ``raise`` traced by Dynamo could fall back to eager code
+    where the check no longer sees compile)."""
+    raise RematError(f"{what} cannot run under torch.compile: a multi-block segment opens "
+                     "checkpoint's frame from module hooks, which Dynamo cannot trace. Re-plan "
+                     "for the compiled step (autoremat.auto(..., compile=True) or "
+                     "autoremat.plan(tape, budget, compile=True)), which checkpoints blocks "
+                     "one by one, or run this plan eagerly")

@@ -1,0 +1,189 @@
+"""Plans under ``torch.compile``: every decision kind, whole-model and regional compile.
+
+The gradient rule (NOTE [ Plans under torch.compile ] in ``_mechanism/compiled.py``):
+with dropout on and Inductor's ``fallback_random`` (the compiled step draws eager's
+masks), a compiled step with a plan differs from the eager plain step by at most 4x what
+the compiled plain step differs by (its own float rounding of fused kernels). With the
+``aot_eager`` backend nothing is fused, so the rule means ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config as inductor_config
+from torch import nn
+from torch._dynamo.utils import counters
+from transformers import PreTrainedModel
+
+import autoremat
+from autoremat import Plan, RematError, SchemaError, zoo
+from autoremat._core.step import call_model, default_loss
+from autoremat._plan.plan import plan_of_segments
+
+from conftest import hf_model
+
+# (start, stop, option) of a four-block plan with every decision kind: a kept block, a
+# recomputed one, a save-set by op kind and a keep-set by position.
+MIXED = [(0, 1, ("keep", ())), (1, 2, ("recompute", ())), (2, 3, ("selective", ("matmul",))),
+         (3, 4, ("selective", ("#1",)))]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch(fallback_random=True):
+        yield
+    torch._dynamo.reset()
+
+
+def _build(name: str) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    if name.startswith("hf-"):
+        model, inputs = hf_model(name[3:], use_cache=None, layers=4, seq_len=16)
+        model.config.use_cache = False  # as a training script sets it
+        return model, inputs
+    return zoo.build(name, n_layer=4, batch_size=2, seq_len=16)
+
+
+def _step(model: nn.Module, grads_of: nn.Module, inputs: Any) -> tuple[int, dict[str, Any]]:
+    """One step from seed 0: bytes autograd saved (parameters aside) and the gradients."""
+    for p in grads_of.parameters():
+        p.grad = None
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = default_loss(call_model(model, inputs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in grads_of.named_parameters() if p.grad is not None}
+    for p in grads_of.parameters():
+        p.grad = None
+    return sum(saved.values()), grads
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@functools.cache
+def _mixed_plan(name: str) -> Plan:
+    """The MIXED plan of ``_build(name)``'s model (built the same every time)."""
+    model, inputs = _build(name)
+    tape = autoremat.profile(model, inputs, timing=False)
+    assert "#1" in tape.blocks[3].selective and "matmul" in tape.blocks[2].selective
+    plan = plan_of_segments(tape, MIXED, "test")
+    assert [b.decision for b in plan.blocks] == ["keep", "recompute", "selective", "selective"]
+    assert plan.blocks[3].keep_keys, "the keep-set lowers to (op, occurrence) keys"
+    return plan
+
+
+def _compiled(model: nn.Module, names: list[str], how: str, backend: str) -> nn.Module:
+    """The model compiled whole or block by block. Blocks compile with ``fullgraph``: no
+    graph break inside a block. A whole zoo model has none at all; Hugging Face's have
+    their own, outside the blocks (logging in the loss), which ``_no_break_of_ours``
+    tells apart."""
+    if how == "whole":
+        full = not isinstance(model, PreTrainedModel)
+        return torch.compile(model, backend=backend, fullgraph=full)  # type: ignore[return-value]
+    for name in names:
+        model.get_submodule(name).compile(backend=backend, fullgraph=True)
+    return model
+
+
+def _check_plan_under_compile(name: str, how: str, order: str, backend: str) -> None:
+    model, inputs = _build(name)
+    plan = _mixed_plan(name)
+    _, eager = _step(model, model, inputs)
+    names = [b.name for b in plan.blocks]
+    if order == "apply-first":
+        autoremat.apply(model, plan)
+        compiled = _compiled(model, names, how, backend)
+        autoremat.remove(compiled)
+        plain_saved, plain = _step(compiled, model, inputs)
+        autoremat.apply(compiled, plan)
+    else:
+        compiled = _compiled(model, names, how, backend)
+        plain_saved, plain = _step(compiled, model, inputs)
+        assert autoremat.apply(compiled, plan) is compiled
+    assert autoremat.applied_plan(compiled) is plan
+    saved, grads = _step(compiled, model, inputs)
+    floor = _max_diff(eager, plain)
+    assert _max_diff(eager, grads) <= 4 * floor, (floor, _max_diff(eager, grads))
+    assert saved < plain_saved, "the plan must lower what the compiled step saves"
+    autoremat.remove(compiled)
+    assert _step(compiled, model, inputs)[0] == plain_saved, "remove restores the step"
+    _no_break_of_ours()
+
+
+def _no_break_of_ours() -> None:
+    reasons = [str(r) for r in counters["graph_break"]]
+    assert not [r for r in reasons if "checkpoint" in r or "autoremat" in r], reasons
+
+
+@pytest.mark.parametrize("order", ["compile-first", "apply-first"])
+@pytest.mark.parametrize("how", ["whole", "regional"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "hf-gpt2", "hf-llama"])
+def test_every_decision_kind_runs_compiled_with_eager_gradients(name: str, how: str,
+                                                                 order: str) -> None:
+    _check_plan_under_compile(name, how, order, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "how"), [("gpt2", "whole"), ("hf-llama", "regional")])
+def test_every_decision_kind_under_inductor(name: str, how: str) -> None:
+    _check_plan_under_compile(name, how, "compile-first", "inductor")
+
+
+def _segment_plan() -> tuple[nn.Module, Any, Plan]:
+    model, inputs = _build("gpt2")
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    plan = autoremat.plan(tape, strategy="sqrt")
+    assert any(stop > start + 1 for start, stop, _ in plan.segments)
+    return model, inputs, plan
+
+
+def test_segments_are_refused_when_applied_to_a_compiled_model() -> None:
+    model, _, plan = _segment_plan()
+    with pytest.raises(RematError, match=r"multi-block segments .* compile=True"):
+        autoremat.apply(torch.compile(model, backend="aot_eager"), plan)
+    model.get_submodule(plan.blocks[0].name).compile(backend="aot_eager")
+    with pytest.raises(RematError, match=r"'blocks\.0' is compiled"):
+        autoremat.apply(model, plan)
+    assert autoremat.applied_plan(model) is None
+
+
+def test_segments_are_refused_when_the_model_is_compiled_after_apply() -> None:
+    model, inputs, plan = _segment_plan()
+    autoremat.apply(model, plan)
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(RematError, match=r"cannot run under torch\.compile"):
+        _step(compiled, model, inputs)
+    autoremat.remove(model)
+    _step(compiled, model, inputs)  # and the model is usable again
+
+
+def test_keep_keys_survive_json_and_bad_ones_are_refused() -> None:
+    plan = _mixed_plan("gpt2")
+    assert Plan.from_json(plan.to_json()) == plan
+    data = json.loads(plan.to_json())
+    data["blocks"][3]["keep_keys"] = ["aten.mm.default"]
+    with pytest.raises(SchemaError, match=r"plan\.blocks\[3\]\.keep_keys: .*'op#occurrence'"):
+        Plan.from_json(json.dumps(data))
+    data["blocks"][3]["keep_keys"] = plan.blocks[3].keep_keys
+    data["blocks"][3]["keep_ops"] = []
+    with pytest.raises(SchemaError, match=r"keep_keys is set without keep_ops"):
+        Plan.from_json(json.dumps(data))
