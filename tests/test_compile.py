@@ -24,7 +24,8 @@ from transformers import PreTrainedModel
 
 import autoremat
 from autoremat import Plan, RematError, SchemaError, zoo
-from autoremat._core.step import call_model, default_loss
+from autoremat._core.allocations import track_allocations
+from autoremat._core.step import call_model, default_loss, run_step
 from autoremat._plan.plan import plan_of_segments
 
 from conftest import hf_model
@@ -187,3 +188,30 @@ def test_keep_keys_survive_json_and_bad_ones_are_refused() -> None:
     data["blocks"][3]["keep_ops"] = []
     with pytest.raises(SchemaError, match=r"keep_keys is set without keep_ops"):
         Plan.from_json(json.dumps(data))
+
+
+def test_a_compiled_tape_plans_what_the_compiled_step_measures() -> None:
+    """profile(compile=...) measures the step with each block compiled on its own; its
+    plans predict that step's allocator peak exactly and never join blocks."""
+    model, inputs = zoo.build("gpt2", n_layer=4, batch_size=2, seq_len=64)
+    tape = autoremat.profile(model, inputs, compile="aot_eager", repeats=1)
+    assert tape.compiled == "aot_eager"
+    assert not any(tape.joins_previous(i) for i in range(len(tape.blocks)))
+    plan = autoremat.plan(tape, budget="90%")
+    assert plan.compiled == "aot_eager" and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert all(stop == start + 1 for start, stop, _ in plan.segments)
+    for block in plan.blocks:
+        model.get_submodule(block.name).compile(backend="aot_eager")
+    autoremat.apply(model, plan)
+    for _ in range(2):  # the first step compiles
+        for p in model.parameters():
+            p.grad = None
+        with track_allocations() as mem:
+            run_step(model, inputs, None, loop=tape.loop)
+    assert mem.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_compile_must_name_a_backend() -> None:
+    model, inputs = zoo.build("mlp", widths=(8, 8), batch_size=2)
+    with pytest.raises(RematError, match="did you mean 'aot_eager'"):
+        autoremat.profile(model, inputs, compile="aot_eagr")

@@ -6,12 +6,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
 from autoremat._core.step import describe_inputs
-from autoremat._mechanism.compiled import compiled_context, parse_keep_keys
+from autoremat._mechanism.compiled import (
+    compiled_context,
+    compiled_parts,
+    parse_keep_keys,
+    uncompiled,
+)
 from autoremat._mechanism.segments import SegmentRunner
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
@@ -124,23 +128,6 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         raise
     setattr(model, _ATTR, state)
     return given
-
-
-def uncompiled(model: nn.Module) -> nn.Module:
-    """The module ``torch.compile(model)`` wraps (``model`` itself if not compiled)."""
-    inner = model
-    while isinstance(inner, torch._dynamo.eval_frame.OptimizedModule):
-        inner = inner._orig_mod
-    return inner
-
-
-def compiled_parts(model: nn.Module, given: nn.Module | None = None) -> list[str]:
-    """Names of what runs compiled: the model (``torch.compile(model)``) or modules
-    compiled in place (``module.compile()``, regional compilation)."""
-    found = ["the model"] if given is not None and given is not model else []
-    found += [repr(name or type(model).__name__) for name, m in model.named_modules()
-              if getattr(m, "_compiled_call_impl", None) is not None]
-    return found
 
 
 def _shape_check(state: _Applied) -> Any:

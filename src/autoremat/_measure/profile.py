@@ -16,6 +16,17 @@ NOTE [ Three kinds of run ]
     All runs go through ``preserved_state``: BatchNorm statistics, gradients and RNG
     states are as they were when ``profile`` returns.
 
+NOTE [ Profiling a compiled step ]
+    With ``compile=``, each memory and timing run compiles every block's forward on its
+    own (``compiled_forwards``: regional compilation, hooks at block boundaries left
+    outside the compiled code) over the checkpoint wrapper of that run, which lowers
+    each option as it runs compiled (NOTE [ Plans under torch.compile ]). Memory comes
+    from the allocator's reports (``track_allocations``; a dispatch mode would make
+    Dynamo run eagerly), after a first step that compiles. FLOPs and the op records
+    behind keep-sets come from eager steps: the ops are the same, only fused.
+    Whole-model compilation fuses across block boundaries too; its step can only be
+    smaller, which the tests check against the plans' predictions.
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -36,8 +47,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import BlockSpec, other_repeated_blocks, resolve_blocks
-from autoremat._core.errors import BlockError, RematError
+from autoremat._core.errors import BlockError, RematError, did_you_mean
 from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes, track_memory
 from autoremat._core.ops import OpRecorder, OpStats, op_kind
 from autoremat._core.step import (
@@ -57,6 +69,12 @@ from autoremat._core.timing import clock_for, device_of
 from autoremat._measure.costs import CostModel, cost_model_for
 from autoremat._measure.keepsets import keep_sets
 from autoremat._measure.tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
+from autoremat._mechanism.compiled import (
+    compiled_context,
+    compiled_forwards,
+    keep_keys,
+    uncompiled,
+)
 from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
 from autoremat._mechanism.wrap import ContextFn, checkpointed
 
@@ -181,15 +199,67 @@ class _MemoryRun:
     bounds: list[int]  # forward window starts, then fwd_end
 
 
+@dataclass(frozen=True)
+class _Contexts:
+    """The ``context_fn`` of each selective block: eager, and under compile."""
+
+    eager: dict[str, ContextFn] = field(default_factory=dict)
+    compiled: dict[str, Any] = field(default_factory=dict)
+
+
+@contextmanager
+def _step_as_run(model: nn.Module, names: list[str], chosen: list[str],
+                 contexts: _Contexts | None, backend: str | None) -> Iterator[None]:
+    """The ``chosen`` blocks checkpointed (selective ones with their contexts) and, with
+    a ``backend``, every block compiled on its own (NOTE [ Profiling a compiled step ])."""
+    contexts = contexts or _Contexts()
+    with checkpointed(model, chosen, contexts.eager, contexts.compiled), ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(compiled_forwards(model, names, backend))
+        yield
+
+
+def compile_backend(compile: bool | str) -> str | None:
+    """The Dynamo backend ``compile=`` names (``True``: Inductor), or ``None``."""
+    if compile is False:
+        return None
+    if compile is True:
+        return "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if not isinstance(compile, str) or compile not in known:
+        raise RematError(f"compile must be True, False or a torch.compile backend name "
+                         f"such as 'inductor' or 'aot_eager', got {compile!r}"
+                         + (did_you_mean(compile, known) if isinstance(compile, str) else ""))
+    return compile
+
+
+@contextmanager
+def _compile_settings(backend: str | None) -> Iterator[None]:
+    """Room for every option's compiled code: each block and option is traced apart, and
+    past Dynamo's recompile limit it would silently run eagerly and be measured so."""
+    if backend is None:
+        yield
+        return
+    with torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=65536):
+        yield
+
+
 def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                 names: list[str], ckpt: list[bool],
-                contexts: dict[str, ContextFn] | None = None, *,
-                rounding: Rounding | None, loop: Loop) -> _MemoryRun:
+                contexts: _Contexts | None = None, *,
+                rounding: Rounding | None, loop: Loop,
+                backend: str | None = None) -> _MemoryRun:
     for p in model.parameters():
         p.grad = None
     chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
-    with checkpointed(model, chosen, contexts), track_memory(rounding) as mem:
-        probe = _run_marked(model, inputs, loss_fn, names, mem.mark, loop=loop)
+    with _step_as_run(model, names, chosen, contexts, backend):
+        if backend is not None:  # compile first: compiling allocates too
+            _run_marked(model, inputs, loss_fn, names, lambda label: None, loop=loop)
+            for p in model.parameters():
+                p.grad = None
+        with (track_allocations(device_of(model, inputs)) if backend is not None
+              else track_memory(rounding)) as mem:
+            probe = _run_marked(model, inputs, loss_fn, names, mem.mark, loop=loop)
     marks = _marks(mem)
     n = len(names)
     missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
@@ -221,7 +291,7 @@ def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
             continue
         for i in range(len(bounds) - 1):
             if bounds[i] < r.born <= bounds[i + 1]:
-                kind = op_kind(r.op)
+                kind = op_kind(r.op) if r.op != "allocation" else "compiled"
                 out[i][kind] = out[i].get(kind, 0) + r.nbytes
                 break
     return out
@@ -312,19 +382,19 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
                     op_stats: list[dict[str, OpStats]], plain: OpRecorder,
                     cost_model: CostModel,
                     rounding: Rounding | None, *,
-                    loop: Loop) -> list[dict[str, SelectiveProfile]]:
+                    loop: Loop, backend: str | None) -> list[dict[str, SelectiveProfile]]:
     """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
     step: blocks that have that option run selective, the others fully checkpointed (so
     every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
     blocks: checkpoint's early stop skips the ops after the last one backward needs."""
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
-    options: dict[str, dict[str, tuple[ContextFn, SelectiveProfile]]] = {}
+    options: dict[str, dict[str, tuple[ContextFn, Any, SelectiveProfile]]] = {}
     for i, stats in enumerate(op_stats):  # save-sets of op kinds (NOTE [ Save-sets by op kind ])
         for save in save_sets(k for k, s in stats.items() if s.count):
             redo = [s for k, s in stats.items() if k not in save]
             options.setdefault(save_set_name(save), {})[names[i]] = (
-                selective_context(save), _partial(sum(s.out_bytes for s in redo),
-                                                  sum(s.count for s in redo)))
+                selective_context(save), compiled_context(save),
+                _partial(sum(s.out_bytes for s in redo), sum(s.count for s in redo)))
     for name in names:  # keep-sets by position (NOTE [ Dead ops ])
         ops = plain.block_ops(name)
         signature = op_signature(ops)
@@ -334,17 +404,20 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
             options.setdefault(f"#{k + 1}", {})[name] = (
                 selective_context(keep_ops=found.keep, skip_ops=found.skip,
                                   signature=signature),
+                compiled_context(keep=keep_keys(ops, found.keep)),
                 _partial(sum(o.out_bytes for o in rerun), len(rerun),
                          found.keep, found.skip))
     for key in sorted(options):
         users = options[key]
-        contexts = {n: ctx for n, (ctx, _) in users.items()}
+        contexts = _Contexts({n: ctx for n, (ctx, _, _) in users.items()},
+                             {n: ctx for n, (_, ctx, _) in users.items()})
         run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), contexts,
-                          rounding=rounding, loop=loop)
-        flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts, loop=loop)
+                          rounding=rounding, loop=loop, backend=backend)
+        flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts.eager,
+                                 loop=loop)
         for i, name in enumerate(names):
             if name in users:
-                out[i][key] = dataclasses.replace(users[name][1], fwd=run.fwd[i],
+                out[i][key] = dataclasses.replace(users[name][2], fwd=run.fwd[i],
                                                   bwd=run.bwd[i], recompute_flops=flops[i])
     return out
 
@@ -362,7 +435,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
             with_selective: bool = True, timing: bool = True,
             rounding: Rounding | None = None, loop: Loop = "holds_output",
-            device: str | torch.device | None = None) -> Tape:
+            device: str | torch.device | None = None, compile: bool | str = False) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -395,6 +468,13 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             (:func:`autoremat.estimate` does); there ``rounding`` defaults to the given
             device's. On a real device, giving another one costs its plans as if they
             ran there (e.g. ``"cuda"`` for an accelerator autoremat has no rates for).
+        compile: measure the step as it runs under ``torch.compile`` (``True``: Inductor;
+            or a backend name such as ``"aot_eager"``): memory from the allocator's
+            reports and times with every block compiled on its own, each option lowered
+            as it runs compiled (NOTE [ Profiling a compiled step ]). Plans made from
+            the tape (``tape.compiled``) hold for the compiled step, checkpoint blocks
+            one by one (no multi-block segments) and run under both whole-model and
+            regional compilation. Slow on CPU: every option is compiled.
 
     Returns:
         A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
@@ -413,6 +493,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     """
     if not isinstance(model, nn.Module):
         raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
+    backend = compile_backend(compile)
+    model = uncompiled(model)
     if repeats < 1:
         raise RematError(f"repeats must be at least 1, got {repeats}")
     check_loop(loop)
@@ -422,14 +504,16 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                          "for (its recompute costs and tape.device), e.g. device='cuda'; or "
                          "use autoremat.estimate(), which gives it")
     target = str(ran_on if device is None else torch.device(device))
-    cost_model = cost_model_for(target)  # a device without rates fails before any work
+    # a device without rates fails before any work
+    cost_model = cost_model_for(target, compiled=backend is not None)
     if rounding is None and ran_on.type == "meta":
         rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
     names = resolve_blocks(model, blocks)
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
                          f"blocks=[...] with the names of the layers to plan over")
-    with preserved_state(model), training_config(model) as cache_notes:
+    with preserved_state(model), training_config(model) as cache_notes, \
+            _compile_settings(backend):
         held: list[int] = []
 
         def measure_output(output: Any) -> torch.Tensor:
@@ -443,7 +527,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             p.grad = None
         n = len(names)
         plain = _memory_run(model, inputs, loss_fn, names, [False] * n, rounding=rounding,
-                            loop=loop)
+                            loop=loop, backend=backend)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
         grad_bytes = unique_storage_bytes(list(grads.values()))
         block_grad_bytes = [
@@ -452,14 +536,14 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         ]
         runs = {"K": plain,
                 "C": _memory_run(model, inputs, loss_fn, names, [True] * n, rounding=rounding,
-                                 loop=loop)}
+                                 loop=loop, backend=backend)}
         if n > 1:
             runs["even"] = _memory_run(model, inputs, loss_fn, names,
                                        [i % 2 == 0 for i in range(n)], rounding=rounding,
-                                       loop=loop)
+                                       loop=loop, backend=backend)
             runs["odd"] = _memory_run(model, inputs, loss_fn, names,
                                       [i % 2 == 1 for i in range(n)], rounding=rounding,
-                                      loop=loop)
+                                      loop=loop, backend=backend)
         for p in model.parameters():
             p.grad = None
         counter = _flops(model, inputs, loss_fn, names, loop=loop)
@@ -469,7 +553,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         op_stats = [counter.block_stats(name) for name in names]
         params = list(model.parameters())
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
-                                    cost_model, rounding, loop=loop) \
+                                    cost_model, rounding, loop=loop, backend=backend) \
             if with_selective else [{} for _ in names]
         on_meta = ran_on.type == "meta"
         notes: list[str] = []
@@ -480,8 +564,9 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                              f"repeated, not planned over: {', '.join(others)} (pass "
                              "blocks=[...] with all of them, in the order they run)")
         if timing and not on_meta:
-            fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats,
-                                               loop=loop)
+            with _step_as_run(model, names, [], None, backend):
+                fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats,
+                                                   loop=loop)
         else:
             fwd_ms, bwd_ms, step_ms = [0.0] * n, [0.0] * n, 0.0
             notes.append("times not measured (" + ("meta tensors" if on_meta else
@@ -522,6 +607,6 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         pre=plain.pre, post={m: runs[m].post for m in "KC"},
         tail={m: runs[m].tail for m in "KC"},
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
-        step_ms=step_ms, loop=loop, output_bytes=held[0],
+        step_ms=step_ms, loop=loop, output_bytes=held[0], compiled=backend or "",
         notes=tuple(notes + cache_notes + plain.mem.notes),
     )

@@ -138,6 +138,9 @@ class Tape:
     # plan/budget.py); -1: saved before they were recorded.
     input_bytes: int = -1
     trainable_param_tensors: int = -1
+    # The torch.compile backend the step was measured under ("": eager); see
+    # NOTE [ Profiling a compiled step ] in profile.py.
+    compiled: str = ""
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -145,6 +148,11 @@ class Tape:
     def resting_bytes(self) -> int:
         """Parameters and buffers: held before and after the step."""
         return self.param_bytes + self.buffer_bytes
+
+    def joins_previous(self, i: int) -> bool:
+        """Whether block ``i`` may share a checkpoint segment with block ``i - 1``: it is
+        chained to it, and the step is not compiled (NOTE [ Plans under torch.compile ])."""
+        return self.blocks[i].chained and not self.compiled
 
     @property
     def block_saved_bytes(self) -> int:
@@ -366,7 +374,9 @@ def tape_table(tape: Tape) -> str:
         rows,
     )
     bd = ", ".join(f"{k} {format_bytes(v)}" for k, v in tape.peak_breakdown.items())
-    head = (f"Tape of {tape.model} on {tape.device}, inputs {tape.inputs}\n"
+    head = (f"Tape of {tape.model} on {tape.device}"
+            + (f" compiled ({tape.compiled})" if tape.compiled else "")
+            + f", inputs {tape.inputs}\n"
             f"step peak {format_bytes(tape.step_peak_bytes)} ({bd}); "
             f"all blocks checkpointed: {format_bytes(tape.ckpt_step_peak_bytes)}; "
             f"loop {tape.loop}{_held(tape)}\n"

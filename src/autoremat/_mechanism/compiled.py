@@ -33,17 +33,28 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoremat._core.errors import RematError
 from autoremat._core.ops import IGNORED_OPS, OpRecord, op_kind
 
-__all__ = ["compiled_context", "format_keep_keys", "is_compiling", "keep_keys",
-           "parse_keep_keys", "refuse_under_compile"]
+__all__ = [
+    "compiled_context",
+    "compiled_forwards",
+    "compiled_parts",
+    "format_keep_keys",
+    "is_compiling",
+    "keep_keys",
+    "parse_keep_keys",
+    "refuse_under_compile",
+    "uncompiled",
+]
 
 KeepKey = tuple[str, int]  # (op overload name, its occurrence in the region: 0, 1, ...)
 
@@ -139,3 +150,39 @@ def refuse_under_compile(what: str) -> None:
                      "for the compiled step (autoremat.auto(..., compile=True) or "
                      "autoremat.plan(tape, budget, compile=True)), which checkpoints blocks "
                      "one by one, or run this plan eagerly")
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(model)`` wraps (``model`` itself if not compiled)."""
+    inner = model
+    while isinstance(inner, torch._dynamo.eval_frame.OptimizedModule):
+        inner = inner._orig_mod
+    return inner
+
+
+def compiled_parts(model: nn.Module, given: nn.Module | None = None) -> list[str]:
+    """Names of what runs compiled: the model (``torch.compile(model)``) or modules
+    compiled in place (``module.compile()``, regional compilation)."""
+    found = ["the model"] if given is not None and given is not model else []
+    found += [repr(name or type(model).__name__) for name, m in model.named_modules()
+              if getattr(m, "_compiled_call_impl", None) is not None]
+    return found
+
+
+@contextmanager
+def compiled_forwards(model: nn.Module, names: Sequence[str], backend: str) -> Iterator[None]:
+    """Compile the named submodules' forwards (regional compilation) for a region, over
+    whatever forward they have now (a checkpoint wrapper included); module hooks stay
+    outside the compiled code, so marks at block boundaries still run between blocks."""
+    modules = [model.get_submodule(n) for n in names]
+    before = [m.__dict__.get("forward") for m in modules]
+    try:
+        for module in modules:
+            module.forward = torch.compile(module.forward, backend=backend)  # type: ignore[method-assign]
+        yield
+    finally:
+        for module, forward in zip(modules, before, strict=True):
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward  # type: ignore[method-assign]

@@ -155,10 +155,13 @@ def is_wrapped(module: nn.Module) -> str | None:
 
 @contextmanager
 def checkpointed(model: nn.Module, names: list[str],
-                 selective: dict[str, ContextFn] | None = None) -> Iterator[None]:
+                 selective: dict[str, ContextFn] | None = None,
+                 compiled: dict[str, Any] | None = None) -> Iterator[None]:
     """Temporarily checkpoint the named submodules (each on its own); those named in
-    ``selective`` with that selective ``context_fn``."""
+    ``selective`` with that selective ``context_fn``, and under compile with the one in
+    ``compiled`` (``wrap``'s argument)."""
     selective = selective or {}
+    compiled = compiled or {}
     modules = [model.get_submodule(n) for n in names]
     previous = [module.__dict__.get(_MARK) for module in modules]
     if any(p is not None for p in previous):
@@ -167,7 +170,7 @@ def checkpointed(model: nn.Module, names: list[str],
     try:
         for name, module in zip(names, modules, strict=True):
             wrap(module, tag="selective" if name in selective else "recompute",
-                 selective=selective.get(name))
+                 selective=selective.get(name), compiled=compiled.get(name))
         yield
     finally:
         for module in modules:

@@ -53,7 +53,7 @@ def _allowed_stops(tape: Tape, max_len: int | None) -> list[list[int]]:
     for i in range(n):
         stops = [i + 1]
         j = i + 1
-        while j < n and tape.blocks[j].chained and (max_len is None or j + 1 - i <= max_len):
+        while j < n and tape.joins_previous(j) and (max_len is None or j + 1 - i <= max_len):
             stops.append(j + 1)
             j += 1
         out.append(stops)

@@ -113,7 +113,7 @@ def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
         internal_assert(stop == start + 1, "a kept segment is one block")
         fwd, bwd = _fwd(tape, start, prev + "K"), _bwd(tape, start, prev + "K")
         return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, "K")
-    model = cost_model_for(tape.device)
+    model = cost_model_for(tape.device, compiled=bool(tape.compiled))
     if kind == "selective":
         internal_assert(stop == start + 1, "a selective segment is one block")
         return _selective_cost(tape, start, option[1], prev, model)
@@ -122,7 +122,7 @@ def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
 
 
 def block_costs(tape: Tape) -> list[int]:
-    model = cost_model_for(tape.device)
+    model = cost_model_for(tape.device, compiled=bool(tape.compiled))
     return [recompute_cost(b.op_stats, b.fwd_flops, model) for b in tape.blocks]
 
 

@@ -73,6 +73,9 @@ class Plan:
     # The training loop its tape measured, which its predictions and budget hold for
     # (step.Loop); plans saved before this field existed were made "loss_only".
     loop: Loop = "loss_only"
+    # The torch.compile backend of the step its tape measured ("": eager), which its
+    # predictions hold for (NOTE [ Profiling a compiled step ] in profile.py).
+    compiled: str = ""
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -131,7 +134,7 @@ class Plan:
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
                     "step_flops", "predicted_cost"):
             _expect(getattr(loaded, key), int, f"plan.{key}")
-        for key in ("strategy", "model", "inputs"):
+        for key in ("strategy", "model", "inputs", "compiled"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         check_loop_field(loaded.loop, "plan.loop")
         if loaded.budget_bytes is not None:
@@ -162,7 +165,9 @@ class Plan:
                 f"budget {budget}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
                 f"(unplanned {format_bytes(self.unplanned_peak_bytes)}); recompute "
                 f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
-                f"{100 * self.recompute_overhead:.1f}% of the step; loop {self.loop}\n")
+                f"{100 * self.recompute_overhead:.1f}% of the step; loop {self.loop}"
+                + (f"; for the step compiled ({self.compiled})" if self.compiled else "")
+                + "\n")
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return head + render_table(["block", "decision"], rows) + notes
 
@@ -261,7 +266,7 @@ def _sqrt(tape: Tape, budget: int | None, arg: str) -> Segments:
     start = 0
     while start < n:
         stop = start + 1
-        while stop < min(start + size, n) and tape.blocks[stop].chained:
+        while stop < min(start + size, n) and tape.joins_previous(stop):
             stop += 1
         out.append((start, stop, RECOMPUTE))
         start = stop
@@ -428,5 +433,5 @@ def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
         predicted_recompute_flops=sum(c.flops for c in costs),
         predicted_cost=sum(c.rank_cost for c in costs),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
-        model=tape.model, inputs=tape.inputs, loop=tape.loop,
+        model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
     )
