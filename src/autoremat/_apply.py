@@ -75,13 +75,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                                     f"{type(model).__name__} does not have."
                                     + did_you_mean(block.name, [n for n in modules if n]))
     compiled = compiled_parts(model, given)
-    if compiled and any(stop > start + 1 for start, stop, _ in plan.segments):
-        first = next(start for start, stop, _ in plan.segments if stop > start + 1)
+    joined = [start for start, stop, _ in plan.segments if stop > start + 1]
+    if compiled and joined:
         raise RematError(
-            f"this plan checkpoints multi-block segments (from {plan.blocks[first].name}), "
+            f"this plan checkpoints multi-block segments (from {plan.blocks[joined[0]].name}), "
             f"which cannot run under torch.compile, and {compiled[0]} is compiled. Re-plan "
-            "for the compiled step: autoremat.auto(model, inputs, budget=..., compile=True) "
-            "or autoremat.plan(tape, budget, compile=True)")
+            "for the compiled step from a tape measured compiled: "
+            "autoremat.plan(autoremat.profile(model, inputs, compile=True), budget)")
     remove(model)
     for name, module in modules.items():
         if name and is_wrapped(module):

@@ -24,8 +24,10 @@ NOTE [ Profiling a compiled step ]
     from the allocator's reports (``track_allocations``; a dispatch mode would make
     Dynamo run eagerly), after a first step that compiles. FLOPs and the op records
     behind keep-sets come from eager steps: the ops are the same, only fused.
-    Whole-model compilation fuses across block boundaries too; its step can only be
-    smaller, which the tests check against the plans' predictions.
+    Whole-model compilation partitions the whole step at once, so its peak can differ
+    from the regional one predicted: measured on CPU (gpt2 zoo, 4 layers) from 0.26%
+    above to below the prediction with Inductor, up to 5.5% above with ``aot_eager``.
+    Only the regional prediction is tested (equal to the allocator's peak).
 
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when

@@ -147,9 +147,9 @@ def refuse_under_compile(what: str) -> None:
     where the check no longer sees compile)."""
     raise RematError(f"{what} cannot run under torch.compile: a multi-block segment opens "
                      "checkpoint's frame from module hooks, which Dynamo cannot trace. Re-plan "
-                     "for the compiled step (autoremat.auto(..., compile=True) or "
-                     "autoremat.plan(tape, budget, compile=True)), which checkpoints blocks "
-                     "one by one, or run this plan eagerly")
+                     "for the compiled step from a tape measured compiled (autoremat.plan("
+                     "autoremat.profile(model, inputs, compile=True), budget)), which "
+                     "checkpoints blocks one by one, or run this plan eagerly")
 
 
 def uncompiled(model: nn.Module) -> nn.Module:
