@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
-from autoremat._core.step import describe_inputs
+from autoremat._core.step import cache_configs, describe_inputs
 from autoremat._mechanism.segments import SegmentRunner
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
@@ -31,7 +31,8 @@ class _Applied:
     runners: list[SegmentRunner] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
-    config_restore: Any = None  # a Hugging Face config whose use_cache we turned off
+    cache_restore: list[tuple[Any, bool]] = field(default_factory=list)  # configs whose
+    # use_cache we turned off, and their values (NOTE [ Every stack has its own config ])
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
@@ -73,8 +74,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             raise RematError(f"module {name!r} is already checkpointed by autoremat outside "
                              f"this plan; remove that wrapper first")
     state = _Applied(plan)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    configs = cache_configs(model)
+    if configs:
         # profile measured without a cache (step.training_config); a loop that holds
         # the output would hold the cache too, over the plan's budget
         why = ("is incompatible with recomputation (each recompute appends to the KV "
@@ -83,8 +84,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                "without one)")
         warnings.warn(f"autoremat: config.use_cache=True {why}; setting use_cache=False "
                       "until autoremat.remove(model)", UserWarning, stacklevel=2)
-        config.use_cache = False  # type: ignore[union-attr]
-        state.config_restore = config
+        state.cache_restore = [(config, config.use_cache) for config in configs]
+        for config in configs:
+            config.use_cache = False
     try:
         for start, stop, decision in plan.segments:
             blocks = [modules[b.name] for b in plan.blocks[start:stop]]
@@ -136,8 +138,8 @@ def _close_segments(state: _Applied) -> Any:
 
 
 def _undo(state: _Applied) -> None:
-    if state.config_restore is not None:
-        state.config_restore.use_cache = True
+    for config, value in state.cache_restore:
+        config.use_cache = value
     for handle in state.handles:
         handle.remove()
     for runner in state.runners:
