@@ -6,7 +6,7 @@ Shared by profile, verify, estimate and bench so every figure comes from the sam
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast, get_args
 
@@ -23,6 +23,7 @@ __all__ = [
     "caches_off",
     "call_model",
     "check_loop",
+    "check_no_cache",
     "default_loss",
     "describe_inputs",
     "flat_tensors",
@@ -176,6 +177,31 @@ def cache_configs(model: nn.Module) -> list[Any]:
         if config is not None and getattr(config, "use_cache", False):
             found.setdefault(id(config), config)
     return list(found.values())
+
+
+def check_no_cache(model: nn.Module, output: Any) -> None:
+    """Refuse a training step whose output carries a Hugging Face KV cache.
+
+    With every config's ``use_cache`` off (:func:`training_config`), a cache in the output
+    was asked for by the inputs (``use_cache=True``, or a cache passed in). A recomputed
+    block appends to it a second time (a GPT-2's cache ends the step with twice its
+    keys), and an encoder-decoder's recomputed cross-attention reads the keys its forward
+    cached instead of computing them, so ``torch.utils.checkpoint`` fails in backward
+    ("a different number of tensors was saved"). We say why before any of that.
+
+    Raises:
+        RematError: the output holds a ``cache`` or ``past_key_values`` in train mode.
+    """
+    if not model.training or not isinstance(output, Mapping):
+        return  # Hugging Face outputs are mappings holding the fields that are set
+    for key in ("cache", "past_key_values"):
+        if output.get(key) is not None:
+            raise RematError(
+                f"the model returned a KV cache (output[{key!r}], a "
+                f"{type(output[key]).__name__}) in train mode: the inputs ask for one "
+                "(use_cache=True, or a cache passed in). A recomputed block would append "
+                "to it a second time and break its recompute; drop use_cache and the "
+                "cache from the training inputs (or pass use_cache=False)")
 
 
 @contextmanager
