@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
@@ -82,10 +83,10 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                "cache)" if plan.recompute_blocks else
                "keeps a KV cache the plan's figures do not include (it was profiled "
                "without one)")
-        warnings.warn(f"autoremat: config.use_cache=True {why}; setting use_cache=False "
-                      "until autoremat.remove(model)", UserWarning, stacklevel=2)
-        state.cache_restore = [(config, config.use_cache) for config in configs]
-        for config in configs:
+        warnings.warn(f"autoremat: use_cache=True (in {', '.join(configs)}) {why}; setting "
+                      "it to False until autoremat.remove(model)", UserWarning, stacklevel=2)
+        state.cache_restore = [(config, config.use_cache) for config in configs.values()]
+        for config in configs.values():
             config.use_cache = False
     try:
         for start, stop, decision in plan.segments:
@@ -121,13 +122,23 @@ def _shape_check(state: _Applied) -> Any:
         inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                           not kwargs else args)
         signature = describe_inputs(inputs)
-        if signature != state.plan.inputs and signature not in state.warned:
+        if signature != state.plan.inputs and signature not in state.warned \
+                and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
             state.warned.add(signature)
             warnings.warn(
                 f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
                 f"runs on {signature}. Its memory prediction no longer holds: re-plan "
                 f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
     return hook
+
+
+def _without_scalars(inputs: Any) -> Any:
+    """Keyword inputs less 0-d tensors: a scalar that a training loop adds to the call
+    (the Hugging Face Trainer's ``num_items_in_batch``) changes no shape the plan's
+    memory depends on, so it is no reason to warn."""
+    if not isinstance(inputs, dict):
+        return inputs
+    return {k: v for k, v in inputs.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)}
 
 
 def _close_segments(state: _Applied) -> Any:

@@ -158,8 +158,9 @@ def unique_storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def cache_configs(model: nn.Module) -> list[Any]:
-    """The distinct Hugging Face configs in ``model`` whose ``use_cache`` is on.
+def cache_configs(model: nn.Module) -> dict[str, Any]:
+    """The distinct Hugging Face configs in ``model`` whose ``use_cache`` is on, by the
+    name of the first module holding each (``"config"``, ``"decoder.config"``).
 
     NOTE [ Every stack has its own config ]
         An encoder-decoder (T5, and others built the same way) deep-copies its config for
@@ -171,12 +172,12 @@ def cache_configs(model: nn.Module) -> list[Any]:
         was saved", 56 vs 52 on a two-layer T5). Every config found on the model or its
         submodules is turned off, each once.
     """
-    found: dict[int, Any] = {}
-    for module in model.modules():
+    found: dict[int, tuple[str, Any]] = {}
+    for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if config is not None and getattr(config, "use_cache", False):
-            found.setdefault(id(config), config)
-    return list(found.values())
+            found.setdefault(id(config), (f"{name}.config" if name else "config", config))
+    return dict(found.values())
 
 
 def check_no_cache(model: nn.Module, output: Any) -> None:
@@ -226,7 +227,7 @@ def training_config(model: nn.Module) -> Iterator[list[str]]:
     off when gradient checkpointing is enabled; we do the same, on the configs of every
     stack (NOTE [ Every stack has its own config ]), and say so.
     """
-    configs = cache_configs(model) if model.training else []
+    configs = list(cache_configs(model).values()) if model.training else []
     notes: list[str] = []
     if configs:
         notes.append("config.use_cache was turned off while training (a KV cache is "
