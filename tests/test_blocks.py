@@ -7,7 +7,12 @@ import torch
 from torch import nn
 
 from autoremat import zoo
-from autoremat._core.blocks import discover_blocks, other_repeated_blocks, resolve_blocks
+from autoremat._core.blocks import (
+    STACK_SHARE,
+    discover_blocks,
+    other_repeated_blocks,
+    resolve_blocks,
+)
 from autoremat._core.errors import BlockError
 
 
@@ -167,30 +172,76 @@ class _Wide(nn.Module):
 
 
 class _EncoderDecoder(nn.Module):
-    """Two containers of repeated blocks; the decoder holds more parameters."""
+    """Two containers of repeated blocks run one after the other; the decoder holds more
+    parameters, and a small repeated head runs last."""
 
     def __init__(self) -> None:
         super().__init__()
         self.encoder = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
         self.decoder = nn.ModuleList(_Wide() for _ in range(2))
+        self.heads = nn.ModuleList(nn.Linear(8, 1) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in [*self.encoder, *self.decoder]:
             x = block(x)
-        return x
+        return self.heads[0](x) + self.heads[1](x)
 
 
-def test_repeated_blocks_left_out_of_the_chain_are_named_not_ignored() -> None:
+def test_stacks_beside_the_chain_join_it_and_small_repeats_are_named() -> None:
     import autoremat
 
     model = _EncoderDecoder()
     names = discover_blocks(model)
-    assert names == ["decoder.0", "decoder.1"]
-    assert other_repeated_blocks(model, names) == ["encoder"]
-    assert other_repeated_blocks(model, ["encoder.0", "encoder.1", *names]) == []
+    assert names == ["encoder.0", "encoder.1", "decoder.0", "decoder.1"]
+    assert other_repeated_blocks(model, names) == ["heads"]
     tape = autoremat.profile(model, torch.randn(4, 8), repeats=1)
-    assert any("also repeated, not planned over: encoder" in n for n in tape.notes)
-    assert "note: planning over the blocks found in one container" in str(tape)
-    both = autoremat.profile(model, torch.randn(4, 8), blocks=["encoder.0", "encoder.1", *names],
-                             repeats=1)
-    assert not any("not planned over" in n for n in both.notes)
+    assert [b.name for b in tape.blocks] == names
+    assert any("not planned over: heads" in n for n in tape.notes)
+    assert "note: planning over the repeated blocks found; also smaller" in str(tape)
+    only = autoremat.profile(model, torch.randn(4, 8), blocks=names[2:], repeats=1)
+    assert not any("not planned over" in n for n in only.notes)  # blocks given: no note
+
+
+def test_a_stack_holding_less_than_a_quarter_stays_out() -> None:
+    class Uneven(nn.Module):
+        def __init__(self, wide: int) -> None:
+            super().__init__()
+            self.small = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))  # 2 x 72
+            self.big = nn.ModuleList(nn.Linear(8, wide) for _ in range(2))
+
+    assert STACK_SHARE == 0.25
+    assert discover_blocks(Uneven(wide=8)) == ["small.0", "small.1", "big.0", "big.1"]
+    assert discover_blocks(Uneven(wide=64)) == ["big.0", "big.1"]  # 72 < 576 / 4
+    assert other_repeated_blocks(Uneven(wide=64), ["big.0", "big.1"]) == ["small"]
+
+
+class _TwoTowers(nn.Module):
+    """Two stacks defined text first, run image first (as CLIP's forward does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.image = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for block in self.image:
+            y = block(y)
+        z = x
+        for block in self.text:
+            z = block(z)
+        return (y * z).sum()
+
+
+def test_a_discovered_chain_is_planned_in_the_order_it_runs() -> None:
+    import autoremat
+
+    model = _TwoTowers()
+    assert discover_blocks(model) == ["text.0", "text.1", "image.0", "image.1"]
+    tape = autoremat.profile(model, torch.randn(4, 8, requires_grad=True), repeats=1,
+                             with_selective=False)
+    assert [b.name for b in tape.blocks] == ["image.0", "image.1", "text.0", "text.1"]
+    assert any("in the order they run" in n for n in tape.notes)
+    assert [b.chained for b in tape.blocks] == [False, True, False, True]
+    with pytest.raises(BlockError, match="list the blocks in the order they run"):
+        autoremat.profile(model, torch.randn(4, 8), blocks=discover_blocks(model), repeats=1)

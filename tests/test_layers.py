@@ -17,6 +17,8 @@ its own package and the layers below it, so a reader can learn the project botto
     6  _auto        the one place that composes profile, plan and apply
     7  _bench       sweeps against PyTorch's own options, reports, plots
     8  _cli         argparse only
+       hf           the Hugging Face Trainer callback (public: ``autoremat.hf``; imports
+                    transformers, so ``autoremat`` itself does not import it)
     9  autoremat    the public names (``__init__``)
 
 Every import of another autoremat module sits at the top of its file: no import inside a
@@ -48,6 +50,7 @@ LAYERS: dict[str, int] = {
     "autoremat._bench": 7,
     "autoremat._cli": 8,
     "autoremat.__main__": 8,
+    "autoremat.hf": 8,
     "autoremat": 9,
 }
 
@@ -151,8 +154,9 @@ def test_no_import_cycles() -> None:
 
 
 def test_internal_modules_are_private() -> None:
-    """Only ``autoremat`` and ``autoremat.zoo`` are public; everything else is ``_private``."""
-    public = {"autoremat", "autoremat.zoo"}
+    """Only ``autoremat``, ``autoremat.zoo`` and ``autoremat.hf`` are public; everything
+    else is ``_private``."""
+    public = {"autoremat", "autoremat.zoo", "autoremat.hf"}
     exposed = [m for m in _graph() if m not in public
                and not any(part.startswith("_") for part in m.split(".")[1:])]
     assert not exposed, f"modules with a public path: {exposed}"
@@ -180,3 +184,10 @@ def test_modules_export_only_what_they_define() -> None:
                             exported = [ast.literal_eval(e) for e in node.value.elts]
         shims += [f"{_module_name(path)}: {name}" for name in exported if name not in defined]
     assert not shims, "re-exported names: " + ", ".join(shims)
+
+
+def test_autoremat_does_not_import_the_optional_hf_module() -> None:
+    """``autoremat.hf`` imports transformers, an optional extra: ``import autoremat`` must
+    work without it, so the package's ``__init__`` never imports ``autoremat.hf``."""
+    imported = {target for target, _, _ in _imports(SRC / "__init__.py")}
+    assert "autoremat.hf" not in imported

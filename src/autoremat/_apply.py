@@ -6,10 +6,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
-from autoremat._core.step import describe_inputs
+from autoremat._core.step import cache_configs, describe_inputs
 from autoremat._mechanism.compiled import (
     compiled_context,
     compiled_parts,
@@ -37,7 +38,8 @@ class _Applied:
     runners: list[SegmentRunner] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
-    config_restore: Any = None  # a Hugging Face config whose use_cache we turned off
+    cache_restore: list[tuple[Any, bool]] = field(default_factory=list)  # configs whose
+    # use_cache we turned off, and their values (NOTE [ Every stack has its own config ])
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
@@ -88,18 +90,19 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             raise RematError(f"module {name!r} is already checkpointed by autoremat outside "
                              f"this plan; remove that wrapper first")
     state = _Applied(plan)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    configs = cache_configs(model)
+    if configs:
         # profile measured without a cache (step.training_config); a loop that holds
         # the output would hold the cache too, over the plan's budget
         why = ("is incompatible with recomputation (each recompute appends to the KV "
                "cache)" if plan.recompute_blocks else
                "keeps a KV cache the plan's figures do not include (it was profiled "
                "without one)")
-        warnings.warn(f"autoremat: config.use_cache=True {why}; setting use_cache=False "
-                      "until autoremat.remove(model)", UserWarning, stacklevel=2)
-        config.use_cache = False  # type: ignore[union-attr]
-        state.config_restore = config
+        warnings.warn(f"autoremat: use_cache=True (in {', '.join(configs)}) {why}; setting "
+                      "it to False until autoremat.remove(model)", UserWarning, stacklevel=2)
+        state.cache_restore = [(config, config.use_cache) for config in configs.values()]
+        for config in configs.values():
+            config.use_cache = False
     try:
         for start, stop, decision in plan.segments:
             blocks = [modules[b.name] for b in plan.blocks[start:stop]]
@@ -135,13 +138,23 @@ def _shape_check(state: _Applied) -> Any:
         inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                           not kwargs else args)
         signature = describe_inputs(inputs)
-        if signature != state.plan.inputs and signature not in state.warned:
+        if signature != state.plan.inputs and signature not in state.warned \
+                and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
             state.warned.add(signature)
             warnings.warn(
                 f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
                 f"runs on {signature}. Its memory prediction no longer holds: re-plan "
                 f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
     return hook
+
+
+def _without_scalars(inputs: Any) -> Any:
+    """Keyword inputs less 0-d tensors: a scalar that a training loop adds to the call
+    (the Hugging Face Trainer's ``num_items_in_batch``) changes no shape the plan's
+    memory depends on, so it is no reason to warn."""
+    if not isinstance(inputs, dict):
+        return inputs
+    return {k: v for k, v in inputs.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)}
 
 
 def _close_segments(state: _Applied) -> Any:
@@ -152,8 +165,8 @@ def _close_segments(state: _Applied) -> Any:
 
 
 def _undo(state: _Applied) -> None:
-    if state.config_restore is not None:
-        state.config_restore.use_cache = True
+    for config, value in state.cache_restore:
+        config.use_cache = value
     for handle in state.handles:
         handle.remove()
     for runner in state.runners:

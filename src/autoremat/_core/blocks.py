@@ -7,6 +7,17 @@ NOTE [ Which container is the chain ]
     are themselves containers (a CNN's stages of residual blocks) is flattened one level,
     so the chain is the residual blocks, in order. A model with no such container is its
     own single block. Explicit names or a predicate override all of this.
+
+NOTE [ Stacks beside the chain ]
+    An encoder-decoder (T5, BART, ``nn.Transformer``) or a two-tower model (CLIP) has
+    two such containers side by side, and a step runs both. Planning over one of them
+    leaves the other's activations, often a third of the step, out of reach. So every
+    other container that is neither inside nor around the best one and whose repeated
+    children hold at least :data:`STACK_SHARE` of the parameters the best one's hold
+    joins the chain: a stack, not a stray (a six-``Linear`` head beside a transformer
+    holds far less). Stacks come in definition order here; ``profile`` puts the blocks
+    of a discovered chain in the order they run (a CLIP runs its vision tower first).
+    Smaller repeated containers stay out, and ``other_repeated_blocks`` names them.
 """
 
 from __future__ import annotations
@@ -18,11 +29,18 @@ from torch import nn
 
 from autoremat._core.errors import BlockError, did_you_mean
 
-__all__ = ["BlockSpec", "discover_blocks", "other_repeated_blocks", "resolve_blocks"]
+__all__ = ["STACK_SHARE", "BlockSpec", "discover_blocks", "other_repeated_blocks",
+           "resolve_blocks"]
 
 BlockSpec = None | Sequence[str] | Callable[[str, nn.Module], bool]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+# The share of the chain's repeated parameters another container must hold to join it as
+# a stack (NOTE [ Stacks beside the chain ]). T5's and BART's encoder hold about three
+# quarters of their decoder's (no cross-attention); a quarter leaves room for shallower
+# stacks while keeping out small repeated heads.
+STACK_SHARE = 0.25
 
 
 def _param_count(module: nn.Module) -> int:
@@ -50,48 +68,78 @@ def _repeated_containers(model: nn.Module) -> Iterator[tuple[str, tuple[int, int
             yield name, _repeated_score(module)
 
 
+def _nested(a: str, b: str) -> bool:
+    """Whether containers ``a`` and ``b`` are one inside the other (or the same)."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _stacks(model: nn.Module) -> list[str]:
+    """The containers the chain is made of, in definition order: the best one and the
+    stacks beside it (NOTE [ Stacks beside the chain ])."""
+    found = list(_repeated_containers(model))
+    best: tuple[tuple[int, int], int, str] | None = None
+    for name, score in found:
+        depth = name.count(".") if name else -1
+        key = (score, -depth, name)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    if best is None:
+        return []
+    root, covered = best[2], best[0][0]
+    chosen = [root]
+    for name, score in found:  # named_modules order: definition order
+        if covered > 0 and score[0] >= STACK_SHARE * covered \
+                and not any(_nested(name, c) for c in chosen):
+            chosen.append(name)
+    order = {name: k for k, (name, _) in enumerate(found)}
+    return sorted(chosen, key=order.__getitem__)
+
+
 def discover_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the model's chain of repeated blocks, in definition order.
+    """Qualified names of the model's chain of repeated blocks, in definition order; an
+    encoder-decoder's stacks one after the other (NOTE [ Stacks beside the chain ]).
 
     Example:
         >>> import torch.nn as nn
         >>> discover_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
         ['0', '1', '2']
+        >>> t = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=2,
+        ...                    num_decoder_layers=2, dim_feedforward=16, batch_first=True)
+        >>> discover_blocks(t)
+        ['encoder.layers.0', 'encoder.layers.1', 'decoder.layers.0', 'decoder.layers.1']
     """
-    best: tuple[tuple[int, int], int, str] | None = None
-    for name, score in _repeated_containers(model):
-        depth = name.count(".") if name else -1
-        key = (score, -depth, name)
-        if best is None or key[:2] > best[:2]:
-            best = (score, -depth, name)
-    if best is None:
+    stacks = _stacks(model)
+    if not stacks:
         return [""]  # the whole model is one block
-    root = best[2]
-    container = model.get_submodule(root)
-    prefix = f"{root}." if root else ""
     names: list[str] = []
-    for child_name, child in container.named_children():
-        if _is_repeated_container(child):
-            names.extend(f"{prefix}{child_name}.{n}" for n, _ in child.named_children())
-        else:
-            names.append(f"{prefix}{child_name}")
+    for root in stacks:
+        container = model.get_submodule(root)
+        prefix = f"{root}." if root else ""
+        for child_name, child in container.named_children():
+            if _is_repeated_container(child):
+                names.extend(f"{prefix}{child_name}.{n}" for n, _ in child.named_children())
+            else:
+                names.append(f"{prefix}{child_name}")
     return names
 
 
 def other_repeated_blocks(model: nn.Module, chosen: Sequence[str]) -> list[str]:
-    """Containers of repeated blocks that ``chosen`` leaves out (an encoder beside a
-    decoder, a U-Net's down path beside its up path), so that callers can say so.
+    """Containers of repeated blocks that ``chosen`` leaves out (a small repeated head
+    beside the layers, or a stack the caller's ``blocks=[...]`` did not list), so that
+    callers can say so.
 
     Example:
         >>> import torch.nn as nn
-        >>> class EncDec(nn.Module):
+        >>> class WithHeads(nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
-        ...         self.enc = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-        ...         self.dec = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-        >>> m = EncDec()
+        ...         self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        ...         self.heads = nn.ModuleList(nn.Linear(16, 1) for _ in range(2))
+        >>> m = WithHeads()
         >>> discover_blocks(m), other_repeated_blocks(m, discover_blocks(m))
-        (['dec.0', 'dec.1', 'dec.2'], ['enc'])
+        (['layers.0', 'layers.1', 'layers.2'], ['heads'])
+        >>> other_repeated_blocks(m, ['layers.0'])
+        ['heads']
     """
     taken = [n for n in chosen if n]
     out: list[str] = []

@@ -6,7 +6,7 @@ Shared by profile, verify, estimate and bench so every figure comes from the sam
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast, get_args
 
@@ -19,8 +19,11 @@ from autoremat._core.errors import LoopError, RematError, did_you_mean
 __all__ = [
     "LOOPS",
     "Loop",
+    "cache_configs",
+    "caches_off",
     "call_model",
     "check_loop",
+    "check_no_cache",
     "default_loss",
     "describe_inputs",
     "flat_tensors",
@@ -155,26 +158,82 @@ def unique_storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+def cache_configs(model: nn.Module) -> dict[str, Any]:
+    """The distinct Hugging Face configs in ``model`` whose ``use_cache`` is on, by the
+    name of the first module holding each (``"config"``, ``"decoder.config"``).
+
+    NOTE [ Every stack has its own config ]
+        An encoder-decoder (T5, and others built the same way) deep-copies its config for
+        each stack, so ``model.config.use_cache = False`` leaves the decoder's own copy
+        on. The decoder then builds a cache anyway: each checkpointed decoder block
+        appends its keys to it in forward and again in recompute, and its cross-attention
+        reads the keys cached by the forward instead of computing them, so the recompute
+        saves fewer tensors (``torch.utils.checkpoint``: "a different number of tensors
+        was saved", 56 vs 52 on a two-layer T5). Every config found on the model or its
+        submodules is turned off, each once.
+    """
+    found: dict[int, tuple[str, Any]] = {}
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            found.setdefault(id(config), (f"{name}.config" if name else "config", config))
+    return dict(found.values())
+
+
+def check_no_cache(model: nn.Module, output: Any) -> None:
+    """Refuse a training step whose output carries a Hugging Face KV cache.
+
+    With every config's ``use_cache`` off (:func:`training_config`), a cache in the output
+    was asked for by the inputs (``use_cache=True``, or a cache passed in). A recomputed
+    block appends to it a second time (a GPT-2's cache ends the step with twice its
+    keys), and an encoder-decoder's recomputed cross-attention reads the keys its forward
+    cached instead of computing them, so ``torch.utils.checkpoint`` fails in backward
+    ("a different number of tensors was saved"). We say why before any of that.
+
+    Raises:
+        RematError: the output holds a ``cache`` or ``past_key_values`` in train mode.
+    """
+    if not model.training or not isinstance(output, Mapping):
+        return  # Hugging Face outputs are mappings holding the fields that are set
+    for key in ("cache", "past_key_values"):
+        if output.get(key) is not None:
+            raise RematError(
+                f"the model returned a KV cache (output[{key!r}], a "
+                f"{type(output[key]).__name__}) in train mode: the inputs ask for one "
+                "(use_cache=True, or a cache passed in). A recomputed block would append "
+                "to it a second time and break its recompute; drop use_cache and the "
+                "cache from the training inputs (or pass use_cache=False)")
+
+
+@contextmanager
+def caches_off(configs: list[Any]) -> Iterator[None]:
+    """Set ``use_cache = False`` on ``configs`` and restore each one's value on exit."""
+    saved = [(config, config.use_cache) for config in configs]
+    try:
+        for config, _ in saved:
+            config.use_cache = False
+        yield
+    finally:
+        for config, value in saved:
+            config.use_cache = value
+
+
 @contextmanager
 def training_config(model: nn.Module) -> Iterator[list[str]]:
     """Turn off a Hugging Face KV cache while training (restored on exit).
 
     With ``config.use_cache`` on, every layer appends to the cache in forward, and a
     recompute appends again: wrong memory and a broken recompute. Hugging Face turns it
-    off when gradient checkpointing is enabled; we do the same, and say so.
+    off when gradient checkpointing is enabled; we do the same, on the configs of every
+    stack (NOTE [ Every stack has its own config ]), and say so.
     """
-    config = getattr(model, "config", None)
+    configs = list(cache_configs(model).values()) if model.training else []
     notes: list[str] = []
-    if model.training and getattr(config, "use_cache", False):
-        config.use_cache = False  # type: ignore[union-attr]
+    if configs:
         notes.append("config.use_cache was turned off while training (a KV cache is "
                      "useless in training and breaks recomputation)")
-        try:
-            yield notes
-        finally:
-            config.use_cache = True  # type: ignore[union-attr]
-        return
-    yield notes
+    with caches_off(configs):
+        yield notes
 
 
 @contextmanager

@@ -29,6 +29,15 @@ NOTE [ Profiling a compiled step ]
     above to below the prediction with Inductor, up to 5.5% above with ``aot_eager``.
     Only the regional prediction is tested (equal to the allocator's peak).
 
+NOTE [ Ops between blocks ]
+    Memory windows run from one block's start to the next one's, so what the parent
+    runs between two blocks (an encoder's final norm and the decoder's embedding, between
+    the two stacks of a T5) falls in the window of the block before: levels compose
+    either way. Op records and FLOPs must not take them in: a block's keep-set indexes
+    the ops of its own forward, and a selective block that finds other ops than its
+    tape's falls back to recomputing all of them. So each block's forward hook also marks
+    ``post:i``, and the FLOP counter files the ops after it under ``<outside>``.
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -58,6 +67,7 @@ from autoremat._core.step import (
     Loop,
     LossFn,
     check_loop,
+    check_no_cache,
     default_loss,
     describe_inputs,
     flat_tensors,
@@ -147,6 +157,7 @@ class _Probe:
             out = _first_grad_tensor(tensors)
             if out is not None:
                 out.register_hook(self._grad_mark(f"bwd:{i}"))
+            self.on_mark(f"post:{i}")  # NOTE [ Ops between blocks ]
             if i == len(self.names) - 1:
                 self.on_mark("fwd_end")
         return hook
@@ -158,7 +169,10 @@ class _Probe:
 
 
 def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                on_mark: Callable[[str], None], *, loop: Loop) -> _Probe:
+                on_mark: Callable[[str], None], *, loop: Loop,
+                in_order: bool = True) -> _Probe:
+    """One step with marks at the block boundaries. Every block must run once; with
+    ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``)."""
     probe = _Probe(names, on_mark)
     with probe.installed(model):
         on_mark("start")
@@ -168,7 +182,7 @@ def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: li
         if calls != 1:
             raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
                              f"over blocks that run once each (pass blocks=[...] to choose)")
-    if probe.order != sorted(probe.order):
+    if in_order and probe.order != sorted(probe.order):
         ran = [names[i] for i in probe.order]
         raise BlockError(f"the blocks ran in the order {ran}, not in the order given "
                          f"({names}); autoremat plans over a chain: list the blocks in the "
@@ -519,12 +533,20 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         held: list[int] = []
 
         def measure_output(output: Any) -> torch.Tensor:
+            check_no_cache(model, output)
             loss = (loss_fn or default_loss)(output)
             held.append(output_bytes(output, loss))
             return loss
 
-        _run_marked(model, inputs, measure_output, names, lambda label: None,
-                    loop=loop)  # warm-up, and the output's size
+        warm = _run_marked(model, inputs, measure_output, names, lambda label: None,
+                           loop=loop, in_order=blocks is not None)  # and the output's size
+        if blocks is None and warm.order != sorted(warm.order):
+            # a discovered chain goes in the order it runs (NOTE [ Stacks beside the chain ])
+            names = [names[i] for i in warm.order]
+            order_notes = [f"the blocks found run in another order than they are defined; "
+                           f"planned in the order they run: {names[0]}, ..., {names[-1]}"]
+        else:
+            order_notes = []
         for p in model.parameters():
             p.grad = None
         n = len(names)
@@ -562,7 +584,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         if blocks is None:
             others = other_repeated_blocks(model, names)
             if others:
-                notes.append(f"planning over the blocks found in one container; also "
+                notes.append(f"planning over the repeated blocks found; also smaller "
                              f"repeated, not planned over: {', '.join(others)} (pass "
                              "blocks=[...] with all of them, in the order they run)")
         if timing and not on_meta:
@@ -610,5 +632,5 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         tail={m: runs[m].tail for m in "KC"},
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=step_ms, loop=loop, output_bytes=held[0], compiled=backend or "",
-        notes=tuple(notes + cache_notes + plain.mem.notes),
+        notes=tuple(notes + order_notes + cache_notes + plain.mem.notes),
     )

@@ -23,6 +23,20 @@ NOTE [ The peak model ]
     exact for "none" and "full". A multi-block segment is composed: its forward drops
     the inner boundaries ``x_k`` (no checkpoint holds them), its backward recomputes
     every block as in the plain run and then runs their plain backward windows.
+
+NOTE [ Tensors held across stacks ]
+    In an encoder-decoder planned as one chain, the encoder's output is made between
+    the stacks (so in the last encoder block's forward window, NOTE [ Ops between
+    blocks ] in ``profile.py``) and read by every decoder block. Each of them holds it
+    whatever its mode: kept, its cross-attention saves it for the key and value
+    projections; recomputed, its checkpoint keeps its inputs (a segment keeps its
+    blocks' arguments). So it is freed in the backward of the first decoder block, in
+    every plan, and the windows measured for that block's modes already contain the
+    release: the composed levels hold it from its creation to there, and no term is
+    needed for it. On T5 and BART (both loops, budgets from 90% to the minimum) plans
+    of single-block segments predict the measured peak to the byte, and composed
+    multi-block segments at or a little above it (``tests/test_hf.py`` checks measured
+    peaks against budgets).
 """
 
 from __future__ import annotations
