@@ -348,7 +348,8 @@ _MALFORMED = [
      "plan.predicted_recompute_flops"),
     ("blocks", lambda d: d.__setitem__("blocks", {}), "plan.blocks must be a list"),
     ("decision", lambda d: d["blocks"][1].__setitem__("decision", "maybe"),
-     "plan.blocks[1].decision must be keep, recompute or selective, got 'maybe'"),
+     "plan.blocks[1].decision must be one of ['keep', 'recompute', 'selective', 'offload'], "
+     "got 'maybe'"),
     ("block-missing", lambda d: d["blocks"][0].pop("segment"),
      "plan.blocks[0]: missing field 'segment'"),
     ("block-type", lambda d: d["blocks"].__setitem__(2, 5), "plan.blocks[2] must be an object"),

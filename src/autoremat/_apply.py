@@ -17,6 +17,7 @@ from autoremat._mechanism.compiled import (
     parse_keep_keys,
     uncompiled,
 )
+from autoremat._mechanism.offload import offload
 from autoremat._mechanism.segments import SegmentRunner
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
@@ -54,8 +55,10 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     Kept blocks are untouched; recomputed blocks run under non-reentrant
     ``torch.utils.checkpoint`` (RNG restored on recompute, kwargs and non-tensor
     arguments passed through, inputs that do not require grad are fine); consecutive
-    blocks of one segment share one checkpoint. Parameters, state dict and hooks are
-    unchanged. Applying again replaces the previous plan; :func:`remove` undoes it.
+    blocks of one segment share one checkpoint; offloaded blocks copy their saved
+    tensors to host memory and back (NOTE [ Offloading saved tensors ]). Parameters,
+    state dict and hooks are unchanged. Applying again replaces the previous plan;
+    :func:`remove` undoes it.
 
     A forward on inputs whose shapes differ from the ones the plan was made for warns
     with :class:`ShapeMismatchWarning` (the plan still runs, but may no longer fit).
@@ -84,6 +87,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"which cannot run under torch.compile, and {compiled[0]} is compiled. Re-plan "
             "for the compiled step from a tape measured compiled: "
             "autoremat.plan(autoremat.profile(model, inputs, compile=True), budget)")
+    if compiled and plan.offload_blocks:
+        first = next(b.name for b in plan.blocks if b.decision == "offload")
+        raise RematError(
+            f"this plan offloads blocks (from {first}), which cannot run under "
+            f"torch.compile, and {compiled[0]} is compiled. Plan without offload for the "
+            "compiled step: autoremat.plan(autoremat.profile(model, inputs, compile=True), "
+            "budget)")
     remove(model)
     for name, module in modules.items():
         if name and is_wrapped(module):
@@ -108,6 +118,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             blocks = [modules[b.name] for b in plan.blocks[start:stop]]
             if decision == "keep":
                 continue
+            if decision == "offload":
+                after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
+                _, handle = offload(blocks[0], model, after)
+                state.wrapped.append(blocks[0])
+                if handle is not None:
+                    state.handles.append(handle)
+                continue
             if decision == "selective":
                 for b, module in zip(plan.blocks[start:stop], blocks, strict=False):
                     wrap(module, tag="selective", selective=selective_context(
@@ -115,6 +132,12 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                         signature=b.op_signature),
                         compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)))
                     state.wrapped.append(module)
+            elif stop == start + 1 and plan.blocks[start].offload_input:
+                after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
+                _, handle = offload(blocks[0], model, after, input_only=True)
+                state.wrapped.append(blocks[0])
+                if handle is not None:
+                    state.handles.append(handle)
             elif stop == start + 1:
                 wrap(blocks[0], tag="recompute")
                 state.wrapped.append(blocks[0])

@@ -12,7 +12,7 @@ from torch import nn
 
 from autoremat._apply import apply, remove
 from autoremat._core.blocks import BlockSpec
-from autoremat._core.errors import BudgetError
+from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.memory import track_memory
 from autoremat._core.step import Loop, LossFn, preserved_state, run_step
 from autoremat._core.units import format_bytes
@@ -25,7 +25,8 @@ __all__ = ["auto"]
 def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
          strategy: str = "optimal", *, loss_fn: LossFn | None = None,
          blocks: BlockSpec = None, max_memory: int | str | None = None,
-         optimizer: str | int | None = None, loop: Loop = "holds_output") -> Plan:
+         optimizer: str | int | None = None, loop: Loop = "holds_output",
+         offload: bool = False) -> Plan:
     """Profile, plan and apply in one call; returns the plan applied.
 
     With a budget, ``auto`` then measures one step with the plan applied and, if the
@@ -40,6 +41,9 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
             (default): ``out = model(**batch); out.loss.backward()``, and every loop
             that releases the output sooner. ``"loss_only"``: a tighter plan for a loop
             that keeps only the loss (``loss = model(**batch).loss``).
+        offload: let the plan offload blocks to host memory, as for
+            :func:`autoremat.plan` (the profile then measures offloaded blocks too). On
+            a CPU the host is the device, so nothing is offloaded there.
 
     Raises:
         BudgetError: no plan fits, or the plans tried still measure over the budget.
@@ -53,8 +57,11 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     """
     check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
     remove(model)
-    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop)
-    chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer)
+    if not isinstance(offload, bool):
+        raise RematError(f"offload must be True or False, got {offload!r}")
+    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop, offload=offload)
+    chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
+                  offload=offload)
     apply(model, chosen)
     if chosen.budget_bytes is None:
         return chosen
@@ -77,7 +84,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
             break
         target = min(target - (peak - limit), limit - (peak - chosen.predicted_peak_bytes))
         try:
-            retry = plan(tape, target, strategy)
+            retry = plan(tape, target, strategy, offload=offload)
         except BudgetError as exc:
             raise BudgetError(
                 f"the plan for {format_bytes(limit)} measured {format_bytes(peak)}; a plan "

@@ -191,15 +191,16 @@ class Estimate:
         return (self.step_flops + self.plan_recompute_flops) / self.throughput_flops
 
     def with_plan(self, budget: int | str | None = None, strategy: str = "optimal", *,
-                  max_memory: int | str | None = None) -> Estimate:
+                  max_memory: int | str | None = None, offload: bool = False) -> Estimate:
         """This estimate plus the plan the planner makes from its tape for ``budget`` (the
-        step's) or ``max_memory`` (the whole device). See :func:`estimate`."""
+        step's) or ``max_memory`` (the whole device); with ``offload`` (an estimate made
+        with ``offload=True``), a plan that may offload. See :func:`estimate`."""
         if self.tape is None:
             raise RematError("this estimate has no tape to plan from (it was loaded from JSON)")
         if (budget is None) == (max_memory is None):
             raise BudgetError("give exactly one of budget= (the step's own budget) or "
                               "max_memory= (the whole device, parameters included)")
-        return _with_plan(self, self.tape, budget, max_memory, strategy)
+        return _with_plan(self, self.tape, budget, max_memory, strategy, offload)
 
     # -- output ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -312,6 +313,8 @@ def estimate(
     selective: bool = True,
     top: int = 8,
     loop: Loop = "holds_output",
+    offload: bool = False,
+    host_bandwidth: float | None = None,
 ) -> Estimate:
     """Predict the memory of one training step without running it for real.
 
@@ -341,6 +344,14 @@ def estimate(
             ``"holds_output"`` (default) keeps the model's output (logits) alive through
             backward, as ``out = model(**batch); out.loss.backward()`` does;
             ``"loss_only"`` releases it before backward.
+        offload: also measure every block offloaded to host memory (and checkpointed
+            with its input offloaded), and let the plan offload (``plan(...,
+            offload=True)``). The step runs on ``meta``, so the host copies are simply
+            not counted: the device peak of an offload plan is what the target's
+            allocator would see (NOTE [ Offloading saved tensors ]).
+        host_bandwidth: bytes per second between the target device and host memory,
+            which cost offload in the plan; default ``DEFAULT_HOST_BANDWIDTH`` (25e9,
+            pinned copies over PCIe 4.0 x16; measure yours with ``profile`` on the GPU).
 
     Returns:
         A frozen :class:`Estimate`.
@@ -372,6 +383,9 @@ def estimate(
                                              and throughput_flops > 0):
         raise RematError(f"throughput_flops must be a positive number of FLOP/s, e.g. 4e14, "
                          f"got {throughput_flops!r}")
+    if host_bandwidth is not None and not offload:
+        raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
+                         "neither")
     target = _resolve_device(model, device)
     target_type = torch.device(target).type
     rounding = target_rounding(target_type)  # NOTE [ CUDA allocator rounding ] in memory.py
@@ -385,7 +399,9 @@ def estimate(
             # the tape is for the target (its costs, tape.device), not for meta
             tape = profile(model, inputs, loss_fn, names, repeats=1,
                            with_selective=selective, rounding=rounding,
-                           loop=loop, device=target)
+                           loop=loop, device=target, offload=offload,
+                           host_bandwidth=(host_bandwidth or DEFAULT_HOST_BANDWIDTH)
+                           if offload else None)
             plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False,
                                   rounding=rounding, loop=loop)
             ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True,
@@ -438,17 +454,20 @@ def estimate(
     )
     if budget is None and max_memory is None:
         return est
-    return est.with_plan(budget, strategy, max_memory=max_memory)
+    return est.with_plan(budget, strategy, max_memory=max_memory, offload=offload)
+
+
+DEFAULT_HOST_BANDWIDTH = 25e9  # bytes/s: pinned copies over PCIe 4.0 x16, each way
 
 
 def _with_plan(est: Estimate, tape: Tape, budget: int | str | None,
-               max_memory: int | str | None, strategy: str) -> Estimate:
+               max_memory: int | str | None, strategy: str, offload: bool = False) -> Estimate:
     if max_memory is not None:
         budget = step_budget_bytes(max_memory, est.iteration_memory)
     if budget is None:
         raise InternalError("autoremat internal error (please report it): no budget to plan for")
     budget_bytes = parse_budget(budget, tape.step_peak_bytes)
-    plan = make_plan(tape, budget=budget_bytes, strategy=strategy)
+    plan = make_plan(tape, budget=budget_bytes, strategy=strategy, offload=offload)
     return dataclasses.replace(est, budget_bytes=budget_bytes, strategy=strategy, plan=plan,
                                plan_peak_bytes=int(plan.predicted_peak_bytes),
                                plan_recompute_flops=int(plan.predicted_recompute_flops))

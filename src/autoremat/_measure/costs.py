@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from autoremat._core.errors import RematError
 from autoremat._core.ops import OpRecord, OpStats
 
-__all__ = ["CostModel", "cost_model_for", "keep_set_cost", "op_cost", "recompute_cost"]
+__all__ = ["CostModel", "cost_model_for", "keep_set_cost", "offload_cost", "op_cost",
+           "recompute_cost"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class CostModel:
     flops_per_random_byte: float  # the same for random ops (RNG is slower than arithmetic)
     flops_per_op: float  # eager dispatch overhead of re-running one op
     flops_per_sac_op: float  # selective checkpointing: its dispatch modes see every op
+    flops_per_second: float  # matmul throughput: turns a copy's exposed time into FLOPs
 
 
 # ~100 GFLOP/s matmul, ~5 GB/s elementwise, ~10 us per op on a small multi-core CPU;
@@ -40,15 +42,15 @@ class CostModel:
 # policy on every block costs 0.8x of whole-block recompute (benchmarks/
 # selective_overhead.md), which 30 us per op reproduces and 9 us (0.55x) does not.
 _MODELS = {
-    "cpu": CostModel(20.0, 80.0, 1e6, 3e6),
-    "cuda": CostModel(150.0, 150.0, 3e9, 6e9),
+    "cpu": CostModel(20.0, 80.0, 1e6, 3e6, 1e11),
+    "cuda": CostModel(150.0, 150.0, 3e9, 6e9, 3e14),
 }
 # Under torch.compile there is no per-op dispatch (one kernel launch per fused group,
 # and the SAC policy runs once, at trace time), and memory-bound ops fuse into their
 # neighbours, reading and writing about a quarter of the bytes eager does.
 _COMPILED = {
-    "cpu": CostModel(5.0, 20.0, 0.0, 0.0),
-    "cuda": CostModel(40.0, 40.0, 0.0, 0.0),
+    "cpu": CostModel(5.0, 20.0, 0.0, 0.0, 1e11),
+    "cuda": CostModel(40.0, 40.0, 0.0, 0.0, 3e14),
 }
 
 
@@ -111,3 +113,29 @@ def keep_set_cost(ops: Sequence[OpRecord], keep: Collection[int], skip: Collecti
     skipped re-runs, and the selective dispatch modes see every op."""
     total = sum(op_cost(o, model) for i, o in enumerate(ops) if i not in keep and i not in skip)
     return int(total + model.flops_per_sac_op * len(ops))
+
+
+def offload_cost(nbytes: int, tensors: int, fwd_flops: int, bwd_flops: int,
+                 bandwidth: float, model: CostModel) -> int:
+    """FLOP-equivalents of offloading a block's saved tensors.
+
+    NOTE [ What offload costs ]
+        Each tensor is packed in forward and unpacked in backward by Python hooks (one
+        op's dispatch each). The copies run on a side stream, so only the part of a copy
+        that outlasts the compute it overlaps shows in the step: the copy to host
+        overlaps the block's own forward (rather, the forward after it, which is as
+        long for a chain of like blocks), the copy back the backward of the next block
+        (likewise about the block's own backward). So each way costs
+        ``max(0, bytes / bandwidth - compute time)``, with the compute time from FLOPs
+        at the device's matmul rate (NOTE [ Why not plain FLOPs, and why not measured
+        times ]). Copies of consecutive offloaded blocks share one link; this model
+        treats them one at a time, so it is optimistic when the link is the bottleneck
+        over several blocks. ``bandwidth`` 0: the host is the device, nothing is copied.
+    """
+    hooks = 2.0 * model.flops_per_op * tensors
+    if bandwidth <= 0:
+        return int(hooks)
+    copy = nbytes / bandwidth
+    exposed = (max(0.0, copy - fwd_flops / model.flops_per_second)
+               + max(0.0, copy - bwd_flops / model.flops_per_second))
+    return int(hooks + exposed * model.flops_per_second)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import BlockSpec, other_repeated_blocks, resolve_blocks
-from autoremat._core.errors import BlockError, RematError, did_you_mean
+from autoremat._core.errors import BlockError, RematError, did_you_mean, internal_assert
 from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes, track_memory
 from autoremat._core.ops import OpRecorder, OpStats, op_kind
 from autoremat._core.step import (
@@ -86,6 +86,12 @@ from autoremat._mechanism.compiled import (
     compiled_forwards,
     keep_keys,
     uncompiled,
+)
+from autoremat._mechanism.offload import (
+    BlockOffload,
+    OffloadStats,
+    measure_host_bandwidth,
+    offloading,
 )
 from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
 from autoremat._mechanism.wrap import ContextFn, checkpointed
@@ -128,7 +134,10 @@ class _Probe:
             for i, name in enumerate(self.names):
                 module = model.get_submodule(name)
                 pre = module.register_forward_pre_hook(self._pre(i), with_kwargs=True)
-                post = module.register_forward_hook(self._post(i))
+                # first among the forward hooks, so that its gradient hook (the block's
+                # backward starts) runs before an offloaded neighbour's prefetch, which
+                # then falls in this block's window (NOTE [ Offloading saved tensors ])
+                post = module.register_forward_hook(self._post(i), prepend=True)
                 stack.callback(pre.remove)
                 stack.callback(post.remove)
             yield
@@ -213,6 +222,7 @@ class _MemoryRun:
     post: WindowMemory
     tail: WindowMemory
     bounds: list[int]  # forward window starts, then fwd_end
+    offloaded: dict[str, OffloadStats] = field(default_factory=dict)  # of the O blocks
 
 
 @dataclass(frozen=True)
@@ -225,14 +235,20 @@ class _Contexts:
 
 @contextmanager
 def _step_as_run(model: nn.Module, names: list[str], chosen: list[str],
-                 contexts: _Contexts | None, backend: str | None) -> Iterator[None]:
-    """The ``chosen`` blocks checkpointed (selective ones with their contexts) and, with
-    a ``backend``, every block compiled on its own (NOTE [ Profiling a compiled step ])."""
+                 contexts: _Contexts | None, backend: str | None,
+                 offloaded: Sequence[str] = (),
+                 inputs_offloaded: Sequence[str] = ()) -> Iterator[dict[str, BlockOffload]]:
+    """The ``chosen`` blocks checkpointed (selective ones with their contexts), the
+    ``offloaded`` ones offloaded, the ``inputs_offloaded`` ones checkpointed with their
+    input offloaded (yields the states of these two) and, with a ``backend``, every
+    block compiled on its own (NOTE [ Profiling a compiled step ])."""
     contexts = contexts or _Contexts()
-    with checkpointed(model, chosen, contexts.eager, contexts.compiled), ExitStack() as stack:
+    with checkpointed(model, chosen, contexts.eager, contexts.compiled), \
+            offloading(model, names, list(offloaded), inputs_offloaded) as states, \
+            ExitStack() as stack:
         if backend is not None:
             stack.enter_context(compiled_forwards(model, names, backend))
-        yield
+        yield states
 
 
 def compile_backend(compile: bool | str) -> str | None:
@@ -261,14 +277,21 @@ def _compile_settings(backend: str | None) -> Iterator[None]:
 
 
 def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-                names: list[str], ckpt: list[bool],
+                names: list[str], modes: str,
                 contexts: _Contexts | None = None, *,
                 rounding: Rounding | None, loop: Loop,
                 backend: str | None = None) -> _MemoryRun:
+    """One step measured, block ``i`` in mode ``modes[i]``: ``K`` kept, ``C``
+    checkpointed (with its context from ``contexts``, if any), ``O`` offloaded, ``P``
+    checkpointed with its input offloaded."""
+    internal_assert(len(modes) == len(names), f"modes {modes!r} for {len(names)} blocks")
     for p in model.parameters():
         p.grad = None
-    chosen = [n for n, c in zip(names, ckpt, strict=True) if c]
-    with _step_as_run(model, names, chosen, contexts, backend):
+    chosen = [n for n, m in zip(names, modes, strict=True) if m == "C"]
+    offloaded = [n for n, m in zip(names, modes, strict=True) if m == "O"]
+    inputs_offloaded = [n for n, m in zip(names, modes, strict=True) if m == "P"]
+    with _step_as_run(model, names, chosen, contexts, backend, offloaded,
+                      inputs_offloaded) as states:
         if backend is not None:  # compile first: compiling allocates too
             _run_marked(model, inputs, loss_fn, names, lambda label: None, loop=loop)
             for p in model.parameters():
@@ -294,6 +317,8 @@ def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
         post=_window(mem, bounds[-1], bwd_marks[n]),
         tail=_window(mem, bwd_marks[0], len(mem.levels) - 1),
         bounds=bounds,
+        offloaded={name: state.group.stats for name, state in states.items()
+                   if state.group is not None},
     )
 
 
@@ -377,19 +402,28 @@ def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[
             statistics.median(steps))
 
 
-def _mode_of(run: str, i: int) -> str:
-    if run in ("K", "C"):
-        return run
-    even = i % 2 == 0
-    return "C" if even == (run == "even") else "K"
+def _patterns(n: int, offload: bool) -> list[str]:
+    """The memory runs of a profile, as the mode of each block: every block kept, every
+    one checkpointed, then alternations so that each block is measured after a
+    neighbour of each other mode (``_by_modes``); with ``offload``, the same for ``O``."""
+    def alternate(even: str, odd: str) -> str:
+        return "".join(even if i % 2 == 0 else odd for i in range(n))
+
+    pairs = [("C", "K"), ("K", "C")]
+    if offload:
+        pairs += [(a, b) for new in "OP" for old in "KCO"[:"KCOP".index(new)]
+                  for a, b in ((new, old), (old, new))]
+    out = ["K" * n, "C" * n] + (["O" * n, "P" * n] if offload else [])
+    if n > 1:
+        out += [alternate(a, b) for a, b in pairs]
+    return out
 
 
 def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, WindowMemory]:
     """Block ``i``'s windows keyed by (previous mode, own mode) over the runs made."""
     out: dict[str, WindowMemory] = {}
-    for run_name, run in runs.items():
-        prev = _mode_of(run_name, i - 1) if i > 0 else "K"
-        key = prev + _mode_of(run_name, i)
+    for modes, run in runs.items():
+        key = (modes[i - 1] if i > 0 else "K") + modes[i]
         out.setdefault(key, run.fwd[i] if which == "fwd" else run.bwd[i])
     return dict(sorted(out.items()))
 
@@ -427,7 +461,7 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
         users = options[key]
         contexts = _Contexts({n: ctx for n, (ctx, _, _) in users.items()},
                              {n: ctx for n, (_, ctx, _) in users.items()})
-        run = _memory_run(model, inputs, loss_fn, names, [True] * len(names), contexts,
+        run = _memory_run(model, inputs, loss_fn, names, "C" * len(names), contexts,
                           rounding=rounding, loop=loop, backend=backend)
         flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts.eager,
                                  loop=loop)
@@ -451,7 +485,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
             with_selective: bool = True, timing: bool = True,
             rounding: Rounding | None = None, loop: Loop = "holds_output",
-            device: str | torch.device | None = None, compile: bool | str = False) -> Tape:
+            device: str | torch.device | None = None, compile: bool | str = False,
+            offload: bool = False, host_bandwidth: float | None = None) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -491,6 +526,14 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             the tape (``tape.compiled``) hold for the compiled step, checkpoint blocks
             one by one (no multi-block segments) and run under both whole-model and
             regional compilation. Slow on CPU: every option is compiled.
+        offload: also measure each block with its saved tensors offloaded to host
+            memory (five more memory steps), so that plans can offload
+            (``plan(..., offload=True)``; NOTE [ Offloading saved tensors ]). On a CPU
+            the host is the device: offloading frees nothing there, and plans keep
+            those blocks instead.
+        host_bandwidth: bytes per second of copies between the device and host memory,
+            which cost offload in plans. Default: measured on a GPU (pinned memory);
+            must be given for a model on ``meta``.
 
     Returns:
         A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
@@ -510,6 +553,18 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     if not isinstance(model, nn.Module):
         raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
     backend = compile_backend(compile)
+    if offload and backend is not None:
+        raise RematError("profile(offload=True, compile=...) is not supported: offloaded "
+                         "blocks run saved-tensor hooks that torch.compile does not trace. "
+                         "Profile with one of them")
+    if host_bandwidth is not None and not offload:
+        raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
+                         "neither")
+    if host_bandwidth is not None and (not isinstance(host_bandwidth, (int, float))
+                                       or isinstance(host_bandwidth, bool)
+                                       or not host_bandwidth > 0):
+        raise RematError(f"host_bandwidth must be a positive number of bytes per second "
+                         f"(e.g. 25e9), got {host_bandwidth!r}")
     model = uncompiled(model)
     if repeats < 1:
         raise RematError(f"repeats must be at least 1, got {repeats}")
@@ -550,7 +605,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         for p in model.parameters():
             p.grad = None
         n = len(names)
-        plain = _memory_run(model, inputs, loss_fn, names, [False] * n, rounding=rounding,
+        plain = _memory_run(model, inputs, loss_fn, names, "K" * n, rounding=rounding,
                             loop=loop, backend=backend)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
         grad_bytes = unique_storage_bytes(list(grads.values()))
@@ -558,16 +613,15 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             unique_storage_bytes([p.grad for p in model.get_submodule(n).parameters()
                                   if p.grad is not None]) for n in names
         ]
-        runs = {"K": plain,
-                "C": _memory_run(model, inputs, loss_fn, names, [True] * n, rounding=rounding,
-                                 loop=loop, backend=backend)}
-        if n > 1:
-            runs["even"] = _memory_run(model, inputs, loss_fn, names,
-                                       [i % 2 == 0 for i in range(n)], rounding=rounding,
-                                       loop=loop, backend=backend)
-            runs["odd"] = _memory_run(model, inputs, loss_fn, names,
-                                      [i % 2 == 1 for i in range(n)], rounding=rounding,
-                                      loop=loop, backend=backend)
+        modes_measured = "KCOP" if offload else "KC"
+        bandwidth = 0.0
+        if offload:
+            bandwidth = float(host_bandwidth) if host_bandwidth is not None else \
+                measure_host_bandwidth(ran_on)
+        runs = {"K" * n: plain}
+        for modes in _patterns(n, offload)[1:]:
+            runs[modes] = _memory_run(model, inputs, loss_fn, names, modes,
+                                      rounding=rounding, loop=loop, backend=backend)
         for p in model.parameters():
             p.grad = None
         counter = _flops(model, inputs, loss_fn, names, loop=loop)
@@ -597,6 +651,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                                                    "timing=False") + ")")
 
     saved = _saved_by_block(plain)
+    offload_stats, input_stats = ([runs[m * n].offloaded.get(name, OffloadStats()) if offload
+                                   else OffloadStats() for name in names] for m in "OP")
     block_list = []
     for i, name in enumerate(names):
         module = model.get_submodule(name)
@@ -613,6 +669,9 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
             op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
+            offload_bytes=offload_stats[i].host_bytes,
+            offload_tensors=offload_stats[i].tensors,
+            offload_input_bytes=input_stats[i].host_bytes,
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 else 0,
         ))
@@ -621,15 +680,16 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         device=target,
         blocks=tuple(block_list),
         step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
-        ckpt_step_peak_bytes=runs["C"].mem.peak_bytes,
+        ckpt_step_peak_bytes=runs["C" * n].mem.peak_bytes,
         param_bytes=unique_storage_bytes(params),
         trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
         trainable_param_tensors=sum(p.requires_grad for p in params),
         input_bytes=unique_storage_bytes(inputs),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
         grad_bytes=grad_bytes,
-        pre=plain.pre, post={m: runs[m].post for m in "KC"},
-        tail={m: runs[m].tail for m in "KC"},
+        pre=plain.pre, post={m: runs[m * n].post for m in modes_measured},
+        tail={m: runs[m * n].tail for m in modes_measured},
+        offload=offload, host_bandwidth=bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=step_ms, loop=loop, output_bytes=held[0], compiled=backend or "",
         notes=tuple(notes + order_notes + cache_notes + plain.mem.notes),

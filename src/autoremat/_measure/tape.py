@@ -89,6 +89,12 @@ class BlockProfile:
     ops: tuple[OpRecord, ...] = ()
     # Selective recompute options keyed by save-set name, e.g. "matmul" or "bmm+matmul".
     selective: dict[str, SelectiveProfile] = field(default_factory=dict)
+    # Offloaded (mode "O", tapes with ``offload``): bytes and number of the saved tensors
+    # it copies to host memory (NOTE [ Offloading saved tensors ] in offload.py).
+    offload_bytes: int = 0
+    offload_tensors: int = 0
+    # Checkpointed with its input offloaded (mode "P"): bytes of that input's host copy.
+    offload_input_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:
@@ -141,8 +147,18 @@ class Tape:
     # The torch.compile backend the step was measured under ("": eager); see
     # NOTE [ Profiling a compiled step ] in profile.py.
     compiled: str = ""
+    # Whether the blocks were also measured offloaded (windows keyed with "O"), and the
+    # bytes per second of copies between device and host (0.0: the host is the device).
+    offload: bool = False
+    host_bandwidth: float = 0.0
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def modes(self) -> str:
+        """The modes a block can be in, as the windows key them: K kept, C checkpointed;
+        with ``offload``, O offloaded and P checkpointed with its input offloaded."""
+        return "KCOP" if self.offload else "KC"
 
     @property
     def resting_bytes(self) -> int:
@@ -346,6 +362,16 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
     tape = build_dataclass(Tape, data, "tape")
     _check_types(tape, "tape")
     check_loop_field(tape.loop, "tape.loop")
+    for mode in tape.modes:  # every window the peak model reads for each mode
+        for key in ("post", "tail"):
+            if mode not in getattr(tape, key):
+                raise SchemaError(f"tape.{key} has no window for mode {mode!r} (it has "
+                                  f"{sorted(getattr(tape, key))}); profile again")
+        for i, b in enumerate(tape.blocks):
+            key = ("K" if i == 0 else mode) + mode  # the first block follows a kept one
+            if key not in b.fwd or key not in b.bwd:
+                raise SchemaError(f"tape.blocks[{i}] has no {key!r} window (fwd "
+                                  f"{sorted(b.fwd)}, bwd {sorted(b.bwd)}); profile again")
     return tape  # type: ignore[no-any-return]
 
 

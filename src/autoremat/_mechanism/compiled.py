@@ -140,16 +140,17 @@ def compiled_context(save_ops: Iterable[str] = (),
 
 
 @torch.compiler.disable
-def refuse_under_compile(what: str) -> None:
+def refuse_under_compile(what: str, why: str = "a multi-block segment opens checkpoint's "
+                         "frame from module hooks") -> None:
     """Raise a :class:`RematError` from code Dynamo is tracing. The function is excluded
     from tracing, so Dynamo breaks the graph before it and the error reaches the caller
     as it would in eager (a ``raise`` traced by Dynamo could fall back to eager code
     where the check no longer sees compile)."""
-    raise RematError(f"{what} cannot run under torch.compile: a multi-block segment opens "
-                     "checkpoint's frame from module hooks, which Dynamo cannot trace. Re-plan "
-                     "for the compiled step from a tape measured compiled (autoremat.plan("
-                     "autoremat.profile(model, inputs, compile=True), budget)), which "
-                     "checkpoints blocks one by one, or run this plan eagerly")
+    raise RematError(f"{what} cannot run under torch.compile: {why}, which Dynamo cannot "
+                     "trace. Re-plan for the compiled step from a tape measured compiled "
+                     "(autoremat.plan(autoremat.profile(model, inputs, compile=True), "
+                     "budget)), which checkpoints blocks one by one and offloads nothing, or "
+                     "run this plan eagerly")
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

@@ -32,9 +32,9 @@ from torch.utils.checkpoint import checkpoint
 
 from autoremat._core import rng
 from autoremat._core.errors import RematError, internal_assert
-from autoremat._mechanism.compiled import is_compiling
+from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
-__all__ = ["checkpointed", "is_wrapped", "unwrap", "wrap"]
+__all__ = ["checkpointed", "install_forward", "is_wrapped", "unwrap", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -97,8 +97,14 @@ def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> Contex
     return make
 
 
+# (the module's forward, a runner of a checkpoint of a function of no arguments) -> the
+# forward to install: how offload.input_offloaded hands a checkpoint its input
+InputRunner = Callable[[Callable[..., Any], Callable[[Callable[[], Any]], Any]],
+                       Callable[..., Any]]
+
+
 def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None,
-         compiled: Any = None) -> None:
+         compiled: Any = None, inputs: InputRunner | None = None) -> None:
     """Make ``module`` recompute its forward during backward. Idempotent; re-wrapping
     replaces the previous wrapper.
 
@@ -112,25 +118,47 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
         compiled: the ``context_fn`` used instead while Dynamo traces the module
             (``compiled.compiled_context``; ``None``: a plain recompute). NOTE [ Plans
             under torch.compile ].
+        inputs: how the checkpoint gets the module's arguments (``None``: as
+            arguments); ``offload.input_offloaded`` offloads the input (NOTE
+            [ Offloading a checkpoint's input ]). Not under compile.
     """
+    context_fn = _context_fn([module], selective)
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(fn: Callable[[], Any]) -> Any:
+            return checkpoint(fn, use_reentrant=False, context_fn=context_fn,
+                              preserve_rng_state=False)
+        boxed = inputs(original, call) if inputs is not None else None
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return original(*args, **kwargs)  # nothing is saved without grad
+            if boxed is not None:
+                if is_compiling():
+                    refuse_under_compile("a checkpoint with an offloaded input",
+                                         "it copies between streams from Python")
+                return boxed(*args, **kwargs)
+            if is_compiling():  # compile's own RNG handling and partitioner take over
+                if compiled is None:
+                    return checkpoint(original, *args, use_reentrant=False, **kwargs)
+                return checkpoint(original, *args, use_reentrant=False, context_fn=compiled,
+                                  **kwargs)
+            return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
+                              preserve_rng_state=False, **kwargs)  # we replay it ourselves
+        return forward
+
+    install_forward(module, make, tag)
+
+
+def install_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]],
+                    tag: str) -> None:
+    """Replace ``module``'s forward by ``make(its forward)`` (NOTE [ Patching forward
+    instead of wrapping the module ]), replacing an earlier wrapper of ours; ``unwrap``
+    undoes it."""
     if is_wrapped(module):
         unwrap(module)
     user_forward = module.__dict__.get("forward")
-    original = module.forward
-    context_fn = _context_fn([module], selective)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)  # nothing is saved without grad: no recompute
-        if is_compiling():  # compile's own RNG handling and partitioner take over
-            if compiled is None:
-                return checkpoint(original, *args, use_reentrant=False, **kwargs)
-            return checkpoint(original, *args, use_reentrant=False, context_fn=compiled,
-                              **kwargs)
-        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
-                          preserve_rng_state=False, **kwargs)  # we replay it ourselves
-
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = make(module.forward)  # type: ignore[method-assign]
     setattr(module, _MARK, _WrapState(user_forward=user_forward, tag=tag))
 
 

@@ -85,13 +85,13 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     z = suffix_z(tape)
     stops = _allowed_stops(tape, max_segment)
     costs_of_blocks = block_costs(tape)
-    fixed = {mode: fixed_peaks(tape, mode) for mode in ("K", "C")}
+    fixed = {mode: fixed_peaks(tape, mode) for mode in tape.modes}
     # moves[i][prev]: the options from block i after a block of mode prev, as a list of
     # (stop, option) and arrays of their figures for the vectorised step below.
     moves: list[dict[str, tuple[list[tuple[int, Option]], dict[str, np.ndarray]]]] = []
     for i in range(n):
         by_prev = {}
-        for prev in ("K", "C") if i else ("K",):
+        for prev in tape.modes if i else "K":
             here: list[tuple[int, Option, SegmentCost]] = [
                 (i + 1, KEEP, segment_cost(tape, i, i + 1, KEEP, prev))]
             runs = segment_runs(tape, i, stops[i][-1], prev, costs_of_blocks)
@@ -127,7 +127,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     # per target state, parts: row arrays (_ROW_ARRAYS) plus the source state's scalars
     incoming: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for i in range(n):
-        for prev in ("K", "C"):
+        for prev in tape.modes:
             cur = frontier.get((i, prev))
             if cur is None:
                 continue
@@ -139,7 +139,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             rows, cols = np.nonzero(peak <= budget)
             if rows.size == 0:
                 continue
-            targets = fig["stop"][cols] * 2 + (fig["mode"][cols] == ord("C"))
+            targets = fig["stop"][cols] * 256 + fig["mode"][cols]  # (stop, mode), ordered
             order = np.argsort(targets, kind="stable")
             rows, cols, targets = rows[order], cols[order], targets[order]
             F_new = cur["F"][rows] + fig["hold"][cols]
@@ -153,13 +153,13 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
                     "F": F_new[a:b], "cost": cost_new[a:b], "peak": peak_new[a:b],
                     "prev": rows[a:b], "move": cols[a:b], "from": i, "from_mode": ord(prev),
                 })
-        for mode in ("K", "C"):
+        for mode in tape.modes:
             parts = incoming.pop((i + 1, mode), None)
             if parts:
                 frontier[(i + 1, mode)] = _prune(parts, objective)
 
     finals = []
-    for last in ("K", "C"):
+    for last in tape.modes:
         f = frontier.get((n, last))
         if f is None:
             continue

@@ -45,19 +45,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autoremat._core.errors import internal_assert
-from autoremat._measure.costs import CostModel, cost_model_for, keep_set_cost, recompute_cost
+from autoremat._measure.costs import (
+    CostModel,
+    cost_model_for,
+    keep_set_cost,
+    offload_cost,
+    recompute_cost,
+)
 from autoremat._measure.tape import Tape, WindowMemory
 from autoremat._mechanism.selective import is_keep_set, save_set_name, save_set_of
 
 __all__ = [
-    "KEEP", "RECOMPUTE", "Option", "SegmentCost", "block_costs", "fixed_peaks", "plan_costs",
-    "predict_peak", "segment_cost", "segment_runs", "selective_options", "suffix_z",
+    "KEEP", "OFFLOAD", "OFFLOAD_INPUT", "RECOMPUTE", "Option", "SegmentCost", "block_costs",
+    "fixed_peaks", "plan_costs", "predict_peak", "segment_cost", "segment_runs",
+    "selective_options", "suffix_z",
 ]
 
-# An option for a segment: ("keep", ()) | ("recompute", ()) | ("selective", save_ops).
+# An option for a segment: ("keep", ()) | ("recompute", ()) | ("selective", save_ops)
+# | ("offload", ()).
 Option = tuple[str, tuple[str, ...]]
 KEEP: Option = ("keep", ())
 RECOMPUTE: Option = ("recompute", ())
+OFFLOAD: Option = ("offload", ())
+OFFLOAD_INPUT: Option = ("offload_input", ())  # recompute, the input offloaded
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ class SegmentCost:
     hold: int  # bytes held from the end of its forward until its backward
     bwd_peak: int  # backward transient above the level at its start
     flops: int  # recompute FLOPs
-    mode: str  # "K" kept or "C" checkpointed: what the next block sees as its neighbour
+    mode: str  # "K" kept, "C" checkpointed or "O" offloaded: what the next block sees
     cost: int | None = None  # what the planner minimises (FLOP-equivalents, see costs.py);
     # None: the recompute FLOPs themselves
 
@@ -99,7 +109,7 @@ def suffix_z(tape: Tape) -> dict[str, list[int]]:
     ``j`` has ``mode``. See NOTE [ Who frees a boundary tensor ]."""
     n = len(tape.blocks)
     out = {}
-    for mode in ("K", "C"):
+    for mode in tape.modes:
         z = [0] * n
         acc = tape.post[mode].delta_bytes
         for j in range(n - 1, -1, -1):
@@ -128,6 +138,20 @@ def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
         fwd, bwd = _fwd(tape, start, prev + "K"), _bwd(tape, start, prev + "K")
         return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, "K")
     model = cost_model_for(tape.device, compiled=bool(tape.compiled))
+    if kind in ("offload", "offload_input"):
+        internal_assert(stop == start + 1 and tape.offload,
+                        "an offloaded segment is one block of a tape measured offloaded")
+        mode = "O" if kind == "offload" else "P"
+        fwd, bwd = _fwd(tape, start, prev + mode), _bwd(tape, start, prev + mode)
+        b = tape.blocks[start]
+        if mode == "O":
+            return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, mode,
+                               offload_cost(b.offload_bytes, b.offload_tensors, b.fwd_flops,
+                                            b.bwd_flops, tape.host_bandwidth, model))
+        cost = recompute_cost(b.op_stats, b.fwd_flops, model) + offload_cost(
+            b.offload_input_bytes, 1, b.fwd_flops, b.bwd_flops, tape.host_bandwidth, model)
+        return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
+                           b.recompute_flops, mode, cost)
     if kind == "selective":
         internal_assert(stop == start + 1, "a selective segment is one block")
         return _selective_cost(tape, start, option[1], prev, model)
@@ -204,9 +228,11 @@ def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
     return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, "C", cost)
 
 
-def selective_options(tape: Tape) -> list[list[Option]]:
-    """Per block, the selective options its tape measured."""
-    return [[("selective", save_set_of(name)) for name in sorted(b.selective)]
+def selective_options(tape: Tape, offload: bool = False) -> list[list[Option]]:
+    """Per block, the selective options its tape measured, and with ``offload`` (on a
+    tape measured offloaded) offloading it."""
+    extra = [OFFLOAD, OFFLOAD_INPUT] if offload and tape.offload else []
+    return [[("selective", save_set_of(name)) for name in sorted(b.selective)] + extra
             for b in tape.blocks]
 
 

@@ -7,6 +7,7 @@ model and input shapes it was made for, so ``apply`` can refuse a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -31,11 +32,21 @@ from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_kee
 from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
 from autoremat._plan.budget import iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
-from autoremat._plan.peak import RECOMPUTE, Option, plan_costs, predict_peak, selective_options
+from autoremat._plan.peak import (
+    OFFLOAD,
+    RECOMPUTE,
+    Option,
+    plan_costs,
+    predict_peak,
+    selective_options,
+)
 
 __all__ = [
     "STRATEGIES", "BlockDecision", "Plan", "check_plan_args", "plan",
 ]
+
+
+DECISIONS = ("keep", "recompute", "selective", "offload")
 
 
 @dataclass(frozen=True)
@@ -43,7 +54,7 @@ class BlockDecision:
     """What one block does in backward."""
 
     name: str  # qualified module name
-    decision: str  # "keep" | "recompute" | "selective"
+    decision: str  # "keep" | "recompute" | "selective" | "offload"
     segment: int  # index of its segment; blocks sharing one are recomputed together
     save_ops: tuple[str, ...] = ()  # selective: op kinds whose outputs stay saved
     recompute_ops: tuple[str, ...] = ()  # selective: op kinds re-run in backward
@@ -54,6 +65,9 @@ class BlockDecision:
     # the kept ops as "op#occurrence" (e.g. "aten.mm.default#1"): what they lower to
     # under torch.compile (NOTE [ Plans under torch.compile ] in _mechanism/compiled.py)
     keep_keys: tuple[str, ...] = ()
+    # recompute, alone in its segment: its input waits in host memory until the
+    # recompute (NOTE [ Offloading a checkpoint's input ] in _mechanism/offload.py)
+    offload_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,8 @@ class Plan:
     # The torch.compile backend of the step its tape measured ("": eager), which its
     # predictions hold for (NOTE [ Profiling a compiled step ] in profile.py).
     compiled: str = ""
+    # Bytes the offloaded blocks copy to host memory in one step (their tape's figures).
+    predicted_host_bytes: int = 0
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -87,7 +103,12 @@ class Plan:
     @property
     def recompute_blocks(self) -> int:
         """How many blocks recompute anything in backward."""
-        return sum(b.decision != "keep" for b in self.blocks)
+        return sum(b.decision in ("recompute", "selective") for b in self.blocks)
+
+    @property
+    def offload_blocks(self) -> int:
+        """How many blocks offload to host memory (their saved tensors, or their input)."""
+        return sum(b.decision == "offload" or b.offload_input for b in self.blocks)
 
     @property
     def segments(self) -> list[tuple[int, int, str]]:
@@ -122,17 +143,22 @@ class Plan:
             _expect(block.op_signature, str, f"{where}.op_signature")
             _expect(block.name, str, f"{where}.name")
             _expect(block.segment, int, f"{where}.segment")
-            if block.decision not in ("keep", "recompute", "selective"):
-                raise SchemaError(f"{where}.decision must be keep, recompute or "
-                                  f"selective, got {block.decision!r}")
+            if block.decision not in DECISIONS:
+                raise SchemaError(f"{where}.decision must be one of {list(DECISIONS)}, "
+                                  f"got {block.decision!r}")
             _check_keep_set(block, where)
+            if not isinstance(block.offload_input, bool) or (
+                    block.offload_input and block.decision != "recompute"):
+                raise SchemaError(f"{where}.offload_input must be false, or true on a "
+                                  f"recompute block, got {block.offload_input!r} on a "
+                                  f"{block.decision!r} block")
             blocks.append(block)
         _check_segments(blocks)
         data["blocks"] = tuple(blocks)
         data["notes"] = _strings(data.get("notes", []), "plan.notes")
         loaded: Plan = build_dataclass(cls, data, "plan")
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
-                    "step_flops", "predicted_cost"):
+                    "step_flops", "predicted_cost", "predicted_host_bytes"):
             _expect(getattr(loaded, key), int, f"plan.{key}")
         for key in ("strategy", "model", "inputs", "compiled"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
@@ -157,6 +183,8 @@ class Plan:
                     if block.save_ops and block.recompute_ops:
                         what += "; recompute " + ", ".join(block.recompute_ops)
                     what += ")"
+                if block.offload_input:
+                    what += " (its input in host memory)"
                 if stop > start + 1:
                     what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
                 rows.append([block.name, what])
@@ -167,6 +195,9 @@ class Plan:
                 f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
                 f"{100 * self.recompute_overhead:.1f}% of the step; loop {self.loop}"
                 + (f"; for the step compiled ({self.compiled})" if self.compiled else "")
+                + (f"; {self.offload_blocks} block(s) offload "
+                   f"{format_bytes(self.predicted_host_bytes)} to host memory"
+                   if self.offload_blocks else "")
                 + "\n")
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return head + render_table(["block", "decision"], rows) + notes
@@ -221,10 +252,12 @@ def _check_segments(blocks: list[BlockDecision]) -> None:
                               f"{' or '.join(map(str, allowed))} (segments number the blocks "
                               f"in order from 0), got {block.segment}")
         if i and block.segment == prev and not (
-                block.decision == blocks[i - 1].decision == "recompute"):
+                block.decision == blocks[i - 1].decision == "recompute"
+                and not block.offload_input and not blocks[i - 1].offload_input):
             raise SchemaError(f"plan.blocks[{i - 1}] and plan.blocks[{i}] share segment "
-                              f"{prev}, but only recomputed blocks can share one "
-                              f"(got {blocks[i - 1].decision!r} and {block.decision!r})")
+                              f"{prev}, but only recomputed blocks whose input stays on the "
+                              f"device can share one (got {blocks[i - 1].decision!r} and "
+                              f"{block.decision!r})")
 
 
 # --- budgets -------------------------------------------------------------------------
@@ -242,24 +275,24 @@ def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
 # --- strategies ----------------------------------------------------------------------
 
 Segments = list[tuple[int, int, Option]]
-Strategy = Callable[[Tape, int | None, str], Segments]
+Strategy = Callable[[Tape, int | None, str, bool], Segments]  # (tape, budget, arg, offload)
 
 
-def _none(tape: Tape, budget: int | None, arg: str) -> Segments:
+def _none(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     return [(i, i + 1, ("keep", ())) for i in range(len(tape.blocks))]
 
 
-def _full(tape: Tape, budget: int | None, arg: str) -> Segments:
+def _full(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     return [(i, i + 1, RECOMPUTE) for i in range(len(tape.blocks))]
 
 
-def _every(tape: Tape, budget: int | None, arg: str) -> Segments:
+def _every(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     k = int(arg)  # a whole number >= 1: check_plan_args refuses anything else
     return [(i, i + 1, RECOMPUTE if i % k == 0 else ("keep", ()))
             for i in range(len(tape.blocks))]
 
 
-def _sqrt(tape: Tape, budget: int | None, arg: str) -> Segments:
+def _sqrt(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     n = len(tape.blocks)
     size = max(1, round(math.sqrt(n)))
     out: Segments = []
@@ -273,7 +306,7 @@ def _sqrt(tape: Tape, budget: int | None, arg: str) -> Segments:
     return out
 
 
-def _selective(tape: Tape, budget: int | None, arg: str) -> Segments:
+def _selective(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     out: Segments = []
     for i, block in enumerate(tape.blocks):
         kinds = [k for k in MEGATRON if k in block.op_stats and block.op_stats[k].count]
@@ -285,23 +318,28 @@ def _selective(tape: Tape, budget: int | None, arg: str) -> Segments:
     return out
 
 
-def _optimal(tape: Tape, budget: int | None, arg: str) -> Segments:
-    return list(solve(tape, budget, objective="cost", options=selective_options(tape)).segments)
+def _optimal(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    return list(solve(tape, budget, objective="cost",
+                      options=selective_options(tape, offload)).segments)
+
+
+def _offload(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    return [(i, i + 1, OFFLOAD) for i in range(len(tape.blocks))]
 
 
 STRATEGIES: dict[str, Strategy] = {
     "none": _none, "full": _full, "every": _every, "sqrt": _sqrt, "optimal": _optimal,
-    "selective": _selective,
+    "selective": _selective, "offload": _offload,
 }
 
 
-def _smallest(tape: Tape) -> ChainSolution:
-    return solve(tape, None, objective="peak", options=selective_options(tape))
+def _smallest(tape: Tape, offload: bool = False) -> ChainSolution:
+    return solve(tape, None, objective="peak", options=selective_options(tape, offload))
 
 
 def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
-                      predicted: int | None = None) -> None:
-    best = _smallest(tape)
+                      predicted: int | None = None, offload: bool = False) -> None:
+    best = _smallest(tape, offload)
     got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
     raise BudgetError(
         f"no {strategy!r} plan fits the budget of {format_bytes(budget or 0)}{got}. The "
@@ -311,9 +349,10 @@ def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
         min_feasible_bytes=best.peak_bytes, strategy="optimal")
 
 
-def smallest_feasible_bytes(tape: Tape) -> int:
-    """The smallest step peak any plan in autoremat's space reaches for this tape."""
-    return _smallest(tape).peak_bytes
+def smallest_feasible_bytes(tape: Tape, offload: bool = False) -> int:
+    """The smallest step peak any plan in autoremat's space reaches for this tape (with
+    ``offload``, offloading blocks too)."""
+    return _smallest(tape, offload).peak_bytes
 
 
 def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision:
@@ -322,7 +361,9 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
     contexts, and random bits ])."""
     block = tape.blocks[i]
     kind, save = option
-    if kind != "selective":
+    if kind == "offload_input":
+        return BlockDecision(block.name, "recompute", segment, offload_input=True)
+    if kind != "selective":  # keep, recompute, offload
         return BlockDecision(block.name, kind, segment)
     name = save_set_name(save)
     if is_keep_set(name):
@@ -334,6 +375,9 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
                              format_keep_keys(keep_keys(block.ops, sel.keep_ops)))
     redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
     return BlockDecision(block.name, kind, segment, save, tuple(redo))
+
+
+_STRATEGY_NAMES = ["optimal", "none", "full", "every:K", "sqrt", "selective", "offload"]
 
 
 def check_plan_args(budget: int | float | str | None, strategy: str,
@@ -355,7 +399,7 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
     name, _, arg = strategy.partition(":")
     if name not in STRATEGIES:
         raise RematError(f"unknown strategy {strategy!r}; choose from "
-                         f"{['optimal', 'none', 'full', 'every:K', 'sqrt', 'selective']}."
+                         f"{_STRATEGY_NAMES}."
                          + did_you_mean(name, STRATEGIES))
     if arg and name != "every":
         raise RematError(f"strategy {name!r} takes no argument, got {strategy!r}")
@@ -373,7 +417,8 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
 
 
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
-         max_memory: int | str | None = None, optimizer: str | int | None = None) -> Plan:
+         max_memory: int | str | None = None, optimizer: str | int | None = None,
+         offload: bool = False) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
 
     Args:
@@ -384,13 +429,20 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             ``"full"`` (every block on its own), ``"every:K"`` (one block in K),
             ``"sqrt"`` (Chen et al.: segments of about sqrt(n) blocks), ``"selective"``
             (Megatron-LM's policy in every block: keep linear/conv outputs, recompute
-            the rest). ``"optimal"`` also considers selective save-sets per block.
+            the rest), ``"offload"`` (every block's saved tensors to host memory; needs
+            a tape measured with ``offload=True``). ``"optimal"`` also considers
+            selective save-sets per block, and with ``offload`` offloading a block.
         max_memory: an absolute device limit; parameters, buffers, optimizer state and
             the batch are subtracted from it (NOTE [ From max_memory to a step budget ]
             in ``budget.py``, the rule :func:`autoremat.estimate` follows too). With
             ``budget`` too, the tighter one wins.
         optimizer: optimizer name (``"adamw"``; see ``OPTIMIZERS``) or state bytes, for
             ``max_memory``.
+        offload: let ``"optimal"`` offload blocks' saved tensors to host memory
+            (decision ``"offload"``), costed by the copies' time not hidden behind
+            compute (NOTE [ What offload costs ]). Needs a tape measured with
+            ``profile(..., offload=True)``. A plan's ``predicted_host_bytes`` is the
+            host memory it uses. A plan made for a compiled step cannot offload.
 
     Returns:
         A frozen :class:`Plan`.
@@ -409,12 +461,27 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
     name, arg = check_plan_args(budget, strategy, max_memory, optimizer)
+    if not isinstance(offload, bool):
+        raise RematError(f"offload must be True or False, got {offload!r}")
+    notes: tuple[str, ...] = ()
+    if offload and name != "offload" and not tape.offload and tape.device == "cpu":
+        # NOTE [ Offloading saved tensors ]: on a CPU the host is the device, and
+        # offloading frees nothing (tests/test_offload.py measures it), so no block would
+        # be offloaded: plan without it, and say so
+        offload = False
+        notes = ("offload=True on a CPU tape: the host is the device there, offloading "
+                 "frees nothing, so no block is offloaded",)
+    if (offload or name == "offload") and not tape.offload:
+        raise RematError("this tape was measured without offloaded blocks; profile with "
+                         "autoremat.profile(model, inputs, offload=True) to plan offload"
+                         + (" (a compiled step cannot offload)" if tape.compiled else ""))
     budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer)
-    segments = STRATEGIES[name](tape, budget_bytes, arg)
+    segments = STRATEGIES[name](tape, budget_bytes, arg, offload)
     found = plan_of_segments(tape, segments, strategy, budget_bytes)
     if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
-        _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes)
-    return found
+        _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes,
+                          offload=offload)
+    return dataclasses.replace(found, notes=(*found.notes, *notes)) if notes else found
 
 
 def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
@@ -432,6 +499,10 @@ def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
         predicted_peak_bytes=peak,
         predicted_recompute_flops=sum(c.flops for c in costs),
         predicted_cost=sum(c.rank_cost for c in costs),
+        predicted_host_bytes=sum(
+            tape.blocks[start].offload_bytes if opt[0] == "offload" else
+            tape.blocks[start].offload_input_bytes if opt[0] == "offload_input" else 0
+            for start, _, opt in segments),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
         model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
     )

@@ -1,0 +1,235 @@
+"""Offload (issue 17): saved tensors, or a checkpoint's input, in host memory.
+
+On this CPU the host is the device, so an offload plan frees nothing; ``simulated_host``
+copies to memory the tracker does not count, which is what a GPU's allocator sees. The
+tests check gradients (equal to the plain model's, dropout on, both ways), the peak model
+against the measured peak (simulated host), the planner's use of offload, ``estimate``
+for a CUDA target, and the refusals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import autoremat
+from autoremat import Plan, RematError, SchemaError, zoo
+from autoremat._core.blocks import resolve_blocks
+from autoremat._core.memory import track_memory
+from autoremat._core.step import describe_inputs, run_step
+from autoremat._mechanism.offload import OffloadGroup, simulated_host
+from autoremat._plan.peak import plan_costs
+from autoremat._plan.plan import BlockDecision, plan_of_segments, smallest_feasible_bytes
+
+from conftest import SMALL, hf_model
+
+
+def _grads(model: torch.nn.Module, inputs: Any) -> tuple[int, list[torch.Tensor]]:
+    """Peak and gradients of one step from a fixed RNG state."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(7)
+    with track_memory() as mem:
+        run_step(model, inputs, None)
+    return mem.peak_bytes, [p.grad.clone() for p in model.parameters()]
+
+
+_KINDS = ["offload", "offload_input", "keep", "recompute"]
+
+
+def _mixed(tape: autoremat.Tape) -> Plan:
+    """Offload, offloaded input, keep and recompute, in turn along the chain."""
+    segments = [(i, i + 1, (_KINDS[i % 4], ())) for i in range(len(tape.blocks))]
+    return plan_of_segments(tape, segments, "test:mixed")
+
+
+def _by_hand(model: torch.nn.Module, inputs: Any, names: list[str], kinds: list[str]) -> Plan:
+    """A plan without a tape (its predictions are zeros): for tests of the mechanism."""
+    blocks = tuple(BlockDecision(n, "recompute" if k == "offload_input" else k, i,
+                                 offload_input=k == "offload_input")
+                   for i, (n, k) in enumerate(zip(names, kinds, strict=True)))
+    return Plan(strategy="test", blocks=blocks, budget_bytes=None, predicted_peak_bytes=0,
+                predicted_recompute_flops=0, predicted_cost=0, unplanned_peak_bytes=0,
+                step_flops=0, model=type(model).__name__, inputs=describe_inputs(inputs))
+
+
+@pytest.fixture(scope="module")
+def gpt2_offload_tape() -> tuple[torch.nn.Module, Any, autoremat.Tape]:
+    model, inputs = zoo.build("gpt2", **_GPT2)
+    with simulated_host():
+        tape = autoremat.profile(model, inputs, offload=True, with_selective=False,
+                                 timing=False)
+    return model, inputs, tape
+
+
+_GPT2 = {"n_layer": 4, "batch_size": 8, "seq_len": 128, "vocab_size": 128}  # activations dominate
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["host-is-device", "simulated-host"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "hf-gpt2", "hf-llama"])
+def test_offload_plans_give_plain_gradients(name: str, simulated: bool) -> None:
+    if name.startswith("hf-"):
+        model, inputs = hf_model(name[3:], use_cache=None, layers=4, seq_len=32)
+    else:
+        model, inputs = zoo.build(name, **dict(SMALL[name], n_layer=4))
+    _, plain = _grads(model, inputs)
+    names = resolve_blocks(model, None)
+    assert len(names) == 4
+    for kinds in (_KINDS, ["offload"] * 4, ["offload_input"] * 4):
+        chosen = _by_hand(model, inputs, names, kinds)
+        autoremat.apply(model, chosen)
+        with simulated_host() if simulated else contextlib.nullcontext():
+            _, got = _grads(model, inputs)
+        autoremat.remove(model)
+        assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True)), chosen
+
+
+def test_host_is_device_frees_nothing_and_changes_nothing(gpt2_offload_tape: Any) -> None:
+    model, inputs, _ = gpt2_offload_tape
+    tape = autoremat.profile(model, inputs, offload=True, with_selective=False, timing=False)
+    assert tape.host_bandwidth == 0.0  # no copies on a CPU
+    for b in tape.blocks[1:]:
+        assert b.fwd["OO"] == b.fwd["KK"] and b.bwd["OO"] == b.bwd["KK"]
+    # so the planner never offloads there: it costs hooks and frees nothing
+    least = smallest_feasible_bytes(tape)
+    for budget in (least, (least + tape.step_peak_bytes) // 2):
+        assert autoremat.plan(tape, budget, offload=True) == autoremat.plan(tape, budget)
+
+
+def test_offload_peak_model_is_exact(gpt2_offload_tape: Any) -> None:
+    """With a separate host, each plan's measured peak equals its prediction."""
+    model, inputs, tape = gpt2_offload_tape
+    fast = dataclasses.replace(tape, host_bandwidth=1e15)  # copies all hidden: offload is cheap
+    plans = [_mixed(tape), autoremat.plan(tape, strategy="offload")]
+    for budget in ("80%", "55%", "35%"):
+        plans.append(autoremat.plan(fast, budget, offload=True))
+    assert any(p.offload_blocks for p in plans[2:])
+    for chosen in plans:
+        autoremat.apply(model, chosen)
+        with simulated_host():
+            peak, _ = _grads(model, inputs)
+        autoremat.remove(model)
+        assert peak == chosen.predicted_peak_bytes, chosen
+        if chosen.budget_bytes is not None:
+            assert peak <= chosen.budget_bytes
+
+
+def test_offload_input_goes_below_per_block_checkpointing() -> None:
+    """Where the blocks' inputs are what per-block checkpointing keeps (many narrow
+    blocks, long sequences), offloading them lowers the least feasible peak; the plan
+    that reaches it measures its prediction."""
+    model, inputs = zoo.build("gpt2", n_layer=12, n_embd=32, n_head=2, batch_size=8,
+                              seq_len=256, vocab_size=64)
+    with simulated_host():
+        tape = autoremat.profile(model, inputs, offload=True, with_selective=False,
+                                 timing=False)
+    least = smallest_feasible_bytes(tape)
+    with_offload = smallest_feasible_bytes(tape, offload=True)
+    assert with_offload < least <= tape.ckpt_step_peak_bytes
+    best = autoremat.plan(tape, with_offload, offload=True)
+    assert any(b.offload_input for b in best.blocks)
+    assert best.predicted_host_bytes == sum(
+        b.offload_input_bytes if d.offload_input else b.offload_bytes if d.decision ==
+        "offload" else 0 for b, d in zip(tape.blocks, best.blocks, strict=True))
+    autoremat.apply(model, best)
+    with simulated_host():
+        peak, _ = _grads(model, inputs)
+    assert peak == best.predicted_peak_bytes <= with_offload
+
+
+def test_planner_offloads_when_copies_hide_and_not_when_they_do_not(
+        gpt2_offload_tape: Any) -> None:
+    _, _, tape = gpt2_offload_tape
+    fast = dataclasses.replace(tape, host_bandwidth=1e15)
+    slow = dataclasses.replace(tape, host_bandwidth=1e3)
+    budget = "55%"
+    recompute_only = autoremat.plan(fast, budget)
+    cheap = autoremat.plan(fast, budget, offload=True)
+    assert cheap.offload_blocks and cheap.predicted_cost < recompute_only.predicted_cost
+    dear = autoremat.plan(slow, budget, offload=True)
+    assert dear.predicted_cost <= recompute_only.predicted_cost
+    assert dear.offload_blocks == 0 or dear.predicted_peak_bytes <= dear.budget_bytes
+
+
+def test_offloading_a_block_lowers_the_device_level_by_its_offloaded_bytes(
+        gpt2_offload_tape: Any) -> None:
+    """With a separate host, what a block leaves on the device when the forward moves on
+    drops by exactly the bytes it copied to host (every block but the last, whose output
+    the head also reads), whatever its neighbour."""
+    _, _, tape = gpt2_offload_tape
+    for i, b in enumerate(tape.blocks[:-1]):
+        for prev in ("K" if i == 0 else "KCOP"):
+            assert b.fwd[prev + "K"].delta_bytes - b.fwd[prev + "O"].delta_bytes \
+                == b.offload_bytes > 0
+
+
+def test_estimate_for_cuda_offload() -> None:
+    """On meta for a CUDA target the host copies are not counted: the device level the
+    forward leaves drops by at most the bytes copied (CUDA's attention kernel saves
+    views of one buffer: less is freed than copied, see the README), the peak drops, and
+    an offload plan fits its budget."""
+    model, inputs = zoo.build("gpt2", device="meta", **_GPT2)
+    est = autoremat.estimate(model, inputs, device="cuda", offload=True, selective=False)
+    tape = est.tape
+    assert tape is not None and tape.offload and tape.host_bandwidth == 25e9
+    n = len(tape.blocks)
+    keep = [(i, i + 1, ("keep", ())) for i in range(n)]
+    some = [(i, i + 1, ("offload" if i < n - 1 else "keep", ())) for i in range(n)]
+    held = [sum(c.hold for c in plan_costs(tape, s)) for s in (keep, some)]
+    assert 0 < held[0] - held[1] <= sum(b.offload_bytes for b in tape.blocks[:-1])
+    peaks = [plan_of_segments(tape, s, "test").predicted_peak_bytes for s in (keep, some)]
+    assert peaks[1] < peaks[0]
+    planned = est.with_plan("50%", offload=True)
+    assert planned.plan is not None and planned.plan_peak_bytes <= planned.budget_bytes
+
+
+def test_offload_refusals(gpt2_offload_tape: Any) -> None:
+    model, inputs, tape = gpt2_offload_tape
+    plain_tape = autoremat.profile(model, inputs, with_selective=False, timing=False)
+    # on a CPU the host is the device: nothing to offload, and the plan says so
+    budget = plain_tape.ckpt_step_peak_bytes * 2
+    here = autoremat.plan(plain_tape, budget, offload=True)
+    assert here.offload_blocks == 0 and "host is the device" in here.notes[-1]
+    assert dataclasses.replace(here, notes=()) == autoremat.plan(plain_tape, budget)
+    with pytest.raises(RematError, match=r"profile\(model, inputs, offload=True\)"):
+        autoremat.plan(dataclasses.replace(plain_tape, device="cuda"), budget, offload=True)
+    with pytest.raises(RematError, match="offload=True"):
+        autoremat.plan(plain_tape, strategy="offload")
+    with pytest.raises(RematError, match="offload must be True or False"):
+        autoremat.plan(tape, "60%", offload="yes")  # type: ignore[arg-type]
+    with pytest.raises(RematError, match="not supported"):
+        autoremat.profile(model, inputs, offload=True, compile="aot_eager")
+    with pytest.raises(RematError, match="only matters with offload=True"):
+        autoremat.profile(model, inputs, host_bandwidth=1e9)
+    with pytest.raises(RematError, match="positive number"):
+        autoremat.profile(model, inputs, offload=True, host_bandwidth=-1)
+    chosen = autoremat.plan(tape, strategy="offload")
+    with pytest.raises(RematError, match="offloads blocks"):
+        autoremat.apply(torch.compile(model, backend="aot_eager"), chosen)
+    assert autoremat.applied_plan(model) is None
+
+
+def test_offload_plans_round_trip_and_bad_json_is_refused(gpt2_offload_tape: Any) -> None:
+    _, _, tape = gpt2_offload_tape
+    chosen = _mixed(tape)
+    assert Plan.from_json(chosen.to_json()) == chosen
+    assert "offload" in str(chosen) and "its input in host memory" in str(chosen)
+    data = chosen.to_json().replace('"offload_input": true', '"offload_input": 1')
+    with pytest.raises(SchemaError, match="offload_input must be false, or true on a "
+                                          "recompute block"):
+        Plan.from_json(data)
+
+
+def test_a_tensor_saved_twice_is_copied_once() -> None:
+    group = OffloadGroup(frozen=set())
+    x = torch.randn(64, 64)
+    with simulated_host():
+        a, b = group.pack(x), group.pack(x)
+        assert a is b and group.stats.tensors == 1
+        assert torch.equal(group.unpack(a), x)
+    small = torch.randn(4)
+    assert group.pack(small) is small  # under _MIN_BYTES: stays
