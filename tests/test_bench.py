@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from autoremat import zoo
-from autoremat._bench.bench import _plan_key
-from autoremat._bench.measure import build_target
+from autoremat._bench.measure import build_target, plan_key
 from autoremat._bench.refs import sequential_chain
 from autoremat._bench.report import (
     SCHEMA_VERSION,
@@ -185,5 +184,5 @@ def test_plans_differing_only_in_a_keep_set_are_measured_apart(tiny_tape) -> Non
     other = dataclasses.replace(first, keep_ops=(1,), skip_ops=(0,))
     one = dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
     two = dataclasses.replace(base, blocks=(other, *base.blocks[1:]))
-    assert _plan_key(one) != _plan_key(two)
-    assert _plan_key(one) == _plan_key(dataclasses.replace(one, strategy="optimal"))
+    assert plan_key(one) != plan_key(two)
+    assert plan_key(one) == plan_key(dataclasses.replace(one, strategy="optimal"))
