@@ -16,9 +16,11 @@ For each model, one process measures, on the same batch and from the same RNG st
 ``SAC per block``               selective activation checkpointing per block, Megatron
                                 style: save matmul/bmm/attention/conv outputs, recompute
                                 the rest
-``torch.compile``               ``activation_memory_budget`` at the budgets' fractions, in
-                                a subprocess and measured by the OS (NOTE [ Measuring
-                                torch.compile ] in ``bench_compile``)
+``torch.compile``               ``activation_memory_budget`` at ``--compile-fractions``,
+                                in a subprocess and measured by the OS (NOTE [ Measuring
+                                torch.compile ] in ``compiled.py``); beside it, compiled:
+                                checkpoint per block, SAC per block, and autoremat's
+                                plans from a compiled profile at their peaks
 ==============================  ==========================================================
 
 Each row: step peak (as in DESIGN.md), recompute FLOPs as a percentage of the plain

@@ -1,11 +1,37 @@
-"""The ``torch.compile`` rows of ``autoremat bench``: a subprocess per budget, OS-measured.
+"""The compiled rows of ``autoremat bench --compile``: a subprocess per row, OS-measured.
 
-:func:`compile_rows` runs, for each ``activation_memory_budget`` fraction, a fresh Python
-process whose entry point is :func:`compile_worker` (started as ``python -c "from
-autoremat._bench.compiled import compile_worker; ..."``, so that name must not move). The
-worker compiles the target, times it against an eager plain step in the same process and
-writes its figures as JSON; :func:`compile_rows` turns them into rows, led by one
-``no checkpointing (OS)`` row that is their baseline.
+:func:`compile_rows` runs, for each row, a fresh Python process whose entry point is
+:func:`compile_worker` (started as ``python -c "from autoremat._bench.compiled import
+compile_worker; ..."``, so that name must not move). The worker compiles one variant of
+the target, times it against an eager plain step in the same process and writes its
+figures as JSON; :func:`compile_rows` turns them into rows, led by one ``no checkpointing
+(OS)`` row that is their baseline. The variants, all compiled with one backend
+(``Settings.compile_backend``, ``--compile-backend``):
+
+* ``torch.compile`` at each ``activation_memory_budget`` of ``Settings.compile_fractions``;
+* ``torch.compile + checkpoint per block``: every block under non-reentrant
+  ``torch.utils.checkpoint``, and ``torch.compile + SAC per block``: the same with the
+  Megatron policy (save mm/addmm/attention/conv outputs, recompute the rest: the op
+  kinds of autoremat's ``MEGATRON``), both with the whole model compiled, as a user
+  would write them (``refs.py``);
+* ``autoremat + torch.compile``: plans at the peaks those rows measured.
+
+NOTE [ autoremat's compiled rows ]
+    autoremat plans from a tape measured compiled (``profile(..., compile=backend)``,
+    in the bench's own process), whose figures are for regional compilation: each block
+    compiled on its own. So the worker applies the plan and compiles each block
+    (``block.compile(backend=...)``), the step the plan predicts, rather than the whole
+    model: under whole-model compile the peak can differ a little either way (NOTE [
+    Profiling a compiled step ]). The budgets are the peaks the compiled references
+    measured, one below the lowest of them (``_BELOW``) and the smallest feasible one;
+    identical plans run once. Budgets are in the bytes plans are made in: on CUDA the
+    allocator's (``max_memory_allocated``, the rows' peaks); on CPU the OS figure also
+    holds what the allocator does not see (pages, the process's own growth: 5-7% more
+    on a 2-layer gpt2), so the worker also measures each step from the allocator's
+    reports (``track_allocations``, ``allocations_peak_bytes``), and budgets and the
+    "fits" column use that figure, the one the prediction is exact for. Each variant
+    builds its own copy of the target (same seed, same weights) so that the eager plain
+    step it is compared with keeps running the untouched model.
 
 NOTE [ Measuring torch.compile ]
     A Python dispatch mode (the memory tracker, the FLOP counter) makes Dynamo run
@@ -126,9 +152,9 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
                 and r.peak_bytes is not None]
     budgets: list[tuple[str, int | None]] = [
         (f"peak of {r.method}" + (f" {r.budget.split()[0]}" if r.budget != "-" else ""),
-         r.peak_bytes) for r in measured]
+         _budget_peak(r)) for r in measured]
     if measured:
-        lowest = min(r.peak_bytes or 0 for r in measured)
+        lowest = min(_budget_peak(r) or 0 for r in measured)
         budgets.append(("below the references", int(_BELOW * lowest)))
     budgets.append(("min", smallest_feasible_bytes(tape) if tape is not None else None))
     by_plan: dict[tuple[Any, ...], tuple[str, BenchRow]] = {}
@@ -150,7 +176,7 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
             rows.append(dataclasses.replace(
                 row, budget=label, budget_bytes=chosen.budget_bytes,
                 predicted_peak_bytes=chosen.predicted_peak_bytes,
-                note=f"same plan as {first}" + _over(row.peak_bytes, chosen.budget_bytes)))
+                note=f"same plan as {first}" + _over(_budget_peak(row), chosen.budget_bytes)))
             continue
         grow(1)
         row = runner.row(AUTO_COMPILE, label, {"kind": "plan", "plan": chosen.to_json()},
@@ -164,6 +190,13 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
 # "below the references": autoremat planned for this fraction of the lowest peak any
 # compiled reference measured
 _BELOW = 0.9
+
+
+def _budget_peak(row: BenchRow) -> int | None:
+    """The peak a budget is compared with: on CPU the allocator's reports, the bytes
+    plans are made in; else the row's peak (NOTE [ autoremat's compiled rows ])."""
+    return row.allocations_peak_bytes if row.allocations_peak_bytes is not None \
+        else row.peak_bytes
 
 
 def _over(peak: int | None, budget: int | None) -> str:
@@ -234,8 +267,8 @@ class _Runner:
             if eager_cpu else None,
             max_grad_diff=0.0 if res["grads_equal"] else res["max_grad_diff"],
             grads_equal=res["grads_equal"], relative_grad_diff=relative,
-            allocations_peak_bytes=res.get("compiled_alloc_peak_bytes"),
-            note=note + _over(peak, budget_bytes))
+            allocations_peak_bytes=res.get("compiled_alloc_peak_bytes"), note=note)
+        row = dataclasses.replace(row, note=note + _over(_budget_peak(row), budget_bytes))
         self.rows.append(row)
         self.progress(1, "")
         return row
