@@ -155,7 +155,7 @@ class _Sweep:
         self.progress = progress
         self.grow = grow
         self.model, self.inputs = build_target(target, dict(settings.overrides),
-                                               settings.device)
+                                               settings.device, settings.dtype)
         self.rng = torch.get_rng_state()  # every step starts from this RNG state
         self.tape: Tape | None = None
         self.tape_error = ""

@@ -226,7 +226,8 @@ class _Runner:
                          f"compiling is slow on CPU)")
         try:
             res = _run_compile_worker(self.target, dict(s.overrides), variant, s.repeats,
-                                      s.compile_timeout_s, s.device, s.loop, s.compile_backend)
+                                      s.compile_timeout_s, s.device, s.loop, s.compile_backend,
+                                      s.dtype)
         except RematError as exc:
             row = BenchRow(method, label, "error", peak_source=self.source,
                            budget_bytes=budget_bytes,
@@ -309,8 +310,8 @@ def _fraction(budget: str, plain_peak: int) -> float:
 
 def _run_compile_worker(target: str, overrides: dict[str, Any], variant: dict[str, Any],
                         repeats: int, timeout_s: float, device: str = "cpu",
-                        loop: Loop = "holds_output",
-                        backend: str = "inductor") -> dict[str, Any]:
+                        loop: Loop = "holds_output", backend: str = "inductor",
+                        dtype: str = "float32") -> dict[str, Any]:
     """The figures :func:`compile_worker` writes for one variant, run in a fresh process.
 
     Raises :class:`RematError` when the process times out or fails (with its last line of
@@ -320,7 +321,7 @@ def _run_compile_worker(target: str, overrides: dict[str, Any], variant: dict[st
         out = Path(tmp) / "result.json"
         spec = {"target": target, "overrides": overrides, "variant": variant,
                 "repeats": repeats, "threads": torch.get_num_threads(), "out": str(out),
-                "device": device, "loop": loop, "backend": backend}
+                "device": device, "loop": loop, "backend": backend, "dtype": dtype}
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         code = "import sys; from autoremat._bench.compiled import compile_worker; " \
@@ -348,7 +349,8 @@ def _compiled_variant(variant: dict[str, Any], spec: dict[str, Any], model: nn.M
     keeps running ``model`` untouched: a toggled forward would make Dynamo recompile."""
     if variant["kind"] == "fraction":
         return torch.compile(model, backend=backend), model  # type: ignore[return-value]
-    owner, _ = build_target(spec["target"], spec["overrides"], device)
+    owner, _ = build_target(spec["target"], spec["overrides"], device,
+                            spec.get("dtype", "float32"))
     if variant["kind"] == "plan":  # NOTE [ autoremat's compiled rows ]
         chosen = Plan.from_json(variant["plan"])
         apply(owner, chosen)
@@ -381,7 +383,8 @@ def compile_worker(spec_text: str) -> int:
     functorch_config.activation_memory_budget = float(variant.get("fraction", 1.0))
     inductor_config.fallback_random = True  # same dropout masks as eager (module note)
     device = torch.device(spec.get("device", "cpu"))
-    model, inputs = build_target(spec["target"], spec["overrides"], device)
+    model, inputs = build_target(spec["target"], spec["overrides"], device,
+                                 spec.get("dtype", "float32"))
     loop: Loop = spec.get("loop", "holds_output")
     rng = torch.get_rng_state()
     with compile_settings(backend):

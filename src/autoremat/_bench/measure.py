@@ -28,7 +28,7 @@ from autoremat._core.timing import device_of, time_ms
 from autoremat._plan.plan import Plan
 from autoremat._targets import load_target
 
-__all__ = ["BenchMeasure", "bench_measure", "build_target", "describe_plan", "first_line",
+__all__ = ["DTYPES", "BenchMeasure", "bench_measure", "build_target", "describe_plan", "first_line",
            "largest_grad", "plan_key", "ratio_range", "resolve_device", "time_step"]
 
 
@@ -61,13 +61,20 @@ def resolve_device(text: str) -> torch.device:
     return device
 
 
-def build_target(target: str, overrides: dict[str, Any],
-                 device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
+DTYPES = ("float32", "bfloat16", "float16")  # bench --dtype
+
+
+def build_target(target: str, overrides: dict[str, Any], device: torch.device | str = "cpu",
+                 dtype: str = "float32") -> tuple[nn.Module, Any]:
     """``(model, inputs)`` of a zoo name or ``package.module:factory``, seeded and in
     train mode, so that every process builds the same model; built on the CPU, then
-    moved (model and every input tensor) to ``device``."""
+    moved (model and every input tensor) to ``device``. ``dtype`` (one of
+    :data:`DTYPES`) other than float32 applies to zoo models only."""
+    if dtype not in DTYPES:
+        raise RematError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch.manual_seed(0)  # factories that do not seed still build the same model each time
-    model, inputs = load_target(target, overrides)
+    model, inputs = load_target(target, overrides, dtype=None if dtype == "float32"
+                                else getattr(torch, dtype))
     model.train()
     device = torch.device(device)
     if device.type != "cpu":

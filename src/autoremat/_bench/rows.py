@@ -111,3 +111,4 @@ class Settings:
     compile_timeout_s: float = 1800.0
     loop: Loop = "holds_output"  # the training loop every step follows (step.Loop)
     device: str = "cpu"  # where models and inputs run: "cpu", "cuda", "cuda:1"
+    dtype: str = "float32"  # floating dtype of zoo models and their inputs (measure.DTYPES)

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from autoremat import zoo
 from autoremat._bench.bench import run_bench
-from autoremat._bench.measure import resolve_device
+from autoremat._bench.measure import DTYPES, resolve_device
 from autoremat._bench.plots import PLOT_HINT, can_plot
 from autoremat._bench.report import device_info, machine_info, write_results
 from autoremat._bench.rows import ModelResult, Settings
@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="where models and inputs run: cpu or cuda[:N] (default: %(default)s); "
                         "on CUDA peaks are the rise of torch.cuda.max_memory_allocated() and "
                         "times are CUDA-synchronised; result files are named after it")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="floating dtype of zoo models and their inputs (default: "
+                        "%(default)s; gradients are compared exactly only in float32)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads for the measured steps (default 1: steadiest times on "
                         "a shared CPU; 0 keeps torch's default)")
@@ -112,7 +115,7 @@ def bench_main(argv: list[str]) -> int:
             budgets=budgets, repeats=repeats,
             compile=(not args.quick) if args.compile is None else args.compile,
             overrides=tuple(parse_options(args.set).items()), threads=args.threads,
-            device=str(device), compile_backend=backend,
+            device=str(device), dtype=args.dtype, compile_backend=backend,
             compile_fractions=_fractions(args.compile_fractions),
         )
         if args.threads < 0:
