@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,26 @@ def _row(method: str, budget: str, peak: int, pct: float, ratio: float = 1.2) ->
                     recompute_pct=pct, time_ratio=ratio,
                     time_ratio_range=(ratio - 0.05, ratio + 0.05), grads_equal=True,
                     max_grad_diff=0.0)
+
+
+def test_headline_compares_compiled_references_with_compiled_plans() -> None:
+    """A compiled reference is judged against autoremat's compiled plans, times included,
+    in fractions of the plain peak of its own measurement (OS on CPU)."""
+    def os_row(method: str, budget: str, peak: int, pct: float, ratio: float) -> BenchRow:
+        return replace(_row(method, budget, peak, pct, ratio), peak_source="os")
+
+    rows = [
+        _row(NONE, "-", 100, 0.0, 1.0),
+        _row(AUTO, "min", 30, 40.0, 1.6),
+        os_row(COMPILE_BLOCK, "-", 60, 30.0, 1.5),
+        os_row(AUTO_COMPILE, "peak of X", 55, 10.0, 1.1),
+    ]
+    (block,) = headline(rows)
+    assert f"vs {COMPILE_BLOCK}" in block and "[peak of X]" in block
+    assert "fewer recompute FLOPs, faster" in block and "not compared" not in block
+    # without compiled plans, the eager ones stand in, their times not compared
+    (alone,) = headline(rows[:3])
+    assert "[min]" in alone and "not compared" in alone
 
 
 def test_headline_verdicts() -> None:
