@@ -253,3 +253,30 @@ def test_auto_refuses_a_bad_backend_before_profiling(monkeypatch: pytest.MonkeyP
     with pytest.raises(RematError, match=r"a torch\.compile backend name.*'aot_eagr'"):
         autoremat.auto(model, inputs, budget="80%", compile="aot_eagr")
     assert autoremat.applied_plan(model) is None
+
+
+def test_flop_counter_sees_a_compiled_checkpoint_recompute() -> None:
+    """A compiled backward replays a checkpointed region's dropout through run_with_rng_state
+    (NOTE [ Random ops in a compiled backward ]): the counter lets it through and counts
+    the recomputed matmul."""
+    from torch.utils.checkpoint import checkpoint
+
+    from autoremat._core.flops import FlopCounter
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(lin(x).relu(), 0.5).sum(-1)
+
+    def step(fn: Any) -> int:
+        x = torch.randn(8, 32, requires_grad=True)
+        loss = fn(x).sum()
+        with FlopCounter() as counter:
+            loss.backward()
+        return counter.total
+
+    plain = step(torch.compile(region, backend="aot_eager"))
+    recomputed = step(torch.compile(lambda x: checkpoint(region, x, use_reentrant=False),
+                                    backend="aot_eager"))
+    assert recomputed == plain + 2 * 8 * 32 * 32, (plain, recomputed)
