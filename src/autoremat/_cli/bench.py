@@ -149,9 +149,11 @@ def bench_main(argv: list[str]) -> int:
     if settings.compile:
         how = "allocator-measured (max_memory_allocated" if device.type == "cuda" else \
             "OS-measured (VmHWM"
-        console.print(f"torch.compile rows are {how} in a subprocess, against an eager plain "
-                      "step there): a dispatch mode cannot see inside compiled code.",
-                      highlight=False)
+        console.print(f"compiled rows are {how} in a subprocess, against an eager plain "
+                      "step there): a dispatch mode cannot see inside compiled code"
+                      + ("; on CPU autoremat's compiled budgets are in the allocator's "
+                         "bytes (from its reports to the profiler)." if device.type != "cuda"
+                         else "."), highlight=False)
     console.print(f"{len(targets)} model(s) in {elapsed / 60:.1f} min; wrote "
                   + ", ".join(str(p) for p in paths), highlight=False, markup=False)
     if not can_plot():
