@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from autoremat import zoo
+from autoremat import Plan, RematError, zoo
 from autoremat._bench.measure import build_target, plan_key
 from autoremat._bench.refs import sequential_chain
 from autoremat._bench.report import (
@@ -246,3 +247,58 @@ def test_plans_differing_only_in_a_keep_set_are_measured_apart(tiny_tape) -> Non
     two = dataclasses.replace(base, blocks=(other, *base.blocks[1:]))
     assert plan_key(one) != plan_key(two)
     assert plan_key(one) == plan_key(dataclasses.replace(one, strategy="optimal"))
+
+
+def test_compile_rows_plan_autoremat_at_each_compiled_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_rows without subprocesses: canned worker figures, an eager tape standing in
+    for the compiled one. autoremat is planned at each compiled reference's allocator peak
+    (CPU), below the lowest and at the smallest budget; a failed reference gives an error
+    row and no plan; identical plans run once."""
+    import autoremat._bench.compiled as compiled
+    from autoremat import profile
+
+    model, inputs = build_target("gpt2", {"n_layer": 3, "seq_len": 64, "batch_size": 2})
+    names = resolve_blocks(model, None)
+    tape = profile(model, inputs, timing=False, with_selective=False)
+    plain = tape.step_peak_bytes
+    peaks = {"fraction": plain, "block": int(0.8 * plain)}
+    ran: list[dict[str, Any]] = []
+
+    def worker(target: str, overrides: dict[str, Any], variant: dict[str, Any],
+               *args: Any) -> dict[str, Any]:
+        ran.append(variant)
+        if variant["kind"] == "sac":
+            raise RematError("torch.compile subprocess failed (exit 1): boom")
+        if variant["kind"] == "plan":
+            peak = Plan.from_json(variant["plan"]).predicted_peak_bytes
+        else:
+            peak = peaks[variant["kind"]]
+        return {"eager_ms": [10.0], "compiled_ms": [12.0], "eager_cpu_ms": [10.0],
+                "compiled_cpu_ms": [12.0], "compile_s": 1.0, "eager_peak_bytes": plain + 4096,
+                "compiled_peak_bytes": peak + 4096, "eager_alloc_peak_bytes": plain,
+                "compiled_alloc_peak_bytes": peak, "grads_equal": True, "max_grad_diff": 0.0,
+                "max_abs_grad": 1.0, "eager_step_flops": 100, "eager_bwd_flops": 60,
+                "compiled_bwd_flops": 70}
+
+    monkeypatch.setattr(compiled, "_run_compile_worker", worker)
+    monkeypatch.setattr(compiled, "profile", lambda *a, **k: tape)
+    settings = Settings(compile_fractions=(1.0,), compile_backend="aot_eager")
+    rows = compiled.compile_rows("gpt2", settings, model, inputs, names, plain,
+                                 lambda n, text: None, lambda n: None)
+    assert [r.method for r in rows[:4]] == [COMPILE_EAGER, COMPILE, COMPILE_BLOCK, COMPILE_SAC]
+    assert rows[3].status == "error" and "boom" in rows[3].note
+    autos = {r.budget: r for r in rows if r.method == AUTO_COMPILE}
+    assert set(autos) == {"peak of torch.compile 1", f"peak of {COMPILE_BLOCK}",
+                          "below the references", "min"}
+    assert autos[f"peak of {COMPILE_BLOCK}"].budget_bytes == peaks["block"]
+    assert autos["below the references"].budget_bytes == int(0.9 * peaks["block"])
+    for r in autos.values():
+        if r.status == "ok":
+            assert r.predicted_peak_bytes is not None and r.budget_bytes is not None
+            assert r.allocations_peak_bytes == r.predicted_peak_bytes <= r.budget_bytes
+            assert "OVER BUDGET" not in r.note
+    plans = [v for v in ran if v["kind"] == "plan"]
+    assert len(plans) == len({v["plan"] for v in plans}), "a plan ran twice"
+    shared = sum("same plan as" in r.note for r in autos.values())
+    assert len(plans) + shared == sum(r.status == "ok" for r in autos.values())
