@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from autoremat import zoo
-from autoremat._bench.bench import _plan_key
-from autoremat._bench.measure import build_target
+from autoremat import Plan, RematError, zoo
+from autoremat._bench.measure import build_target, plan_key
 from autoremat._bench.refs import sequential_chain
 from autoremat._bench.report import (
     SCHEMA_VERSION,
@@ -21,8 +22,12 @@ from autoremat._bench.report import (
 )
 from autoremat._bench.rows import (
     AUTO,
+    AUTO_COMPILE,
     BLOCK,
     COMPILE,
+    COMPILE_BLOCK,
+    COMPILE_EAGER,
+    COMPILE_SAC,
     NONE,
     SAC,
     SEQ,
@@ -70,7 +75,42 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert "| method |" in (out / "results.md").read_text()
 
 
+@pytest.mark.slow
+def test_bench_compile_smoke(tmp_path: Path) -> None:
+    """The compiled rows end to end on a 2-layer gpt2 with aot_eager (about 2-3 minutes
+    on two busy cores: each row compiles in a subprocess of its own)."""
+    out = tmp_path / "bench"
+    status = bench_main(["gpt2", "--quick", "--compile", "--repeats", "1", "--budgets", "min",
+                         "--set", "n_layer=2,seq_len=64,batch_size=2", "--compile-backend",
+                         "aot_eager", "--compile-fractions", "1", "--out", str(out)])
+    assert status == 0
+    assert (out / "gpt2_pareto.png").stat().st_size > 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["compile_backend"] == "aot_eager"
+    (model,) = data["models"]
+    rows = [BenchRow(**{**r, "time_ratio_range": None}) for r in model["rows"]]
+    by_method = {m: [r for r in rows if r.method == m and r.status == "ok"]
+                 for m in (COMPILE, COMPILE_EAGER, COMPILE_BLOCK, COMPILE_SAC, AUTO_COMPILE)}
+    assert all(by_method.values()), {m: len(r) for m, r in by_method.items()}
+    for r in by_method[COMPILE_BLOCK] + by_method[COMPILE_SAC] + by_method[AUTO_COMPILE]:
+        # aot_eager fuses nothing: gradients equal the eager plain step's
+        assert r.grads_equal, r
+        assert r.time_ratio is not None and r.peak_source == "os" and r.peak_bytes
+        assert r.allocations_peak_bytes, r
+    budgets = {r.budget for r in by_method[AUTO_COMPILE]}
+    assert {f"peak of {COMPILE_BLOCK}", f"peak of {COMPILE_SAC}", "peak of torch.compile 1",
+            "min"} <= budgets, budgets
+    for r in by_method[AUTO_COMPILE]:
+        # regional compile on CPU: the allocator's peak is the prediction, to the byte
+        assert r.predicted_peak_bytes == r.allocations_peak_bytes, r
+        assert r.budget_bytes is not None and r.allocations_peak_bytes <= r.budget_bytes, r
+    assert any("torch.compile + checkpoint per block" in h for h in model["headline"])
+    assert "| autoremat + torch.compile |" in (out / "results.md").read_text()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["gpt2", "--compile-backend", "aot_eagr"], "Did you mean 'aot_eager'?"),
+    (["gpt2", "--compile-fractions", "0.5,2"], "--compile-fractions takes numbers from 0 to 1"),
     (["gpt2", "--budgets", ","], "--budgets is empty"),
     (["gpt2", "--repeats", "0"], "--repeats must be at least 1"),
     (["gtp2", "--no-compile"], "Did you mean 'gpt2'?"),
@@ -101,6 +141,26 @@ def _row(method: str, budget: str, peak: int, pct: float, ratio: float = 1.2) ->
                     recompute_pct=pct, time_ratio=ratio,
                     time_ratio_range=(ratio - 0.05, ratio + 0.05), grads_equal=True,
                     max_grad_diff=0.0)
+
+
+def test_headline_compares_compiled_references_with_compiled_plans() -> None:
+    """A compiled reference is judged against autoremat's compiled plans, times included,
+    in fractions of the plain peak of its own measurement (OS on CPU)."""
+    def os_row(method: str, budget: str, peak: int, pct: float, ratio: float) -> BenchRow:
+        return replace(_row(method, budget, peak, pct, ratio), peak_source="os")
+
+    rows = [
+        _row(NONE, "-", 100, 0.0, 1.0),
+        _row(AUTO, "min", 30, 40.0, 1.6),
+        os_row(COMPILE_BLOCK, "-", 60, 30.0, 1.5),
+        os_row(AUTO_COMPILE, "peak of X", 55, 10.0, 1.1),
+    ]
+    (block,) = headline(rows)
+    assert f"vs {COMPILE_BLOCK}" in block and "[peak of X]" in block
+    assert "fewer recompute FLOPs, faster" in block and "not compared" not in block
+    # without compiled plans, the eager ones stand in, their times not compared
+    (alone,) = headline(rows[:3])
+    assert "[min]" in alone and "not compared" in alone
 
 
 def test_headline_verdicts() -> None:
@@ -185,5 +245,60 @@ def test_plans_differing_only_in_a_keep_set_are_measured_apart(tiny_tape) -> Non
     other = dataclasses.replace(first, keep_ops=(1,), skip_ops=(0,))
     one = dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
     two = dataclasses.replace(base, blocks=(other, *base.blocks[1:]))
-    assert _plan_key(one) != _plan_key(two)
-    assert _plan_key(one) == _plan_key(dataclasses.replace(one, strategy="optimal"))
+    assert plan_key(one) != plan_key(two)
+    assert plan_key(one) == plan_key(dataclasses.replace(one, strategy="optimal"))
+
+
+def test_compile_rows_plan_autoremat_at_each_compiled_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_rows without subprocesses: canned worker figures, an eager tape standing in
+    for the compiled one. autoremat is planned at each compiled reference's allocator peak
+    (CPU), below the lowest and at the smallest budget; a failed reference gives an error
+    row and no plan; identical plans run once."""
+    import autoremat._bench.compiled as compiled
+    from autoremat import profile
+
+    model, inputs = build_target("gpt2", {"n_layer": 3, "seq_len": 64, "batch_size": 2})
+    names = resolve_blocks(model, None)
+    tape = profile(model, inputs, timing=False, with_selective=False)
+    plain = tape.step_peak_bytes
+    peaks = {"fraction": plain, "block": int(0.8 * plain)}
+    ran: list[dict[str, Any]] = []
+
+    def worker(target: str, overrides: dict[str, Any], variant: dict[str, Any],
+               *args: Any) -> dict[str, Any]:
+        ran.append(variant)
+        if variant["kind"] == "sac":
+            raise RematError("torch.compile subprocess failed (exit 1): boom")
+        if variant["kind"] == "plan":
+            peak = Plan.from_json(variant["plan"]).predicted_peak_bytes
+        else:
+            peak = peaks[variant["kind"]]
+        return {"eager_ms": [10.0], "compiled_ms": [12.0], "eager_cpu_ms": [10.0],
+                "compiled_cpu_ms": [12.0], "compile_s": 1.0, "eager_peak_bytes": plain + 4096,
+                "compiled_peak_bytes": peak + 4096, "eager_alloc_peak_bytes": plain,
+                "compiled_alloc_peak_bytes": peak, "grads_equal": True, "max_grad_diff": 0.0,
+                "max_abs_grad": 1.0, "eager_step_flops": 100, "eager_bwd_flops": 60,
+                "compiled_bwd_flops": 70}
+
+    monkeypatch.setattr(compiled, "_run_compile_worker", worker)
+    monkeypatch.setattr(compiled, "profile", lambda *a, **k: tape)
+    settings = Settings(compile_fractions=(1.0,), compile_backend="aot_eager")
+    rows = compiled.compile_rows("gpt2", settings, model, inputs, names, plain,
+                                 lambda n, text: None, lambda n: None)
+    assert [r.method for r in rows[:4]] == [COMPILE_EAGER, COMPILE, COMPILE_BLOCK, COMPILE_SAC]
+    assert rows[3].status == "error" and "boom" in rows[3].note
+    autos = {r.budget: r for r in rows if r.method == AUTO_COMPILE}
+    assert set(autos) == {"peak of torch.compile 1", f"peak of {COMPILE_BLOCK}",
+                          "below the references", "min"}
+    assert autos[f"peak of {COMPILE_BLOCK}"].budget_bytes == peaks["block"]
+    assert autos["below the references"].budget_bytes == int(0.9 * peaks["block"])
+    for r in autos.values():
+        if r.status == "ok":
+            assert r.predicted_peak_bytes is not None and r.budget_bytes is not None
+            assert r.allocations_peak_bytes == r.predicted_peak_bytes <= r.budget_bytes
+            assert "OVER BUDGET" not in r.note
+    plans = [v for v in ran if v["kind"] == "plan"]
+    assert len(plans) == len({v["plan"] for v in plans}), "a plan ran twice"
+    shared = sum("same plan as" in r.note for r in autos.values())
+    assert len(plans) + shared == sum(r.status == "ok" for r in autos.values())

@@ -26,6 +26,7 @@ import autoremat
 from autoremat import Plan, RematError, SchemaError, zoo
 from autoremat._core.allocations import track_allocations
 from autoremat._core.step import call_model, default_loss, run_step
+from autoremat._mechanism.compiled import compiled_parts
 from autoremat._plan.plan import plan_of_segments
 
 from conftest import hf_model
@@ -215,3 +216,67 @@ def test_compile_must_name_a_backend() -> None:
     model, inputs = zoo.build("mlp", widths=(8, 8), batch_size=2)
     with pytest.raises(RematError, match=r"a torch\.compile backend name.*'aot_eagr'"):
         autoremat.profile(model, inputs, compile="aot_eagr")
+
+
+def test_auto_compiled_plans_and_measures_the_regionally_compiled_step() -> None:
+    """auto(compile=...) profiles compiled, applies a plan made for the compiled step, and
+    that step, each block compiled on its own, measures within the budget."""
+    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=64)
+    plan = autoremat.auto(model, inputs, budget="90%", compile="aot_eager")
+    assert plan.compiled == "aot_eager"
+    assert autoremat.applied_plan(model) is plan
+    assert any(block.decision != "keep" for block in plan.blocks)
+    assert compiled_parts(model) == [], "auto left a compiled module behind"
+    assert not [name for name, m in model.named_modules()
+                if hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")], \
+        "auto left a compiled forward behind"
+    for block in plan.blocks:
+        model.get_submodule(block.name).compile(backend="aot_eager")
+    for _ in range(2):  # the first step compiles
+        for p in model.parameters():
+            p.grad = None
+        with track_allocations() as mem:
+            run_step(model, inputs, None, loop=plan.loop)
+    assert plan.budget_bytes is not None
+    assert mem.peak_bytes <= plan.budget_bytes
+    assert mem.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_auto_refuses_a_bad_backend_before_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import autoremat._auto as auto_module
+
+    def no_profile(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("auto profiled before checking compile=")
+
+    monkeypatch.setattr(auto_module, "profile", no_profile)
+    model, inputs = zoo.build("mlp", widths=(8, 8), batch_size=2)
+    with pytest.raises(RematError, match=r"a torch\.compile backend name.*'aot_eagr'"):
+        autoremat.auto(model, inputs, budget="80%", compile="aot_eagr")
+    assert autoremat.applied_plan(model) is None
+
+
+def test_flop_counter_sees_a_compiled_checkpoint_recompute() -> None:
+    """A compiled backward replays a checkpointed region's dropout through run_with_rng_state
+    (NOTE [ Random ops in a compiled backward ]): the counter lets it through and counts
+    the recomputed matmul."""
+    from torch.utils.checkpoint import checkpoint
+
+    from autoremat._core.flops import FlopCounter
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(lin(x).relu(), 0.5).sum(-1)
+
+    def step(fn: Any) -> int:
+        x = torch.randn(8, 32, requires_grad=True)
+        loss = fn(x).sum()
+        with FlopCounter() as counter:
+            loss.backward()
+        return counter.total
+
+    plain = step(torch.compile(region, backend="aot_eager"))
+    recomputed = step(torch.compile(lambda x: checkpoint(region, x, use_reentrant=False),
+                                    backend="aot_eager"))
+    assert recomputed == plain + 2 * 8 * 32 * 32, (plain, recomputed)

@@ -11,12 +11,15 @@ from typing import Any
 from torch import nn
 
 from autoremat._apply import apply, remove
+from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.memory import track_memory
 from autoremat._core.step import Loop, LossFn, preserved_state, run_step
+from autoremat._core.timing import device_of
 from autoremat._core.units import format_bytes
-from autoremat._measure.profile import profile
+from autoremat._measure.profile import compile_backend, compile_settings, profile
+from autoremat._mechanism.compiled import compiled_forwards, uncompiled
 from autoremat._plan.plan import Plan, check_plan_args, plan
 
 __all__ = ["auto"]
@@ -26,7 +29,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
          strategy: str = "optimal", *, loss_fn: LossFn | None = None,
          blocks: BlockSpec = None, max_memory: int | str | None = None,
          optimizer: str | int | None = None, loop: Loop = "holds_output",
-         offload: bool = False) -> Plan:
+         compile: bool | str = False, offload: bool = False) -> Plan:
     """Profile, plan and apply in one call; returns the plan applied.
 
     With a budget, ``auto`` then measures one step with the plan applied and, if the
@@ -41,11 +44,21 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
             (default): ``out = model(**batch); out.loss.backward()``, and every loop
             that releases the output sooner. ``"loss_only"``: a tighter plan for a loop
             that keeps only the loss (``loss = model(**batch).loss``).
+        compile: plan for the step as it runs under ``torch.compile`` (``True``:
+            Inductor; or a backend name such as ``"aot_eager"``), as for
+            :func:`autoremat.profile`: the tape is measured compiled and the plan
+            (``plan.compiled``) checkpoints blocks one by one. Its prediction, and the
+            measurement ``auto`` makes of it, are for regional compilation (each block
+            compiled on its own, ``block.compile()``); under whole-model
+            ``torch.compile(model)`` the peak can differ a little either way (NOTE [
+            Profiling a compiled step ]). ``auto`` compiles only while it measures and
+            leaves no compiled wrapper behind: compile the model as you train it.
         offload: let the plan offload blocks to host memory, as for
             :func:`autoremat.plan` (the profile then measures offloaded blocks too). On
             a CPU the host is the device, so nothing is offloaded there.
 
     Raises:
+        RematError: ``compile`` names no backend (before any work).
         BudgetError: no plan fits, or the plans tried still measure over the budget.
 
     Example:
@@ -56,10 +69,12 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         True
     """
     check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
+    backend = compile_backend(compile)
     remove(model)
     if not isinstance(offload, bool):
         raise RematError(f"offload must be True or False, got {offload!r}")
-    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop, offload=offload)
+    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop,
+                   compile=backend or False, offload=offload)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
                   offload=offload)
     apply(model, chosen)
@@ -76,7 +91,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     #     the same from plan to plan, so one retry usually does it.
     limit, target = chosen.budget_bytes, chosen.budget_bytes
     for attempt in range(_AUTO_ATTEMPTS):
-        peak = _measured_peak(model, inputs, loss_fn, chosen.loop)
+        peak = _measured_peak(model, inputs, loss_fn, chosen, backend)
         if peak <= limit:
             return chosen
         remove(model)
@@ -107,7 +122,31 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
 _AUTO_ATTEMPTS = 3  # plans auto() measures before giving up (NOTE [ auto measures ... ])
 
 
-def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, loop: Loop) -> int:
-    with preserved_state(model), track_memory() as mem:
-        run_step(model, inputs, loss_fn, loop=loop)
+def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, applied: Plan,
+                   backend: str | None) -> int:
+    """The step peak with ``applied`` applied: tracked eagerly, or with ``backend`` the
+    allocator's peak of the step with every block compiled on its own, as ``profile``
+    measured it (NOTE [ auto under torch.compile ])."""
+    if backend is None:
+        with preserved_state(model), track_memory() as mem:
+            run_step(model, inputs, loss_fn, loop=applied.loop)
+        return mem.peak_bytes
+    # NOTE [ auto under torch.compile ]
+    #     The tracker's dispatch mode would make Dynamo run the blocks eagerly, so the
+    #     compiled step is measured from the allocator's reports (track_allocations), after
+    #     a first step that compiles (compiling allocates too). The blocks are compiled
+    #     the way profile compiled them (compiled_forwards: each block's forward on its
+    #     own, over the checkpoint wrapper the plan installed), which is the step the
+    #     plan predicts, and only for the measurement: the user's model gets no compiled
+    #     wrapper it did not ask for. A model compiled whole is measured through the
+    #     module it wraps, block by block, like any other.
+    inner = uncompiled(model)
+    names = [block.name for block in applied.blocks]
+    with preserved_state(inner), compile_settings(backend), \
+            compiled_forwards(inner, names, backend):
+        run_step(inner, inputs, loss_fn, loop=applied.loop)
+        for p in inner.parameters():
+            p.grad = None
+        with track_allocations(device_of(inner, inputs)) as mem:
+            run_step(inner, inputs, loss_fn, loop=applied.loop)
     return mem.peak_bytes

@@ -16,9 +16,11 @@ For each model, one process measures, on the same batch and from the same RNG st
 ``SAC per block``               selective activation checkpointing per block, Megatron
                                 style: save matmul/bmm/attention/conv outputs, recompute
                                 the rest
-``torch.compile``               ``activation_memory_budget`` at the budgets' fractions, in
-                                a subprocess and measured by the OS (NOTE [ Measuring
-                                torch.compile ] in ``bench_compile``)
+``torch.compile``               ``activation_memory_budget`` at ``--compile-fractions``,
+                                in a subprocess and measured by the OS (NOTE [ Measuring
+                                torch.compile ] in ``compiled.py``); beside it, compiled:
+                                checkpoint per block, SAC per block, and autoremat's
+                                plans from a compiled profile at their peaks
 ==============================  ==========================================================
 
 Each row: step peak (as in DESIGN.md), recompute FLOPs as a percentage of the plain
@@ -68,8 +70,10 @@ from autoremat._bench.measure import (
     BenchMeasure,
     bench_measure,
     build_target,
+    describe_plan,
     first_line,
     largest_grad,
+    plan_key,
     ratio_range,
     time_step,
 )
@@ -140,13 +144,6 @@ def _plan_toggle(model: nn.Module, chosen: Plan) -> Toggle:
     return install, uninstall
 
 
-def _plan_key(chosen: Plan) -> tuple[Any, ...]:
-    """What a plan runs: equal keys are the same plan (measured once). Keep-sets count:
-    two plans that differ only in which op outputs a block keeps are different plans."""
-    return tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
-                  tuple(b.skip_ops)) for b in chosen.blocks)
-
-
 class _Sweep:
     """Measures one target. ``progress(n, text)`` reports units of work done (and what is
     running), ``grow(n)`` announces more units."""
@@ -158,7 +155,7 @@ class _Sweep:
         self.progress = progress
         self.grow = grow
         self.model, self.inputs = build_target(target, dict(settings.overrides),
-                                               settings.device)
+                                               settings.device, settings.dtype)
         self.rng = torch.get_rng_state()  # every step starts from this RNG state
         self.tape: Tape | None = None
         self.tape_error = ""
@@ -202,8 +199,8 @@ class _Sweep:
         assert plain is not None
         rows = sorted((self._row(template, v) for template, v in self.rows), key=_row_order)
         if self.settings.compile:
-            rows.extend(compile_rows(self.target, self.settings, _peak(plain),
-                                     self.progress, self.grow))
+            rows.extend(compile_rows(self.target, self.settings, self.model, self.inputs,
+                                     names, _peak(plain), self.progress, self.grow))
         return ModelResult(
             target=self.target, model=type(self.model).__name__,
             inputs=_signature(self.inputs), n_blocks=len(names),
@@ -227,11 +224,11 @@ class _Sweep:
             return
         row = BenchRow(AUTO, label, "ok", budget_bytes=chosen.budget_bytes,
                        predicted_peak_bytes=chosen.predicted_peak_bytes)
-        key = _plan_key(chosen)
+        key = plan_key(chosen)
         variant = self._by_plan.get(key)
         if variant is None:
             variant = _Variant(AUTO, label, _plan_toggle(self.model, chosen), plan=chosen,
-                               note=_describe_plan(chosen))
+                               note=describe_plan(chosen))
             self._by_plan[key] = variant
             self.variants.append(variant)
         self.rows.append((row, variant))
@@ -363,20 +360,6 @@ def _budget_bytes(budget: int | str, tape: Any) -> int | None:
         return parse_budget(budget, tape.step_peak_bytes)
     except BudgetError:
         return None
-
-
-def _describe_plan(chosen: Plan) -> str:
-    parts = []
-    for start, stop, decision in chosen.segments:
-        if decision == "keep":
-            continue
-        what = f"{start}" if stop == start + 1 else f"{start}-{stop - 1}"
-        if decision == "selective":
-            what += "(sel)"
-        parts.append(what)
-    if not parts:
-        return "keeps every block"
-    return "recomputes blocks " + ", ".join(parts)
 
 
 def _signature(inputs: Any) -> str:

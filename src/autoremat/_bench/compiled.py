@@ -1,11 +1,37 @@
-"""The ``torch.compile`` rows of ``autoremat bench``: a subprocess per budget, OS-measured.
+"""The compiled rows of ``autoremat bench --compile``: a subprocess per row, OS-measured.
 
-:func:`compile_rows` runs, for each ``activation_memory_budget`` fraction, a fresh Python
-process whose entry point is :func:`compile_worker` (started as ``python -c "from
-autoremat._bench.compiled import compile_worker; ..."``, so that name must not move). The
-worker compiles the target, times it against an eager plain step in the same process and
-writes its figures as JSON; :func:`compile_rows` turns them into rows, led by one
-``no checkpointing (OS)`` row that is their baseline.
+:func:`compile_rows` runs, for each row, a fresh Python process whose entry point is
+:func:`compile_worker` (started as ``python -c "from autoremat._bench.compiled import
+compile_worker; ..."``, so that name must not move). The worker compiles one variant of
+the target, times it against an eager plain step in the same process and writes its
+figures as JSON; :func:`compile_rows` turns them into rows, led by one ``no checkpointing
+(OS)`` row that is their baseline. The variants, all compiled with one backend
+(``Settings.compile_backend``, ``--compile-backend``):
+
+* ``torch.compile`` at each ``activation_memory_budget`` of ``Settings.compile_fractions``;
+* ``torch.compile + checkpoint per block``: every block under non-reentrant
+  ``torch.utils.checkpoint``, and ``torch.compile + SAC per block``: the same with the
+  Megatron policy (save mm/addmm/attention/conv outputs, recompute the rest: the op
+  kinds of autoremat's ``MEGATRON``), both with the whole model compiled, as a user
+  would write them (``refs.py``);
+* ``autoremat + torch.compile``: plans at the peaks those rows measured.
+
+NOTE [ autoremat's compiled rows ]
+    autoremat plans from a tape measured compiled (``profile(..., compile=backend)``,
+    in the bench's own process), whose figures are for regional compilation: each block
+    compiled on its own. So the worker applies the plan and compiles each block
+    (``block.compile(backend=...)``), the step the plan predicts, rather than the whole
+    model: under whole-model compile the peak can differ a little either way (NOTE [
+    Profiling a compiled step ]). The budgets are the peaks the compiled references
+    measured, one below the lowest of them (``_BELOW``) and the smallest feasible one;
+    identical plans run once. Budgets are in the bytes plans are made in: on CUDA the
+    allocator's (``max_memory_allocated``, the rows' peaks); on CPU the OS figure also
+    holds what the allocator does not see (pages, the process's own growth: 5-7% more
+    on a 2-layer gpt2), so the worker also measures each step from the allocator's
+    reports (``track_allocations``, ``allocations_peak_bytes``), and budgets and the
+    "fits" column use that figure, the one the prediction is exact for. Each variant
+    builds its own copy of the target (same seed, same weights) so that the eager plain
+    step it is compared with keeps running the untouched model.
 
 NOTE [ Measuring torch.compile ]
     A Python dispatch mode (the memory tracker, the FLOP counter) makes Dynamo run
@@ -31,6 +57,7 @@ NOTE [ Measuring torch.compile ]
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -46,86 +73,193 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from autoremat._bench.measure import build_target, first_line, largest_grad, ratio_range
-from autoremat._bench.rows import COMPILE, COMPILE_EAGER, BenchRow, Settings
-from autoremat._core.errors import RematError
+from autoremat._apply import apply
+from autoremat._bench.measure import (
+    build_target,
+    describe_plan,
+    first_line,
+    largest_grad,
+    plan_key,
+    ratio_range,
+)
+from autoremat._bench.refs import per_block, sac_per_block
+from autoremat._bench.rows import (
+    AUTO_COMPILE,
+    COMPILE,
+    COMPILE_BLOCK,
+    COMPILE_EAGER,
+    COMPILE_SAC,
+    COMPILED_REFERENCES,
+    BenchRow,
+    Settings,
+)
+from autoremat._core.allocations import track_allocations
+from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.flops import FlopCounter
 from autoremat._core.memory import os_peak_bytes, reset_os_peak, track_allocator
 from autoremat._core.step import Loop, call_model, default_loss, preserved_state, run_step
 from autoremat._core.timing import time_ms
-from autoremat._core.units import parse_budget
-from autoremat._measure.tape import write_atomic
+from autoremat._core.units import format_bytes, parse_budget
+from autoremat._measure.profile import compile_settings, profile
+from autoremat._measure.tape import Tape, write_atomic
+from autoremat._plan.plan import Plan, plan, smallest_feasible_bytes
 from autoremat._verify import max_grad_diff
 
 __all__ = ["compile_rows", "compile_worker"]
 
 
-def compile_rows(target: str, settings: Settings, plain_peak: int,
-                 progress: Callable[[int, str], None],
+def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
+                 names: list[str], plain_peak: int, progress: Callable[[int, str], None],
                  grow: Callable[[int], None]) -> list[BenchRow]:
-    """The compile rows of ``target``, one subprocess per fraction (see the module note).
+    """The compiled rows of ``target``, one subprocess per row (see the module note).
 
-    Fractions are ``settings.compile_fractions``, by default 1.0 and one per budget
-    (:func:`_fraction`). ``plain_peak`` is the in-process plain step's peak (the tracker's;
-    the allocator's on CUDA), for the ratio in the baseline row's note. A failed subprocess gives an
-    ``error`` row, not an exception. ``progress`` and ``grow`` as in the sweep.
+    References first: ``activation_memory_budget`` at each of
+    ``settings.compile_fractions`` (``None``: 1.0 and one per budget, :func:`_fraction`),
+    then every block of ``names`` under ``torch.utils.checkpoint`` and under the Megatron
+    SAC policy, each with the whole model compiled. Then autoremat: ``model`` profiled
+    compiled in this process, planned at each reference's measured peak, below the
+    lowest of them and at the smallest feasible budget, each plan measured with every
+    block compiled on its own (NOTE [ autoremat's compiled rows ]). All compile with
+    ``settings.compile_backend``. ``plain_peak`` is the in-process plain step's peak (the
+    tracker's; the allocator's on CUDA), for the ratio in the baseline row's note. A failed
+    subprocess gives an ``error`` row, not an exception. ``progress`` and ``grow`` as in
+    the sweep.
     """
     s = settings
     fractions = s.compile_fractions
     if fractions is None:
         fractions = (1.0, *(_fraction(b, plain_peak) for b in s.budgets))
     fractions = tuple(dict.fromkeys(fractions))  # unique, in order
-    grow(len(fractions))
-    rows: list[BenchRow] = []
-    eager_row_added = False
-    source: Literal["os", "allocator"] = \
-        "allocator" if torch.device(s.device).type == "cuda" else "os"
-    measured = "allocator-measured" if source == "allocator" else "OS-measured"
-    for fraction in fractions:
-        progress(0, f"{target}: torch.compile, activation_memory_budget="
-                    f"{fraction:g} (subprocess; compiling is slow on CPU)")
-        label = f"{fraction:g}" + (" (no budget)" if fraction >= 1 else "")
-        try:
-            res = _run_compile_worker(target, dict(s.overrides), fraction, s.repeats,
-                                      s.compile_timeout_s, s.device, s.loop)
-        except RematError as exc:
-            rows.append(BenchRow(COMPILE, label, "error", peak_source=source,
-                                 note=first_line(exc)))
-            progress(1, "")
+    references: list[tuple[str, str, dict[str, Any]]] = [
+        (COMPILE, f"{f:g}" + (" (no budget)" if f >= 1 else ""),
+         {"kind": "fraction", "fraction": f}) for f in fractions]
+    references += [(COMPILE_BLOCK, "-", {"kind": "block", "blocks": names}),
+                   (COMPILE_SAC, "-", {"kind": "sac", "blocks": names})]
+    grow(len(references) + 1)
+    runner = _Runner(target, s, plain_peak, progress)
+    for method, label, variant in references:
+        runner.row(method, label, variant)
+    rows = runner.rows
+    progress(0, f"{target}: profiling compiled ({s.compile_backend}) for autoremat's plans")
+    try:
+        tape: Tape | None = profile(model, inputs, compile=s.compile_backend, loop=s.loop,
+                                    timing=False)
+        failed = ""
+    except Exception as exc:  # reported in the table; the reference rows stand
+        tape, failed = None, f"compiled profile failed: {type(exc).__name__}: {first_line(exc)}"
+    progress(1, "")
+    measured = [r for r in rows if r.method in COMPILED_REFERENCES and r.status == "ok"
+                and r.peak_bytes is not None]
+    budgets: list[tuple[str, int | None]] = [
+        (f"peak of {r.method}" + (f" {r.budget.split()[0]}" if r.budget != "-" else ""),
+         _budget_peak(r)) for r in measured]
+    if measured:
+        lowest = min(_budget_peak(r) or 0 for r in measured)
+        budgets.append(("below the references", int(_BELOW * lowest)))
+    budgets.append(("min", smallest_feasible_bytes(tape) if tape is not None else None))
+    by_plan: dict[tuple[Any, ...], tuple[str, BenchRow]] = {}
+    for label, budget in budgets:
+        if tape is None or budget is None:
+            rows.append(BenchRow(AUTO_COMPILE, label, "error", note=failed))
             continue
-        eager_ms = statistics.median(res["eager_ms"])
-        if not eager_row_added:
-            eager_row_added = True
-            ratio = res["eager_peak_bytes"] / plain_peak
-            baseline = (f"eager plain step in the first compile subprocess, baseline of the "
-                        f"OS rows; OS / tracker peak for it: {ratio:.1%}"
-                        if source == "os" else
-                        f"eager plain step in the first compile subprocess, {measured}, "
-                        f"baseline of the compile rows; its peak / the in-process plain "
-                        f"step's: {ratio:.1%}")
+        try:
+            chosen = plan(tape, budget, "optimal")
+        except BudgetError as exc:
             rows.append(BenchRow(
-                COMPILE_EAGER, "-", "ok", peak_bytes=res["eager_peak_bytes"],
-                peak_source=source, plain_peak_bytes=res["eager_peak_bytes"],
-                recompute_pct=0.0, step_ms=eager_ms, time_ratio=1.0,
-                time_spread=_spread(res["eager_ms"]),
-                time_ratio_range=ratio_range(res["eager_ms"], eager_ms), cpu_ratio=1.0,
-                max_grad_diff=0.0, grads_equal=True, relative_grad_diff=0.0,
-                note=baseline))
+                AUTO_COMPILE, label, "infeasible", budget_bytes=budget,
+                note=f"below the smallest feasible budget, "
+                     f"{format_bytes(exc.min_feasible_bytes or 0)}"))
+            continue
+        key = plan_key(chosen)
+        if key in by_plan:  # the same plan: measured once
+            first, row = by_plan[key]
+            rows.append(dataclasses.replace(
+                row, budget=label, budget_bytes=chosen.budget_bytes,
+                predicted_peak_bytes=chosen.predicted_peak_bytes,
+                note=f"same plan as {first}" + _over(_budget_peak(row), chosen.budget_bytes)))
+            continue
+        grow(1)
+        row = runner.row(AUTO_COMPILE, label, {"kind": "plan", "plan": chosen.to_json()},
+                         plan_note=describe_plan(chosen) + "; each block compiled on its own",
+                         budget_bytes=chosen.budget_bytes,
+                         predicted_peak_bytes=chosen.predicted_peak_bytes)
+        by_plan[key] = (label, row)
+    return rows
+
+
+# "below the references": autoremat planned for this fraction of the lowest peak any
+# compiled reference measured
+_BELOW = 0.9
+
+
+def _budget_peak(row: BenchRow) -> int | None:
+    """The peak a budget is compared with: on CPU the allocator's reports, the bytes
+    plans are made in; else the row's peak (NOTE [ autoremat's compiled rows ])."""
+    return row.allocations_peak_bytes if row.allocations_peak_bytes is not None \
+        else row.peak_bytes
+
+
+def _over(peak: int | None, budget: int | None) -> str:
+    return "; OVER BUDGET" if peak is not None and budget is not None and peak > budget else ""
+
+
+class _Runner:
+    """Runs compile subprocesses and turns their figures into rows (kept in ``rows``);
+    the first one that runs also gives the ``no checkpointing (OS)`` baseline row."""
+
+    def __init__(self, target: str, settings: Settings, plain_peak: int,
+                 progress: Callable[[int, str], None]) -> None:
+        self.target, self.settings, self.plain_peak = target, settings, plain_peak
+        self.progress = progress
+        self.rows: list[BenchRow] = []
+        self.source: Literal["os", "allocator"] = \
+            "allocator" if torch.device(settings.device).type == "cuda" else "os"
+        self.measured = "allocator-measured" if self.source == "allocator" else "OS-measured"
+        self._baseline_added = False
+
+    def row(self, method: str, label: str, variant: dict[str, Any], *, plan_note: str = "",
+            budget_bytes: int | None = None,
+            predicted_peak_bytes: int | None = None) -> BenchRow:
+        s = self.settings
+        what = f"activation_memory_budget={label.split()[0]}" if method == COMPILE else label
+        self.progress(0, f"{self.target}: {method} {what} ({s.compile_backend}, subprocess; "
+                         f"compiling is slow on CPU)")
+        try:
+            res = _run_compile_worker(self.target, dict(s.overrides), variant, s.repeats,
+                                      s.compile_timeout_s, s.device, s.loop, s.compile_backend,
+                                      s.dtype)
+        except RematError as exc:
+            row = BenchRow(method, label, "error", peak_source=self.source,
+                           budget_bytes=budget_bytes,
+                           predicted_peak_bytes=predicted_peak_bytes,
+                           note=_join(plan_note, first_line(exc)))
+            self.rows.append(row)
+            self.progress(1, "")
+            return row
+        eager_ms = statistics.median(res["eager_ms"])
+        if not self._baseline_added:
+            self._baseline_added = True
+            self.rows.append(self._baseline(res, eager_ms))
         med = statistics.median(res["compiled_ms"])
         eager_cpu = statistics.median(res["eager_cpu_ms"])
         plain_flops = res["eager_step_flops"]
         extra = res["compiled_bwd_flops"] - res["eager_bwd_flops"]
-        note = f"{measured}; compiled in {res['compile_s']:.0f} s"
+        note = _join(plan_note, f"{self.measured}; {s.compile_backend}, compiled in "
+                                f"{res['compile_s']:.0f} s")
+        if res.get("compiled_alloc_peak_bytes") is not None:
+            note += f"; allocator's reports {format_bytes(res['compiled_alloc_peak_bytes'])}"
         relative = 0.0 if res["grads_equal"] else res["max_grad_diff"] / res["max_abs_grad"]
         if not res["grads_equal"]:
             note += f"; max |Δgrad| is {relative:.1e} of the largest gradient"
-            if relative > 1e-3 and fraction < 1:
+            if relative > 1e-3 and method == COMPILE and variant["fraction"] < 1:
                 note += ", as when dropout is re-drawn in backward (pytorch#190758)"
             elif relative < 1e-5:
                 note += " (float rounding of fused kernels)"
-        rows.append(BenchRow(
-            COMPILE, label, "ok", peak_bytes=res["compiled_peak_bytes"], peak_source=source,
-            plain_peak_bytes=res["eager_peak_bytes"],
+        peak = res["compiled_peak_bytes"]
+        row = BenchRow(
+            method, label, "ok", peak_bytes=peak, peak_source=self.source,
+            plain_peak_bytes=res["eager_peak_bytes"], budget_bytes=budget_bytes,
+            predicted_peak_bytes=predicted_peak_bytes,
             recompute_pct=100 * extra / plain_flops if plain_flops else None,
             step_ms=med, time_ratio=med / eager_ms if eager_ms else None,
             time_spread=_spread(res["compiled_ms"]),
@@ -133,9 +267,32 @@ def compile_rows(target: str, settings: Settings, plain_peak: int,
             cpu_ratio=statistics.median(res["compiled_cpu_ms"]) / eager_cpu
             if eager_cpu else None,
             max_grad_diff=0.0 if res["grads_equal"] else res["max_grad_diff"],
-            grads_equal=res["grads_equal"], relative_grad_diff=relative, note=note))
-        progress(1, "")
-    return rows
+            grads_equal=res["grads_equal"], relative_grad_diff=relative,
+            allocations_peak_bytes=res.get("compiled_alloc_peak_bytes"), note=note)
+        row = dataclasses.replace(row, note=note + _over(_budget_peak(row), budget_bytes))
+        self.rows.append(row)
+        self.progress(1, "")
+        return row
+
+    def _baseline(self, res: dict[str, Any], eager_ms: float) -> BenchRow:
+        ratio = res["eager_peak_bytes"] / self.plain_peak
+        note = (f"eager plain step in the first compile subprocess, baseline of the OS "
+                f"rows; OS / tracker peak for it: {ratio:.1%}" if self.source == "os" else
+                f"eager plain step in the first compile subprocess, {self.measured}, "
+                f"baseline of the compile rows; its peak / the in-process plain step's: "
+                f"{ratio:.1%}")
+        return BenchRow(
+            COMPILE_EAGER, "-", "ok", peak_bytes=res["eager_peak_bytes"],
+            peak_source=self.source, plain_peak_bytes=res["eager_peak_bytes"],
+            recompute_pct=0.0, step_ms=eager_ms, time_ratio=1.0,
+            time_spread=_spread(res["eager_ms"]),
+            time_ratio_range=ratio_range(res["eager_ms"], eager_ms), cpu_ratio=1.0,
+            max_grad_diff=0.0, grads_equal=True, relative_grad_diff=0.0,
+            allocations_peak_bytes=res.get("eager_alloc_peak_bytes"), note=note)
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
 
 
 def _spread(times: list[float]) -> float | None:
@@ -151,19 +308,20 @@ def _fraction(budget: str, plain_peak: int) -> float:
     return round(min(1.0, parse_budget(budget, plain_peak) / plain_peak), 3)
 
 
-def _run_compile_worker(target: str, overrides: dict[str, Any], fraction: float, repeats: int,
-                        timeout_s: float, device: str = "cpu",
-                        loop: Loop = "holds_output") -> dict[str, Any]:
-    """The figures :func:`compile_worker` writes for one fraction, run in a fresh process.
+def _run_compile_worker(target: str, overrides: dict[str, Any], variant: dict[str, Any],
+                        repeats: int, timeout_s: float, device: str = "cpu",
+                        loop: Loop = "holds_output", backend: str = "inductor",
+                        dtype: str = "float32") -> dict[str, Any]:
+    """The figures :func:`compile_worker` writes for one variant, run in a fresh process.
 
     Raises :class:`RematError` when the process times out or fails (with its last line of
     stderr).
     """
     with tempfile.TemporaryDirectory(prefix="autoremat-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        spec = {"target": target, "overrides": overrides, "fraction": fraction,
+        spec = {"target": target, "overrides": overrides, "variant": variant,
                 "repeats": repeats, "threads": torch.get_num_threads(), "out": str(out),
-                "device": device, "loop": loop}
+                "device": device, "loop": loop, "backend": backend, "dtype": dtype}
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         code = "import sys; from autoremat._bench.compiled import compile_worker; " \
@@ -183,25 +341,71 @@ def _run_compile_worker(target: str, overrides: dict[str, Any], fraction: float,
         return result
 
 
+def _compiled_variant(variant: dict[str, Any], spec: dict[str, Any], model: nn.Module,
+                      backend: str, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """``(runner, owner)``: what a compiled step calls, and the module whose parameters
+    get its gradients. Compile's budget compiles ``model`` itself; the others set up a
+    second copy of the target (same seed, same weights), so that the eager plain step
+    keeps running ``model`` untouched: a toggled forward would make Dynamo recompile."""
+    if variant["kind"] == "fraction":
+        return torch.compile(model, backend=backend), model  # type: ignore[return-value]
+    owner, _ = build_target(spec["target"], spec["overrides"], device,
+                            spec.get("dtype", "float32"))
+    if variant["kind"] == "plan":  # NOTE [ autoremat's compiled rows ]
+        chosen = Plan.from_json(variant["plan"])
+        apply(owner, chosen)
+        for block in chosen.blocks:
+            owner.get_submodule(block.name).compile(backend=backend)
+        return owner, owner
+    modules = [owner.get_submodule(n) for n in variant["blocks"]]
+    install, _ = per_block(modules) if variant["kind"] == "block" else \
+        sac_per_block(modules, save_bmm=False)
+    install()
+    return torch.compile(owner, backend=backend), owner  # type: ignore[return-value]
+
+
 def compile_worker(spec_text: str) -> int:
-    """Entry point of the compile subprocess; writes its figures as JSON to spec['out']."""
+    """Entry point of the compile subprocess; writes its figures as JSON to spec['out'].
+
+    ``spec["variant"]`` says what is compiled: ``{"kind": "fraction", "fraction": f}``
+    (compile's ``activation_memory_budget``), ``{"kind": "block" | "sac", "blocks":
+    [...]}`` (the references of ``refs.py`` on those blocks) or ``{"kind": "plan",
+    "plan": <plan JSON>}`` (an autoremat plan); an older spec's ``"fraction"`` alone
+    means the first.
+    """
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     spec = json.loads(spec_text)
+    variant = spec.get("variant") or {"kind": "fraction", "fraction": spec["fraction"]}
+    backend = spec.get("backend", "inductor")
     torch.set_num_threads(int(spec["threads"]))
-    functorch_config.activation_memory_budget = float(spec["fraction"])
+    functorch_config.activation_memory_budget = float(variant.get("fraction", 1.0))
     inductor_config.fallback_random = True  # same dropout masks as eager (module note)
     device = torch.device(spec.get("device", "cpu"))
-    model, inputs = build_target(spec["target"], spec["overrides"], device)
+    model, inputs = build_target(spec["target"], spec["overrides"], device,
+                                 spec.get("dtype", "float32"))
     loop: Loop = spec.get("loop", "holds_output")
     rng = torch.get_rng_state()
-    compiled: nn.Module = torch.compile(model)  # type: ignore[assignment]
+    with compile_settings(backend):
+        compiled, owner = _compiled_variant(variant, spec, model, backend, device)
+        result = _measure_pair(model, compiled, owner, inputs, rng, loop, device,
+                               int(spec["repeats"]))
+    write_atomic(Path(spec["out"]), json.dumps({"variant": variant, **result}))
+    return 0
 
-    Grads = dict[str, torch.Tensor | None]
 
-    def step(module: nn.Module) -> tuple[float, float, int, Grads]:
-        with preserved_state(model):
+Grads = dict[str, torch.Tensor | None]
+
+
+def _measure_pair(model: nn.Module, compiled: nn.Module, owner: nn.Module, inputs: Any,
+                  rng: torch.Tensor, loop: Loop, device: torch.device,
+                  repeats: int) -> dict[str, Any]:
+    """The eager plain step of ``model`` and the compiled step (``compiled``, gradients on
+    ``owner``), interleaved: times, peaks, gradients and FLOPs (the module note)."""
+
+    def step(module: nn.Module, params: nn.Module) -> tuple[float, float, int, Grads]:
+        with preserved_state(params):
             torch.set_rng_state(rng)
             since = reset_os_peak() if device.type == "cpu" else 0
             cpu = time.process_time()
@@ -210,50 +414,66 @@ def compile_worker(spec_text: str) -> int:
             cpu = time.process_time() - cpu
             peak = alloc.peak_bytes if alloc.peak_bytes is not None else os_peak_bytes(since)
             grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
-                     for n, p in model.named_parameters()}
+                     for n, p in params.named_parameters()}
         return wall, cpu * 1e3, peak, grads
 
-    step(model)
+    step(model, model)
     start = time.perf_counter()
-    step(compiled)  # compiles forward and backward
+    step(compiled, owner)  # compiles forward and backward
     compile_s = time.perf_counter() - start
     figures: dict[str, dict[str, list[float]]] = {
         kind: {"ms": [], "cpu_ms": [], "peak": []} for kind in ("eager", "compiled")}
     grads: dict[str, Grads] = {}
-    for r in range(int(spec["repeats"]) + 1):  # round 0 is a warm-up
+    for r in range(repeats + 1):  # round 0 is a warm-up
         for kind in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
-            ms, cpu, peak, grads[kind] = step(model if kind == "eager" else compiled)
+            ms, cpu, peak, grads[kind] = step(*((model, model) if kind == "eager"
+                                                else (compiled, owner)))
             if r:
                 for key, value in (("ms", ms), ("cpu_ms", cpu), ("peak", peak)):
                     figures[kind][key].append(value)
     equal, diff = max_grad_diff(grads["eager"], grads["compiled"])
-    eager_fwd, eager_bwd = _step_flops(model, model, inputs, rng)
-    _, compiled_bwd = _step_flops(model, compiled, inputs, rng)
-    result = {
-        "fraction": spec["fraction"], "compile_s": compile_s,
+    eager_fwd, eager_bwd = _step_flops(model, model, inputs, rng, count_forward=True)
+    _, compiled_bwd = _step_flops(owner, compiled, inputs, rng, count_forward=False)
+    on_cpu = device.type == "cpu"
+    return {
+        "compile_s": compile_s,
         "eager_ms": figures["eager"]["ms"], "compiled_ms": figures["compiled"]["ms"],
         "eager_cpu_ms": figures["eager"]["cpu_ms"],
         "compiled_cpu_ms": figures["compiled"]["cpu_ms"],
         # the median step: the OS figure is exact to a page but not free of noise
         "eager_peak_bytes": int(statistics.median(figures["eager"]["peak"])),
         "compiled_peak_bytes": int(statistics.median(figures["compiled"]["peak"])),
+        # on CPU, the allocator's own figure beside the OS one (NOTE [ autoremat's ... ])
+        "eager_alloc_peak_bytes":
+            _allocations_peak(model, model, inputs, rng, loop, device) if on_cpu else None,
+        "compiled_alloc_peak_bytes":
+            _allocations_peak(compiled, owner, inputs, rng, loop, device) if on_cpu else None,
         "grads_equal": equal, "max_grad_diff": diff,
         "max_abs_grad": largest_grad(grads["eager"]),
         "eager_step_flops": eager_fwd + eager_bwd, "eager_bwd_flops": eager_bwd,
         "compiled_bwd_flops": compiled_bwd,
     }
-    write_atomic(Path(spec["out"]), json.dumps(result))
-    return 0
 
 
-def _step_flops(model: nn.Module, module: nn.Module, inputs: Any,
-                rng: torch.Tensor) -> tuple[int, int]:
-    """(forward, backward) FLOPs. The forward runs without the counter when ``module`` is
-    compiled (a dispatch mode would make Dynamo fall back to eager), so its figure is 0."""
-    eager = module is model
-    with preserved_state(model):
+def _allocations_peak(module: nn.Module, params: nn.Module, inputs: Any, rng: torch.Tensor,
+                      loop: Loop, device: torch.device) -> int:
+    """The step peak from the allocator's reports (``track_allocations``: no dispatch
+    mode, so compiled code stays compiled), gradients ``None`` before the step."""
+    with preserved_state(params):
         torch.set_rng_state(rng)
-        with (FlopCounter() if eager else _nothing()) as fwd:
+        with track_allocations(device) as mem:
+            run_step(module, inputs, None, loop=loop)
+    return mem.peak_bytes
+
+
+def _step_flops(owner: nn.Module, module: nn.Module, inputs: Any, rng: torch.Tensor, *,
+                count_forward: bool) -> tuple[int, int]:
+    """(forward, backward) FLOPs of a step of ``module`` (gradients on ``owner``). Without
+    ``count_forward`` (compiled code) the forward runs without the counter, since a
+    dispatch mode would make Dynamo fall back to eager, and its figure is 0."""
+    with preserved_state(owner):
+        torch.set_rng_state(rng)
+        with (FlopCounter() if count_forward else _nothing()) as fwd:
             loss = default_loss(call_model(module, inputs))
         with FlopCounter() as bwd:
             loss.backward()

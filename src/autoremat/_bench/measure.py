@@ -25,10 +25,11 @@ from autoremat._core.flops import FlopCounter
 from autoremat._core.memory import track_allocator, track_memory
 from autoremat._core.step import Loop, preserved_state, run_step
 from autoremat._core.timing import device_of, time_ms
+from autoremat._plan.plan import Plan
 from autoremat._targets import load_target
 
-__all__ = ["BenchMeasure", "bench_measure", "build_target", "first_line", "largest_grad",
-           "ratio_range", "resolve_device", "time_step"]
+__all__ = ["DTYPES", "BenchMeasure", "bench_measure", "build_target", "describe_plan", "first_line",
+           "largest_grad", "plan_key", "ratio_range", "resolve_device", "time_step"]
 
 
 def resolve_device(text: str) -> torch.device:
@@ -60,13 +61,20 @@ def resolve_device(text: str) -> torch.device:
     return device
 
 
-def build_target(target: str, overrides: dict[str, Any],
-                 device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
+DTYPES = ("float32", "bfloat16", "float16")  # bench --dtype
+
+
+def build_target(target: str, overrides: dict[str, Any], device: torch.device | str = "cpu",
+                 dtype: str = "float32") -> tuple[nn.Module, Any]:
     """``(model, inputs)`` of a zoo name or ``package.module:factory``, seeded and in
     train mode, so that every process builds the same model; built on the CPU, then
-    moved (model and every input tensor) to ``device``."""
+    moved (model and every input tensor) to ``device``. ``dtype`` (one of
+    :data:`DTYPES`) other than float32 applies to zoo models only."""
+    if dtype not in DTYPES:
+        raise RematError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch.manual_seed(0)  # factories that do not seed still build the same model each time
-    model, inputs = load_target(target, overrides)
+    model, inputs = load_target(target, overrides, dtype=None if dtype == "float32"
+                                else getattr(torch, dtype))
     model.train()
     device = torch.device(device)
     if device.type != "cpu":
@@ -136,3 +144,25 @@ def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (at most 200 characters), for a table note."""
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
+
+
+def plan_key(chosen: Plan) -> tuple[Any, ...]:
+    """What a plan runs: equal keys are the same plan (measured once). Keep-sets count:
+    two plans that differ only in which op outputs a block keeps are different plans."""
+    return tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
+                  tuple(b.skip_ops)) for b in chosen.blocks)
+
+
+def describe_plan(chosen: Plan) -> str:
+    """A plan in a few words for a table note: ``recomputes blocks 0, 2-3, 5(sel)``."""
+    parts = []
+    for start, stop, decision in chosen.segments:
+        if decision == "keep":
+            continue
+        what = f"{start}" if stop == start + 1 else f"{start}-{stop - 1}"
+        if decision == "selective":
+            what += "(sel)"
+        parts.append(what)
+    if not parts:
+        return "keeps every block"
+    return "recomputes blocks " + ", ".join(parts)

@@ -32,7 +32,13 @@ _STYLES: dict[str, tuple[str, str, bool]] = {
     "SAC per block": ("v", "#D55E00", True),
     "torch.compile": ("X", "#56B4E9", True),
     "no checkpointing (OS)": ("o", "#777777", False),
+    "torch.compile + checkpoint per block": ("s", "#E69F00", False),
+    "torch.compile + SAC per block": ("v", "#D55E00", False),
+    "autoremat + torch.compile": ("D", "#0072B2", False),
 }
+_PLANS = ("autoremat optimal", "autoremat + torch.compile")  # joined into frontiers
+_COMPILED = ("torch.compile", "torch.compile + checkpoint per block",
+             "torch.compile + SAC per block", "autoremat + torch.compile")
 
 
 def _point(row: BenchRow, axis: str) -> tuple[float, float] | None:
@@ -105,13 +111,13 @@ def _draw(ax: Any, result: ModelResult, axis: str) -> None:
     seen: set[str] = set()
     xs: list[float] = []
     ys: list[float] = []
-    frontier: dict[tuple[float, float], str] = {}
+    frontiers: dict[str, dict[tuple[float, float], str]] = {m: {} for m in _PLANS}
     for row in result.rows:
         xy = _point(row, axis)
         if xy is None:
             continue
         marker, colour, filled = _STYLES.get(row.method, ("o", "#999999", True))
-        label = row.method + (" (OS-measured)" if row.method == "torch.compile"
+        label = row.method + (" (OS-measured)" if row.method in _COMPILED
                               and row.peak_source == "os" else "")
         wrong = row.grads_equal is False and not row.grads_rounding_only
         xerr = None
@@ -126,16 +132,19 @@ def _draw(ax: Any, result: ModelResult, axis: str) -> None:
             mew=2 if wrong else 1.2, ecolor=colour, elinewidth=0.8, alpha=0.9, capsize=2,
             label=None if label in seen else label, zorder=3)
         seen.add(label)
-        if row.method == "autoremat optimal":
-            frontier.setdefault(xy, row.budget)
+        if row.method in frontiers:
+            frontiers[row.method].setdefault(xy, row.budget)
         elif row.method == "torch.compile":
             ax.annotate(f"budget {row.budget.split()[0]}" + (", grads differ" if wrong else ""),
                         xy, fontsize=7, xytext=(6, -10), textcoords="offset points",
                         color="#1f5f80")
-    if frontier:
+    for method, frontier in frontiers.items():
+        if not frontier:
+            continue
         points = sorted(frontier, key=lambda p: (p[1], p[0]))
-        ax.plot([p[0] for p in points], [p[1] for p in points], "-", color="#0072B2",
-                lw=1.2, alpha=0.6, zorder=2)
+        ax.plot([p[0] for p in points], [p[1] for p in points],
+                "-" if method == _PLANS[0] else "--", color="#0072B2", lw=1.2, alpha=0.6,
+                zorder=2)
         for xy in points:
             ax.annotate(_short(frontier[xy]), xy, fontsize=7, xytext=(6, 4),
                         textcoords="offset points", color="#0072B2")
@@ -157,6 +166,7 @@ def _draw(ax: Any, result: ModelResult, axis: str) -> None:
 
 
 def _short(budget: str) -> str:
-    return budget.replace("peak of ", "= ").replace("checkpoint per block", "per-block") \
+    return budget.replace("peak of ", "= ").replace("torch.compile + ", "compile+") \
+        .replace("below the references", "below").replace("checkpoint per block", "per-block") \
         .replace("HF gradient_checkpointing", "HF").replace("checkpoint_sequential", "seq") \
         .replace("SAC per block", "SAC")

@@ -71,16 +71,26 @@ _SAVE_PACKETS = tuple(
 )
 
 
-def _megatron_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if getattr(op, "overloadpacket", None) in _SAVE_PACKETS:
+# The same without bmm/baddbmm: the op kinds of autoremat's own Megatron policy
+# (selective.MEGATRON: matmul, attention, conv), which recomputes an attention core built
+# from bmm and softmax. The compiled SAC row uses it.
+_SAVE_PACKETS_NO_BMM = tuple(p for p in _SAVE_PACKETS
+                             if p not in (torch.ops.aten.bmm, torch.ops.aten.baddbmm))
+
+
+def _megatron_policy(save: tuple[Any, ...], ctx: Any, op: Any, *args: Any,
+                     **kwargs: Any) -> CheckpointPolicy:
+    if getattr(op, "overloadpacket", None) in save:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def sac_per_block(modules: list[nn.Module]) -> Toggle:
-    """:func:`per_block` with the Megatron-style policy above: save what is expensive."""
-    return per_block(modules, functools.partial(create_selective_checkpoint_contexts,
-                                                _megatron_policy))
+def sac_per_block(modules: list[nn.Module], *, save_bmm: bool = True) -> Toggle:
+    """:func:`per_block` with the Megatron-style policy above: save what is expensive
+    (``save_bmm=False``: not bmm/baddbmm outputs, as autoremat's ``MEGATRON``)."""
+    policy = functools.partial(_megatron_policy,
+                               _SAVE_PACKETS if save_bmm else _SAVE_PACKETS_NO_BMM)
+    return per_block(modules, functools.partial(create_selective_checkpoint_contexts, policy))
 
 
 def hf_toggle(model: nn.Module) -> Toggle | None:

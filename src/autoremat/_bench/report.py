@@ -26,8 +26,10 @@ from rich.table import Table
 from autoremat._bench.plots import can_plot, pareto_plot
 from autoremat._bench.rows import (
     AUTO,
+    AUTO_COMPILE,
     COMPILE,
     COMPILE_EAGER,
+    COMPILED_REFERENCES,
     NONE,
     BenchRow,
     ModelResult,
@@ -54,14 +56,23 @@ def headline(rows: Sequence[BenchRow]) -> list[str]:
     plans at or below the reference's peak, the one with the fewest recompute FLOPs
     (exact) is compared on FLOPs and time; when another of them is clearly faster, it is
     named too. A time difference counts only when the min..max ranges do not overlap.
+    Compiled references are compared with autoremat's compiled plans (``autoremat +
+    torch.compile``) where there are any, times included; else with the eager plans,
+    times not compared.
     """
-    autos = [r for r in rows if r.method == AUTO and r.status == "ok"
-             and r.peak_bytes is not None]
+    def ok(method: str) -> list[BenchRow]:
+        return [r for r in rows if r.method == method and r.status == "ok"
+                and r.peak_bytes is not None]
+
+    eager_autos, compiled_autos = ok(AUTO), ok(AUTO_COMPILE)
     out: list[str] = []
     for ref in rows:
-        if ref.method in (NONE, AUTO, COMPILE_EAGER) or ref.status != "ok":
+        if ref.method in (NONE, AUTO, AUTO_COMPILE, COMPILE_EAGER) or ref.status != "ok":
             continue
         assert ref.peak_bytes is not None
+        compiled_ref = ref.method in COMPILED_REFERENCES
+        autos = compiled_autos if compiled_ref and compiled_autos else eager_autos
+        same_kind = compiled_ref == (autos is compiled_autos)  # times comparable
         name = ref.method + (f" at activation_memory_budget={ref.budget.split()[0]}"
                              if ref.method == COMPILE else "")
         if ref.peak_source == "os":
@@ -99,7 +110,7 @@ def headline(rows: Sequence[BenchRow]) -> list[str]:
                 f"x{ref.time_ratio or 0:.2f} time): autoremat [{best.budget}] "
                 f"{format_bytes(best.peak_bytes or 0)}, {_flops_text(best.recompute_pct)} "
                 f"FLOPs, x{best.time_ratio or 0:.2f} time: {_flops_verdict(best, ref)}")
-        if ref.method == COMPILE:
+        if not same_kind:
             text += " (compiled times include compile's own speed-up: not compared)"
         else:
             text += f", {_speed(best, ref)}"
@@ -148,15 +159,20 @@ def _cells(r: BenchRow) -> list[str]:
         (" (OS)" if r.peak_source == "os" else "")
     frac = f"{100 * r.peak_fraction:.0f}%" if r.peak_fraction is not None else "-"
     fits = "-"
-    if r.budget_bytes is not None and ok and r.peak_bytes is not None:
-        fits = "yes" if r.peak_bytes <= r.budget_bytes else "NO"
+    # compiled rows on CPU: the allocator's figure, the bytes budgets are in
+    measured = r.allocations_peak_bytes if r.allocations_peak_bytes is not None \
+        else r.peak_bytes
+    if r.budget_bytes is not None and ok and measured is not None:
+        fits = "yes" if measured <= r.budget_bytes else "NO"
     elif r.status == "infeasible":
         fits = "infeasible"
     budget = r.budget
-    if r.method == AUTO and r.budget_bytes is not None and not budget.startswith("peak"):
+    if r.method in (AUTO, AUTO_COMPILE) and r.budget_bytes is not None \
+            and not budget.startswith("peak"):
         budget += f" ({format_bytes(r.budget_bytes)})"
+    predicted = "-" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes)
     return [
-        r.method, budget, peak if ok else r.status, frac, fits,
+        r.method, budget, peak if ok else r.status, predicted, frac, fits,
         f"+{r.recompute_pct:.1f}%" if r.recompute_pct is not None else "-",
         f"{r.step_ms:.0f}" if r.step_ms is not None else "-",
         f"x{r.time_ratio:.2f}" if r.time_ratio is not None else "-",
@@ -168,8 +184,8 @@ def _cells(r: BenchRow) -> list[str]:
     ]
 
 
-_HEADERS = ["method", "budget", "step peak", "% plain", "fits", "+FLOPs", "ms", "x plain",
-            "spread", "x CPU", "max|Δgrad|", "note"]
+_HEADERS = ["method", "budget", "step peak", "predicted", "% plain", "fits", "+FLOPs", "ms",
+            "x plain", "spread", "x CPU", "max|Δgrad|", "note"]
 
 
 def rich_table(result: ModelResult) -> Table:
@@ -181,7 +197,7 @@ def rich_table(result: ModelResult) -> Table:
         table.add_column(h, justify="left" if h in ("method", "budget", "note") else "right",
                          overflow="fold")
     for r in result.rows:
-        style = "bold" if r.method == AUTO and r.status == "ok" else None
+        style = "bold" if r.method in (AUTO, AUTO_COMPILE) and r.status == "ok" else None
         table.add_row(*_cells(r), style=style)
     return table
 
@@ -257,7 +273,19 @@ def _markdown(results: list[ModelResult], command: str, machine: dict[str, Any],
         "- **max|Δgrad|**: against the plain step from the same RNG state; 0 means every "
         "gradient is `torch.equal`.",
         "- **autoremat optimal, peak of X**: autoremat planned with X's measured peak as "
-        "its budget: the like-for-like comparison. Identical plans are measured once.",
+        "its budget: the like-for-like comparison. Identical plans are measured once. "
+        "**predicted**: the plan's predicted peak.",
+        "- **Compiled rows** (`--compile`), each in its own subprocess against an eager "
+        "plain step there, all with one backend (`--compile-backend`): `torch.compile` at "
+        "each `activation_memory_budget`, `torch.compile + checkpoint per block` "
+        "(non-reentrant) and `torch.compile + SAC per block` (Megatron policy: save "
+        "mm/addmm/attention/conv outputs) with the whole model compiled, and `autoremat + "
+        "torch.compile`: plans from a compiled profile (`profile(..., compile=backend)`) "
+        "at each of those rows' measured peaks, below the lowest and at the smallest "
+        "feasible budget, run with each block compiled on its own (what the plan "
+        "predicts). On CPU their note also gives the peak from the allocator's own "
+        "reports (JSON `allocations_peak_bytes`), the figure the prediction is exact for; "
+        "autoremat's compiled budgets and their **fits** use it.",
         "",
     ]
     for res in results:

@@ -13,8 +13,9 @@ from typing import Any, Literal
 from autoremat._core.step import Loop
 
 __all__ = [
-    "AUTO", "BLOCK", "COMPILE", "COMPILE_EAGER", "HF", "METHODS", "NONE", "SAC", "SEQ",
-    "BenchRow", "ModelResult", "Settings", "Status",
+    "AUTO", "AUTO_COMPILE", "BLOCK", "COMPILE", "COMPILED_REFERENCES", "COMPILE_BLOCK",
+    "COMPILE_EAGER", "COMPILE_SAC", "HF", "METHODS", "NONE", "SAC", "SEQ", "BenchRow",
+    "ModelResult", "Settings", "Status",
 ]
 
 NONE = "no checkpointing"
@@ -25,7 +26,13 @@ SEQ = "checkpoint_sequential"
 SAC = "SAC per block"
 COMPILE = "torch.compile"
 COMPILE_EAGER = "no checkpointing (OS)"
-METHODS = (NONE, AUTO, BLOCK, HF, SEQ, SAC, COMPILE, COMPILE_EAGER)
+COMPILE_BLOCK = "torch.compile + checkpoint per block"
+COMPILE_SAC = "torch.compile + SAC per block"
+AUTO_COMPILE = "autoremat + torch.compile"
+METHODS = (NONE, AUTO, BLOCK, HF, SEQ, SAC, COMPILE, COMPILE_EAGER, COMPILE_BLOCK,
+           COMPILE_SAC, AUTO_COMPILE)
+# the compiled rows autoremat + torch.compile is planned against (at each one's peak)
+COMPILED_REFERENCES = (COMPILE, COMPILE_BLOCK, COMPILE_SAC)
 
 Status = Literal["ok", "infeasible", "n/a", "error"]
 
@@ -57,6 +64,8 @@ class BenchRow:
     note: str = ""
     tracker_peak_bytes: int | None = None  # the tracker's peak, when peak_bytes is the
     #                                        allocator's: the cross-check
+    allocations_peak_bytes: int | None = None  # compiled rows on CPU: the peak from the
+    #                     allocator's reports (track_allocations), beside the OS figure
 
     @property
     def grads_rounding_only(self) -> bool:
@@ -94,9 +103,12 @@ class Settings:
     budgets: tuple[str, ...] = ("75%", "50%", "30%", "min")
     repeats: int = 5  # timed rounds per model (after one warm-up round)
     compile: bool = True  # run the torch.compile rows (subprocesses)
-    compile_fractions: tuple[float, ...] | None = None  # default: from the budgets, and 1.0
+    # compile's activation_memory_budget values (None: from the budgets, and 1.0)
+    compile_fractions: tuple[float, ...] | None = (1.0, 0.8, 0.5, 0.2)
+    compile_backend: str = "inductor"  # torch.compile backend of every compiled row
     overrides: tuple[tuple[str, Any], ...] = ()  # size options for every target
     threads: int = 1  # torch threads (0: torch's default); NOTE [ Fair timing ] in bench.py
     compile_timeout_s: float = 1800.0
     loop: Loop = "holds_output"  # the training loop every step follows (step.Loop)
     device: str = "cpu"  # where models and inputs run: "cpu", "cuda", "cuda:1"
+    dtype: str = "float32"  # floating dtype of zoo models and their inputs (measure.DTYPES)

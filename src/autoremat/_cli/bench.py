@@ -17,12 +17,13 @@ from rich.console import Console
 
 from autoremat import zoo
 from autoremat._bench.bench import run_bench
-from autoremat._bench.measure import resolve_device
+from autoremat._bench.measure import DTYPES, resolve_device
 from autoremat._bench.plots import PLOT_HINT, can_plot
 from autoremat._bench.report import device_info, machine_info, write_results
 from autoremat._bench.rows import ModelResult, Settings
 from autoremat._core.errors import RematError
 from autoremat._core.units import parse_budget
+from autoremat._measure.profile import compile_backend
 from autoremat._targets import parse_options
 
 __all__ = ["bench_main"]
@@ -51,15 +52,45 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the torch.compile rows (default unless --quick)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="skip the torch.compile rows")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled rows, e.g. aot_eager (no "
+                        "fusion, compiles fast; default: %(default)s)")
+    p.add_argument("--compile-fractions", default="1,0.8,0.5,0.2",
+                   help="comma-separated values of compile's activation_memory_budget, one "
+                        "row each (default: %(default)s); 'budgets' takes them from "
+                        "--budgets (and 1)")
     p.add_argument("--set", help="size options for every target, e.g. n_layer=2,batch_size=2")
     p.add_argument("--device", default="cpu",
                    help="where models and inputs run: cpu or cuda[:N] (default: %(default)s); "
                         "on CUDA peaks are the rise of torch.cuda.max_memory_allocated() and "
                         "times are CUDA-synchronised; result files are named after it")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="floating dtype of zoo models and their inputs (default: "
+                        "%(default)s; gradients are compared exactly only in float32)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads for the measured steps (default 1: steadiest times on "
                         "a shared CPU; 0 keeps torch's default)")
     return p
+
+
+def _fractions(text: str) -> tuple[float, ...] | None:
+    """``--compile-fractions``: values in [0, 1], or ``budgets`` (None: from --budgets)."""
+    if text.strip() == "budgets":
+        return None
+    values = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            value = float(item)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise RematError(f"--compile-fractions takes numbers from 0 to 1 (compile's "
+                             f"activation_memory_budget) or 'budgets', got {item!r} in "
+                             f"{text!r}")
+        values.append(value)
+    if not values:
+        raise RematError("--compile-fractions is empty; e.g. --compile-fractions 1,0.5")
+    return tuple(values)
 
 
 def bench_main(argv: list[str]) -> int:
@@ -79,11 +110,13 @@ def bench_main(argv: list[str]) -> int:
         if repeats < 1:
             raise RematError(f"--repeats must be at least 1, got {repeats}")
         device = resolve_device(args.device)
+        backend = compile_backend(args.compile_backend) or "inductor"  # a name: never None
         settings = Settings(
             budgets=budgets, repeats=repeats,
             compile=(not args.quick) if args.compile is None else args.compile,
             overrides=tuple(parse_options(args.set).items()), threads=args.threads,
-            device=str(device),
+            device=str(device), dtype=args.dtype, compile_backend=backend,
+            compile_fractions=_fractions(args.compile_fractions),
         )
         if args.threads < 0:
             raise RematError(f"--threads must be 0 (torch's default) or more, got "
@@ -116,9 +149,11 @@ def bench_main(argv: list[str]) -> int:
     if settings.compile:
         how = "allocator-measured (max_memory_allocated" if device.type == "cuda" else \
             "OS-measured (VmHWM"
-        console.print(f"torch.compile rows are {how} in a subprocess, against an eager plain "
-                      "step there): a dispatch mode cannot see inside compiled code.",
-                      highlight=False)
+        console.print(f"compiled rows are {how} in a subprocess, against an eager plain "
+                      "step there): a dispatch mode cannot see inside compiled code"
+                      + ("; on CPU autoremat's compiled budgets are in the allocator's "
+                         "bytes (from its reports to the profiler)." if device.type != "cuda"
+                         else "."), highlight=False)
     console.print(f"{len(targets)} model(s) in {elapsed / 60:.1f} min; wrote "
                   + ", ".join(str(p) for p in paths), highlight=False, markup=False)
     if not can_plot():

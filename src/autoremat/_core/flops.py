@@ -13,12 +13,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.utils import flop_counter as _fc
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["FlopCounter", "flop_formulas"]
 
 aten = torch.ops.aten
+_RNG_HOPS = (run_with_rng_state, run_and_save_rng_state)  # NOTE [ Random ops in a ... ]
 
 
 def _cpu_flash_fwd(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
@@ -62,6 +65,15 @@ class FlopCounter(TorchDispatchMode):
         total: all FLOPs counted.
     """
 
+    # NOTE [ Random ops in a compiled backward ]
+    #     A compiled backward that recomputes a checkpointed region replays its random
+    #     ops through the higher-order ops run_with_rng_state / run_and_save_rng_state
+    #     (AOT Autograd's functionalized RNG). They reach a dispatch mode only when it says
+    #     it supports higher-order ops; they wrap one random op (dropout's mask, rand),
+    #     which has no FLOPs, so they run uncounted. Any other higher-order op could hide
+    #     counted work and still fails loudly (NotImplemented).
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self._formulas = flop_formulas()
@@ -71,6 +83,10 @@ class FlopCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            if func not in _RNG_HOPS:
+                return NotImplemented
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         formula = self._formulas.get(func._overloadpacket)
         if formula is not None:

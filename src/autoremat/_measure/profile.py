@@ -266,7 +266,7 @@ def compile_backend(compile: bool | str) -> str | None:
 
 
 @contextmanager
-def _compile_settings(backend: str | None) -> Iterator[None]:
+def compile_settings(backend: str | None) -> Iterator[None]:
     """Room for every option's compiled code: each block and option is traced apart, and
     past Dynamo's recompile limit it would silently run eagerly and be measured so."""
     if backend is None:
@@ -584,7 +584,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
                          f"blocks=[...] with the names of the layers to plan over")
     with preserved_state(model), training_config(model) as cache_notes, \
-            _compile_settings(backend):
+            compile_settings(backend):
         held: list[int] = []
 
         def measure_output(output: Any) -> torch.Tensor:

@@ -445,7 +445,10 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             host memory it uses. A plan made for a compiled step cannot offload.
 
     Returns:
-        A frozen :class:`Plan`.
+        A frozen :class:`Plan`. ``plan`` has no ``compile`` option: a tape measured
+        compiled (``profile(..., compile=True)``, ``tape.compiled``) already holds the
+        compiled step's figures, and its plans (``plan.compiled``) predict that step,
+        with every block compiled on its own (NOTE [ Profiling a compiled step ]).
 
     Raises:
         BudgetError: the budget cannot be read, or no plan of the strategy fits it;
