@@ -55,7 +55,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     remove(model)
     tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer)
-    apply(model, chosen)
+    apply(model, chosen, check_ranks=False)
     if chosen.budget_bytes is None:
         return chosen
     # NOTE [ auto measures what it applies ]
@@ -89,7 +89,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
                 "chain of blocks)")
         chosen = dataclasses.replace(retry, budget_bytes=limit,
                                      notes=(*retry.notes, note))
-        apply(model, chosen)
+        apply(model, chosen, check_ranks=False)
     raise BudgetError(
         f"after {_AUTO_ATTEMPTS} plans the measured step peak is still "
         f"{format_bytes(peak)}, over the budget of {format_bytes(limit)}; give a smaller "

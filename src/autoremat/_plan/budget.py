@@ -25,6 +25,25 @@ NOTE [ From max_memory to a step budget ]
       (``estimate`` checked that and ``plan`` did not.) A tape does not know the
       temporaries (they depend on the implementation and on each tensor's size), so
       :func:`iteration_memory` leaves them at 0; ``estimate`` measures them.
+
+NOTE [ Sharded over N ranks ]
+    Under FSDP2's ``fully_shard`` each of N ranks holds 1/N of every parameter, of its
+    gradient after the reduce-scatter, and of the optimizer state that follows the
+    parameters; ``plan(..., shards=N)`` divides those three by N (rounded up; FSDP pads
+    a dimension 0 that N does not divide, a few bytes per tensor that we ignore). Not
+    divided: buffers (``fully_shard`` leaves them whole on every rank), the optimizer's
+    scalar step counters (one per parameter tensor on every rank) and the batch (the
+    tape measured one rank's batch). Under DDP nothing is sharded: ``shards=1``.
+
+    The step peak itself comes from the tape, measured in one process with the whole
+    model, and the sharding changes it in two ways the plan does not model: the
+    gradients inside it are whole (under FSDP a rank keeps 1/N of them, so late in the
+    backward the tape's peak is above the rank's by up to (1 - 1/N) of the gradients),
+    and FSDP's all-gathered parameters are missing (the unsharded parameters of the
+    block running and of the one prefetched, and of the root module during its forward
+    and backward). For a model whose blocks are small against its activations the two
+    are small; for a tight ``max_memory``, check the step on one rank
+    (``autoremat.track_memory``) before a long run.
 """
 
 from __future__ import annotations
@@ -36,7 +55,8 @@ from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._measure.tape import Tape
 
-__all__ = ["IterationMemory", "iteration_memory", "optimizer_state_bytes", "step_budget_bytes"]
+__all__ = ["IterationMemory", "check_shards", "iteration_memory", "optimizer_state_bytes",
+           "step_budget_bytes"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +81,12 @@ class IterationMemory:
         return self.resting_bytes + max(step_peak, self.grad_bytes + self.optimizer_step_bytes)
 
 
-def iteration_memory(tape: Tape, optimizer: str | int | None) -> IterationMemory:
+def iteration_memory(tape: Tape, optimizer: str | int | None, shards: int = 1
+                     ) -> IterationMemory:
     """An iteration's memory outside the step, from a tape and an optimizer (a name in
-    ``OPTIMIZERS``, the state in bytes, or ``None``); the optimizer step's temporaries
-    are not known from a tape and are left at 0.
+    ``OPTIMIZERS``, the state in bytes, or ``None``), on one of ``shards`` ranks that
+    shard parameters, gradients and optimizer state (NOTE [ Sharded over N ranks ]); the
+    optimizer step's temporaries are not known from a tape and are left at 0.
 
     Raises:
         BudgetError: an unknown optimizer, or a tape saved before autoremat recorded the
@@ -75,13 +97,27 @@ def iteration_memory(tape: Tape, optimizer: str | int | None) -> IterationMemory
                           "the batch's bytes (tape.input_bytes) or the trainable tensors "
                           "(tape.trainable_param_tensors) that max_memory= needs; profile "
                           "again, or give the step's own budget= instead")
+    check_shards(shards)
     spec = resolve_optimizer(optimizer)
-    state = optimizer_state_bytes(tape, optimizer)
+    state = -(-optimizer_state_bytes(tape, optimizer) // shards)
     if isinstance(spec, OptimizerSpec):
         state += spec.counter_bytes(tape.trainable_param_tensors, tape.device)
-    return IterationMemory(param_bytes=tape.param_bytes, buffer_bytes=tape.buffer_bytes,
-                           optimizer_bytes=state, input_bytes=tape.input_bytes,
-                           grad_bytes=tape.grad_bytes)
+    return IterationMemory(param_bytes=-(-tape.param_bytes // shards),
+                           buffer_bytes=tape.buffer_bytes, optimizer_bytes=state,
+                           input_bytes=tape.input_bytes,
+                           grad_bytes=-(-tape.grad_bytes // shards))
+
+
+def check_shards(shards: int) -> None:
+    """Raise :class:`BudgetError` unless ``shards`` is a whole number >= 1.
+
+    Example:
+        >>> check_shards(2)
+    """
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise BudgetError(f"shards must be a whole number >= 1 (the ranks FSDP shards "
+                          f"parameters, gradients and optimizer state over; 1 for DDP or one "
+                          f"process), got {shards!r}")
 
 
 def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:

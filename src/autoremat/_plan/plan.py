@@ -7,6 +7,7 @@ model and input shapes it was made for, so ``apply`` can refuse a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from autoremat._measure.tape import (
 )
 from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_keep_keys
 from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
-from autoremat._plan.budget import iteration_memory, step_budget_bytes
+from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import RECOMPUTE, Option, plan_costs, predict_peak, selective_options
 
@@ -76,6 +77,9 @@ class Plan:
     # The torch.compile backend of the step its tape measured ("": eager), which its
     # predictions hold for (NOTE [ Profiling a compiled step ] in profile.py).
     compiled: str = ""
+    # The ranks FSDP shards parameters, gradients and optimizer state over, which
+    # max_memory counted (NOTE [ Sharded over N ranks ] in budget.py); 1: unsharded.
+    shards: int = 1
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -137,6 +141,9 @@ class Plan:
         for key in ("strategy", "model", "inputs", "compiled"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         check_loop_field(loaded.loop, "plan.loop")
+        _expect(loaded.shards, int, "plan.shards")
+        if loaded.shards < 1:
+            raise SchemaError(f"plan.shards must be >= 1, got {loaded.shards}")
         if loaded.budget_bytes is not None:
             _expect(loaded.budget_bytes, int, "plan.budget_bytes")
         return loaded
@@ -167,6 +174,8 @@ class Plan:
                 f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
                 f"{100 * self.recompute_overhead:.1f}% of the step; loop {self.loop}"
                 + (f"; for the step compiled ({self.compiled})" if self.compiled else "")
+                + (f"; parameters sharded over {self.shards} ranks" if self.shards > 1
+                   else "")
                 + "\n")
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return head + render_table(["block", "decision"], rows) + notes
@@ -230,12 +239,13 @@ def _check_segments(blocks: list[BlockDecision]) -> None:
 # --- budgets -------------------------------------------------------------------------
 
 def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
-                  optimizer: str | int | None) -> int | None:
+                  optimizer: str | int | None, shards: int = 1) -> int | None:
     limits = []
     if budget is not None:
         limits.append(parse_budget(budget, tape.step_peak_bytes))
     if max_memory is not None:  # optimizer= without it: refused by check_plan_args
-        limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer)))
+        limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer,
+                                                                     shards)))
     return min(limits) if limits else None
 
 
@@ -338,12 +348,12 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
 
 def check_plan_args(budget: int | float | str | None, strategy: str,
                     max_memory: int | str | None = None,
-                    optimizer: str | int | None = None) -> tuple[str, str]:
+                    optimizer: str | int | None = None, shards: int = 1) -> tuple[str, str]:
     """Validate the arguments of :func:`plan` before any work (``auto`` and the CLI call
     it before they profile); returns the strategy's name and its argument.
 
     Raises:
-        BudgetError: a malformed budget, max_memory or optimizer.
+        BudgetError: a malformed budget, max_memory, optimizer or shards.
         RematError: an unknown or malformed strategy.
 
     Example:
@@ -369,11 +379,13 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
         if max_memory is None:
             raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
         resolve_optimizer(optimizer)
+    check_shards(shards)
     return name, arg
 
 
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
-         max_memory: int | str | None = None, optimizer: str | int | None = None) -> Plan:
+         max_memory: int | str | None = None, optimizer: str | int | None = None,
+         shards: int = 1) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
 
     Args:
@@ -391,6 +403,12 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             ``budget`` too, the tighter one wins.
         optimizer: optimizer name (``"adamw"``; see ``OPTIMIZERS``) or state bytes, for
             ``max_memory``.
+        shards: the ranks that FSDP2 (``fully_shard``) shards the parameters over; 1
+            (the default) for DDP or one process. With ``max_memory``, parameters,
+            gradients and optimizer state count 1/``shards`` of their bytes (NOTE
+            [ Sharded over N ranks ] in ``budget.py``); and above 1 the plan
+            checkpoints blocks one by one, since a multi-block segment cannot run under
+            FSDP (NOTE [ Plans under DDP and FSDP2 ] in ``_mechanism/engines.py``).
 
     Returns:
         A frozen :class:`Plan`.
@@ -408,10 +426,14 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     """
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
-    name, arg = check_plan_args(budget, strategy, max_memory, optimizer)
-    budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer)
+    name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards)
+    budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer, shards)
+    if shards > 1:  # no multi-block segments under FSDP: no block joins its predecessor
+        tape = dataclasses.replace(tape, blocks=tuple(
+            dataclasses.replace(b, chained=False) for b in tape.blocks))
     segments = STRATEGIES[name](tape, budget_bytes, arg)
-    found = plan_of_segments(tape, segments, strategy, budget_bytes)
+    found = dataclasses.replace(plan_of_segments(tape, segments, strategy, budget_bytes),
+                                shards=shards)
     if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
         _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes)
     return found
