@@ -1,0 +1,227 @@
+"""Plans under DDP and FSDP2, in two gloo processes on the CPU (autoremat.distributed).
+
+One pair of processes runs every case in turn (spawning a pair costs seconds) and rank 0
+writes what it saw to a file; the tests below read it. Gradients are compared with
+``torch.equal`` against a single-process reference, the plain model stepped on each
+rank's batch with that rank's dropout seed, the two gradients summed and halved:
+
+NOTE [ Why two ranks are bitwise ]
+    DDP divides each gradient by the world size and all-reduces the sum; FSDP2 divides
+    by 2 before its reduce-scatter when the world size is 2 (its pre-divide factor).
+    Halving is exact in floating point (barring underflow to subnormals), and a sum of
+    two addends is the same in either order, so ``g0 / 2 + g1 / 2 == (g0 + g1) / 2``
+    bit for bit whatever order gloo adds in. Each rank's own forward and backward are
+    the single-process ones (same ops, one thread in both), and a plan's gradients are
+    bitwise the plain model's (autoremat's contract). So every comparison here is
+    ``torch.equal``; with more ranks the sums would reassociate and need a tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import autoremat
+from autoremat.distributed import broadcast_plan
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+SIZES = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "seq_len": 32,
+         "dropout": 0.1}
+PER_RANK = 2  # batch rows per rank
+JOIN_S = 120  # the whole run; a hang fails the test instead of blocking the suite
+SUBSET_TIMEOUT_S = 3.0  # rank_timeout_s of the case where only rank 0 applies
+
+
+def _build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The same model on every rank, and the batch of both ranks."""
+    return autoremat.zoo.build("gpt2", seed=0, batch_size=PER_RANK * WORLD, **SIZES)
+
+
+def _rows(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    return {k: v[rank * PER_RANK:(rank + 1) * PER_RANK] for k, v in batch.items()}
+
+
+def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor], rank: int) -> None:
+    torch.manual_seed(1000 + rank)  # this rank's dropout masks
+    model(**batch).loss.backward()
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole gradients by name (an FSDP2 gradient is a sharded DTensor: gathered, which
+    every rank must do)."""
+    out = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+    return out
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """Single process: the plain model on each rank's rows, gradients summed and halved."""
+    total: dict[str, torch.Tensor] = {}
+    for rank in range(WORLD):
+        model, batch = _build()
+        _step(model, _rows(batch, rank), rank)
+        for name, p in model.named_parameters():
+            total[name] = total[name] + p.grad if name in total else p.grad.clone()
+    return {name: g / WORLD for name, g in total.items()}
+
+
+def _shard(model: torch.nn.Module) -> None:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _case(rank: int, plan: autoremat.Plan | None, order: str, engine: str
+          ) -> dict[str, torch.Tensor]:
+    model, batch = _build()
+    wrapped: torch.nn.Module = model
+    if plan is not None and order == "before":
+        autoremat.apply(model, plan)
+    if engine == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        _shard(model)
+    if plan is not None and order == "after":
+        autoremat.apply(wrapped, plan)
+        assert autoremat.applied_plan(wrapped) == plan
+    _step(wrapped, _rows(batch, rank), rank)
+    return _grads(model)
+
+
+def _error(fn: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        fn()
+    except autoremat.RematError as exc:
+        return {"type": type(exc).__name__, "message": str(exc),
+                "seconds": time.monotonic() - start}
+    return {"type": None, "message": "", "seconds": time.monotonic() - start}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    try:
+        _run(rank, port, Path(out))
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _run(rank: int, port: int, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # the reference runs with one thread too
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict[str, Any] = {}
+    plans: list[autoremat.Plan | None] = [None, None]
+    if rank == 0:
+        model, batch = _build()
+        tape = autoremat.profile(model, _rows(batch, 0))
+        plans = [autoremat.plan(tape, strategy="sqrt"),  # segments of two blocks
+                 autoremat.plan(tape, "60%", shards=WORLD)]
+        results["reference"] = _reference()
+        results["plans"] = [p.to_json() for p in plans]
+    segmented, sharded = (broadcast_plan(p) for p in plans)
+    for engine, plan in (("ddp", segmented), ("fsdp", sharded)):
+        results[f"{engine}-plain"] = _case(rank, None, "", engine)
+        for order in ("before", "after"):
+            results[f"{engine}-{order}"] = _case(rank, plan, order, engine)
+    # a plan with two-block segments after fully_shard: refused on every rank
+    results["fsdp-segments"] = _error(lambda: _case(rank, segmented, "after", "fsdp"))
+    # rank 1 applies another plan than rank 0: every rank raises
+    mismatched = segmented if rank == 0 else sharded
+    seen = _error(lambda: autoremat.apply(_build()[0], mismatched))
+    results["mismatch"] = [None] * WORLD
+    dist.all_gather_object(results["mismatch"], seen)
+    # last (it leaves the ranks' group numbering apart): only rank 0 applies
+    if rank == 0:
+        results["subset"] = _error(lambda: autoremat.apply(
+            _build()[0], segmented, rank_timeout_s=SUBSET_TIMEOUT_S))
+    dist.barrier()
+    if rank == 0:
+        torch.save(results, out / "results.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("distributed")
+    context = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_S
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the {WORLD} processes did not finish in {JOIN_S} s")
+    except mp.ProcessRaisedException as exc:
+        errors = "\n".join(p.read_text() for p in sorted(out.glob("error-*.txt")))
+        raise AssertionError(f"a rank raised:\n{errors or exc}") from exc
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    loaded: dict[str, Any] = torch.load(out / "results.pt")
+    return loaded
+
+
+@pytest.mark.parametrize("case", ["ddp-plain", "ddp-before", "ddp-after", "fsdp-plain",
+                                  "fsdp-before", "fsdp-after"])
+def test_gradients_equal_the_single_process_reference(results: dict[str, Any],
+                                                      case: str) -> None:
+    reference, grads = results["reference"], results[case]
+    assert grads.keys() == reference.keys()
+    differ = [name for name in reference if not torch.equal(grads[name], reference[name])]
+    assert not differ, f"{case}: gradients differ from the reference in {differ}"
+
+
+def test_the_plans_recompute_something(results: dict[str, Any]) -> None:
+    segmented, sharded = (autoremat.Plan.from_json(p) for p in results["plans"])
+    assert any(stop > start + 1 for start, stop, _ in segmented.segments)
+    assert sharded.shards == WORLD and sharded.recompute_blocks > 0
+    assert all(stop == start + 1 for start, stop, _ in sharded.segments)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_mismatched_plans_raise_on_every_rank_quickly(results: dict[str, Any],
+                                                     rank: int) -> None:
+    seen = results["mismatch"][rank]
+    assert seen["type"] == "PlanMismatchError", seen
+    assert "rank(s) [1] differ from rank 0" in seen["message"]
+    assert ("first difference: block 'blocks.1': segment 0 on rank 0, 1 on the other"
+            in seen["message"])
+    assert "broadcast_plan" in seen["message"]
+    assert seen["seconds"] < 30
+
+
+def test_apply_on_one_rank_only_times_out(results: dict[str, Any]) -> None:
+    seen = results["subset"]
+    assert seen["type"] == "RematError", seen
+    assert "waited 3 s for the other ranks" in seen["message"]
+    assert SUBSET_TIMEOUT_S <= seen["seconds"] < SUBSET_TIMEOUT_S + 10
+
+
+def test_segments_are_refused_under_fsdp(results: dict[str, Any]) -> None:
+    seen = results["fsdp-segments"]
+    assert seen["type"] == "RematError", seen
+    assert "sharded by FSDP2" in seen["message"] and "shards=" in seen["message"]
