@@ -1,15 +1,18 @@
-"""Plans under DDP and FSDP2, in two gloo processes on the CPU (autoremat.distributed).
+"""Plans under DDP and FSDP2 (autoremat.distributed, plan(shards=N)).
 
-One pair of processes runs every case in turn (spawning a pair costs seconds) and rank 0
-writes what it saw to a file; the tests below read it. Gradients are compared with
-``torch.equal`` against a single-process reference, the plain model stepped on each
-rank's batch with that rank's dropout seed, the two gradients summed and halved:
+The first tests run in this process: the sharded budget, its argument, and the
+plan's JSON. The others run in two gloo processes on the CPU: one pair of processes
+runs every case in turn (spawning a pair costs seconds), rank 0 writes what it saw to
+a file, and the tests read it. Gradients are compared with ``torch.equal`` against a
+single-process reference: the plain model stepped on each rank's batch with that rank's
+dropout seed, the two gradients summed and halved.
 
 NOTE [ Why two ranks are bitwise ]
-    DDP divides each gradient by the world size and all-reduces the sum; FSDP2 divides
-    by 2 before its reduce-scatter when the world size is 2 (its pre-divide factor).
-    Halving is exact in floating point (barring underflow to subnormals), and a sum of
-    two addends is the same in either order, so ``g0 / 2 + g1 / 2 == (g0 + g1) / 2``
+    DDP divides each gradient by the world size and all-reduces the sum; FSDP2
+    reduce-scatters float32 gradients with ``ReduceOp.AVG`` (torch 2.13,
+    ``_get_gradient_divide_factors``). Halving is exact in floating point (barring
+    underflow to subnormals), and a sum of two addends is the same in either order, so
+    ``g0 / 2 + g1 / 2 == (g0 + g1) / 2``, whether the engine halves first or last,
     bit for bit whatever order gloo adds in. Each rank's own forward and backward are
     the single-process ones (same ops, one thread in both), and a plan's gradients are
     bitwise the plain model's (autoremat's contract). So every comparison here is
@@ -33,9 +36,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import autoremat
+from autoremat._core.optimizers import resolve_optimizer
 from autoremat.distributed import broadcast_plan
-
-pytestmark = pytest.mark.slow
 
 WORLD = 2
 SIZES = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "seq_len": 32,
@@ -44,6 +46,65 @@ PER_RANK = 2  # batch rows per rank
 JOIN_S = 120  # the whole run; a hang fails the test instead of blocking the suite
 SUBSET_TIMEOUT_S = 3.0  # rank_timeout_s of the case where only rank 0 applies
 
+
+# --- in this process -------------------------------------------------------------------
+
+def test_shards_divide_parameters_gradients_and_optimizer_state(tiny_tape: autoremat.Tape) -> None:
+    tape = tiny_tape
+    limit = 64 * 2**20
+    counters = resolve_optimizer("adamw").counter_bytes(tape.trainable_param_tensors, "cpu")
+    for shards in (1, 2, 3):
+        p = autoremat.plan(tape, max_memory=limit, optimizer="adamw", strategy="none",
+                           shards=shards)
+        resting = (-(-tape.param_bytes // shards) + tape.buffer_bytes
+                   + -(-2 * tape.trainable_param_bytes // shards) + counters
+                   + tape.input_bytes)
+        assert p.budget_bytes == limit - resting, shards
+        assert p.shards == shards
+
+
+def test_shards_need_the_whole_model_less_under_max_memory(tiny_tape: autoremat.Tape) -> None:
+    tape = tiny_tape
+    with pytest.raises(autoremat.BudgetError) as unsharded:
+        autoremat.plan(tape, max_memory=tape.param_bytes * 2, optimizer="adamw")
+    need = unsharded.value.min_feasible_bytes
+    assert need is not None
+    with pytest.raises(autoremat.BudgetError) as sharded:
+        autoremat.plan(tape, max_memory=tape.param_bytes * 2, optimizer="adamw", shards=4)
+    assert sharded.value.min_feasible_bytes is not None
+    assert sharded.value.min_feasible_bytes < need  # parameters, grads, adam state / 4
+
+
+@pytest.mark.parametrize("shards", [0, -1, 1.5, True, "2", None])
+def test_shards_must_be_a_whole_number_of_ranks(tiny_tape: autoremat.Tape, shards: Any) -> None:
+    with pytest.raises(autoremat.BudgetError, match=r"shards must be a whole number >= 1"):
+        autoremat.plan(tiny_tape, shards=shards)
+
+
+def test_sharded_plans_checkpoint_blocks_one_by_one(tiny_tape: autoremat.Tape) -> None:
+    tape = tiny_tape
+    assert any(stop > start + 1 for start, stop, _ in
+               autoremat.plan(tape, strategy="sqrt").segments)
+    p = autoremat.plan(tape, strategy="sqrt", shards=2)
+    assert [(start, stop) for start, stop, _ in p.segments] == [(0, 1), (1, 2), (2, 3)]
+    assert "parameters sharded over 2 ranks" in str(p)
+    assert autoremat.Plan.from_json(p.to_json()) == p
+
+
+def test_a_plan_with_shards_below_one_does_not_load(tiny_tape: autoremat.Tape) -> None:
+    text = autoremat.plan(tiny_tape).to_json().replace('"shards": 1', '"shards": 0')
+    with pytest.raises(autoremat.SchemaError, match=r"plan.shards must be >= 1, got 0"):
+        autoremat.Plan.from_json(text)
+
+
+def test_broadcast_plan_in_one_process(tiny_tape: autoremat.Tape) -> None:
+    p = autoremat.plan(tiny_tape)
+    assert broadcast_plan(p) is p
+    with pytest.raises(autoremat.RematError, match=r"needs a Plan .* got NoneType"):
+        broadcast_plan(None)
+
+
+# --- in two processes --------------------------------------------------------------------
 
 def _build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The same model on every rank, and the batch of both ranks."""
@@ -129,7 +190,7 @@ def _run(rank: int, port: int, out: Path) -> None:
     plans: list[autoremat.Plan | None] = [None, None]
     if rank == 0:
         model, batch = _build()
-        tape = autoremat.profile(model, _rows(batch, 0))
+        tape = autoremat.profile(model, _rows(batch, 0), repeats=1)
         plans = [autoremat.plan(tape, strategy="sqrt"),  # segments of two blocks
                  autoremat.plan(tape, "60%", shards=WORLD)]
         results["reference"] = _reference()
@@ -185,6 +246,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return loaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["ddp-plain", "ddp-before", "ddp-after", "fsdp-plain",
                                   "fsdp-before", "fsdp-after"])
 def test_gradients_equal_the_single_process_reference(results: dict[str, Any],
@@ -195,6 +257,7 @@ def test_gradients_equal_the_single_process_reference(results: dict[str, Any],
     assert not differ, f"{case}: gradients differ from the reference in {differ}"
 
 
+@pytest.mark.slow
 def test_the_plans_recompute_something(results: dict[str, Any]) -> None:
     segmented, sharded = (autoremat.Plan.from_json(p) for p in results["plans"])
     assert any(stop > start + 1 for start, stop, _ in segmented.segments)
@@ -202,6 +265,7 @@ def test_the_plans_recompute_something(results: dict[str, Any]) -> None:
     assert all(stop == start + 1 for start, stop, _ in sharded.segments)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_mismatched_plans_raise_on_every_rank_quickly(results: dict[str, Any],
                                                      rank: int) -> None:
@@ -214,6 +278,7 @@ def test_mismatched_plans_raise_on_every_rank_quickly(results: dict[str, Any],
     assert seen["seconds"] < 30
 
 
+@pytest.mark.slow
 def test_apply_on_one_rank_only_times_out(results: dict[str, Any]) -> None:
     seen = results["subset"]
     assert seen["type"] == "RematError", seen
@@ -221,6 +286,7 @@ def test_apply_on_one_rank_only_times_out(results: dict[str, Any]) -> None:
     assert SUBSET_TIMEOUT_S <= seen["seconds"] < SUBSET_TIMEOUT_S + 10
 
 
+@pytest.mark.slow
 def test_segments_are_refused_under_fsdp(results: dict[str, Any]) -> None:
     seen = results["fsdp-segments"]
     assert seen["type"] == "RematError", seen
