@@ -161,7 +161,16 @@ def _case(rank: int, plan: autoremat.Plan | None, order: str, engine: str
         autoremat.apply(wrapped, plan)
         assert autoremat.applied_plan(wrapped) == plan
     _step(wrapped, _rows(batch, rank), rank)
-    return _grads(model)
+    first = _grads(model)
+    # A second step (same weights, batch and seed) must give the same gradients: DDP's
+    # reducer would refuse it had the first left a parameter unreduced (no
+    # find_unused_parameters needed), and FSDP2 must reshard and gather again.
+    model.zero_grad(set_to_none=True)
+    _step(wrapped, _rows(batch, rank), rank)
+    second = _grads(model)
+    assert all(torch.equal(first[name], second[name]) for name in first), \
+        f"{engine} {order}: the second step's gradients differ from the first's"
+    return first
 
 
 def _error(fn: Any) -> dict[str, Any]:
@@ -202,11 +211,14 @@ def _run(rank: int, port: int, out: Path) -> None:
             results[f"{engine}-{order}"] = _case(rank, plan, order, engine)
     # a plan with two-block segments after fully_shard: refused on every rank
     results["fsdp-segments"] = _error(lambda: _case(rank, segmented, "after", "fsdp"))
+    # rank 0 has no plan to send: every rank raises, none waits
+    results["no-plan"] = _error(lambda: broadcast_plan("a plan" if rank == 0 else None))
     # rank 1 applies another plan than rank 0: every rank raises
     mismatched = segmented if rank == 0 else sharded
     seen = _error(lambda: autoremat.apply(_build()[0], mismatched))
-    results["mismatch"] = [None] * WORLD
-    dist.all_gather_object(results["mismatch"], seen)
+    for key, mine in (("mismatch", seen), ("no-plan", results["no-plan"])):
+        results[key] = [None] * WORLD
+        dist.all_gather_object(results[key], mine)
     # last (it leaves the ranks' group numbering apart): only rank 0 applies
     if rank == 0:
         results["subset"] = _error(lambda: autoremat.apply(
@@ -276,6 +288,17 @@ def test_mismatched_plans_raise_on_every_rank_quickly(results: dict[str, Any],
             in seen["message"])
     assert "broadcast_plan" in seen["message"]
     assert seen["seconds"] < 30
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_broadcast_without_a_plan_raises_on_every_rank(results: dict[str, Any],
+                                                       rank: int) -> None:
+    seen = results["no-plan"][rank]
+    assert seen["type"] == "RematError", seen
+    assert seen["message"] == ("broadcast_plan() on rank 0 (src) needs a Plan from "
+                               "autoremat.plan(), got str; make the plan on rank 0 and pass "
+                               "None on the others")
 
 
 @pytest.mark.slow
