@@ -196,19 +196,23 @@ def _run(rank: int, port: int, out: Path) -> None:
     torch.set_num_threads(1)  # the reference runs with one thread too
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     results: dict[str, Any] = {}
-    plans: list[autoremat.Plan | None] = [None, None]
+    plans: list[autoremat.Plan | None] = [None, None, None]
     if rank == 0:
         model, batch = _build()
         tape = autoremat.profile(model, _rows(batch, 0), repeats=1)
         plans = [autoremat.plan(tape, strategy="sqrt"),  # segments of two blocks
-                 autoremat.plan(tape, "60%", shards=WORLD)]
+                 autoremat.plan(tape, "60%", shards=WORLD),
+                 autoremat.plan(tape, strategy="selective", shards=WORLD)]
         results["reference"] = _reference()
         results["plans"] = [p.to_json() for p in plans]
-    segmented, sharded = (broadcast_plan(p) for p in plans)
+    segmented, sharded, selective = (broadcast_plan(p) for p in plans)
     for engine, plan in (("ddp", segmented), ("fsdp", sharded)):
         results[f"{engine}-plain"] = _case(rank, None, "", engine)
         for order in ("before", "after"):
             results[f"{engine}-{order}"] = _case(rank, plan, order, engine)
+    # selective blocks (autoremat's dispatch modes inside the checkpoint) under each engine
+    results["ddp-selective"] = _case(rank, selective, "before", "ddp")
+    results["fsdp-selective"] = _case(rank, selective, "after", "fsdp")
     # a plan with two-block segments after fully_shard: refused on every rank
     results["fsdp-segments"] = _error(lambda: _case(rank, segmented, "after", "fsdp"))
     # rank 0 has no plan to send: every rank raises, none waits
@@ -259,8 +263,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["ddp-plain", "ddp-before", "ddp-after", "fsdp-plain",
-                                  "fsdp-before", "fsdp-after"])
+@pytest.mark.parametrize("case", ["ddp-plain", "ddp-before", "ddp-after", "ddp-selective",
+                                  "fsdp-plain", "fsdp-before", "fsdp-after",
+                                  "fsdp-selective"])
 def test_gradients_equal_the_single_process_reference(results: dict[str, Any],
                                                       case: str) -> None:
     reference, grads = results["reference"], results[case]
@@ -271,10 +276,11 @@ def test_gradients_equal_the_single_process_reference(results: dict[str, Any],
 
 @pytest.mark.slow
 def test_the_plans_recompute_something(results: dict[str, Any]) -> None:
-    segmented, sharded = (autoremat.Plan.from_json(p) for p in results["plans"])
+    segmented, sharded, selective = (autoremat.Plan.from_json(p) for p in results["plans"])
     assert any(stop > start + 1 for start, stop, _ in segmented.segments)
     assert sharded.shards == WORLD and sharded.recompute_blocks > 0
     assert all(stop == start + 1 for start, stop, _ in sharded.segments)
+    assert {b.decision for b in selective.blocks} == {"selective"}
 
 
 @pytest.mark.slow

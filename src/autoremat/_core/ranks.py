@@ -52,6 +52,10 @@ def gather_texts(text: str, *, timeout_s: float, what: str) -> list[str]:
     rank, size = rank_and_size()
     if size == 1:
         return [text]
+    if not dist.is_gloo_available():
+        raise RematError(f"{what} checks the ranks over a gloo process group, and this "
+                         "build of torch has no gloo backend; pass check_ranks=False (and "
+                         "make sure every rank applies the plan from broadcast_plan)")
     texts: list[object] = [None] * size
     group = None
     try:
