@@ -104,6 +104,14 @@ def test_broadcast_plan_in_one_process(tiny_tape: autoremat.Tape) -> None:
         broadcast_plan(None)
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, "30", True])
+def test_rank_timeout_must_be_positive_seconds(tiny_tape: autoremat.Tape, timeout: Any) -> None:
+    model, _ = autoremat.zoo.build("mlp", widths=(32, 16, 24), d_in=16, batch_size=8)
+    with pytest.raises(autoremat.RematError, match=r"must be a number of seconds > 0, got"):
+        autoremat.apply(model, autoremat.plan(tiny_tape), rank_timeout_s=timeout)
+    assert autoremat.applied_plan(model) is None
+
+
 # --- in two processes --------------------------------------------------------------------
 
 def _build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

@@ -95,7 +95,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             than one rank), check that every rank applies the same decisions; this
             makes ``apply`` a collective that every rank must call (NOTE [ Every rank
             applies one plan ]). ``False`` skips it.
-        rank_timeout_s: how long a rank waits for the others in that check.
+        rank_timeout_s: how long a rank waits for the others in that check (seconds > 0;
+            checked in one process too).
 
     Raises:
         PlanMismatchError: the plan was made for another model class, or names blocks
@@ -181,8 +182,6 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
 def _check_ranks_agree(plan: Plan, timeout_s: float) -> None:
     """Every rank's decisions against rank 0's (NOTE [ Every rank applies one plan ])."""
     rank, size = rank_and_size()
-    if size == 1:
-        return
     mine = json.dumps({"model": plan.model, "blocks": [asdict(b) for b in plan.blocks]},
                       sort_keys=True)
     texts = gather_texts(mine, timeout_s=timeout_s, what="autoremat.apply")
