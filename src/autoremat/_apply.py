@@ -116,7 +116,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     for block in plan.blocks:
         if block.name not in modules:
             raise PlanMismatchError(f"the plan names block {block.name!r}, which "
-                                    f"{type(model).__name__} does not have."
+                                    f"{model_class_name(model)} does not have."
                                     + did_you_mean(block.name, [n for n in modules if n]))
     compiled = compiled_parts(model, given if compiled_whole else None)
     joined = [start for start, stop, _ in plan.segments if stop > start + 1]
