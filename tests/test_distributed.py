@@ -106,6 +106,26 @@ def test_broadcast_plan_in_one_process(tiny_tape: autoremat.Tape) -> None:
         broadcast_plan(None)
 
 
+@pytest.mark.slow
+def test_estimate_counts_one_rank_of_shards() -> None:
+    model, inputs = autoremat.zoo.build("gpt2", device="meta", n_layer=2, seq_len=32)
+    whole = autoremat.estimate(model, inputs, device="cuda", optimizer="adamw",
+                               selective=False)
+    units = [b.param_bytes for b in whole.tape.blocks] if whole.tape else []
+    for shards in (2, 4):
+        est = autoremat.estimate(model, inputs, device="cuda", optimizer="adamw",
+                                 shards=shards, max_memory="1GiB", selective=False)
+        gathered = 2 * max(*units, whole.param_bytes - sum(units))
+        assert est.resting_bytes == (whole.param_bytes // shards + gathered
+                                     + whole.buffer_bytes + whole.optimizer_bytes // shards
+                                     + whole.input_bytes)
+        assert est.budget_bytes == 2**30 - est.resting_bytes
+        assert est.plan is not None and est.plan.shards == shards
+        assert f"sharded over {shards} ranks" in str(est)
+    with pytest.raises(autoremat.BudgetError, match=r"shards must be a whole number"):
+        autoremat.estimate(model, inputs, shards=0)
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, "30", True])
 def test_rank_timeout_must_be_positive_seconds(tiny_tape: autoremat.Tape, timeout: Any) -> None:
     model, _ = autoremat.zoo.build("mlp", widths=(32, 16, 24), d_in=16, batch_size=8)
