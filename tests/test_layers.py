@@ -13,6 +13,7 @@ its own package and the layers below it, so a reader can learn the project botto
     3  _plan        pure functions of a Tape: peak model, solvers, Plan
     4  _apply       Plan -> wrapped model (apply, remove)
        _estimate    fake-tensor measurement, optimizer state, doctor
+       distributed  broadcast_plan (public: ``autoremat.distributed``)
     5  _verify      gradients and peak of an applied plan against the plain model
     6  _auto        the one place that composes profile, plan and apply
     7  _bench       sweeps against PyTorch's own options, reports, plots
@@ -45,6 +46,7 @@ LAYERS: dict[str, int] = {
     "autoremat._plan": 3,
     "autoremat._apply": 4,
     "autoremat._estimate": 4,
+    "autoremat.distributed": 4,
     "autoremat._verify": 5,
     "autoremat._auto": 6,
     "autoremat._bench": 7,
@@ -154,9 +156,9 @@ def test_no_import_cycles() -> None:
 
 
 def test_internal_modules_are_private() -> None:
-    """Only ``autoremat``, ``autoremat.zoo`` and ``autoremat.hf`` are public; everything
-    else is ``_private``."""
-    public = {"autoremat", "autoremat.zoo", "autoremat.hf"}
+    """Only ``autoremat``, ``autoremat.zoo``, ``autoremat.hf`` and
+    ``autoremat.distributed`` are public; everything else is ``_private``."""
+    public = {"autoremat", "autoremat.zoo", "autoremat.hf", "autoremat.distributed"}
     exposed = [m for m in _graph() if m not in public
                and not any(part.startswith("_") for part in m.split(".")[1:])]
     assert not exposed, f"modules with a public path: {exposed}"

@@ -12,7 +12,7 @@ Example:
     True
 """
 
-from autoremat import zoo
+from autoremat import distributed, zoo
 from autoremat._apply import ShapeMismatchWarning, applied_plan, apply, remove
 from autoremat._auto import auto
 from autoremat._core.errors import (
@@ -57,6 +57,7 @@ __all__ = [
     "applied_plan",
     "apply",
     "auto",
+    "distributed",
     "doctor",
     "estimate",
     "plan",

@@ -1,24 +1,46 @@
-"""``apply`` a plan to a model in place, and ``remove`` it again."""
+"""``apply`` a plan to a model in place, and ``remove`` it again.
+
+NOTE [ Every rank applies one plan ]
+    In a distributed run every rank must recompute the same blocks: under FSDP2 a rank
+    that recomputes a block all-gathers its parameters at another moment than a rank
+    that keeps it, the collectives no longer pair up, and the job hangs; under DDP the
+    gradients still agree, but the ranks' memory and speed do not. The plan is made once
+    (on rank 0) and sent to the others (``autoremat.distributed.broadcast_plan``). When
+    ``torch.distributed`` is initialized with more than one rank, ``apply`` therefore is
+    a collective: it gathers every rank's decisions (model class, block names, keep /
+    recompute / selective, segments and kept ops; not the predictions, which may differ
+    in the last digits between ranks that planned alike) before it changes the model,
+    and every rank raises :class:`PlanMismatchError` naming the ranks whose plan differs
+    from rank 0's. A rank that does not call ``apply`` makes the others raise after
+    ``rank_timeout_s`` (NOTE [ A collective that cannot hang ] in ``_core/ranks.py``).
+    ``check_ranks=False`` skips the exchange: for runs whose ranks rightly apply
+    different plans (pipeline stages), or ``apply`` on one rank only. autoremat's own
+    callers (``auto``, ``verify``, ``bench``, the command line) apply without it: they
+    run in one process, and a distributed run sends their plan on with
+    ``broadcast_plan``.
+"""
 
 from __future__ import annotations
 
+import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
+from autoremat._core.ranks import gather_texts, rank_and_size
 from autoremat._core.step import cache_configs, describe_inputs
 from autoremat._mechanism.compiled import (
     compiled_context,
     compiled_parts,
     parse_keep_keys,
-    uncompiled,
 )
+from autoremat._mechanism.engines import model_class_name, unwrapped
 from autoremat._mechanism.offload import offload
-from autoremat._mechanism.segments import SegmentRunner
+from autoremat._mechanism.segments import SegmentRunner, refuse_under_fsdp
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
 from autoremat._plan.plan import Plan
@@ -45,11 +67,12 @@ class _Applied:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model``, or ``None``."""
-    state = uncompiled(model).__dict__.get(_ATTR)
+    state = unwrapped(model)[0].__dict__.get(_ATTR)
     return state.plan if state is not None else None
 
 
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
+def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
+          rank_timeout_s: float = 30.0) -> nn.Module:
     """Apply ``plan`` to ``model`` in place and return it.
 
     Kept blocks are untouched; recomputed blocks run under non-reentrant
@@ -63,24 +86,47 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     A forward on inputs whose shapes differ from the ones the plan was made for warns
     with :class:`ShapeMismatchWarning` (the plan still runs, but may no longer fit).
 
+    ``model`` may be wrapped by ``torch.compile``, ``DistributedDataParallel`` or
+    sharded by FSDP2's ``fully_shard``, before or after ``apply`` (NOTE [ Plans under
+    DDP and FSDP2 ] in ``_mechanism/engines.py``).
+
+    Args:
+        model: the model the plan was made for.
+        plan: from :func:`autoremat.plan` (in a distributed run: the same on every rank,
+            from :func:`autoremat.distributed.broadcast_plan`).
+        check_ranks: in a distributed run (``torch.distributed`` initialized, more
+            than one rank), check that every rank applies the same decisions; this
+            makes ``apply`` a collective that every rank must call (NOTE [ Every rank
+            applies one plan ]). ``False`` skips it.
+        rank_timeout_s: how long a rank waits for the others in that check (seconds > 0;
+            checked in one process too).
+
     Raises:
         PlanMismatchError: the plan was made for another model class, or names blocks
-            the model does not have.
+            the model does not have, or (distributed) ranks apply different plans.
+        RematError: (distributed) a rank did not call ``apply`` within
+            ``rank_timeout_s``.
     """
     if not isinstance(plan, Plan):
         raise RematError(f"apply() needs a Plan from autoremat.plan(), got {type(plan).__name__}")
-    given, model = model, uncompiled(model)
-    if type(model).__name__ != plan.model:
+    given, (model, compiled_whole) = model, unwrapped(model)
+    if check_ranks:
+        _check_ranks_agree(plan, rank_timeout_s)
+    if model_class_name(model) != plan.model:
         raise PlanMismatchError(f"this plan was made for a {plan.model}, not a "
-                                f"{type(model).__name__}; profile and plan this model")
+                                f"{model_class_name(model)}; profile and plan this model")
     modules = dict(model.named_modules())
     for block in plan.blocks:
         if block.name not in modules:
             raise PlanMismatchError(f"the plan names block {block.name!r}, which "
-                                    f"{type(model).__name__} does not have."
+                                    f"{model_class_name(model)} does not have."
                                     + did_you_mean(block.name, [n for n in modules if n]))
-    compiled = compiled_parts(model, given)
+    compiled = compiled_parts(model, given if compiled_whole else None)
     joined = [start for start, stop, _ in plan.segments if stop > start + 1]
+    for start, stop, _ in plan.segments:
+        if stop > start + 1:
+            names = [b.name for b in plan.blocks[start:stop]]
+            refuse_under_fsdp(names, [modules[name] for name in names])
     if compiled and joined:
         raise RematError(
             f"this plan checkpoints multi-block segments (from {plan.blocks[joined[0]].name}), "
@@ -156,6 +202,39 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     return given
 
 
+def _check_ranks_agree(plan: Plan, timeout_s: float) -> None:
+    """Every rank's decisions against rank 0's (NOTE [ Every rank applies one plan ])."""
+    rank, size = rank_and_size()
+    mine = json.dumps({"model": plan.model, "blocks": [asdict(b) for b in plan.blocks]},
+                      sort_keys=True)
+    texts = gather_texts(mine, timeout_s=timeout_s, what="autoremat.apply")
+    differ = [r for r, text in enumerate(texts) if text != texts[0]]
+    if not differ:
+        return
+    first = json.loads(texts[0])
+    other = json.loads(texts[differ[0]])
+    where = _first_difference(first, other)
+    raise PlanMismatchError(
+        f"the ranks of this run apply different plans: rank(s) {differ} differ from rank 0 "
+        f"(of {size}; this is rank {rank}); first difference: {where}. Ranks must "
+        "recompute the same blocks, or FSDP's collectives no longer pair up: make the plan "
+        "on one rank and send it to the others with "
+        "autoremat.distributed.broadcast_plan(plan), then apply it on every rank")
+
+
+def _first_difference(first: dict[str, Any], other: dict[str, Any]) -> str:
+    """Where two ranks' decisions part, in words."""
+    if first["model"] != other["model"]:
+        return f"model {first['model']!r} on rank 0, {other['model']!r} on the other"
+    a, b = first["blocks"], other["blocks"]
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            keys = [k for k in x if x[k] != y.get(k)]
+            return (f"block {x['name']!r}: " + ", ".join(
+                f"{k} {x[k]!r} on rank 0, {y.get(k)!r} on the other" for k in keys[:2]))
+    return f"{len(a)} blocks on rank 0, {len(b)} on the other"
+
+
 def _shape_check(state: _Applied) -> Any:
     def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
@@ -200,7 +279,7 @@ def _undo(state: _Applied) -> None:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: the model is exactly as before. A no-op without a plan."""
-    state = uncompiled(model).__dict__.pop(_ATTR, None)
+    state = unwrapped(model)[0].__dict__.pop(_ATTR, None)
     if state is not None:
         _undo(state)
     return model

@@ -77,7 +77,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
                    compile=backend or False, offload=offload)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
                   offload=offload)
-    apply(model, chosen)
+    apply(model, chosen, check_ranks=False)
     if chosen.budget_bytes is None:
         return chosen
     # NOTE [ auto measures what it applies ]
@@ -111,7 +111,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
                 "chain of blocks)")
         chosen = dataclasses.replace(retry, budget_bytes=limit,
                                      notes=(*retry.notes, note))
-        apply(model, chosen)
+        apply(model, chosen, check_ranks=False)
     raise BudgetError(
         f"after {_AUTO_ATTEMPTS} plans the measured step peak is still "
         f"{format_bytes(peak)}, over the budget of {format_bytes(limit)}; give a smaller "

@@ -173,8 +173,9 @@ def _check_args(args: TrainingArguments) -> None:
         raise RematError(
             f"AutorematCallback plans in one process, and this run has {args.world_size}: "
             "each rank would plan on its own, and ranks that recompute different blocks "
-            "hang FSDP. Plan once (autoremat.auto on one rank), send plan.to_json() to the "
-            "others and autoremat.apply(model, Plan.from_json(text)) on each")
+            "hang FSDP. Plan once on rank 0 (autoremat.plan(autoremat.profile(model, batch), "
+            "...)), send it to the others with autoremat.distributed.broadcast_plan(plan) and "
+            "autoremat.apply(model, plan) on every rank before trainer.train()")
 
 
 def _check_model(model: nn.Module) -> None:

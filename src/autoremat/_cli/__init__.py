@@ -61,7 +61,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                   optimizer=args.optimizer)
     console.print(str(chosen), highlight=False, soft_wrap=True)
     if args.verify:
-        apply(model, chosen)
+        apply(model, chosen, check_ranks=False)
         with _status(console, "verifying: plain and planned steps"):
             report = verify(model, inputs, deterministic=args.deterministic)
         console.print(str(report), highlight=False, soft_wrap=True)
@@ -97,7 +97,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
                 console.print(f"[yellow]{label}: {exc}[/]")
                 progress.advance(task)
                 continue
-            apply(model, chosen)
+            apply(model, chosen, check_ranks=False)
             report = verify(model, inputs, repeats=args.repeats)
             remove(model)
             budget_text = format_bytes(chosen.budget_bytes) if chosen.budget_bytes else "-"

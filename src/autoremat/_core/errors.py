@@ -45,7 +45,8 @@ class DeterminismError(RematError):
 
 
 class PlanMismatchError(RematError):
-    """A plan was applied to a model or input shape it was not made for."""
+    """A plan was applied to a model or input shape it was not made for, or the ranks of
+    a distributed run applied different plans."""
 
 
 class SchemaError(RematError):

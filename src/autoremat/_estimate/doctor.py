@@ -53,6 +53,7 @@ from autoremat._estimate.estimate import Estimate, estimate
 from autoremat._estimate.fake import parse_dtype, register_hf_attention
 from autoremat._estimate.tracked_step import LOSS_CHUNKS, StepPeak, meta_step_peak
 from autoremat._measure.tape import dump_json
+from autoremat._plan.budget import fsdp_param_bytes
 
 __all__ = [
     "HF_FAMILIES",
@@ -225,18 +226,14 @@ def _device_peak(est: Estimate, s: _Setting) -> int:
     optimizer = est.optimizer_bytes // n if s.zero_stage >= 1 else est.optimizer_bytes
     opt_step = 0 if s.fused_optimizer else est.optimizer_step_bytes // n
     params = est.param_bytes
-    if s.zero_stage >= 3:
-        params = params // n + 2 * _largest_unit_param_bytes(est)
+    if s.zero_stage >= 3:  # NOTE [ Sharded over N ranks ] in _plan/budget.py
+        params = fsdp_param_bytes(params, [b.param_bytes for b in est.tape.blocks]
+                                  if est.tape is not None else [], n)
     inputs = est.input_bytes if s.input_bytes is None else s.input_bytes
     held = dataclasses.replace(est.iteration_memory, param_bytes=params, optimizer_bytes=optimizer,
                                input_bytes=inputs, grad_bytes=grads,
                                optimizer_step_bytes=opt_step)
     return held.peak_bytes(peak)
-
-
-def _largest_unit_param_bytes(est: Estimate) -> int:
-    blocks = [b.param_bytes for b in est.tape.blocks] if est.tape is not None else [0]
-    return max(*blocks, est.param_bytes - sum(blocks))
 
 
 def _steps(est: Estimate) -> dict[bool, StepPeak]:

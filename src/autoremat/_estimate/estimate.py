@@ -80,7 +80,12 @@ from autoremat._estimate.tracked_step import (
 )
 from autoremat._measure.profile import profile
 from autoremat._measure.tape import Tape, dump_json
-from autoremat._plan.budget import IterationMemory, step_budget_bytes
+from autoremat._plan.budget import (
+    IterationMemory,
+    check_shards,
+    fsdp_param_bytes,
+    step_budget_bytes,
+)
 from autoremat._plan.plan import plan as make_plan
 
 __all__ = ["Estimate", "estimate"]
@@ -128,6 +133,9 @@ class Estimate:
     plan_recompute_flops: int | None = None
     throughput_flops: float | None = None  # FLOP/s the user said the device sustains
     loop: Loop = "holds_output"  # the training loop the step figures are for (step.Loop)
+    # FSDP ranks the parameters, gradients and optimizer state are sharded over, which
+    # the iteration's figures count per rank (NOTE [ Sharded over N ranks ] in budget.py)
+    shards: int = 1
     notes: tuple[str, ...] = ()
     tape: Tape | None = field(default=None, repr=False, compare=False)
     plan: Any = field(default=None, repr=False, compare=False)
@@ -140,11 +148,17 @@ class Estimate:
     @property
     def iteration_memory(self) -> IterationMemory:
         """What the iteration holds besides the step's peak, as ``plan`` reads it from a
-        tape (NOTE [ From max_memory to a step budget ] in ``budget.py``)."""
+        tape (NOTE [ From max_memory to a step budget ] in ``budget.py``), on one of
+        ``shards`` ranks (NOTE [ Sharded over N ranks ]; the optimizer's step counters,
+        measured within its state, are divided too: a few bytes per tensor)."""
+        n = self.shards
+        params = self.param_bytes if n == 1 else fsdp_param_bytes(
+            self.param_bytes, [b.param_bytes for b in self.tape.blocks]
+            if self.tape is not None else [], n)
         return IterationMemory(
-            param_bytes=self.param_bytes, buffer_bytes=self.buffer_bytes,
-            optimizer_bytes=self.optimizer_bytes, input_bytes=self.input_bytes,
-            grad_bytes=self.grad_bytes, optimizer_step_bytes=self.optimizer_step_bytes)
+            param_bytes=params, buffer_bytes=self.buffer_bytes,
+            optimizer_bytes=self.optimizer_bytes // n, input_bytes=self.input_bytes,
+            grad_bytes=self.grad_bytes // n, optimizer_step_bytes=self.optimizer_step_bytes // n)
 
     @property
     def resting_bytes(self) -> int:
@@ -236,8 +250,11 @@ def _breakdown(parts: dict[str, int]) -> str:
 def _render(est: Estimate) -> str:
     dtype = f" at {est.dtype}" if est.dtype else ""
     opt = est.optimizer or "none"
+    sharded = (f"; per rank, parameters, gradients and optimizer state sharded over "
+               f"{est.shards} ranks (the figures below are whole)" if est.shards > 1 else "")
     lines = [
-        f"Estimate for {est.model} on {est.device}{dtype}; batch {est.inputs}; loop {est.loop}",
+        f"Estimate for {est.model} on {est.device}{dtype}; batch {est.inputs}; loop {est.loop}"
+        + sharded,
         f"  parameters        {_exact(est.param_bytes)}  {est.param_count:,} parameters",
         f"  gradients         {_exact(est.grad_bytes)}",
         f"  optimizer state   {_exact(est.optimizer_bytes)}  {opt}",
@@ -315,6 +332,7 @@ def estimate(
     loop: Loop = "holds_output",
     offload: bool = False,
     host_bandwidth: float | None = None,
+    shards: int = 1,
 ) -> Estimate:
     """Predict the memory of one training step without running it for real.
 
@@ -352,6 +370,9 @@ def estimate(
         host_bandwidth: bytes per second between the target device and host memory,
             which cost offload in the plan; default ``DEFAULT_HOST_BANDWIDTH`` (25e9,
             pinned copies over PCIe 4.0 x16; measure yours with ``profile`` on the GPU).
+        shards: the ranks FSDP2 shards parameters, gradients and optimizer state over,
+            as for :func:`autoremat.plan`: the total peaks and ``max_memory``'s budget
+            are per rank (the parameter, gradient and optimizer lines stay whole).
 
     Returns:
         A frozen :class:`Estimate`.
@@ -375,6 +396,7 @@ def estimate(
         raise BudgetError("give either budget= (the step's own budget) or max_memory= (the "
                           "whole device, parameters and optimizer included), not both")
     check_loop(loop)
+    check_shards(shards)
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise RematError(f"top must be a whole number >= 0 (how many of the largest live "
                          f"tensors to list), got {top!r}")
@@ -450,7 +472,8 @@ def estimate(
         ckpt_head_chunked_step_peak_bytes=chunked_loss_peak(ckpt, LOSS_CHUNKS),
         step_fwd_flops=tape.step_fwd_flops, step_bwd_flops=tape.step_bwd_flops,
         ckpt_recompute_flops=sum(b.fwd_flops for b in tape.blocks),
-        throughput_flops=throughput_flops, loop=loop, notes=tuple(notes), tape=tape,
+        throughput_flops=throughput_flops, loop=loop, shards=shards, notes=tuple(notes),
+        tape=tape,
     )
     if budget is None and max_memory is None:
         return est
@@ -467,7 +490,8 @@ def _with_plan(est: Estimate, tape: Tape, budget: int | str | None,
     if budget is None:
         raise InternalError("autoremat internal error (please report it): no budget to plan for")
     budget_bytes = parse_budget(budget, tape.step_peak_bytes)
-    plan = make_plan(tape, budget=budget_bytes, strategy=strategy, offload=offload)
+    plan = make_plan(tape, budget=budget_bytes, strategy=strategy, offload=offload,
+                     shards=est.shards)
     return dataclasses.replace(est, budget_bytes=budget_bytes, strategy=strategy, plan=plan,
                                plan_peak_bytes=int(plan.predicted_peak_bytes),
                                plan_recompute_flops=int(plan.predicted_recompute_flops))

@@ -35,9 +35,10 @@ from torch.utils._pytree import tree_map
 from autoremat._core.errors import PlanMismatchError, RematError
 from autoremat._core.step import flat_tensors
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
+from autoremat._mechanism.engines import is_fsdp
 from autoremat._mechanism.wrap import _context_fn
 
-__all__ = ["SegmentRunner"]
+__all__ = ["SegmentRunner", "refuse_under_fsdp"]
 
 _SLOT = object()  # stands for the chained input of an inner block while recording
 
@@ -52,6 +53,19 @@ class _Call:
     args: Any
     kwargs: Any
     slot_from: int = -1  # index into the previous block's flat output for the chained input
+
+
+def refuse_under_fsdp(names: list[str], modules: list[nn.Module]) -> None:
+    """Raise a :class:`RematError` when a block of a multi-block segment is sharded by
+    ``fully_shard`` (NOTE [ Plans under DDP and FSDP2 ] in ``engines.py``)."""
+    sharded = [name for name, module in zip(names, modules, strict=True) if is_fsdp(module)]
+    if sharded:
+        raise RematError(
+            f"this plan checkpoints {names[0]}..{names[-1]} as one segment of {len(names)} "
+            f"blocks, and {sharded[0]!r} is sharded by FSDP2 (fully_shard): a segment's "
+            "recompute would run blocks whose parameters FSDP has freed. Plan with "
+            "autoremat.plan(tape, ..., shards=<world size>), which checkpoints blocks one "
+            "by one, and broadcast that plan")
 
 
 @dataclass
@@ -88,6 +102,8 @@ class SegmentRunner:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if is_compiling():
                 refuse_under_compile(f"the segment {self.names[0]}..{self.names[-1]}")
+            if i == 0:
+                refuse_under_fsdp(self.names, self.modules)
             if self._replaying or not torch.is_grad_enabled():
                 return
             if i == 0:

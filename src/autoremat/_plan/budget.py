@@ -25,6 +25,29 @@ NOTE [ From max_memory to a step budget ]
       (``estimate`` checked that and ``plan`` did not.) A tape does not know the
       temporaries (they depend on the implementation and on each tensor's size), so
       :func:`iteration_memory` leaves them at 0; ``estimate`` measures them.
+
+NOTE [ Sharded over N ranks ]
+    Under FSDP2's ``fully_shard`` each of N ranks holds 1/N of every parameter, of its
+    gradient after the reduce-scatter, and of the optimizer state that follows the
+    parameters; ``plan(..., shards=N)`` divides those three by N (FSDP pads a dimension
+    0 that N does not divide, a few bytes per tensor that we ignore). Not divided:
+    buffers (``fully_shard`` leaves them whole on every rank), the optimizer's scalar
+    step counters (one per parameter tensor on every rank) and the batch (the tape
+    measured one rank's batch). Under DDP nothing is sharded: ``shards=1``.
+
+    A rank also holds whole the parameters of the units FSDP has all-gathered: the one
+    running and the one it prefetches. :func:`fsdp_param_bytes` counts two of the
+    largest unit (a block, or the root: the parameters outside the blocks) in the
+    parameters, the rule ``autoremat doctor`` uses for its FSDP remedy too. It is
+    conservative: they are gathered only around a unit's forward and backward, not
+    for the whole iteration.
+
+    The step peak itself comes from the tape, measured in one process with the whole
+    model, and its gradients are whole: under FSDP a rank keeps 1/N of them, so late
+    in the backward the tape's peak is above the rank's by up to (1 - 1/N) of the
+    gradients. ``plan`` does not take that off (which gradients are alive at a plan's
+    peak depends on the plan), so its plans are on the safe side; check a tight
+    ``max_memory`` on one rank (``autoremat.track_memory``) before a long run.
 """
 
 from __future__ import annotations
@@ -36,7 +59,8 @@ from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._measure.tape import Tape
 
-__all__ = ["IterationMemory", "iteration_memory", "optimizer_state_bytes", "step_budget_bytes"]
+__all__ = ["IterationMemory", "check_shards", "fsdp_param_bytes", "iteration_memory",
+           "optimizer_state_bytes", "step_budget_bytes"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +85,12 @@ class IterationMemory:
         return self.resting_bytes + max(step_peak, self.grad_bytes + self.optimizer_step_bytes)
 
 
-def iteration_memory(tape: Tape, optimizer: str | int | None) -> IterationMemory:
+def iteration_memory(tape: Tape, optimizer: str | int | None, shards: int = 1
+                     ) -> IterationMemory:
     """An iteration's memory outside the step, from a tape and an optimizer (a name in
-    ``OPTIMIZERS``, the state in bytes, or ``None``); the optimizer step's temporaries
-    are not known from a tape and are left at 0.
+    ``OPTIMIZERS``, the state in bytes, or ``None``), on one of ``shards`` ranks that
+    shard parameters, gradients and optimizer state (NOTE [ Sharded over N ranks ]); the
+    optimizer step's temporaries are not known from a tape and are left at 0.
 
     Raises:
         BudgetError: an unknown optimizer, or a tape saved before autoremat recorded the
@@ -75,13 +101,41 @@ def iteration_memory(tape: Tape, optimizer: str | int | None) -> IterationMemory
                           "the batch's bytes (tape.input_bytes) or the trainable tensors "
                           "(tape.trainable_param_tensors) that max_memory= needs; profile "
                           "again, or give the step's own budget= instead")
+    check_shards(shards)
     spec = resolve_optimizer(optimizer)
-    state = optimizer_state_bytes(tape, optimizer)
+    state = optimizer_state_bytes(tape, optimizer) // shards
     if isinstance(spec, OptimizerSpec):
         state += spec.counter_bytes(tape.trainable_param_tensors, tape.device)
-    return IterationMemory(param_bytes=tape.param_bytes, buffer_bytes=tape.buffer_bytes,
+    params = tape.param_bytes if shards == 1 else fsdp_param_bytes(
+        tape.param_bytes, [b.param_bytes for b in tape.blocks], shards)
+    return IterationMemory(param_bytes=params, buffer_bytes=tape.buffer_bytes,
                            optimizer_bytes=state, input_bytes=tape.input_bytes,
-                           grad_bytes=tape.grad_bytes)
+                           grad_bytes=tape.grad_bytes // shards)
+
+
+def fsdp_param_bytes(param_bytes: int, block_param_bytes: list[int], shards: int) -> int:
+    """Parameter bytes one of ``shards`` FSDP ranks holds at most: its shard of all of
+    them, plus two of the largest unit whole (NOTE [ Sharded over N ranks ]); the units
+    are the blocks and the root (the parameters outside the blocks).
+
+    Example:
+        >>> fsdp_param_bytes(1000, [200, 200, 200], shards=4)  # 250 + 2 * root's 400
+        1050
+    """
+    largest = max(*block_param_bytes, param_bytes - sum(block_param_bytes), 0)
+    return param_bytes // shards + 2 * largest
+
+
+def check_shards(shards: int) -> None:
+    """Raise :class:`BudgetError` unless ``shards`` is a whole number >= 1.
+
+    Example:
+        >>> check_shards(2)
+    """
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise BudgetError(f"shards must be a whole number >= 1 (the ranks FSDP shards "
+                          f"parameters, gradients and optimizer state over; 1 for DDP or one "
+                          f"process), got {shards!r}")
 
 
 def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:

@@ -30,7 +30,7 @@ from autoremat._measure.tape import (
 )
 from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_keep_keys
 from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
-from autoremat._plan.budget import iteration_memory, step_budget_bytes
+from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import (
     OFFLOAD,
@@ -92,6 +92,9 @@ class Plan:
     compiled: str = ""
     # Bytes the offloaded blocks copy to host memory in one step (their tape's figures).
     predicted_host_bytes: int = 0
+    # The ranks FSDP shards parameters, gradients and optimizer state over, which
+    # max_memory counted (NOTE [ Sharded over N ranks ] in budget.py); 1: unsharded.
+    shards: int = 1
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -163,6 +166,9 @@ class Plan:
         for key in ("strategy", "model", "inputs", "compiled"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         check_loop_field(loaded.loop, "plan.loop")
+        _expect(loaded.shards, int, "plan.shards")
+        if loaded.shards < 1:
+            raise SchemaError(f"plan.shards must be >= 1, got {loaded.shards}")
         if loaded.budget_bytes is not None:
             _expect(loaded.budget_bytes, int, "plan.budget_bytes")
         return loaded
@@ -198,6 +204,8 @@ class Plan:
                 + (f"; {self.offload_blocks} block(s) offload "
                    f"{format_bytes(self.predicted_host_bytes)} to host memory"
                    if self.offload_blocks else "")
+                + (f"; parameters sharded over {self.shards} ranks" if self.shards > 1
+                   else "")
                 + "\n")
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return head + render_table(["block", "decision"], rows) + notes
@@ -263,12 +271,13 @@ def _check_segments(blocks: list[BlockDecision]) -> None:
 # --- budgets -------------------------------------------------------------------------
 
 def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
-                  optimizer: str | int | None) -> int | None:
+                  optimizer: str | int | None, shards: int = 1) -> int | None:
     limits = []
     if budget is not None:
         limits.append(parse_budget(budget, tape.step_peak_bytes))
     if max_memory is not None:  # optimizer= without it: refused by check_plan_args
-        limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer)))
+        limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer,
+                                                                     shards)))
     return min(limits) if limits else None
 
 
@@ -382,12 +391,12 @@ _STRATEGY_NAMES = ["optimal", "none", "full", "every:K", "sqrt", "selective", "o
 
 def check_plan_args(budget: int | float | str | None, strategy: str,
                     max_memory: int | str | None = None,
-                    optimizer: str | int | None = None) -> tuple[str, str]:
+                    optimizer: str | int | None = None, shards: int = 1) -> tuple[str, str]:
     """Validate the arguments of :func:`plan` before any work (``auto`` and the CLI call
     it before they profile); returns the strategy's name and its argument.
 
     Raises:
-        BudgetError: a malformed budget, max_memory or optimizer.
+        BudgetError: a malformed budget, max_memory, optimizer or shards.
         RematError: an unknown or malformed strategy.
 
     Example:
@@ -413,12 +422,13 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
         if max_memory is None:
             raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
         resolve_optimizer(optimizer)
+    check_shards(shards)
     return name, arg
 
 
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
          max_memory: int | str | None = None, optimizer: str | int | None = None,
-         offload: bool = False) -> Plan:
+         offload: bool = False, shards: int = 1) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
 
     Args:
@@ -443,6 +453,12 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             compute (NOTE [ What offload costs ]). Needs a tape measured with
             ``profile(..., offload=True)``. A plan's ``predicted_host_bytes`` is the
             host memory it uses. A plan made for a compiled step cannot offload.
+        shards: the ranks that FSDP2 (``fully_shard``) shards the parameters over; 1
+            (the default) for DDP or one process. With ``max_memory``, parameters,
+            gradients and optimizer state count 1/``shards`` of their bytes (NOTE
+            [ Sharded over N ranks ] in ``budget.py``); and above 1 the plan
+            checkpoints blocks one by one, since a multi-block segment cannot run under
+            FSDP (NOTE [ Plans under DDP and FSDP2 ] in ``_mechanism/engines.py``).
 
     Returns:
         A frozen :class:`Plan`. ``plan`` has no ``compile`` option: a tape measured
@@ -463,7 +479,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     """
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
-    name, arg = check_plan_args(budget, strategy, max_memory, optimizer)
+    name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards)
     if not isinstance(offload, bool):
         raise RematError(f"offload must be True or False, got {offload!r}")
     notes: tuple[str, ...] = ()
@@ -478,9 +494,13 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         raise RematError("this tape was measured without offloaded blocks; profile with "
                          "autoremat.profile(model, inputs, offload=True) to plan offload"
                          + (" (a compiled step cannot offload)" if tape.compiled else ""))
-    budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer)
+    budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer, shards)
+    if shards > 1:  # no multi-block segments under FSDP: no block joins its predecessor
+        tape = dataclasses.replace(tape, blocks=tuple(
+            dataclasses.replace(b, chained=False) for b in tape.blocks))
     segments = STRATEGIES[name](tape, budget_bytes, arg, offload)
-    found = plan_of_segments(tape, segments, strategy, budget_bytes)
+    found = dataclasses.replace(plan_of_segments(tape, segments, strategy, budget_bytes),
+                                shards=shards)
     if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
         _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes,
                           offload=offload)
