@@ -134,7 +134,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             "for the compiled step from a tape measured compiled: "
             "autoremat.plan(autoremat.profile(model, inputs, compile=True), budget)")
     if compiled and plan.offload_blocks:
-        first = next(b.name for b in plan.blocks if b.decision == "offload")
+        first = next(b.name for b in plan.blocks if b.decision == "offload" or b.offload_input)
         raise RematError(
             f"this plan offloads blocks (from {first}), which cannot run under "
             f"torch.compile, and {compiled[0]} is compiled. Plan without offload for the "
