@@ -28,7 +28,7 @@ from autoremat._measure.keepsets import KeepSet, keep_sets
 
 # Whole-number rates, so every cost below is exact: op cost = flops + bytes + 10.
 MODEL = CostModel(flops_per_byte=1.0, flops_per_random_byte=100.0, flops_per_op=10.0,
-                  flops_per_sac_op=1000.0)
+                  flops_per_sac_op=1000.0, flops_per_second=1e11)
 
 
 def _op(op: str, *, out: int = 0, flops: int = 0, kept: int = 0, inputs: tuple[int, ...] = (),
@@ -333,7 +333,7 @@ def _random_block(rng: random.Random, n_nodes: int) -> list[OpRecord]:
 def test_agrees_with_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     model = CostModel(flops_per_byte=2.0, flops_per_random_byte=50.0, flops_per_op=7.0,
-                      flops_per_sac_op=0.0)
+                      flops_per_sac_op=0.0, flops_per_second=1e11)
     fractions = (0.0, 0.1, 0.25, 0.5, 1.0)
     for _ in range(15):
         ops = _random_block(rng, rng.randint(1, 10))

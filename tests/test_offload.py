@@ -233,3 +233,41 @@ def test_a_tensor_saved_twice_is_copied_once() -> None:
         assert torch.equal(group.unpack(a), x)
     small = torch.randn(4)
     assert group.pack(small) is small  # under _MIN_BYTES: stays
+
+
+def test_compressed_offload_stays_within_its_documented_bounds() -> None:
+    """NOTE [ Compressed offload ]: each compressed element within 2**-8 relative; the
+    gradients of the zoo's gpt2 with every block compressed within 2**-5 of each
+    gradient's largest element (and not equal: the numerics do change)."""
+    x = torch.randn(256, 256) * torch.logspace(-20, 20, 256)
+    group = OffloadGroup(frozen=set(), dtype=torch.bfloat16)
+    with simulated_host():
+        packed = group.pack(x)
+        back = group.unpack(packed)
+    assert back.dtype == x.dtype and group.stats.host_bytes == x.numel() * 2
+    assert bool(((back - x).abs() <= 2.0 ** -8 * x.abs()).all())
+    model, inputs = zoo.build("gpt2", **dict(SMALL["gpt2"], n_layer=4))
+    _, plain = _grads(model, inputs)
+    names = resolve_blocks(model, None)
+    chosen = dataclasses.replace(_by_hand(model, inputs, names, _KINDS),
+                                 offload_dtype="bfloat16")
+    autoremat.apply(model, chosen)
+    with simulated_host():
+        _, got = _grads(model, inputs)
+    autoremat.remove(model)
+    worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                for a, b in zip(got, plain, strict=True))
+    assert 0 < worst < 2.0 ** -5
+
+
+def test_offload_dtype_is_checked(gpt2_offload_tape: Any) -> None:
+    _, _, tape = gpt2_offload_tape
+    assert autoremat.plan(tape, strategy="offload",
+                          offload_dtype=torch.bfloat16).offload_dtype == "bfloat16"
+    with pytest.raises(RematError, match="offload_dtype must be one of"):
+        autoremat.plan(tape, strategy="offload", offload_dtype="int8")
+    with pytest.raises(RematError, match="only matters when the plan offloads"):
+        autoremat.plan(tape, "90%", offload_dtype="bfloat16")
+    data = autoremat.plan(tape, strategy="offload", offload_dtype="float16").to_json()
+    with pytest.raises(SchemaError, match=r"plan\.offload_dtype"):
+        Plan.from_json(data.replace('"float16"', '"fp8"'))

@@ -159,6 +159,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         state.cache_restore = [(config, config.use_cache) for config in configs.values()]
         for config in configs.values():
             config.use_cache = False
+    dtype = getattr(torch, plan.offload_dtype) if plan.offload_dtype else None
     try:
         for start, stop, decision in plan.segments:
             blocks = [modules[b.name] for b in plan.blocks[start:stop]]
@@ -166,7 +167,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 continue
             if decision == "offload":
                 after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
-                _, handle = offload(blocks[0], model, after)
+                _, handle = offload(blocks[0], model, after, dtype=dtype)
                 state.wrapped.append(blocks[0])
                 if handle is not None:
                     state.handles.append(handle)
@@ -180,7 +181,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                     state.wrapped.append(module)
             elif stop == start + 1 and plan.blocks[start].offload_input:
                 after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
-                _, handle = offload(blocks[0], model, after, input_only=True)
+                _, handle = offload(blocks[0], model, after, input_only=True, dtype=dtype)
                 state.wrapped.append(blocks[0])
                 if handle is not None:
                     state.handles.append(handle)

@@ -274,7 +274,7 @@ def keep_sets(ops: Sequence[OpRecord], model: CostModel,
         >>> relu = OpRecord(op="aten.relu.default", kind="pointwise", out_bytes=400, flops=100,
         ...                 ms=0.0, random=False, view=False, inplace=False, kept_bytes=400,
         ...                 inputs=(0,), target=-1, value_out=False)
-        >>> sets = keep_sets([mm, relu], CostModel(0, 0, 0, 0), fractions=(0.0, 0.5))
+        >>> sets = keep_sets([mm, relu], CostModel(0, 0, 0, 0, 1e11), fractions=(0.0, 0.5))
         >>> [(s.keep, s.kept_bytes, s.cost) for s in sets]
         [((), 0, 8100), ((0,), 400, 100)]
 

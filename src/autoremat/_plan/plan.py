@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from autoremat._core.errors import BudgetError, RematError, SchemaError, did_you_mean
 from autoremat._core.optimizers import resolve_optimizer
 from autoremat._core.step import Loop
@@ -90,8 +92,12 @@ class Plan:
     # The torch.compile backend of the step its tape measured ("": eager), which its
     # predictions hold for (NOTE [ Profiling a compiled step ] in profile.py).
     compiled: str = ""
-    # Bytes the offloaded blocks copy to host memory in one step (their tape's figures).
+    # Bytes the offloaded blocks copy to host memory in one step (their tape's figures,
+    # uncompressed).
     predicted_host_bytes: int = 0
+    # "": offloaded tensors are copied as they are; else the dtype their host copies
+    # are stored in, which changes numerics (NOTE [ Compressed offload ] in offload.py)
+    offload_dtype: str = ""
     # The ranks FSDP shards parameters, gradients and optimizer state over, which
     # max_memory counted (NOTE [ Sharded over N ranks ] in budget.py); 1: unsharded.
     shards: int = 1
@@ -163,6 +169,9 @@ class Plan:
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
                     "step_flops", "predicted_cost", "predicted_host_bytes"):
             _expect(getattr(loaded, key), int, f"plan.{key}")
+        if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
+            raise SchemaError(f"plan.offload_dtype must be one of "
+                              f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
         for key in ("strategy", "model", "inputs", "compiled"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         check_loop_field(loaded.loop, "plan.loop")
@@ -428,7 +437,8 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
 
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
          max_memory: int | str | None = None, optimizer: str | int | None = None,
-         offload: bool = False, shards: int = 1) -> Plan:
+         offload: bool = False, offload_dtype: str | torch.dtype | None = None,
+         shards: int = 1) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
 
     Args:
@@ -453,6 +463,11 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             compute (NOTE [ What offload costs ]). Needs a tape measured with
             ``profile(..., offload=True)``. A plan's ``predicted_host_bytes`` is the
             host memory it uses. A plan made for a compiled step cannot offload.
+        offload_dtype: opt-in compressed offload, changing numerics: floating saved
+            tensors wider than this dtype (``"bfloat16"`` or ``"float16"``) are stored in
+            it in host memory, within a relative ``2**-8`` (bf16) of their values (NOTE
+            [ Compressed offload ]). Needs ``offload`` or ``strategy="offload"``. The
+            predictions and the ranking use uncompressed bytes.
         shards: the ranks that FSDP2 (``fully_shard``) shards the parameters over; 1
             (the default) for DDP or one process. With ``max_memory``, parameters,
             gradients and optimizer state count 1/``shards`` of their bytes (NOTE
@@ -482,6 +497,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards)
     if not isinstance(offload, bool):
         raise RematError(f"offload must be True or False, got {offload!r}")
+    dtype_name = _offload_dtype(offload_dtype, offload or name == "offload")
     notes: tuple[str, ...] = ()
     if offload and name != "offload" and not tape.offload and tape.device == "cpu":
         # NOTE [ Offloading saved tensors ]: on a CPU the host is the device, and
@@ -500,11 +516,28 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             dataclasses.replace(b, chained=False) for b in tape.blocks))
     segments = STRATEGIES[name](tape, budget_bytes, arg, offload)
     found = dataclasses.replace(plan_of_segments(tape, segments, strategy, budget_bytes),
-                                shards=shards)
+                                shards=shards, offload_dtype=dtype_name)
     if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
         _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes,
                           offload=offload)
     return dataclasses.replace(found, notes=(*found.notes, *notes)) if notes else found
+
+
+_OFFLOAD_DTYPES = ("bfloat16", "float16")
+
+
+def _offload_dtype(value: str | torch.dtype | None, offloading: bool) -> str:
+    """The name of a compressed-offload dtype, checked; "" for none."""
+    if value is None:
+        return ""
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    if name not in _OFFLOAD_DTYPES:
+        raise RematError(f"offload_dtype must be one of {list(_OFFLOAD_DTYPES)} (or the "
+                         f"torch dtype), got {value!r}")
+    if not offloading:
+        raise RematError("offload_dtype= only matters when the plan offloads: pass "
+                         "offload=True (or strategy='offload') too")
+    return name
 
 
 def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
