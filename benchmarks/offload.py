@@ -401,10 +401,11 @@ def _markdown(rows: Sequence[Row], where: list[str], facts: dict[str, Any], devi
                      "(what a GPU's allocator would see), times are not."
                      if args.simulate_host else
                      "There is no separate host: offload frees nothing and the planner "
-                     "does not offload (the plans say so in their notes)."), ""]
+                     "gains nothing by offloading (host bandwidth 0, offloaded windows equal kept "
+                     "ones); `strategy=\"offload\"` runs the hooks but frees nothing."), ""]
     lines += [f"Host bandwidth measured by profile: {facts['host_bandwidth']:.3g} B/s.", "",
               "| row | status | peak MiB | % plain | time x plain | budget MiB | predicted "
-              "MiB | <= budget | host MiB | offloaded | offload_input | recomputed | "
+              "MiB | <= budget | host MiB (pred.) | offloaded | offload_input | recomputed | "
               "grads equal |", "|" + "---|" * 13]
     for r in rows:
         pct = "" if r.measured_peak_bytes is None else f"{100 * r.measured_peak_bytes / plain:.1f}"
@@ -418,7 +419,9 @@ def _markdown(rows: Sequence[Row], where: list[str], facts: dict[str, Any], devi
     notes += [f"- profile: {n}" for n in facts["tape_notes"]]
     if notes:
         lines += ["", "Notes:", "", *notes]
-    lines += ["", "Targets (issue 17):", "", *targets(rows)]
+    smoke = " (a CPU run: these exercise the script, they judge nothing)" \
+        if args.device.startswith("cpu") else ""
+    lines += ["", f"Targets (issue 17){smoke}:", "", *targets(rows)]
     if where:
         lines += ["", *where]
     return "\n".join(lines) + "\n"
