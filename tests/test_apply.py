@@ -518,3 +518,21 @@ def test_hugging_face_every_selective_option_is_exact_and_predicted(name: str) -
                                                        rel=0.02, abs=1), save_name
 
 
+
+
+def test_a_plan_for_a_narrower_model_of_the_same_class_is_refused() -> None:
+    """Issue 16: same class and block names, other widths: the plan's figures describe
+    another model, and it measured 5.8x over its budget before this check."""
+    small, inputs = autoremat.zoo.build("gpt2", n_layer=2, n_embd=64, batch_size=2, seq_len=16)
+    wide, _ = autoremat.zoo.build("gpt2", n_layer=2, n_embd=128, batch_size=2, seq_len=16)
+    chosen = autoremat.plan(autoremat.profile(small, inputs, with_selective=False,
+                                              timing=False), strategy="full")
+    assert all(b.params for b in chosen.blocks)
+    with pytest.raises(autoremat.PlanMismatchError, match=r"'blocks\.0' has parameters of "
+                       r"other names, shapes or dtypes.*Profile and plan this model"):
+        autoremat.apply(wide, chosen)
+    assert autoremat.applied_plan(wide) is None
+    with pytest.raises(autoremat.PlanMismatchError, match="cast model"):
+        autoremat.apply(small.to(torch.float64), chosen)
+    autoremat.apply(small.to(torch.float32), chosen)  # the model it was made for
+    assert autoremat.applied_plan(small) is chosen

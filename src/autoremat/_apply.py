@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat._core.blocks import param_signature
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
 from autoremat._core.step import cache_configs, describe_inputs
@@ -121,6 +122,14 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             raise PlanMismatchError(f"the plan names block {block.name!r}, which "
                                     f"{model_class_name(model)} does not have."
                                     + did_you_mean(block.name, [n for n in modules if n]))
+        if block.params and param_signature(modules[block.name]) != block.params:
+            shapes = ", ".join(f"{n} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+                               for n, p in list(modules[block.name].named_parameters())[:3])
+            raise PlanMismatchError(
+                f"block {block.name!r} has parameters of other names, shapes or dtypes than "
+                f"the block this plan was made for (here: {shapes or 'none'}, ...): a wider, "
+                "narrower or cast model of the same class, whose memory the plan's figures "
+                "do not describe. Profile and plan this model")
     compiled = compiled_parts(model, given if compiled_whole else None)
     joined = [start for start, stop, _ in plan.segments if stop > start + 1]
     for start, stop, _ in plan.segments:

@@ -22,6 +22,7 @@ NOTE [ Stacks beside the chain ]
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -41,6 +42,21 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential)
 # quarters of their decoder's (no cross-attention); a quarter leaves room for shallower
 # stacks while keeping out small repeated heads.
 STACK_SHARE = 0.25
+
+
+def param_signature(module: nn.Module) -> str:
+    """A short fingerprint of ``module``'s parameters: names, shapes and dtypes, in
+    order (what a plan's memory figures depend on; values and devices are not in it).
+
+    Example:
+        >>> param_signature(nn.Linear(4, 2)) == param_signature(nn.Linear(4, 2))
+        True
+        >>> param_signature(nn.Linear(4, 2)) == param_signature(nn.Linear(8, 2))
+        False
+    """
+    text = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}"
+                    for name, p in module.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _param_count(module: nn.Module) -> int:

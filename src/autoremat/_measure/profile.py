@@ -59,7 +59,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autoremat._core.allocations import track_allocations
-from autoremat._core.blocks import BlockSpec, other_repeated_blocks, resolve_blocks
+from autoremat._core.blocks import (
+    BlockSpec,
+    other_repeated_blocks,
+    param_signature,
+    resolve_blocks,
+)
 from autoremat._core.errors import BlockError, RematError, did_you_mean, internal_assert
 from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes, track_memory
 from autoremat._core.ops import OpRecorder, OpStats, op_kind
@@ -665,6 +670,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             saved_bytes_by_kind=dict(sorted(saved[i].items())),
             input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],
             param_bytes=unique_storage_bytes(list(module.parameters())),
+            param_signature=param_signature(module),
             grad_bytes=block_grad_bytes[i],
             fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
             op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],

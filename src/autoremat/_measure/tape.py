@@ -95,6 +95,9 @@ class BlockProfile:
     offload_tensors: int = 0
     # Checkpointed with its input offloaded (mode "P"): bytes of that input's host copy.
     offload_input_bytes: int = 0
+    # Fingerprint of its parameters' names, shapes and dtypes (blocks.param_signature);
+    # "": not recorded (tapes made before it was)
+    param_signature: str = ""
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:

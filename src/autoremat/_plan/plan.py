@@ -70,6 +70,9 @@ class BlockDecision:
     # recompute, alone in its segment: its input waits in host memory until the
     # recompute (NOTE [ Offloading a checkpoint's input ] in _mechanism/offload.py)
     offload_input: bool = False
+    # its parameters' fingerprint when planned (blocks.param_signature): apply refuses a
+    # block whose parameters differ ("": not recorded, not checked)
+    params: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class Plan:
             block = build_dataclass(BlockDecision, item, where)
             _expect(block.op_signature, str, f"{where}.op_signature")
             _expect(block.name, str, f"{where}.name")
+            _expect(block.params, str, f"{where}.params")
             _expect(block.segment, int, f"{where}.segment")
             if block.decision not in DECISIONS:
                 raise SchemaError(f"{where}.decision must be one of {list(DECISIONS)}, "
@@ -380,9 +384,10 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
     block = tape.blocks[i]
     kind, save = option
     if kind == "offload_input":
-        return BlockDecision(block.name, "recompute", segment, offload_input=True)
+        return BlockDecision(block.name, "recompute", segment, offload_input=True,
+                             params=block.param_signature)
     if kind != "selective":  # keep, recompute, offload
-        return BlockDecision(block.name, kind, segment)
+        return BlockDecision(block.name, kind, segment, params=block.param_signature)
     name = save_set_name(save)
     if is_keep_set(name):
         sel = block.selective[name]
@@ -390,9 +395,11 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
                        and j not in sel.keep_ops and j not in sel.skip_ops})
         return BlockDecision(block.name, kind, segment, (), tuple(redo), sel.keep_ops,
                              sel.skip_ops, op_signature(block.ops),
-                             format_keep_keys(keep_keys(block.ops, sel.keep_ops)))
+                             format_keep_keys(keep_keys(block.ops, sel.keep_ops)),
+                             params=block.param_signature)
     redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
-    return BlockDecision(block.name, kind, segment, save, tuple(redo))
+    return BlockDecision(block.name, kind, segment, save, tuple(redo),
+                         params=block.param_signature)
 
 
 _STRATEGY_NAMES = ["optimal", "none", "full", "every:K", "sqrt", "selective", "offload"]
