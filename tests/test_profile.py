@@ -379,3 +379,15 @@ def test_an_out_argument_is_the_target_of_the_op_that_writes_it() -> None:
     names = [o.op for o in ops]
     add = ops[names.index("aten.add.out")]
     assert add.inplace and ops[add.target].op == "aten.empty_like.default"
+
+
+def test_a_tape_profiled_in_eval_mode_says_so() -> None:
+    """Issue 16: an eval() tape planned a train() step 35% over budget, silently."""
+    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
+    model.eval()
+    with pytest.warns(UserWarning, match=r"profiled in eval\(\) mode"):
+        tape = autoremat.profile(model, inputs, with_selective=False, timing=False)
+    assert any("eval() mode" in n for n in tape.notes)
+    model.train()
+    assert not any("eval()" in n for n in autoremat.profile(
+        model, inputs, with_selective=False, timing=False).notes)

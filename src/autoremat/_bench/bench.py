@@ -217,8 +217,11 @@ class _Sweep:
         try:
             chosen = plan(self.tape, budget, "optimal")
         except BudgetError as exc:
+            if exc.min_feasible_bytes is None:  # not "too small": the budget is malformed
+                raise
             self.rows.append((BenchRow(
-                AUTO, label, "infeasible", budget_bytes=_budget_bytes(budget, self.tape),
+                AUTO, label, "infeasible",
+                budget_bytes=parse_budget(budget, self.tape.step_peak_bytes),
                 note=f"below the smallest feasible budget, "
                      f"{format_bytes(exc.min_feasible_bytes or 0)}"), None))
             return
@@ -353,13 +356,6 @@ def _row_order(row: BenchRow) -> int:
 
 def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
-
-
-def _budget_bytes(budget: int | str, tape: Any) -> int | None:
-    try:
-        return parse_budget(budget, tape.step_peak_bytes)
-    except BudgetError:
-        return None
 
 
 def _signature(inputs: Any) -> str:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -640,6 +641,13 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             if with_selective else [{} for _ in names]
         on_meta = ran_on.type == "meta"
         notes: list[str] = []
+        if not model.training:
+            # issue 16: an eval() tape planned a train() step 35% over its budget
+            eval_note = (f"{type(model).__name__} was profiled in eval() mode (dropout off, "
+                         "BatchNorm on running statistics): its figures and plans hold for "
+                         "that mode; profile it in the mode you train in (model.train())")
+            notes.append(eval_note)
+            warnings.warn(f"autoremat: {eval_note}", UserWarning, stacklevel=2)
         if blocks is None:
             others = other_repeated_blocks(model, names)
             if others:
