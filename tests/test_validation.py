@@ -20,6 +20,7 @@ from autoremat import zoo
 from autoremat._cli import main
 from autoremat._core.errors import BudgetError, RematError, SchemaError
 from autoremat._core.units import parse_budget, parse_size
+from autoremat._plan.plan import keep_set_seal
 
 
 @pytest.fixture
@@ -159,7 +160,8 @@ def _selective_plan() -> autoremat.Plan:
     tape = autoremat.profile(model, inputs, repeats=1)
     base = autoremat.plan(tape, None, "full")
     first = dataclasses.replace(base.blocks[0], decision="selective", keep_ops=(3, 5),
-                                skip_ops=(2,), op_signature="abc")
+                                skip_ops=(2,), op_signature="abc",
+                                keep_seal=keep_set_seal("abc", (3, 5), (2,)))
     return dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
 
 
@@ -171,6 +173,9 @@ def _selective_plan() -> autoremat.Plan:
     (lambda b: b.update(op_signature=""), "op_signature is empty"),
     (lambda b: b.update(decision="keep"), "keep_ops is set on a 'keep' block"),
     (lambda b: b.update(segment=1), "segment must be 0 (segments number"),
+    (lambda b: b.update(keep_ops=[3]), "is not the one the planner sealed"),
+    (lambda b: b.update(skip_ops=[2, 4]), "it was edited"),
+    (lambda b: b.pop("keep_seal"), "Plan again instead of editing"),
 ])
 def test_an_edited_plan_file_is_refused(change: Any, fragment: str) -> None:
     data = json.loads(_selective_plan().to_json())
@@ -183,7 +188,7 @@ def test_an_edited_plan_file_is_refused(change: Any, fragment: str) -> None:
 def test_only_recomputed_blocks_share_a_segment() -> None:
     data = json.loads(_selective_plan().to_json())
     data["blocks"][1]["segment"] = data["blocks"][0]["segment"]
-    with pytest.raises(SchemaError, match="only recomputed blocks can share one"):
+    with pytest.raises(SchemaError, match="only recomputed blocks whose input stays"):
         autoremat.Plan.from_json(json.dumps(data))
     data["blocks"][0].update(decision="recompute", keep_ops=[], skip_ops=[])
     assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0

@@ -8,6 +8,7 @@ model and input shapes it was made for, so ``apply`` can refuse a mismatch.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 from collections.abc import Callable
@@ -73,6 +74,9 @@ class BlockDecision:
     # its parameters' fingerprint when planned (blocks.param_signature): apply refuses a
     # block whose parameters differ ("": not recorded, not checked)
     params: str = ""
+    # a keep-set's seal: keep_set_seal(op_signature, keep_ops, skip_ops), so that an
+    # edited keep-set (which could skip ops whose outputs backward needs) is refused
+    keep_seal: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,7 @@ class Plan:
             _expect(block.op_signature, str, f"{where}.op_signature")
             _expect(block.name, str, f"{where}.name")
             _expect(block.params, str, f"{where}.params")
+            _expect(block.keep_seal, str, f"{where}.keep_seal")
             _expect(block.segment, int, f"{where}.segment")
             if block.decision not in DECISIONS:
                 raise SchemaError(f"{where}.decision must be one of {list(DECISIONS)}, "
@@ -260,6 +265,27 @@ def _check_keep_set(block: BlockDecision, where: str) -> None:
     if (block.keep_ops or block.skip_ops) and not block.op_signature:
         raise SchemaError(f"{where}.op_signature is empty, but keep_ops/skip_ops index an op "
                           "sequence it must name; plan again instead of editing")
+    if (block.keep_ops or block.skip_ops) and block.keep_seal != keep_set_seal(
+            block.op_signature, block.keep_ops, block.skip_ops):
+        raise SchemaError(f"{where}: its keep-set (keep_ops {list(block.keep_ops)}, skip_ops "
+                          f"{list(block.skip_ops)}) is not the one the planner sealed "
+                          "(keep_seal): it was edited, and a keep-set that skips an op "
+                          "whose output backward needs gives wrong gradients. Plan again "
+                          "instead of editing")
+
+
+def keep_set_seal(signature: str, keep: tuple[int, ...], skip: tuple[int, ...]) -> str:
+    """The seal of a keep-set the planner chose (see ``BlockDecision.keep_seal``).
+
+    NOTE [ Sealed keep-sets ]
+        Whether a keep-set's skipped ops are dead depends on the block's dataflow, which
+        a plan file does not carry; the planner derived them from the tape. So a plan
+        records a hash binding the op sequence to the positions it chose, and loading
+        refuses positions that do not match it: an edit is caught, not trusted (issue
+        16: an edited keep-set applied and gave gradients off by hundreds).
+    """
+    text = f"{signature}|{','.join(map(str, keep))}|{','.join(map(str, skip))}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _check_segments(blocks: list[BlockDecision]) -> None:
@@ -393,10 +419,12 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
         sel = block.selective[name]
         redo = sorted({o.kind for j, o in enumerate(block.ops) if not o.view
                        and j not in sel.keep_ops and j not in sel.skip_ops})
+        signature = op_signature(block.ops)
         return BlockDecision(block.name, kind, segment, (), tuple(redo), sel.keep_ops,
-                             sel.skip_ops, op_signature(block.ops),
+                             sel.skip_ops, signature,
                              format_keep_keys(keep_keys(block.ops, sel.keep_ops)),
-                             params=block.param_signature)
+                             params=block.param_signature,
+                             keep_seal=keep_set_seal(signature, sel.keep_ops, sel.skip_ops))
     redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
     return BlockDecision(block.name, kind, segment, save, tuple(redo),
                          params=block.param_signature)
