@@ -329,7 +329,7 @@ def test_model_without_a_chain_and_non_modules_are_rejected() -> None:
         autoremat.profile(nn.Linear(4, 4), torch.randn(2, 4))
     with pytest.raises(RematError, match=r"needs an nn\.Module, got function"):
         autoremat.profile(lambda x: x, torch.randn(2, 4))  # type: ignore[arg-type]
-    with pytest.raises(RematError, match="repeats must be at least 1"):
+    with pytest.raises(RematError, match="repeats must be a whole number >= 1"):
         autoremat.profile(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), torch.randn(1, 2),
                           repeats=0)
 

@@ -18,7 +18,7 @@ import torch
 import autoremat
 from autoremat import zoo
 from autoremat._cli import main
-from autoremat._core.errors import BudgetError, RematError, SchemaError
+from autoremat._core.errors import BlockError, BudgetError, RematError, SchemaError
 from autoremat._core.units import parse_budget, parse_size
 from autoremat._plan.plan import keep_set_seal
 
@@ -192,3 +192,139 @@ def test_only_recomputed_blocks_share_a_segment() -> None:
         autoremat.Plan.from_json(json.dumps(data))
     data["blocks"][0].update(decision="recompute", keep_ops=[], skip_ops=[])
     assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0
+
+
+class _IntegerOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return (x > 0).sum()
+
+
+def _frozen_mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    model, inputs = _mlp()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("head"))
+    return model, inputs
+
+
+def _no_grad_profile() -> Any:
+    model, inputs = _mlp()
+    with torch.no_grad():
+        return autoremat.profile(model, inputs)
+
+
+def _tape() -> autoremat.Tape:
+    model, inputs = _mlp()
+    return autoremat.profile(model, inputs, repeats=1, timing=False)
+
+
+_API_CASES: list[tuple[Any, type[Exception], str]] = [
+    (lambda: autoremat.profile(*_mlp(), blocks=42), BlockError, "got int 42"),
+    (lambda: autoremat.profile(*_mlp(), blocks=[0, 1]), BlockError, "a list of module names"),
+    (lambda: autoremat.profile(*_mlp(), blocks="blocks.0"), BlockError,
+     "write blocks=['blocks.0']"),
+    (lambda: autoremat.profile(*_mlp(), blocks=["blocks.9"]), BlockError,
+     "no submodule named 'blocks.9'"),
+    (lambda: autoremat.profile(*_mlp(), blocks=["blocks", "blocks.0"]), BlockError,
+     "is inside block 'blocks'"),
+    (lambda: autoremat.profile(*_mlp(), repeats="3"), RematError,
+     "repeats must be a whole number >= 1"),
+    (lambda: autoremat.profile(*_mlp(), repeats=True), RematError, "got True"),
+    (lambda: autoremat.profile(*_mlp(), loop="eval"), RematError, "unknown loop 'eval'"),
+    (lambda: autoremat.profile(*_mlp(), host_bandwidth=1e9), RematError,
+     "only matters with offload=True"),
+    (lambda: autoremat.profile(*_mlp(), offload=True, host_bandwidth=-1), RematError,
+     "host_bandwidth must be a positive number"),
+    (lambda: autoremat.profile(*_mlp(), offload=True, compile=True), RematError,
+     "not supported"),
+    (lambda: autoremat.profile(_mlp()[0], None), RematError, "inputs hold no tensor"),
+    (lambda: autoremat.profile(_mlp()[0], [1, 2]), RematError, "inputs hold no tensor"),
+    (lambda: autoremat.profile("model", torch.ones(2)), RematError,
+     "needs an nn.Module, got str"),
+    (_no_grad_profile, RematError, "under torch.no_grad() or torch.inference_mode()"),
+    (lambda: autoremat.profile(_IntegerOutput(), torch.ones(2, 4), blocks=["blocks.0"]),
+     RematError, "torch.int64, which carry no gradient"),
+    (lambda: autoremat.profile(*_frozen_mlp()), BlockError,
+     "backward runs through none of the blocks found"),
+    (lambda: autoremat.profile(*_frozen_mlp(), blocks=["blocks.0", "blocks.1"]), BlockError,
+     "have no trainable parameter and take no input that needs a gradient"),
+    (lambda: autoremat.plan(None, "50%"), RematError, "needs a Tape"),
+    (lambda: autoremat.plan(_tape(), "50%", offload_dtype="int8"), RematError,
+     "offload_dtype must be one of"),
+    (lambda: autoremat.plan(_tape(), "50%", shards=0), BudgetError,
+     "shards must be a whole number >= 1"),
+    (lambda: autoremat.plan(_tape(), 1), BudgetError, "smallest feasible budget"),
+    (lambda: autoremat.apply(_mlp()[0], "plan"), RematError, "needs a Plan"),
+    (lambda: autoremat.verify(*_mlp(), None), RematError, "verify() needs a plan"),
+    (lambda: autoremat.estimate(*_mlp(), device="gpu0"), RematError,
+     "cannot read device 'gpu0'"),
+    (lambda: autoremat.estimate(*_mlp(), device="cpu", shards=-2), BudgetError,
+     "shards must be a whole number >= 1"),
+    (lambda: autoremat.Plan.from_json("{"), SchemaError, "plan is not valid JSON"),
+    (lambda: autoremat.Tape.from_json("{}"), SchemaError, "schema_version None"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "fragment"), _API_CASES)
+def test_api_misuse_is_a_clear_error(call: Any, error: type[Exception], fragment: str) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+def test_frozen_lower_blocks_leave_a_discovered_chain() -> None:
+    """A partial fine-tune (lower blocks frozen) plans over the blocks backward runs
+    through, and says which it left out."""
+    model, inputs = zoo.build("mlp", widths=(16,) * 4, d_in=16, batch_size=8)
+    for param in model.blocks[:2].parameters():
+        param.requires_grad_(False)
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False)
+    assert [b.name for b in tape.blocks] == ["blocks.2", "blocks.3"]
+    assert any("backward never runs through 2 of the blocks found" in n for n in tape.notes)
+
+
+_CLI_BUILD_CASES: list[tuple[list[str], str]] = [
+    (["plan", "mlp", "--set", "batch_size=abc"], "option batch_size='abc' must be a whole"),
+    (["plan", "mlp", "--set", "batch_size=0"], "must be a whole number >= 1"),
+    (["plan", "mlp", "--set", "widths=abc"], "must be a tuple of whole numbers"),
+    (["profile", "gpt2", "--set", "bias=3"], "option bias=3 must be true or false"),
+    (["profile", "gpt2", "--set", "dropout=high"], "option dropout='high' must be a number"),
+    (["profile", "mlp", "--set", "nope=3"], "unknown option 'nope'"),
+    (["profile", "mlp", "--set", "batch_size"], "write key=value pairs"),
+    (["profile", "mlp", "--set", "batch_size=2,batch_size=3"], "is given twice"),
+    (["profile", "nosuchmodel"], "unknown target 'nosuchmodel'"),
+    (["profile", "nosuchpackage_xyz:make"], "cannot import 'nosuchpackage_xyz'"),
+    (["profile", "mlp", "--out", "/proc/no/such/tape.json"], "cannot write to"),
+    (["plan", "mlp", "--budget", "50%", "--out", "/proc/no/plan.json"], "cannot write to"),
+    (["bench", "mlp", "--budgets", "50%", "--out", "/proc/no/dir"], "cannot write to"),
+]
+
+
+@pytest.mark.parametrize(("argv", "fragment"), _CLI_BUILD_CASES)
+def test_cli_refuses_bad_targets_and_paths_before_profiling(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], fragment: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import autoremat._cli
+    import autoremat._cli.bench as bench_cli
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("profiled before the arguments were checked")
+
+    monkeypatch.setattr(autoremat._cli, "profile", refuse)
+    monkeypatch.setattr(bench_cli, "run_bench", refuse)
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert fragment in text
+    assert "Traceback" not in text
+    assert len([line for line in text.splitlines() if line.strip()]) == 1, text
+
+
+def test_cli_out_that_is_a_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "mlp", "--out", str(tmp_path)]) == 2
+    assert "it is a directory; give a file name" in capsys.readouterr().out

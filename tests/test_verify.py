@@ -267,7 +267,7 @@ def test_verify_keeps_the_applied_plan(gpt2: tuple[nn.Module, Any, Tape]) -> Non
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({}, "verify() needs a plan: pass plan=..., or apply one first"),
-    ({"repeats": 0}, "repeats must be at least 1, got 0"),
+    ({"repeats": 0}, "repeats must be a whole number >= 1 (the steps timed), got 0"),
 ])
 def test_verify_errors(gpt2: tuple[nn.Module, Any, Tape], kwargs: dict[str, Any],
                        message: str) -> None:

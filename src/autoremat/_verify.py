@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from autoremat._apply import applied_plan, apply, remove
-from autoremat._core.errors import DeterminismError, RematError
+from autoremat._core.errors import DeterminismError, RematError, check_whole
 from autoremat._core.flops import FlopCounter
 from autoremat._core.memory import track_allocator, track_memory
 from autoremat._core.step import Loop, LossFn, preserved_state, run_step, training_config
@@ -356,8 +356,7 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
     if plan is None:
         raise RematError("verify() needs a plan: pass plan=..., or apply one first "
                          "(autoremat.apply / autoremat.auto)")
-    if repeats < 1:
-        raise RematError(f"repeats must be at least 1, got {repeats}")
+    check_whole("repeats", repeats, 1, "the steps timed")
     if deterministic and measure_noise:
         raise RematError("deterministic=True requires torch.equal gradients and "
                          "measure_noise=True judges them against a noise floor: pass one")

@@ -23,7 +23,7 @@ from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.step import LOOPS
 from autoremat._core.units import format_bytes
 from autoremat._measure.profile import profile
-from autoremat._measure.tape import ops_table
+from autoremat._measure.tape import check_writable, ops_table
 from autoremat._plan.plan import check_plan_args, plan, smallest_feasible_bytes
 from autoremat._targets import load_target, parse_options
 from autoremat._verify import verify
@@ -36,7 +36,8 @@ def _status(console: Console, text: str) -> Any:
 
 
 def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
-
+    if args.out:
+        check_writable(args.out)
     model, inputs = load_target(args.target, parse_options(args.set))
     with _status(console, f"profiling {args.target} (several instrumented steps)"):
         tape = profile(model, inputs, loop=args.loop)
@@ -54,6 +55,8 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         raise RematError("--deterministic only changes how --verify compares gradients: "
                          "add --verify, or leave --deterministic out")
     check_plan_args(args.budget, args.strategy, args.max_memory, args.optimizer)
+    if args.out:
+        check_writable(args.out)
     model, inputs = load_target(args.target, parse_options(args.set))
     with _status(console, f"profiling {args.target}"):
         tape = profile(model, inputs, loop=args.loop)

@@ -9,7 +9,6 @@ import argparse
 import os
 import shlex
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from autoremat._bench.rows import ModelResult, Settings
 from autoremat._core.errors import RematError
 from autoremat._core.units import parse_budget
 from autoremat._measure.profile import compile_backend
+from autoremat._measure.tape import check_writable
 from autoremat._targets import parse_options
 
 __all__ = ["bench_main"]
@@ -127,7 +127,7 @@ def bench_main(argv: list[str]) -> int:
         machine.update(device_info(device))
         command = "autoremat bench " + shlex.join(argv)
         start = time.perf_counter()
-        out = Path(args.out)
+        out = check_writable(args.out, directory=True)
 
         def save(done: list[ModelResult]) -> Any:
             machine["load_average_end"] = list(os.getloadavg()) \

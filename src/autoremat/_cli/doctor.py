@@ -19,6 +19,7 @@ from autoremat._core.optimizers import OPTIMIZERS
 from autoremat._core.units import parse_size
 from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
 from autoremat._estimate.fake import parse_dtype
+from autoremat._measure.tape import check_writable
 from autoremat._targets import load_target, parse_options
 
 __all__ = ["doctor_main"]
@@ -107,6 +108,8 @@ def doctor_main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     try:
         config = parse_options(args.config)
+        if args.plot:
+            check_writable(args.plot)
         label, model, inputs = _target(args.target, args, config)
         result = doctor(model, inputs, memory=args.memory, device=args.device,
                         dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),

@@ -192,6 +192,10 @@ def resolve_blocks(model: nn.Module, blocks: BlockSpec) -> list[str]:
     elif isinstance(blocks, str):
         raise BlockError(f"blocks must be a list of module names, not the string {blocks!r}; "
                          f"write blocks=[{blocks!r}]")
+    elif not isinstance(blocks, (list, tuple)) or not all(isinstance(n, str) for n in blocks):
+        raise BlockError(f"blocks must be None (find the chain), a list of module names or a "
+                         f"predicate (name, module) -> bool, got {type(blocks).__name__} "
+                         f"{blocks!r}")
     else:
         names = list(blocks)
         for name in names:

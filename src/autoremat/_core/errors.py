@@ -59,6 +59,20 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def check_whole(name: str, value: object, minimum: int, meaning: str,
+                error: type[RematError] = RematError) -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``, else raise
+    ``error`` naming it, its meaning and the value given.
+
+    Example:
+        >>> check_whole("repeats", 3, 1, "the steps timed")
+        3
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise error(f"{name} must be a whole number >= {minimum} ({meaning}), got {value!r}")
+    return value
+
+
 class InternalError(AssertionError):
     """An invariant of autoremat itself failed: a bug in autoremat, not a user error.
 

@@ -6,6 +6,7 @@ Shared by profile, verify, estimate and bench so every figure comes from the sam
 from __future__ import annotations
 
 import random
+import reprlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast, get_args
@@ -52,17 +53,28 @@ LOOPS: tuple[Loop, ...] = get_args(Loop)  # ("holds_output", "loss_only")
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
     """``model(x)``, ``model(*args)`` or ``model(**kwargs)`` by the type of ``inputs``."""
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
 
 
+def check_inputs(inputs: Any) -> None:
+    """Raise :class:`~autoremat.RematError` unless ``inputs`` holds a tensor: a step
+    without one (``None``, a list of numbers) is a mistake in the call, not a model."""
+    if not flat_tensors(inputs):
+        raise RematError(f"inputs hold no tensor (got {type(inputs).__name__}: "
+                         f"{reprlib.repr(inputs)}): pass a tensor, a tuple of positional "
+                         f"arguments or a dict of keyword arguments for the model")
+
+
 def flat_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors in a nested structure, in order; dataclass outputs are opened too."""
     if hasattr(obj, "__dataclass_fields__"):
         obj = list(vars(obj).values())
+    elif isinstance(obj, Mapping) and not isinstance(obj, dict):
+        obj = dict(obj)  # a UserDict such as transformers' BatchEncoding
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -74,11 +86,15 @@ def default_loss(output: Any) -> torch.Tensor:
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
-    for item in flat_tensors(output):
+    tensors = flat_tensors(output)
+    for item in tensors:
         if item.is_floating_point():
             return item.sum()
-    raise RematError(f"cannot find a loss in the model output of type {type(output).__name__}: "
-                     f"pass loss_fn=lambda out: ... returning a scalar tensor")
+    found = (f"its tensors are {', '.join(sorted({str(t.dtype) for t in tensors}))}, which "
+             f"carry no gradient" if tensors else "it holds no tensor")
+    raise RematError(f"cannot find a loss in the model output of type {type(output).__name__} "
+                     f"({found}): pass loss_fn=lambda out: ... returning a floating-point "
+                     f"scalar tensor")
 
 
 def check_loop(loop: Any) -> Loop:

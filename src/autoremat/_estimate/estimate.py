@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from autoremat._core.blocks import BlockSpec, resolve_blocks
-from autoremat._core.errors import BudgetError, InternalError, RematError
+from autoremat._core.errors import BudgetError, InternalError, RematError, check_whole
 from autoremat._core.optimizers import _optimizer_class, optimizer_memory
 from autoremat._core.step import (
     Loop,
@@ -397,9 +397,7 @@ def estimate(
                           "whole device, parameters and optimizer included), not both")
     check_loop(loop)
     check_shards(shards)
-    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-        raise RematError(f"top must be a whole number >= 0 (how many of the largest live "
-                         f"tensors to list), got {top!r}")
+    check_whole("top", top, 0, "how many of the largest live tensors to list")
     if throughput_flops is not None and not (isinstance(throughput_flops, (int, float))
                                              and math.isfinite(throughput_flops)
                                              and throughput_flops > 0):

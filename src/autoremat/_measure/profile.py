@@ -66,12 +66,19 @@ from autoremat._core.blocks import (
     param_signature,
     resolve_blocks,
 )
-from autoremat._core.errors import BlockError, RematError, did_you_mean, internal_assert
+from autoremat._core.errors import (
+    BlockError,
+    RematError,
+    check_whole,
+    did_you_mean,
+    internal_assert,
+)
 from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes, track_memory
 from autoremat._core.ops import OpRecorder, OpStats, op_kind
 from autoremat._core.step import (
     Loop,
     LossFn,
+    check_inputs,
     check_loop,
     check_no_cache,
     default_loss,
@@ -205,6 +212,42 @@ def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: li
     return probe
 
 
+def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
+                      marks: list[str]) -> tuple[list[str], list[str]]:
+    """The blocks found by discovery that a plan can use, in the order they ran, and
+    notes on what changed. Blocks that backward never runs through (frozen, with an input
+    that needs no gradient: the lower layers of a partial fine-tune) save nothing for
+    backward, so there is nothing to recompute in them: they leave the chain."""
+    notes = []
+    if order != sorted(order):
+        # a discovered chain goes in the order it runs (NOTE [ Stacks beside the chain ])
+        notes.append(f"the blocks found run in another order than they are defined; "
+                     f"planned in the order they run: {names[order[0]]}, ..., "
+                     f"{names[order[-1]]}")
+    no_backward = [names[i] for i in order if f"bwd:{i}" not in marks]
+    chain = [names[i] for i in order if f"bwd:{i}" in marks]
+    if no_backward and not chain:
+        raise BlockError(f"backward runs through none of the blocks found ({names[0]}, ..., "
+                         f"{names[-1]}): {_why_no_backward(model, no_backward)}")
+    if no_backward:
+        notes.append(f"backward never runs through {len(no_backward)} of the blocks found "
+                     f"({no_backward[0]}, ..., {no_backward[-1]}: frozen, with an input that "
+                     f"needs no gradient), so nothing in them is saved for backward; planned "
+                     f"over the {len(chain)} after them")
+    return chain, notes
+
+
+def _why_no_backward(model: nn.Module, names: list[str]) -> str:
+    """Why no gradient reached the output of the blocks ``names``, and what to do."""
+    frozen = all(not p.requires_grad for n in names
+                 for p in model.get_submodule(n).parameters())
+    if frozen:
+        return ("they have no trainable parameter and take no input that needs a gradient, "
+                "so backward never runs through them and there is nothing to recompute: "
+                "leave them out of blocks=[...] (list the blocks after them)")
+    return "autoremat plans over blocks whose output is part of the loss"
+
+
 def _marks(mem: MemoryTracker) -> dict[str, int]:
     found: dict[str, int] = {}
     for event, label in mem.marks:
@@ -309,9 +352,9 @@ def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     n = len(names)
     missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
     if missing:
-        raise BlockError(f"no gradient reached the output of block(s) "
-                         f"{[names[int(m[4:])] for m in missing]}; autoremat plans over blocks "
-                         f"whose output is part of the loss")
+        skipped = [names[int(m[4:])] for m in missing]
+        raise BlockError(f"no gradient reached the output of block(s) {skipped}: "
+                         f"{_why_no_backward(model, skipped)}")
     bounds = [marks[f"fwd:{i}"] for i in range(n)] + [marks["fwd_end"]]
     fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
     bwd_marks = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
@@ -572,8 +615,12 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         raise RematError(f"host_bandwidth must be a positive number of bytes per second "
                          f"(e.g. 25e9), got {host_bandwidth!r}")
     model = uncompiled(model)
-    if repeats < 1:
-        raise RematError(f"repeats must be at least 1, got {repeats}")
+    check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
+    check_inputs(inputs)
+    if not torch.is_grad_enabled():
+        raise RematError("profile() was called with gradients disabled (under "
+                         "torch.no_grad() or torch.inference_mode()): it measures a training "
+                         "step, whose backward needs them; call it outside that block")
     check_loop(loop)
     ran_on = device_of(model, inputs)
     if device is None and ran_on.type == "meta":
@@ -599,15 +646,12 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             held.append(output_bytes(output, loss))
             return loss
 
-        warm = _run_marked(model, inputs, measure_output, names, lambda label: None,
+        seen: list[str] = []
+        warm = _run_marked(model, inputs, measure_output, names, seen.append,
                            loop=loop, in_order=blocks is not None)  # and the output's size
-        if blocks is None and warm.order != sorted(warm.order):
-            # a discovered chain goes in the order it runs (NOTE [ Stacks beside the chain ])
-            names = [names[i] for i in warm.order]
-            order_notes = [f"the blocks found run in another order than they are defined; "
-                           f"planned in the order they run: {names[0]}, ..., {names[-1]}"]
-        else:
-            order_notes = []
+        order_notes = []
+        if blocks is None:
+            names, order_notes = _discovered_chain(model, names, warm.order, seen)
         for p in model.parameters():
             p.grad = None
         n = len(names)

@@ -208,6 +208,25 @@ def dump_json(data: dict[str, Any], path: str | os.PathLike[str] | None = None) 
     return text
 
 
+def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> Path:
+    """Make sure ``path`` (a file, or with ``directory`` a folder) can be written, creating
+    the folders it needs; :class:`~autoremat.RematError` otherwise. Commands call it
+    before their work, so that a bad ``--out`` does not cost a whole profile."""
+    path = Path(path)
+    folder = path if directory else path.parent
+    if not directory and path.is_dir():
+        raise RematError(f"cannot write to {str(path)!r}: it is a directory; give a file name")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RematError(f"cannot write to {str(path)!r}: creating {str(folder)!r} failed "
+                         f"({exc.strerror}); choose another path") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RematError(f"cannot write to {str(path)!r}: {str(folder)!r} is not writable; "
+                         f"choose another path")
+    return path
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)

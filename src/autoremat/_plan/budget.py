@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoremat._core.errors import BudgetError
+from autoremat._core.errors import BudgetError, check_whole
 from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._measure.tape import Tape
@@ -132,10 +132,8 @@ def check_shards(shards: int) -> None:
     Example:
         >>> check_shards(2)
     """
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-        raise BudgetError(f"shards must be a whole number >= 1 (the ranks FSDP shards "
-                          f"parameters, gradients and optimizer state over; 1 for DDP or one "
-                          f"process), got {shards!r}")
+    check_whole("shards", shards, 1, "the ranks FSDP shards parameters, gradients and "
+                "optimizer state over; 1 for DDP or one process", BudgetError)
 
 
 def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:

@@ -50,6 +50,33 @@ def split_overrides(
             f"{model}: unknown option {key!r}.{did_you_mean(key, valid)} "
             f"Valid options: {', '.join(valid)}"
         )
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
+    for key, value in overrides.items():
+        _check_option(model, key, value, defaults.get(key, data_defaults.get(key)),
+                      positive=key in data_defaults)
     config = config_cls(**{k: v for k, v in overrides.items() if k in config_fields})
     data = {k: overrides.get(k, default) for k, default in data_defaults.items()}
     return config, data
+
+
+def _check_option(model: str, key: str, value: Any, default: Any, *, positive: bool) -> None:
+    """Refuse an option whose type differs from its default's (``batch_size='abc'``), or a
+    batch option below 1, before anything is built."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif whole(default):
+        ok, kind = whole(value) and (value >= 1 or not positive), \
+            "a whole number >= 1" if positive else "a whole number"
+    elif isinstance(default, float):
+        ok, kind = whole(value) or isinstance(value, float), "a number"
+    elif isinstance(default, tuple):
+        ok, kind = isinstance(value, (tuple, list)) and all(whole(v) for v in value), \
+            "a tuple of whole numbers"
+    else:
+        ok, kind = True, ""
+    if not ok:
+        raise RematError(f"{model}: option {key}={value!r} must be {kind} (default "
+                         f"{default!r})")
