@@ -54,15 +54,20 @@ def _restore(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 def assert_same_step(model: nn.Module, inputs: Any, plan: Plan) -> None:
     """A step of the plain model and one with ``plan`` applied (left applied) give equal
-    losses and gradients; BatchNorm statistics are restored after each."""
+    losses, gradients and buffers (BatchNorm statistics: a recompute must not update
+    them twice); the buffers are restored after each."""
     start = _buffers(model)
     autoremat.remove(model)
     plain_loss, plain = step(model, inputs)
+    plain_buffers = _buffers(model)
     _restore(model, start)
     autoremat.apply(model, plan)
     planned_loss, planned = step(model, inputs)
+    planned_buffers = _buffers(model)
     _restore(model, start)
     assert torch.equal(plain_loss, planned_loss)
+    moved = [n for n in plain_buffers if not torch.equal(plain_buffers[n], planned_buffers[n])]
+    assert moved == [], f"buffers differ under {plan.strategy}: {moved[:5]}"
     assert plain.keys() == planned.keys()
     differ = [n for n in plain if (plain[n] is None) != (planned[n] is None) or
               (plain[n] is not None and not torch.equal(plain[n], planned[n]))]

@@ -113,23 +113,54 @@ class _UNetish(nn.Module):
 
 
 @pytest.mark.slow
-def test_auto_measures_and_corrects_when_skip_connections_fool_the_peak_model() -> None:
+def test_skip_connections_held_in_a_list_fit_every_budget() -> None:
+    """The down blocks' outputs wait in the parent's list: profile finds them held
+    (NOTE [ Boundaries held outside the chain ]) and every plan, multi-block segments
+    included, measures within its budget."""
     torch.manual_seed(0)
     model, x = _UNetish(), torch.randn(4, 3, 32, 32)
     names = [f"down.{i}" for i in range(4)] + [f"up.{i}" for i in range(4)]
     tape = autoremat.profile(model, x, loss_fn=lambda out: out, blocks=names, repeats=1)
-    over = {}  # budget -> (plan, measured peak) for plans that measure over their budget
-    for budget in ("75%", "60%", "50%", "40%"):
-        first = autoremat.plan(tape, budget)
-        autoremat.apply(model, first)
+    assert [b.name for b in tape.blocks if b.chained and b.chain_bytes == 0] == \
+        names[1:4]  # down.1..3 take an input the list holds until an up block
+    for budget in ("75%", "60%", "50%", smallest_feasible_bytes(tape)):
+        chosen = autoremat.plan(tape, budget)
+        autoremat.apply(model, chosen)
         report = autoremat.verify(model, x, loss_fn=lambda out: out, repeats=1)
         autoremat.remove(model)
         assert report.grads_equal
+        assert chosen.budget_bytes is not None
+        assert report.peak_bytes <= chosen.budget_bytes, (budget, chosen)
+
+
+@pytest.mark.slow
+def test_auto_measures_and_corrects_a_peak_model_that_under_predicts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` measures the plan it applies and re-plans when the step goes over. The
+    tape is made to under-predict as the peak model did before it knew held boundaries:
+    inner boundaries of a segment counted as freed although the parent's list holds them."""
+    import dataclasses
+
+    import autoremat._auto
+
+    torch.manual_seed(0)
+    model, x = _UNetish(), torch.randn(4, 3, 32, 32)
+    names = [f"down.{i}" for i in range(4)] + [f"up.{i}" for i in range(4)]
+    tape = autoremat.profile(model, x, loss_fn=lambda out: out, blocks=names, repeats=1)
+    fooled = dataclasses.replace(tape, blocks=tuple(
+        dataclasses.replace(b, chain_bytes=b.input_bytes) if b.chained and not b.chain_bytes
+        else b for b in tape.blocks))
+    monkeypatch.setattr(autoremat._auto, "profile", lambda *args, **kwargs: fooled)
+    over = {}  # budget -> (plan, measured peak) for plans that measure over their budget
+    for budget in ("75%", "60%", "50%", "45%"):
+        first = autoremat.plan(fooled, budget)
+        autoremat.apply(model, first)
+        report = autoremat.verify(model, x, loss_fn=lambda out: out, repeats=1)
+        autoremat.remove(model)
         assert first.budget_bytes is not None
         if report.peak_bytes > first.budget_bytes:
             over[budget] = (first, report.peak_bytes)
-    # the known limitation this test is about: some plan measures over its budget
-    assert over, "the peak model is exact here; this test needs a model that fools it"
+    assert over, "the doctored tape predicts exactly; this test needs one that under-predicts"
 
     corrected = 0
     for budget, (first, peak) in over.items():
@@ -138,7 +169,7 @@ def test_auto_measures_and_corrects_when_skip_connections_fool_the_peak_model() 
                                     blocks=names)
         except BudgetError as exc:  # near the floor, the correction may not exist
             target = first.budget_bytes - (peak - first.predicted_peak_bytes)
-            assert target < smallest_feasible_bytes(tape), (budget, str(exc))
+            assert target < smallest_feasible_bytes(fooled), (budget, str(exc))
             assert "to make up for it does not exist" in str(exc)
             continue
         corrected += 1

@@ -38,6 +38,17 @@ NOTE [ Ops between blocks ]
     tape's falls back to recomputing all of them. So each block's forward hook also marks
     ``post:i``, and the FLOP counter files the ops after it under ``<outside>``.
 
+NOTE [ Boundaries held outside the chain ]
+    A segment of several blocks keeps its first input and drops the inner boundaries
+    (the peak model subtracts ``chain_bytes``), which frees them only when nothing else
+    holds them. A U-Net's parent keeps each encoder block's output in a list of skips
+    until the decoder reads it, and a parent that names every hidden state keeps them
+    all; the segment then frees nothing there. ``_held_boundaries`` finds such inputs in
+    one forward without gradients (nothing saved for backward, so only the model's own
+    references keep a tensor): the input of block ``i`` is held when it is still alive
+    once block ``i`` has returned. Those blocks get ``chain_bytes = 0``, so composed
+    segments over them are predicted as holding what they hold.
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -50,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -78,6 +90,7 @@ from autoremat._core.ops import OpRecorder, OpStats, op_kind
 from autoremat._core.step import (
     Loop,
     LossFn,
+    call_model,
     check_inputs,
     check_loop,
     check_no_cache,
@@ -246,6 +259,35 @@ def _why_no_backward(model: nn.Module, names: list[str]) -> str:
                 "so backward never runs through them and there is nothing to recompute: "
                 "leave them out of blocks=[...] (list the blocks after them)")
     return "autoremat plans over blocks whose output is part of the loss"
+
+
+def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bool]:
+    """Per block, whether its first input tensor outlives the block's call: held by the
+    model outside the chain (NOTE [ Boundaries held outside the chain ])."""
+    refs: list[weakref.ref[torch.Tensor] | None] = [None] * len(names)
+    held = [False] * len(names)
+
+    def check(i: int) -> None:
+        ref = refs[i]
+        held[i] = ref is not None and ref() is not None
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if i > 0:
+                check(i - 1)
+            tensors = flat_tensors((args, kwargs))
+            refs[i] = weakref.ref(tensors[0]) if tensors else None
+        return hook
+
+    with ExitStack() as stack, torch.no_grad():
+        for i, name in enumerate(names):
+            handle = model.get_submodule(name).register_forward_pre_hook(pre(i),
+                                                                         with_kwargs=True)
+            stack.callback(handle.remove)
+        output = call_model(model, inputs)
+        check(len(names) - 1)
+        del output
+    return held
 
 
 def _marks(mem: MemoryTracker) -> dict[str, int]:
@@ -655,6 +697,13 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         for p in model.parameters():
             p.grad = None
         n = len(names)
+        held_inputs = _held_boundaries(model, inputs, names)
+        if any(held_inputs[1:]):
+            inner = [name for name, h in zip(names[1:], held_inputs[1:], strict=True) if h]
+            order_notes.append(
+                f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
+                f"the model outside the chain (skip connections, kept hidden states): a "
+                f"segment of several blocks does not free them, and plans count them held")
         plain = _memory_run(model, inputs, loss_fn, names, "K" * n, rounding=rounding,
                             loop=loop, backend=backend)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
@@ -731,7 +780,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             offload_tensors=offload_stats[i].tensors,
             offload_input_bytes=input_stats[i].host_bytes,
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
-            if i > 0 else 0,
+            if i > 0 and not held_inputs[i] else 0,  # NOTE [ Boundaries held outside the chain ]
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),

@@ -1,0 +1,75 @@
+"""Skip connections (issue 16): a U-Net whose encoder outputs wait in a list outside the
+chain plans at 75% and 50% of its peak with measured peak <= budget, gradients and
+BatchNorm statistics equal to the plain model's, and its estimate within 3%
+(NOTE [ Boundaries held outside the chain ] in profile.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import _unet
+import pytest
+import torch
+
+import autoremat
+from autoremat._plan.plan import smallest_feasible_bytes
+
+from _steps import assert_same_step
+
+
+@pytest.fixture(scope="module")
+def listed() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor], autoremat.Tape]:
+    model, inputs = _unet.build()
+    return model, inputs, autoremat.profile(model, inputs, blocks=_unet.BLOCKS, repeats=1)
+
+
+@pytest.mark.parametrize("budget", ["75%", "50%"])
+def test_a_unet_plans_at_75_and_50_percent(listed: tuple, budget: str) -> None:
+    model, inputs, tape = listed
+    assert any("stay referenced by the model outside the chain" in n for n in tape.notes)
+    plan = autoremat.plan(tape, budget)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    autoremat.apply(model, plan)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "ran a different sequence of ops"
+            report = autoremat.verify(model, inputs, deterministic=True, repeats=1)
+            assert_same_step(model, inputs, plan)  # gradients and BatchNorm statistics
+    finally:
+        autoremat.remove(model)
+    assert report.grads_equal
+    assert report.peak_bytes <= plan.budget_bytes
+    # the peak model is exact on CPU here; a composed segment may only over-predict
+    assert report.peak_bytes <= plan.predicted_peak_bytes
+
+
+def test_a_discovered_unet_chain_stays_within_its_budget() -> None:
+    """Discovery finds the two ModuleLists; the skips they leave in the parent's list are
+    held whatever the plan, and a plan that groups blocks must not count them freed."""
+    model, inputs = _unet.build()
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False)
+    assert [b.name for b in tape.blocks] == _unet.BLOCKS[1:-1]
+    held = [b.name for b in tape.blocks if b.chained and b.chain_bytes == 0]
+    assert held == ["downs.1", "downs.2"]  # downs.0's input (the stem's output) too, but
+    # the first block of a chain has no chain_bytes anyway
+    least = smallest_feasible_bytes(tape)
+    for budget in (tape.step_peak_bytes * 3 // 4, least):
+        plan = autoremat.plan(tape, budget)
+        autoremat.apply(model, plan)
+        try:
+            report = autoremat.verify(model, inputs, repeats=1)
+        finally:
+            autoremat.remove(model)
+        assert report.grads_equal
+        assert report.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("blocks", [None, _unet.BLOCKS])
+def test_the_unet_estimate_is_within_3_percent(blocks: list[str] | None) -> None:
+    model, inputs = _unet.build()
+    tape = autoremat.profile(model, inputs, blocks=blocks, repeats=1, timing=False)
+    meta, meta_inputs = _unet.build(device="meta")
+    estimate = autoremat.estimate(meta, meta_inputs, device="cpu", blocks=blocks)
+    for predicted, measured in ((estimate.step_peak_bytes, tape.step_peak_bytes),
+                                (estimate.ckpt_step_peak_bytes, tape.ckpt_step_peak_bytes)):
+        assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
