@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -328,3 +329,47 @@ def test_cli_refuses_bad_targets_and_paths_before_profiling(
 def test_cli_out_that_is_a_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "mlp", "--out", str(tmp_path)]) == 2
     assert "it is a directory; give a file name" in capsys.readouterr().out
+
+
+def _mlp_plan(train: bool = True) -> tuple[torch.nn.Module, torch.Tensor, autoremat.Plan]:
+    model, inputs = zoo.build("mlp", widths=(16,) * 3, d_in=16, batch_size=4)
+    model.train(train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eval() profile's own warning
+        tape = autoremat.profile(model, inputs, repeats=1, timing=False)
+    model.train()
+    return model, inputs, autoremat.plan(tape, None, "full")
+
+
+def test_a_plan_records_its_device_and_mode() -> None:
+    _, _, plan = _mlp_plan()
+    assert (plan.device, plan.training) == ("cpu", True)
+    again = autoremat.Plan.from_json(plan.to_json())
+    assert (again.device, again.training) == ("cpu", True)
+    data = json.loads(plan.to_json())
+    del data["device"], data["training"]  # a plan file saved before these fields
+    assert autoremat.Plan.from_json(json.dumps(data)).device == ""
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ({"device": "cuda"}, "this plan was made for cuda; the model now runs on cpu"),
+    ({"training": False}, "profiled with the model in eval() mode and the model now trains"),
+])
+def test_a_plan_for_another_device_or_mode_warns_at_a_training_forward(
+        change: dict[str, Any], fragment: str) -> None:
+    model, inputs, plan = _mlp_plan()
+    autoremat.apply(model, dataclasses.replace(plan, **change))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(*inputs)  # evaluation: nothing is recomputed, nothing to warn about
+    with pytest.warns(autoremat.PlanMismatchWarning, match=re.escape(fragment)):
+        model(*inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(*inputs)  # once per kind
+
+
+def test_an_eval_profile_is_recorded_in_its_plan() -> None:
+    _, _, plan = _mlp_plan(train=False)
+    assert plan.training is False

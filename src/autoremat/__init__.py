@@ -13,7 +13,13 @@ Example:
 """
 
 from autoremat import distributed, zoo
-from autoremat._apply import ShapeMismatchWarning, applied_plan, apply, remove
+from autoremat._apply import (
+    PlanMismatchWarning,
+    ShapeMismatchWarning,
+    applied_plan,
+    apply,
+    remove,
+)
 from autoremat._auto import auto
 from autoremat._core.errors import (
     BlockError,
@@ -46,6 +52,7 @@ __all__ = [
     "MemoryTracker",
     "Plan",
     "PlanMismatchError",
+    "PlanMismatchWarning",
     "Prescription",
     "RematError",
     "Remedy",

@@ -33,7 +33,7 @@ from torch import nn
 from autoremat._core.blocks import param_signature
 from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
-from autoremat._core.step import cache_configs, describe_inputs
+from autoremat._core.step import cache_configs, describe_inputs, flat_tensors
 from autoremat._mechanism.compiled import (
     compiled_context,
     compiled_parts,
@@ -46,13 +46,36 @@ from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
 from autoremat._plan.plan import Plan
 
-__all__ = ["ShapeMismatchWarning", "applied_plan", "apply", "remove"]
+__all__ = ["PlanMismatchWarning", "ShapeMismatchWarning", "applied_plan", "apply", "remove"]
 
 _ATTR = "_autoremat_applied"
 
 
-class ShapeMismatchWarning(UserWarning):
+class PlanMismatchWarning(UserWarning):
+    """A model runs in another setting than its plan was made for (NOTE [ What a plan is
+    checked against ]): the plan still runs, but its memory figures may not hold."""
+
+
+class ShapeMismatchWarning(PlanMismatchWarning):
     """A model runs on inputs of another shape than its plan was made for."""
+
+
+# NOTE [ What a plan is checked against ]
+#     A plan records what it was made for; apply() and the model's forward compare, per
+#     field, and refuse where running would be wrong or meaningless, warn where the plan
+#     still runs correctly but its figures may not hold:
+#     * model class, block names, each block's parameters (names, shapes, dtypes): a
+#       mismatch is refused at apply() (PlanMismatchError): a wider or cast model's
+#       memory is not what the plan describes, and a keep-set indexes another block's ops;
+#     * input shapes and dtypes: warned at the first forward on other ones
+#       (ShapeMismatchWarning; a training loop's last, smaller batch is common);
+#     * device type (cpu / cuda / ...): warned at a forward with gradients enabled on
+#       another device than the tape's (PlanMismatchWarning): costs and allocator
+#       rounding differ;
+#     * train/eval mode: warned when a plan profiled in eval() mode runs a model in
+#       train() mode with gradients enabled (dropout and BatchNorm then save more: 35%
+#       over budget was seen). The other way round holds less and is not warned about;
+#       nor is any forward without gradients (evaluation), where nothing is recomputed.
 
 
 @dataclass
@@ -249,6 +272,8 @@ def _shape_check(state: _Applied) -> Any:
     def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                           not kwargs else args)
+        if torch.is_grad_enabled():
+            _check_setting(module, inputs, state)
         signature = describe_inputs(inputs)
         if signature != state.plan.inputs and signature not in state.warned \
                 and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
@@ -258,6 +283,27 @@ def _shape_check(state: _Applied) -> Any:
                 f"runs on {signature}. Its memory prediction no longer holds: re-plan "
                 f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
     return hook
+
+
+def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:
+    """Warn once per kind when the device type or the mode differs from the plan's
+    (NOTE [ What a plan is checked against ])."""
+    plan = state.plan
+    tensors = flat_tensors(inputs) or list(module.parameters())[:1]
+    here = tensors[0].device.type if tensors else None
+    there = torch.device(plan.device).type if plan.device else None
+    if here and there and here != there and "device" not in state.warned:
+        state.warned.add("device")
+        warnings.warn(f"autoremat: this plan was made for {plan.device}; the model now runs "
+                      f"on {here}. Its memory prediction and costs were figured for "
+                      f"{plan.device}: re-plan on this device.", PlanMismatchWarning,
+                      stacklevel=3)
+    if module.training and not plan.training and "mode" not in state.warned:
+        state.warned.add("mode")
+        warnings.warn("autoremat: this plan was profiled with the model in eval() mode and "
+                      "the model now trains (train() mode: dropout and BatchNorm save more); "
+                      "its memory prediction does not hold: profile and plan in train() "
+                      "mode.", PlanMismatchWarning, stacklevel=3)
 
 
 def _without_scalars(inputs: Any) -> Any:

@@ -784,7 +784,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),
-        device=target,
+        device=target, training=model.training,
         blocks=tuple(block_list),
         step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
         ckpt_step_peak_bytes=runs["C" * n].mem.peak_bytes,

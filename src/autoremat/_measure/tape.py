@@ -154,6 +154,8 @@ class Tape:
     # bytes per second of copies between device and host (0.0: the host is the device).
     offload: bool = False
     host_bandwidth: float = 0.0
+    # The model's mode when profiled (model.training): an eval() tape says so in notes.
+    training: bool = True
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 

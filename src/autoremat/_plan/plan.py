@@ -108,6 +108,11 @@ class Plan:
     # The ranks FSDP shards parameters, gradients and optimizer state over, which
     # max_memory counted (NOTE [ Sharded over N ranks ] in budget.py); 1: unsharded.
     shards: int = 1
+    # What else it was made for (NOTE [ What a plan is checked against ] in _apply.py):
+    # the device its tape measured or targeted ("": saved before this field existed),
+    # and the model's mode then (model.training).
+    device: str = ""
+    training: bool = True
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -596,4 +601,5 @@ def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
             for start, _, opt in segments),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
         model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
+        device=tape.device, training=tape.training,
     )
