@@ -23,6 +23,17 @@ def listed() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor], autore
     return model, inputs, autoremat.profile(model, inputs, blocks=_unet.BLOCKS, repeats=1)
 
 
+def test_inputs_held_in_the_parents_list_are_found() -> None:
+    model, inputs = _unet.build(batch=2, size=8, width=4)
+    tape = autoremat.profile(model, inputs, blocks=_unet.BLOCKS, repeats=1, timing=False,
+                             with_selective=False)
+    held = [b.name for b in tape.blocks if b.chained and b.chain_bytes == 0]
+    # the stem's and the first two down blocks' outputs wait in the list of skips
+    assert held == ["downs.0", "downs.1", "downs.2"]
+    assert tape.blocks[-1].chain_bytes > 0  # the head's input: the last up block's output
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["75%", "50%"])
 def test_a_unet_plans_at_75_and_50_percent(listed: tuple, budget: str) -> None:
     model, inputs, tape = listed
@@ -43,6 +54,7 @@ def test_a_unet_plans_at_75_and_50_percent(listed: tuple, budget: str) -> None:
     assert report.peak_bytes <= plan.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_a_discovered_unet_chain_stays_within_its_budget() -> None:
     """Discovery finds the two ModuleLists; the skips they leave in the parent's list are
     held whatever the plan, and a plan that groups blocks must not count them freed."""
@@ -64,6 +76,7 @@ def test_a_discovered_unet_chain_stays_within_its_budget() -> None:
         assert report.peak_bytes <= budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocks", [None, _unet.BLOCKS])
 def test_the_unet_estimate_is_within_3_percent(blocks: list[str] | None) -> None:
     model, inputs = _unet.build()
@@ -73,3 +86,23 @@ def test_the_unet_estimate_is_within_3_percent(blocks: list[str] | None) -> None
     for predicted, measured in ((estimate.step_peak_bytes, tape.step_peak_bytes),
                                 (estimate.ckpt_step_peak_bytes, tape.ckpt_step_peak_bytes)):
         assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+@pytest.mark.slow
+def test_unet_selective_blocks_run_the_ops_they_were_profiled_with(listed: tuple) -> None:
+    """BatchNorm, in-place ReLU and a keyword flag between blocks: a keep-set indexes the
+    ops of its block, and every step must find them again (no "ran a different sequence
+    of ops" warning, which would mean the block fell back to recomputing everything)."""
+    model, inputs, tape = listed
+    chosen = [b for b in tape.blocks if b.selective]
+    assert chosen, "the U-Net's blocks have selective options"
+    plan = autoremat.plan(tape, None, "selective")
+    assert any(d.decision == "selective" for d in plan.blocks)
+    autoremat.apply(model, plan)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(2):
+                assert_same_step(model, inputs, plan)
+    finally:
+        autoremat.remove(model)
