@@ -349,6 +349,10 @@ def test_a_plan_records_its_device_and_mode() -> None:
     data = json.loads(plan.to_json())
     del data["device"], data["training"]  # a plan file saved before these fields
     assert autoremat.Plan.from_json(json.dumps(data)).device == ""
+    for key, value, fragment in (("training", "yes", "plan.training must be true or false"),
+                                 ("device", 3, "plan.device must be a string")):
+        with pytest.raises(SchemaError, match=fragment):
+            autoremat.Plan.from_json(json.dumps({**data, key: value}))
 
 
 @pytest.mark.parametrize(("change", "fragment"), [

@@ -186,8 +186,9 @@ class Plan:
         if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
-        for key in ("strategy", "model", "inputs", "compiled"):
+        for key in ("strategy", "model", "inputs", "compiled", "device"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
+        _expect(loaded.training, bool, "plan.training")
         check_loop_field(loaded.loop, "plan.loop")
         _expect(loaded.shards, int, "plan.shards")
         if loaded.shards < 1:
@@ -236,7 +237,8 @@ class Plan:
 
 def _expect(value: Any, kind: type, where: str) -> None:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        what = {int: "an integer", str: "a string"}.get(kind, kind.__name__)
+        what = {int: "an integer", str: "a string", bool: "true or false"}.get(
+            kind, kind.__name__)
         raise SchemaError(f"{where} must be {what}, got {value!r}")
 
 
