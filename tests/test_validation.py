@@ -266,6 +266,13 @@ _API_CASES: list[tuple[Any, type[Exception], str]] = [
      "cannot read device 'gpu0'"),
     (lambda: autoremat.estimate(*_mlp(), device="cpu", shards=-2), BudgetError,
      "shards must be a whole number >= 1"),
+    (lambda: autoremat.profile(*_mlp(), loss_fn=3), RematError,
+     "loss_fn must be a function of the model's output"),
+    (lambda: autoremat.profile(*_mlp(), loss_fn=lambda out: out.logits), RematError,
+     "loss_fn must return a scalar tensor"),
+    (lambda: autoremat.profile(*_mlp(), device="tpu9"), RematError,
+     "cannot read device 'tpu9'"),
+    (lambda: autoremat.remove("model"), RematError, "remove() needs an nn.Module"),
     (lambda: autoremat.Plan.from_json("{"), SchemaError, "plan is not valid JSON"),
     (lambda: autoremat.Tape.from_json("{}"), SchemaError, "schema_version None"),
 ]
@@ -377,3 +384,14 @@ def test_a_plan_for_another_device_or_mode_warns_at_a_training_forward(
 def test_an_eval_profile_is_recorded_in_its_plan() -> None:
     _, _, plan = _mlp_plan(train=False)
     assert plan.training is False
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes need Python 3.11")
+def test_the_models_own_error_says_which_call_raised() -> None:
+    """A model that raises (here: inputs of the wrong width) keeps its own exception,
+    with a note that it was raised in a step autoremat ran."""
+    model, _ = _mlp()
+    with pytest.raises(RuntimeError) as info:
+        autoremat.profile(model, torch.ones(2, 5))
+    assert any("raised by the forward of MLPChain on inputs (2, 5) float32" in note
+               for note in getattr(info.value, "__notes__", []))

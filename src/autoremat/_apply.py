@@ -335,6 +335,8 @@ def _undo(state: _Applied) -> None:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: the model is exactly as before. A no-op without a plan."""
+    if not isinstance(model, nn.Module):
+        raise RematError(f"remove() needs an nn.Module, got {type(model).__name__}")
     state = unwrapped(model)[0].__dict__.pop(_ATTR, None)
     if state is not None:
         _undo(state)

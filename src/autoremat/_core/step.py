@@ -69,6 +69,23 @@ def check_inputs(inputs: Any) -> None:
                          f"arguments or a dict of keyword arguments for the model")
 
 
+def check_loss_fn(loss_fn: Any) -> None:
+    """Raise :class:`~autoremat.RematError` unless ``loss_fn`` is ``None`` or callable."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise RematError(f"loss_fn must be a function of the model's output returning a "
+                         f"scalar tensor (or None for the default loss), got "
+                         f"{type(loss_fn).__name__} {reprlib.repr(loss_fn)}")
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """``torch.device(device)``, or :class:`~autoremat.RematError` naming the value."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise RematError(f"cannot read device {device!r}: {exc}; e.g. 'cpu', 'cuda', "
+                         f"'cuda:1'") from exc
+
+
 def flat_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors in a nested structure, in order; dataclass outputs are opened too."""
     if hasattr(obj, "__dataclass_fields__"):
@@ -126,7 +143,16 @@ def run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
         The loss, detached.
     """
     check_loop(loop)
-    output = call_model(model, inputs)
+    check_loss_fn(loss_fn)
+    try:
+        output = call_model(model, inputs)
+    except Exception as exc:
+        # the model's own error: it stays what it is, with where it was raised from
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"autoremat: raised by the forward of {type(model).__name__} on "
+                         f"inputs {describe_inputs(inputs)}, in a training step autoremat "
+                         f"ran (profile, verify, auto or bench)")
+        raise
     loss = (loss_fn or default_loss)(output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise RematError(f"loss_fn must return a scalar tensor, got "

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from autoremat._core.errors import RematError, did_you_mean
+from autoremat._core.step import parse_device
 
 __all__ = [
     "HF_META_ATTENTION",
@@ -108,10 +109,7 @@ def to_meta(model: nn.Module, inputs: Any,
 def _resolve_device(model: nn.Module, device: str | torch.device | None) -> str:
     """The device estimated for: ``device``, else the model's, else ``"cuda"`` (on ``meta``)."""
     if device is not None:
-        try:
-            return str(torch.device(device))
-        except RuntimeError as exc:
-            raise RematError(f"cannot read device {device!r}: {exc}") from None
+        return str(parse_device(device))
     first = next(iter([*model.parameters(), *model.buffers()]), None)
     if first is None or first.is_meta:
         return "cuda"

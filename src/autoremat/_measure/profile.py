@@ -93,11 +93,13 @@ from autoremat._core.step import (
     call_model,
     check_inputs,
     check_loop,
+    check_loss_fn,
     check_no_cache,
     default_loss,
     describe_inputs,
     flat_tensors,
     output_bytes,
+    parse_device,
     preserved_state,
     run_step,
     training_config,
@@ -659,6 +661,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     model = uncompiled(model)
     check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
     check_inputs(inputs)
+    check_loss_fn(loss_fn)
     if not torch.is_grad_enabled():
         raise RematError("profile() was called with gradients disabled (under "
                          "torch.no_grad() or torch.inference_mode()): it measures a training "
@@ -669,7 +672,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         raise RematError("profile() of a model on meta needs device=, the device the tape is "
                          "for (its recompute costs and tape.device), e.g. device='cuda'; or "
                          "use autoremat.estimate(), which gives it")
-    target = str(ran_on if device is None else torch.device(device))
+    target = str(ran_on if device is None else parse_device(device))
     # a device without rates fails before any work
     cost_model = cost_model_for(target, compiled=backend is not None)
     if rounding is None and ran_on.type == "meta":
