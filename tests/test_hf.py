@@ -237,3 +237,13 @@ def test_encoder_decoders_plan_at_75_percent_and_at_the_minimum(kind: str, loop:
         assert report.grads_equal and report.peak_bytes <= plan.budget_bytes, (
             f"{kind} at {budget}: measured {report.peak_bytes} B, budget "
             f"{plan.budget_bytes} B, predicted {plan.predicted_peak_bytes} B")
+
+
+def test_the_callback_checks_its_arguments() -> None:
+    from autoremat.hf import AutorematCallback
+
+    with pytest.raises(BudgetError, match="would keep every block and change nothing"):
+        AutorematCallback()
+    with pytest.raises(RematError, match="loss_fn must be a function"):
+        AutorematCallback(budget="50%", loss_fn="loss")
+    assert AutorematCallback(strategy="full").budget is None

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from autoremat._core.blocks import param_signature
-from autoremat._core.errors import PlanMismatchError, RematError, did_you_mean
+from autoremat._core.errors import PlanMismatchError, RematError, check_flag, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
 from autoremat._core.step import cache_configs, describe_inputs, flat_tensors
 from autoremat._mechanism.compiled import (
@@ -134,7 +134,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     if not isinstance(plan, Plan):
         raise RematError(f"apply() needs a Plan from autoremat.plan(), got {type(plan).__name__}")
     given, (model, compiled_whole) = model, unwrapped(model)
-    if check_ranks:
+    if check_flag("check_ranks", check_ranks):
         _check_ranks_agree(plan, rank_timeout_s)
     if model_class_name(model) != plan.model:
         raise PlanMismatchError(f"this plan was made for a {plan.model}, not a "

@@ -13,7 +13,7 @@ from torch import nn
 from autoremat._apply import apply, remove
 from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import BlockSpec
-from autoremat._core.errors import BudgetError, RematError
+from autoremat._core.errors import BudgetError, check_flag
 from autoremat._core.memory import track_memory
 from autoremat._core.step import Loop, LossFn, preserved_state, run_step
 from autoremat._core.timing import device_of
@@ -71,8 +71,11 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
     backend = compile_backend(compile)
     remove(model)
-    if not isinstance(offload, bool):
-        raise RematError(f"offload must be True or False, got {offload!r}")
+    check_flag("offload", offload)
+    if budget is None and max_memory is None and strategy == "optimal":
+        raise BudgetError("auto() with neither budget= nor max_memory= would plan to keep "
+                          "every block (the fastest step) and change nothing: give a budget "
+                          "(e.g. budget='60%') or max_memory=, or a strategy such as 'full'")
     tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop,
                    compile=backend or False, offload=offload)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from autoremat._apply import applied_plan, apply, remove
-from autoremat._core.errors import DeterminismError, RematError, check_whole
+from autoremat._core.errors import DeterminismError, RematError, check_flag, check_whole
 from autoremat._core.flops import FlopCounter
 from autoremat._core.memory import track_allocator, track_memory
 from autoremat._core.step import Loop, LossFn, preserved_state, run_step, training_config
@@ -357,6 +357,9 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
         raise RematError("verify() needs a plan: pass plan=..., or apply one first "
                          "(autoremat.apply / autoremat.auto)")
     check_whole("repeats", repeats, 1, "the steps timed")
+    check_flag("deterministic", deterministic)
+    if measure_noise is not None:
+        check_flag("measure_noise", measure_noise)
     if deterministic and measure_noise:
         raise RematError("deterministic=True requires torch.equal gradients and "
                          "measure_noise=True judges them against a noise floor: pass one")

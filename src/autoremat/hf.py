@@ -61,8 +61,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from autoremat._apply import remove
 from autoremat._auto import auto
 from autoremat._core.blocks import BlockSpec
-from autoremat._core.errors import RematError
-from autoremat._core.step import Loop, LossFn, check_loop
+from autoremat._core.errors import BudgetError, RematError
+from autoremat._core.step import Loop, LossFn, check_loop, check_loss_fn
 from autoremat._plan.plan import Plan, check_plan_args
 
 __all__ = ["AutorematCallback"]
@@ -117,6 +117,11 @@ class AutorematCallback(TrainerCallback):
                  blocks: BlockSpec = None, loss_fn: LossFn | None = None,
                  loop: Loop = "loss_only") -> None:
         check_plan_args(budget, strategy, max_memory, optimizer)  # before any training
+        check_loss_fn(loss_fn)
+        if budget is None and max_memory is None and strategy == "optimal":
+            raise BudgetError("AutorematCallback with neither budget= nor max_memory= would "
+                              "keep every block and change nothing: give a budget (e.g. "
+                              "budget='60%') or max_memory=, or a strategy such as 'full'")
         self.budget = budget
         self.strategy = strategy
         self.max_memory = max_memory

@@ -73,6 +73,19 @@ def check_whole(name: str, value: object, minimum: int, meaning: str,
     return value
 
 
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise :class:`RematError` naming it: a
+    truthy string such as ``"no"`` must not pass for ``True``.
+
+    Example:
+        >>> check_flag("timing", False)
+        False
+    """
+    if not isinstance(value, bool):
+        raise RematError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 class InternalError(AssertionError):
     """An invariant of autoremat itself failed: a bug in autoremat, not a user error.
 

@@ -51,7 +51,13 @@ import torch
 from torch import nn
 
 from autoremat._core.blocks import BlockSpec, resolve_blocks
-from autoremat._core.errors import BudgetError, InternalError, RematError, check_whole
+from autoremat._core.errors import (
+    BudgetError,
+    InternalError,
+    RematError,
+    check_flag,
+    check_whole,
+)
 from autoremat._core.optimizers import _optimizer_class, optimizer_memory
 from autoremat._core.step import (
     Loop,
@@ -397,6 +403,8 @@ def estimate(
                           "whole device, parameters and optimizer included), not both")
     check_loop(loop)
     check_shards(shards)
+    check_flag("offload", offload)
+    check_flag("selective", selective)
     check_whole("top", top, 0, "how many of the largest live tensors to list")
     if throughput_flops is not None and not (isinstance(throughput_flops, (int, float))
                                              and math.isfinite(throughput_flops)

@@ -81,6 +81,7 @@ from autoremat._core.blocks import (
 from autoremat._core.errors import (
     BlockError,
     RematError,
+    check_flag,
     check_whole,
     did_you_mean,
     internal_assert,
@@ -660,6 +661,9 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                          f"(e.g. 25e9), got {host_bandwidth!r}")
     model = uncompiled(model)
     check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
+    for flag, value in (("with_selective", with_selective), ("timing", timing),
+                        ("offload", offload)):
+        check_flag(flag, value)
     check_inputs(inputs)
     check_loss_fn(loss_fn)
     if not torch.is_grad_enabled():

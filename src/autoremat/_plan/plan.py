@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoremat._core.errors import BudgetError, RematError, SchemaError, did_you_mean
+from autoremat._core.errors import BudgetError, RematError, SchemaError, check_flag, did_you_mean
 from autoremat._core.optimizers import resolve_optimizer
 from autoremat._core.step import Loop
 from autoremat._core.tables import render_table
@@ -537,8 +537,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
     name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards)
-    if not isinstance(offload, bool):
-        raise RematError(f"offload must be True or False, got {offload!r}")
+    check_flag("offload", offload)
     dtype_name = _offload_dtype(offload_dtype, offload or name == "offload")
     notes: tuple[str, ...] = ()
     if offload and name != "offload" and not tape.offload and tape.device == "cpu":
