@@ -513,6 +513,51 @@ def _patterns(n: int, offload: bool) -> list[str]:
     return out
 
 
+def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
+    """Per block, bytes made in the forward window of the block before it that die in
+    the post window (from the end of the last block's forward to its backward): what
+    the model held outside the chain and released when its forward returned
+    (NOTE [ Released when the forward returns ] in plan/peak.py). Block 0 gets 0."""
+    mem = run.mem
+    marks = _marks(mem)
+    start, stop = run.bounds[-1], marks[f"bwd:{n - 1}"]
+    out = [0] * n
+    for record in mem.records:
+        if record.backward or record.died is None or not start < record.died <= stop:
+            continue
+        for b in range(n - 1):
+            if run.bounds[b] < record.born <= run.bounds[b + 1]:
+                out[b + 1] += record.nbytes
+                break
+    return out
+
+
+def _freed_in_forward(run: _MemoryRun, n: int) -> list[int]:
+    """Per block, bytes of forward-made tensors born before its forward window that die
+    in it (its input, when nothing keeps it for backward)."""
+    out = [0] * n
+    for record in run.mem.records:
+        if record.backward or record.died is None:
+            continue
+        for k in range(n):
+            if run.bounds[k] < record.died <= run.bounds[k + 1]:
+                if record.born <= run.bounds[k]:
+                    out[k] += record.nbytes
+                break
+    return out
+
+
+def _release_by_modes(runs: dict[str, _MemoryRun], i: int,
+                      released: dict[str, list[int]]) -> dict[str, int]:
+    """Block ``i``'s forward-end release keyed as ``_by_modes`` keys its windows (the same
+    run gives both), zeros left out."""
+    out: dict[str, int] = {}
+    for modes in runs:
+        key = (modes[i - 1] if i > 0 else "K") + modes[i]
+        out.setdefault(key, released[modes][i])
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
 def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, WindowMemory]:
     """Block ``i``'s windows keyed by (previous mode, own mode) over the runs made."""
     out: dict[str, WindowMemory] = {}
@@ -763,6 +808,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             notes.append("times not measured (" + ("meta tensors" if on_meta else
                                                    "timing=False") + ")")
 
+    released = {modes: _released_at_fwd_end(run, n) for modes, run in runs.items()}
+    frees = _freed_in_forward(plain, n)
     saved = _saved_by_block(plain)
     offload_stats, input_stats = ([runs[m * n].offloaded.get(name, OffloadStats()) if offload
                                    else OffloadStats() for name in names] for m in "OP")
@@ -788,6 +835,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             offload_input_bytes=input_stats[i].host_bytes,
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 and not held_inputs[i] else 0,  # NOTE [ Boundaries held outside the chain ]
+            fwd_end_release=_release_by_modes(runs, i, released),
+            fwd_frees=frees[i],
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),

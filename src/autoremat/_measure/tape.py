@@ -98,6 +98,14 @@ class BlockProfile:
     # Fingerprint of its parameters' names, shapes and dtypes (blocks.param_signature);
     # "": not recorded (tapes made before it was)
     param_signature: str = ""
+    # Bytes of its input (made by the block before) that the model held outside the
+    # chain and released when the forward returned, keyed like ``fwd`` (keys with none
+    # left out): NOTE [ Released when the forward returns ] in plan/peak.py.
+    fwd_end_release: dict[str, int] = field(default_factory=dict)
+    # Bytes of tensors made before its forward that die in its forward in the plain
+    # step (its input, when neither it nor the block before keeps it): a segment's
+    # recompute keeps them (NOTE [ The peak model ] in plan/peak.py). -1: not measured.
+    fwd_frees: int = -1
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:

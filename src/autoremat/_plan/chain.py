@@ -31,6 +31,7 @@ from autoremat._plan.peak import (
     SegmentCost,
     block_costs,
     fixed_peaks,
+    post_window,
     segment_cost,
     segment_runs,
     suffix_z,
@@ -163,7 +164,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         f = frontier.get((n, last))
         if f is None:
             continue
-        peak = np.maximum(f["peak"], f["F"] + tape.post[last].peak_bytes)
+        peak = np.maximum(f["peak"], f["F"] + post_window(tape, last).peak_bytes)
         for found in np.nonzero(peak <= budget)[0]:
             cost, top = int(f["cost"][found]), int(peak[found])
             key = (cost, top) if objective == "cost" else (top, cost)

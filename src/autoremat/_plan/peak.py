@@ -37,6 +37,26 @@ NOTE [ Tensors held across stacks ]
     of single-block segments predict the measured peak to the byte, and composed
     multi-block segments at or a little above it (``tests/test_hf.py`` checks measured
     peaks against budgets).
+
+NOTE [ Released when the forward returns ]
+    A model can hold a block's input outside the chain until its forward returns (a
+    U-Net's list of skips, a list of hidden states local to ``forward``). If no block
+    holds that tensor for backward (the next block is frozen, or saves nothing of its
+    input), the model's release frees it when the forward returns, in the ``post``
+    window; if a checkpoint holds it, it lives until that block's backward. So what
+    ``post`` frees depends on the modes of blocks far from the last one, which keys it.
+    The profile measures, per block and per key of its windows, the bytes of its input
+    released there (``BlockProfile.fwd_end_release``); ``post_window`` corrects the
+    measured ``post`` (taken from a step with every block in one mode) for what a plan
+    releases instead: in :func:`predict_peak` by what the plan's blocks release in their
+    modes, in the solver by the least any plan releases (which can only over-predict).
+    Only the inputs of the blocks up to ``j`` matter for ``Z_j`` (``suffix_z``): those
+    of later blocks are gone by ``j``'s backward either way. Likewise a segment's
+    recompute keeps what the plain forward of its blocks freed (``fwd_frees``: an input
+    nothing else keeps), so the composed recompute counts it held. Found by the
+    property test (``tests/test_properties.py``): a frozen block after one whose output
+    the model keeps in a list, checkpointed, measured one boundary tensor over its
+    prediction; so did a segment that starts with a frozen block.
 """
 
 from __future__ import annotations
@@ -56,9 +76,23 @@ from autoremat._measure.tape import Tape, WindowMemory
 from autoremat._mechanism.selective import is_keep_set, save_set_name, save_set_of
 
 __all__ = [
-    "KEEP", "OFFLOAD", "OFFLOAD_INPUT", "RECOMPUTE", "Option", "SegmentCost", "block_costs",
-    "fixed_peaks", "plan_costs", "predict_peak", "segment_cost", "segment_runs",
-    "selective_options", "suffix_z",
+    "KEEP",
+    "OFFLOAD",
+    "OFFLOAD_INPUT",
+    "RECOMPUTE",
+    "Option",
+    "SegmentCost",
+    "block_costs",
+    "fixed_peaks",
+    "least_release",
+    "plan_costs",
+    "post_window",
+    "predict_peak",
+    "release_of",
+    "segment_cost",
+    "segment_runs",
+    "selective_options",
+    "suffix_z",
 ]
 
 # An option for a segment: ("keep", ()) | ("recompute", ()) | ("selective", save_ops)
@@ -104,16 +138,68 @@ def _net(tape: Tape, k: int, mode: str) -> int:
     return b.fwd[key].delta_bytes + b.bwd[key].delta_bytes
 
 
-def suffix_z(tape: Tape) -> dict[str, list[int]]:
+def _uniform_release(tape: Tape, mode: str) -> list[int]:
+    """Per block, the bytes of its input released when the forward returns in the step
+    with every block in ``mode``, which measured ``post[mode]`` and the ``mode`` nets."""
+    return [b.fwd_end_release.get(("K" if i == 0 else mode) + mode, 0)
+            for i, b in enumerate(tape.blocks)]
+
+
+def least_release(tape: Tape) -> list[int]:
+    """Per block, the least of its input any plan releases when the forward returns."""
+    return [min((b.fwd_end_release.get(key, 0) for key in b.fwd), default=0)
+            for b in tape.blocks]
+
+
+def release_of(tape: Tape, segments: Sequence[tuple[int, int, Option]],
+               costs: Sequence[SegmentCost]) -> list[int]:
+    """Per block, the bytes of its input a plan's step releases when the forward
+    returns: a kept, checkpointed or offloaded block as measured in its mode after its
+    predecessor's; a segment's first block as checkpointed; inner and selective blocks
+    none (their inputs are counted held: an over-prediction at most)."""
+    out = [0] * len(tape.blocks)
+    prev = "K"
+    for (start, _stop, option), cost in zip(segments, costs, strict=True):
+        if option[0] != "selective":
+            out[start] = tape.blocks[start].fwd_end_release.get(prev + cost.mode, 0)
+        prev = cost.mode
+    return out
+
+
+def post_window(tape: Tape, mode: str, release: Sequence[int] | None = None) -> WindowMemory:
+    """``tape.post[mode]`` for a plan whose blocks' inputs are released when the forward
+    returns as ``release`` says (``None``: the least any plan releases), NOTE [ Released
+    when the forward returns ]."""
+    release = least_release(tape) if release is None else release
+    extra = sum(_uniform_release(tape, mode)) - sum(release)  # held on, that was freed
+    window = tape.post[mode]
+    if extra == 0:
+        return window
+    return WindowMemory(peak_bytes=window.peak_bytes + max(extra, 0),
+                        delta_bytes=window.delta_bytes + extra)
+
+
+def suffix_z(tape: Tape, release: Sequence[int] | None = None) -> dict[str, list[int]]:
     """``Z[mode][j]``: post.delta + net leftovers of the blocks after ``j``, when block
-    ``j`` has ``mode``. See NOTE [ Who frees a boundary tensor ]."""
+    ``j`` has ``mode``, for a plan that releases ``release`` when the forward returns
+    (``None``: the least any plan releases). See NOTE [ Who frees a boundary tensor ]
+    and NOTE [ Released when the forward returns ]: the inputs of blocks after ``j``
+    are gone by ``j``'s backward whenever they were released; those of ``j`` and the
+    blocks before it are held on where the plan keeps what the measured step freed."""
     n = len(tape.blocks)
+    release = least_release(tape) if release is None else release
     out = {}
     for mode in tape.modes:
+        measured = _uniform_release(tape, mode)
+        held_on = [0] * n  # prefix sums of (measured - plan's) release up to j
+        acc_held = 0
+        for j in range(n):
+            acc_held += measured[j] - release[j]
+            held_on[j] = acc_held
         z = [0] * n
         acc = tape.post[mode].delta_bytes
         for j in range(n - 1, -1, -1):
-            z[j] = acc
+            z[j] = acc + held_on[j]
             acc += _net(tape, j, mode)
         out[mode] = z
     return out
@@ -198,8 +284,11 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    "C", cost))
         flops += b.fwd_flops
-        r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes)
-        r_level += b.keep_fwd.delta_bytes
+        # the recompute keeps what the plain forward freed in this block (its input,
+        # held by the segment): counted held from the window's start
+        kept = max(b.fwd_frees, 0)
+        r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes + kept)
+        r_level += b.keep_fwd.delta_bytes + kept
         back = b.keep_bwd.peak_bytes if k == start else \
             max(b.keep_bwd.peak_bytes, back + b.keep_bwd.delta_bytes)
     return out
@@ -250,11 +339,12 @@ def plan_costs(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> list[
 def predict_peak(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> int:
     """Predicted step peak of a plan given as consecutive ``(start, stop, option)``."""
     costs = plan_costs(tape, segments)
-    z = suffix_z(tape)
+    release = release_of(tape, segments, costs)
+    z = suffix_z(tape, release)
     level = tape.pre.delta_bytes
     peak = fixed_peaks(tape, costs[0].mode)
     for (_start, stop, _), cost in zip(segments, costs, strict=False):
         bwd = level + cost.hold + z[cost.mode][stop - 1] + cost.bwd_peak
         peak = max(peak, level + cost.fwd_peak, bwd)
         level += cost.hold
-    return max(peak, level + tape.post[costs[-1].mode].peak_bytes)
+    return max(peak, level + post_window(tape, costs[-1].mode, release).peak_bytes)
