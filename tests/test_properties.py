@@ -11,8 +11,10 @@ decisions; NOTE [ The peak model ]).
 
 What it found (now regression tests below): a frozen block whose input the model holds
 in a list, released when the forward returns or not depending on the modes of blocks far
-away (NOTE [ Released when the forward returns ]), and a segment whose recompute keeps
-an input the plain forward freed; both made plans measure one tensor over prediction.
+away (NOTE [ Released when the forward returns ]); a segment whose recompute keeps an
+input the plain forward freed; and a segment whose recompute first copies the BatchNorm
+statistics of all its blocks (``stash_bytes``). Each made plans measure over their
+prediction by a tensor or two.
 
 CI runs the ``ci`` profile: 200 examples from a fixed seed. A longer search:
 ``AUTOREMAT_HYPOTHESIS=long python -m pytest -q tests/test_properties.py`` (1000 random
@@ -192,13 +194,18 @@ _PLAIN = dataclasses.replace(_FROZEN, frozen=False)
     # a segment that starts with a frozen block, nothing held outside
     ModelSpec(d_in=4, batch=3, blocks=(_PLAIN, _FROZEN, _PLAIN, _PLAIN, _PLAIN), skips=(),
               flag=False),
-], ids=["frozen-in-the-middle", "frozen-last", "frozen-first-in-a-segment"])
+    # a segment's recompute copies the BatchNorm statistics of all its blocks first
+    ModelSpec(d_in=4, batch=2, blocks=(dataclasses.replace(_PLAIN, norm="batch"),) * 2
+              + (_PLAIN,) * 2, skips=(), flag=False),
+], ids=["frozen-in-the-middle", "frozen-last", "frozen-first-in-a-segment",
+        "batchnorm-segments"])
 def test_found_cases_are_predicted_from_above(spec: ModelSpec) -> None:
     model, inputs = _build(spec)
     tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
     n = len(tape.blocks)
     plans = [autoremat.plan(tape, smallest_feasible_bytes(tape))]
-    plans += [autoremat.plan(tape, None, strategy) for strategy in ("none", "full", "every:2")]
+    plans += [autoremat.plan(tape, None, strategy) for strategy in ("none", "full", "every:2",
+                                                               "sqrt")]
     for plan in plans:
         planned = copy.deepcopy(model)
         autoremat.apply(planned, plan)

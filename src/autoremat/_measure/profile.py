@@ -123,7 +123,7 @@ from autoremat._mechanism.offload import (
     offloading,
 )
 from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
-from autoremat._mechanism.wrap import ContextFn, checkpointed
+from autoremat._mechanism.wrap import ContextFn, checkpointed, stashed_buffers
 
 __all__ = ["profile"]
 
@@ -837,6 +837,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             if i > 0 and not held_inputs[i] else 0,  # NOTE [ Boundaries held outside the chain ]
             fwd_end_release=_release_by_modes(runs, i, released),
             fwd_frees=frees[i],
+            stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
+                            for buf in stashed_buffers([module])),
         ))
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),

@@ -106,6 +106,10 @@ class BlockProfile:
     # step (its input, when neither it nor the block before keeps it): a segment's
     # recompute keeps them (NOTE [ The peak model ] in plan/peak.py). -1: not measured.
     fwd_frees: int = -1
+    # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
+    # NOTE [ Recompute and BatchNorm statistics ] in wrap.py): in a segment of several
+    # blocks, all of them are copied when its recompute starts.
+    stash_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:

@@ -34,7 +34,7 @@ from autoremat._core import rng
 from autoremat._core.errors import RematError, internal_assert
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
-__all__ = ["checkpointed", "install_forward", "is_wrapped", "unwrap", "wrap"]
+__all__ = ["checkpointed", "install_forward", "is_wrapped", "stashed_buffers", "unwrap", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -48,13 +48,25 @@ class _WrapState:
     tag: str  # what the wrapper does, e.g. "recompute" or "selective"
 
 
+def _tracking_batchnorms(modules: list[nn.Module]) -> list[_BatchNorm]:
+    return [m for module in modules for m in module.modules()
+            if isinstance(m, _BatchNorm) and m.track_running_stats]
+
+
+def _statistics(layer: _BatchNorm) -> list[torch.Tensor]:
+    return [buf for buf in (layer.running_mean, layer.running_var, layer.num_batches_tracked)
+            if buf is not None]
+
+
+def stashed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """The buffers a recompute of ``modules`` copies aside and puts back (NOTE
+    [ BatchNorm under recompute ]); the profile counts their copies."""
+    return [buf for layer in _tracking_batchnorms(modules) for buf in _statistics(layer)]
+
+
 @contextmanager
 def _restored_batchnorm_stats(layers: list[_BatchNorm]) -> Iterator[None]:
-    saved = [
-        [(buf, buf.detach().clone()) for buf in (m.running_mean, m.running_var,
-                                                  m.num_batches_tracked) if buf is not None]
-        for m in layers
-    ]
+    saved = [[(buf, buf.detach().clone()) for buf in _statistics(m)] for m in layers]
     try:
         yield
     finally:
@@ -69,10 +81,7 @@ def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> Contex
     notes the RNG states, recompute replays them (NOTE [ Replaying the forward's RNG ])
     and puts BatchNorm statistics back; ``selective`` adds its modes inside both."""
     def make() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        layers = [
-            m for module in modules for m in module.modules()
-            if isinstance(m, _BatchNorm) and m.track_running_stats
-        ]
+        layers = _tracking_batchnorms(modules)
         forward_ctx, recompute_ctx = selective() if selective else (nullcontext(), nullcontext())
         start: list[rng.RngSnapshot] = []
 

@@ -53,10 +53,14 @@ NOTE [ Released when the forward returns ]
     Only the inputs of the blocks up to ``j`` matter for ``Z_j`` (``suffix_z``): those
     of later blocks are gone by ``j``'s backward either way. Likewise a segment's
     recompute keeps what the plain forward of its blocks freed (``fwd_frees``: an input
-    nothing else keeps), so the composed recompute counts it held. Found by the
+    nothing else keeps), so the composed recompute counts it held, and before it starts
+    it copies the BatchNorm statistics of all its blocks (``stash_bytes``), counted over
+    the composed backward (an over-count of the last block's, which its measured window
+    holds already). Found by the
     property test (``tests/test_properties.py``): a frozen block after one whose output
     the model keeps in a list, checkpointed, measured one boundary tensor over its
-    prediction; so did a segment that starts with a frozen block.
+    prediction; so did a segment that starts with a frozen block, and one of blocks
+    with BatchNorm.
 """
 
 from __future__ import annotations
@@ -261,9 +265,11 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
     r_level = r_peak = 0  # backward: recompute all blocks as in the plain forward...
     back = 0  # ...then their plain backward: max over k of (deltas after k + peak of k)
     flops = cost = 0
+    stash = 0  # a segment's recompute copies every block's BatchNorm statistics first
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
+        stash += b.stash_bytes
         window = _fwd(tape, k, (prev if k == start else "C") + "C")
         f_peak = max(f_peak, f_level + window.peak_bytes)
         f_level += window.delta_bytes
@@ -279,8 +285,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
             # checkpointed backward window (recompute included) applies; then the plain
             # backward of the others.
             last = _bwd(tape, k, "CC")
-            bwd_peak = max(r_peak, r_level + last.peak_bytes,
-                           r_level + last.delta_bytes + back)
+            bwd_peak = stash + max(r_peak, r_level + last.peak_bytes,
+                                   r_level + last.delta_bytes + back)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    "C", cost))
         flops += b.fwd_flops
