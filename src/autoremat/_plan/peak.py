@@ -160,8 +160,9 @@ def release_of(tape: Tape, segments: Sequence[tuple[int, int, Option]],
     """Per block, the bytes of its input a plan's step releases when the forward
     returns: a kept, checkpointed or offloaded block as measured in its mode after its
     predecessor's; a segment's first block as checkpointed; inner and selective blocks
-    none (their inputs are counted held: an over-prediction at most)."""
-    out = [0] * len(tape.blocks)
+    the least any mode releases (as the solver counts every block, so that a plan never
+    predicts above what the solver found for it)."""
+    out = least_release(tape)
     prev = "K"
     for (start, _stop, option), cost in zip(segments, costs, strict=True):
         if option[0] != "selective":
