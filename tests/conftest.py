@@ -9,8 +9,12 @@ it again; ``tiny_tape`` is the tape of a three-block MLP for the tests of the ta
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -40,6 +44,18 @@ MEDIUM: Mapping[str, Mapping[str, Any]] = {
     "mlp": {"widths": (96, 64, 128, 48, 96, 64), "batch_size": 64},
     "resnet": {"batch_size": 8, "image_size": 16},
 }
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as the module ``name`` (the scripts are not a
+    package), so that tests can call its functions."""
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def as_options(sizes: Mapping[str, Any]) -> str:

@@ -7,26 +7,12 @@ The harness is ``benchmarks/gpu_exact.py`` (one command writes the full matrix t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 
+from conftest import load_benchmark
 
-def _harness() -> ModuleType:
-    path = Path(__file__).parents[1] / "benchmarks" / "gpu_exact.py"
-    spec = importlib.util.spec_from_file_location("gpu_exact", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_exact"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-exact = _harness()
+exact = load_benchmark("gpu_exact")
 SIZE = (4, 256, 4, 128, 2)  # layers, width, heads, seq, batch
 
 

@@ -4,26 +4,14 @@ are for a GPU; here only the simulated host (``--simulate-host``) frees anything
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from conftest import load_benchmark
 
-def _script() -> ModuleType:
-    path = Path(__file__).parents[1] / "benchmarks" / "offload.py"
-    spec = importlib.util.spec_from_file_location("offload_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["offload_bench"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _script()
+bench = load_benchmark("offload")
 
 
 @pytest.mark.slow

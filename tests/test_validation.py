@@ -24,17 +24,29 @@ from autoremat._core.units import parse_budget, parse_size
 from autoremat._plan.plan import keep_set_seal
 
 
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("profiled before the arguments were checked")
+
+
 @pytest.fixture
 def no_profile(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("profiled before the arguments were checked")
-
     import autoremat._auto
     import autoremat._cli
 
-    monkeypatch.setattr(autoremat._auto, "profile", refuse)
-    monkeypatch.setattr(autoremat._cli, "profile", refuse)
-    monkeypatch.setattr(autoremat._cli, "load_target", refuse)
+    monkeypatch.setattr(autoremat._auto, "profile", _refuse)
+    monkeypatch.setattr(autoremat._cli, "profile", _refuse)
+    monkeypatch.setattr(autoremat._cli, "load_target", _refuse)
+
+
+def _assert_one_line_error(argv: list[str], fragment: str,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI exits 2 with one line that holds ``fragment``, and no traceback."""
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert fragment in text
+    assert "Traceback" not in text
+    assert len([line for line in text.splitlines() if line.strip()]) == 1, text
 
 
 def _mlp() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -104,12 +116,7 @@ _CLI_CASES: list[tuple[list[str], str]] = [
 def test_cli_rejects_bad_input_in_one_line_before_any_work(
         no_profile: None, argv: list[str], fragment: str,
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(argv) == 2
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert fragment in text
-    assert "Traceback" not in text
-    assert len([line for line in text.splitlines() if line.strip()]) == 1, text
+    _assert_one_line_error(argv, fragment, capsys)
 
 
 @pytest.mark.parametrize("argv", [["doctor", "mlp", "--batch", "0"],
@@ -333,17 +340,9 @@ def test_cli_refuses_bad_targets_and_paths_before_profiling(
     import autoremat._cli
     import autoremat._cli.bench as bench_cli
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("profiled before the arguments were checked")
-
-    monkeypatch.setattr(autoremat._cli, "profile", refuse)
-    monkeypatch.setattr(bench_cli, "run_bench", refuse)
-    assert main(argv) == 2
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert fragment in text
-    assert "Traceback" not in text
-    assert len([line for line in text.splitlines() if line.strip()]) == 1, text
+    monkeypatch.setattr(autoremat._cli, "profile", _refuse)
+    monkeypatch.setattr(bench_cli, "run_bench", _refuse)
+    _assert_one_line_error(argv, fragment, capsys)
 
 
 def test_cli_out_that_is_a_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
