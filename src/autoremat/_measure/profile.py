@@ -58,6 +58,7 @@ NOTE [ Block boundaries in backward ]
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
 import warnings
@@ -65,7 +66,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -513,22 +514,26 @@ def _patterns(n: int, offload: bool) -> list[str]:
     return out
 
 
+def _forward_window(run: _MemoryRun, event: int) -> int | None:
+    """The block in whose forward window ``event`` falls (``bounds[k] < event <=
+    bounds[k + 1]``), or ``None`` outside the blocks' forwards."""
+    after = bisect.bisect_left(run.bounds, event)
+    return after - 1 if 0 < after < len(run.bounds) else None
+
+
 def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
     (NOTE [ Released when the forward returns ] in plan/peak.py). Block 0 gets 0."""
-    mem = run.mem
-    marks = _marks(mem)
-    start, stop = run.bounds[-1], marks[f"bwd:{n - 1}"]
+    start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
-    for record in mem.records:
+    for record in run.mem.records:
         if record.backward or record.died is None or not start < record.died <= stop:
             continue
-        for b in range(n - 1):
-            if run.bounds[b] < record.born <= run.bounds[b + 1]:
-                out[b + 1] += record.nbytes
-                break
+        made_in = _forward_window(run, record.born)
+        if made_in is not None and made_in < n - 1:
+            out[made_in + 1] += record.nbytes
     return out
 
 
@@ -539,31 +544,24 @@ def _freed_in_forward(run: _MemoryRun, n: int) -> list[int]:
     for record in run.mem.records:
         if record.backward or record.died is None:
             continue
-        for k in range(n):
-            if run.bounds[k] < record.died <= run.bounds[k + 1]:
-                if record.born <= run.bounds[k]:
-                    out[k] += record.nbytes
-                break
+        freed_in = _forward_window(run, record.died)
+        if freed_in is not None and record.born <= run.bounds[freed_in]:
+            out[freed_in] += record.nbytes
     return out
 
 
-def _release_by_modes(runs: dict[str, _MemoryRun], i: int,
-                      released: dict[str, list[int]]) -> dict[str, int]:
-    """Block ``i``'s forward-end release keyed as ``_by_modes`` keys its windows (the same
-    run gives both), zeros left out."""
-    out: dict[str, int] = {}
-    for modes in runs:
-        key = (modes[i - 1] if i > 0 else "K") + modes[i]
-        out.setdefault(key, released[modes][i])
-    return {k: v for k, v in sorted(out.items()) if v}
+_T = TypeVar("_T")
 
 
-def _by_modes(runs: dict[str, _MemoryRun], i: int, which: str) -> dict[str, WindowMemory]:
-    """Block ``i``'s windows keyed by (previous mode, own mode) over the runs made."""
-    out: dict[str, WindowMemory] = {}
+def _by_modes(runs: dict[str, _MemoryRun], i: int,
+              value: Callable[[str, _MemoryRun, int], _T]) -> dict[str, _T]:
+    """``value(modes, run, i)`` keyed by block ``i``'s (previous mode, own mode), from
+    the first run made with each pair (its windows and what else that run measured)."""
+    out: dict[str, _T] = {}
     for modes, run in runs.items():
         key = (modes[i - 1] if i > 0 else "K") + modes[i]
-        out.setdefault(key, run.fwd[i] if which == "fwd" else run.bwd[i])
+        if key not in out:
+            out[key] = value(modes, run, i)
     return dict(sorted(out.items()))
 
 
@@ -827,7 +825,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             param_bytes=unique_storage_bytes(list(module.parameters())),
             param_signature=param_signature(module),
             grad_bytes=block_grad_bytes[i],
-            fwd=_by_modes(runs, i, "fwd"), bwd=_by_modes(runs, i, "bwd"),
+            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k]),
+            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k]),
             op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
             offload_bytes=offload_stats[i].host_bytes,
@@ -835,7 +834,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             offload_input_bytes=input_stats[i].host_bytes,
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 and not held_inputs[i] else 0,  # NOTE [ Boundaries held outside the chain ]
-            fwd_end_release=_release_by_modes(runs, i, released),
+            fwd_end_release={key: v for key, v in _by_modes(
+                runs, i, lambda modes, _, k: released[modes][k]).items() if v},
             fwd_frees=frees[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
