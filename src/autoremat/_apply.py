@@ -40,6 +40,7 @@ from autoremat._mechanism.compiled import (
     parse_keep_keys,
 )
 from autoremat._mechanism.engines import model_class_name, unwrapped
+from autoremat._mechanism.head import HeadInstall, HeadSite, install_head, uninstall_head
 from autoremat._mechanism.offload import offload
 from autoremat._mechanism.segments import SegmentRunner, refuse_under_fsdp
 from autoremat._mechanism.selective import selective_context
@@ -87,6 +88,7 @@ class _Applied:
     warned: set[str] = field(default_factory=set)
     cache_restore: list[tuple[Any, bool]] = field(default_factory=list)  # configs whose
     # use_cache we turned off, and their values (NOTE [ Every stack has its own config ])
+    head: HeadInstall | None = None  # the chunked loss head, when the plan chunks it
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
@@ -172,6 +174,13 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             f"torch.compile, and {compiled[0]} is compiled. Plan without offload for the "
             "compiled step: autoremat.plan(autoremat.profile(model, inputs, compile=True), "
             "budget)")
+    site = _head_site(plan, modules, model_class_name(model))
+    if compiled and site is not None:
+        raise RematError(
+            f"this plan computes the loss head in chunks ({plan.head}), which does not run "
+            f"under torch.compile, and {compiled[0]} is compiled. Plan with head='keep' "
+            "for the compiled step: autoremat.plan(autoremat.profile(model, inputs, "
+            "compile=True), budget)")
     remove(model)
     for name, module in modules.items():
         if name and is_wrapped(module):
@@ -224,6 +233,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 runner = SegmentRunner(blocks, [b.name for b in plan.blocks[start:stop]])
                 runner.install()
                 state.runners.append(runner)
+        if site is not None and plan.head_chunks is not None:
+            state.head = install_head(model, site, plan.head_chunks)
         state.handles.append(model.register_forward_pre_hook(_shape_check(state),
                                                              with_kwargs=True))
         state.handles.append(model.register_forward_hook(_close_segments(state),
@@ -322,7 +333,22 @@ def _close_segments(state: _Applied) -> Any:
     return hook
 
 
+def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSite | None:
+    """Where the plan's chunked head runs (``None``: the plan keeps the head)."""
+    if plan.head == "keep":
+        return None
+    kind, _, name = plan.head_site.partition(":")
+    module = modules.get(name)
+    if module is None or not isinstance(getattr(module, "out_features", None), int):
+        raise PlanMismatchError(f"the plan chunks the loss head at {name!r}, which {model} "
+                                f"does not have as a linear layer; profile and plan this model")
+    return HeadSite(kind, name, module.out_features)  # type: ignore[arg-type]
+
+
 def _undo(state: _Applied) -> None:
+    if state.head is not None:
+        uninstall_head(state.head)
+        state.head = None
     for config, value in state.cache_restore:
         config.use_cache = value
     for handle in state.handles:

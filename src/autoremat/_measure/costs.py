@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from autoremat._core.errors import RematError
 from autoremat._core.ops import OpRecord, OpStats
 
-__all__ = ["CostModel", "cost_model_for", "keep_set_cost", "offload_cost", "op_cost",
-           "recompute_cost"]
+__all__ = ["CostModel", "cost_model_for", "head_cost", "keep_set_cost", "offload_cost",
+           "op_cost", "recompute_cost"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,17 @@ def offload_cost(nbytes: int, tensors: int, fwd_flops: int, bwd_flops: int,
     exposed = (max(0.0, copy - fwd_flops / model.flops_per_second)
                + max(0.0, copy - bwd_flops / model.flops_per_second))
     return int(hooks + exposed * model.flops_per_second)
+
+
+# ops a chunked head adds per chunk over the plain head: slicing, the local autograd of
+# the chunk's cross-entropy, the two matmuls written into their buffers
+_HEAD_OPS_PER_CHUNK = 12
+
+
+def head_cost(chunks: int, weight_bytes: int, model: CostModel) -> int:
+    """FLOP-equivalents a chunked loss head costs over the plain one (NOTE [ A chunked
+    head ] in ``_core/head.py``): the same FLOPs, but a few more ops per chunk, and from
+    the second chunk on the weight gradient is read and written once more per chunk (it
+    is accumulated)."""
+    return int(chunks * _HEAD_OPS_PER_CHUNK * model.flops_per_op
+               + (chunks - 1) * 2 * weight_bytes * model.flops_per_byte)

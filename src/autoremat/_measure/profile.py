@@ -108,15 +108,23 @@ from autoremat._core.step import (
     unique_storage_bytes,
 )
 from autoremat._core.timing import clock_for, device_of
-from autoremat._measure.costs import CostModel, cost_model_for
+from autoremat._measure.costs import CostModel, cost_model_for, head_cost
 from autoremat._measure.keepsets import keep_sets
-from autoremat._measure.tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
+from autoremat._measure.tape import (
+    BlockProfile,
+    HeadOption,
+    HeadProfile,
+    SelectiveProfile,
+    Tape,
+    WindowMemory,
+)
 from autoremat._mechanism.compiled import (
     compiled_context,
     compiled_forwards,
     keep_keys,
     uncompiled,
 )
+from autoremat._mechanism.head import HeadSite, find_head, head_installed
 from autoremat._mechanism.offload import (
     BlockOffload,
     OffloadStats,
@@ -126,7 +134,10 @@ from autoremat._mechanism.offload import (
 from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
 from autoremat._mechanism.wrap import ContextFn, checkpointed, stashed_buffers
 
-__all__ = ["profile"]
+__all__ = ["HEAD_CHUNKS", "profile"]
+
+# The chunk counts of the loss head measured as options (NOTE [ Measuring the head ]).
+HEAD_CHUNKS = (4, 32)
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
@@ -618,12 +629,51 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
                             keep_ops=keep, skip_ops=skip)
 
 
+# NOTE [ Measuring the head ]
+#     Each head option is one more memory step, every block kept, with the head chunked
+#     (``head_installed``): its ``post`` and ``tail`` windows are the head's. The block
+#     windows do not depend on the head (they are relative to their start), and neither
+#     does what a block's mode changes in ``post`` and ``tail`` (what the model releases
+#     when the forward returns: a level that differs by a constant from there on), so a
+#     plan with checkpointed blocks uses the option's windows moved by the difference
+#     the modes make with the model's own head (``peak.with_head``), its peak by at
+#     least nothing: never below what it measures. Two chunk counts are measured
+#     (:data:`HEAD_CHUNKS`): few chunks cost least, many hold least; the transient of a
+#     chunk is proportional to its rows, so more options would add little.
+def _head_options(model: nn.Module, inputs: Any, names: list[str], site: HeadSite,
+                  cost_model: CostModel, *, rounding: Rounding | None, loop: Loop,
+                  ) -> tuple[HeadProfile | None, str]:
+    """The head options of ``site``, measured (NOTE [ Measuring the head ]); or ``None``
+    and why, when the chunked head never ran in the step."""
+    module = model.get_submodule(site.name)
+    weight = module.weight
+    weight_bytes = weight.untyped_storage().nbytes()
+    options = {}
+    for chunks in HEAD_CHUNKS:
+        with head_installed(model, site, chunks) as install:
+            run = _memory_run(model, inputs, None, names, "K" * len(names),
+                              rounding=rounding, loop=loop)
+        if install is None or install.calls != 1:
+            calls = 0 if install is None else install.calls
+            return None, (f"the loss head {site} took {calls} losses in one step, not one "
+                          f"(was it called without labels?): it stays as the model "
+                          f"computes it")
+        options[f"chunked:{chunks}"] = HeadOption(
+            chunks=chunks, post=run.post, tail=run.tail, step_peak_bytes=run.mem.peak_bytes,
+            cost=head_cost(chunks, weight_bytes, cost_model))
+    for p in model.parameters():
+        p.grad = None
+    return HeadProfile(kind=site.kind, name=site.name, vocab=site.vocab,
+                       weight_bytes=weight_bytes, options=options), ""
+
+
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
             with_selective: bool = True, timing: bool = True,
             rounding: Rounding | None = None, loop: Loop = "holds_output",
             device: str | torch.device | None = None, compile: bool | str = False,
-            offload: bool = False, host_bandwidth: float | None = None) -> Tape:
+            offload: bool = False, host_bandwidth: float | None = None,
+            with_head: bool = True) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -671,6 +721,11 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         host_bandwidth: bytes per second of copies between the device and host memory,
             which cost offload in plans. Default: measured on a GPU (pinned memory);
             must be given for a model on ``meta``.
+        with_head: also measure the loss head computed over chunks of tokens (one more
+            memory step per option, :data:`HEAD_CHUNKS`), where the model has a head
+            autoremat can chunk: a Hugging Face ``*ForCausalLM`` given ``labels``, or an
+            :class:`autoremat.LMHead` (NOTE [ Which heads can be chunked ]). Plans may
+            then chunk it (``tape.head``); the tape's notes say why a head is not.
 
     Returns:
         A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
@@ -705,7 +760,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     model = uncompiled(model)
     check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
     for flag, value in (("with_selective", with_selective), ("timing", timing),
-                        ("offload", offload)):
+                        ("offload", offload), ("with_head", with_head)):
         check_flag(flag, value)
     check_inputs(inputs)
     check_loss_fn(loss_fn)
@@ -784,6 +839,16 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             if with_selective else [{} for _ in names]
         on_meta = ran_on.type == "meta"
         notes: list[str] = []
+        site, why = find_head(model, inputs, loss_fn) if with_head else (None, "")
+        head = None
+        if site is not None and backend is not None:
+            site, why = None, ("a chunked loss head does not run under torch.compile: "
+                               "the head stays as the model computes it")
+        if site is not None:
+            head, why = _head_options(model, inputs, names, site, cost_model,
+                                      rounding=rounding, loop=loop)
+        if why:
+            notes.append(why)
         if not model.training:
             # issue 16: an eval() tape planned a train() step 35% over its budget
             eval_note = (f"{type(model).__name__} was profiled in eval() mode (dropout off, "
@@ -856,6 +921,6 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         tail={m: runs[m * n].tail for m in modes_measured},
         offload=offload, host_bandwidth=bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
-        step_ms=step_ms, loop=loop, output_bytes=held[0], compiled=backend or "",
+        step_ms=step_ms, loop=loop, output_bytes=held[0], compiled=backend or "", head=head,
         notes=tuple(notes + order_notes + cache_notes + plain.mem.notes),
     )

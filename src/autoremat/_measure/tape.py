@@ -29,8 +29,8 @@ from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes, format_flops
 
 __all__ = [
-    "SCHEMA_VERSION", "BlockProfile", "SelectiveProfile", "Tape", "WindowMemory", "ops_table",
-    "tape_table",
+    "SCHEMA_VERSION", "BlockProfile", "HeadOption", "HeadProfile", "SelectiveProfile", "Tape",
+    "WindowMemory", "ops_table", "tape_table",
 ]
 
 SCHEMA_VERSION = 1
@@ -125,6 +125,32 @@ class BlockProfile:
 
 
 @dataclass(frozen=True)
+class HeadOption:
+    """The step with its loss head computed over ``chunks`` chunks of tokens (NOTE [ A
+    chunked head ] in ``_core/head.py``), measured with every block kept."""
+
+    chunks: int
+    post: WindowMemory  # as ``Tape.post["K"]``, with this head
+    tail: WindowMemory  # as ``Tape.tail["K"]``, with this head
+    step_peak_bytes: int  # the step with every block kept and this head
+    cost: int  # what chunking costs the planner, in FLOP-equivalents (costs.head_cost)
+
+
+@dataclass(frozen=True)
+class HeadProfile:
+    """The model's loss head and the options measured for it (NOTE [ Which heads can be
+    chunked ] in ``_mechanism/head.py``)."""
+
+    kind: str  # "hf": a Hugging Face causal LM's lm_head and loss; "module": an LMHead
+    name: str  # qualified name of that module
+    vocab: int  # its output features
+    weight_bytes: int  # its weight, which the chunked head's gradient accumulates into
+    # by decision name ("chunked:4"); "keep" (the head as the model computes it) is the
+    # tape's own post and tail
+    options: dict[str, HeadOption] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Tape:
     """One measured training step. ``print(tape)`` shows a table.
 
@@ -168,6 +194,9 @@ class Tape:
     host_bandwidth: float = 0.0
     # The model's mode when profiled (model.training): an eval() tape says so in notes.
     training: bool = True
+    # Its loss head and the head options measured (None: none found, or none measured;
+    # notes say why).
+    head: HeadProfile | None = None
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -395,6 +424,8 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
     data["pre"] = _window(data.get("pre"), "tape.pre")
     for key in ("post", "tail"):
         data[key] = _windows(data.get(key), f"tape.{key}")
+    if data.get("head") is not None:
+        data["head"] = _head(data["head"])
     tape = build_dataclass(Tape, data, "tape")
     _check_types(tape, "tape")
     check_loop_field(tape.loop, "tape.loop")
@@ -409,6 +440,28 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
                 raise SchemaError(f"tape.blocks[{i}] has no {key!r} window (fwd "
                                   f"{sorted(b.fwd)}, bwd {sorted(b.bwd)}); profile again")
     return tape  # type: ignore[no-any-return]
+
+
+def _head(data: Any) -> HeadProfile:
+    raw = dict(_mapping(data, "tape.head"))
+    options = {}
+    for k, v in _mapping(raw.get("options", {}), "tape.head.options").items():
+        where = f"tape.head.options.{k}"
+        v = dict(_mapping(v, where))
+        for key in ("post", "tail"):
+            v[key] = _window(v.get(key), f"{where}.{key}")
+        option = build_dataclass(HeadOption, v, where)
+        _check_types(option, where)
+        if not str(k).startswith("chunked:") or option.chunks < 1:
+            raise SchemaError(f"{where}: a head option is 'chunked:N' with chunks >= 1, got "
+                              f"{k!r} with chunks {option.chunks!r}")
+        options[str(k)] = option
+    raw["options"] = options
+    head = build_dataclass(HeadProfile, raw, "tape.head")
+    _check_types(head, "tape.head")
+    if head.kind not in ("hf", "module"):
+        raise SchemaError(f"tape.head.kind must be 'hf' or 'module', got {head.kind!r}")
+    return head  # type: ignore[no-any-return]
 
 
 def check_loop_field(value: Any, where: str) -> None:
@@ -446,7 +499,16 @@ def tape_table(tape: Tape) -> str:
             f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
             f"step {tape.step_ms:.1f} ms, {format_flops(tape.step_flops, 'FLOPs')}\n")
     notes = "".join(f"\nnote: {n}" for n in tape.notes)
-    return head + table + notes
+    return head + _head_line(tape) + table + notes
+
+
+def _head_line(tape: Tape) -> str:
+    if tape.head is None or not tape.head.options:
+        return ""
+    options = "; ".join(f"{name}: {format_bytes(o.step_peak_bytes)}"
+                        for name, o in tape.head.options.items())
+    return (f"loss head {tape.head.name} (vocabulary {tape.head.vocab}): step peak with every "
+            f"block kept {format_bytes(tape.step_peak_bytes)} as computed; {options}\n")
 
 
 def _held(tape: Tape) -> str:

@@ -65,6 +65,7 @@ NOTE [ Released when the forward returns ]
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,6 +98,7 @@ __all__ = [
     "segment_runs",
     "selective_options",
     "suffix_z",
+    "with_head",
 ]
 
 # An option for a segment: ("keep", ()) | ("recompute", ()) | ("selective", save_ops)
@@ -355,3 +357,27 @@ def predict_peak(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> int
         peak = max(peak, level + cost.fwd_peak, bwd)
         level += cost.hold
     return max(peak, level + post_window(tape, costs[-1].mode, release).peak_bytes)
+
+
+def _moved(option: WindowMemory, by_mode: WindowMemory, kept: WindowMemory) -> WindowMemory:
+    """A head option's window (measured with the last or first block kept) for a block
+    in another mode: moved by the difference that mode makes with the model's own head
+    (NOTE [ Measuring the head ] in ``profile.py``), its peak by at least nothing."""
+    delta = by_mode.delta_bytes - kept.delta_bytes
+    lift = max(0, delta, by_mode.peak_bytes - kept.peak_bytes)
+    return WindowMemory(peak_bytes=option.peak_bytes + lift,
+                        delta_bytes=option.delta_bytes + delta)
+
+
+def with_head(tape: Tape, head: str) -> Tape:
+    """The tape as the step runs with loss head ``head`` ("keep": the tape itself, else a
+    name of ``tape.head.options``): its ``post`` and ``tail`` windows are the head's."""
+    if head == "keep":
+        return tape
+    internal_assert(tape.head is not None and head in tape.head.options,
+                    f"no head option {head!r} in the tape")
+    option = tape.head.options[head]  # type: ignore[union-attr]
+    return dataclasses.replace(
+        tape,
+        post={m: _moved(option.post, w, tape.post["K"]) for m, w in tape.post.items()},
+        tail={m: _moved(option.tail, w, tape.tail["K"]) for m, w in tape.tail.items()})

@@ -42,6 +42,7 @@ from autoremat._plan.peak import (
     plan_costs,
     predict_peak,
     selective_options,
+    with_head,
 )
 
 __all__ = [
@@ -113,8 +114,18 @@ class Plan:
     # and the model's mode then (model.training).
     device: str = ""
     training: bool = True
+    # The loss head: "keep" (as the model computes it) or "chunked:N" (over N chunks of
+    # tokens, NOTE [ A chunked head ] in _core/head.py), and where it is ("hf:lm_head" or
+    # "module:<name>"; "" without a head option).
+    head: str = "keep"
+    head_site: str = ""
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def head_chunks(self) -> int | None:
+        """The chunks of tokens the loss head runs in, or ``None`` when it is kept."""
+        return int(self.head.split(":")[1]) if self.head != "keep" else None
 
     @property
     def recompute_overhead(self) -> float:
@@ -186,8 +197,9 @@ class Plan:
         if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
-        for key in ("strategy", "model", "inputs", "compiled", "device"):
+        for key in ("strategy", "model", "inputs", "compiled", "device", "head", "head_site"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
+        _check_head(loaded)
         _expect(loaded.training, bool, "plan.training")
         check_loop_field(loaded.loop, "plan.loop")
         _expect(loaded.shards, int, "plan.shards")
@@ -231,8 +243,26 @@ class Plan:
                 + (f"; parameters sharded over {self.shards} ranks" if self.shards > 1
                    else "")
                 + "\n")
+        if self.head != "keep":
+            rows.append([f"{self.head_site.partition(':')[2]} (loss head)",
+                         f"chunked: {self.head_chunks} chunks of tokens, the full logits never "
+                         f"built (out.logits is None); loss and the projection's weight "
+                         f"gradient summed chunk by chunk"])
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return head + render_table(["block", "decision"], rows) + notes
+
+
+def _check_head(plan: Plan) -> None:
+    """A loaded plan's head is "keep" or "chunked:N" (N >= 1) at a named site."""
+    kind, _, count = plan.head.partition(":")
+    chunked = kind == "chunked" and count.isdigit() and int(count) >= 1
+    if plan.head != "keep" and not chunked:
+        raise SchemaError(f"plan.head must be 'keep' or 'chunked:N' (N >= 1), got "
+                          f"{plan.head!r}")
+    site_kind, _, name = plan.head_site.partition(":")
+    if chunked and (site_kind not in ("hf", "module") or not name):
+        raise SchemaError(f"plan.head_site must be 'hf:<name>' or 'module:<name>' for a "
+                          f"chunked head, got {plan.head_site!r}")
 
 
 def _expect(value: Any, kind: type, where: str) -> None:
@@ -388,13 +418,19 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def _smallest(tape: Tape, offload: bool = False) -> ChainSolution:
-    return solve(tape, None, objective="peak", options=selective_options(tape, offload))
+def _smallest(tape: Tape, offload: bool = False,
+              heads: list[str] | None = None) -> ChainSolution:
+    """The least-peak plan, over the head decisions ``heads`` (default: all)."""
+    solutions = [solve(with_head(tape, h), None, objective="peak",
+                       options=selective_options(tape, offload))
+                 for h in (heads or head_choices(tape, None))]
+    return min(solutions, key=lambda s: s.peak_bytes)
 
 
 def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
-                      predicted: int | None = None, offload: bool = False) -> None:
-    best = _smallest(tape, offload)
+                      predicted: int | None = None, offload: bool = False,
+                      heads: list[str] | None = None) -> None:
+    best = _smallest(tape, offload, heads)
     got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
     raise BudgetError(
         f"no {strategy!r} plan fits the budget of {format_bytes(budget or 0)}{got}. The "
@@ -480,7 +516,7 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
          max_memory: int | str | None = None, optimizer: str | int | None = None,
          offload: bool = False, offload_dtype: str | torch.dtype | None = None,
-         shards: int = 1) -> Plan:
+         shards: int = 1, head: str | None = None) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
 
     Args:
@@ -516,6 +552,14 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             [ Sharded over N ranks ] in ``budget.py``); and above 1 the plan
             checkpoints blocks one by one, since a multi-block segment cannot run under
             FSDP (NOTE [ Plans under DDP and FSDP2 ] in ``_mechanism/engines.py``).
+        head: the loss head's decision. ``None`` (default): ``"optimal"`` chooses between
+            keeping it and the chunked options the tape measured (``tape.head``: a
+            Hugging Face causal LM given labels, or an :class:`autoremat.LMHead`), other
+            strategies keep it; ``"keep"``; ``"chunked"`` (the cheapest chunked option
+            that fits); or an option's name such as ``"chunked:32"``. A chunked head
+            never builds the full logits (``out.logits`` is ``None``) and changes the
+            loss and the projection's weight gradient by summation order only (NOTE
+            [ What a chunked head changes in numerics ]).
 
     Returns:
         A frozen :class:`Plan`. ``plan`` has no ``compile`` option: a tape measured
@@ -555,13 +599,68 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     if shards > 1:  # no multi-block segments under FSDP: no block joins its predecessor
         tape = dataclasses.replace(tape, blocks=tuple(
             dataclasses.replace(b, chained=False) for b in tape.blocks))
-    segments = STRATEGIES[name](tape, budget_bytes, arg, offload)
-    found = dataclasses.replace(plan_of_segments(tape, segments, strategy, budget_bytes),
-                                shards=shards, offload_dtype=dtype_name)
-    if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
-        _raise_infeasible(tape, budget_bytes, strategy, predicted=found.predicted_peak_bytes,
-                          offload=offload)
+    heads = head_choices(tape, head, name)
+    found = _best_over_heads(tape, heads, name, arg, strategy, budget_bytes, offload)
+    found = dataclasses.replace(found, shards=shards, offload_dtype=dtype_name)
     return dataclasses.replace(found, notes=(*found.notes, *notes)) if notes else found
+
+
+def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[str]:
+    """The loss-head decisions a plan may take: ``head=None`` lets strategy "optimal"
+    choose among "keep" and the options the tape measured (other strategies keep the
+    head); "chunked" lets it choose among the chunked ones; "keep" or an option's name
+    ("chunked:32") fixes it."""
+    options = list(tape.head.options) if tape.head is not None else []
+    if head is None:
+        return ["keep", *options] if strategy == "optimal" else ["keep"]
+    if head == "keep":
+        return ["keep"]
+    if head == "chunked" and options:
+        return options
+    if head in options:
+        return [head]
+    if not isinstance(head, str):
+        raise RematError(f"head must be a string such as 'keep' or 'chunked:32', got {head!r}")
+    have = ["keep", "chunked", *options]
+    why = (" (the tape measured no head options; see its notes for why)" if not options
+           else "")
+    raise RematError(f"unknown head {head!r}; this tape offers {have}{why}."
+                     + did_you_mean(head, have))
+
+
+def _with_head_fields(found: Plan, tape: Tape, head: str) -> Plan:
+    if head == "keep" or tape.head is None:
+        return found
+    option = tape.head.options[head]
+    return dataclasses.replace(found, head=head, head_site=f"{tape.head.kind}:{tape.head.name}",
+                               predicted_cost=found.predicted_cost + option.cost)
+
+
+def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy: str,
+                     budget_bytes: int | None, offload: bool) -> Plan:
+    """The least-cost plan of the strategy that fits, over the head decisions ``heads``."""
+    best: Plan | None = None
+    predicted = None
+    for head in heads:
+        view = with_head(tape, head)
+        try:
+            segments = STRATEGIES[name](view, budget_bytes, arg, offload)
+        except BudgetError:
+            if len(heads) == 1:
+                raise
+            continue
+        found = _with_head_fields(plan_of_segments(view, segments, strategy, budget_bytes),
+                                  tape, head)
+        if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
+            predicted = found.predicted_peak_bytes if predicted is None else predicted
+            continue
+        if best is None or found.predicted_cost < best.predicted_cost:
+            best = found
+    if best is None:
+        _raise_infeasible(tape, budget_bytes, strategy, predicted=predicted, offload=offload,
+                          heads=heads)
+    assert best is not None  # _raise_infeasible raised
+    return best
 
 
 _OFFLOAD_DTYPES = ("bfloat16", "float16")

@@ -1,0 +1,235 @@
+"""Where a model's loss head is, and running it over token chunks (NOTE [ A chunked head ]
+in ``_core/head.py``).
+
+NOTE [ Which heads can be chunked ]
+    Two kinds of model say where their head is, and what its loss means:
+    * a Hugging Face ``*ForCausalLM`` given ``labels``, whose ``lm_head`` is a plain
+      ``nn.Linear`` and whose loss is the library's causal-LM loss (``ForCausalLMLoss``:
+      labels shifted by one, ``ignore_index=-100``, mean over counted tokens or the sum
+      over ``num_items_in_batch``, logits upcast to float32). Chunked, ``lm_head``
+      returns the hidden states unchanged and the model's ``loss_function`` takes the
+      chunked loss of them; the output's ``logits`` is ``None``. A model that changes the
+      logits between ``lm_head`` and its loss (Gemma's soft-capping, Cohere's logit
+      scale) is found by its config, or at the latest by the loss seeing another tensor
+      than ``lm_head`` returned, and refused;
+    * a model of one's own with one :class:`autoremat.LMHead` called with labels.
+    Anything else (a ``loss_fn`` of the caller's, which reads the logits; no labels; a
+    head of another shape) keeps its head as it is, and the tape says why.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from autoremat._core.errors import RematError
+from autoremat._core.head import LMHead, linear_cross_entropy
+
+__all__ = ["HeadInstall", "HeadSite", "find_head", "head_installed", "install_head",
+           "uninstall_head"]
+
+# The config fields of Hugging Face models that transform the logits before the loss.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                     "output_multiplier_scale")
+
+
+@dataclass(frozen=True)
+class HeadSite:
+    """Where a model's loss head is: ``kind`` "hf" (``name`` is the ``lm_head``) or
+    "module" (``name`` is the :class:`~autoremat.LMHead`)."""
+
+    kind: Literal["hf", "module"]
+    name: str
+    vocab: int
+
+    def __str__(self) -> str:
+        return f"{self.name} ({'Hugging Face causal-LM loss' if self.kind == 'hf' else 'LMHead'})"
+
+
+def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | None, str]:
+    """The model's chunkable head, or ``None`` and the reason (``""``: no LM head at all)."""
+    heads = [(name, m) for name, m in model.named_modules() if isinstance(m, LMHead)]
+    lm_head = getattr(model, "lm_head", None)
+    if not heads and lm_head is None:
+        return None, ""
+    if loss_fn is not None:
+        return None, ("the loss is the caller's loss_fn, which reads the logits: the "
+                      "loss head stays as the model computes it (leave loss_fn out to let "
+                      "the plan chunk the model's own loss)")
+    if len(heads) > 1:
+        return None, (f"{len(heads)} LMHead modules ({heads[0][0]}, {heads[1][0]}, ...): "
+                      f"the plan chunks one loss head; the heads stay as they are")
+    if heads:
+        name, head = heads[0]
+        return HeadSite("module", name, head.out_features), ""
+    if not hasattr(model, "loss_function") or not hasattr(model, "config"):
+        return None, ""  # some other model's lm_head: nothing says what its loss is
+    why = _hf_unsupported(model, lm_head, inputs)
+    if why:
+        return None, why + "; the loss head stays as the model computes it"
+    return HeadSite("hf", "lm_head", lm_head.out_features), ""
+
+
+def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
+    """Why a Hugging Face model's head cannot be chunked ("" if it can)."""
+    what = type(model).__name__
+    if not (isinstance(inputs, Mapping) and isinstance(inputs.get("labels"), Tensor)):
+        return (f"{what} gets no labels, so it computes no loss of its own: give labels "
+                f"in the inputs to let the plan chunk its loss head")
+    if type(lm_head) is not nn.Linear:
+        return (f"{what}.lm_head is a {type(lm_head).__name__}, not a plain nn.Linear "
+                f"(an adapter, a quantised layer): the chunked head runs nn.Linear's "
+                f"weight itself")
+    if lm_head._forward_hooks or lm_head._forward_pre_hooks:
+        return f"{what}.lm_head has hooks, which the chunked head would bypass"
+    config = model.config
+    for key in _LOGIT_TRANSFORMS:
+        value = getattr(config, key, None)
+        if value not in (None, 1, 1.0):
+            return (f"{what} transforms its logits before the loss (config.{key}="
+                    f"{value!r}), which the chunked head does not do")
+    loss = getattr(model.loss_function, "__name__", "")
+    if loss != "ForCausalLMLoss":
+        return (f"{what}'s loss is {loss or type(model.loss_function).__name__}, not "
+                f"Hugging Face's causal-LM loss (ForCausalLMLoss)")
+    if "_loss_function" in vars(model):
+        return f"{what} has a loss_function of its own set"
+    return ""
+
+
+class _PassHidden:
+    """``lm_head.forward`` under a chunked head: the hidden states, unchanged."""
+
+    def __init__(self) -> None:
+        self.last: Any = None  # weakref to the tensor returned last
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        self.last = weakref.ref(hidden)
+        return hidden
+
+    def returned(self, tensor: Any) -> bool:
+        return self.last is not None and self.last() is tensor
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"last": None}  # a weakref does not pickle, and a copy has run nothing
+
+
+class _ChunkedCausalLMLoss:
+    """``model.loss_function`` under a chunked head: Hugging Face's ``ForCausalLMLoss``
+    of the hidden states ``lm_head`` passed on, over ``chunks`` chunks of tokens."""
+
+    def __init__(self, lm_head: nn.Linear, passed: _PassHidden, chunks: int,
+                 install: HeadInstall) -> None:
+        self.lm_head, self.passed, self.chunks, self.install = lm_head, passed, chunks, install
+
+    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int,
+                 num_items_in_batch: Tensor | int | None = None, ignore_index: int = -100,
+                 shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        if not self.passed.returned(logits):
+            raise RematError(
+                "the model changed what lm_head returned before taking its loss (a "
+                "soft-cap, a scale, a slice), which a chunked loss head cannot follow: "
+                "plan with head='keep' (autoremat.plan(tape, ..., head='keep'))")
+        if shift_labels is None:  # as ForCausalLMLoss: tokens < n predict n
+            padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = padded[..., 1:]
+        self.install.calls += 1
+        return linear_cross_entropy(
+            logits, self.lm_head.weight, shift_labels.to(logits.device),
+            bias=self.lm_head.bias, chunks=self.chunks, ignore_index=ignore_index,
+            num_items_in_batch=num_items_in_batch, upcast=True)
+
+
+class _DropLogits:
+    """Forward hook of the model under a chunked head: its output's ``logits`` (the
+    hidden states ``lm_head`` passed on) becomes ``None``."""
+
+    def __init__(self, passed: _PassHidden) -> None:
+        self.passed = passed
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, Mapping) and self.passed.returned(output.get("logits")):
+            output["logits"] = None
+        elif isinstance(output, tuple):
+            output = tuple(None if self.passed.returned(t) else t for t in output)
+        self.passed.last = None
+        return output
+
+
+class _CountLabelled:
+    """Forward pre-hook of an :class:`~autoremat.LMHead`: counts its calls with labels."""
+
+    def __init__(self, install: HeadInstall) -> None:
+        self.install = install
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        labels = args[1] if len(args) > 1 else kwargs.get("labels")
+        if labels is not None:
+            self.install.calls += 1
+
+
+@dataclass
+class HeadInstall:
+    """A chunked head installed on a model; :func:`uninstall_head` undoes it. ``calls``
+    counts the losses it took (a step whose head never ran chunked measured nothing)."""
+
+    site: HeadSite
+    chunks: int
+    owner: nn.Module  # the model
+    module: nn.Module  # its lm_head, or its LMHead
+    handles: list[Any]
+    calls: int = 0
+
+
+def install_head(model: nn.Module, site: HeadSite, chunks: int) -> HeadInstall:
+    """Run the head at ``site`` over ``chunks`` chunks of tokens (NOTE [ Which heads can
+    be chunked ])."""
+    module = model.get_submodule(site.name)
+    install = HeadInstall(site, chunks, model, module, [])
+    if site.kind == "module":
+        if not isinstance(module, LMHead):
+            raise RematError(f"{site.name!r} is a {type(module).__name__}, not the LMHead "
+                             f"the plan chunks; was the model changed since it was planned?")
+        module.chunks = chunks
+        install.handles.append(module.register_forward_pre_hook(
+            _CountLabelled(install), with_kwargs=True))
+        return install
+    why = _hf_unsupported(model, module, {"labels": torch.empty(0)})
+    if why:
+        raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
+    passed = _PassHidden()
+    module.forward = passed  # type: ignore[method-assign]
+    model._loss_function = _ChunkedCausalLMLoss(module, passed, chunks, install)
+    install.handles.append(model.register_forward_hook(_DropLogits(passed)))
+    return install
+
+
+def uninstall_head(install: HeadInstall) -> None:
+    """Undo :func:`install_head`."""
+    for handle in install.handles:
+        handle.remove()
+    if install.site.kind == "module":
+        install.module.chunks = None  # type: ignore[assignment]
+        return
+    vars(install.module).pop("forward", None)
+    vars(install.owner).pop("_loss_function", None)
+
+
+@contextmanager
+def head_installed(model: nn.Module, site: HeadSite | None,
+                   chunks: int | None) -> Iterator[HeadInstall | None]:
+    """:func:`install_head` for the block (nothing when ``site`` or ``chunks`` is None)."""
+    if site is None or chunks is None:
+        yield None
+        return
+    install = install_head(model, site, chunks)
+    try:
+        yield install
+    finally:
+        uninstall_head(install)
