@@ -30,6 +30,7 @@ from autoremat._core.errors import (
     RematError,
     SchemaError,
 )
+from autoremat._core.head import LMHead
 from autoremat._core.memory import MemoryTracker, track_memory
 from autoremat._core.step import Loop
 from autoremat._core.version import __version__
@@ -47,6 +48,7 @@ __all__ = [
     "BudgetError",
     "DeterminismError",
     "Estimate",
+    "LMHead",
     "Loop",
     "LoopError",
     "MemoryTracker",

@@ -47,6 +47,7 @@ from torch import nn
 from autoremat._apply import applied_plan, apply, remove
 from autoremat._core.errors import DeterminismError, RematError, check_flag, check_whole
 from autoremat._core.flops import FlopCounter
+from autoremat._core.head import HEAD_RTOL
 from autoremat._core.memory import track_allocator, track_memory
 from autoremat._core.step import Loop, LossFn, preserved_state, run_step, training_config
 from autoremat._core.tables import render_table
@@ -90,6 +91,18 @@ class Report:
     #                           the rise of torch.cuda.max_memory_allocated() (CUDA)
     tracked_peak_bytes: int | None = None  # the tracker's planned peak, when peak_bytes
     #                                        is the allocator's
+    # A chunked loss head (plan.head): the gradients are judged by the largest
+    # max |diff| / max |plain| of any parameter against head_bound (NOTE [ What a chunked
+    # head changes in numerics ]); None: the plan keeps the head, judged as ever.
+    head_rel_diff: float | None = None
+    head_bound: float | None = None
+
+    @property
+    def head_ok(self) -> bool:
+        """With a chunked head, every gradient within its stated bound (True when the plan
+        keeps the head)."""
+        return self.head_rel_diff is None or (self.head_bound is not None
+                                              and self.head_rel_diff <= self.head_bound)
 
     @property
     def grads_verdict(self) -> Verdict:
@@ -132,6 +145,10 @@ class Report:
                 floor += f" (allowed: {NOISE_MULTIPLE:g}x)"
         else:
             floor = "noise floor not measured"
+        if self.head_rel_diff is not None:
+            grads += (f"; chunked loss head: gradients within {self.head_rel_diff:.2g} of "
+                      f"max |grad| (bound {self.head_bound:.2g}"
+                      + (")" if self.head_ok else ": EXCEEDED)"))
         return (f"verify: {verdict} (budget {budget}; {grads}, max |diff| "
                 f"{self.max_grad_diff:.3g}, {floor}; recompute "
                 f"+{100 * self.recompute_overhead:.1f}% FLOPs, time x{self.time_ratio:.2f})\n"
@@ -295,6 +312,35 @@ def step_measure(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     return StepMeasure(mem.peak_bytes, counter.total, grads, alloc.peak_bytes)
 
 
+def _head_params(model: nn.Module, plan: Plan) -> set[str]:
+    """The parameters whose gradients a chunked head changes by summation order: its
+    projection's, and through the hidden states' gradient (NOTE [ What a chunked head
+    changes in numerics ]) possibly every one below it; so all of them, for a plan that
+    chunks the head."""
+    if plan.head == "keep":
+        return set()
+    return {name for name, _ in model.named_parameters()}
+
+
+def _judge_head(plain: Grads, planned: Grads, names: set[str]) -> tuple[float | None, float]:
+    """Largest ``max |diff| / max |plain|`` over the head's gradients, and the bound of
+    their dtype (:data:`HEAD_RTOL`)."""
+    if not names:
+        return None, 0.0
+    worst, bound = 0.0, math.inf
+    for name in names:
+        x, y = plain.get(name), planned.get(name)
+        if x is None or y is None or x.shape != y.shape:
+            if (x is None) != (y is None) or (x is not None and y is not None):
+                return math.inf, HEAD_RTOL.get(torch.float32, 0.0)
+            continue
+        bound = min(bound, HEAD_RTOL.get(x.dtype, HEAD_RTOL[torch.float32]))
+        scale = float(x.double().abs().max()) or 1.0
+        diff = float((x.double() - y.double()).abs().max()) / scale
+        worst = math.nan if math.isnan(diff) else max(worst, diff)
+    return worst, bound
+
+
 def _plain_grads(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                  rng: torch.Tensor, loop: Loop) -> dict[str, torch.Tensor | None]:
     with _same_start(model, rng):
@@ -403,6 +449,8 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
         raise RematError(f"the plain model's gradients differ between two runs from the same "
                          f"state by {floor} (a gradient missing in one run, or not finite): "
                          f"verify cannot judge a plan against that")
+    head_names = _head_params(model, plan)
+    head_rel, bound = _judge_head(plain.grads, planned.grads, head_names)
     judged = judge_gradients(plain.grads, planned.grads, floor)
     peak, plain_peak = planned.peak_bytes, plain.peak_bytes
     on_allocator = False
@@ -412,7 +460,9 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
     within = plan.budget_bytes is None or peak <= plan.budget_bytes
     med = statistics.median(planned_ms)
     return Report(
-        ok=judged.verdict != "differ" and within, grads_equal=judged.grads_equal,
+        ok=within and (judged.verdict != "differ" if head_rel is None else head_rel <= bound),
+        grads_equal=judged.grads_equal, head_rel_diff=head_rel,
+        head_bound=bound if head_rel is not None else None,
         max_grad_diff=judged.max_grad_diff,
         peak_bytes=peak, plain_peak_bytes=plain_peak,
         predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=plan.budget_bytes,

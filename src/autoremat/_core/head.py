@@ -24,7 +24,9 @@ NOTE [ What a chunked head changes in numerics ]
       accumulation of one matmul per chunk here (in the weight's dtype: in bf16 each
       chunk's partial sum is rounded once);
     * the hidden states' gradient: the same rows through the same matmul, but a BLAS may
-      block a matmul of fewer rows differently (bitwise equal on the CPUs measured).
+      choose another kernel for a matmul of fewer rows (on this CPU: bitwise equal at
+      hundreds of rows per chunk, not at 4), and then every gradient below the head
+      differs in the last bits too.
     With one chunk every figure is the plain head's, bit for bit (a test checks it).
     ``tests/test_head.py`` measures the rest and bounds it; ``verify`` judges a chunked
     head with those bounds (:data:`HEAD_RTOL`).

@@ -552,11 +552,13 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             [ Sharded over N ranks ] in ``budget.py``); and above 1 the plan
             checkpoints blocks one by one, since a multi-block segment cannot run under
             FSDP (NOTE [ Plans under DDP and FSDP2 ] in ``_mechanism/engines.py``).
-        head: the loss head's decision. ``None`` (default): ``"optimal"`` chooses between
-            keeping it and the chunked options the tape measured (``tape.head``: a
-            Hugging Face causal LM given labels, or an :class:`autoremat.LMHead`), other
-            strategies keep it; ``"keep"``; ``"chunked"`` (the cheapest chunked option
-            that fits); or an option's name such as ``"chunked:32"``. A chunked head
+        head: the loss head's decision, among the chunked options the tape measured
+            (``tape.head``: a Hugging Face causal LM given labels, or an
+            :class:`autoremat.LMHead`). ``None`` (default): keep it whenever a plan that
+            keeps it fits, else the cheapest chunked plan that fits (with ``"optimal"``;
+            other strategies keep it); ``"auto"``: the least-cost plan over both;
+            ``"keep"``; ``"chunked"`` (the cheapest chunked option that fits); or an
+            option's name such as ``"chunked:32"`` (NOTE [ Choosing the head ]). A chunked head
             never builds the full logits (``out.logits`` is ``None``) and changes the
             loss and the projection's weight gradient by summation order only (NOTE
             [ What a chunked head changes in numerics ]).
@@ -600,19 +602,17 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         tape = dataclasses.replace(tape, blocks=tuple(
             dataclasses.replace(b, chained=False) for b in tape.blocks))
     heads = head_choices(tape, head, name)
-    found = _best_over_heads(tape, heads, name, arg, strategy, budget_bytes, offload)
+    found = _best_over_heads(tape, heads, name, arg, strategy, budget_bytes, offload, head)
     found = dataclasses.replace(found, shards=shards, offload_dtype=dtype_name)
     return dataclasses.replace(found, notes=(*found.notes, *notes)) if notes else found
 
 
 def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[str]:
-    """The loss-head decisions a plan may take: ``head=None`` lets strategy "optimal"
-    choose among "keep" and the options the tape measured (other strategies keep the
-    head); "chunked" lets it choose among the chunked ones; "keep" or an option's name
-    ("chunked:32") fixes it."""
+    """The loss-head decisions a plan may take, in order of preference (NOTE [ Choosing
+    the head ])."""
     options = list(tape.head.options) if tape.head is not None else []
-    if head is None:
-        return ["keep", *options] if strategy == "optimal" else ["keep"]
+    if head is None or head == "auto":
+        return ["keep", *options] if strategy == "optimal" or head == "auto" else ["keep"]
     if head == "keep":
         return ["keep"]
     if head == "chunked" and options:
@@ -621,11 +621,22 @@ def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> lis
         return [head]
     if not isinstance(head, str):
         raise RematError(f"head must be a string such as 'keep' or 'chunked:32', got {head!r}")
-    have = ["keep", "chunked", *options]
+    have = ["keep", "auto", "chunked", *options]
     why = (" (the tape measured no head options; see its notes for why)" if not options
            else "")
     raise RematError(f"unknown head {head!r}; this tape offers {have}{why}."
                      + did_you_mean(head, have))
+
+
+# NOTE [ Choosing the head ]
+#     A chunked head changes the loss and the projection's weight gradient in the last
+#     bits (NOTE [ What a chunked head changes in numerics ]); everything else stays
+#     bitwise. autoremat's promise is gradients equal to the plain model's, so by default
+#     (``head=None``) a plan keeps the head whenever a plan keeping it fits the budget,
+#     and chunks it only where none does (the plan's notes say so); the smallest
+#     feasible budget counts chunked heads. ``head="auto"`` takes the least-cost plan
+#     over both (a chunked head is often far cheaper than recomputing blocks),
+#     ``head="chunked"`` the least-cost chunked one, ``head="keep"`` never chunks.
 
 
 def _with_head_fields(found: Plan, tape: Tape, head: str) -> Plan:
@@ -637,12 +648,14 @@ def _with_head_fields(found: Plan, tape: Tape, head: str) -> Plan:
 
 
 def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy: str,
-                     budget_bytes: int | None, offload: bool) -> Plan:
-    """The least-cost plan of the strategy that fits, over the head decisions ``heads``."""
+                     budget_bytes: int | None, offload: bool, head: str | None) -> Plan:
+    """The plan of the strategy that fits, over the head decisions ``heads``: the first
+    head with a plan that fits when ``head`` is None (NOTE [ Choosing the head ]), else
+    the least-cost one."""
     best: Plan | None = None
     predicted = None
-    for head in heads:
-        view = with_head(tape, head)
+    for choice in heads:
+        view = with_head(tape, choice)
         try:
             segments = STRATEGIES[name](view, budget_bytes, arg, offload)
         except BudgetError:
@@ -650,16 +663,24 @@ def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy
                 raise
             continue
         found = _with_head_fields(plan_of_segments(view, segments, strategy, budget_bytes),
-                                  tape, head)
+                                  tape, choice)
         if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
             predicted = found.predicted_peak_bytes if predicted is None else predicted
             continue
         if best is None or found.predicted_cost < best.predicted_cost:
             best = found
+        if head is None:
+            break
     if best is None:
         _raise_infeasible(tape, budget_bytes, strategy, predicted=predicted, offload=offload,
                           heads=heads)
     assert best is not None  # _raise_infeasible raised
+    if head is None and best.head != "keep":
+        best = dataclasses.replace(best, notes=(
+            *best.notes, f"no plan keeping the loss head fits the budget: the head is "
+            f"computed in {best.head_chunks} chunks of tokens, which changes the loss and "
+            f"the projection's weight gradient by summation order (pass head='keep' to "
+            f"forbid it)"))
     return best
 
 

@@ -16,7 +16,9 @@ from autoremat._core.errors import RematError, did_you_mean
 class LMOutput:
     """What every zoo model returns: the logits, and the mean cross-entropy loss or ``None``."""
 
-    logits: Tensor  # (B, T, vocab_size) for the language models, (B, n_classes) otherwise
+    # (B, T, vocab_size) for the language models, (B, n_classes) otherwise; None when a
+    # plan computes the loss head in chunks (the full logits are never built)
+    logits: Tensor | None
     loss: Tensor | None  # scalar, or None when no targets were given
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoremat._core.errors import RematError
-from autoremat.zoo._common import LMOutput, cross_entropy, init_normal, split_overrides
+from autoremat._core.head import LMHead
+from autoremat.zoo._common import LMOutput, init_normal, split_overrides
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # the projection and its loss: a plan may compute them in chunks of tokens
+        self.lm_head = LMHead(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
 
         self.apply(init_normal)
@@ -115,8 +117,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         x = self.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, vocab_size)
-        return LMOutput(logits=logits, loss=cross_entropy(logits, targets))
+        logits, loss = self.lm_head(x, targets)  # (B, T, vocab_size) or None when chunked
+        return LMOutput(logits=logits, loss=loss)
 
 
 def build_gpt2(**overrides: Any) -> tuple[nn.Module, Any]:

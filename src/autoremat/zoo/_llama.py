@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoremat._core.errors import RematError
-from autoremat.zoo._common import LMOutput, cross_entropy, init_normal, split_overrides
+from autoremat._core.head import LMHead
+from autoremat.zoo._common import LMOutput, init_normal, split_overrides
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
         self.layers = nn.ModuleList([LlamaLayer(config) for _ in range(config.n_layer)])
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # untied
+        # untied; position t predicts token t+1; a plan may compute it in chunks of tokens
+        self.lm_head = LMHead(config.n_embd, config.vocab_size, bias=False, shift=True)
         # NOTE [ Rotary tables are non-persistent buffers ]
         # They follow .to(device/dtype) but stay out of the state_dict: they are a function of
         # the config. A model built on meta and moved with to_empty() must recompute them.
@@ -163,10 +165,8 @@ class Llama(nn.Module):
         x = self.embed_tokens(input_ids)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin)  # (B, T, C)
-        logits = self.lm_head(self.norm(x))  # (B, T, vocab_size)
-        loss = None
-        if labels is not None:  # position t predicts token t+1
-            loss = cross_entropy(logits[:, :-1], labels[:, 1:])
+        # (B, T, vocab_size) logits, or None when a plan chunks the head
+        logits, loss = self.lm_head(self.norm(x), labels)
         return LMOutput(logits=logits, loss=loss)
 
 
