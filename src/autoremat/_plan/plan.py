@@ -440,10 +440,12 @@ def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
         min_feasible_bytes=best.peak_bytes, strategy="optimal")
 
 
-def smallest_feasible_bytes(tape: Tape, offload: bool = False) -> int:
+def smallest_feasible_bytes(tape: Tape, offload: bool = False,
+                            heads: list[str] | None = None) -> int:
     """The smallest step peak any plan in autoremat's space reaches for this tape (with
-    ``offload``, offloading blocks too)."""
-    return _smallest(tape, offload).peak_bytes
+    ``offload``, offloading blocks too; over the loss-head decisions ``heads``, default
+    all the tape measured)."""
+    return _smallest(tape, offload, heads).peak_bytes
 
 
 def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision:

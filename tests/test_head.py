@@ -1,0 +1,277 @@
+"""The loss head inside the plan: a chunked output projection + cross-entropy.
+
+What is bitwise and what is bounded is NOTE [ What a chunked head changes in numerics ]
+(``_core/head.py``); the bounds asserted here are :data:`HEAD_RTOL`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoremat
+from autoremat._core.head import HEAD_RTOL, linear_cross_entropy
+from autoremat._mechanism.head import find_head
+from autoremat._plan.plan import smallest_feasible_bytes
+
+transformers = pytest.importorskip("transformers")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _plain_and_chunked(dtype: torch.dtype, chunks: int, upcast: bool, n: int = 300):
+    torch.manual_seed(0)
+    h = torch.randn(n, 32).to(dtype).requires_grad_()
+    w = (torch.randn(3000, 32) * 0.05).to(dtype).requires_grad_()
+    y = torch.randint(0, 3000, (n,))
+    y[::7] = -100  # ignored tokens do not count
+    logits = F.linear(h, w)
+    plain = F.cross_entropy(logits.float() if upcast else logits, y)
+    plain.backward()
+    grads = (h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    chunked = linear_cross_entropy(h, w, y, chunks=chunks, upcast=upcast)
+    chunked.backward()
+    return plain, chunked, grads, (h.grad, w.grad)
+
+
+@pytest.mark.parametrize(("dtype", "upcast"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_one_chunk_is_the_plain_head_bit_for_bit(dtype, upcast):
+    plain, chunked, (gh, gw), (ch, cw) = _plain_and_chunked(dtype, 1, upcast)
+    assert torch.equal(plain, chunked)
+    assert torch.equal(gh, ch) and torch.equal(gw, cw)
+
+
+@pytest.mark.parametrize(("dtype", "upcast"), [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("chunks", [3, 16])
+def test_chunks_differ_by_summation_order_within_the_bound(dtype, upcast, chunks):
+    plain, chunked, (gh, gw), (ch, cw) = _plain_and_chunked(dtype, chunks, upcast)
+    bound = HEAD_RTOL[dtype]
+    assert _rel(chunked, plain) <= bound
+    assert _rel(ch, gh) <= bound
+    assert _rel(cw, gw) <= bound
+    assert not torch.equal(cw, gw)  # the weight gradient is a sum of chunk sums: not bitwise
+
+
+def test_a_wrong_normaliser_is_far_outside_the_bound():
+    plain, _, (_, gw), _ = _plain_and_chunked(torch.float32, 1, False)
+    torch.manual_seed(0)
+    h = torch.randn(300, 32).requires_grad_()
+    w = (torch.randn(3000, 32) * 0.05).requires_grad_()
+    y = torch.randint(0, 3000, (300,))
+    y[::7] = -100
+    wrong = linear_cross_entropy(h, w, y, chunks=4, num_items_in_batch=300)  # counts ignored
+    wrong.backward()
+    assert _rel(wrong, plain) > 100 * HEAD_RTOL[torch.float32]
+    assert _rel(w.grad, gw) > 100 * HEAD_RTOL[torch.float32]
+
+
+def test_num_items_in_batch_divides_the_sum():
+    torch.manual_seed(0)
+    h, w, y = torch.randn(40, 8), torch.randn(50, 8), torch.randint(0, 50, (40,))
+    expect = F.cross_entropy(h @ w.T, y, reduction="sum") / 100
+    assert torch.allclose(linear_cross_entropy(h, w, y, chunks=3, num_items_in_batch=100), expect)
+
+
+def test_a_second_backward_is_refused_with_the_reason():
+    h = torch.randn(20, 8, requires_grad=True)
+    w = torch.randn(30, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 30, (20,)), chunks=2)
+    loss.backward(retain_graph=True)
+    with pytest.raises(autoremat.RematError, match="second backward"):
+        loss.backward()
+
+
+def test_chunks_must_be_a_whole_number():
+    with pytest.raises(autoremat.RematError, match="chunks"):
+        linear_cross_entropy(torch.randn(4, 2), torch.randn(3, 2), torch.zeros(4).long(),
+                             chunks=0)
+
+
+# --- Hugging Face causal LMs with a real-sized vocabulary -------------------------------------
+
+def _hf(arch: str, vocab: int):
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=vocab,
+                                         n_positions=64)
+        model = transformers.GPT2LMHeadModel(config)
+    elif arch == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64,
+                                          intermediate_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=vocab)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(num_hidden_layers=3, hidden_size=64,
+                                          intermediate_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=vocab)
+        model = transformers.Qwen2ForCausalLM(config)
+    model.config.use_cache = False
+    ids = torch.randint(0, vocab, (2, 64))
+    labels = ids.clone()
+    labels[0, :7] = -100
+    return model.train(), {"input_ids": ids, "labels": labels}
+
+
+@functools.cache
+def _tape(arch: str, vocab: int) -> autoremat.Tape:
+    model, inputs = _hf(arch, vocab)
+    return autoremat.profile(model, inputs, timing=False, with_selective=False)
+
+
+def _measured(model, inputs):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with autoremat.track_memory() as mem:
+        out = model(**inputs)
+        out.loss.backward()
+    return mem.peak_bytes, out
+
+
+ARCHS = [("gpt2", 50257), ("llama", 32000), ("qwen2", 40000)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "vocab"), ARCHS)
+def test_hf_plans_with_a_chunked_head_keep_their_prediction(arch, vocab):
+    tape = _tape(arch, vocab)
+    assert tape.head is not None and set(tape.head.options) == {"chunked:4", "chunked:32"}
+    assert tape.head.vocab == vocab
+    least = smallest_feasible_bytes(tape)
+    for budget in (tape.step_peak_bytes * 9 // 10, tape.step_peak_bytes // 2, least):
+        model, inputs = _hf(arch, vocab)
+        plan = autoremat.plan(tape, budget=budget, head="auto")
+        autoremat.apply(model, plan)
+        peak, out = _measured(model, inputs)
+        assert peak <= plan.predicted_peak_bytes <= budget, (budget, plan.head)
+        if plan.head != "keep":
+            assert out.logits is None  # the full logits are never built
+        report = autoremat.verify(model, inputs, plan, repeats=1)
+        assert report.ok, report
+        autoremat.remove(model)
+        assert "forward" not in vars(model.lm_head) and "_loss_function" not in vars(model)
+        _, out = _measured(model, inputs)
+        assert out.logits is not None and out.logits.shape[-1] == vocab
+    # the head is most of this step: chunked, the smallest plan is far below the plain one
+    assert least < 0.4 * tape.step_peak_bytes
+
+
+@pytest.mark.slow
+def test_default_keeps_the_head_while_a_plan_keeping_it_fits():
+    tape = _tape("gpt2", 50257)
+    keep_least = smallest_feasible_bytes(tape, heads=["keep"])
+    assert autoremat.plan(tape, budget=keep_least).head == "keep"
+    below = autoremat.plan(tape, budget=keep_least - 1)
+    assert below.head != "keep" and any("summation order" in n for n in below.notes)
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.plan(tape, budget=keep_least - 1, head="keep")
+    assert err.value.min_feasible_bytes == keep_least
+    assert "chunked" in str(autoremat.plan(tape, budget=keep_least - 1))
+
+
+@pytest.mark.slow
+def test_a_wrong_head_fails_verify(monkeypatch):
+    tape = _tape("llama", 32000)
+    model, inputs = _hf("llama", 32000)
+    plan = autoremat.plan(tape, strategy="full", head="chunked:4")
+    import autoremat._mechanism.head as head_module
+
+    def wrong_normaliser(*args, **kwargs):
+        kwargs["num_items_in_batch"] = 7  # not the count of labelled tokens
+        return linear_cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(head_module, "linear_cross_entropy", wrong_normaliser)
+    report = autoremat.verify(model, inputs, plan, repeats=1)
+    assert not report.ok and not report.head_ok
+
+
+@pytest.mark.slow
+def test_tape_and_plan_with_a_head_round_trip_through_json():
+    tape = _tape("qwen2", 40000)
+    again = autoremat.Tape.from_json(tape.to_json())
+    assert again.head == tape.head
+    plan = autoremat.plan(tape, strategy="full", head="chunked:32")
+    loaded = autoremat.Plan.from_json(plan.to_json())
+    assert loaded == plan and loaded.head_chunks == 32
+    edited = plan.to_json().replace('"chunked:32"', '"chunked:x"')
+    with pytest.raises(autoremat.SchemaError, match=r"plan\.head"):
+        autoremat.Plan.from_json(edited)
+    with pytest.raises(autoremat.RematError, match="unknown head"):
+        autoremat.plan(tape, head="chunked:7")
+
+
+@pytest.mark.slow
+def test_a_copy_of_a_model_with_a_chunked_head_trains_itself():
+    tape = _tape("gpt2", 50257)
+    model, inputs = _hf("gpt2", 50257)
+    autoremat.apply(model, autoremat.plan(tape, strategy="full", head="chunked:4"))
+    twin = copy.deepcopy(model)
+    _, out = _measured(twin, inputs)
+    assert out.logits is None
+    assert twin.lm_head.weight.grad is not None and model.lm_head.weight.grad is None
+
+
+@pytest.mark.slow
+def test_estimate_predicts_the_head_options_measured_on_cpu():
+    tape = _tape("gpt2", 50257)
+    model, inputs = _hf("gpt2", 50257)
+    est = autoremat.estimate(model, inputs, device="cpu", selective=False)
+    assert est.tape.head is not None
+    for name, option in tape.head.options.items():
+        predicted = est.tape.head.options[name].step_peak_bytes
+        assert abs(predicted - option.step_peak_bytes) <= 0.01 * option.step_peak_bytes, name
+
+
+# --- when the head stays as it is ------------------------------------------------------------
+
+def test_heads_that_are_not_chunked_say_why():
+    model, inputs = _hf("gpt2", 500)
+    site, why = find_head(model, inputs, None)
+    assert site is not None and site.name == "lm_head" and why == ""
+    assert find_head(model, inputs, lambda out: out.logits.sum())[1].startswith("the loss is")
+    assert "labels" in find_head(model, {"input_ids": inputs["input_ids"]}, None)[1]
+    model.config.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in find_head(model, inputs, None)[1]
+
+
+def test_a_model_without_a_head_has_none():
+    model, inputs = autoremat.zoo.build("mlp", widths=(16,) * 3, batch_size=4)
+    assert find_head(model, inputs, None) == (None, "")
+
+
+# --- the zoo's language models use autoremat.LMHead ------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_zoo_lm_plans_with_a_chunked_head(name):
+    model, inputs = autoremat.zoo.build(name, n_layer=2, batch_size=2, seq_len=64)
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    assert tape.head is not None and tape.head.kind == "module"
+    plan = autoremat.plan(tape, strategy="full", head="chunked:4")
+    autoremat.apply(model, plan)
+    with autoremat.track_memory() as mem:
+        out = model(**inputs)
+        out.loss.backward()
+    assert out.logits is None
+    assert mem.peak_bytes <= plan.predicted_peak_bytes
+    report = autoremat.verify(model, inputs, plan, repeats=1)
+    assert report.ok and report.head_rel_diff is not None
+    autoremat.remove(model)
+    assert model.lm_head.chunks is None
+
+
+def test_lmhead_unplanned_is_linear_and_cross_entropy():
+    torch.manual_seed(0)
+    head = autoremat.LMHead(16, 100, bias=False, shift=True)
+    x, y = torch.randn(2, 9, 16), torch.randint(0, 100, (2, 9))
+    logits, loss = head(x, y)
+    expect = head.weight.new_tensor(0) + F.cross_entropy(
+        (x @ head.weight.T)[:, :-1].reshape(-1, 100), y[:, 1:].reshape(-1))
+    assert torch.equal(logits, F.linear(x, head.weight)) and torch.equal(loss, expect)
+    assert set(head.state_dict()) == {"weight"}
