@@ -29,7 +29,8 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
          strategy: str = "optimal", *, loss_fn: LossFn | None = None,
          blocks: BlockSpec = None, max_memory: int | str | None = None,
          optimizer: str | int | None = None, loop: Loop = "holds_output",
-         compile: bool | str = False, offload: bool = False) -> Plan:
+         compile: bool | str = False, offload: bool = False,
+         head: str | None = None) -> Plan:
     """Profile, plan and apply in one call; returns the plan applied.
 
     With a budget, ``auto`` then measures one step with the plan applied and, if the
@@ -56,6 +57,8 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         offload: let the plan offload blocks to host memory, as for
             :func:`autoremat.plan` (the profile then measures offloaded blocks too). On
             a CPU the host is the device, so nothing is offloaded there.
+        head: the loss head's decision, as for :func:`autoremat.plan` (``None``: keep it
+            while a plan keeping it fits; ``"auto"``: chunk it where that is cheaper).
 
     Raises:
         RematError: ``compile`` names no backend (before any work).
@@ -79,7 +82,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop,
                    compile=backend or False, offload=offload)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
-                  offload=offload)
+                  offload=offload, head=head)
     apply(model, chosen, check_ranks=False)
     if chosen.budget_bytes is None:
         return chosen
@@ -102,7 +105,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
             break
         target = min(target - (peak - limit), limit - (peak - chosen.predicted_peak_bytes))
         try:
-            retry = plan(tape, target, strategy, offload=offload)
+            retry = plan(tape, target, strategy, offload=offload, head=head)
         except BudgetError as exc:
             raise BudgetError(
                 f"the plan for {format_bytes(limit)} measured {format_bytes(peak)}; a plan "

@@ -286,9 +286,11 @@ def _remedies(est: Estimate, memory: int, model: nn.Module, inputs: Any,
         if (chunks.checkpointing != "none") != ckpt:
             continue  # the other configuration is the one that ends up used
         out.append(dataclasses.replace(chunks, action=(
-            f"compute the logits and loss in {LOSS_CHUNKS} chunks of the sequence (a chunked "
-            f"or fused linear+cross-entropy): the logits and their gradient make the step's "
-            f"peak, which drops by about {format_bytes(peak - chunked)}")))
+            f"compute the logits and loss in {LOSS_CHUNKS} chunks of the sequence: the logits "
+            f"and their gradient make the step's peak, which drops by about "
+            f"{format_bytes(peak - chunked)}. autoremat applies it for a Hugging Face causal "
+            f"LM given labels or a model with an autoremat.LMHead: autoremat.auto(model, "
+            f"inputs, budget=..., head='auto')")))
     batch = _batch_of(inputs)
     micro = _micro_batch(est, memory, inputs, batch, measure) if batch and batch > 1 else None
     if micro is not None:
