@@ -27,11 +27,11 @@ Each row: step peak (as in docs/design.md), recompute FLOPs as a percentage of t
 step, median step time and its ratio to the plain step with its spread, and max |grad
 diff| against the plain step (0 means every gradient is ``torch.equal``).
 
-This module is the sweep and the command line; the rest of the bench lives beside it:
-``bench_rows`` (the row, result and settings dataclasses and the method names),
-``bench_measure`` (one measured or timed step), ``bench_refs`` (the references),
-``bench_compile`` (the torch.compile subprocess) and ``bench_report`` (verdicts, tables
-and result files); what other code imports from ``autoremat.bench`` is re-exported here.
+This module is the sweep (the command line is ``_cli/bench.py``); the rest of the bench
+lives beside it: ``rows.py`` (the row, result and settings dataclasses and the method
+names), ``measure.py`` (one measured or timed step), ``refs.py`` (the references),
+``compiled.py`` (the torch.compile subprocess), ``report.py`` (verdicts, tables and
+result files) and ``plots.py``.
 
 NOTE [ Fair timing ]
     Steps of all variants of one model are interleaved round-robin (the order rotates
