@@ -45,7 +45,7 @@ if not torch.cuda.is_available():
 
 # cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it initialises, on the first matmul. Tests
 # are collected before any runs, and nothing else in the suite touches CUDA at import,
-# so setting it here still comes first when it is not set already (README: set it
+# so setting it here still comes first when it is not set already (docs/gpu.md: set it
 # before the process starts; verify checks it and says so).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 _CUBLAS_DETERMINISTIC = os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")

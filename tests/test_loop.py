@@ -5,7 +5,7 @@ model's output (logits) alive through backward. autoremat measures that loop by 
 (``"holds_output"``), so a budget it plans holds for it; ``"loss_only"`` measures a loop
 that keeps only the loss. See NOTE [ Which loop a step models ] in ``step.py``.
 
-The users' loops here are written by hand and measured with ``track_memory`` as DESIGN.md
+The users' loops here are written by hand and measured with ``track_memory`` as docs/design.md
 defines the step peak (gradients ``None`` first; bytes above the level before forward).
 Tolerances: exact on zoo models; within 1% of the prediction on Hugging Face models,
 where a few hundred bytes held outside the chain of blocks (rotary/mask tensors) may

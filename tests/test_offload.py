@@ -170,7 +170,7 @@ def test_offloading_a_block_lowers_the_device_level_by_its_offloaded_bytes(
 def test_estimate_for_cuda_offload() -> None:
     """On meta for a CUDA target the host copies are not counted: the device level the
     forward leaves drops by at most the bytes copied (CUDA's attention kernel saves
-    views of one buffer: less is freed than copied, see the README), the peak drops, and
+    views of one buffer: less is freed than copied, see docs/offload.md), the peak drops, and
     an offload plan fits its budget."""
     model, inputs = zoo.build("gpt2", device="meta", **_GPT2)
     est = autoremat.estimate(model, inputs, device="cuda", offload=True, selective=False)

@@ -294,7 +294,7 @@ def test_step_measure_leaves_no_trace(
 
 
 # --- judging gradients: deterministic mode and the noise floor -------------------------------
-# NOTE [ Judging gradients ] in verify.py. CPU kernels are deterministic, so the floor is
+# NOTE [ Judging gradients ] in _verify.py. CPU kernels are deterministic, so the floor is
 # exercised with models that bring their own nondeterminism: _Noisy adds fresh noise to
 # its backward from a private generator (as atomic adds do on CUDA, nothing resets it),
 # and _Redraw draws its dropout mask from Python's random, which checkpoint does not

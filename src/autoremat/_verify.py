@@ -456,7 +456,7 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
     on_allocator = False
     if planned.allocator_peak_bytes is not None and plain.allocator_peak_bytes is not None:
         peak, plain_peak = planned.allocator_peak_bytes, plain.allocator_peak_bytes
-        on_allocator = True  # CUDA: the allocator is the truth (DESIGN.md)
+        on_allocator = True  # CUDA: the allocator is the truth (docs/design.md)
     within = plan.budget_bytes is None or peak <= plan.budget_bytes
     med = statistics.median(planned_ms)
     return Report(

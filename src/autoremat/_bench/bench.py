@@ -23,15 +23,15 @@ For each model, one process measures, on the same batch and from the same RNG st
                                 plans from a compiled profile at their peaks
 ==============================  ==========================================================
 
-Each row: step peak (as in DESIGN.md), recompute FLOPs as a percentage of the plain
+Each row: step peak (as in docs/design.md), recompute FLOPs as a percentage of the plain
 step, median step time and its ratio to the plain step with its spread, and max |grad
 diff| against the plain step (0 means every gradient is ``torch.equal``).
 
-This module is the sweep and the command line; the rest of the bench lives beside it:
-``bench_rows`` (the row, result and settings dataclasses and the method names),
-``bench_measure`` (one measured or timed step), ``bench_refs`` (the references),
-``bench_compile`` (the torch.compile subprocess) and ``bench_report`` (verdicts, tables
-and result files); what other code imports from ``autoremat.bench`` is re-exported here.
+This module is the sweep (the command line is ``_cli/bench.py``); the rest of the bench
+lives beside it: ``rows.py`` (the row, result and settings dataclasses and the method
+names), ``measure.py`` (one measured or timed step), ``refs.py`` (the references),
+``compiled.py`` (the torch.compile subprocess), ``report.py`` (verdicts, tables and
+result files) and ``plots.py``.
 
 NOTE [ Fair timing ]
     Steps of all variants of one model are interleaved round-robin (the order rotates
@@ -189,7 +189,7 @@ class _Sweep:
                 self._add_plan(f"peak of {ref.method}", _peak(ref.measure))
         self._measure_all(self.variants[before:])
         if self.plain.measure is not None and self.plain.measure.allocator_peak_bytes is not None:
-            # CUDA kernels differ from themselves (NOTE [ Judging gradients ] in verify.py)
+            # CUDA kernels differ from themselves (NOTE [ Judging gradients ] in _verify.py)
             again = bench_measure(self.model, self.inputs, self.rng, loop=self.settings.loop)
             _, self.noise_floor = max_grad_diff(self.plain.measure.grads, again.grads)
         self._time_rounds([v for v in self.variants if v.measure is not None])
@@ -340,7 +340,7 @@ class _Sweep:
 
 
 def _peak(m: BenchMeasure) -> int:
-    """The step's peak: the allocator's on CUDA (DESIGN.md, "GPU and compile"), else the
+    """The step's peak: the allocator's on CUDA (docs/design.md, "GPU and compile"), else the
     tracker's."""
     return m.allocator_peak_bytes if m.allocator_peak_bytes is not None else m.peak_bytes
 

@@ -258,7 +258,7 @@ def _markdown(results: list[ModelResult], command: str, machine: dict[str, Any],
            "kernels are not deterministic, so a row within 4x the plain step's own "
            "run-to-run difference says so in its note.", ""] if on_cuda else []),
         "How to read the tables:", "",
-        "- **step peak**: as in DESIGN.md (storage accounting), with **% plain** its share "
+        "- **step peak**: as in docs/design.md (storage accounting), with **% plain** its share "
         "of the no-checkpointing peak. Rows marked (OS) are torch.compile runs measured by "
         "the OS high-water mark in a subprocess; their % is of an eager plain step measured "
         "the same way in that subprocess (row `no checkpointing (OS)`).",

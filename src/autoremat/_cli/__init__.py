@@ -87,7 +87,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
                                         ("every block", "full", None)]
     rows += [(f"optimal {b}", "optimal", b) for b in ("75%", "50%", "30%")]
     rows.append(("optimal min", "optimal", least))
-    table = Table(title=f"{args.model}: plans, measured (step peak as in DESIGN.md)")
+    table = Table(title=f"{args.model}: plans, measured (step peak as in docs/design.md)")
     for col in ("plan", "budget", "predicted", "measured", "+FLOPs", "time", "grads"):
         table.add_column(col, justify="left" if col in ("plan",) else "right")
     with Progress(console=console, transient=True) as progress:

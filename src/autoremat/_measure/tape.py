@@ -4,7 +4,7 @@ A Tape is plain, frozen data. It prints as a table, and round-trips through vers
 JSON without the model, so a plan can be made, diffed and reviewed anywhere.
 
 Memory figures are bytes of live tensor storages above the level before the step
-(see "What peak means" in DESIGN.md). Per block, two runs are summarised: ``keep``
+(see "What peak means" in docs/design.md). Per block, two runs are summarised: ``keep``
 (the plain step) and ``ckpt`` (every block checkpointed on its own). For each, the
 forward window of block ``i`` runs from its forward start to the next block's start,
 and its backward window from the moment the gradient of its output is ready to the
