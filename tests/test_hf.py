@@ -143,6 +143,28 @@ def test_trainer_with_the_callback_trains_as_without_it(
     assert moved == [], f"parameters differ from the run without the callback: {moved[:3]}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_trainer_with_a_chunked_head_trains_within_its_bound(
+        kind: str, tmp_path: pathlib.Path) -> None:
+    # gradient accumulation: the Trainer passes num_items_in_batch, which the chunked
+    # head's loss divides by as the model's own loss does
+    plain, plain_trainer = _train(kind, tmp_path / "plain", [], gradient_accumulation_steps=2)
+    callback = AutorematCallback(strategy="full", head="chunked:4")
+    planned, trainer = _train(kind, tmp_path / "planned", [callback],
+                              gradient_accumulation_steps=2)
+    assert callback.plan is not None and callback.plan.head == "chunked:4"
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h]
+              for t in (plain_trainer, trainer)]
+    assert len(losses[1]) == 2
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for name, p in planned.named_parameters():
+        q = dict(plain.named_parameters())[name]
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name
+    with pytest.raises(autoremat.RematError, match="head must be"):
+        AutorematCallback(budget="50%", head="chunky")
+
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.parametrize("flag", ["gradient_checkpointing", "activation_checkpointing"])
 def test_trainer_checkpointing_is_refused_when_the_trainer_is_built(

@@ -20,7 +20,7 @@ from autoremat._core.timing import device_of
 from autoremat._core.units import format_bytes
 from autoremat._measure.profile import compile_backend, compile_settings, profile
 from autoremat._mechanism.compiled import compiled_forwards, uncompiled
-from autoremat._plan.plan import Plan, check_plan_args, plan
+from autoremat._plan.plan import Plan, check_head, check_plan_args, plan
 
 __all__ = ["auto"]
 
@@ -72,6 +72,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         True
     """
     check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
+    check_head(head)
     backend = compile_backend(compile)
     remove(model)
     check_flag("offload", offload)

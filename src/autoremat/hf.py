@@ -63,7 +63,7 @@ from autoremat._auto import auto
 from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.step import Loop, LossFn, check_loop, check_loss_fn
-from autoremat._plan.plan import Plan, check_plan_args
+from autoremat._plan.plan import Plan, check_head, check_plan_args
 
 __all__ = ["AutorematCallback"]
 
@@ -86,6 +86,9 @@ class AutorematCallback(TrainerCallback):
         loss_fn: ``loss_fn(output) -> scalar`` for the profile; default ``output.loss``.
         loop: ``"loss_only"`` (default: what ``Trainer.training_step`` does, NOTE [ The
             Trainer's loop ]) or ``"holds_output"``.
+        head: the loss head's decision, as for :func:`autoremat.plan` (``"auto"`` lets
+            the plan chunk a causal LM's loss head where that is cheaper); the chunked
+            head divides by the Trainer's ``num_items_in_batch`` as the model's loss does.
 
     Attributes:
         plan: the plan applied when training began (``None`` before); it stays here
@@ -115,8 +118,9 @@ class AutorematCallback(TrainerCallback):
     def __init__(self, budget: int | float | str | None = None, strategy: str = "optimal", *,
                  max_memory: int | str | None = None, optimizer: str | int | None = None,
                  blocks: BlockSpec = None, loss_fn: LossFn | None = None,
-                 loop: Loop = "loss_only") -> None:
+                 loop: Loop = "loss_only", head: str | None = None) -> None:
         check_plan_args(budget, strategy, max_memory, optimizer)  # before any training
+        check_head(head)
         check_loss_fn(loss_fn)
         if budget is None and max_memory is None and strategy == "optimal":
             raise BudgetError("AutorematCallback with neither budget= nor max_memory= would "
@@ -129,6 +133,7 @@ class AutorematCallback(TrainerCallback):
         self.blocks = blocks
         self.loss_fn = loss_fn
         self.loop = check_loop(loop)
+        self.head = head
         self.plan: Plan | None = None
         self._model: nn.Module | None = None  # the model the plan is applied to
 
@@ -151,7 +156,7 @@ class AutorematCallback(TrainerCallback):
         try:
             self.plan = auto(model, batch, self.budget, self.strategy, loss_fn=self.loss_fn,
                              blocks=self.blocks, max_memory=self.max_memory,
-                             optimizer=self.optimizer, loop=self.loop)
+                             optimizer=self.optimizer, loop=self.loop, head=self.head)
         finally:
             model.train(was_training)
         self._model = model

@@ -46,7 +46,7 @@ from autoremat._plan.peak import (
 )
 
 __all__ = [
-    "STRATEGIES", "BlockDecision", "Plan", "check_plan_args", "plan",
+    "STRATEGIES", "BlockDecision", "Plan", "check_head", "check_plan_args", "plan",
 ]
 
 
@@ -585,6 +585,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
     name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards)
+    check_head(head)
     check_flag("offload", offload)
     dtype_name = _offload_dtype(offload_dtype, offload or name == "offload")
     notes: tuple[str, ...] = ()
@@ -607,6 +608,20 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     found = _best_over_heads(tape, heads, name, arg, strategy, budget_bytes, offload, head)
     found = dataclasses.replace(found, shards=shards, offload_dtype=dtype_name)
     return dataclasses.replace(found, notes=(*found.notes, *notes)) if notes else found
+
+
+def check_head(head: Any) -> None:
+    """Refuse a ``head=`` that no tape could offer, before any work: ``None``, "keep",
+    "auto", "chunked" or "chunked:N" with N >= 1."""
+    if head is None or head in ("keep", "auto", "chunked"):
+        return
+    if isinstance(head, str) and head.startswith("chunked:") and head[8:].isdigit() \
+            and int(head[8:]) >= 1:
+        return
+    raise RematError(f"head must be None, 'keep', 'auto', 'chunked' or 'chunked:N' (N chunks "
+                     f"of tokens, N >= 1), got {head!r}"
+                     + (did_you_mean(head, ["keep", "auto", "chunked"])
+                        if isinstance(head, str) else ""))
 
 
 def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[str]:
