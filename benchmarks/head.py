@@ -45,6 +45,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA initi
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import re
@@ -271,8 +272,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
             r.status = f"{kind}: {str(exc).splitlines()[0][:300]}"
             continue
         plans[name] = plan
-        variants[name] = Variant(name, lambda p=plan: autoremat.apply(model, p),
-                                 lambda: autoremat.remove(model), plan=plan)
+        variants[name] = Variant(name, functools.partial(autoremat.apply, model, plan),
+                                 functools.partial(autoremat.remove, model), plan=plan)
         r.head = plan.head
         r.budget_bytes, r.predicted_peak_bytes = plan.budget_bytes, plan.predicted_peak_bytes
         r.recomputed = plan.recompute_blocks
