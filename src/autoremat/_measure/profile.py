@@ -569,7 +569,8 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
                     op_stats: list[dict[str, OpStats]], plain: OpRecorder,
                     cost_model: CostModel,
                     rounding: Rounding | None, *,
-                    loop: Loop, backend: str | None) -> list[dict[str, SelectiveProfile]]:
+                    loop: Loop, backend: str | None,
+                    progress: Callable[[str], None]) -> list[dict[str, SelectiveProfile]]:
     """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
     step: blocks that have that option run selective, the others fully checkpointed (so
     every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
@@ -582,6 +583,7 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
             options.setdefault(save_set_name(save), {})[names[i]] = (
                 selective_context(save), compiled_context(save),
                 _partial(sum(s.out_bytes for s in redo), sum(s.count for s in redo)))
+    progress("choosing keep-sets")
     for name in names:  # keep-sets by position (NOTE [ Dead ops ])
         ops = plain.block_ops(name)
         signature = op_signature(ops)
@@ -594,7 +596,8 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
                 compiled_context(keep=keep_keys(ops, found.keep)),
                 _partial(sum(o.out_bytes for o in rerun), len(rerun),
                          found.keep, found.skip))
-    for key in sorted(options):
+    for k, key in enumerate(sorted(options), 1):
+        progress(f"selective options {k}/{len(options)}")
         users = options[key]
         contexts = _Contexts({n: ctx for n, (ctx, _, _) in users.items()},
                              {n: ctx for n, (_, ctx, _) in users.items()})
@@ -623,7 +626,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             with_selective: bool = True, timing: bool = True,
             rounding: Rounding | None = None, loop: Loop = "holds_output",
             device: str | torch.device | None = None, compile: bool | str = False,
-            offload: bool = False, host_bandwidth: float | None = None) -> Tape:
+            offload: bool = False, host_bandwidth: float | None = None,
+            progress: Callable[[str], None] | None = None) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -671,6 +675,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         host_bandwidth: bytes per second of copies between the device and host memory,
             which cost offload in plans. Default: measured on a GPU (pinned memory);
             must be given for a model on ``meta``.
+        progress: called with the name of each stage as it starts (``"memory runs
+            2/6"``), for a progress display; default: nothing.
 
     Returns:
         A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
@@ -728,6 +734,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
                          f"blocks=[...] with the names of the layers to plan over")
+    stage = progress or (lambda _: None)
     with preserved_state(model), training_config(model) as cache_notes, \
             compile_settings(backend):
         held: list[int] = []
@@ -739,6 +746,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             return loss
 
         seen: list[str] = []
+        stage("warm-up step")
         warm = _run_marked(model, inputs, measure_output, names, seen.append,
                            loop=loop, in_order=blocks is not None)  # and the output's size
         order_notes = []
@@ -754,6 +762,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                 f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
                 f"the model outside the chain (skip connections, kept hidden states): a "
                 f"segment of several blocks does not free them, and plans count them held")
+        patterns = _patterns(n, offload)
+        stage(f"memory runs 1/{len(patterns)}")
         plain = _memory_run(model, inputs, loss_fn, names, "K" * n, rounding=rounding,
                             loop=loop, backend=backend)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
@@ -768,11 +778,13 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             bandwidth = float(host_bandwidth) if host_bandwidth is not None else \
                 measure_host_bandwidth(ran_on)
         runs = {"K" * n: plain}
-        for modes in _patterns(n, offload)[1:]:
+        for k, modes in enumerate(patterns[1:], 2):
+            stage(f"memory runs {k}/{len(patterns)}")
             runs[modes] = _memory_run(model, inputs, loss_fn, names, modes,
                                       rounding=rounding, loop=loop, backend=backend)
         for p in model.parameters():
             p.grad = None
+        stage("counting FLOPs")
         counter = _flops(model, inputs, loss_fn, names, loop=loop)
         for p in model.parameters():
             p.grad = None
@@ -780,8 +792,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         op_stats = [counter.block_stats(name) for name in names]
         params = list(model.parameters())
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
-                                    cost_model, rounding, loop=loop, backend=backend) \
-            if with_selective else [{} for _ in names]
+                                    cost_model, rounding, loop=loop, backend=backend,
+                                    progress=stage) if with_selective else [{} for _ in names]
         on_meta = ran_on.type == "meta"
         notes: list[str] = []
         if not model.training:
@@ -798,6 +810,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                              f"repeated, not planned over: {', '.join(others)} (pass "
                              "blocks=[...] with all of them, in the order they run)")
         if timing and not on_meta:
+            stage(f"timing {repeats} steps")
             with _step_as_run(model, names, [], None, backend):
                 fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats,
                                                    loop=loop)
