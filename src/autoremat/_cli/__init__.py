@@ -121,12 +121,13 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     rows.append(("optimal min", "optimal", least))
     table = Table(title=f"{args.model}: plans, measured (step peak as in DESIGN.md)")
     for col in ("plan", "budget", "predicted", "measured", "+FLOPs", "time", "grads"):
-        table.add_column(col, justify="left" if col in ("plan",) else "right")
+        table.add_column(col, justify="left" if col in ("plan",) else "right", no_wrap=True)
     columns = (SpinnerColumn(), TextColumn("{task.description}"),
                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("measuring plans", total=len(rows))
         for label, strategy, budget in rows:
+            progress.update(task, description=f"measuring plans: {label}")
             try:
                 chosen = plan(tape, budget, strategy)
             except BudgetError as exc:
@@ -219,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoremat`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # a log file: do not fold the tables into 80 columns
     try:
         if argv and argv[0] in ("doctor", "estimate", "bench"):
             return _cmd_delegate(argv[0])(argv[1:])
