@@ -173,3 +173,12 @@ def test_a_negative_number_that_is_not_a_size_reaches_the_factory(factory_folder
 def test_a_zoo_model_refuses_negative_numbers(options: dict[str, Any]) -> None:
     with pytest.raises(RematError, match="is negative"):
         load_target("mlp", options)
+
+
+def test_a_file_target_named_like_a_loaded_module_does_not_replace_it(tmp_path: Any) -> None:
+    (tmp_path / "json.py").write_text(_FACTORY_FILE)
+    import json
+
+    model, _ = load_target(f"{tmp_path / 'json.py'}:make", {"depth": 3})
+    assert len(model) == 3 and sys.modules["json"] is json
+    sys.modules.pop("_autoremat_target_json", None)

@@ -171,8 +171,10 @@ def _import(spec: str, target: str) -> ModuleType:
         raise RematError(f"no file {spec!r} for target {target!r} (from {os.getcwd()}); give "
                          "the path of the .py file that defines the factory")
     name = path.stem if path.stem.isidentifier() else "_autoremat_target"
-    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
-        return sys.modules[name]
+    if name in sys.modules:
+        if getattr(sys.modules[name], "__file__", None) == str(path):
+            return sys.modules[name]
+        name = f"_autoremat_target_{name}"  # never replace another module of that name
     loader = importlib.util.spec_from_file_location(name, path)
     if loader is None or loader.loader is None:
         raise RematError(f"cannot load {spec!r} for target {target!r} as a Python module")
