@@ -484,7 +484,7 @@ def plot_memory(prescription: Prescription, path: str | os.PathLike[str]) -> Non
     bars = memory_bars(prescription)
     segments = _SEGMENTS
     gib = 2**30
-    figure = Figure(figsize=(9, 4.8))
+    figure = Figure(figsize=(4.5 + 1.6 * len(bars), 4.8))  # room for each bar's label
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     labelled: set[int] = set()  # each segment in the legend once, and only if drawn
@@ -500,7 +500,11 @@ def plot_memory(prescription: Prescription, path: str | os.PathLike[str]) -> Non
     axes.set_xticks(range(len(bars)), list(bars))
     axes.set_ylabel("GiB on the device")
     axes.set_title(f"{prescription.target} on {est.device}: peak of each phase")
-    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    handles, labels = axes.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda k: (labels[k] in segments and
+                                                      segments.index(labels[k])))
+    axes.legend([handles[k] for k in order], [labels[k] for k in order], fontsize="small",
+                loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
