@@ -499,3 +499,17 @@ def test_a_factory_in_the_current_folder_refuses_options_in_one_line(
     monkeypatch.delitem(sys.modules, "autoremat_cli_factory", raising=False)
     monkeypatch.setattr(autoremat._cli, "profile", _refuse)
     _assert_one_line_error(argv, fragment, capsys)
+
+
+def test_doctor_passes_on_an_error_that_is_not_about_the_config(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only what Transformers raises about a config becomes one line; a bug stays a bug."""
+    import autoremat._cli.doctor as doctor_cli
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError("'LlamaConfig' object has no attribute 'rope_type'")
+
+    monkeypatch.setattr(doctor_cli, "build_hf_model", broken)
+    monkeypatch.setattr(doctor_cli, "require", lambda *args: None)
+    with pytest.raises(AttributeError, match="rope_type"):
+        main(["doctor", "--hf", "llama"])

@@ -58,20 +58,25 @@ def _hf_model(args: argparse.Namespace, config: dict[str, Any], batch: int,
     """``--hf FAMILY --config ...`` built on meta; a config Transformers refuses is one line.
 
     NOTE [ A config Transformers refuses ]
-        Transformers checks a config in its own ways: its strict dataclasses raise their
-        own exception classes (plain ``Exception`` subclasses, e.g. "hidden size (4095)
-        is not a multiple of the number of attention heads (32)"), and the model's
-        constructor raises ``ValueError`` or ``ZeroDivisionError`` on sizes it cannot
-        build (``num_attention_heads=0``). Everything raised while building the model
-        from the user's ``--config`` is about that config, so it is reported as such in
-        one line (chained to the original); autoremat's own errors pass through.
+        Transformers checks a config in its own ways: its strict dataclasses raise
+        exception classes of their own (``huggingface_hub`` ``StrictDataclassError``, a
+        plain ``Exception``: "hidden size (4095) is not a multiple of the number of
+        attention heads (32)"), and the model's constructor raises ``ValueError``,
+        ``TypeError`` or ``ZeroDivisionError`` on sizes it cannot build
+        (``num_attention_heads=0``). Those are about the user's ``--config`` and are
+        reported in one line (chained to the original); anything else (an
+        ``AttributeError`` of a Transformers version autoremat does not know, autoremat's
+        own errors) passes through unchanged.
     """
     check_not_negative(config)
     try:
         return build_hf_model(args.hf, config, batch, seq, args.dtype)
-    except (RematError, InternalError):
-        raise
     except Exception as exc:  # NOTE [ A config Transformers refuses ]
+        ours = isinstance(exc, (RematError, InternalError))
+        about_config = isinstance(exc, (ValueError, TypeError, ArithmeticError)) or \
+            type(exc).__module__.startswith(("transformers", "huggingface_hub"))
+        if ours or not about_config:
+            raise
         text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
         raise RematError(f"--hf {args.hf} --config {args.config!r}: Transformers refused the "
                          f"config: {text}. Fix the values in --config") from exc
