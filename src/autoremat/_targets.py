@@ -48,9 +48,13 @@ TARGET_HELP = (
     "batch_size=8,widths=64,128; a list of numbers becomes a tuple)."
 )
 
-# NOTE [ Negative sizes ]: ``batch_size=-1`` would otherwise reach torch.randn deep in a
-# factory and end in a traceback. Options named like a size or a count cannot be negative
-# in any target; every number a zoo model takes (sizes, counts, rates) is >= 0.
+# NOTE [ Negative sizes ]
+# ``batch_size=-1`` would otherwise reach ``torch.randn`` deep in a factory (or a
+# Transformers config) and end in a traceback. An option named like a size or a count
+# (``*size``, ``*_len``, ``*layers``, ``*heads``, ``*width``, ``*dim``, ``n_*``,
+# ``num_*``) is refused when negative, for any target; every number a zoo model takes
+# (sizes, counts, rates) is >= 0, so there any negative number is. A factory's options
+# named otherwise (``offset=-3``) reach it as given: only the factory knows them.
 _SIZE_SUFFIXES = ("size", "_len", "length", "layers", "layer", "heads", "head", "width",
                   "widths", "dim", "dims")
 _SIZE_PREFIXES = ("n_", "num_")
