@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import autoremat
 from autoremat._cli import main
+from autoremat._cli.progress import Stage, stages
+from autoremat._targets import TARGET_HELP
+from autoremat._verify import Report
 
 from conftest import SMALL, as_options
 
@@ -21,12 +28,12 @@ _SMALL_GPT2 = as_options(SMALL["gpt2"])  # two blocks: the tests below count on 
         (["profile", "gtp2"], "unknown target 'gtp2'"),
         (["profile", "gpt2", "--set", "n_layer"], "cannot read option 'n_layer'"),
         (["profile", "gpt2", "--set", _SMALL_GPT2, "--ops", "block.1"],
-         "no block 'block.1' in the tape of GPT. Did you mean 'blocks.1'?"),
+         "no block 'block.1' in GPT. Did you mean 'blocks.1'?"),
         # these two profile the default-size mlp before the budget is read (~3 s each)
         pytest.param(["plan", "mlp", "--budget", "lots"], "lots", marks=pytest.mark.slow),
         pytest.param(["plan", "mlp", "--strategy", "optimall", "--budget", "50%"], "optimall",
                      marks=pytest.mark.slow),
-        (["plan", "no_such_module:factory"], "cannot import 'no_such_module'"),
+        (["plan", "no_such_module:factory", "--budget", "50%"], "cannot import 'no_such_module'"),
         (["plan", "mlp", "--deterministic"], "--deterministic only changes how --verify"),
     ],
 )
@@ -90,3 +97,118 @@ def test_demo_measures_every_plan_with_exact_gradients(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "mlp: plans, measured" in out
     assert "DIFFER" not in out and out.count("equal") >= 4
+
+
+# --- help, progress, noise, solver output -----------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [[], ["profile"], ["plan"], ["doctor"], ["estimate"],
+                                  ["bench"]])
+def test_every_help_that_takes_a_target_states_the_factory_contract(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse folds the epilog
+    assert " ".join(TARGET_HELP.split()) in out
+    assert out.startswith(f"usage: autoremat {argv[0]}" if argv else "usage: autoremat")
+
+
+def test_a_factory_in_the_current_folder_is_found(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "autoremat_cli_mymodel.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def make(width=8):\n"
+        "    return nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)), "
+        "torch.ones(2, width)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "autoremat_cli_mymodel", raising=False)
+    assert main(["plan", "autoremat_cli_mymodel:make", "--strategy", "full",
+                 "--set", "width=4"]) == 0
+    out = capsys.readouterr().out
+    assert "Plan (full) for Sequential" in out
+
+
+def test_profile_reports_its_stages_in_order() -> None:
+    model, inputs = autoremat.zoo.build("mlp", widths=(8, 8, 8), d_in=8, batch_size=2)
+    stages: list[str] = []
+    autoremat.profile(model, inputs, repeats=2, progress=stages.append)
+    memory = [s for s in stages if s.startswith("memory runs")]
+    assert stages[0] == "warm-up step" and stages[-1] == "timing 2 steps"
+    n = len(memory)
+    assert n >= 2 and memory == [f"memory runs {k}/{n}" for k in range(1, n + 1)]
+    assert stages.index("counting FLOPs") > stages.index(memory[-1])
+    selective = [s for s in stages if s.startswith("selective options")]
+    assert selective and selective[-1].endswith(f"{len(selective)}/{len(selective)}")
+
+
+def test_doctor_reports_its_stages() -> None:
+    model, inputs = autoremat.zoo.build("mlp", device="meta", widths=(8, 8), d_in=8,
+                                        batch_size=2)
+    stages: list[str] = []
+    autoremat.doctor(model, inputs, memory="1GiB", progress=stages.append)
+    assert stages[0] == "warm-up step" and "tracked steps: what is live at the peak" in stages
+
+
+def test_the_status_line_names_the_stage_and_the_time() -> None:
+    stage = Stage("profiling mlp")
+    stage("memory runs 3/6")
+    assert re.fullmatch(r"profiling mlp: memory runs 3/6 · \d+\.\d s", str(stage)), str(stage)
+    with stages("quiet") as inside:  # not a terminal: no spinner, the callback still works
+        inside("a stage")
+        assert inside.stage == "a stage"
+
+
+def _report(ratio: float, spread: float, plain_spread: float, pairs: int) -> Report:
+    return Report(ok=True, grads_equal=True, max_grad_diff=0.0, peak_bytes=1,
+                  plain_peak_bytes=1, predicted_peak_bytes=1, budget_bytes=None,
+                  recompute_flops=16, plain_flops=100, step_ms=100.0 * ratio,
+                  plain_step_ms=100.0, time_spread=spread, plain_time_spread=plain_spread,
+                  timed_pairs=pairs)
+
+
+@pytest.mark.parametrize(("report", "text", "noise"), [
+    (_report(0.74, 0.31, 0.05, 3), "x0.74 ±0.31 (within noise)", True),
+    (_report(0.74, 0.05, 0.20, 3), "x0.74 ±0.20", False),
+    (_report(1.53, 0.10, 0.08, 3), "x1.53 ±0.10", False),
+    (_report(0.68, 0.0, 0.0, 1), "x0.68 (1 timed run: noise not measured)", True),
+])
+def test_a_time_ratio_is_printed_with_its_noise(report: Report, text: str,
+                                                noise: bool) -> None:
+    assert report.time_text == text and report.time_within_noise is noise
+    assert f"time {text})" in str(report)
+
+
+def test_verify_measures_the_spread_of_both_kinds_of_runs() -> None:
+    model, inputs = autoremat.zoo.build("mlp", widths=(16,) * 3, d_in=16, batch_size=4)
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False)
+    autoremat.apply(model, autoremat.plan(tape, None, "full"))
+    report = autoremat.verify(model, inputs, repeats=3)
+    assert report.timed_pairs == 3
+    assert report.plain_time_spread > 0 and report.time_spread > 0  # perf_counter never ties
+    assert report.time_noise == max(report.plain_time_spread, report.time_spread)
+
+
+def test_the_keep_set_solver_prints_nothing(monkeypatch: pytest.MonkeyPatch,
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """HiGHS's C++ can write its trace to fd 1 during a solve; nothing of it may reach the
+    user. The stand-in below writes to both fds as HiGHS does, then solves for real."""
+    import autoremat._measure.keepsets as keepsets
+    from autoremat._measure.costs import cost_model_for
+
+    real = keepsets.milp
+
+    def noisy_milp(*args: Any, **kwargs: Any) -> Any:
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        os.write(2, b"HiGHS on stderr\n")
+        assert kwargs["options"].get("disp") is False
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(keepsets, "milp", noisy_milp)
+    model, inputs = autoremat.zoo.build("gpt2", n_layer=2, batch_size=1, seq_len=8)
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
+    capfd.readouterr()
+    found = keepsets.keep_sets(tape.blocks[0].ops, cost_model_for("cpu"))
+    out, err = capfd.readouterr()
+    assert found and out == "" and err == ""

@@ -14,7 +14,7 @@ from torch import nn
 from autoremat import zoo
 from autoremat._cli.doctor import doctor_main
 from autoremat._core.errors import RematError
-from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
+from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor, memory_bars
 from autoremat._estimate.estimate import estimate
 from autoremat._estimate.tracked_step import meta_step_peak
 from autoremat._targets import parse_options
@@ -249,3 +249,23 @@ def test_llama_7b_shape_exact_bytes(capsys: pytest.CaptureFixture[str]) -> None:
         print(f"\nLlama-7B doctor: {seconds:.1f} s, step peak "
               f"{est['step_peak_bytes'] / 2**30:.2f} GiB, "
               f"total {est['total_peak_bytes'] / 2**30:.2f} GiB")
+
+
+def test_the_plot_shows_the_prescribed_plan() -> None:
+    """A prescription that checkpoints draws the plan it prescribes beside the plain step
+    and every block checkpointed, at the plan's own step peak."""
+    model, inputs = zoo.build("mlp", device="meta", widths=(32,) * 4, d_in=32, batch_size=32)
+    est = estimate(model, inputs, optimizer="adamw", selective=False)
+    memory = (est.ckpt_total_peak_bytes + est.total_peak_bytes) // 2
+    p = doctor(model, inputs, memory=memory)
+    assert p.plan_source == "planner" and p.estimate.plan_peak_bytes is not None
+    bars = memory_bars(p)
+    planned = [label for label in bars if "prescribed plan" in label]
+    assert len(planned) == 1 and list(bars).index(planned[0]) == 2
+    resting = bars[planned[0]][:3]
+    assert resting == bars["optimizer.step()"][:3]
+    assert bars[planned[0]][3:] == [0, 0, 0, 0, p.estimate.plan_peak_bytes]
+    overhead = 100 * (p.plan_recompute_overhead or 0.0)
+    assert f"(+{overhead:.0f}% FLOPs)" in planned[0]
+    fits = doctor(model, inputs, memory=est.total_peak_bytes)  # fits as is: no plan to draw
+    assert not any("prescribed plan" in label for label in memory_bars(fits))

@@ -85,3 +85,100 @@ def test_the_hf_bench_target_loads_from_the_zoo() -> None:
     assert tuple(inputs["input_ids"].shape) == (4, 8)
     with pytest.raises(RematError, match="unknown option"):
         load_target("autoremat.zoo:hf_gpt2", {"layers": 2})
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("widths=64,128", {"widths": (64, 128)}),
+    ("widths=64,128,batch_size=8", {"widths": (64, 128), "batch_size": 8}),
+    ("widths=(64, 128),batch_size=8", {"widths": (64, 128), "batch_size": 8}),
+    ("kernel=[3],scale=0.5,1.5", {"kernel": (3,), "scale": (0.5, 1.5)}),
+    ("act=gelu,n=2", {"act": "gelu", "n": 2}),
+])
+def test_parse_options_reads_tuples(text: str, expected: dict[str, Any]) -> None:
+    assert parse_options(text) == expected
+
+
+@pytest.mark.parametrize("text", ["act=gelu,2", "widths=64,x"])
+def test_only_numbers_continue_a_tuple(text: str) -> None:
+    with pytest.raises(RematError, match="key=value pairs"):
+        parse_options(text)
+
+
+def test_a_tuple_option_reaches_the_zoo() -> None:
+    model, inputs = load_target("mlp", parse_options("widths=8,16,batch_size=2,d_in=8"))
+    assert [block.fc.out_features for block in model.blocks] == [8, 16]
+    assert tuple(inputs[0].shape) == (2, 8)
+
+
+_FACTORY_FILE = '''
+import torch
+from torch import nn
+
+def make(width=4, depth=2, offset=0):
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    return model, torch.ones(2, width) + offset
+'''
+
+
+@pytest.fixture
+def factory_folder(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A folder holding ``autoremat_cwd_factory.py``, made the current folder; the module
+    is forgotten afterwards so that each test imports it afresh."""
+    (tmp_path / "autoremat_cwd_factory.py").write_text(_FACTORY_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "autoremat_cwd_factory", raising=False)
+    yield tmp_path
+    sys.modules.pop("autoremat_cwd_factory", None)
+
+
+def test_a_module_target_imports_from_the_current_folder(factory_folder: Any) -> None:
+    path_before = list(sys.path)
+    assert str(factory_folder) not in sys.path
+    model, inputs = load_target("autoremat_cwd_factory:make", {"width": 3, "depth": 3})
+    assert len(model) == 3 and tuple(inputs.shape) == (2, 3)
+    assert sys.path == path_before  # the folder was on the path for the import only
+
+
+def test_a_file_target_imports_from_its_path(factory_folder: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(factory_folder.parent)
+    path_before = list(sys.path)
+    model, _ = load_target(f"{factory_folder.name}/autoremat_cwd_factory.py:make",
+                           {"depth": 1})
+    assert len(model) == 1 and sys.path == path_before
+    with pytest.raises(RematError, match=r"no file 'nowhere/m\.py'"):
+        load_target("nowhere/m.py:make")
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"wdth": 3}, r"cannot be called with wdth .*its parameters are \(width=4, depth=2, "
+                  r"offset=0\)"),
+    ({"batch_size": -1}, "option batch_size=-1 is negative"),
+    ({"depth": 2, "n_layers": -2}, "option n_layers=-2 is negative"),
+])
+def test_a_factory_refuses_options_it_cannot_take(factory_folder: Any,
+                                                  options: dict[str, Any],
+                                                  message: str) -> None:
+    with pytest.raises(RematError, match=message):
+        load_target("autoremat_cwd_factory:make", options)
+
+
+def test_a_negative_number_that_is_not_a_size_reaches_the_factory(factory_folder: Any) -> None:
+    _, inputs = load_target("autoremat_cwd_factory:make", {"offset": -3})
+    assert float(inputs[0, 0]) == -2.0
+
+
+@pytest.mark.parametrize("options", [{"batch_size": -1}, {"widths": (8, -8)},
+                                     {"dropout": -0.1}])
+def test_a_zoo_model_refuses_negative_numbers(options: dict[str, Any]) -> None:
+    with pytest.raises(RematError, match="is negative"):
+        load_target("mlp", options)
+
+
+def test_a_file_target_named_like_a_loaded_module_does_not_replace_it(tmp_path: Any) -> None:
+    (tmp_path / "json.py").write_text(_FACTORY_FILE)
+    import json
+
+    model, _ = load_target(f"{tmp_path / 'json.py'}:make", {"depth": 3})
+    assert len(model) == 3 and sys.modules["json"] is json
+    sys.modules.pop("_autoremat_target_json", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -109,6 +110,11 @@ _CLI_CASES: list[tuple[list[str], str]] = [
     (["bench", "mlp", "--budgets", "50%,nope"], "cannot read budget 'nope'"),
     (["bench", "mlp", "--budgets", ","], "--budgets is empty"),
     (["bench", "mlp", "--repeats", "0"], "--repeats must be at least 1"),
+    (["plan", "mlp"], "--strategy optimal needs --budget (e.g. --budget 50%, or 6GiB) or "
+                      "--max-memory"),
+    (["plan", "mlp", "--out", "p.json"], "needs --budget"),
+    (["demo", "--repeats", "0"], "--repeats must be at least 1"),
+    (["demo", "--repeats", "-2"], "--repeats must be at least 1"),
 ]
 
 
@@ -317,9 +323,10 @@ def test_frozen_lower_blocks_leave_a_discovered_chain() -> None:
 
 
 _CLI_BUILD_CASES: list[tuple[list[str], str]] = [
-    (["plan", "mlp", "--set", "batch_size=abc"], "option batch_size='abc' must be a whole"),
-    (["plan", "mlp", "--set", "batch_size=0"], "must be a whole number >= 1"),
-    (["plan", "mlp", "--set", "widths=abc"], "must be a tuple of whole numbers"),
+    (["plan", "mlp", "--budget", "50%", "--set", "batch_size=abc"],
+     "option batch_size='abc' must be a whole"),
+    (["plan", "mlp", "--budget", "50%", "--set", "batch_size=0"], "must be a whole number >= 1"),
+    (["plan", "mlp", "--budget", "50%", "--set", "widths=abc"], "must be a tuple of whole numbers"),
     (["profile", "gpt2", "--set", "bias=3"], "option bias=3 must be true or false"),
     (["profile", "gpt2", "--set", "dropout=high"], "option dropout='high' must be a number"),
     (["profile", "mlp", "--set", "nope=3"], "unknown option 'nope'"),
@@ -330,6 +337,12 @@ _CLI_BUILD_CASES: list[tuple[list[str], str]] = [
     (["profile", "mlp", "--out", "/proc/no/such/tape.json"], "cannot write to"),
     (["plan", "mlp", "--budget", "50%", "--out", "/proc/no/plan.json"], "cannot write to"),
     (["bench", "mlp", "--budgets", "50%", "--out", "/proc/no/dir"], "cannot write to"),
+    (["profile", "mlp", "--set", "batch_size=-1"], "option batch_size=-1 is negative"),
+    (["plan", "mlp", "--strategy", "full", "--set", "widths=8,-8"], "is negative"),
+    (["profile", "mlp", "--set", "widths=8,8,d_in=8,batch_size=2", "--ops", "blocks.99"],
+     "--ops blocks.99: no block 'blocks.99' in MLPChain."),
+    (["profile", "mlp", "--set", "widths=(8,8),d_in=8,batch_size=2", "--ops", "block.1"],
+     "Did you mean 'blocks.1'?"),
 ]
 
 
@@ -407,3 +420,96 @@ def test_the_models_own_error_says_which_call_raised() -> None:
         autoremat.profile(model, torch.ones(2, 5))
     assert any("raised by the forward of MLPChain on inputs (2, 5) float32" in note
                for note in getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize(("argv", "missing", "fragment"), [
+    (["doctor", "mlp", "--plot", "m.png"], "matplotlib",
+     "--plot needs matplotlib, which is not installed here: pip install 'autoremat[plot]'"),
+    (["estimate", "--hf", "llama"], "transformers",
+     "--hf llama needs transformers, which is not installed here: pip install "
+     "'autoremat[hf]'"),
+    (["doctor", "autoremat.zoo:hf_gpt2"], "transformers", "pip install 'autoremat[hf]'"),
+    (["profile", "autoremat.zoo:hf_gpt2"], "transformers", "pip install 'autoremat[hf]'"),
+    (["bench", "autoremat.zoo:hf_gpt2"], "transformers", "pip install 'autoremat[hf]'"),
+])
+def test_a_missing_extra_is_named_before_any_work(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], missing: str, fragment: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import autoremat._cli
+    import autoremat._cli.bench as bench_cli
+    import autoremat._cli.doctor as doctor_cli
+    import autoremat._cli.extras as extras
+
+    for module, name in ((autoremat._cli, "load_target"), (doctor_cli, "load_target"),
+                         (doctor_cli, "build_hf_model"), (doctor_cli, "doctor"),
+                         (bench_cli, "run_bench")):
+        monkeypatch.setattr(module, name, _refuse)
+    monkeypatch.setattr(extras, "installed", lambda module: module != missing)
+    _assert_one_line_error(argv, fragment, capsys)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["doctor", "--hf", "llama", "--seq", "16", "--config",
+      "hidden_size=4095,num_attention_heads=32"],
+     "Transformers refused the config: Class validation error"),
+    (["doctor", "--hf", "llama", "--seq", "16", "--config",
+      "hidden_size=64,intermediate_size=64,num_attention_heads=0,num_hidden_layers=1"],
+     "Transformers refused the config: integer division or modulo by zero. Fix the values"),
+    (["doctor", "--hf", "llama", "--config", "num_hidden_layers=-1"],
+     "option num_hidden_layers=-1 is negative"),
+    (["estimate", "mlp", "--memory", "lots"], "autoremat estimate: error: cannot read memory"),
+    (["doctor", "mlp", "--optimizer", "12 parsecs"], "cannot read optimizer state"),
+])
+def test_doctor_refuses_a_bad_config_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], fragment: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    import autoremat._cli.doctor as doctor_cli
+
+    monkeypatch.setattr(doctor_cli, "doctor", _refuse)
+    _assert_one_line_error(argv, fragment, capsys)
+
+
+_FACTORY = '''
+import torch
+from torch import nn
+
+def make(width=8, depth=2):
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]), torch.ones(2, width)
+'''
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["plan", "autoremat_cli_factory:make", "--strategy", "full", "--set", "widht=3"],
+     "autoremat_cli_factory:make cannot be called with widht (got an unexpected keyword "
+     "argument 'widht'); its parameters are (width=8, depth=2)"),
+    (["profile", "autoremat_cli_factory.py:make", "--set", "depth=2,batch_size=-1"],
+     "option batch_size=-1 is negative"),
+    (["doctor", "autoremat_cli_factory:make", "--config", "widths=8,8"],
+     "cannot be called with widths"),
+    (["profile", "autoremat_cli_factory:maek"], "has no callable 'maek'. Did you mean 'make'?"),
+])
+def test_a_factory_in_the_current_folder_refuses_options_in_one_line(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, argv: list[str], fragment: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import autoremat._cli
+
+    (tmp_path / "autoremat_cli_factory.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "autoremat_cli_factory", raising=False)
+    monkeypatch.setattr(autoremat._cli, "profile", _refuse)
+    _assert_one_line_error(argv, fragment, capsys)
+
+
+def test_doctor_passes_on_an_error_that_is_not_about_the_config(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only what Transformers raises about a config becomes one line; a bug stays a bug."""
+    import autoremat._cli.doctor as doctor_cli
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError("'LlamaConfig' object has no attribute 'rope_type'")
+
+    monkeypatch.setattr(doctor_cli, "build_hf_model", broken)
+    monkeypatch.setattr(doctor_cli, "require", lambda *args: None)
+    with pytest.raises(AttributeError, match="rope_type"):
+        main(["doctor", "--hf", "llama"])

@@ -91,6 +91,8 @@ class Report:
     #                           the rise of torch.cuda.max_memory_allocated() (CUDA)
     tracked_peak_bytes: int | None = None  # the tracker's planned peak, when peak_bytes
     #                                        is the allocator's
+    plain_time_spread: float = 0.0  # (max - min) / median of the plain step times
+    timed_pairs: int = 0  # interleaved (plain, planned) pairs timed after the warm-up
     # A chunked loss head (plan.head): the gradients are judged by the largest
     # max |diff| / max |plain| of any parameter against head_bound (NOTE [ What a chunked
     # head changes in numerics ]); None: the plan keeps the head, judged as ever.
@@ -116,6 +118,26 @@ class Report:
     @property
     def time_ratio(self) -> float:
         return self.step_ms / self.plain_step_ms if self.plain_step_ms else float("nan")
+
+    @property
+    def time_noise(self) -> float:
+        """How far ``time_ratio`` can stray from the truth on this machine: the larger
+        relative spread ((max - min) / median) of the plain and the planned step times."""
+        return max(self.time_spread, self.plain_time_spread)
+
+    @property
+    def time_within_noise(self) -> bool:
+        """``time_ratio`` is within ``time_noise`` of 1: the runs cannot tell the plan's
+        step time from the plain one's (and with one timed pair they cannot tell anything)."""
+        return self.timed_pairs < 2 or abs(self.time_ratio - 1.0) <= self.time_noise
+
+    @property
+    def time_text(self) -> str:
+        """``time_ratio`` with its noise, e.g. ``x0.74 ±0.31 (within noise)``."""
+        if self.timed_pairs < 2:
+            return f"x{self.time_ratio:.2f} (1 timed run: noise not measured)"
+        noise = " (within noise)" if self.time_within_noise else ""
+        return f"x{self.time_ratio:.2f} ±{self.time_noise:.2f}{noise}"
 
     @property
     def prediction_error(self) -> float:
@@ -151,7 +173,7 @@ class Report:
                       + (")" if self.head_ok else ": EXCEEDED)"))
         return (f"verify: {verdict} (budget {budget}; {grads}, max |diff| "
                 f"{self.max_grad_diff:.3g}, {floor}; recompute "
-                f"+{100 * self.recompute_overhead:.1f}% FLOPs, time x{self.time_ratio:.2f})\n"
+                f"+{100 * self.recompute_overhead:.1f}% FLOPs, time {self.time_text})\n"
                 + render_table(["", "plain", "planned"], rows))
 
 
@@ -458,7 +480,7 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
         peak, plain_peak = planned.allocator_peak_bytes, plain.allocator_peak_bytes
         on_allocator = True  # CUDA: the allocator is the truth (docs/design.md)
     within = plan.budget_bytes is None or peak <= plan.budget_bytes
-    med = statistics.median(planned_ms)
+    med, plain_med = statistics.median(planned_ms), statistics.median(plain_ms)
     return Report(
         ok=within and (judged.verdict != "differ" if head_rel is None else head_rel <= bound),
         grads_equal=judged.grads_equal, head_rel_diff=head_rel,
@@ -467,8 +489,10 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
         peak_bytes=peak, plain_peak_bytes=plain_peak,
         predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=plan.budget_bytes,
         recompute_flops=planned.flops - plain.flops, plain_flops=plain.flops,
-        step_ms=med, plain_step_ms=statistics.median(plain_ms),
+        step_ms=med, plain_step_ms=plain_med,
         time_spread=(max(planned_ms) - min(planned_ms)) / med if med else 0.0,
+        plain_time_spread=(max(plain_ms) - min(plain_ms)) / plain_med if plain_med else 0.0,
+        timed_pairs=len(planned_ms),
         deterministic=deterministic, noise_floor=floor, noise_measured=measure_floor,
         peak_source="allocator" if on_allocator else "tracker",
         tracked_peak_bytes=planned.peak_bytes if on_allocator else None,

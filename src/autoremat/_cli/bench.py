@@ -20,24 +20,25 @@ from autoremat._bench.measure import DTYPES, resolve_device
 from autoremat._bench.plots import PLOT_HINT, can_plot
 from autoremat._bench.report import device_info, machine_info, write_results
 from autoremat._bench.rows import ModelResult, Settings
+from autoremat._cli.extras import require_for_target
 from autoremat._core.errors import RematError
 from autoremat._core.units import parse_budget
 from autoremat._measure.profile import compile_backend
 from autoremat._measure.tape import check_writable
-from autoremat._targets import parse_options
+from autoremat._targets import TARGET_HELP, parse_options
 
 __all__ = ["bench_main"]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="autoremat bench",
+        prog="autoremat bench", epilog=TARGET_HELP,
         description="Compare autoremat's plans with PyTorch's own checkpointing options on "
                     "the same model, interleaved in one process; write a table, JSON and "
                     "a Pareto plot per model.")
     p.add_argument("targets", nargs="*", metavar="TARGET",
-                   help=f"zoo name ({', '.join(zoo.names())}; default: all) or "
-                        f"package.module:factory")
+                   help=f"zoo name ({', '.join(zoo.names())}; default: all), "
+                        f"module:factory or path/to/file.py:factory")
     p.add_argument("--budgets", default="75%,50%,30%,min",
                    help="comma-separated: percentages of the plain step peak, sizes "
                         "('40MiB') or 'min' (default: %(default)s)")
@@ -59,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated values of compile's activation_memory_budget, one "
                         "row each (default: %(default)s); 'budgets' takes them from "
                         "--budgets (and 1)")
-    p.add_argument("--set", help="size options for every target, e.g. n_layer=2,batch_size=2")
+    p.add_argument("--set", help="size options for every target, e.g. n_layer=2,batch_size=2 "
+                                 "(a tuple: widths=64,128)")
     p.add_argument("--device", default="cpu",
                    help="where models and inputs run: cpu or cuda[:N] (default: %(default)s); "
                         "on CUDA peaks are the rise of torch.cuda.max_memory_allocated() and "
@@ -122,6 +124,8 @@ def bench_main(argv: list[str]) -> int:
             raise RematError(f"--threads must be 0 (torch's default) or more, got "
                              f"{args.threads}")
         targets = list(args.targets) or zoo.names()
+        for target in targets:
+            require_for_target(target)
         machine = machine_info()
         machine["torch_threads"] = settings.threads or torch.get_num_threads()
         machine.update(device_info(device))

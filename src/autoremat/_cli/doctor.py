@@ -14,13 +14,15 @@ import torch
 from torch import nn
 
 from autoremat import zoo
-from autoremat._core.errors import RematError
+from autoremat._cli.extras import require, require_for_target
+from autoremat._cli.progress import stages
+from autoremat._core.errors import InternalError, RematError
 from autoremat._core.optimizers import OPTIMIZERS
 from autoremat._core.units import parse_size
 from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
 from autoremat._estimate.fake import parse_dtype
 from autoremat._measure.tape import check_writable
-from autoremat._targets import load_target, parse_options
+from autoremat._targets import TARGET_HELP, check_not_negative, load_target, parse_options
 
 __all__ = ["doctor_main"]
 
@@ -33,8 +35,7 @@ def _target(target: str | None, args: argparse.Namespace,
             raise RematError(f"give either a target ({target!r}) or --hf, not both")
         batch = 1 if args.batch is None else args.batch
         seq = 2048 if args.seq is None else args.seq
-        model, inputs = build_hf_model(args.hf, config, batch, seq, args.dtype)
-        return f"hf:{args.hf} batch {batch} seq {seq}", model, inputs
+        return f"hf:{args.hf} batch {batch} seq {seq}", *_hf_model(args, config, batch, seq)
     if target is None:
         raise RematError("name what to examine: a zoo model (" + ", ".join(zoo.names()) +
                          "), module:factory, or --hf FAMILY --config ...")
@@ -52,9 +53,38 @@ def _target(target: str | None, args: argparse.Namespace,
 
 
 
-def _parser() -> argparse.ArgumentParser:
+def _hf_model(args: argparse.Namespace, config: dict[str, Any], batch: int,
+              seq: int) -> tuple[nn.Module, Any]:
+    """``--hf FAMILY --config ...`` built on meta; a config Transformers refuses is one line.
+
+    NOTE [ A config Transformers refuses ]
+        Transformers checks a config in its own ways: its strict dataclasses raise
+        exception classes of their own (``huggingface_hub`` ``StrictDataclassError``, a
+        plain ``Exception``: "hidden size (4095) is not a multiple of the number of
+        attention heads (32)"), and the model's constructor raises ``ValueError``,
+        ``TypeError`` or ``ZeroDivisionError`` on sizes it cannot build
+        (``num_attention_heads=0``). Those are about the user's ``--config`` and are
+        reported in one line (chained to the original); anything else (an
+        ``AttributeError`` of a Transformers version autoremat does not know, autoremat's
+        own errors) passes through unchanged.
+    """
+    check_not_negative(config)
+    try:
+        return build_hf_model(args.hf, config, batch, seq, args.dtype)
+    except Exception as exc:  # NOTE [ A config Transformers refuses ]
+        ours = isinstance(exc, (RematError, InternalError))
+        about_config = isinstance(exc, (ValueError, TypeError, ArithmeticError)) or \
+            type(exc).__module__.startswith(("transformers", "huggingface_hub"))
+        if ours or not about_config:
+            raise
+        text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        raise RematError(f"--hf {args.hf} --config {args.config!r}: Transformers refused the "
+                         f"config: {text}. Fix the values in --config") from exc
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="autoremat doctor",
+        prog=prog, epilog=TARGET_HELP,
         description="Will a training step fit in this much memory, and if not, what to do. "
                     "Runs the step on fake (meta) tensors: nothing is allocated or downloaded. "
                     "Exit status: 0 fits (maybe with checkpointing), 1 does not fit, 2 error.")
@@ -66,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                              f"{', '.join(HF_FAMILIES)}")
     parser.add_argument("--config", "--set", default="", metavar="K=V,...",
                         help="config fields (Transformers config, zoo options or factory "
-                             "keyword arguments), e.g. num_hidden_layers=32,hidden_size=4096")
+                             "keyword arguments), e.g. num_hidden_layers=32,hidden_size=4096 "
+                             "(a tuple: widths=64,128)")
     parser.add_argument("--batch", type=_positive_int, help="batch size (--hf default 1)")
     parser.add_argument("--seq", type=_positive_int,
                         help="sequence length (--hf default 2048)")
@@ -79,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda", help="device to estimate for (default cuda)")
     parser.add_argument("--throughput", type=float, metavar="FLOP/S",
                         help="sustained FLOP/s of the device, to turn FLOPs into seconds")
-    parser.add_argument("--plot", metavar="PNG", help="write a stacked bar of the memory here")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="write a stacked bar of the memory here (needs matplotlib: "
+                             "pip install 'autoremat[plot]')")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
@@ -103,19 +136,30 @@ def _optimizer_arg(text: str) -> str | int | None:
     return text
 
 
-def doctor_main(argv: Sequence[str]) -> int:
-    """``autoremat doctor ...``; returns the exit status (0 fits, 1 does not fit, 2 error)."""
-    args = _parser().parse_args(list(argv))
+def doctor_main(argv: Sequence[str], prog: str = "autoremat doctor") -> int:
+    """``autoremat doctor ...`` (``prog``: as the user called it, ``autoremat estimate``
+    too); returns the exit status (0 fits, 1 does not fit, 2 error)."""
+    args = _parser(prog).parse_args(list(argv))
     try:
         config = parse_options(args.config)
         if args.plot:
+            require("matplotlib", "--plot")
             check_writable(args.plot)
-        label, model, inputs = _target(args.target, args, config)
-        result = doctor(model, inputs, memory=args.memory, device=args.device,
-                        dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),
-                        throughput_flops=args.throughput, plot_path=args.plot, target=label)
+        if args.hf is not None:
+            require("transformers", f"--hf {args.hf}")
+        if args.target is not None:
+            require_for_target(args.target)
+        parse_size(args.memory, what="memory")
+        _optimizer_arg(args.optimizer)
+        with stages(f"examining {args.target or 'hf:' + str(args.hf)}") as stage:
+            stage("building the model on meta")
+            label, model, inputs = _target(args.target, args, config)
+            result = doctor(model, inputs, memory=args.memory, device=args.device,
+                            dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),
+                            throughput_flops=args.throughput, plot_path=args.plot,
+                            target=label, progress=stage)
     except RematError as exc:
-        print(f"autoremat doctor: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     print(result.to_json() if args.json else result)
     return 0 if result.fits else 1

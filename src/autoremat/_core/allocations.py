@@ -38,7 +38,7 @@ from torch.profiler import profile as torch_profile
 
 from autoremat._core.memory import MemoryTracker, StorageRecord
 
-__all__ = ["AllocationTracker", "track_allocations"]
+__all__ = ["AllocationTracker", "quiet_fds", "track_allocations"]
 
 _PREFIX = "autoremat.mark."
 
@@ -94,30 +94,40 @@ def track_allocations(device: torch.device | str = "cpu") -> Iterator[Allocation
     target = torch.device(device)
     tracker = AllocationTracker(device=str(target))
     prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
+    with quiet_fds(2):
         prof.start()
     try:
         yield tracker
     finally:
-        with _quiet_stderr():
+        with quiet_fds(2):
             prof.stop()
     _fill(tracker, _events(prof), target)
 
 
 @contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence the process's stderr (file descriptor 2) while the profiler starts or
-    stops: Kineto logs a line at each ("USDT: ... profiler_start"), dozens per profile.
-    Nothing of the user's runs in between; Python exceptions are not affected."""
+def quiet_fds(*fds: int) -> Iterator[None]:
+    """Silence the process's file descriptors ``fds`` (default: 2, stderr) inside the block,
+    for native code that prints on its own: Kineto logs a line each time the profiler
+    starts or stops ("USDT: ... profiler_start", dozens per profile), and HiGHS can print
+    its internal trace to stdout from C++ during a keep-set solve (``keepsets.py``).
+    Nothing of the user's runs inside; Python exceptions are not affected.
+
+    Example:
+        >>> with quiet_fds(1, 2):
+        ...     _ = os.write(1, b"native noise")  # goes nowhere
+    """
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = [(fd, os.dup(fd)) for fd in (fds or (2,))]
     try:
         with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
+            for fd, _ in saved:
+                os.dup2(null.fileno(), fd)
         yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        for fd, copy in saved:
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def _fill(tracker: AllocationTracker, events: list[Any], device: torch.device) -> None:

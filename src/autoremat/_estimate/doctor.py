@@ -61,6 +61,7 @@ __all__ = [
     "Remedy",
     "build_hf_model",
     "doctor",
+    "memory_bars",
     "plot_memory",
 ]
 
@@ -366,7 +367,8 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
            optimizer: str | int | None = "adamw", loss_fn: LossFn | None = None,
            blocks: BlockSpec = None, throughput_flops: float | None = None,
            plot_path: str | os.PathLike[str] | None = None,
-           target: str | None = None) -> Prescription:
+           target: str | None = None,
+           progress: Callable[[str], None] | None = None) -> Prescription:
     """Estimate a training step on ``meta`` and prescribe what makes it fit in ``memory``.
 
     Args:
@@ -376,6 +378,8 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
         device, dtype, optimizer, loss_fn, blocks, throughput_flops: as for ``estimate``.
         plot_path: write a PNG of where the memory goes there (needs matplotlib).
         target: a label for the report (default: the model's class name).
+        progress: called with the name of each stage as it starts, for a progress
+            display (as for :func:`autoremat.profile`); default: nothing.
 
     Returns:
         A :class:`Prescription`.
@@ -392,7 +396,8 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
                                "dtype": dtype, "optimizer": optimizer,
                                "throughput_flops": throughput_flops}
     # selective-recompute options cost a pass per save-set: measured only for a plan
-    est = estimate(model, inputs, selective=False, **options)
+    stage = progress or (lambda _: None)
+    est = estimate(model, inputs, selective=False, progress=progress, **options)
     label = target or est.model
     plain, ckpt = est.total_peak_bytes, est.ckpt_total_peak_bytes
     notes: list[str] = []
@@ -404,8 +409,9 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
         verdict = (f"FITS in {format_bytes(limit)} without checkpointing: peak "
                    f"{format_bytes(plain)}, {format_bytes(limit - plain)} to spare.")
     elif ckpt <= limit:
+        stage("planning under the limit")
         try:
-            est = estimate(model, inputs, max_memory=limit, **options)
+            est = estimate(model, inputs, max_memory=limit, progress=progress, **options)
         except BudgetError as exc:
             notes.append(f"the planner found no plan under the limit ({exc}); the "
                          f"prescription checkpoints every block")
@@ -423,6 +429,7 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
             return meta_step_peak(model, small, loss_fn=loss_fn, blocks=blocks, device=est.device,
                                   dtype=dtype, checkpoint_all=ckpt_all)
 
+        stage("remedies: fake steps at other settings")
         remedies = _remedies(est, limit, model, inputs, measure)
         verdict = (f"DOES NOT FIT in {format_bytes(limit)}: peak {format_bytes(plain)} without "
                    f"checkpointing, {format_bytes(ckpt)} with every block checkpointed.")
@@ -432,6 +439,7 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
         plan_recompute_overhead=overhead, plan_source=source, remedies=tuple(remedies),
         notes=tuple(notes))
     if plot_path is not None:
+        stage("writing the plot")
         plot_memory(result, plot_path)
         result = dataclasses.replace(result, plot_path=str(plot_path))
     return result
@@ -440,41 +448,65 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
 # --- the plot ------------------------------------------------------------------------------
 
 
+_SEGMENTS = ("parameters", "optimizer state", "buffers + batch", "activations", "gradients",
+             "temporaries", "optimizer step temporaries",
+             "step peak with the plan (not broken down)")
+
+
+def memory_bars(prescription: Prescription) -> dict[str, list[int]]:
+    """The bars :func:`plot_memory` draws: per phase, bytes per segment of ``_SEGMENTS``."""
+    est = prescription.estimate
+    resting = [est.param_bytes, est.optimizer_bytes, est.buffer_bytes + est.input_bytes]
+    bars: dict[str, list[int]] = {}
+    for label, breakdown in (("forward+backward\nno checkpointing", est.peak_breakdown),
+                             ("forward+backward\nevery block\ncheckpointed",
+                              est.ckpt_peak_breakdown)):
+        bars[label] = [*resting, breakdown.get("activations", 0), breakdown.get("gradients", 0),
+                       breakdown.get("temporaries", 0), 0, 0]
+    if prescription.plan_total_peak_bytes is not None:  # the plan the verdict prescribes
+        step = est.plan_peak_bytes if prescription.plan_source == "planner" and \
+            est.plan_peak_bytes is not None else est.ckpt_step_peak_bytes
+        overhead = 100 * (prescription.plan_recompute_overhead or 0.0)
+        bars[f"forward+backward\nprescribed plan\n(+{overhead:.0f}% FLOPs)"] = \
+            [*resting, 0, 0, 0, 0, step]
+    bars["optimizer.step()"] = [*resting, 0, est.grad_bytes, 0, est.optimizer_step_bytes, 0]
+    return bars
+
+
 def plot_memory(prescription: Prescription, path: str | os.PathLike[str]) -> None:
     """Stacked bars of where the device's memory goes at the peak of each phase (forward+
-    backward without and with checkpointing, the optimizer step), against the limit."""
+    backward without checkpointing, with every block checkpointed, with the prescribed
+    plan when there is one; the optimizer step), against the limit."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise RematError("the plot needs matplotlib: pip install 'autoremat[plot]'") from exc
     est = prescription.estimate
-    resting = [est.param_bytes, est.optimizer_bytes, est.buffer_bytes + est.input_bytes]
-    segments = ["parameters", "optimizer state", "buffers + batch", "activations",
-                "gradients", "temporaries", "optimizer step temporaries"]
-    bars: dict[str, list[int]] = {}
-    for label, breakdown in (("forward+backward\nno checkpointing", est.peak_breakdown),
-                             ("forward+backward\nevery block\ncheckpointed",
-                              est.ckpt_peak_breakdown)):
-        bars[label] = [*resting, breakdown.get("activations", 0), breakdown.get("gradients", 0),
-                       breakdown.get("temporaries", 0), 0]
-    bars["optimizer.step()"] = [*resting, 0, est.grad_bytes, 0, est.optimizer_step_bytes]
+    bars = memory_bars(prescription)
+    segments = _SEGMENTS
     gib = 2**30
-    figure = Figure(figsize=(9, 4.8))
+    figure = Figure(figsize=(4.5 + 1.6 * len(bars), 4.8))  # room for each bar's label
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
+    labelled: set[int] = set()  # each segment in the legend once, and only if drawn
     for x, values in enumerate(bars.values()):
         bottom = 0.0
         for i, value in enumerate(values):
             axes.bar(x, value / gib, bottom=bottom, color=f"C{i}", width=0.6,
-                     label=segments[i] if x == 0 else None)
+                     label=segments[i] if value and i not in labelled else None)
+            labelled.update([i] if value else [])
             bottom += value / gib
     axes.axhline(prescription.memory_bytes / gib, color="black", linestyle="--",
                  label=f"memory {format_bytes(prescription.memory_bytes)}")
     axes.set_xticks(range(len(bars)), list(bars))
     axes.set_ylabel("GiB on the device")
     axes.set_title(f"{prescription.target} on {est.device}: peak of each phase")
-    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    handles, labels = axes.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda k: (labels[k] in segments and
+                                                      segments.index(labels[k])))
+    axes.legend([handles[k] for k in order], [labels[k] for k in order], fontsize="small",
+                loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

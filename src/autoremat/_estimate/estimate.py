@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -339,6 +340,7 @@ def estimate(
     offload: bool = False,
     host_bandwidth: float | None = None,
     shards: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> Estimate:
     """Predict the memory of one training step without running it for real.
 
@@ -379,6 +381,8 @@ def estimate(
         shards: the ranks FSDP2 shards parameters, gradients and optimizer state over,
             as for :func:`autoremat.plan`: the total peaks and ``max_memory``'s budget
             are per rank (the parameter, gradient and optimizer lines stay whole).
+        progress: called with the name of each stage as it starts, for a progress
+            display (as for :func:`autoremat.profile`); default: nothing.
 
     Returns:
         A frozen :class:`Estimate`.
@@ -421,6 +425,7 @@ def estimate(
     _optimizer_class(optimizer)  # a misspelt name fails before any work
     model, inputs = to_meta(model, inputs, cast)
     names = resolve_blocks(model, blocks)
+    stage = progress or (lambda _: None)
     try:
         with preserved_state(model), sdpa_as_on(target_type), \
                 _hf_attention_without_masks(model, inputs) as hf_notes:
@@ -429,7 +434,8 @@ def estimate(
                            with_selective=selective, rounding=rounding,
                            loop=loop, device=target, offload=offload,
                            host_bandwidth=(host_bandwidth or DEFAULT_HOST_BANDWIDTH)
-                           if offload else None)
+                           if offload else None, progress=progress)
+            stage("tracked steps: what is live at the peak")
             plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False,
                                   rounding=rounding, loop=loop)
             ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True,
@@ -483,6 +489,7 @@ def estimate(
     )
     if budget is None and max_memory is None:
         return est
+    stage("planning")
     return est.with_plan(budget, strategy, max_memory=max_memory, offload=offload)
 
 

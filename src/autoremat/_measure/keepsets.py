@@ -56,6 +56,7 @@ import torch
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
+from autoremat._core.allocations import quiet_fds
 from autoremat._core.errors import RematError, internal_assert
 from autoremat._core.ops import OpRecord
 from autoremat._measure.costs import CostModel, op_cost
@@ -215,8 +216,12 @@ def _solve(g: _Graph, cap: int, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _milp(c: np.ndarray, lower: np.ndarray, upper: np.ndarray,
           constraints: list[LinearConstraint], cap: int, n_ops: int) -> np.ndarray:
-    res = milp(c, integrality=np.ones_like(c), bounds=Bounds(lower, upper),
-               constraints=constraints, options={"mip_rel_gap": 0.0})
+    # HiGHS prints nothing with disp=False, except its internal trace, which its C++ writes
+    # to stdout on some blocks ("HighsMipSolverData::transformNewIntegerFeasibleSolution
+    # tmpSolver.run();"): the user would read it among the results, so both fds are shut
+    with quiet_fds(1, 2):
+        res = milp(c, integrality=np.ones_like(c), bounds=Bounds(lower, upper),
+                   constraints=constraints, options={"mip_rel_gap": 0.0, "disp": False})
     if not res.success or res.x is None:
         raise RematError(
             f"HiGHS found no keep-set for a block of {n_ops} ops within {cap} bytes "

@@ -580,7 +580,8 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
                     op_stats: list[dict[str, OpStats]], plain: OpRecorder,
                     cost_model: CostModel,
                     rounding: Rounding | None, *,
-                    loop: Loop, backend: str | None) -> list[dict[str, SelectiveProfile]]:
+                    loop: Loop, backend: str | None,
+                    progress: Callable[[str], None]) -> list[dict[str, SelectiveProfile]]:
     """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
     step: blocks that have that option run selective, the others fully checkpointed (so
     every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
@@ -593,6 +594,7 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
             options.setdefault(save_set_name(save), {})[names[i]] = (
                 selective_context(save), compiled_context(save),
                 _partial(sum(s.out_bytes for s in redo), sum(s.count for s in redo)))
+    progress("choosing keep-sets")
     for name in names:  # keep-sets by position (NOTE [ Dead ops ])
         ops = plain.block_ops(name)
         signature = op_signature(ops)
@@ -605,7 +607,8 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
                 compiled_context(keep=keep_keys(ops, found.keep)),
                 _partial(sum(o.out_bytes for o in rerun), len(rerun),
                          found.keep, found.skip))
-    for key in sorted(options):
+    for k, key in enumerate(sorted(options), 1):
+        progress(f"selective options {k}/{len(options)}")
         users = options[key]
         contexts = _Contexts({n: ctx for n, (ctx, _, _) in users.items()},
                              {n: ctx for n, (_, ctx, _) in users.items()})
@@ -673,7 +676,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             rounding: Rounding | None = None, loop: Loop = "holds_output",
             device: str | torch.device | None = None, compile: bool | str = False,
             offload: bool = False, host_bandwidth: float | None = None,
-            with_head: bool = True) -> Tape:
+            with_head: bool = True,
+            progress: Callable[[str], None] | None = None) -> Tape:
     """Measure one training step of ``model`` block by block.
 
     Args:
@@ -726,6 +730,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             autoremat can chunk: a Hugging Face ``*ForCausalLM`` given ``labels``, or an
             :class:`autoremat.LMHead` (NOTE [ Which heads can be chunked ]). Plans may
             then chunk it (``tape.head``); the tape's notes say why a head is not.
+        progress: called with the name of each stage as it starts (``"memory runs
+            2/6"``), for a progress display; default: nothing.
 
     Returns:
         A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
@@ -783,6 +789,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
                          f"blocks=[...] with the names of the layers to plan over")
+    stage = progress or (lambda _: None)
     with preserved_state(model), training_config(model) as cache_notes, \
             compile_settings(backend):
         held: list[int] = []
@@ -794,6 +801,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             return loss
 
         seen: list[str] = []
+        stage("warm-up step")
         warm = _run_marked(model, inputs, measure_output, names, seen.append,
                            loop=loop, in_order=blocks is not None)  # and the output's size
         order_notes = []
@@ -809,6 +817,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                 f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
                 f"the model outside the chain (skip connections, kept hidden states): a "
                 f"segment of several blocks does not free them, and plans count them held")
+        patterns = _patterns(n, offload)
+        stage(f"memory runs 1/{len(patterns)}")
         plain = _memory_run(model, inputs, loss_fn, names, "K" * n, rounding=rounding,
                             loop=loop, backend=backend)
         grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
@@ -823,11 +833,13 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             bandwidth = float(host_bandwidth) if host_bandwidth is not None else \
                 measure_host_bandwidth(ran_on)
         runs = {"K" * n: plain}
-        for modes in _patterns(n, offload)[1:]:
+        for k, modes in enumerate(patterns[1:], 2):
+            stage(f"memory runs {k}/{len(patterns)}")
             runs[modes] = _memory_run(model, inputs, loss_fn, names, modes,
                                       rounding=rounding, loop=loop, backend=backend)
         for p in model.parameters():
             p.grad = None
+        stage("counting FLOPs")
         counter = _flops(model, inputs, loss_fn, names, loop=loop)
         for p in model.parameters():
             p.grad = None
@@ -835,8 +847,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         op_stats = [counter.block_stats(name) for name in names]
         params = list(model.parameters())
         selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
-                                    cost_model, rounding, loop=loop, backend=backend) \
-            if with_selective else [{} for _ in names]
+                                    cost_model, rounding, loop=loop, backend=backend,
+                                    progress=stage) if with_selective else [{} for _ in names]
         on_meta = ran_on.type == "meta"
         notes: list[str] = []
         site, why = find_head(model, inputs, loss_fn) if with_head else (None, "")
@@ -845,6 +857,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             site, why = None, ("a chunked loss head does not run under torch.compile: "
                                "the head stays as the model computes it")
         if site is not None:
+            stage("loss head options")
             head, why = _head_options(model, inputs, names, site, cost_model,
                                       rounding=rounding, loop=loop)
         if why:
@@ -863,6 +876,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
                              f"repeated, not planned over: {', '.join(others)} (pass "
                              "blocks=[...] with all of them, in the order they run)")
         if timing and not on_meta:
+            stage(f"timing {repeats} steps")
             with _step_as_run(model, names, [], None, backend):
                 fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats,
                                                    loop=loop)
