@@ -104,6 +104,8 @@ _CLI_CASES: list[tuple[list[str], str]] = [
     (["plan", "mlp", "--strategy", "fulll"], "Did you mean 'full'"),
     (["plan", "mlp", "--strategy", "every:0"], "needs a whole number K >= 1"),
     (["plan", "mlp", "--max-memory", "lots"], "cannot read max_memory 'lots'"),
+    (["plan", "mlp", "--budget", "50%", "--head", "chunky"], "head must be None, 'keep'"),
+    (["plan", "mlp", "--budget", "50%", "--head", "chunked:0"], "N >= 1"),
     (["plan", "mlp", "--optimizer", "adamw"], "only matters with max_memory"),
     (["plan", "mlp", "--budget", "1GiB", "--deterministic"], "add --verify"),
     (["bench", "mlp", "--budgets", "abc"], "cannot read budget 'abc'"),

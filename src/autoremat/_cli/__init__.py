@@ -32,7 +32,7 @@ from autoremat._core.step import LOOPS
 from autoremat._core.units import format_bytes
 from autoremat._measure.profile import profile
 from autoremat._measure.tape import check_writable, ops_table
-from autoremat._plan.plan import check_plan_args, plan, smallest_feasible_bytes
+from autoremat._plan.plan import check_head, check_plan_args, plan, smallest_feasible_bytes
 from autoremat._targets import TARGET_HELP, load_target, parse_options
 from autoremat._verify import Report, verify
 
@@ -76,6 +76,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         raise RematError("--deterministic only changes how --verify compares gradients: "
                          "add --verify, or leave --deterministic out")
     name, _ = check_plan_args(args.budget, args.strategy, args.max_memory, args.optimizer)
+    check_head(args.head)
     if name in _NEED_A_BUDGET and args.budget is None and args.max_memory is None:
         raise RematError(f"--strategy {args.strategy} needs --budget (e.g. --budget 50%, or "
                          "6GiB) or --max-memory (e.g. 24GiB): without one it keeps every "
@@ -89,7 +90,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         tape = profile(model, inputs, loop=args.loop, progress=stage)
         stage("solving the plan")
         chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
-                      optimizer=args.optimizer)
+                      optimizer=args.optimizer, head=args.head)
     console.print(str(chosen), highlight=False, soft_wrap=True)
     if args.verify:
         apply(model, chosen, check_ranks=False)
@@ -202,6 +203,10 @@ def _parser() -> argparse.ArgumentParser:
                                 "every:K | sqrt | selective | none")
             p.add_argument("--max-memory", help="absolute device limit, e.g. 24GiB")
             p.add_argument("--optimizer", help="optimizer state for --max-memory, e.g. adamw")
+            p.add_argument("--head", help="the loss head of a causal LM given labels: keep, "
+                                          "auto (chunk it where cheaper), chunked, chunked:N; "
+                                          "default: chunked only where no plan keeping it "
+                                          "fits")
             p.add_argument("--verify", action="store_true",
                            help="apply the plan and measure it against the plain step")
             p.add_argument("--deterministic", action="store_true",

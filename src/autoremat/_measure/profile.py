@@ -66,7 +66,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -648,9 +648,8 @@ def _head_options(model: nn.Module, inputs: Any, names: list[str], site: HeadSit
                   ) -> tuple[HeadProfile | None, str]:
     """The head options of ``site``, measured (NOTE [ Measuring the head ]); or ``None``
     and why, when the chunked head never ran in the step."""
-    module = model.get_submodule(site.name)
-    weight = module.weight
-    weight_bytes = weight.untyped_storage().nbytes()
+    weight = model.get_submodule(site.name).weight
+    weight_bytes = cast(torch.Tensor, weight).untyped_storage().nbytes()
     options = {}
     for chunks in HEAD_CHUNKS:
         with head_installed(model, site, chunks) as install:
@@ -804,7 +803,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         stage("warm-up step")
         warm = _run_marked(model, inputs, measure_output, names, seen.append,
                            loop=loop, in_order=blocks is not None)  # and the output's size
-        order_notes = []
+        order_notes: list[str] = []
         if blocks is None:
             names, order_notes = _discovered_chain(model, names, warm.order, seen)
         for p in model.parameters():

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -71,9 +71,9 @@ def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | N
     if not hasattr(model, "loss_function") or not hasattr(model, "config"):
         return None, ""  # some other model's lm_head: nothing says what its loss is
     why = _hf_unsupported(model, lm_head, inputs)
-    if why:
+    if why or lm_head is None:
         return None, why + "; the loss head stays as the model computes it"
-    return HeadSite("hf", "lm_head", lm_head.out_features), ""
+    return HeadSite("hf", "lm_head", int(lm_head.out_features)), ""
 
 
 def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
@@ -155,7 +155,7 @@ class _DropLogits:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         if isinstance(output, Mapping) and self.passed.returned(output.get("logits")):
-            output["logits"] = None
+            cast(Any, output)["logits"] = None  # a ModelOutput: an OrderedDict
         elif isinstance(output, tuple):
             output = tuple(None if self.passed.returned(t) else t for t in output)
         self.passed.last = None
@@ -205,7 +205,9 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int) -> HeadInstall:
         raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
     passed = _PassHidden()
     module.forward = passed  # type: ignore[method-assign]
-    model._loss_function = _ChunkedCausalLMLoss(module, passed, chunks, install)
+    # the model's loss_function property returns _loss_function when one is set
+    vars(model)["_loss_function"] = _ChunkedCausalLMLoss(cast(nn.Linear, module), passed,
+                                                         chunks, install)
     install.handles.append(model.register_forward_hook(_DropLogits(passed)))
     return install
 
