@@ -275,3 +275,28 @@ def test_lmhead_unplanned_is_linear_and_cross_entropy():
         (x @ head.weight.T)[:, :-1].reshape(-1, 100), y[:, 1:].reshape(-1))
     assert torch.equal(logits, F.linear(x, head.weight)) and torch.equal(loss, expect)
     assert set(head.state_dict()) == {"weight"}
+
+
+@pytest.mark.slow
+def test_a_chunked_head_compiles_without_a_graph_break():
+    torch.manual_seed(0)
+    model, inputs = autoremat.zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=32)
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        m(**inputs).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = step(model)
+    autoremat.apply(model, autoremat.plan(tape, strategy="none", head="chunked:4"))
+    eager = step(model)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(model, backend="aot_eager"))
+    assert all(torch.equal(compiled[n], eager[n]) for n in eager)
+    assert max(_rel(compiled[n], plain[n]) for n in plain) <= HEAD_RTOL[torch.float32]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**inputs)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    autoremat.remove(model)

@@ -175,12 +175,6 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             "compiled step: autoremat.plan(autoremat.profile(model, inputs, compile=True), "
             "budget)")
     site = _head_site(plan, modules, model_class_name(model))
-    if compiled and site is not None:
-        raise RematError(
-            f"this plan computes the loss head in chunks ({plan.head}), which does not run "
-            f"under torch.compile, and {compiled[0]} is compiled. Plan with head='keep' "
-            "for the compiled step: autoremat.plan(autoremat.profile(model, inputs, "
-            "compile=True), budget)")
     remove(model)
     for name, module in modules.items():
         if name and is_wrapped(module):

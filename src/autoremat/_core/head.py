@@ -73,19 +73,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         size = -(-n // chunks)  # rows per chunk, rounded up
         for first, start in enumerate(range(0, n, size)):
             rows = slice(start, min(start + size, n))
-            h = hidden[rows]  # (n_c, C)
+            h, y = hidden[rows], labels[rows]  # (n_c, C), (n_c,)
             logits = F.linear(h, weight, bias)  # (n_c, V)
-            with torch.enable_grad():
-                leaf = logits.detach().requires_grad_(any(want))
-                source = leaf.float() if upcast else leaf
-                part = F.cross_entropy(source, labels[rows], ignore_index=ignore_index,
-                                       reduction="sum")
-                d_logits = torch.autograd.grad(part, leaf, scale.to(part.dtype))[0] \
-                    if any(want) else None
-            del logits, leaf, source
-            total = part.detach() if total is None else total + part.detach()
-            if d_logits is None:
+            source = logits.float() if upcast else logits
+            # the ops autograd runs for cross_entropy(source, y, reduction="sum") and its
+            # backward, called directly: the same floats, and no autograd inside a forward
+            # (which torch.compile would have to leave)
+            logp = torch.log_softmax(source, -1)
+            part, counted = torch.ops.aten.nll_loss_forward(logp, y, None, 2, ignore_index)
+            total = part if total is None else total + part
+            if not any(want):
                 continue
+            d_logp = torch.ops.aten.nll_loss_backward(scale.to(logp.dtype), logp, y, None, 2,
+                                                      ignore_index, counted)
+            d_logits = torch.ops.aten._log_softmax_backward_data(d_logp, logp, -1,
+                                                                 source.dtype)
+            del logp, d_logp, source
+            d_logits = d_logits.to(logits.dtype)  # the backward of .float()
+            del logits
             if d_hidden is not None:
                 torch.mm(d_logits, weight, out=d_hidden[rows])  # (n_c, V) @ (V, C)
             if d_weight is not None:

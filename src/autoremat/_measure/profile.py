@@ -853,8 +853,9 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         site, why = find_head(model, inputs, loss_fn) if with_head else (None, "")
         head = None
         if site is not None and backend is not None:
-            site, why = None, ("a chunked loss head does not run under torch.compile: "
-                               "the head stays as the model computes it")
+            site, why = None, ("a compiled profile measures no loss-head options (the "
+                               "head is outside the compiled blocks): the head stays as "
+                               "the model computes it; plan it from an eager profile")
         if site is not None:
             stage("loss head options")
             head, why = _head_options(model, inputs, names, site, cost_model,
