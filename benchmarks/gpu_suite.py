@@ -123,8 +123,9 @@ def _pytest_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
         what = "no CUDA: " + (f"{found.group(1)} tests collected, not run" if found
                               else "collected only, not run")
         return [Claim("gpu-tests", claim, what, "NOT RUN")]
-    if not junit.exists():
-        return [Claim("gpu-tests", claim, f"no report (pytest exit {rc})", "FAIL")]
+    if not junit.exists():  # stopped at its time (-9), or pytest could not start
+        return [Claim("gpu-tests", claim, f"no report (pytest exit {rc})",
+                      "NOT RUN" if rc == -9 else "FAIL")]
     suites = ET.parse(junit).getroot()
     suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
     assert suite is not None
@@ -187,7 +188,7 @@ def _exact_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     if missing:
         out.append(Claim("exactness", "every model checked", f"no results for {missing}",
                          "NOT RUN"))
-    if rc != 0:
+    if rc not in (0, -9):  # -9: stopped at its time, said by the suite
         out.append(Claim("exactness", "gpu_exact.py finished", f"exit {rc}", "FAIL"))
     return out
 
@@ -254,7 +255,7 @@ def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     if not out:
         out.append(Claim("bench-compile", "compiled rows measured", f"none (exit {rc})",
                          "NOT RUN"))
-    if rc != 0 or not payload.get("complete", True):
+    if rc not in (0, -9) or not payload.get("complete", True):
         out.append(Claim("bench-compile", "bench finished", f"exit {rc}, complete="
                          f"{payload.get('complete')}", "FAIL"))
     return out
@@ -415,11 +416,14 @@ def run_suite(ctx: Context, minutes: float, only: Sequence[str] | None = None,
             log(f"[{step.name}] running (at most {timeout:.0f} s): {record['command']}")
             rc, seconds = _run(argv, folder, step.name, timeout, header)
             record.update(seconds=seconds, returncode=rc)
-            got = step.parse(ctx, folder, rc if rc is not None else -9)
+            try:
+                got = step.parse(ctx, folder, rc if rc is not None else -9)
+            except Exception as exc:  # a result file cut short, or not in the shape read
+                got = [Claim(step.name, step.what, f"could not read its results: "
+                             f"{type(exc).__name__}: {exc}"[:300], "FAIL")]
             if rc is None:  # timed out: what it wrote stands, nothing it did not finish passes
                 record["outcome"] = f"timed out after {seconds:.0f} s"
-                got = [dataclasses.replace(c, status="NOT RUN",
-                                           figure=f"{c.figure} (timed out after {seconds:.0f} s)")
+                got = [dataclasses.replace(c, figure=f"{c.figure} (timed out)")
                        if c.status == "NOT RUN" else c for c in got]
                 got.append(Claim(step.name, f"{step.name} finished within its time",
                                  f"timed out after {seconds:.0f} s", "NOT RUN"))

@@ -146,3 +146,17 @@ def test_a_step_past_its_time_is_stopped(tmp_path: Path, monkeypatch: pytest.Mon
     assert claims[-1].claim == "sleeper finished within its time"
     assert claims[-1].status == "NOT RUN"
     assert CPU in (tmp_path / "sleeper" / "sleeper.stdout.txt").read_text()
+
+
+def test_unreadable_results_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def parse(ctx: object, folder: Path, rc: int) -> list:  # type: ignore[type-arg]
+        return json.loads((folder / "cut.json").read_text())  # a result file cut short
+    step = suite.Step("cut", "writes half a file", lambda ctx, folder: [
+        sys.executable, "-c", f"open({str(tmp_path / 'cut' / 'cut.json')!r}, 'w').write('{{')"],
+        parse, {"tiny": 60.0}, {"tiny": 0.0})
+    monkeypatch.setattr(suite, "STEPS", (step,))
+    claims, steps = suite.run_suite(suite.Context("cpu", "tiny", tmp_path, CPU), minutes=2,
+                                    log=lambda _: None)
+    assert steps[0]["returncode"] == 0
+    assert [c.status for c in claims] == ["FAIL"]
+    assert claims[0].figure.startswith("could not read its results: JSONDecodeError")
