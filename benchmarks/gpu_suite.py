@@ -236,7 +236,8 @@ def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
         for ref in (r for r in rows if r["method"] in COMPILED_REFERENCES):
             label = _ref_label(ref)
             claim = (f"{model['target']}: autoremat + torch.compile at the peak of "
-                     f"{label[len('peak of '):]}: fits, time <= x{COMPILE_TIME_SLACK} its")
+                     f"{label[len('peak of '):]}: fits, time <= x{COMPILE_TIME_SLACK} the "
+                     f"reference's")
             row = mine.get(label)
             if ref["status"] != "ok" or row is None or row["status"] != "ok":
                 why = f"reference {ref['status']}" if ref["status"] != "ok" else \
@@ -250,7 +251,7 @@ def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
             mt, rt = row["time_ratio"], ref["time_ratio"]
             fast = mt is not None and rt is not None and mt <= COMPILE_TIME_SLACK * rt
             figure = (f"peak {_mib(peak)} vs budget {_mib(row['budget_bytes'])}; time "
-                      f"x{mt or 0:.3f} vs x{rt or 0:.3f}")
+                      f"x{mt or 0:.3f} vs the reference's x{rt or 0:.3f}")
             out.append(Claim("bench-compile", claim, figure, "PASS" if fits and fast else "FAIL"))
     if not out:
         out.append(Claim("bench-compile", "compiled rows measured", f"none (exit {rc})",

@@ -58,8 +58,8 @@ def _batch(vocab: int, seq: int, batch: int, device: torch.device) -> dict[str, 
 # --- the models of the cost table ------------------------------------------------------
 
 # zoo: its default sizes (6 layers x 128, batch 4 x 128 tokens, dropout 0.1) and a tiny one
-_ZOO_TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "batch_size": 2, "seq_len": 32,
-             "vocab_size": 64}
+_ZOO_TINY: dict[str, Any] = {"n_layer": 2, "n_embd": 32, "n_head": 2, "batch_size": 2,
+                             "seq_len": 32, "vocab_size": 64}
 # HF: (layers, width, heads, seq, batch, vocab)
 _HF_SIZES = {"default": (6, 256, 4, 256, 4, 8192), "tiny": (2, 32, 2, 32, 2, 64)}
 
@@ -77,7 +77,9 @@ def _hf_gpt2(size: str, device: torch.device) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
                         n_positions=seq, bos_token_id=0, eos_token_id=0, use_cache=False)
-    model = GPT2LMHeadModel(config).to(device).train()  # dropout 0.1 (GPT-2's defaults)
+    # dropout 0.1 (GPT-2's defaults); transformers' typing of .to confuses mypy (as in
+    # gpu_exact.py)
+    model = GPT2LMHeadModel(config).to(device).train()  # type: ignore[arg-type]
     return model, _batch(vocab, seq, batch, device)
 
 
@@ -90,7 +92,7 @@ def _hf_llama(size: str, device: torch.device) -> tuple[nn.Module, Any]:
                          intermediate_size=width * 8 // 3 // 8 * 8, num_attention_heads=heads,
                          num_key_value_heads=max(1, heads // 2), vocab_size=vocab,
                          max_position_embeddings=seq, attention_dropout=0.1, use_cache=False)
-    model = LlamaForCausalLM(config).to(device).train()
+    model = LlamaForCausalLM(config).to(device).train()  # type: ignore[arg-type]
     return model, _batch(vocab, seq, batch, device)
 
 
