@@ -1,0 +1,360 @@
+"""The cost of knowing: what ``profile`` and ``auto`` cost, in plain training steps.
+
+For each model (the zoo's gpt2 and llama at their default sizes, and two Hugging Face
+models built from their config classes with random weights, nothing downloaded: GPT-2
+6 layers x 256 wide and a Llama of the same size, seq 256, batch 4) it times:
+
+* ``plain step``: one forward + loss + backward (gradients set to None before it, no
+  optimizer step), the median of ``--steps`` steps after ``--warmup`` warm-up steps;
+* ``profile``: ``autoremat.profile(model, inputs)`` with its default options;
+* ``profile(with_selective=False)``: the same without measuring selective windows;
+* ``auto@60%``: ``autoremat.auto(model, inputs, budget="60%")`` on a fresh copy of the
+  model (same seed), as a user would call it;
+
+each as wall seconds and as a multiple of the plain step's median. ``--heldout`` instead
+times a "held-out style check": ``auto`` on five small Hugging Face models (GPT-2, Llama,
+BERT, Qwen2, OPT) at three budgets each (90%, 60%, and 10% above the smallest feasible
+budget, which a first ``auto(..., budget=1)`` finds from its ``BudgetError``), each call on
+a fresh model, and reports every call's time and the total.
+
+Run:        OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py --tag before
+            OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py --heldout \
+                --tag before
+Quick test: python benchmarks/profile_cost.py --size tiny --out /tmp/pc
+Writes ``<out>/profile_cost[_<tag>].json`` and ``.md`` (``profile_cost_heldout[_<tag>]`` with
+``--heldout``); device, torch version, date and thread count in both. Times are wall
+clocks on whatever else the machine is running: on a shared CPU they move by 10-30%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import autoremat
+from autoremat._bench.report import device_info
+from autoremat._core.step import run_step
+from autoremat._core.timing import time_ms
+
+Builder = Callable[[str, torch.device], tuple[nn.Module, Any]]
+
+
+def _batch(vocab: int, seq: int, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+# --- the models of the cost table ------------------------------------------------------
+
+# zoo: its default sizes (6 layers x 128, batch 4 x 128 tokens, dropout 0.1) and a tiny one
+_ZOO_TINY: dict[str, Any] = {"n_layer": 2, "n_embd": 32, "n_head": 2, "batch_size": 2,
+                             "seq_len": 32, "vocab_size": 64}
+# HF: (layers, width, heads, seq, batch, vocab)
+_HF_SIZES = {"default": (6, 256, 4, 256, 4, 8192), "tiny": (2, 32, 2, 32, 2, 64)}
+
+
+def _zoo(name: str) -> Builder:
+    def build(size: str, device: torch.device) -> tuple[nn.Module, Any]:
+        return autoremat.zoo.build(name, device=device, **(_ZOO_TINY if size == "tiny" else {}))
+    return build
+
+
+def _hf_gpt2(size: str, device: torch.device) -> tuple[nn.Module, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, width, heads, seq, batch, vocab = _HF_SIZES[size]
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                        n_positions=seq, bos_token_id=0, eos_token_id=0, use_cache=False)
+    # dropout 0.1 (GPT-2's defaults); transformers' typing of .to confuses mypy (as in
+    # gpu_exact.py)
+    model = GPT2LMHeadModel(config).to(device).train()  # type: ignore[arg-type]
+    return model, _batch(vocab, seq, batch, device)
+
+
+def _hf_llama(size: str, device: torch.device) -> tuple[nn.Module, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, width, heads, seq, batch, vocab = _HF_SIZES[size]
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=width,
+                         intermediate_size=width * 8 // 3 // 8 * 8, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 2), vocab_size=vocab,
+                         max_position_embeddings=seq, attention_dropout=0.1, use_cache=False)
+    model = LlamaForCausalLM(config).to(device).train()  # type: ignore[arg-type]
+    return model, _batch(vocab, seq, batch, device)
+
+
+MODELS: dict[str, Builder] = {"zoo-gpt2": _zoo("gpt2"), "zoo-llama": _zoo("llama"),
+                              "hf-gpt2": _hf_gpt2, "hf-llama": _hf_llama}
+
+
+# --- the five models of the held-out style check ----------------------------------------
+
+# (layers, width, heads, seq, batch, vocab)
+_HELDOUT_SIZES = {"default": (4, 128, 4, 128, 4, 2048), "tiny": (2, 32, 2, 32, 2, 64)}
+
+
+def _heldout(kind: str) -> Builder:
+    def build(size: str, device: torch.device) -> tuple[nn.Module, Any]:
+        import transformers as tf
+
+        layers, width, heads, seq, batch, vocab = _HELDOUT_SIZES[size]
+        torch.manual_seed(0)
+        ffn = width * 4
+        if kind == "gpt2":
+            model: nn.Module = tf.GPT2LMHeadModel(tf.GPT2Config(
+                n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq,
+                bos_token_id=0, eos_token_id=0, use_cache=False))
+        elif kind == "llama":
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(
+                num_hidden_layers=layers, hidden_size=width, intermediate_size=ffn,
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                vocab_size=vocab, max_position_embeddings=seq, attention_dropout=0.1,
+                use_cache=False))
+        elif kind == "bert":
+            model = tf.BertForMaskedLM(tf.BertConfig(
+                num_hidden_layers=layers, hidden_size=width, intermediate_size=ffn,
+                num_attention_heads=heads, vocab_size=vocab, max_position_embeddings=seq))
+        elif kind == "qwen2":
+            model = tf.Qwen2ForCausalLM(tf.Qwen2Config(
+                num_hidden_layers=layers, hidden_size=width, intermediate_size=ffn,
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                vocab_size=vocab, max_position_embeddings=seq, attention_dropout=0.1,
+                use_cache=False))
+        else:  # opt
+            model = tf.OPTForCausalLM(tf.OPTConfig(
+                num_hidden_layers=layers, hidden_size=width, ffn_dim=ffn,
+                num_attention_heads=heads, vocab_size=vocab, max_position_embeddings=seq,
+                word_embed_proj_dim=width, use_cache=False))
+        return model.to(device).train(), _batch(vocab, seq, batch, device)
+    return build
+
+
+HELDOUT: dict[str, Builder] = {k: _heldout(k) for k in ("gpt2", "llama", "bert", "qwen2", "opt")}
+MIN_SLACK = 1.10  # the third budget: 10% above the smallest feasible one
+
+
+# --- measuring -------------------------------------------------------------------------
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def plain_step_s(model: nn.Module, inputs: Any, device: torch.device, steps: int,
+                 warmup: int) -> list[float]:
+    """Seconds of ``steps`` plain steps (forward, loss, backward) after ``warmup`` ones,
+    gradients set to None before each (CUDA-synchronised on a GPU)."""
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        run_step(model, inputs, None)
+    for _ in range(warmup):
+        step()
+    times = [time_ms(step, device) / 1e3 for _ in range(steps)]
+    model.zero_grad(set_to_none=True)
+    return times
+
+
+def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: int,
+             warmup: int) -> dict[str, Any]:
+    """One model's row: the plain step and what each call costs, in seconds and steps."""
+    model, inputs = build(size, device)
+    times = plain_step_s(model, inputs, device, steps, warmup)
+    plain = statistics.median(times)
+    calls: dict[str, float] = {}
+    tapes: list[autoremat.Tape] = []
+    calls["profile"] = _seconds(lambda: tapes.append(autoremat.profile(model, inputs)))
+    calls["profile(with_selective=False)"] = _seconds(
+        lambda: autoremat.profile(model, inputs, with_selective=False))
+    fresh, fresh_inputs = build(size, device)
+    outcome = "ok"
+    start = time.perf_counter()
+    try:
+        autoremat.auto(fresh, fresh_inputs, budget="60%")
+    except autoremat.BudgetError as exc:  # still a full profile's cost: reported as such
+        outcome = f"BudgetError (min {exc.min_feasible_bytes} B)"
+    calls["auto@60%"] = time.perf_counter() - start
+    return {"model": name, "class": type(model).__name__, "blocks": len(tapes[0].blocks),
+            "auto_outcome": outcome,
+            "plain_step_s": plain, "plain_step_all_s": times,
+            "calls": {k: {"seconds": v, "plain_steps": v / plain} for k, v in calls.items()}}
+
+
+def heldout_call(name: str, size: str, device: torch.device, budget: int | str,
+                 label: str) -> dict[str, Any]:
+    """``auto`` on a fresh ``HELDOUT[name]`` at ``budget``, timed; a ``BudgetError`` is an
+    outcome (it names the smallest feasible budget), not a failure."""
+    model, inputs = HELDOUT[name](size, device)
+    row: dict[str, Any] = {"model": name, "budget": label}
+    start = time.perf_counter()
+    try:
+        plan = autoremat.auto(model, inputs, budget=budget)
+    except autoremat.BudgetError as exc:
+        row.update(seconds=time.perf_counter() - start, min_feasible_bytes=exc.min_feasible_bytes,
+                   outcome=f"BudgetError (min {exc.min_feasible_bytes} B)")
+        return row
+    row.update(seconds=time.perf_counter() - start, outcome="ok",
+               predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=plan.budget_bytes,
+               recompute_blocks=plan.recompute_blocks)
+    return row
+
+
+def heldout_rows(size: str, device: torch.device,
+                 models: Sequence[str]) -> list[dict[str, Any]]:
+    """Every ``auto`` call of the held-out style check, timed (see the module docstring)."""
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        mine = [heldout_call(name, size, device, "90%", "90%"),
+                heldout_call(name, size, device, "60%", "60%"),
+                heldout_call(name, size, device, 1, "1 B (finds the minimum)")]
+        smallest = mine[-1].get("min_feasible_bytes")
+        if smallest:
+            mine.append(heldout_call(name, size, device, int(MIN_SLACK * smallest),
+                                     f"min x{MIN_SLACK:g}"))
+        rows += mine
+        print(f"  {name}: " + ", ".join(f"{r['budget']} {r['seconds']:.1f} s" for r in mine),
+              flush=True)
+    return rows
+
+
+# --- reports ---------------------------------------------------------------------------
+
+
+def _header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    return {"schema_version": 1, "device": device_info(device)["device_name"],
+            "device_type": device.type, "torch": torch.__version__,
+            "autoremat": autoremat.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "threads": torch.get_num_threads(), "size": args.size,
+            "load_average": _load(), "load_average_at_start": args.load_at_start}
+
+
+def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def cost_markdown(payload: dict[str, Any]) -> str:
+    calls = list(payload["rows"][0]["calls"]) if payload["rows"] else []
+    lines = [f"# The cost of knowing ({payload['device']})", "",
+             f"`{payload['command']}`; torch {payload['torch']}, {payload['threads']} "
+             f"thread(s), {payload['date']}, load average (1, 5, 15 min) at the start "
+             f"{payload['load_average_at_start']}, at the end {payload['load_average']}.", "",
+             "Each call in wall seconds and (in brackets) as a multiple of the model's plain "
+             "step (forward + loss + backward, median of "
+             f"{payload['steps']} after {payload['warmup']} warm-up). `auto@60%` runs on a "
+             "fresh copy of the model.", "",
+             "| model | plain step s | " + " | ".join(calls) + " |",
+             "|---|---:|" + "---:|" * len(calls)]
+    for r in payload["rows"]:
+        cells = [f"{r['calls'][c]['seconds']:.2f} (x{r['calls'][c]['plain_steps']:.0f})"
+                 for c in calls]
+        lines.append(f"| {r['model']} | {r['plain_step_s']:.3f} | " + " | ".join(cells) + " |")
+    lines += [f"- {r['model']}: auto@60% raised {r['auto_outcome']}" for r in payload["rows"]
+              if r["auto_outcome"] != "ok"]
+    lines += ["", f"Total wall time {payload['seconds']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def heldout_markdown(payload: dict[str, Any]) -> str:
+    lines = [f"# Held-out style check: auto on five HF models, three budgets "
+             f"({payload['device']})", "",
+             f"`{payload['command']}`; torch {payload['torch']}, {payload['threads']} "
+             f"thread(s), {payload['date']}, load average (1, 5, 15 min) at the start "
+             f"{payload['load_average_at_start']}, at the end {payload['load_average']}.", "",
+             "Every call is `autoremat.auto(model, inputs, budget)` on a freshly built model; "
+             "`1 B` fails with the `BudgetError` that names the smallest feasible budget, "
+             f"and the third budget is {MIN_SLACK:g} x that.", "",
+             "| model | budget | seconds | outcome | predicted peak | recomputed blocks |",
+             "|---|---|---:|---|---:|---:|"]
+    for r in payload["rows"]:
+        lines.append(f"| {r['model']} | {r['budget']} | {r['seconds']:.2f} | {r['outcome']} | "
+                     f"{r.get('predicted_peak_bytes') or ''} | {r.get('recompute_blocks', '')} |")
+    lines += ["", f"**Total wall time: {payload['total_s']:.1f} s** "
+                  f"(the sum of the calls; the whole run took {payload['seconds']:.1f} s "
+                  f"with model building)."]
+    return "\n".join(lines) + "\n"
+
+
+def _write(out: Path, stem: str, payload: dict[str, Any], markdown: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{stem}.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, out / f"{stem}.json")
+    md = out / f"{stem}.md"
+    md.write_text(markdown)
+    return md
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """Run the benchmark; returns the path of the Markdown report."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", choices=("default", "tiny"), default="default")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated; default: all of {list(MODELS)} "
+                             f"(with --heldout: {list(HELDOUT)})")
+    parser.add_argument("--heldout", action="store_true",
+                        help="time the held-out style check instead (auto, 5 HF models, "
+                             "3 budgets)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed plain steps (default 7; 3 at --size tiny)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads (default 1; 0 keeps torch's default)")
+    parser.add_argument("--tag", default="", help="added to the file names, e.g. 'before'")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    args.load_at_start = _load()
+    table = HELDOUT if args.heldout else MODELS
+    models = args.models.split(",") if args.models else list(table)
+    unknown = [m for m in models if m not in table]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {list(table)}")
+    steps = args.steps or (3 if args.size == "tiny" else 7)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    command = "python benchmarks/profile_cost.py" + (" --heldout" if args.heldout else "") \
+        + f" --size {args.size} --models {','.join(models)} --threads {args.threads}" \
+        + ("" if args.heldout else f" --steps {steps} --warmup {args.warmup}")
+    start = time.perf_counter()
+    suffix = f"_{args.tag}" if args.tag else ""
+    if args.heldout:
+        rows = heldout_rows(args.size, device, models)
+        payload = {**_header(args, device), "command": command, "rows": rows,
+                   "total_s": sum(r["seconds"] for r in rows),
+                   "seconds": time.perf_counter() - start}
+        md = _write(Path(args.out), f"profile_cost_heldout{suffix}", payload,
+                    heldout_markdown(payload))
+    else:
+        rows = []
+        for name in models:
+            rows.append(cost_row(name, MODELS[name], args.size, device, steps, args.warmup))
+            r = rows[-1]
+            print(f"  {name}: plain {r['plain_step_s']:.3f} s; " + ", ".join(
+                f"{k} {v['seconds']:.1f} s (x{v['plain_steps']:.0f})"
+                for k, v in r["calls"].items()), flush=True)
+        payload = {**_header(args, device), "command": command, "steps": steps,
+                   "warmup": args.warmup, "rows": rows, "seconds": time.perf_counter() - start}
+        md = _write(Path(args.out), f"profile_cost{suffix}", payload, cost_markdown(payload))
+    print(md.read_text())
+    return md
+
+
+if __name__ == "__main__":
+    main()

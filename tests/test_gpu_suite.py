@@ -1,0 +1,163 @@
+"""``benchmarks/gpu_suite.py``: the CPU dry run end to end (``slow``), and, quickly, how
+the suite reads each benchmark's results, skips what no longer fits its time and stops a
+step that runs past its own.
+
+The readers are fed result files written from the benchmarks' own row classes (and, for
+offload, its own ``targets`` wording), so a change of field names or verdict lines there
+breaks these tests rather than the GPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoremat._bench.report import device_info
+from autoremat._bench.rows import AUTO_COMPILE, COMPILE, COMPILE_BLOCK, COMPILE_SAC, BenchRow
+
+from conftest import load_benchmark
+
+suite = load_benchmark("gpu_suite")
+exact = load_benchmark("gpu_exact")
+offload = load_benchmark("offload")
+STATUSES = {"PASS", "FAIL", "NOT RUN", "MEASURED"}
+CPU = device_info("cpu")["device_name"]
+
+
+def _ctx(tmp_path: Path, device: str = "cuda") -> object:
+    return suite.Context(device, "gpu", tmp_path, "Test GPU")
+
+
+@pytest.mark.slow
+def test_cpu_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "suite"
+    env = {**os.environ, "PYTHONPATH": str(Path(suite.ROOT) / "src")}
+    subprocess.run([sys.executable, str(Path(suite.ROOT) / "benchmarks" / "gpu_suite.py"),
+                    "--device", "cpu", "--size", "tiny", "--out", str(out)],
+                   check=True, env=env, capture_output=True, timeout=900)
+    summary = json.loads((out / "summary.json").read_text())
+    md = (out / "summary.md").read_text()
+    assert summary["device"] == CPU and CPU in md and summary["dry_run"] is True
+    assert "CPU dry run" in md
+    claims = summary["claims"]
+    assert {c["step"] for c in claims} == {s.name for s in suite.STEPS}  # every step
+    assert all(c["status"] in STATUSES and c["claim"] and c["figure"] for c in claims)
+    for c in claims:
+        assert f"| {c['step']} | {c['claim'].replace('|', '/')} |" in md
+    tier = [c for c in claims if c["step"] == "gpu-tests"]
+    assert [c["status"] for c in tier] == ["NOT RUN"] and "no CUDA" in tier[0]["figure"]
+    ran = [s for s in summary["steps"] if "command" in s]
+    assert ran and [s["step"] for s in ran] == [s.name for s in suite.STEPS][:len(ran)]
+    for step in ran:  # each ran step: its logs and its own result files, naming the device
+        folder = out / step["step"]
+        files = [p for p in folder.rglob("*") if p.suffix in (".md", ".json", ".txt", ".xml")]
+        assert (folder / f"{step['step']}.stdout.txt").exists()
+        for path in files:
+            assert CPU in path.read_text(), path
+    # the steps that finish on any machine wrote their results and were judged from them
+    by_step = {c["step"]: c for c in claims}
+    assert by_step["exactness"]["status"] == "PASS"
+    assert by_step["profile-cost"]["status"] == "MEASURED"
+    assert list((out / "exactness").glob("zoo-gpt2/exact_*.json"))  # one folder a model
+    assert (out / "profile-cost" / "profile_cost.json").exists()
+
+
+def test_compile_claims_read_from_bench_rows(tmp_path: Path) -> None:
+    def ref(method: str, budget: str, status: str = "ok") -> BenchRow:
+        return BenchRow(method, budget, status, peak_bytes=1000, time_ratio=1.0)  # type: ignore[arg-type]
+
+    def mine(budget: str, peak: int, ratio: float) -> BenchRow:
+        return BenchRow(AUTO_COMPILE, budget, "ok", peak_bytes=peak, budget_bytes=1000,
+                        time_ratio=ratio, peak_source="allocator")
+    rows = [ref(COMPILE, "1 (no budget)"), mine("peak of torch.compile 1", 990, 1.019),
+            ref(COMPILE_BLOCK, "-"), mine(f"peak of {COMPILE_BLOCK}", 990, 1.03),  # slow
+            ref(COMPILE, "0.5"), mine("peak of torch.compile 0.5", 1001, 0.9),  # over
+            ref(COMPILE_SAC, "-", "error")]
+    payload = {"complete": True, "models": [{"target": "gpt2",
+                                             "rows": [dataclasses.asdict(r) for r in rows]}]}
+    (tmp_path / "results_cuda.json").write_text(json.dumps(payload))
+    claims = suite._bench_parse(_ctx(tmp_path), tmp_path, 0)
+    assert [c.status for c in claims] == ["PASS", "FAIL", "FAIL", "NOT RUN"]
+    assert "x1.019 vs the reference's x1.000" in claims[0].figure
+    assert "reference error" in claims[3].figure
+    assert suite._bench_parse(_ctx(tmp_path), tmp_path / "nothing", 1)[0].status == "NOT RUN"
+
+
+def test_exactness_claims_read_from_gpu_exact_rows(tmp_path: Path) -> None:
+    good = exact.Row("zoo-gpt2", "fp32", "full", "ok", True, True, 0.0, 100, 90, 90, 0.0)
+    bad = exact.Row("zoo-gpt2", "fp32", "sqrt", "FAILED: gradients differ", False, True, 1e-3,
+                    100, 99, 98, 0.0102)
+    gone = exact.Row("zoo-gpt2", "fp32", "optimal@30%", "infeasible: below the minimum")
+    payload = {"rows": [dataclasses.asdict(r) for r in (good, bad, gone)]}
+    (tmp_path / "zoo-gpt2").mkdir()  # the suite runs gpu_exact.py once per model
+    (tmp_path / "zoo-gpt2" / "exact_cuda-test-gpu.json").write_text(json.dumps(payload))
+    claims = suite._exact_parse(_ctx(tmp_path), tmp_path, 0)
+    assert [c.status for c in claims] == ["FAIL", "PASS", "PASS", "FAIL", "NOT RUN"]
+    assert claims[0].figure == "1 of 2 plans (1 infeasible)"
+    assert "worst |error| 1.020%" in claims[3].figure
+    assert "hf-llama" in claims[4].figure and "zoo-gpt2" not in claims[4].figure  # no results
+
+
+def test_offload_claims_follow_offload_targets(tmp_path: Path) -> None:
+    def row(name: str, peak: int, ratio: float, **kw: object) -> object:
+        return offload.Row(name, "ok", measured_peak_bytes=peak, time_ms=ratio,
+                           time_ratio=ratio, grads_equal=True, **kw)
+    rows = [row("plain", 100, 1.0), row("hf-per-block", 40, 1.3),
+            row("hf-per-block+save_on_cpu", 30, 2.0),
+            row("autoremat@save_on_cpu-peak", 29, 1.5, fits=True, offloaded=2),  # slower
+            row("autoremat-recompute@50%", 50, 1.2, fits=True),
+            row("autoremat-offload@50%", 50, 1.1, fits=True, offloaded=1),
+            row("autoremat-strategy-offload", 20, 1.4, fits=False)]  # over its budget
+    payload = {"rows": [dataclasses.asdict(r) for r in rows],
+               "targets": offload.targets(rows)}
+    (tmp_path / "offload_cuda-test-gpu.json").write_text(json.dumps(payload))
+    claims = suite._offload_parse(_ctx(tmp_path), tmp_path, 0)
+    assert len(claims) == len(payload["targets"])
+    assert [c.status for c in claims] == ["PASS", "FAIL", "PASS", "PASS", "FAIL"]
+    assert claims[1].figure == "x1.500 vs per-block x1.300"
+    assert claims[4].figure == "3 of 4 rows"
+
+
+def test_steps_that_do_not_fit_are_not_run(tmp_path: Path) -> None:
+    claims, steps = suite.run_suite(suite.Context("cpu", "tiny", tmp_path, CPU), minutes=0.05,
+                                    log=lambda _: None)
+    assert [s["step"] for s in steps] == [s.name for s in suite.STEPS]
+    assert all(s["outcome"].startswith("skipped") and "command" not in s for s in steps)
+    assert {c.status for c in claims} == {"NOT RUN"} and len(claims) == len(suite.STEPS)
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_a_step_past_its_time_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sleeper = suite.Step(
+        "sleeper", "sleeps", lambda ctx, folder: [sys.executable, "-c",
+                                                 "import time; time.sleep(60)"],
+        lambda ctx, folder, rc: [suite.Claim("sleeper", "sleeps", f"exit {rc}", "NOT RUN")],
+        {"tiny": 1.0}, {"tiny": 0.0})
+    monkeypatch.setattr(suite, "STEPS", (sleeper,))
+    claims, steps = suite.run_suite(suite.Context("cpu", "tiny", tmp_path, CPU), minutes=1,
+                                    log=lambda _: None)
+    assert steps[0]["returncode"] is None and steps[0]["seconds"] < 30
+    assert steps[0]["outcome"].startswith("timed out")
+    assert claims[-1].claim == "sleeper finished within its time"
+    assert claims[-1].status == "NOT RUN"
+    assert CPU in (tmp_path / "sleeper" / "sleeper.stdout.txt").read_text()
+
+
+def test_unreadable_results_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def parse(ctx: object, folder: Path, rc: int) -> list:  # type: ignore[type-arg]
+        return json.loads((folder / "cut.json").read_text())  # a result file cut short
+    step = suite.Step("cut", "writes half a file", lambda ctx, folder: [
+        sys.executable, "-c", f"open({str(tmp_path / 'cut' / 'cut.json')!r}, 'w').write('{{')"],
+        parse, {"tiny": 60.0}, {"tiny": 0.0})
+    monkeypatch.setattr(suite, "STEPS", (step,))
+    claims, steps = suite.run_suite(suite.Context("cpu", "tiny", tmp_path, CPU), minutes=2,
+                                    log=lambda _: None)
+    assert steps[0]["returncode"] == 0
+    assert [c.status for c in claims] == ["FAIL"]
+    assert claims[0].figure.startswith("could not read its results: JSONDecodeError")
