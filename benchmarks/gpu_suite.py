@@ -323,7 +323,35 @@ def _offload_figure(text: str, rows: dict[str, dict[str, Any]]) -> str:
            f" of {len(mine)} rows"
 
 
-# --- 5. profile cost -------------------------------------------------------------------
+# --- 5. the loss head ------------------------------------------------------------------
+
+
+def _head_command(ctx: Context, folder: Path) -> list[str]:
+    argv = [sys.executable, str(BENCH / "head.py"), "--device", ctx.device,
+            "--out", str(folder)]
+    if ctx.size == "tiny":
+        argv += ["--size", "tiny", "--rounds", "1"]
+    return argv
+
+
+def _head_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
+    files = sorted(folder.glob("head_*.json"))
+    if not files:
+        return [Claim("head", "the loss head's targets (benchmarks/head.py)",
+                      f"no results (exit {rc})", "NOT RUN")]
+    out = []
+    for line in json.loads(files[0].read_text())["targets"]:
+        found = re.match(r"- (.*): (PASS|FAIL|n/a)(.*)$", line)
+        if not found:
+            out.append(Claim("head", line, "unreadable target line", "FAIL"))
+            continue
+        text, verdict, extra = found.groups()
+        status: Status = {"PASS": "PASS", "FAIL": "FAIL", "n/a": "NOT RUN"}[verdict]  # type: ignore[assignment]
+        out.append(Claim("head", text.strip(), extra.strip() or verdict, status))
+    return out
+
+
+# --- 6. profile cost -------------------------------------------------------------------
 
 
 def _cost_command(ctx: Context, folder: Path) -> list[str]:
@@ -358,6 +386,8 @@ STEPS: tuple[Step, ...] = (
          {"gpu": 540, "tiny": 150}, {"gpu": 180, "tiny": 5}),
     Step("offload", "issue 17's targets (benchmarks/offload.py)", _offload_command,
          _offload_parse, {"gpu": 300, "tiny": 180}, {"gpu": 90, "tiny": 5}),
+    Step("head", "the loss head's targets (benchmarks/head.py)", _head_command, _head_parse,
+         {"gpu": 420, "tiny": 150}, {"gpu": 120, "tiny": 5}),
     Step("profile-cost", "cost of profile and auto, in plain steps (no target)",
          _cost_command, _cost_parse, {"gpu": 120, "tiny": 120}, {"gpu": 30, "tiny": 5}),
 )
