@@ -155,6 +155,9 @@ def test_hf_plans_with_a_chunked_head_keep_their_prediction(arch, vocab):
             assert out.logits is None  # the full logits are never built
         report = autoremat.verify(model, inputs, plan, repeats=1)
         assert report.ok, report
+        with torch.no_grad():  # evaluation: the head runs as the model's own
+            evaluated = model(**inputs)
+        assert evaluated.logits is not None and evaluated.logits.shape[-1] == vocab
         autoremat.remove(model)
         assert "forward" not in vars(model.lm_head) and "_loss_function" not in vars(model)
         _, out = _measured(model, inputs)

@@ -171,8 +171,9 @@ class LMHead(nn.Linear):
     Use it for a model of your own in place of ``nn.Linear(C, vocab)`` plus
     ``F.cross_entropy``: ``logits, loss = self.lm_head(x, labels)``. Unplanned (or with
     a plan that keeps the head) it runs exactly those two ops; under a plan whose head
-    is chunked it returns ``(None, loss)`` and never builds the full logits (NOTE [ A
-    chunked head ]). Parameters and state-dict keys are ``nn.Linear``'s.
+    is chunked it returns ``(None, loss)`` in a step with gradients and never builds the
+    full logits (NOTE [ A chunked head ]); without gradients (evaluation) it returns the
+    logits as unplanned. Parameters and state-dict keys are ``nn.Linear``'s.
 
     Args:
         in_features, out_features, bias: as ``nn.Linear`` (``out_features``: the vocabulary).
@@ -201,7 +202,7 @@ class LMHead(nn.Linear):
                 labels: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
         if labels is None:
             return super().forward(hidden), None
-        if self.chunks is not None:
+        if self.chunks is not None and torch.is_grad_enabled():
             if self.shift:
                 hidden, labels = hidden[..., :-1, :], labels[..., 1:]
             return None, linear_cross_entropy(

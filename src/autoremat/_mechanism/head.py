@@ -8,10 +8,12 @@ NOTE [ Which heads can be chunked ]
       labels shifted by one, ``ignore_index=-100``, mean over counted tokens or the sum
       over ``num_items_in_batch``, logits upcast to float32). Chunked, ``lm_head``
       returns the hidden states unchanged and the model's ``loss_function`` takes the
-      chunked loss of them; the output's ``logits`` is ``None``. A model that changes the
-      logits between ``lm_head`` and its loss (Gemma's soft-capping, Cohere's logit
-      scale) is found by its config, or at the latest by the loss seeing another tensor
-      than ``lm_head`` returned, and refused;
+      chunked loss of them; the output's ``logits`` is ``None``. In a forward without
+      gradients (evaluation, generation) the head runs as the model's own and returns
+      the logits: nothing is saved for backward there, and metrics read them. A model
+      that changes the logits between ``lm_head`` and its loss (Gemma's soft-capping,
+      Cohere's logit scale) is found by its config, or at the latest by the loss seeing
+      another tensor than ``lm_head`` returned, and refused;
     * a model of one's own with one :class:`autoremat.LMHead` called with labels.
     Anything else (a ``loss_fn`` of the caller's, which reads the logits; no labels; a
     head of another shape) keeps its head as it is, and the tape says why.
@@ -104,12 +106,18 @@ def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
 
 
 class _PassHidden:
-    """``lm_head.forward`` under a chunked head: the hidden states, unchanged."""
+    """``lm_head.forward`` under a chunked head: with gradients enabled (a training step)
+    the hidden states, unchanged, for the chunked loss; without (evaluation, generation)
+    the logits, as the plain layer computes them."""
 
-    def __init__(self) -> None:
-        self.last: Any = None  # weakref to the tensor returned last
+    def __init__(self, lm_head: nn.Linear) -> None:
+        self.lm_head = lm_head
+        self.last: Any = None  # weakref to the hidden states passed on last
 
     def __call__(self, hidden: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():
+            self.last = None
+            return nn.Linear.forward(self.lm_head, hidden)
         self.last = weakref.ref(hidden)
         return hidden
 
@@ -117,20 +125,25 @@ class _PassHidden:
         return self.last is not None and self.last() is tensor
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"last": None}  # a weakref does not pickle, and a copy has run nothing
+        return {"lm_head": self.lm_head, "last": None}  # a weakref does not pickle
 
 
 class _ChunkedCausalLMLoss:
     """``model.loss_function`` under a chunked head: Hugging Face's ``ForCausalLMLoss``
-    of the hidden states ``lm_head`` passed on, over ``chunks`` chunks of tokens."""
+    of the hidden states ``lm_head`` passed on, over ``chunks`` chunks of tokens; of
+    logits (a step without gradients), the model's own loss."""
 
     def __init__(self, lm_head: nn.Linear, passed: _PassHidden, chunks: int,
-                 install: HeadInstall) -> None:
+                 install: HeadInstall, own: Any) -> None:
         self.lm_head, self.passed, self.chunks, self.install = lm_head, passed, chunks, install
+        self.own = own  # the model's own loss function
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int,
                  num_items_in_batch: Tensor | int | None = None, ignore_index: int = -100,
                  shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        if self.passed.last is None:  # the plain layer ran: logits, not hidden states
+            return self.own(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if not self.passed.returned(logits):
             raise RematError(
                 "the model changed what lm_head returned before taking its loss (a "
@@ -203,11 +216,12 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int) -> HeadInstall:
     why = _hf_unsupported(model, module, {"labels": torch.empty(0)})
     if why:
         raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
-    passed = _PassHidden()
+    linear = cast(nn.Linear, module)
+    passed = _PassHidden(linear)
+    own = model.loss_function
     module.forward = passed  # type: ignore[method-assign]
     # the model's loss_function property returns _loss_function when one is set
-    vars(model)["_loss_function"] = _ChunkedCausalLMLoss(cast(nn.Linear, module), passed,
-                                                         chunks, install)
+    vars(model)["_loss_function"] = _ChunkedCausalLMLoss(linear, passed, chunks, install, own)
     install.handles.append(model.register_forward_hook(_DropLogits(passed)))
     return install
 
