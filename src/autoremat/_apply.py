@@ -22,6 +22,7 @@ NOTE [ Every rank applies one plan ]
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -224,10 +225,10 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 runner = SegmentRunner(blocks, [b.name for b in plan.blocks[start:stop]])
                 runner.install()
                 state.runners.append(runner)
-        state.handles.append(model.register_forward_pre_hook(_shape_check(state),
-                                                             with_kwargs=True))
-        state.handles.append(model.register_forward_hook(_close_segments(state),
-                                                         always_call=True))
+        state.handles.append(model.register_forward_pre_hook(
+            functools.partial(_shape_check, state), with_kwargs=True))
+        state.handles.append(model.register_forward_hook(
+            functools.partial(_close_segments, state), always_call=True))
     except BaseException:
         _undo(state)
         raise
@@ -268,21 +269,21 @@ def _first_difference(first: dict[str, Any], other: dict[str, Any]) -> str:
     return f"{len(a)} blocks on rank 0, {len(b)} on the other"
 
 
-def _shape_check(state: _Applied) -> Any:
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-        inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
-                                                          not kwargs else args)
-        if torch.is_grad_enabled():
-            _check_setting(module, inputs, state)
-        signature = describe_inputs(inputs)
-        if signature != state.plan.inputs and signature not in state.warned \
-                and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
-            state.warned.add(signature)
-            warnings.warn(
-                f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
-                f"runs on {signature}. Its memory prediction no longer holds: re-plan "
-                f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
-    return hook
+def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """The model's forward pre-hook (bound to ``state`` with ``functools.partial``, so
+    that a copy of the model checks against the copy's state)."""
+    inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
+                                                      not kwargs else args)
+    if torch.is_grad_enabled():
+        _check_setting(module, inputs, state)
+    signature = describe_inputs(inputs)
+    if signature != state.plan.inputs and signature not in state.warned \
+            and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
+        state.warned.add(signature)
+        warnings.warn(
+            f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
+            f"runs on {signature}. Its memory prediction no longer holds: re-plan "
+            f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
 
 
 def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:
@@ -315,11 +316,9 @@ def _without_scalars(inputs: Any) -> Any:
     return {k: v for k, v in inputs.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)}
 
 
-def _close_segments(state: _Applied) -> Any:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        for runner in state.runners:
-            runner.abort()  # no-op after a normal forward; closes frames after an error
-    return hook
+def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) -> None:
+    for runner in state.runners:
+        runner.abort()  # no-op after a normal forward; closes frames after an error
 
 
 def _undo(state: _Applied) -> None:

@@ -34,7 +34,8 @@ from autoremat._core import rng
 from autoremat._core.errors import RematError, internal_assert
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
-__all__ = ["checkpointed", "install_forward", "is_wrapped", "stashed_buffers", "unwrap", "wrap"]
+__all__ = ["RegionContexts", "checkpointed", "install_forward", "is_wrapped", "stashed_buffers",
+           "unwrap", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -64,52 +65,152 @@ def stashed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     return [buf for layer in _tracking_batchnorms(modules) for buf in _statistics(layer)]
 
 
-@contextmanager
-def _restored_batchnorm_stats(layers: list[_BatchNorm]) -> Iterator[None]:
-    saved = [[(buf, buf.detach().clone()) for buf in _statistics(m)] for m in layers]
-    try:
-        yield
-    finally:
+class _RestoredBatchNormStats:
+    """Puts ``layers``' statistics back as they were when entered. Re-entrant: each
+    ``with`` copies them afresh (NOTE [ Contexts a backward may enter again ])."""
+
+    def __init__(self, layers: list[_BatchNorm]) -> None:
+        self.layers = layers
+        self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append([(buf, buf.detach().clone()) for m in self.layers
+                           for buf in _statistics(m)])
+
+    def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
-            for pairs in saved:
-                for buf, value in pairs:
-                    buf.copy_(value)
+            for buf, value in self.saved.pop():
+                buf.copy_(value)
 
 
-def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> ContextFn:
+# NOTE [ Contexts a backward may enter again ]
+#     ``checkpoint`` calls its ``context_fn`` once per forward and enters the recompute
+#     context each time a backward needs the region's tensors: once per backward that
+#     reaches it (``retain_graph=True`` then a second backward, two losses off one
+#     forward) and again under ``create_graph=True`` (a gradient penalty). A
+#     ``@contextmanager`` object can be entered once only (the second ``with`` fails
+#     with "'_GeneratorContextManager' object has no attribute 'args'"), so every
+#     context a region hands to checkpoint is an object whose ``__enter__`` starts
+#     afresh: the RNG states are replayed from the forward's snapshot again, BatchNorm
+#     statistics copied aside again, the selective mode's counters reset.
+
+
+class _ForwardContext:
+    """A region's forward: notes the RNG states (NOTE [ Replaying the forward's RNG ])
+    and runs ``inner`` (the selective mode, or nothing)."""
+
+    def __init__(self, inner: AbstractContextManager[Any]) -> None:
+        self.inner = inner
+        self.start: rng.RngSnapshot | None = None
+
+    def __enter__(self) -> None:
+        self.start = rng.snapshot()
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.inner.__exit__(*exc)
+
+
+class _RecomputeContext:
+    """A region's recompute, re-entrant (NOTE [ Contexts a backward may enter again ]):
+    replays the forward's RNG states, puts BatchNorm statistics back, runs ``inner``."""
+
+    def __init__(self, forward: _ForwardContext, layers: list[_BatchNorm],
+                 inner: AbstractContextManager[Any]) -> None:
+        self.forward = forward
+        self.layers = layers
+        self.inner = inner
+        self.stacks: list[ExitStack] = []
+
+    def __enter__(self) -> None:
+        start = self.forward.start
+        internal_assert(start is not None, "a checkpointed region is recomputed before its "
+                                           "forward ran")
+        assert start is not None  # (for the type checker)
+        with ExitStack() as stack:
+            stack.enter_context(_RestoredBatchNormStats(self.layers))
+            stack.enter_context(rng.replaying(start))
+            stack.enter_context(self.inner)
+            self.stacks.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.stacks.pop().__exit__(*exc)
+
+
+@dataclass(frozen=True)
+class RegionContexts:
     """The ``context_fn`` of one checkpointed region (a block or a segment): forward
     notes the RNG states, recompute replays them (NOTE [ Replaying the forward's RNG ])
-    and puts BatchNorm statistics back; ``selective`` adds its modes inside both."""
-    def make() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        layers = _tracking_batchnorms(modules)
-        forward_ctx, recompute_ctx = selective() if selective else (nullcontext(), nullcontext())
-        start: list[rng.RngSnapshot] = []
+    and puts BatchNorm statistics back; ``selective`` adds its modes inside both.
 
-        @contextmanager
-        def forward() -> Iterator[None]:
-            start.append(rng.snapshot())
-            with forward_ctx:
-                yield
+    An object rather than a closure, so that a deep copy of an applied model checkpoints
+    the copy's modules and the model pickles (NOTE [ Copying and pickling an applied
+    model ])."""
 
-        @contextmanager
-        def recompute() -> Iterator[None]:
-            internal_assert(bool(start), "a checkpointed region is recomputed before its "
-                                         "forward ran")
-            with ExitStack() as stack:
-                stack.enter_context(_restored_batchnorm_stats(layers))
-                stack.enter_context(rng.replaying(start[0]))
-                stack.enter_context(recompute_ctx)
-                yield
+    modules: list[nn.Module]
+    selective: ContextFn | None = None
 
-        return forward(), recompute()
-
-    return make
+    def __call__(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        layers = _tracking_batchnorms(self.modules)
+        forward_ctx, recompute_ctx = self.selective() if self.selective else \
+            (nullcontext(), nullcontext())
+        forward = _ForwardContext(forward_ctx)
+        return forward, _RecomputeContext(forward, layers, recompute_ctx)
 
 
 # (the module's forward, a runner of a checkpoint of a function of no arguments) -> the
 # forward to install: how offload.input_offloaded hands a checkpoint its input
 InputRunner = Callable[[Callable[..., Any], Callable[[Callable[[], Any]], Any]],
                        Callable[..., Any]]
+
+
+class _Original:
+    """A module's own forward: the instance-level one that was there before us, else its
+    class's, called on the module. It refers to the module, not to a bound method made
+    when we wrapped it, so that a deep copy calls the copy's (NOTE [ Copying and
+    pickling an applied model ])."""
+
+    def __init__(self, module: nn.Module, user_forward: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.user_forward = user_forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.user_forward is not None:
+            return self.user_forward(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class _Checkpointed:
+    """The forward ``wrap`` installs: the module's own forward under a non-reentrant
+    checkpoint (see ``wrap`` for the arguments)."""
+
+    def __init__(self, original: Callable[..., Any], context_fn: RegionContexts,
+                 compiled: Any, inputs: InputRunner | None) -> None:
+        self.original = original
+        self.context_fn = context_fn
+        self.compiled = compiled
+        self.boxed = inputs(original, self._checkpoint) if inputs is not None else None
+
+    def _checkpoint(self, fn: Callable[[], Any]) -> Any:
+        return checkpoint(fn, use_reentrant=False, context_fn=self.context_fn,
+                          preserve_rng_state=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.original
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)  # nothing is saved without grad
+        if self.boxed is not None:
+            if is_compiling():
+                refuse_under_compile("a checkpoint with an offloaded input",
+                                     "it copies between streams from Python")
+            return self.boxed(*args, **kwargs)
+        if is_compiling():  # compile's own RNG handling and partitioner take over
+            if self.compiled is None:
+                return checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(original, *args, use_reentrant=False, context_fn=self.compiled,
+                              **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, context_fn=self.context_fn,
+                          preserve_rng_state=False, **kwargs)  # we replay it ourselves
 
 
 def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None,
@@ -131,32 +232,9 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
             arguments); ``offload.input_offloaded`` offloads the input (NOTE
             [ Offloading a checkpoint's input ]). Not under compile.
     """
-    context_fn = _context_fn([module], selective)
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(fn: Callable[[], Any]) -> Any:
-            return checkpoint(fn, use_reentrant=False, context_fn=context_fn,
-                              preserve_rng_state=False)
-        boxed = inputs(original, call) if inputs is not None else None
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return original(*args, **kwargs)  # nothing is saved without grad
-            if boxed is not None:
-                if is_compiling():
-                    refuse_under_compile("a checkpoint with an offloaded input",
-                                         "it copies between streams from Python")
-                return boxed(*args, **kwargs)
-            if is_compiling():  # compile's own RNG handling and partitioner take over
-                if compiled is None:
-                    return checkpoint(original, *args, use_reentrant=False, **kwargs)
-                return checkpoint(original, *args, use_reentrant=False, context_fn=compiled,
-                                  **kwargs)
-            return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
-                              preserve_rng_state=False, **kwargs)  # we replay it ourselves
-        return forward
-
-    install_forward(module, make, tag)
+    context_fn = RegionContexts([module], selective)
+    install_forward(module, lambda original: _Checkpointed(original, context_fn, compiled,
+                                                           inputs), tag)
 
 
 def install_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]],
@@ -167,7 +245,7 @@ def install_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Call
     if is_wrapped(module):
         unwrap(module)
     user_forward = module.__dict__.get("forward")
-    module.forward = make(module.forward)  # type: ignore[method-assign]
+    module.forward = make(_Original(module, user_forward))  # type: ignore[method-assign]
     setattr(module, _MARK, _WrapState(user_forward=user_forward, tag=tag))
 
 
