@@ -200,7 +200,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 continue
             if decision == "offload":
                 after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
-                _, handle = offload(blocks[0], model, after, dtype=dtype)
+                _, handle = offload(blocks[0], model, after, dtype=dtype,
+                                    name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
                 if handle is not None:
                     state.handles.append(handle)
@@ -210,16 +211,18 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                     wrap(module, tag="selective", selective=selective_context(
                         b.save_ops, keep_ops=b.keep_ops, skip_ops=b.skip_ops,
                         signature=b.op_signature),
-                        compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)))
+                        compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)),
+                        name=b.name)
                     state.wrapped.append(module)
             elif stop == start + 1 and plan.blocks[start].offload_input:
                 after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
-                _, handle = offload(blocks[0], model, after, input_only=True, dtype=dtype)
+                _, handle = offload(blocks[0], model, after, input_only=True, dtype=dtype,
+                                    name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
                 if handle is not None:
                     state.handles.append(handle)
             elif stop == start + 1:
-                wrap(blocks[0], tag="recompute")
+                wrap(blocks[0], tag="recompute", name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
             else:
                 runner = SegmentRunner(blocks, [b.name for b in plan.blocks[start:stop]])

@@ -63,7 +63,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autoremat._core.errors import RematError
 from autoremat._mechanism.compiled import refuse_under_compile
-from autoremat._mechanism.wrap import install_forward, unwrap, wrap
+from autoremat._mechanism.wrap import (
+    install_forward,
+    refuse_under_func_transforms,
+    unwrap,
+    wrap,
+)
 
 __all__ = ["BlockOffload", "OffloadGroup", "OffloadStats", "input_offloaded", "offload",
            "offload_forward", "offloading", "prefetch_hook", "simulated_host"]
@@ -268,10 +273,11 @@ class _OffloadedForward:
     tensors ]); ``state.group`` is the latest call's group."""
 
     def __init__(self, original: Callable[..., Any], root: nn.Module,
-                 state: BlockOffload) -> None:
+                 state: BlockOffload, name: str = "") -> None:
         self.original = original
         self.root = _Root(root)
         self.state = state
+        self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -279,6 +285,7 @@ class _OffloadedForward:
         if torch.compiler.is_compiling():
             refuse_under_compile("an offloaded block", "its saved-tensor hooks copy "
                                  "between streams from Python")
+        refuse_under_func_transforms(repr(self.name))
         group = OffloadGroup(self.root.frozen(), self.state.dtype)
         self.state.group = group
         with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
@@ -322,20 +329,21 @@ def prefetch_hook(state: BlockOffload) -> Callable[..., None]:
 
 def offload(module: nn.Module, root: nn.Module, after: nn.Module | None, *,
             input_only: bool = False,
-            dtype: torch.dtype | None = None) -> tuple[BlockOffload, Any]:
+            dtype: torch.dtype | None = None, name: str = "") -> tuple[BlockOffload, Any]:
     """Offload ``module``'s saved tensors (tag ``"offload"``), or with ``input_only``
     checkpoint it and offload its input (tag ``"recompute+offload"``); ``unwrap``
     undoes either. What was offloaded is prefetched when the backward of ``after`` (the
-    next block, if any) starts. Returns the block's state and the prefetch hook's handle
-    (to remove with the wrapper; ``None`` without ``after``). With ``dtype``, floating
-    tensors wider than it are stored in it (NOTE [ Compressed offload ])."""
+    next block, if any) starts; ``name`` (the module's) is for error messages. Returns
+    the block's state and the prefetch hook's handle (to remove with the wrapper;
+    ``None`` without ``after``). With ``dtype``, floating tensors wider than it are
+    stored in it (NOTE [ Compressed offload ])."""
     state = BlockOffload(dtype=dtype)
     if input_only:
         wrap(module, tag="recompute+offload",
-             inputs=functools.partial(_InputOffloaded, root=root, state=state))
+             inputs=functools.partial(_InputOffloaded, root=root, state=state), name=name)
     else:
-        install_forward(module, lambda original: offload_forward(original, root, state),
-                        "offload")
+        install_forward(module, lambda original: _OffloadedForward(
+            original, root, state, name or type(module).__name__), "offload")
     handle = after.register_forward_hook(prefetch_hook(state)) if after is not None else None
     return state, handle
 
@@ -355,7 +363,8 @@ def offloading(model: nn.Module, names: list[str], saved: list[str],
             module = model.get_submodule(name)
             after = model.get_submodule(names[i + 1]) if i + 1 < len(names) else None
             modules.append(module)
-            states[name], handle = offload(module, model, after, input_only=name in inputs)
+            states[name], handle = offload(module, model, after, input_only=name in inputs,
+                                           name=name)
             handles.append(handle)
         yield states
     finally:

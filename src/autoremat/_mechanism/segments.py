@@ -35,7 +35,11 @@ from autoremat._core.errors import PlanMismatchError, RematError
 from autoremat._core.step import flat_tensors
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 from autoremat._mechanism.engines import is_fsdp
-from autoremat._mechanism.wrap import RegionContexts
+from autoremat._mechanism.wrap import (
+    RegionContexts,
+    refuse_changed_input,
+    refuse_under_func_transforms,
+)
 
 __all__ = ["SegmentRunner", "refuse_under_fsdp"]
 
@@ -83,10 +87,17 @@ class SegmentRunner:
     _calls: list[_Call] = field(default_factory=list)
     _prev_out: list[Any] = field(default_factory=list)
     _replaying: bool = False
+    _inputs: list[torch.Tensor] = field(default_factory=list)  # the first block's, and
+    _versions: list[int] = field(default_factory=list)  # their versions when it started
+
+    def __post_init__(self) -> None:
+        # one for the runner's life: it warns once (NOTE [ What a recompute cannot see ])
+        self._contexts = RegionContexts(self.modules, label=self._label)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_gen=None, _calls=[], _prev_out=[], _replaying=False)  # one step's
+        state.update(_gen=None, _calls=[], _prev_out=[], _replaying=False, _inputs=[],
+                     _versions=[])  # one step's
         return state
 
     def install(self) -> None:
@@ -105,7 +116,7 @@ class SegmentRunner:
     def abort(self) -> None:
         """Close an open frame (the forward raised between the first and last block)."""
         gen, self._gen = self._gen, None
-        self._calls, self._prev_out = [], []
+        self._calls, self._prev_out, self._inputs, self._versions = [], [], [], []
         if gen is not None:
             gen.close()
 
@@ -121,14 +132,17 @@ class SegmentRunner:
                 self.abort()
                 raise RematError(f"segment {self.names[0]}..{self.names[-1]} started "
                                  f"again before its last block ran")
+            refuse_under_func_transforms(self._label)
             calls = [_Call(module, args, kwargs)]
             self._calls = calls  # this step's calls; the frame replays exactly these
+            self._inputs = flat_tensors((args, kwargs))
+            self._versions = [t._version for t in self._inputs]
             # The input tensors go to the frame only so that it infers the device
             # type (autocast is replayed for it); the replay ignores them. RNG is
             # ours: NOTE [ Replaying the forward's RNG ] (rng.py).
             self._gen = _cp._checkpoint_without_reentrant_generator(
-                functools.partial(self._replay, calls), False, RegionContexts(self.modules),
-                "default", False, True, *flat_tensors((args, kwargs)),
+                functools.partial(self._replay, calls), False, self._contexts, "default",
+                False, True, *self._inputs,
             )
             next(self._gen)
             return
@@ -162,6 +176,13 @@ class SegmentRunner:
             gen, self._gen = self._gen, None
             self._prev_out = []
             next(gen, None)
+            inputs, versions = self._inputs, self._versions
+            self._inputs, self._versions = [], []
+            refuse_changed_input(self._label, inputs, versions)
+
+    @property
+    def _label(self) -> str:
+        return f"{self.names[0]}..{self.names[-1]} (a segment)"
 
     def _replay(self, calls: list[_Call], *_: Any) -> None:
         self._replaying = True

@@ -20,22 +20,27 @@ NOTE [ BatchNorm under recompute ]
 
 from __future__ import annotations
 
+import random
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import checkpoint as _cp
 from torch.utils.checkpoint import checkpoint
 
 from autoremat._core import rng
 from autoremat._core.errors import RematError, internal_assert
+from autoremat._core.step import flat_tensors
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
-__all__ = ["RegionContexts", "checkpointed", "install_forward", "is_wrapped", "stashed_buffers",
-           "unwrap", "wrap"]
+__all__ = ["RegionContexts", "StatefulBlockWarning", "checkpointed", "install_forward",
+           "is_wrapped", "refuse_changed_input", "refuse_under_func_transforms",
+           "stashed_buffers", "unwrap", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -65,17 +70,22 @@ def stashed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     return [buf for layer in _tracking_batchnorms(modules) for buf in _statistics(layer)]
 
 
-class _RestoredBatchNormStats:
-    """Puts ``layers``' statistics back as they were when entered. Re-entrant: each
-    ``with`` copies them afresh (NOTE [ Contexts a backward may enter again ])."""
+class StatefulBlockWarning(UserWarning):
+    """A checkpointed block changed one of its buffers (other than BatchNorm's running
+    statistics) in forward: its recompute in backward runs that forward again (NOTE
+    [ What a recompute cannot see ])."""
 
-    def __init__(self, layers: list[_BatchNorm]) -> None:
-        self.layers = layers
+
+class _RestoredBuffers:
+    """Puts ``buffers`` back as they were when entered. Re-entrant: each ``with`` copies
+    them afresh (NOTE [ Contexts a backward may enter again ])."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
         self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
     def __enter__(self) -> None:
-        self.saved.append([(buf, buf.detach().clone()) for m in self.layers
-                           for buf in _statistics(m)])
+        self.saved.append([(buf, buf.detach().clone()) for buf in self.buffers])
 
     def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
@@ -93,48 +103,170 @@ class _RestoredBatchNormStats:
 #     context a region hands to checkpoint is an object whose ``__enter__`` starts
 #     afresh: the RNG states are replayed from the forward's snapshot again, BatchNorm
 #     statistics copied aside again, the selective mode's counters reset.
+#
+# NOTE [ What a recompute cannot see ]
+#     A recompute runs the region's forward again on the same inputs, with the same
+#     torch RNG states, and must dispatch the same ops: checkpoint matches the tensors
+#     it saves one to one. What else a forward depends on is checked where it shows:
+#     * Python's ``random`` (stochastic depth drawn with ``random.random()``): not
+#       replayed, so a recompute takes another branch or scale (silently wrong
+#       gradients where the shapes agree). Its state is compared before and after the
+#       forward, and a region that drew from it is refused there.
+#     * An in-place change of the region's input (``x.mul_(2)`` on the argument):
+#       checkpoint keeps the input for the recompute, which would then see the changed
+#       value; refused when the forward returns (the version counters moved).
+#     * Control flow on anything but the inputs (an early exit on a call counter or a
+#       schedule): the recompute saves fewer tensors than the forward did, which is
+#       seen when it ends (with early stop, a recompute that matches the forward is
+#       always stopped by checkpoint at its last saved tensor), or more, which
+#       checkpoint raises inside it; either is re-raised naming the region.
+#     * A ``torch.Generator`` a module holds as an attribute is replayed like the
+#       default ones (``rng.module_generators``); one held elsewhere is not seen.
+#     * A buffer other than BatchNorm's statistics changed in forward: put back after
+#       each recompute (updated once, as BatchNorm's), but the recompute reads it as
+#       the forward left it, not as it found it; warned once (StatefulBlockWarning).
+#     What a recompute saves with other shapes than the forward (a slice whose length
+#     is drawn) is still checkpoint's own error, raised after the recompute ends.
+
+
+def _changed_inputs(tensors: list[torch.Tensor], versions: list[int]) -> list[int]:
+    return [i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v]
+
+
+def refuse_changed_input(label: str, tensors: list[torch.Tensor], versions: list[int]) -> None:
+    """Raise a :class:`RematError` if ``label``'s forward changed one of its input
+    ``tensors`` in place (their ``_version`` moved from ``versions``)."""
+    changed = _changed_inputs(tensors, versions)
+    if changed:
+        t = tensors[changed[0]]
+        raise RematError(
+            f"block {label} changed its input in place (tensor argument {changed[0]}, "
+            f"shape {tuple(t.shape)}): a checkpoint keeps the input for the recompute in "
+            "backward, which would see the changed value (NOTE [ What a recompute cannot "
+            "see ]). Keep this block (leave it out of blocks= when profiling) or make the "
+            "change out of place (x = x * 2 rather than x.mul_(2))")
+
+
+def refuse_under_func_transforms(label: str) -> None:
+    """Raise a :class:`RematError` under ``torch.func.grad`` (and ``vjp``, ``jacrev``,
+    ``hessian``), which cannot run saved-tensor hooks, on which every checkpoint and
+    offload rests."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    from_grad = [i for i in torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()
+                 if i.key() == torch._C._functorch.TransformType.Grad]
+    if from_grad:
+        raise RematError(
+            f"block {label} is checkpointed by autoremat and runs under torch.func.grad "
+            "(or vjp, jacrev, hessian), which does not support the saved-tensor hooks "
+            "checkpoints and offload rest on. Call autoremat.remove(model) before the "
+            "transform, or take gradients with loss.backward() / torch.autograd.grad")
 
 
 class _ForwardContext:
-    """A region's forward: notes the RNG states (NOTE [ Replaying the forward's RNG ])
-    and runs ``inner`` (the selective mode, or nothing)."""
+    """A region's forward: notes the RNG states (NOTE [ Replaying the forward's RNG ]),
+    Python's ``random`` state and the region's buffers (NOTE [ What a recompute cannot
+    see ]), and runs ``inner`` (the selective mode, or nothing)."""
 
-    def __init__(self, inner: AbstractContextManager[Any]) -> None:
+    def __init__(self, region: RegionContexts, inner: AbstractContextManager[Any]) -> None:
+        self.region = region
         self.inner = inner
         self.start: rng.RngSnapshot | None = None
+        self.changed: list[torch.Tensor] = []  # buffers the forward changed
 
     def __enter__(self) -> None:
-        self.start = rng.snapshot()
+        modules = self.region.modules
+        self.start = rng.snapshot([*rng.generators(), *rng.module_generators(modules)])
+        self.python = random.getstate()
+        self.buffers = _plain_buffers(modules)
+        self.versions = [buf._version for _, buf in self.buffers]
         self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
-        return self.inner.__exit__(*exc)
+        suppress = self.inner.__exit__(*exc)
+        if exc[0] is None:
+            self._check()
+        return suppress
+
+    def _check(self) -> None:
+        label = self.region.label
+        if random.getstate() != self.python:
+            raise RematError(
+                f"block {label} draws from Python's random module in forward (stochastic "
+                "depth with random.random()?): a recompute in backward draws again and can "
+                "take another branch or scale, and Python's random is not replayed (NOTE "
+                "[ What a recompute cannot see ]). Draw from torch instead (torch.rand(()) "
+                "is replayed exactly), or keep this block (leave it out of blocks= when "
+                "profiling)")
+        changed = [(name, buf) for (name, buf), v in zip(self.buffers, self.versions,
+                                                         strict=True) if buf._version != v]
+        self.changed = [buf for _, buf in changed]
+        if changed and "buffers" not in self.region.warned:
+            self.region.warned.add("buffers")
+            warnings.warn(
+                f"autoremat: block {label} changes its buffer(s) "
+                f"{', '.join(sorted({name for name, _ in changed})[:3])} in forward. autoremat "
+                "puts them back after each recompute (so they are updated once, as BatchNorm's "
+                "statistics), but the recompute reads them as the forward left them: if "
+                "the forward reads a buffer after changing it, gradients differ from the "
+                "plain model's. Keep this block (leave it out of blocks= when profiling) "
+                "or update the buffer outside it", StatefulBlockWarning, stacklevel=2)
+
+
+def _plain_buffers(modules: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of ``modules`` other than BatchNorm statistics, with their names."""
+    stats = {id(b) for b in stashed_buffers(modules)}
+    return [(name, buf) for module in modules for name, buf in module.named_buffers()
+            if id(buf) not in stats]
 
 
 class _RecomputeContext:
     """A region's recompute, re-entrant (NOTE [ Contexts a backward may enter again ]):
-    replays the forward's RNG states, puts BatchNorm statistics back, runs ``inner``."""
+    replays the forward's RNG states, puts BatchNorm statistics and the buffers the
+    forward changed back, runs ``inner``; a recompute that ran other ops than the
+    forward is refused naming the region (NOTE [ What a recompute cannot see ])."""
 
-    def __init__(self, forward: _ForwardContext, layers: list[_BatchNorm],
-                 inner: AbstractContextManager[Any]) -> None:
+    def __init__(self, forward: _ForwardContext, inner: AbstractContextManager[Any]) -> None:
         self.forward = forward
-        self.layers = layers
         self.inner = inner
         self.stacks: list[ExitStack] = []
 
     def __enter__(self) -> None:
-        start = self.forward.start
+        forward = self.forward
+        start = forward.start
         internal_assert(start is not None, "a checkpointed region is recomputed before its "
                                            "forward ran")
         assert start is not None  # (for the type checker)
         with ExitStack() as stack:
-            stack.enter_context(_RestoredBatchNormStats(self.layers))
+            stack.enter_context(_RestoredBuffers(
+                [*stashed_buffers(forward.region.modules), *forward.changed]))
             stack.enter_context(rng.replaying(start))
             stack.enter_context(self.inner)
             self.stacks.append(stack.pop_all())
 
     def __exit__(self, *exc: Any) -> Any:
-        return self.stacks.pop().__exit__(*exc)
+        suppress = self.stacks.pop().__exit__(*exc)
+        if exc[0] is None and _early_stop():
+            raise RematError(self._message("the recompute saved fewer tensors for backward "
+                                           "than the forward did"))
+        if isinstance(exc[1], _cp.CheckpointError):  # it saved more
+            raise RematError(self._message(str(exc[1]).splitlines()[0])) from exc[1]
+        return suppress
+
+    def _message(self, what: str) -> str:
+        return (f"block {self.forward.region.label} ran other ops when it was recomputed in "
+                f"backward than in its forward ({what}): a recompute must run the same ops. "
+                "Its forward depends on something besides its inputs and torch's RNG: a "
+                "counter, flag or schedule that changed since the forward, an early exit "
+                "on one, Python's or numpy's random (not replayed: draw from torch) (NOTE "
+                "[ What a recompute cannot see ]). Keep this block (leave it out of "
+                "blocks= when profiling) or make its forward a function of its inputs")
+
+
+def _early_stop() -> bool:
+    """Whether checkpoint stops a recompute at the last tensor the forward saved (its
+    default; ``set_checkpoint_early_stop(False)`` turns it off)."""
+    return _cp._enable_checkpoint_early_stop is not False
 
 
 @dataclass(frozen=True)
@@ -142,6 +274,7 @@ class RegionContexts:
     """The ``context_fn`` of one checkpointed region (a block or a segment): forward
     notes the RNG states, recompute replays them (NOTE [ Replaying the forward's RNG ])
     and puts BatchNorm statistics back; ``selective`` adds its modes inside both.
+    ``label`` names the region in errors and warnings.
 
     An object rather than a closure, so that a deep copy of an applied model checkpoints
     the copy's modules and the model pickles (NOTE [ Copying and pickling an applied
@@ -149,13 +282,14 @@ class RegionContexts:
 
     modules: list[nn.Module]
     selective: ContextFn | None = None
+    label: str = "?"
+    warned: set[str] = field(default_factory=set, compare=False)  # warnings given once
 
     def __call__(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        layers = _tracking_batchnorms(self.modules)
         forward_ctx, recompute_ctx = self.selective() if self.selective else \
             (nullcontext(), nullcontext())
-        forward = _ForwardContext(forward_ctx)
-        return forward, _RecomputeContext(forward, layers, recompute_ctx)
+        forward = _ForwardContext(self, forward_ctx)
+        return forward, _RecomputeContext(forward, recompute_ctx)
 
 
 # (the module's forward, a runner of a checkpoint of a function of no arguments) -> the
@@ -199,22 +333,28 @@ class _Checkpointed:
         original = self.original
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)  # nothing is saved without grad
-        if self.boxed is not None:
-            if is_compiling():
+        if is_compiling():  # compile's own RNG handling and partitioner take over
+            if self.boxed is not None:
                 refuse_under_compile("a checkpoint with an offloaded input",
                                      "it copies between streams from Python")
-            return self.boxed(*args, **kwargs)
-        if is_compiling():  # compile's own RNG handling and partitioner take over
             if self.compiled is None:
                 return checkpoint(original, *args, use_reentrant=False, **kwargs)
             return checkpoint(original, *args, use_reentrant=False, context_fn=self.compiled,
                               **kwargs)
-        return checkpoint(original, *args, use_reentrant=False, context_fn=self.context_fn,
-                          preserve_rng_state=False, **kwargs)  # we replay it ourselves
+        refuse_under_func_transforms(self.context_fn.label)
+        tensors = flat_tensors((args, kwargs))
+        versions = [t._version for t in tensors]
+        if self.boxed is not None:
+            out = self.boxed(*args, **kwargs)
+        else:
+            out = checkpoint(original, *args, use_reentrant=False, context_fn=self.context_fn,
+                             preserve_rng_state=False, **kwargs)  # we replay it ourselves
+        refuse_changed_input(self.context_fn.label, tensors, versions)
+        return out
 
 
 def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None,
-         compiled: Any = None, inputs: InputRunner | None = None) -> None:
+         compiled: Any = None, inputs: InputRunner | None = None, name: str = "") -> None:
     """Make ``module`` recompute its forward during backward. Idempotent; re-wrapping
     replaces the previous wrapper.
 
@@ -231,8 +371,9 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
         inputs: how the checkpoint gets the module's arguments (``None``: as
             arguments); ``offload.input_offloaded`` offloads the input (NOTE
             [ Offloading a checkpoint's input ]). Not under compile.
+        name: the module's qualified name, for errors and warnings (default: its class).
     """
-    context_fn = RegionContexts([module], selective)
+    context_fn = RegionContexts([module], selective, repr(name or type(module).__name__))
     install_forward(module, lambda original: _Checkpointed(original, context_fn, compiled,
                                                            inputs), tag)
 
@@ -285,7 +426,7 @@ def checkpointed(model: nn.Module, names: list[str],
     try:
         for name, module in zip(names, modules, strict=True):
             wrap(module, tag="selective" if name in selective else "recompute",
-                 selective=selective.get(name), compiled=compiled.get(name))
+                 selective=selective.get(name), compiled=compiled.get(name), name=name)
         yield
     finally:
         for module in modules:
