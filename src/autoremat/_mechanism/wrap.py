@@ -14,8 +14,24 @@ NOTE [ BatchNorm under recompute ]
     second time. Recompute saves the block's BatchNorm statistics (a few KiB) and puts
     them back when it ends. (Setting ``track_running_stats = False`` instead looks
     simpler, but the layer then saves a different number of tensors and checkpoint's
-    recompute check fails.) Other modules that change their own buffers in forward are
-    not handled.
+    recompute check fails.) Other buffers a forward changes are put back the same way,
+    with a warning (NOTE [ What a recompute cannot see ]).
+
+NOTE [ Copying and pickling an applied model ]
+    ``copy.deepcopy(model)`` of an applied model (how EMA and teacher copies are made)
+    must give a model whose wrapped blocks run the *copy's* modules, and
+    ``torch.save(model)`` must pickle. ``deepcopy`` copies functions as they are, so a
+    closure installed as a forward, hook or ``context_fn`` kept calling the original's
+    blocks (the copy's parameters got no gradients, the original's did), and ``pickle``
+    cannot store a closure at all. So everything ``apply`` installs is an object of a
+    module-level class (``_Checkpointed``, ``RegionContexts``, ``_OffloadedForward``,
+    ``SegmentRunner`` with its hooks as ``functools.partial`` of its methods, the
+    model's hooks as ``partial`` objects over the applied state) that refers to the modules it
+    runs: ``deepcopy`` copies those references along with the model (its memo maps
+    each module to its copy), and ``pickle`` stores them. The original forward is
+    ``_Original(module)``, not a bound method taken when wrapping. What one step leaves
+    behind (an open segment frame, the last offloaded group) is not copied. The copy
+    carries the plan (``applied_plan``) and ``remove`` undoes it on the copy alone.
 """
 
 from __future__ import annotations
@@ -176,7 +192,11 @@ class _ForwardContext:
 
     def __enter__(self) -> None:
         modules = self.region.modules
-        self.start = rng.snapshot([*rng.generators(), *rng.module_generators(modules)])
+        gens = rng.generators()
+        for gen in rng.module_generators(modules):  # (a generator the blocks share: once)
+            if all(gen is not known for known in gens):
+                gens.append(gen)
+        self.start = rng.snapshot(gens)
         self.python = random.getstate()
         self.buffers = _plain_buffers(modules)
         self.versions = [buf._version for _, buf in self.buffers]
