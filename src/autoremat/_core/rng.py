@@ -33,12 +33,12 @@ NOTE [ Replaying the forward's RNG ]
 
     A ``torch.Generator`` a module of the region holds as an attribute
     (``self.gen = torch.Generator()``, drawn with ``torch.rand(..., generator=self.gen)``)
-    is replayed too (:func:`module_generators`): left out, its recompute drew the next
+    is replayed too (:func:`generator_slots`): left out, its recompute drew the next
     numbers of its stream, and gradients were silently wrong.
 
 Known limitations:
     * Generators held elsewhere (a global, a closure) and those of XPU/MPS devices are
-      not replayed; ``generators`` and ``module_generators`` are the places to add them.
+      not replayed; ``generators`` and ``generator_slots`` are the places to add them.
     * CUDA states are read on the host; under CUDA graph capture ``get_state`` is not
       allowed, and autoremat does not support capture.
 """
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["RngSnapshot", "generators", "module_generators", "replaying", "snapshot"]
+__all__ = ["RngSnapshot", "generator_slots", "generators", "replaying", "snapshot"]
 
 
 def generators() -> list[torch.Generator]:
@@ -67,17 +67,18 @@ def generators() -> list[torch.Generator]:
     return found
 
 
-def module_generators(modules: Iterable[nn.Module]) -> list[torch.Generator]:
-    """The generators ``modules`` and their submodules hold as attributes.
+def generator_slots(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """Where ``modules`` and their submodules hold a generator as an attribute: (module,
+    attribute name) pairs, read again at each forward.
 
     Example:
         >>> layer = torch.nn.Linear(2, 2)
         >>> layer.gen = torch.Generator()
-        >>> module_generators([layer]) == [layer.gen]
+        >>> generator_slots([layer]) == [(layer, "gen")]
         True
     """
-    return [value for module in modules for m in module.modules()
-            for value in vars(m).values() if isinstance(value, torch.Generator)]
+    return [(m, name) for module in modules for m in module.modules()
+            for name, value in vars(m).items() if isinstance(value, torch.Generator)]
 
 
 @dataclass(frozen=True)

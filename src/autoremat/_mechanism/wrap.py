@@ -127,7 +127,8 @@ class _RestoredBuffers:
 #     * Python's ``random`` (stochastic depth drawn with ``random.random()``): not
 #       replayed, so a recompute takes another branch or scale (silently wrong
 #       gradients where the shapes agree). Its state is compared before and after the
-#       forward, and a region that drew from it is refused there.
+#       region's forwards until one in training mode has been checked (a comparison
+#       costs ~50 us), and a region that drew from it is refused there.
 #     * An in-place change of the region's input (``x.mul_(2)`` on the argument):
 #       checkpoint keeps the input for the recompute, which would then see the changed
 #       value; refused when the forward returns (the version counters moved).
@@ -136,8 +137,8 @@ class _RestoredBuffers:
 #       seen when it ends (with early stop, a recompute that matches the forward is
 #       always stopped by checkpoint at its last saved tensor), or more, which
 #       checkpoint raises inside it; either is re-raised naming the region.
-#     * A ``torch.Generator`` a module holds as an attribute is replayed like the
-#       default ones (``rng.module_generators``); one held elsewhere is not seen.
+#     * A ``torch.Generator`` a module holds as an attribute (when the region first
+#       runs) is replayed like the default ones; one held elsewhere is not seen.
 #     * A buffer other than BatchNorm's statistics changed in forward: put back after
 #       each recompute (updated once, as BatchNorm's), but the recompute reads it as
 #       the forward left it, not as it found it; warned once (StatefulBlockWarning).
@@ -179,26 +180,66 @@ def refuse_under_func_transforms(label: str) -> None:
             "transform, or take gradients with loss.backward() / torch.autograd.grad")
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where a region's state lives, found once per region (walking the modules on every
+    forward cost ~0.3 ms a block): slots, not tensors, since ``model.to(...)`` puts new
+    buffer tensors in the same slots."""
+
+    statistics: list[tuple[nn.Module, str]]  # BatchNorm statistics: (layer, buffer name)
+    buffers: list[tuple[str, nn.Module, str]]  # other buffers: (qualified name, module, name)
+    generators: list[tuple[nn.Module, str]]  # torch.Generator attributes: (module, name)
+
+    @staticmethod
+    def of(modules: list[nn.Module]) -> _Layout:
+        layers = {id(m) for m in _tracking_batchnorms(modules)}
+        statistics: list[tuple[nn.Module, str]] = []
+        buffers: list[tuple[str, nn.Module, str]] = []
+        for module in modules:
+            for prefix, m in module.named_modules():
+                for name in m._buffers:
+                    if id(m) in layers and name in _STATISTICS:
+                        statistics.append((m, name))
+                    else:
+                        buffers.append((f"{prefix}.{name}" if prefix else name, m, name))
+        return _Layout(statistics, buffers, rng.generator_slots(modules))
+
+    def stashed(self) -> list[torch.Tensor]:
+        return [buf for m, name in self.statistics if (buf := m._buffers[name]) is not None]
+
+    def plain(self) -> list[tuple[str, torch.Tensor]]:
+        return [(q, buf) for q, m, name in self.buffers if (buf := m._buffers[name]) is not None]
+
+    def gens(self) -> list[torch.Generator]:
+        return [getattr(m, name) for m, name in self.generators]
+
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
 class _ForwardContext:
     """A region's forward: notes the RNG states (NOTE [ Replaying the forward's RNG ]),
-    Python's ``random`` state and the region's buffers (NOTE [ What a recompute cannot
-    see ]), and runs ``inner`` (the selective mode, or nothing)."""
+    the region's buffers and, until a training forward was checked, Python's ``random``
+    state (NOTE [ What a recompute cannot see ]), and runs ``inner`` (the selective
+    mode, or nothing)."""
 
     def __init__(self, region: RegionContexts, inner: AbstractContextManager[Any]) -> None:
         self.region = region
+        self.layout = region.layout()
         self.inner = inner
         self.start: rng.RngSnapshot | None = None
         self.changed: list[torch.Tensor] = []  # buffers the forward changed
+        self.python: Any = None
 
     def __enter__(self) -> None:
-        modules = self.region.modules
         gens = rng.generators()
-        for gen in rng.module_generators(modules):  # (a generator the blocks share: once)
+        for gen in self.layout.gens():  # (a generator the blocks share: once)
             if all(gen is not known for known in gens):
                 gens.append(gen)
         self.start = rng.snapshot(gens)
-        self.python = random.getstate()
-        self.buffers = _plain_buffers(modules)
+        if "python random" not in self.region.seen:
+            self.python = random.getstate()
+        self.buffers = self.layout.plain()
         self.versions = [buf._version for _, buf in self.buffers]
         self.inner.__enter__()
 
@@ -209,20 +250,24 @@ class _ForwardContext:
         return suppress
 
     def _check(self) -> None:
-        label = self.region.label
-        if random.getstate() != self.python:
-            raise RematError(
-                f"block {label} draws from Python's random module in forward (stochastic "
-                "depth with random.random()?): a recompute in backward draws again and can "
-                "take another branch or scale, and Python's random is not replayed (NOTE "
-                "[ What a recompute cannot see ]). Draw from torch instead (torch.rand(()) "
-                "is replayed exactly), or keep this block (leave it out of blocks= when "
-                "profiling)")
+        region = self.region
+        label = region.label
+        if self.python is not None:
+            if random.getstate() != self.python:
+                raise RematError(
+                    f"block {label} draws from Python's random module in forward (stochastic "
+                    "depth with random.random()?): a recompute in backward draws again and "
+                    "can take another branch or scale, and Python's random is not replayed "
+                    "(NOTE [ What a recompute cannot see ]). Draw from torch instead "
+                    "(torch.rand(()) is replayed exactly), or keep this block (leave it out "
+                    "of blocks= when profiling)")
+            if region.modules[0].training:  # checked once in training: a cost per call of
+                region.seen.add("python random")  # ~50 us otherwise
         changed = [(name, buf) for (name, buf), v in zip(self.buffers, self.versions,
                                                          strict=True) if buf._version != v]
         self.changed = [buf for _, buf in changed]
-        if changed and "buffers" not in self.region.warned:
-            self.region.warned.add("buffers")
+        if changed and "buffers" not in region.seen:
+            region.seen.add("buffers")
             warnings.warn(
                 f"autoremat: block {label} changes its buffer(s) "
                 f"{', '.join(sorted({name for name, _ in changed})[:3])} in forward. autoremat "
@@ -231,13 +276,6 @@ class _ForwardContext:
                 "the forward reads a buffer after changing it, gradients differ from the "
                 "plain model's. Keep this block (leave it out of blocks= when profiling) "
                 "or update the buffer outside it", StatefulBlockWarning, stacklevel=2)
-
-
-def _plain_buffers(modules: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """The buffers of ``modules`` other than BatchNorm statistics, with their names."""
-    stats = {id(b) for b in stashed_buffers(modules)}
-    return [(name, buf) for module in modules for name, buf in module.named_buffers()
-            if id(buf) not in stats]
 
 
 class _RecomputeContext:
@@ -258,8 +296,7 @@ class _RecomputeContext:
                                            "forward ran")
         assert start is not None  # (for the type checker)
         with ExitStack() as stack:
-            stack.enter_context(_RestoredBuffers(
-                [*stashed_buffers(forward.region.modules), *forward.changed]))
+            stack.enter_context(_RestoredBuffers([*forward.layout.stashed(), *forward.changed]))
             stack.enter_context(rng.replaying(start))
             stack.enter_context(self.inner)
             self.stacks.append(stack.pop_all())
@@ -303,7 +340,14 @@ class RegionContexts:
     modules: list[nn.Module]
     selective: ContextFn | None = None
     label: str = "?"
-    warned: set[str] = field(default_factory=set, compare=False)  # warnings given once
+    seen: set[str] = field(default_factory=set, compare=False)  # warned, or checked, once
+    _layout: list[_Layout] = field(default_factory=list, compare=False)  # one, when first run
+
+    def layout(self) -> _Layout:
+        """Where the region's BatchNorm statistics, buffers and generators are."""
+        if not self._layout:
+            self._layout.append(_Layout.of(self.modules))
+        return self._layout[0]
 
     def __call__(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         forward_ctx, recompute_ctx = self.selective() if self.selective else \
