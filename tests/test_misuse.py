@@ -341,8 +341,9 @@ def _chain(block: type[_Body], strategy: str) -> tuple[_Chain, torch.Tensor, Pla
     model, x = _Chain(block), torch.randn(8, 16)
     names = [f"blocks.{i}" for i in range(3)]
     segments = [0, 0, 0] if strategy == "segment" else [0, 1, 2]
+    kind, save = ("selective", ("matmul",)) if strategy == "selective" else ("recompute", ())
     chosen = Plan(strategy="test", blocks=tuple(
-        BlockDecision(name, "recompute", s) for name, s in zip(names, segments, strict=True)),
+        BlockDecision(name, kind, s, save) for name, s in zip(names, segments, strict=True)),
         budget_bytes=None, predicted_peak_bytes=0, predicted_recompute_flops=0,
         predicted_cost=0, unplanned_peak_bytes=0, step_flops=0, model="_Chain",
         inputs=describe_inputs(x))
@@ -359,7 +360,7 @@ def _chain_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor | None]:
     return grads
 
 
-@pytest.mark.parametrize("strategy", ["block", "segment"])
+@pytest.mark.parametrize("strategy", ["block", "segment", "selective"])
 @pytest.mark.parametrize("block, match", [
     (_EarlyExit, r"block 'blocks\.2'.*ran other ops when it was recomputed"),  # (the
     # first recomputed in backward)
@@ -385,11 +386,26 @@ def test_a_forward_that_recompute_cannot_repeat_is_refused_naming_the_block(
 
 
 def test_control_flow_on_the_blocks_input_is_replayed_exactly() -> None:
-    for strategy in ("block", "segment"):
+    for strategy in ("block", "segment", "selective"):
         model, x, chosen = _chain(_ExitOnInput, strategy)
         plain = _chain_step(model, x)
         autoremat.apply(model, chosen)
         _assert_equal(plain, _chain_step(model, x))
+
+
+def test_a_forward_without_checkpoints_early_stop_is_not_taken_for_another_forward() -> None:
+    # set_checkpoint_early_stop(False) around the forward: a matching recompute then runs
+    # to its end, which must not be read as "fewer tensors saved"
+    for strategy in ("block", "segment"):
+        model, x, chosen = _chain(_Body, strategy)
+        plain = _chain_step(model, x)
+        autoremat.apply(model, chosen)
+        _zero(model)
+        torch.manual_seed(3)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            loss = model(x)
+        loss.backward()
+        _assert_equal(plain, _grads(model))
 
 
 # --- 5. state a recompute used to miss --------------------------------------------------------

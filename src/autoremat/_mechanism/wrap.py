@@ -237,6 +237,7 @@ class _ForwardContext:
             if all(gen is not known for known in gens):
                 gens.append(gen)
         self.start = rng.snapshot(gens)
+        self.early_stop = _early_stop()  # as checkpoint's frame reads it, in forward
         if "python random" not in self.region.seen:
             self.python = random.getstate()
         self.buffers = self.layout.plain()
@@ -303,11 +304,14 @@ class _RecomputeContext:
 
     def __exit__(self, *exc: Any) -> Any:
         suppress = self.stacks.pop().__exit__(*exc)
-        if exc[0] is None and _early_stop():
+        if exc[0] is None and self.forward.early_stop:
             raise RematError(self._message("the recompute saved fewer tensors for backward "
                                            "than the forward did"))
         if isinstance(exc[1], _cp.CheckpointError):  # it saved more
             raise RematError(self._message(str(exc[1]).splitlines()[0])) from exc[1]
+        if isinstance(exc[1], RematError) and not str(exc[1]).startswith("block "):
+            # the selective modes' checks, which do not know the region's name
+            raise RematError(f"block {self.forward.region.label}: {exc[1]}") from exc[1]
         return suppress
 
     def _message(self, what: str) -> str:
