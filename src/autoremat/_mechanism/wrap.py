@@ -159,9 +159,9 @@ def refuse_changed_input(label: str, tensors: list[torch.Tensor], versions: list
         raise RematError(
             f"block {label} changed its input in place (tensor argument {changed[0]}, "
             f"shape {tuple(t.shape)}): a checkpoint keeps the input for the recompute in "
-            "backward, which would see the changed value (NOTE [ What a recompute cannot "
-            "see ]). Keep this block (leave it out of blocks= when profiling) or make the "
-            "change out of place (x = x * 2 rather than x.mul_(2))")
+            "backward, which would see the changed value. Keep this block (leave it out of "
+            "blocks= when profiling) or make the change out of place (x = x * 2 rather "
+            "than x.mul_(2))")
 
 
 def refuse_under_func_transforms(label: str) -> None:
@@ -258,8 +258,8 @@ class _ForwardContext:
                 raise RematError(
                     f"block {label} draws from Python's random module in forward (stochastic "
                     "depth with random.random()?): a recompute in backward draws again and "
-                    "can take another branch or scale, and Python's random is not replayed "
-                    "(NOTE [ What a recompute cannot see ]). Draw from torch instead "
+                    "can take another branch or scale, and Python's random is not replayed. "
+                    "Draw from torch instead "
                     "(torch.rand(()) is replayed exactly), or keep this block (leave it out "
                     "of blocks= when profiling)")
             if region.modules[0].training:  # checked once in training: a cost per call of
@@ -319,9 +319,9 @@ class _RecomputeContext:
                 f"backward than in its forward ({what}): a recompute must run the same ops. "
                 "Its forward depends on something besides its inputs and torch's RNG: a "
                 "counter, flag or schedule that changed since the forward, an early exit "
-                "on one, Python's or numpy's random (not replayed: draw from torch) (NOTE "
-                "[ What a recompute cannot see ]). Keep this block (leave it out of "
-                "blocks= when profiling) or make its forward a function of its inputs")
+                "on one, Python's or numpy's random (not replayed: draw from torch). Keep "
+                "this block (leave it out of blocks= when profiling) or make its forward a "
+                "function of its inputs")
 
 
 def _early_stop() -> bool:
