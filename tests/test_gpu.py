@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -192,15 +191,18 @@ def test_verify_judges_gpt2_against_its_noise_floor(
 
 
 class _Redraw(nn.Module):
-    """Linear + a dropout mask from Python's random: checkpoint does not restore it, so a
-    recomputed block draws another mask (a wrong plan on purpose)."""
+    """Linear + a dropout mask seeded by a count of its calls (a buffer, which verify
+    restores between steps): its recompute sees the count one higher and draws another
+    mask (a wrong plan on purpose)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(64, 64)
+        self.register_buffer("draws", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gen = torch.Generator(device=x.device).manual_seed(random.getrandbits(63))
+        self.draws += 1
+        gen = torch.Generator(device=x.device).manual_seed(int(self.draws))
         keep = torch.rand(x.shape, generator=gen, device=x.device) > 0.5
         return torch.tanh(self.fc(x)) * keep * 2.0
 

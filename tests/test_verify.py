@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -198,14 +197,18 @@ def test_over_budget_is_not_ok(gpt2: tuple[nn.Module, Any, Tape]) -> None:
 
 
 class _Jitter(nn.Module):
-    """Scales by Python's ``random``, which checkpoint does not restore on recompute."""
+    """Scales by a count of its calls, which its recompute sees one higher: the same ops
+    on other values, which no check can see (autoremat refuses blocks that draw from
+    Python's ``random``, the example before)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(x) * (1 + random.random()))
+        self.calls += 1
+        return torch.tanh(self.fc(x) * (1 + 0.1 * self.calls))
 
 
 class _JitterChain(nn.Module):
@@ -297,8 +300,9 @@ def test_step_measure_leaves_no_trace(
 # NOTE [ Judging gradients ] in _verify.py. CPU kernels are deterministic, so the floor is
 # exercised with models that bring their own nondeterminism: _Noisy adds fresh noise to
 # its backward from a private generator (as atomic adds do on CUDA, nothing resets it),
-# and _Redraw draws its dropout mask from Python's random, which checkpoint does not
-# restore, so a recomputed block draws a different mask (a wrong plan on purpose).
+# and a redrawing block seeds its dropout mask with a count of its calls (a buffer, which
+# verify restores between steps), which its recompute sees one higher, so a recomputed
+# block draws a different mask (a wrong plan on purpose).
 
 _NOISE = 1e-6  # absolute noise _Noisy adds to each gradient entry (gradients are ~1e-2)
 
@@ -317,18 +321,20 @@ class _AddNoise(torch.autograd.Function):
 
 class _Block(nn.Module):
     """Linear + tanh; ``noisy``: gradient noise in backward; ``redraw``: a dropout mask
-    drawn from Python's random (different on recompute)."""
+    seeded by a call count (different on recompute)."""
 
     def __init__(self, noisy: bool, redraw: bool) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
         self.gen = torch.Generator().manual_seed(1234) if noisy else None
         self.redraw = redraw
+        self.register_buffer("draws", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc(x))
         if self.redraw:
-            masks = torch.Generator().manual_seed(random.getrandbits(63))
+            self.draws += 1
+            masks = torch.Generator().manual_seed(int(self.draws))
             h = h * (torch.rand(h.shape, generator=masks) > 0.5) * 2.0
         if self.gen is not None:
             h = _AddNoise.apply(h, self.gen)

@@ -22,6 +22,7 @@ NOTE [ Every rank applies one plan ]
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -202,7 +203,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 continue
             if decision == "offload":
                 after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
-                _, handle = offload(blocks[0], model, after, dtype=dtype)
+                _, handle = offload(blocks[0], model, after, dtype=dtype,
+                                    name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
                 if handle is not None:
                     state.handles.append(handle)
@@ -212,16 +214,18 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                     wrap(module, tag="selective", selective=selective_context(
                         b.save_ops, keep_ops=b.keep_ops, skip_ops=b.skip_ops,
                         signature=b.op_signature),
-                        compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)))
+                        compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)),
+                        name=b.name)
                     state.wrapped.append(module)
             elif stop == start + 1 and plan.blocks[start].offload_input:
                 after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
-                _, handle = offload(blocks[0], model, after, input_only=True, dtype=dtype)
+                _, handle = offload(blocks[0], model, after, input_only=True, dtype=dtype,
+                                    name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
                 if handle is not None:
                     state.handles.append(handle)
             elif stop == start + 1:
-                wrap(blocks[0], tag="recompute")
+                wrap(blocks[0], tag="recompute", name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
             else:
                 runner = SegmentRunner(blocks, [b.name for b in plan.blocks[start:stop]])
@@ -229,10 +233,10 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 state.runners.append(runner)
         if site is not None and plan.head_chunks is not None:
             state.head = install_head(model, site, plan.head_chunks)
-        state.handles.append(model.register_forward_pre_hook(_shape_check(state),
-                                                             with_kwargs=True))
-        state.handles.append(model.register_forward_hook(_close_segments(state),
-                                                         always_call=True))
+        state.handles.append(model.register_forward_pre_hook(
+            functools.partial(_shape_check, state), with_kwargs=True))
+        state.handles.append(model.register_forward_hook(
+            functools.partial(_close_segments, state), always_call=True))
     except BaseException:
         _undo(state)
         raise
@@ -273,21 +277,21 @@ def _first_difference(first: dict[str, Any], other: dict[str, Any]) -> str:
     return f"{len(a)} blocks on rank 0, {len(b)} on the other"
 
 
-def _shape_check(state: _Applied) -> Any:
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-        inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
-                                                          not kwargs else args)
-        if torch.is_grad_enabled():
-            _check_setting(module, inputs, state)
-        signature = describe_inputs(inputs)
-        if signature != state.plan.inputs and signature not in state.warned \
-                and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
-            state.warned.add(signature)
-            warnings.warn(
-                f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
-                f"runs on {signature}. Its memory prediction no longer holds: re-plan "
-                f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
-    return hook
+def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """The model's forward pre-hook (bound to ``state`` with ``functools.partial``, so
+    that a copy of the model checks against the copy's state)."""
+    inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
+                                                      not kwargs else args)
+    if torch.is_grad_enabled():
+        _check_setting(module, inputs, state)
+    signature = describe_inputs(inputs)
+    if signature != state.plan.inputs and signature not in state.warned \
+            and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
+        state.warned.add(signature)
+        warnings.warn(
+            f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
+            f"runs on {signature}. Its memory prediction no longer holds: re-plan "
+            f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
 
 
 def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:
@@ -320,11 +324,9 @@ def _without_scalars(inputs: Any) -> Any:
     return {k: v for k, v in inputs.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)}
 
 
-def _close_segments(state: _Applied) -> Any:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        for runner in state.runners:
-            runner.abort()  # no-op after a normal forward; closes frames after an error
-    return hook
+def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) -> None:
+    for runner in state.runners:
+        runner.abort()  # no-op after a normal forward; closes frames after an error
 
 
 def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSite | None:

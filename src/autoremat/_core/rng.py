@@ -31,23 +31,28 @@ NOTE [ Replaying the forward's RNG ]
     CUDA generator, about 5 KB for the CPU's Mersenne Twister. Snapshots are host memory
     and never on the device.
 
+    A ``torch.Generator`` a module of the region holds as an attribute
+    (``self.gen = torch.Generator()``, drawn with ``torch.rand(..., generator=self.gen)``)
+    is replayed too (:func:`generator_slots`): left out, its recompute drew the next
+    numbers of its stream, and gradients were silently wrong.
+
 Known limitations:
-    * Generators other than the default CPU and CUDA ones (a ``torch.Generator`` the
-      model creates itself, XPU/MPS devices) are not replayed; ``generators`` is the one
-      place to add them.
+    * Generators held elsewhere (a global, a closure) and those of XPU/MPS devices are
+      not replayed; ``generators`` and ``generator_slots`` are the places to add them.
     * CUDA states are read on the host; under CUDA graph capture ``get_state`` is not
       allowed, and autoremat does not support capture.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-__all__ = ["RngSnapshot", "generators", "replaying", "snapshot"]
+__all__ = ["RngSnapshot", "generator_slots", "generators", "replaying", "snapshot"]
 
 
 def generators() -> list[torch.Generator]:
@@ -60,6 +65,20 @@ def generators() -> list[torch.Generator]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         found.extend(torch.cuda.default_generators)
     return found
+
+
+def generator_slots(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """Where ``modules`` and their submodules hold a generator as an attribute: (module,
+    attribute name) pairs, read again at each forward.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer.gen = torch.Generator()
+        >>> generator_slots([layer]) == [(layer, "gen")]
+        True
+    """
+    return [(m, name) for module in modules for m in module.modules()
+            for name, value in vars(m).items() if isinstance(value, torch.Generator)]
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ NOTE [ What is not offloaded ]
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -62,7 +63,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autoremat._core.errors import RematError
 from autoremat._mechanism.compiled import refuse_under_compile
-from autoremat._mechanism.wrap import install_forward, unwrap, wrap
+from autoremat._mechanism.wrap import (
+    install_forward,
+    refuse_under_func_transforms,
+    unwrap,
+    wrap,
+)
 
 __all__ = ["BlockOffload", "OffloadGroup", "OffloadStats", "input_offloaded", "offload",
            "offload_forward", "offloading", "prefetch_hook", "simulated_host"]
@@ -237,61 +243,107 @@ class BlockOffload:
     group: OffloadGroup | None = None
     dtype: torch.dtype | None = None  # compressed host copies (NOTE [ Compressed offload ])
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy of the model starts without the last step's host copies (they hold weak
+        # references, and belong to the original's graph)
+        return {"group": None, "dtype": self.dtype}
+
+
+class _Root:
+    """A weak reference to the model an offloaded block belongs to (its parameters are
+    never offloaded); a copy or a pickle refers to the copy's model (NOTE [ Copying and
+    pickling an applied model ] in ``wrap.py``)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.ref = weakref.ref(root)
+
+    def frozen(self) -> set[int]:
+        owner = self.ref()
+        return _frozen_storages(owner) if owner is not None else set()
+
+    def __getstate__(self) -> nn.Module | None:
+        return self.ref()
+
+    def __setstate__(self, root: nn.Module | None) -> None:
+        self.ref = weakref.ref(root) if root is not None else (lambda: None)  # type: ignore[assignment]
+
+
+class _OffloadedForward:
+    """``original`` run with its saved tensors offloaded (NOTE [ Offloading saved
+    tensors ]); ``state.group`` is the latest call's group."""
+
+    def __init__(self, original: Callable[..., Any], root: nn.Module,
+                 state: BlockOffload, name: str = "") -> None:
+        self.original = original
+        self.root = _Root(root)
+        self.state = state
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            refuse_under_compile("an offloaded block", "its saved-tensor hooks copy "
+                                 "between streams from Python")
+        refuse_under_func_transforms(repr(self.name))
+        group = OffloadGroup(self.root.frozen(), self.state.dtype)
+        self.state.group = group
+        with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
+            return self.original(*args, **kwargs)
+
 
 def offload_forward(original: Callable[..., Any], root: nn.Module,
                     state: BlockOffload) -> Callable[..., Any]:
     """``original`` run with its saved tensors offloaded (NOTE [ Offloading saved
     tensors ]); ``state.group`` is the latest call's group."""
-    root_ref = weakref.ref(root)
+    return _OffloadedForward(original, root, state)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+
+@dataclass(frozen=True)
+class _Prefetch:
+    """The forward hook :func:`prefetch_hook` returns."""
+
+    state: BlockOffload
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            refuse_under_compile("an offloaded block", "its saved-tensor hooks copy "
-                                 "between streams from Python")
-        owner = root_ref()
-        group = OffloadGroup(_frozen_storages(owner) if owner is not None else set(),
-                             state.dtype)
-        state.group = group
-        with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
-            return original(*args, **kwargs)
+            return
+        group = self.state.group
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+                if group is not None:
+                    t.register_hook(functools.partial(_prefetch, group))
+                return
 
-    return forward
+
+def _prefetch(group: OffloadGroup, grad: torch.Tensor) -> None:
+    group.prefetch()
 
 
 def prefetch_hook(state: BlockOffload) -> Callable[..., None]:
     """A forward hook for the block after an offloaded one: when that block's backward
     starts (the gradient of its output is ready), the offloaded block's tensors start
     coming back."""
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        group = state.group
-        for t in torch.utils._pytree.tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-                if group is not None:
-                    t.register_hook(lambda grad, group=group: group.prefetch())
-                return
-    return hook
+    return _Prefetch(state)
 
 
 def offload(module: nn.Module, root: nn.Module, after: nn.Module | None, *,
             input_only: bool = False,
-            dtype: torch.dtype | None = None) -> tuple[BlockOffload, Any]:
+            dtype: torch.dtype | None = None, name: str = "") -> tuple[BlockOffload, Any]:
     """Offload ``module``'s saved tensors (tag ``"offload"``), or with ``input_only``
     checkpoint it and offload its input (tag ``"recompute+offload"``); ``unwrap``
     undoes either. What was offloaded is prefetched when the backward of ``after`` (the
-    next block, if any) starts. Returns the block's state and the prefetch hook's handle
-    (to remove with the wrapper; ``None`` without ``after``). With ``dtype``, floating
-    tensors wider than it are stored in it (NOTE [ Compressed offload ])."""
+    next block, if any) starts; ``name`` (the module's) is for error messages. Returns
+    the block's state and the prefetch hook's handle (to remove with the wrapper;
+    ``None`` without ``after``). With ``dtype``, floating tensors wider than it are
+    stored in it (NOTE [ Compressed offload ])."""
     state = BlockOffload(dtype=dtype)
     if input_only:
         wrap(module, tag="recompute+offload",
-             inputs=lambda original, call: input_offloaded(original, root, state, call))
+             inputs=functools.partial(_InputOffloaded, root=root, state=state), name=name)
     else:
-        install_forward(module, lambda original: offload_forward(original, root, state),
-                        "offload")
+        install_forward(module, lambda original: _OffloadedForward(
+            original, root, state, name or type(module).__name__), "offload")
     handle = after.register_forward_hook(prefetch_hook(state)) if after is not None else None
     return state, handle
 
@@ -311,7 +363,8 @@ def offloading(model: nn.Module, names: list[str], saved: list[str],
             module = model.get_submodule(name)
             after = model.get_submodule(names[i + 1]) if i + 1 < len(names) else None
             modules.append(module)
-            states[name], handle = offload(module, model, after, input_only=name in inputs)
+            states[name], handle = offload(module, model, after, input_only=name in inputs,
+                                           name=name)
             handles.append(handle)
         yield states
     finally:
@@ -387,11 +440,23 @@ def input_offloaded(original: Callable[..., Any], root: nn.Module, state: BlockO
         recompute needs: checkpoint takes gradients from the forward's graph and only
         values from the recompute.
     """
-    root_ref = weakref.ref(root)
+    return _InputOffloaded(original, call, root=root, state=state)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+
+class _InputOffloaded:
+    """The forward :func:`input_offloaded` returns."""
+
+    def __init__(self, original: Callable[..., Any], call: Callable[[Callable[[], Any]], Any],
+                 *, root: nn.Module, state: BlockOffload) -> None:
+        self.original = original
+        self.call = call
+        self.root = _Root(root)
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = _first_float(args, kwargs)
         box: dict[str, Any] = {"args": list(args), "kwargs": dict(kwargs)}
+        original = self.original
 
         def run() -> Any:
             a, k = list(box["args"]), dict(box["kwargs"])
@@ -401,18 +466,14 @@ def input_offloaded(original: Callable[..., Any], root: nn.Module, state: BlockO
                     holder[where] = holder[where].fetch()
             return original(*a, **k)
 
-        out = call(run)
+        out = self.call(run)
         if where is not None:
-            owner = root_ref()
-            group = OffloadGroup(_frozen_storages(owner) if owner is not None else set(),
-                                 state.dtype)
-            state.group = group
+            group = OffloadGroup(self.root.frozen(), self.state.dtype)
+            self.state.group = group
             holder = box["args"] if isinstance(where, int) else box["kwargs"]
             holder[where] = _PackedInput(group.pack(holder[where]),
                                          holder[where].requires_grad, group)
         return out
-
-    return forward
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ NOTE [ Segments without a wrapper module ]
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import ExitStack
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +35,11 @@ from autoremat._core.errors import PlanMismatchError, RematError
 from autoremat._core.step import flat_tensors
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 from autoremat._mechanism.engines import is_fsdp
-from autoremat._mechanism.wrap import _context_fn
+from autoremat._mechanism.wrap import (
+    RegionContexts,
+    refuse_changed_input,
+    refuse_under_func_transforms,
+)
 
 __all__ = ["SegmentRunner", "refuse_under_fsdp"]
 
@@ -70,66 +73,86 @@ def refuse_under_fsdp(names: list[str], modules: list[nn.Module]) -> None:
 
 @dataclass
 class SegmentRunner:
-    """Hooks that make ``modules`` (consecutive blocks) one checkpointed segment."""
+    """Hooks that make ``modules`` (consecutive blocks) one checkpointed segment.
+
+    The hooks are bound methods of the runner and the runner holds its modules, so a
+    deep copy of the model copies the runner with it and the copy's hooks run the copy's
+    blocks; pickling leaves out the state of a forward in progress (NOTE [ Copying and
+    pickling an applied model ] in ``wrap.py``)."""
 
     modules: list[nn.Module]
     names: list[str]
-    _stack: ExitStack = field(default_factory=ExitStack)
+    _handles: list[Any] = field(default_factory=list)
     _gen: Any = None
     _calls: list[_Call] = field(default_factory=list)
     _prev_out: list[Any] = field(default_factory=list)
     _replaying: bool = False
+    _inputs: list[torch.Tensor] = field(default_factory=list)  # the first block's, and
+    _versions: list[int] = field(default_factory=list)  # their versions when it started
+
+    def __post_init__(self) -> None:
+        # one for the runner's life: it warns once (NOTE [ What a recompute cannot see ])
+        self._contexts = RegionContexts(self.modules, label=self._label)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_gen=None, _calls=[], _prev_out=[], _replaying=False, _inputs=[],
+                     _versions=[])  # one step's
+        return state
 
     def install(self) -> None:
         for i, module in enumerate(self.modules):
-            handle = module.register_forward_pre_hook(self._pre(i), with_kwargs=True)
-            self._stack.callback(handle.remove)
-            handle = module.register_forward_hook(self._post(i), always_call=True)
-            self._stack.callback(handle.remove)
+            self._handles.append(module.register_forward_pre_hook(
+                functools.partial(self._pre_hook, i), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                functools.partial(self._post_hook, i), always_call=True))
 
     def uninstall(self) -> None:
         self.abort()
-        self._stack.close()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def abort(self) -> None:
         """Close an open frame (the forward raised between the first and last block)."""
         gen, self._gen = self._gen, None
-        self._calls, self._prev_out = [], []
+        self._calls, self._prev_out, self._inputs, self._versions = [], [], [], []
         if gen is not None:
             gen.close()
 
-    def _pre(self, i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if is_compiling():
-                refuse_under_compile(f"the segment {self.names[0]}..{self.names[-1]}")
-            if i == 0:
-                refuse_under_fsdp(self.names, self.modules)
-            if self._replaying or not torch.is_grad_enabled():
-                return
-            if i == 0:
-                if self._gen is not None:
-                    self.abort()
-                    raise RematError(f"segment {self.names[0]}..{self.names[-1]} started "
-                                     f"again before its last block ran")
-                calls = [_Call(module, args, kwargs)]
-                self._calls = calls  # this step's calls; the frame replays exactly these
-                # The input tensors go to the frame only so that it infers the device
-                # type (autocast is replayed for it); the replay ignores them. RNG is
-                # ours: NOTE [ Replaying the forward's RNG ] (rng.py).
-                self._gen = _cp._checkpoint_without_reentrant_generator(
-                    lambda *_: self._replay(calls), False, _context_fn(self.modules, None),
-                    "default", False, True, *flat_tensors((args, kwargs)),
-                )
-                next(self._gen)
-                return
-            if self._gen is None or len(self._calls) != i:
+    def _pre_hook(self, i: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if is_compiling():
+            refuse_under_compile(f"the segment {self.names[0]}..{self.names[-1]}")
+        if i == 0:
+            refuse_under_fsdp(self.names, self.modules)
+        if self._replaying or not torch.is_grad_enabled():
+            return
+        if i == 0:
+            if self._gen is not None:
                 self.abort()
-                raise PlanMismatchError(
-                    f"block {self.names[i]!r} ran outside its segment's order "
-                    f"({self.names[0]}..{self.names[-1]}); the plan assumed the blocks run "
-                    f"once each, in order: re-plan with autoremat.plan")
-            self._calls.append(self._record(module, args, kwargs, i))
-        return hook
+                raise RematError(f"segment {self.names[0]}..{self.names[-1]} started "
+                                 f"again before its last block ran")
+            refuse_under_func_transforms(self._label)
+            calls = [_Call(module, args, kwargs)]
+            self._calls = calls  # this step's calls; the frame replays exactly these
+            self._inputs = flat_tensors((args, kwargs))
+            self._versions = [t._version for t in self._inputs]
+            # The input tensors go to the frame only so that it infers the device
+            # type (autocast is replayed for it); the replay ignores them. RNG is
+            # ours: NOTE [ Replaying the forward's RNG ] (rng.py).
+            self._gen = _cp._checkpoint_without_reentrant_generator(
+                functools.partial(self._replay, calls), False, self._contexts, "default",
+                False, True, *self._inputs,
+            )
+            next(self._gen)
+            return
+        if self._gen is None or len(self._calls) != i:
+            self.abort()
+            raise PlanMismatchError(
+                f"block {self.names[i]!r} ran outside its segment's order "
+                f"({self.names[0]}..{self.names[-1]}); the plan assumed the blocks run "
+                f"once each, in order: re-plan with autoremat.plan")
+        self._calls.append(self._record(module, args, kwargs, i))
 
     def _record(self, module: nn.Module, args: Any, kwargs: Any, i: int) -> _Call:
         flat = flat_tensors((args, kwargs))
@@ -145,18 +168,23 @@ class SegmentRunner:
         recorded = tree_map(lambda x: _SLOT if x is target else x, (args, kwargs))
         return _Call(module, recorded[0], recorded[1], slot_from)
 
-    def _post(self, i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._replaying or self._gen is None:
-                return
-            self._prev_out = flat_tensors(output)
-            if i == len(self.modules) - 1:
-                gen, self._gen = self._gen, None
-                self._prev_out = []
-                next(gen, None)
-        return hook
+    def _post_hook(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self._replaying or self._gen is None:
+            return
+        self._prev_out = flat_tensors(output)
+        if i == len(self.modules) - 1:
+            gen, self._gen = self._gen, None
+            self._prev_out = []
+            next(gen, None)
+            inputs, versions = self._inputs, self._versions
+            self._inputs, self._versions = [], []
+            refuse_changed_input(self._label, inputs, versions)
 
-    def _replay(self, calls: list[_Call]) -> None:
+    @property
+    def _label(self) -> str:
+        return f"{self.names[0]}..{self.names[-1]} (a segment)"
+
+    def _replay(self, calls: list[_Call], *_: Any) -> None:
         self._replaying = True
         try:
             out: Any = None

@@ -67,6 +67,7 @@ import itertools
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -351,11 +352,25 @@ def selective_context(save_ops: Iterable[str] = (), *, keep_ops: Iterable[int] =
         raise RematError(f"op positions {sorted(keep & skip)} are both kept and skipped; "
                          "a kept output is handed back, so it cannot be skipped too")
 
-    def contexts() -> tuple[_KeepOutputs, _ReuseOutputs]:
-        kept = _Kept(save, keep, skip, signature)
-        return _KeepOutputs(kept), _ReuseOutputs(kept)
+    return _SelectiveContexts(save, keep, skip, signature)
 
-    return contexts
+
+@dataclass(frozen=True)
+class _SelectiveContexts:
+    """The ``context_fn`` :func:`selective_context` returns: fresh modes sharing one
+    ``_Kept`` per checkpointed call. An object, not a closure, so that an applied model
+    deep-copies and pickles (NOTE [ Copying and pickling an applied model ] in
+    ``wrap.py``); the recompute mode starts afresh each time it is entered (NOTE
+    [ Contexts a backward may enter again ])."""
+
+    save: frozenset[str]
+    keep: frozenset[int]
+    skip: frozenset[int]
+    signature: str
+
+    def __call__(self) -> tuple[_KeepOutputs, _ReuseOutputs]:
+        kept = _Kept(self.save, self.keep, self.skip, self.signature)
+        return _KeepOutputs(kept), _ReuseOutputs(kept)
 
 
 def op_signature(ops: Sequence[Any]) -> str:

@@ -14,27 +14,49 @@ NOTE [ BatchNorm under recompute ]
     second time. Recompute saves the block's BatchNorm statistics (a few KiB) and puts
     them back when it ends. (Setting ``track_running_stats = False`` instead looks
     simpler, but the layer then saves a different number of tensors and checkpoint's
-    recompute check fails.) Other modules that change their own buffers in forward are
-    not handled.
+    recompute check fails.) Other buffers a forward changes are put back the same way,
+    with a warning (NOTE [ What a recompute cannot see ]).
+
+NOTE [ Copying and pickling an applied model ]
+    ``copy.deepcopy(model)`` of an applied model (how EMA and teacher copies are made)
+    must give a model whose wrapped blocks run the *copy's* modules, and
+    ``torch.save(model)`` must pickle. ``deepcopy`` copies functions as they are, so a
+    closure installed as a forward, hook or ``context_fn`` kept calling the original's
+    blocks (the copy's parameters got no gradients, the original's did), and ``pickle``
+    cannot store a closure at all. So everything ``apply`` installs is an object of a
+    module-level class (``_Checkpointed``, ``RegionContexts``, ``_OffloadedForward``,
+    ``SegmentRunner`` with its hooks as ``functools.partial`` of its methods, the
+    model's hooks as ``partial`` objects over the applied state) that refers to the modules it
+    runs: ``deepcopy`` copies those references along with the model (its memo maps
+    each module to its copy), and ``pickle`` stores them. The original forward is
+    ``_Original(module)``, not a bound method taken when wrapping. What one step leaves
+    behind (an open segment frame, the last offloaded group) is not copied. The copy
+    carries the plan (``applied_plan``) and ``remove`` undoes it on the copy alone.
 """
 
 from __future__ import annotations
 
+import random
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import checkpoint as _cp
 from torch.utils.checkpoint import checkpoint
 
 from autoremat._core import rng
 from autoremat._core.errors import RematError, internal_assert
+from autoremat._core.step import flat_tensors
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
-__all__ = ["checkpointed", "install_forward", "is_wrapped", "stashed_buffers", "unwrap", "wrap"]
+__all__ = ["RegionContexts", "StatefulBlockWarning", "checkpointed", "install_forward",
+           "is_wrapped", "refuse_changed_input", "refuse_under_func_transforms",
+           "stashed_buffers", "unwrap", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -64,46 +86,278 @@ def stashed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     return [buf for layer in _tracking_batchnorms(modules) for buf in _statistics(layer)]
 
 
-@contextmanager
-def _restored_batchnorm_stats(layers: list[_BatchNorm]) -> Iterator[None]:
-    saved = [[(buf, buf.detach().clone()) for buf in _statistics(m)] for m in layers]
-    try:
-        yield
-    finally:
+class StatefulBlockWarning(UserWarning):
+    """A checkpointed block changed one of its buffers (other than BatchNorm's running
+    statistics) in forward: its recompute in backward runs that forward again (NOTE
+    [ What a recompute cannot see ])."""
+
+
+class _RestoredBuffers:
+    """Puts ``buffers`` back as they were when entered. Re-entrant: each ``with`` copies
+    them afresh (NOTE [ Contexts a backward may enter again ])."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append([(buf, buf.detach().clone()) for buf in self.buffers])
+
+    def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
-            for pairs in saved:
-                for buf, value in pairs:
-                    buf.copy_(value)
+            for buf, value in self.saved.pop():
+                buf.copy_(value)
 
 
-def _context_fn(modules: list[nn.Module], selective: ContextFn | None) -> ContextFn:
+# NOTE [ Contexts a backward may enter again ]
+#     ``checkpoint`` calls its ``context_fn`` once per forward and enters the recompute
+#     context each time a backward needs the region's tensors: once per backward that
+#     reaches it (``retain_graph=True`` then a second backward, two losses off one
+#     forward) and again under ``create_graph=True`` (a gradient penalty). A
+#     ``@contextmanager`` object can be entered once only (the second ``with`` fails
+#     with "'_GeneratorContextManager' object has no attribute 'args'"), so every
+#     context a region hands to checkpoint is an object whose ``__enter__`` starts
+#     afresh: the RNG states are replayed from the forward's snapshot again, BatchNorm
+#     statistics copied aside again, the selective mode's counters reset.
+#
+# NOTE [ What a recompute cannot see ]
+#     A recompute runs the region's forward again on the same inputs, with the same
+#     torch RNG states, and must dispatch the same ops: checkpoint matches the tensors
+#     it saves one to one. What else a forward depends on is checked where it shows:
+#     * Python's ``random`` (stochastic depth drawn with ``random.random()``): not
+#       replayed, so a recompute takes another branch or scale (silently wrong
+#       gradients where the shapes agree). Its state is compared before and after the
+#       region's forwards until one in training mode has been checked (a comparison
+#       costs ~50 us), and a region that drew from it is refused there.
+#     * An in-place change of the region's input (``x.mul_(2)`` on the argument):
+#       checkpoint keeps the input for the recompute, which would then see the changed
+#       value; refused when the forward returns (the version counters moved).
+#     * Control flow on anything but the inputs (an early exit on a call counter or a
+#       schedule): the recompute saves fewer tensors than the forward did, which is
+#       seen when it ends (with early stop, a recompute that matches the forward is
+#       always stopped by checkpoint at its last saved tensor), or more, which
+#       checkpoint raises inside it; either is re-raised naming the region.
+#     * A ``torch.Generator`` a module holds as an attribute (when the region first
+#       runs) is replayed like the default ones; one held elsewhere is not seen.
+#     * A buffer other than BatchNorm's statistics changed in forward: put back after
+#       each recompute (updated once, as BatchNorm's), but the recompute reads it as
+#       the forward left it, not as it found it; warned once (StatefulBlockWarning).
+#     What a recompute saves with other shapes than the forward (a slice whose length
+#     is drawn) is still checkpoint's own error, raised after the recompute ends.
+
+
+def _changed_inputs(tensors: list[torch.Tensor], versions: list[int]) -> list[int]:
+    return [i for i, (t, v) in enumerate(zip(tensors, versions, strict=True)) if t._version != v]
+
+
+def refuse_changed_input(label: str, tensors: list[torch.Tensor], versions: list[int]) -> None:
+    """Raise a :class:`RematError` if ``label``'s forward changed one of its input
+    ``tensors`` in place (their ``_version`` moved from ``versions``)."""
+    changed = _changed_inputs(tensors, versions)
+    if changed:
+        t = tensors[changed[0]]
+        raise RematError(
+            f"block {label} changed its input in place (tensor argument {changed[0]}, "
+            f"shape {tuple(t.shape)}): a checkpoint keeps the input for the recompute in "
+            "backward, which would see the changed value. Keep this block (leave it out of "
+            "blocks= when profiling) or make the change out of place (x = x * 2 rather "
+            "than x.mul_(2))")
+
+
+def refuse_under_func_transforms(label: str) -> None:
+    """Raise a :class:`RematError` under ``torch.func.grad`` (and ``vjp``, ``jacrev``,
+    ``hessian``), which cannot run saved-tensor hooks, on which every checkpoint and
+    offload rests."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    from_grad = [i for i in torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters()
+                 if i.key() == torch._C._functorch.TransformType.Grad]
+    if from_grad:
+        raise RematError(
+            f"block {label} is checkpointed by autoremat and runs under torch.func.grad "
+            "(or vjp, jacrev, hessian), which does not support the saved-tensor hooks "
+            "checkpoints and offload rest on. Call autoremat.remove(model) before the "
+            "transform, or take gradients with loss.backward() / torch.autograd.grad")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a region's state lives, found once per region (walking the modules on every
+    forward cost ~0.3 ms a block): slots, not tensors, since ``model.to(...)`` puts new
+    buffer tensors in the same slots."""
+
+    statistics: list[tuple[nn.Module, str]]  # BatchNorm statistics: (layer, buffer name)
+    buffers: list[tuple[str, nn.Module, str]]  # other buffers: (qualified name, module, name)
+    generators: list[tuple[nn.Module, str]]  # torch.Generator attributes: (module, name)
+
+    @staticmethod
+    def of(modules: list[nn.Module]) -> _Layout:
+        layers = {id(m) for m in _tracking_batchnorms(modules)}
+        statistics: list[tuple[nn.Module, str]] = []
+        buffers: list[tuple[str, nn.Module, str]] = []
+        for module in modules:
+            for prefix, m in module.named_modules():
+                for name in m._buffers:
+                    if id(m) in layers and name in _STATISTICS:
+                        statistics.append((m, name))
+                    else:
+                        buffers.append((f"{prefix}.{name}" if prefix else name, m, name))
+        return _Layout(statistics, buffers, rng.generator_slots(modules))
+
+    def stashed(self) -> list[torch.Tensor]:
+        return [buf for m, name in self.statistics if (buf := m._buffers[name]) is not None]
+
+    def plain(self) -> list[tuple[str, torch.Tensor]]:
+        return [(q, buf) for q, m, name in self.buffers if (buf := m._buffers[name]) is not None]
+
+    def gens(self) -> list[torch.Generator]:
+        return [getattr(m, name) for m, name in self.generators]
+
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class _ForwardContext:
+    """A region's forward: notes the RNG states (NOTE [ Replaying the forward's RNG ]),
+    the region's buffers and, until a training forward was checked, Python's ``random``
+    state (NOTE [ What a recompute cannot see ]), and runs ``inner`` (the selective
+    mode, or nothing)."""
+
+    def __init__(self, region: RegionContexts, inner: AbstractContextManager[Any]) -> None:
+        self.region = region
+        self.layout = region.layout()
+        self.inner = inner
+        self.start: rng.RngSnapshot | None = None
+        self.changed: list[torch.Tensor] = []  # buffers the forward changed
+        self.python: Any = None
+
+    def __enter__(self) -> None:
+        gens = rng.generators()
+        for gen in self.layout.gens():  # (a generator the blocks share: once)
+            if all(gen is not known for known in gens):
+                gens.append(gen)
+        self.start = rng.snapshot(gens)
+        self.early_stop = _early_stop()  # as checkpoint's frame reads it, in forward
+        if "python random" not in self.region.seen:
+            self.python = random.getstate()
+        self.buffers = self.layout.plain()
+        self.versions = [buf._version for _, buf in self.buffers]
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        suppress = self.inner.__exit__(*exc)
+        if exc[0] is None:
+            self._check()
+        return suppress
+
+    def _check(self) -> None:
+        region = self.region
+        label = region.label
+        if self.python is not None:
+            if random.getstate() != self.python:
+                raise RematError(
+                    f"block {label} draws from Python's random module in forward (stochastic "
+                    "depth with random.random()?): a recompute in backward draws again and "
+                    "can take another branch or scale, and Python's random is not replayed. "
+                    "Draw from torch instead "
+                    "(torch.rand(()) is replayed exactly), or keep this block (leave it out "
+                    "of blocks= when profiling)")
+            if region.modules[0].training:  # checked once in training: a cost per call of
+                region.seen.add("python random")  # ~50 us otherwise
+        changed = [(name, buf) for (name, buf), v in zip(self.buffers, self.versions,
+                                                         strict=True) if buf._version != v]
+        self.changed = [buf for _, buf in changed]
+        if changed and "buffers" not in region.seen:
+            region.seen.add("buffers")
+            warnings.warn(
+                f"autoremat: block {label} changes its buffer(s) "
+                f"{', '.join(sorted({name for name, _ in changed})[:3])} in forward. autoremat "
+                "puts them back after each recompute (so they are updated once, as BatchNorm's "
+                "statistics), but the recompute reads them as the forward left them: if "
+                "the forward reads a buffer after changing it, gradients differ from the "
+                "plain model's. Keep this block (leave it out of blocks= when profiling) "
+                "or update the buffer outside it", StatefulBlockWarning, stacklevel=2)
+
+
+class _RecomputeContext:
+    """A region's recompute, re-entrant (NOTE [ Contexts a backward may enter again ]):
+    replays the forward's RNG states, puts BatchNorm statistics and the buffers the
+    forward changed back, runs ``inner``; a recompute that ran other ops than the
+    forward is refused naming the region (NOTE [ What a recompute cannot see ])."""
+
+    def __init__(self, forward: _ForwardContext, inner: AbstractContextManager[Any]) -> None:
+        self.forward = forward
+        self.inner = inner
+        self.stacks: list[ExitStack] = []
+
+    def __enter__(self) -> None:
+        forward = self.forward
+        start = forward.start
+        internal_assert(start is not None, "a checkpointed region is recomputed before its "
+                                           "forward ran")
+        assert start is not None  # (for the type checker)
+        with ExitStack() as stack:
+            stack.enter_context(_RestoredBuffers([*forward.layout.stashed(), *forward.changed]))
+            stack.enter_context(rng.replaying(start))
+            stack.enter_context(self.inner)
+            self.stacks.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> Any:
+        suppress = self.stacks.pop().__exit__(*exc)
+        if exc[0] is None and self.forward.early_stop:
+            raise RematError(self._message("the recompute saved fewer tensors for backward "
+                                           "than the forward did"))
+        if isinstance(exc[1], _cp.CheckpointError):  # it saved more
+            raise RematError(self._message(str(exc[1]).splitlines()[0])) from exc[1]
+        if isinstance(exc[1], RematError) and not str(exc[1]).startswith("block "):
+            # the selective modes' checks, which do not know the region's name
+            raise RematError(f"block {self.forward.region.label}: {exc[1]}") from exc[1]
+        return suppress
+
+    def _message(self, what: str) -> str:
+        return (f"block {self.forward.region.label} ran other ops when it was recomputed in "
+                f"backward than in its forward ({what}): a recompute must run the same ops. "
+                "Its forward depends on something besides its inputs and torch's RNG: a "
+                "counter, flag or schedule that changed since the forward, an early exit "
+                "on one, Python's or numpy's random (not replayed: draw from torch). Keep "
+                "this block (leave it out of blocks= when profiling) or make its forward a "
+                "function of its inputs")
+
+
+def _early_stop() -> bool:
+    """Whether checkpoint stops a recompute at the last tensor the forward saved (its
+    default; ``set_checkpoint_early_stop(False)`` turns it off)."""
+    return _cp._enable_checkpoint_early_stop is not False
+
+
+@dataclass(frozen=True)
+class RegionContexts:
     """The ``context_fn`` of one checkpointed region (a block or a segment): forward
     notes the RNG states, recompute replays them (NOTE [ Replaying the forward's RNG ])
-    and puts BatchNorm statistics back; ``selective`` adds its modes inside both."""
-    def make() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        layers = _tracking_batchnorms(modules)
-        forward_ctx, recompute_ctx = selective() if selective else (nullcontext(), nullcontext())
-        start: list[rng.RngSnapshot] = []
+    and puts BatchNorm statistics back; ``selective`` adds its modes inside both.
+    ``label`` names the region in errors and warnings.
 
-        @contextmanager
-        def forward() -> Iterator[None]:
-            start.append(rng.snapshot())
-            with forward_ctx:
-                yield
+    An object rather than a closure, so that a deep copy of an applied model checkpoints
+    the copy's modules and the model pickles (NOTE [ Copying and pickling an applied
+    model ])."""
 
-        @contextmanager
-        def recompute() -> Iterator[None]:
-            internal_assert(bool(start), "a checkpointed region is recomputed before its "
-                                         "forward ran")
-            with ExitStack() as stack:
-                stack.enter_context(_restored_batchnorm_stats(layers))
-                stack.enter_context(rng.replaying(start[0]))
-                stack.enter_context(recompute_ctx)
-                yield
+    modules: list[nn.Module]
+    selective: ContextFn | None = None
+    label: str = "?"
+    seen: set[str] = field(default_factory=set, compare=False)  # warned, or checked, once
+    _layout: list[_Layout] = field(default_factory=list, compare=False)  # one, when first run
 
-        return forward(), recompute()
+    def layout(self) -> _Layout:
+        """Where the region's BatchNorm statistics, buffers and generators are."""
+        if not self._layout:
+            self._layout.append(_Layout.of(self.modules))
+        return self._layout[0]
 
-    return make
+    def __call__(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        forward_ctx, recompute_ctx = self.selective() if self.selective else \
+            (nullcontext(), nullcontext())
+        forward = _ForwardContext(self, forward_ctx)
+        return forward, _RecomputeContext(forward, recompute_ctx)
 
 
 # (the module's forward, a runner of a checkpoint of a function of no arguments) -> the
@@ -112,8 +366,63 @@ InputRunner = Callable[[Callable[..., Any], Callable[[Callable[[], Any]], Any]],
                        Callable[..., Any]]
 
 
+class _Original:
+    """A module's own forward: the instance-level one that was there before us, else its
+    class's, called on the module. It refers to the module, not to a bound method made
+    when we wrapped it, so that a deep copy calls the copy's (NOTE [ Copying and
+    pickling an applied model ])."""
+
+    def __init__(self, module: nn.Module, user_forward: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.user_forward = user_forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.user_forward is not None:
+            return self.user_forward(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class _Checkpointed:
+    """The forward ``wrap`` installs: the module's own forward under a non-reentrant
+    checkpoint (see ``wrap`` for the arguments)."""
+
+    def __init__(self, original: Callable[..., Any], context_fn: RegionContexts,
+                 compiled: Any, inputs: InputRunner | None) -> None:
+        self.original = original
+        self.context_fn = context_fn
+        self.compiled = compiled
+        self.boxed = inputs(original, self._checkpoint) if inputs is not None else None
+
+    def _checkpoint(self, fn: Callable[[], Any]) -> Any:
+        return checkpoint(fn, use_reentrant=False, context_fn=self.context_fn,
+                          preserve_rng_state=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.original
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)  # nothing is saved without grad
+        if is_compiling():  # compile's own RNG handling and partitioner take over
+            if self.boxed is not None:
+                refuse_under_compile("a checkpoint with an offloaded input",
+                                     "it copies between streams from Python")
+            if self.compiled is None:
+                return checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(original, *args, use_reentrant=False, context_fn=self.compiled,
+                              **kwargs)
+        refuse_under_func_transforms(self.context_fn.label)
+        tensors = flat_tensors((args, kwargs))
+        versions = [t._version for t in tensors]
+        if self.boxed is not None:
+            out = self.boxed(*args, **kwargs)
+        else:
+            out = checkpoint(original, *args, use_reentrant=False, context_fn=self.context_fn,
+                             preserve_rng_state=False, **kwargs)  # we replay it ourselves
+        refuse_changed_input(self.context_fn.label, tensors, versions)
+        return out
+
+
 def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None,
-         compiled: Any = None, inputs: InputRunner | None = None) -> None:
+         compiled: Any = None, inputs: InputRunner | None = None, name: str = "") -> None:
     """Make ``module`` recompute its forward during backward. Idempotent; re-wrapping
     replaces the previous wrapper.
 
@@ -130,33 +439,11 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
         inputs: how the checkpoint gets the module's arguments (``None``: as
             arguments); ``offload.input_offloaded`` offloads the input (NOTE
             [ Offloading a checkpoint's input ]). Not under compile.
+        name: the module's qualified name, for errors and warnings (default: its class).
     """
-    context_fn = _context_fn([module], selective)
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(fn: Callable[[], Any]) -> Any:
-            return checkpoint(fn, use_reentrant=False, context_fn=context_fn,
-                              preserve_rng_state=False)
-        boxed = inputs(original, call) if inputs is not None else None
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return original(*args, **kwargs)  # nothing is saved without grad
-            if boxed is not None:
-                if is_compiling():
-                    refuse_under_compile("a checkpoint with an offloaded input",
-                                         "it copies between streams from Python")
-                return boxed(*args, **kwargs)
-            if is_compiling():  # compile's own RNG handling and partitioner take over
-                if compiled is None:
-                    return checkpoint(original, *args, use_reentrant=False, **kwargs)
-                return checkpoint(original, *args, use_reentrant=False, context_fn=compiled,
-                                  **kwargs)
-            return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
-                              preserve_rng_state=False, **kwargs)  # we replay it ourselves
-        return forward
-
-    install_forward(module, make, tag)
+    context_fn = RegionContexts([module], selective, repr(name or type(module).__name__))
+    install_forward(module, lambda original: _Checkpointed(original, context_fn, compiled,
+                                                           inputs), tag)
 
 
 def install_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]],
@@ -167,7 +454,7 @@ def install_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Call
     if is_wrapped(module):
         unwrap(module)
     user_forward = module.__dict__.get("forward")
-    module.forward = make(module.forward)  # type: ignore[method-assign]
+    module.forward = make(_Original(module, user_forward))  # type: ignore[method-assign]
     setattr(module, _MARK, _WrapState(user_forward=user_forward, tag=tag))
 
 
@@ -207,7 +494,7 @@ def checkpointed(model: nn.Module, names: list[str],
     try:
         for name, module in zip(names, modules, strict=True):
             wrap(module, tag="selective" if name in selective else "recompute",
-                 selective=selective.get(name), compiled=compiled.get(name))
+                 selective=selective.get(name), compiled=compiled.get(name), name=name)
         yield
     finally:
         for module in modules:

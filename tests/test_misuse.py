@@ -1,0 +1,461 @@
+"""What users do with an applied model beyond one forward and one backward.
+
+Each case was wrong or raised a raw error from inside autoremat before it was fixed:
+
+* a deep copy of an applied model (an EMA or teacher copy) ran the original's blocks, so
+  the copy's parameters got no gradients and the original's did;
+* ``torch.save(model)`` / ``pickle`` of an applied model raised "Can't pickle local
+  object";
+* a second backward through one forward (``retain_graph=True`` then another backward,
+  two losses, a gradient penalty with ``create_graph=True``) re-entered a one-shot
+  context manager ("'_GeneratorContextManager' object has no attribute 'args'");
+* a block whose ops differ between forward and recompute (an early exit on a counter,
+  stochastic depth drawn from Python's ``random``), or that changes its input in place,
+  failed with checkpoint's own errors in backward, which name no block;
+* a block drawing from its own ``torch.Generator`` recomputed other numbers (silently
+  wrong gradients), and a buffer other than BatchNorm's statistics was updated twice
+  without a word.
+
+Every decision kind is checked (recompute, a selective save-set, a keep-set, a
+multi-block segment, offload with the simulated host of test_offload.py); gradients are
+compared with ``torch.equal`` against the plain model doing the same thing, dropout on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import pickle
+import random
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autoremat
+from autoremat import Plan, RematError, zoo
+from autoremat._core.step import describe_inputs
+from autoremat._mechanism.offload import simulated_host
+from autoremat._mechanism.selective import is_keep_set, save_set_of
+from autoremat._mechanism.wrap import StatefulBlockWarning
+from autoremat._plan.plan import BlockDecision, plan_of_segments
+
+from _steps import call, snapshot
+from conftest import SMALL
+
+_GPT2 = dict(SMALL["gpt2"], n_layer=4)
+KINDS = ["recompute", "save-set", "keep-set", "segment", "offload"]
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[nn.Module, Any, dict[str, Plan]]:
+    """The zoo's gpt2 (dropout on, four blocks) and a plan of each decision kind."""
+    model, inputs = zoo.build("gpt2", **_GPT2)
+    tape = autoremat.profile(model, inputs, timing=False)
+    n = len(tape.blocks)
+    keep_sets = sorted(set.intersection(*({k for k in b.selective if is_keep_set(k)}
+                                          for b in tape.blocks)))
+    assert keep_sets, "the tape must offer keep-sets"
+
+    def each(option: tuple[str, tuple[str, ...]]) -> Plan:
+        return plan_of_segments(tape, [(i, i + 1, option) for i in range(n)], "test")
+
+    names = [b.name for b in tape.blocks]
+    offload = ["offload", "offload_input", "offload", "keep"]
+    plans = {
+        "recompute": each(("recompute", ())),
+        "save-set": each(("selective", ("matmul",))),
+        "keep-set": each(("selective", save_set_of(keep_sets[-1]))),
+        "segment": plan_of_segments(tape, [(0, 2, ("recompute", ())),
+                                           (2, 4, ("recompute", ()))], "test"),
+        "offload": Plan(
+            strategy="test", blocks=tuple(
+                BlockDecision(name, "recompute" if k == "offload_input" else k, i,
+                              offload_input=k == "offload_input")
+                for i, (name, k) in enumerate(zip(names, offload, strict=True))),
+            budget_bytes=None, predicted_peak_bytes=0, predicted_recompute_flops=0,
+            predicted_cost=0, unplanned_peak_bytes=0, step_flops=0,
+            model=type(model).__name__, inputs=describe_inputs(inputs)),
+    }
+    assert plans["keep-set"].blocks[0].skip_ops or plans["keep-set"].blocks[0].keep_ops
+    return model, inputs, plans
+
+
+def _host(kind: str) -> contextlib.AbstractContextManager[Any]:
+    return simulated_host() if kind == "offload" else contextlib.nullcontext()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _zero(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _assert_equal(plain: list[torch.Tensor | None], got: list[torch.Tensor | None]) -> None:
+    assert len(plain) == len(got)
+    assert any(g is not None for g in plain)
+    differ = [i for i, (a, b) in enumerate(zip(plain, got, strict=True))
+              if (a is None) != (b is None) or (a is not None and not torch.equal(a, b))]
+    assert differ == [], f"gradients of parameters {differ[:5]} differ"
+
+
+def _installed(model: nn.Module) -> dict[str, Any]:
+    """What apply installs and remove takes away (``snapshot`` less parameter ids)."""
+    return {k: v for k, v in snapshot(model).items() if k != "params"}
+
+
+def _train_step(model: nn.Module, inputs: Any, seed: int = 0) -> list[torch.Tensor | None]:
+    _zero(model)
+    torch.manual_seed(seed)
+    call(model, inputs).loss.backward()
+    grads = _grads(model)
+    _zero(model)
+    return grads
+
+
+# --- 1. a deep copy of an applied model ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_deep_copy_of_an_applied_model_trains_its_own_parameters(
+        gpt2: tuple[nn.Module, Any, dict[str, Plan]], kind: str) -> None:
+    model, inputs, plans = gpt2
+    plain = copy.deepcopy(model)
+    autoremat.apply(model, plans[kind])
+    try:
+        ema = copy.deepcopy(model)  # how EMA and teacher copies are made
+        assert autoremat.applied_plan(ema) == plans[kind]
+        _zero(model)
+        with _host(kind):
+            torch.manual_seed(0)
+            call(ema, inputs).loss.backward()
+        assert all(p.grad is None for p in model.parameters()), "the original trained"
+        got = _grads(ema)
+        _assert_equal(_train_step(plain, inputs), got)
+        with _host(kind):  # and the original still trains itself
+            _assert_equal(_train_step(plain, inputs), _train_step(model, inputs))
+        # the copy carries its own plan: remove() on it leaves a plain model, the
+        # original stays applied
+        autoremat.remove(ema)
+        assert _installed(ema) == _installed(plain)
+        assert autoremat.applied_plan(model) == plans[kind]
+        _assert_equal(_train_step(plain, inputs), _train_step(ema, inputs))
+    finally:
+        autoremat.remove(model)
+
+
+# --- 2. pickle and torch.save -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_applied_model_round_trips_through_torch_save_and_pickle(
+        gpt2: tuple[nn.Module, Any, dict[str, Plan]], kind: str) -> None:
+    model, inputs, plans = gpt2
+    plain_keys = list(model.state_dict())
+    plain = _train_step(model, inputs)
+    autoremat.apply(model, plans[kind])
+    try:
+        assert list(model.state_dict()) == plain_keys  # apply leaves the state dict alone
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert autoremat.applied_plan(loaded) == plans[kind]
+        assert list(loaded.state_dict()) == plain_keys
+        with _host(kind):
+            _assert_equal(plain, _train_step(loaded, inputs))
+            unpickled = pickle.loads(pickle.dumps(model))
+            _assert_equal(plain, _train_step(unpickled, inputs))
+        assert all(p.grad is None for p in model.parameters())
+        autoremat.remove(loaded)
+        assert autoremat.applied_plan(loaded) is None
+        assert not any("forward" in vars(m) for m in loaded.modules())
+        _assert_equal(plain, _train_step(loaded, inputs))
+    finally:
+        autoremat.remove(model)
+
+
+# --- 3. more than one backward through one forward -----------------------------------------
+
+
+def _retain_twice(model: nn.Module, inputs: Any) -> None:
+    loss = call(model, inputs).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def _two_losses(model: nn.Module, inputs: Any) -> None:
+    out = call(model, inputs)
+    out.loss.backward(retain_graph=True)
+    out.logits.float().pow(2).mean().backward()  # an auxiliary loss, backpropagated apart
+
+
+def _gradient_penalty(model: nn.Module, inputs: Any) -> None:
+    loss = call(model, inputs).loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    (loss + 0.1 * sum(g.pow(2).sum() for g in grads)).backward()
+
+
+BACKWARDS: dict[str, Callable[[nn.Module, Any], None]] = {
+    "retain-graph-twice": _retain_twice, "two-losses": _two_losses,
+    "gradient-penalty": _gradient_penalty}
+
+
+def _run(model: nn.Module, inputs: Any, how: Callable[[nn.Module, Any], None],
+         seed: int = 0) -> list[torch.Tensor | None]:
+    _zero(model)
+    torch.manual_seed(seed)
+    how(model, inputs)
+    grads = _grads(model)
+    _zero(model)
+    return grads
+
+
+@pytest.mark.parametrize("how", list(BACKWARDS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_backward_torch_allows_gives_the_plain_gradients(
+        gpt2: tuple[nn.Module, Any, dict[str, Plan]], kind: str, how: str) -> None:
+    model, inputs, plans = gpt2
+    plain = _run(model, inputs, BACKWARDS[how])
+    autoremat.apply(model, plans[kind])
+    try:
+        with _host(kind):
+            got = _run(model, inputs, BACKWARDS[how])
+    finally:
+        autoremat.remove(model)
+    _assert_equal(plain, got)
+
+
+# --- 4. forwards a recompute cannot repeat -----------------------------------------------------
+
+
+class _Body(nn.Module):
+    """``Linear -> GELU -> Dropout``: something to save and a random draw."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.nn.functional.gelu(self.fc(x)))  # (B, W)
+
+
+class _EarlyExit(_Body):
+    """Exits early on every other call (a schedule kept in Python, not in the input)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            return x
+        return x + super().forward(x)
+
+
+class _ExitOnInput(_Body):
+    """Exits early on a property of its input: a recompute sees the same input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x
+        return x + super().forward(x)
+
+
+class _PythonDepth(_Body):
+    """Stochastic depth drawn from Python's ``random``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if random.random() < 0.5:
+            return x
+        return x + super().forward(x)
+
+
+class _PythonScale(_Body):
+    """A residual scale drawn from Python's ``random`` (same ops in any case)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + random.uniform(0.5, 1.5) * super().forward(x)
+
+
+class _InPlaceInput(_Body):
+    """Changes its input in place before using it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x + super().forward(x)
+
+
+class _OwnGenerator(_Body):
+    """Draws a mask from a ``torch.Generator`` of its own."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.rand(x.shape, generator=self.gen) > 0.3
+        return x + super().forward(x) * mask
+
+
+class _Counting(_Body):
+    """Counts its calls in a buffer (not a BatchNorm statistic)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return x + super().forward(x)
+
+
+class _Chain(nn.Module):
+    """An embedding (so the blocks' inputs are not leaves), blocks, a loss."""
+
+    def __init__(self, block: type[_Body], width: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(block(width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.pow(2).mean()
+
+
+def _chain(block: type[_Body], strategy: str) -> tuple[_Chain, torch.Tensor, Plan]:
+    torch.manual_seed(0)
+    model, x = _Chain(block), torch.randn(8, 16)
+    names = [f"blocks.{i}" for i in range(3)]
+    segments = [0, 0, 0] if strategy == "segment" else [0, 1, 2]
+    kind, save = ("selective", ("matmul",)) if strategy == "selective" else ("recompute", ())
+    chosen = Plan(strategy="test", blocks=tuple(
+        BlockDecision(name, kind, s, save) for name, s in zip(names, segments, strict=True)),
+        budget_bytes=None, predicted_peak_bytes=0, predicted_recompute_flops=0,
+        predicted_cost=0, unplanned_peak_bytes=0, step_flops=0, model="_Chain",
+        inputs=describe_inputs(x))
+    return model, x, chosen
+
+
+def _chain_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor | None]:
+    _zero(model)
+    torch.manual_seed(3)
+    random.seed(3)
+    model(x).backward()
+    grads = _grads(model)
+    _zero(model)
+    return grads
+
+
+@pytest.mark.parametrize("strategy", ["block", "segment", "selective"])
+@pytest.mark.parametrize("block, match", [
+    (_EarlyExit, r"block 'blocks\.2'.*ran other ops when it was recomputed"),  # (the
+    # first recomputed in backward)
+    (_PythonDepth, r"block 'blocks\.0'.*draws from Python's random module"),
+    (_PythonScale, r"block 'blocks\.0'.*draws from Python's random module"),
+    (_InPlaceInput, r"block 'blocks\.0'.*changed its input in place"),
+], ids=["early-exit", "python-random-depth", "python-random-scale", "in-place-input"])
+def test_a_forward_that_recompute_cannot_repeat_is_refused_naming_the_block(
+        block: type[_Body], match: str, strategy: str) -> None:
+    model, x, chosen = _chain(block, strategy)
+    assert any(g is not None for g in _chain_step(model, x))  # the plain model trains
+    for b in model.blocks:
+        b.calls = 0  # (_EarlyExit: its forward runs the body, its recompute exits)
+    autoremat.apply(model, chosen)
+    if strategy == "segment":
+        match = re.sub(r"'blocks\\\.\d'", r"blocks\.0\.\.blocks\.2 \(a segment\)", match)
+    with pytest.raises(RematError, match=match) as caught:
+        _chain_step(model, x)
+    text = str(caught.value)
+    assert "blocks=" in text, "and says what to do"
+    if block is _EarlyExit:  # checkpoint's own error, or our check before it
+        assert "fewer tensors" in text or isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_control_flow_on_the_blocks_input_is_replayed_exactly() -> None:
+    for strategy in ("block", "segment", "selective"):
+        model, x, chosen = _chain(_ExitOnInput, strategy)
+        plain = _chain_step(model, x)
+        autoremat.apply(model, chosen)
+        _assert_equal(plain, _chain_step(model, x))
+
+
+def test_a_forward_without_checkpoints_early_stop_is_not_taken_for_another_forward() -> None:
+    # set_checkpoint_early_stop(False) around the forward: a matching recompute then runs
+    # to its end, which must not be read as "fewer tensors saved"
+    for strategy in ("block", "segment"):
+        model, x, chosen = _chain(_Body, strategy)
+        plain = _chain_step(model, x)
+        autoremat.apply(model, chosen)
+        _zero(model)
+        torch.manual_seed(3)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            loss = model(x)
+        loss.backward()
+        _assert_equal(plain, _grads(model))
+
+
+# --- 5. state a recompute used to miss --------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["block", "segment"])
+def test_a_blocks_own_generator_is_replayed(strategy: str) -> None:
+    model, x, chosen = _chain(_OwnGenerator, strategy)
+    states = [b.gen.get_state() for b in model.blocks]
+    plain = _chain_step(model, x)
+    after = [b.gen.get_state() for b in model.blocks]
+    for b, state in zip(model.blocks, states, strict=True):
+        b.gen.set_state(state)
+    autoremat.apply(model, chosen)
+    _assert_equal(plain, _chain_step(model, x))
+    # and the generators moved on as in the plain step (the recompute's draws undone)
+    assert all(torch.equal(b.gen.get_state(), s) for b, s in zip(model.blocks, after,
+                                                                 strict=True))
+
+
+@pytest.mark.parametrize("strategy", ["block", "segment"])
+def test_a_buffer_changed_in_forward_is_updated_once_and_warned_about(strategy: str) -> None:
+    model, x, chosen = _chain(_Counting, strategy)
+    plain = _chain_step(model, x)
+    assert [int(b.seen) for b in model.blocks] == [1, 1, 1]
+    autoremat.apply(model, chosen)
+    with pytest.warns(StatefulBlockWarning, match=r"block .*blocks\.0.* changes its "
+                      r"buffer\(s\) seen in forward.*blocks="):
+        got = _chain_step(model, x)
+    _assert_equal(plain, got)
+    assert [int(b.seen) for b in model.blocks] == [2, 2, 2]  # once per step, as plain
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per block: not again
+        _chain_step(model, x)
+
+
+def test_torch_func_grad_is_refused_with_the_reason(
+        gpt2: tuple[nn.Module, Any, dict[str, Plan]]) -> None:
+    model, inputs, plans = gpt2
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (), inputs).loss
+
+    for kind in ("recompute", "segment", "offload"):
+        autoremat.apply(model, plans[kind])
+        try:
+            with pytest.raises(RematError, match=r"runs under torch\.func\.grad.*saved-tensor "
+                               r"hooks.*autoremat\.remove\(model\)"):
+                torch.func.grad(loss)(params)
+        finally:
+            autoremat.remove(model)
+    assert set(torch.func.grad(loss)(params)) == set(params)  # the plain model
