@@ -144,7 +144,7 @@ def test_hf_plans_with_a_chunked_head_keep_their_prediction(arch, vocab):
     tape = _tape(arch, vocab)
     assert tape.head is not None and set(tape.head.options) == {"chunked:4", "chunked:32"}
     assert tape.head.vocab == vocab
-    least = smallest_feasible_bytes(tape)
+    least = smallest_feasible_bytes(tape, head="auto")
     for budget in (tape.step_peak_bytes * 9 // 10, tape.step_peak_bytes // 2, least):
         model, inputs = _hf(arch, vocab)
         plan = autoremat.plan(tape, budget=budget, head="auto")
@@ -167,16 +167,19 @@ def test_hf_plans_with_a_chunked_head_keep_their_prediction(arch, vocab):
 
 
 @pytest.mark.slow
-def test_default_keeps_the_head_while_a_plan_keeping_it_fits():
+def test_chunking_is_asked_for():
     tape = _tape("gpt2", 50257)
-    keep_least = smallest_feasible_bytes(tape, heads=["keep"])
+    keep_least = smallest_feasible_bytes(tape)
+    chunked_least = smallest_feasible_bytes(tape, head="auto")
+    assert chunked_least < keep_least == smallest_feasible_bytes(tape, head="keep")
     assert autoremat.plan(tape, budget=keep_least).head == "keep"
-    below = autoremat.plan(tape, budget=keep_least - 1)
-    assert below.head != "keep" and any("summation order" in n for n in below.notes)
-    with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.plan(tape, budget=keep_least - 1, head="keep")
+    with pytest.raises(autoremat.BudgetError) as err:  # by default the head is kept...
+        autoremat.plan(tape, budget=keep_least - 1)
     assert err.value.min_feasible_bytes == keep_least
-    assert "chunked" in str(autoremat.plan(tape, budget=keep_least - 1))
+    assert f"({chunked_least} bytes)" in str(err.value)  # ...and the error says how far
+    chunked = autoremat.plan(tape, budget=keep_least - 1, head="auto")  # chunking would go
+    assert chunked.head != "keep" and "chunked" in str(chunked)
+    assert autoremat.plan(tape, strategy="full", head="chunked").head.startswith("chunked:")
 
 
 @pytest.mark.slow

@@ -57,8 +57,8 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         offload: let the plan offload blocks to host memory, as for
             :func:`autoremat.plan` (the profile then measures offloaded blocks too). On
             a CPU the host is the device, so nothing is offloaded there.
-        head: the loss head's decision, as for :func:`autoremat.plan` (``None``: keep it
-            while a plan keeping it fits; ``"auto"``: chunk it where that is cheaper).
+        head: the loss head's decision, as for :func:`autoremat.plan` (``None``: keep it;
+            ``"auto"``: chunk it where that is cheaper).
 
     Raises:
         RematError: ``compile`` names no backend (before any work).

@@ -203,10 +203,9 @@ def _parser() -> argparse.ArgumentParser:
                                 "every:K | sqrt | selective | none")
             p.add_argument("--max-memory", help="absolute device limit, e.g. 24GiB")
             p.add_argument("--optimizer", help="optimizer state for --max-memory, e.g. adamw")
-            p.add_argument("--head", help="the loss head of a causal LM given labels: keep, "
-                                          "auto (chunk it where cheaper), chunked, chunked:N; "
-                                          "default: chunked only where no plan keeping it "
-                                          "fits")
+            p.add_argument("--head", help="the loss head of a causal LM given labels: keep "
+                                          "(default), auto (chunk it where cheaper), chunked, "
+                                          "chunked:N")
             p.add_argument("--verify", action="store_true",
                            help="apply the plan and measure it against the plain step")
             p.add_argument("--deterministic", action="store_true",

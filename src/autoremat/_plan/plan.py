@@ -420,10 +420,10 @@ STRATEGIES: dict[str, Strategy] = {
 
 def _smallest(tape: Tape, offload: bool = False,
               heads: list[str] | None = None) -> ChainSolution:
-    """The least-peak plan, over the head decisions ``heads`` (default: all)."""
+    """The least-peak plan, over the head decisions ``heads`` (default: keep it)."""
     solutions = [solve(with_head(tape, h), None, objective="peak",
                        options=selective_options(tape, offload))
-                 for h in (heads or head_choices(tape, None))]
+                 for h in (heads or ["keep"])]
     return min(solutions, key=lambda s: s.peak_bytes)
 
 
@@ -441,11 +441,12 @@ def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
 
 
 def smallest_feasible_bytes(tape: Tape, offload: bool = False,
-                            heads: list[str] | None = None) -> int:
+                            head: str | None = None) -> int:
     """The smallest step peak any plan in autoremat's space reaches for this tape (with
-    ``offload``, offloading blocks too; over the loss-head decisions ``heads``, default
-    all the tape measured)."""
-    return _smallest(tape, offload, heads).peak_bytes
+    ``offload``, offloading blocks too; with the loss head as ``head=`` allows, as for
+    :func:`plan`: by default kept)."""
+    check_head(head)
+    return _smallest(tape, offload, head_choices(tape, head)).peak_bytes
 
 
 def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision:
@@ -556,11 +557,11 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             FSDP (NOTE [ Plans under DDP and FSDP2 ] in ``_mechanism/engines.py``).
         head: the loss head's decision, among the chunked options the tape measured
             (``tape.head``: a Hugging Face causal LM given labels, or an
-            :class:`autoremat.LMHead`). ``None`` (default): keep it whenever a plan that
-            keeps it fits, else the cheapest chunked plan that fits (with ``"optimal"``;
-            other strategies keep it); ``"auto"``: the least-cost plan over both;
-            ``"keep"``; ``"chunked"`` (the cheapest chunked option that fits); or an
-            option's name such as ``"chunked:32"`` (NOTE [ Choosing the head ]). A chunked head
+            :class:`autoremat.LMHead`). ``None`` (default) or ``"keep"``: keep it
+            (gradients stay bitwise; a BudgetError says how far chunking would go);
+            ``"auto"``: the least-cost plan over keeping and chunking; ``"chunked"``: the
+            cheapest chunked option that fits; or an option's name such as
+            ``"chunked:32"`` (NOTE [ Choosing the head ]). A chunked head
             never builds the full logits (``out.logits`` is ``None``) and changes the
             loss and the projection's weight gradient by summation order only (NOTE
             [ What a chunked head changes in numerics ]).
@@ -628,10 +629,10 @@ def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> lis
     """The loss-head decisions a plan may take, in order of preference (NOTE [ Choosing
     the head ])."""
     options = list(tape.head.options) if tape.head is not None else []
-    if head is None or head == "auto":
-        return ["keep", *options] if strategy == "optimal" or head == "auto" else ["keep"]
-    if head == "keep":
+    if head is None or head == "keep":
         return ["keep"]
+    if head == "auto":
+        return ["keep", *options]
     if head == "chunked" and options:
         return options
     if head in options:
@@ -647,13 +648,29 @@ def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> lis
 
 # NOTE [ Choosing the head ]
 #     A chunked head changes the loss and the projection's weight gradient in the last
-#     bits (NOTE [ What a chunked head changes in numerics ]); everything else stays
-#     bitwise. autoremat's promise is gradients equal to the plain model's, so by default
-#     (``head=None``) a plan keeps the head whenever a plan keeping it fits the budget,
-#     and chunks it only where none does (the plan's notes say so); the smallest
-#     feasible budget counts chunked heads. ``head="auto"`` takes the least-cost plan
-#     over both (a chunked head is often far cheaper than recomputing blocks),
-#     ``head="chunked"`` the least-cost chunked one, ``head="keep"`` never chunks.
+#     bits (NOTE [ What a chunked head changes in numerics ]); everything else a plan does
+#     keeps gradients bitwise, which is autoremat's promise. So chunking is asked for:
+#     by default (``head=None``, as ``"keep"``) a plan keeps the head, and a budget that
+#     only a chunked head reaches is refused with a BudgetError that says so and gives
+#     that smallest budget too. ``head="auto"`` takes the least-cost plan over keeping
+#     and every chunked option (a chunked head is often far cheaper than recomputing
+#     blocks), ``head="chunked"`` the least-cost chunked one, ``"chunked:N"`` that one.
+
+
+def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
+                    offload: bool) -> BudgetError:
+    """``exc``, saying how far a chunked loss head would go where the tape measured one
+    and the plan was not allowed to chunk it."""
+    if head not in (None, "keep") or tape.head is None or not tape.head.options:
+        return exc
+    chunked = _smallest(tape, offload, head_choices(tape, "auto")).peak_bytes
+    if exc.min_feasible_bytes is not None and chunked >= exc.min_feasible_bytes:
+        return exc
+    return BudgetError(
+        f"{exc} With the loss head computed in chunks of tokens (head='auto'; it changes "
+        f"the loss and the projection's weight gradient by summation order) the smallest "
+        f"feasible budget is {format_bytes(chunked)} ({chunked} bytes)",
+        min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy)
 
 
 def _with_head_fields(found: Plan, tape: Tape, head: str) -> Plan:
@@ -666,18 +683,17 @@ def _with_head_fields(found: Plan, tape: Tape, head: str) -> Plan:
 
 def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy: str,
                      budget_bytes: int | None, offload: bool, head: str | None) -> Plan:
-    """The plan of the strategy that fits, over the head decisions ``heads``: the first
-    head with a plan that fits when ``head`` is None (NOTE [ Choosing the head ]), else
-    the least-cost one."""
+    """The least-cost plan of the strategy that fits, over the head decisions ``heads``
+    (NOTE [ Choosing the head ])."""
     best: Plan | None = None
     predicted = None
     for choice in heads:
         view = with_head(tape, choice)
         try:
             segments = STRATEGIES[name](view, budget_bytes, arg, offload)
-        except BudgetError:
+        except BudgetError as exc:
             if len(heads) == 1:
-                raise
+                raise _with_head_hint(exc, tape, head, offload) from None
             continue
         found = _with_head_fields(plan_of_segments(view, segments, strategy, budget_bytes),
                                   tape, choice)
@@ -686,18 +702,13 @@ def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy
             continue
         if best is None or found.predicted_cost < best.predicted_cost:
             best = found
-        if head is None:
-            break
     if best is None:
-        _raise_infeasible(tape, budget_bytes, strategy, predicted=predicted, offload=offload,
-                          heads=heads)
+        try:
+            _raise_infeasible(tape, budget_bytes, strategy, predicted=predicted,
+                              offload=offload, heads=heads)
+        except BudgetError as exc:
+            raise _with_head_hint(exc, tape, head, offload) from None
     assert best is not None  # _raise_infeasible raised
-    if head is None and best.head != "keep":
-        best = dataclasses.replace(best, notes=(
-            *best.notes, f"no plan keeping the loss head fits the budget: the head is "
-            f"computed in {best.head_chunks} chunks of tokens, which changes the loss and "
-            f"the projection's weight gradient by summation order (pass head='keep' to "
-            f"forbid it)"))
     return best
 
 
