@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
 import re
@@ -391,3 +392,43 @@ def test_a_tape_profiled_in_eval_mode_says_so() -> None:
     model.train()
     assert not any("eval()" in n for n in autoremat.profile(
         model, inputs, with_selective=False, timing=False).notes)
+
+
+@pytest.mark.parametrize(("name", "sizes"), [
+    ("gpt2", _SIZES["gpt2"]),  # three identical layers
+    ("mlp", {"widths": (64,) * 5, "batch_size": 16}),  # alike blocks 1 and 3, not adjacent
+])
+def test_options_measured_together_equal_one_step_per_option(
+        name: str, sizes: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Options measured together ]: several blocks' options in one step, and
+    # alike blocks sharing their figures, give what one step per option measures
+    profile_module = importlib.import_module("autoremat._measure.profile")
+    model, inputs = zoo.build(name, **sizes)
+    steps: list[int] = []
+    shared: list[list[int]] = []
+    run_marked, alike = profile_module._run_marked, profile_module._alike
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(1)
+        return run_marked(*args, **kwargs)
+
+    def seen(*args: Any) -> list[int]:
+        shared.append(alike(*args))
+        return shared[-1]
+
+    monkeypatch.setattr(profile_module, "_run_marked", counted)
+    monkeypatch.setattr(profile_module, "_alike", seen)
+    together = autoremat.profile(model, inputs, timing=False)
+    steps_together = len(steps)
+    steps.clear()
+    monkeypatch.setattr(profile_module, "_alike",
+                        lambda model, names, runs, ops: list(range(len(names))))
+    apart = autoremat.profile(model, inputs, timing=False)
+
+    assert any(like != i for i, like in enumerate(shared[0])), shared  # some share
+    assert all(b.selective for b in together.blocks)
+    assert [b.selective for b in together.blocks] == [b.selective for b in apart.blocks]
+    if name == "gpt2":  # all alike: ceil(options / 3) selective steps, not one per option
+        assert shared[0] == [0, 0, 0]
+        options = len(together.blocks[0].selective)
+        assert len(steps) - steps_together == options - -(-options // 3) > 0
