@@ -432,3 +432,28 @@ def test_options_measured_together_equal_one_step_per_option(
         assert shared[0] == [0, 0, 0]
         options = len(together.blocks[0].selective)
         assert len(steps) - steps_together == options - -(-options // 3) > 0
+
+
+@pytest.mark.parametrize(("agree", "timing_steps"), [(float("inf"), 1), (-1.0, 2)])
+def test_the_first_step_is_one_timing_sample_and_agreeing_steps_end_the_timing(
+        agree: float, timing_steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Timing repeats ]: with repeats=3 the step that finds the chain is a sample;
+    # one more step if it agrees with the next one (always, with an infinite tolerance),
+    # two more if not (never, with a negative one)
+    profile_module = importlib.import_module("autoremat._measure.profile")
+    model, inputs = zoo.build("mlp", **_SIZES["mlp"])
+    steps: list[str] = []
+    run_marked = profile_module._run_marked
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(type(args[4]).__name__)  # on_mark: _Stamps in the timing steps
+        return run_marked(*args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "_run_marked", counted)
+    monkeypatch.setattr(profile_module, "_AGREE", agree)
+    tape = autoremat.profile(model, inputs, repeats=3, with_selective=False)
+    assert steps.count("_Stamps") == timing_steps
+    assert tape.step_ms > 0 and all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in tape.blocks)
+    steps.clear()
+    autoremat.profile(model, inputs, repeats=2, with_selective=False)
+    assert steps.count("_Stamps") == 2  # fewer than three: the first step is not a sample

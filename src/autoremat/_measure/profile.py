@@ -139,7 +139,7 @@ from autoremat._core.step import (
     training_config,
     unique_storage_bytes,
 )
-from autoremat._core.timing import clock_for, device_of
+from autoremat._core.timing import Clock, clock_for, device_of
 from autoremat._measure.costs import CostModel, cost_model_for
 from autoremat._measure.keepsets import KeepSet, keep_sets
 from autoremat._measure.tape import BlockProfile, SelectiveProfile, Tape, WindowMemory
@@ -546,36 +546,65 @@ class _Times:
         return _Times([0.0] * n, [0.0] * n, 0.0)
 
 
+class _Stamps:
+    """Clock stamps at the block boundaries of one step, the first time each is reached;
+    an ``on_mark`` for :func:`_run_marked`."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.at: dict[str, Any] = {}
+
+    def __call__(self, label: str) -> None:
+        if label not in self.at:
+            self.at[label] = self.clock.stamp()
+
+    def times(self, n: int) -> _Times:
+        """The times of the step stamped (call after ``clock.sync()``)."""
+        at, elapsed = self.at, self.clock.elapsed_ms
+        fwd, bwd = [], []
+        for i in range(n):
+            nxt = at[f"fwd:{i + 1}"] if i + 1 < n else at["fwd_end"]
+            fwd.append(elapsed(at[f"fwd:{i}"], nxt))
+            end = at.get(f"bwd:{i - 1}", at["end"]) if i else at.get("bwd:-1", at["end"])
+            bwd.append(elapsed(at[f"bwd:{i}"], end))
+        return _Times(fwd, bwd, elapsed(at["start"], at["end"]))
+
+
+_AGREE = 0.05  # two step times this close (relative) end the timing (NOTE [ Timing repeats ])
+
+
 def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-             repeats: int, *, loop: Loop) -> _Times:
+             repeats: int, *, loop: Loop, first: _Times | None = None) -> _Times:
     """Per-block forward and backward medians and the step's, from stamps at the block
     boundaries: ``perf_counter`` on the CPU, CUDA events read after one synchronise at
-    the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``)."""
+    the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``).
+    ``first``: the times of the step that found the chain, one of the ``repeats``
+    samples when there are three or more (NOTE [ Timing repeats ])."""
+    # NOTE [ Timing repeats ]
+    #     Times are medians of at most ``repeats`` uninstrumented steps. The step that
+    #     found the chain is one of them when ``repeats >= 3``: it may run slow (the
+    #     first step of a process allocates fresh memory; on a GPU, library handles),
+    #     and a median of three or more leaves one slow sample out. Steps stop early
+    #     once two in a row agree within 5%: their median is already what more steps of
+    #     a quiet machine would give, and on a noisy one they do not agree. No plan
+    #     reads times (they cost FLOPs and bytes), so this saves steps, not accuracy.
     n = len(names)
-    fwd: list[list[float]] = [[] for _ in range(n)]
-    bwd: list[list[float]] = [[] for _ in range(n)]
-    steps: list[float] = []
+    samples = [first] if first is not None and repeats >= 3 else []
     clock = clock_for(device_of(model, inputs))
-    for _ in range(repeats):
-        stamps: dict[str, Any] = {}
-        def stamp(label: str, stamps: dict[str, Any] = stamps) -> None:
-            if label not in stamps:  # the first time a boundary is reached
-                stamps[label] = clock.stamp()
-
+    while len(samples) < repeats:
+        if len(samples) >= 2 and \
+                abs(samples[-1].step_ms - samples[-2].step_ms) <= _AGREE * samples[-2].step_ms:
+            break
+        stamps = _Stamps(clock)
         clock.sync()
-        _run_marked(model, inputs, loss_fn, names, stamp, loop=loop)
+        _run_marked(model, inputs, loss_fn, names, stamps, loop=loop)
         clock.sync()
-        for i in range(n):
-            nxt = stamps[f"fwd:{i + 1}"] if i + 1 < n else stamps["fwd_end"]
-            fwd[i].append(clock.elapsed_ms(stamps[f"fwd:{i}"], nxt))
-            end = stamps.get(f"bwd:{i - 1}", stamps["end"]) if i else \
-                stamps.get("bwd:-1", stamps["end"])
-            bwd[i].append(clock.elapsed_ms(stamps[f"bwd:{i}"], end))
-        steps.append(clock.elapsed_ms(stamps["start"], stamps["end"]))
+        samples.append(stamps.times(n))
         for p in model.parameters():
             p.grad = None
-    return _Times([statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd],
-                  statistics.median(steps))
+    return _Times([statistics.median(s.fwd_ms[i] for s in samples) for i in range(n)],
+                  [statistics.median(s.bwd_ms[i] for s in samples) for i in range(n)],
+                  statistics.median(s.step_ms for s in samples))
 
 
 def _patterns(n: int, offload: bool) -> list[str]:
@@ -832,14 +861,15 @@ class _Chain:
     held_inputs: list[bool]  # NOTE [ Boundaries held outside the chain ]
     output_bytes: int  # the model's output, less the loss (tape.output_bytes)
     notes: list[str]  # what changed from the blocks found, and inputs held
+    times: _Times | None  # of that first step, when timed and the chain is what it stamped
 
 
 def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup, *,
-           in_order: bool) -> _Chain:
+           in_order: bool, timed: bool) -> _Chain:
     """One uninstrumented step (it also warms up: lazy state is not measured later) that
-    finds the chain and the output's size, and one forward without gradients that finds
-    the inputs held outside it. ``in_order``: the blocks were given, and must run in
-    that order."""
+    finds the chain and the output's size, timed when ``timed``, and one forward without
+    gradients that finds the inputs held outside it. ``in_order``: the blocks were
+    given, and must run in that order."""
     held: list[int] = []
 
     def measure_output(output: Any) -> torch.Tensor:
@@ -850,11 +880,24 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
 
     seen: list[str] = []
     names = setup.names
-    warm = _run_marked(model, inputs, measure_output, names, seen.append,
+    clock = clock_for(setup.ran_on)
+    stamps = _Stamps(clock)
+
+    def mark(label: str) -> None:
+        seen.append(label)
+        stamps(label)
+
+    clock.sync()
+    warm = _run_marked(model, inputs, measure_output, names, mark if timed else seen.append,
                        loop=setup.loop, in_order=in_order)
+    clock.sync()
     notes: list[str] = []
     if not in_order:
         names, notes = _discovered_chain(model, names, warm.order, seen)
+    # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
+    # the blocks it stamped, in the same order
+    stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))
+    times = stamps.times(len(names)) if timed and stamped else None
     for p in model.parameters():
         p.grad = None
     held_inputs = _held_boundaries(model, inputs, names)
@@ -864,7 +907,8 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
             f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
             f"the model outside the chain (skip connections, kept hidden states): a "
             f"segment of several blocks does not free them, and plans count them held")
-    return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes)
+    return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
+                  times=times)
 
 
 @dataclass(frozen=True)
@@ -1019,7 +1063,10 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             else the sum of the first floating tensor in the output.
         blocks: ``None`` to find the chain of repeated layers, a list of qualified
             module names, or a predicate ``(name, module) -> bool``.
-        repeats: uninstrumented steps timed (medians are reported).
+        repeats: uninstrumented steps timed, at most (medians are reported): the
+            first step, which finds the blocks, counts as one when ``repeats >= 3``, and
+            timing stops once two steps in a row agree within 5%
+            (NOTE [ Timing repeats ]).
         with_selective: also measure selective-recompute options (one more memory step
             per distinct save-set), so that plans can use them.
         timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
@@ -1080,15 +1127,17 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     model = setup.model
     with preserved_state(model), training_config(model) as cache_notes, \
             compile_settings(setup.backend):
-        chain = _chain(model, inputs, loss_fn, setup, in_order=blocks is not None)
+        timed = timing and setup.ran_on.type != "meta"
+        chain = _chain(model, inputs, loss_fn, setup, in_order=blocks is not None,
+                       timed=timed and setup.backend is None)  # compiled: timed compiled
         base = _base_runs(model, inputs, loss_fn, chain.names, setup)
         selective = _selective_runs(model, inputs, loss_fn, chain.names, base, setup) \
             if with_selective else [{} for _ in chain.names]
         notes = _mode_notes(model, chain.names, discovered=blocks is None)
-        if timing and setup.ran_on.type != "meta":
+        if timed:
             with _step_as_run(model, chain.names, [], None, setup.backend):
                 times = _timings(model, inputs, loss_fn, chain.names, repeats,
-                                 loop=setup.loop)
+                                 loop=setup.loop, first=chain.times)
         else:
             times = _Times.unmeasured(len(chain.names))
             notes.append("times not measured (" + ("meta tensors" if setup.ran_on.type ==
