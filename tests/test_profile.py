@@ -428,10 +428,15 @@ def test_options_measured_together_equal_one_step_per_option(
     assert any(like != i for i, like in enumerate(shared[0])), shared  # some share
     assert all(b.selective for b in together.blocks)
     assert [b.selective for b in together.blocks] == [b.selective for b in apart.blocks]
-    if name == "gpt2":  # all alike: ceil(options / 3) selective steps, not one per option
+    # NOTE [ Alternations shared by alike blocks ]: and so are the windows of each pair
+    assert [(b.fwd, b.bwd, b.fwd_end_release) for b in together.blocks] == \
+        [(b.fwd, b.bwd, b.fwd_end_release) for b in apart.blocks]
+    assert all(len(b.fwd) == 4 for b in together.blocks[1:])
+    if name == "gpt2":  # all alike: ceil(options / 3) selective steps, not one per option,
+        # and one alternating step, not two
         assert shared[0] == [0, 0, 0]
         options = len(together.blocks[0].selective)
-        assert len(steps) - steps_together == options - -(-options // 3) > 0
+        assert len(steps) - steps_together == options - -(-options // 3) + 1 > 1
 
 
 @pytest.mark.parametrize(("agree", "timing_steps"), [(float("inf"), 1), (-1.0, 2)])

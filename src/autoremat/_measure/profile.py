@@ -60,6 +60,19 @@ NOTE [ Profiling a compiled step ]
     above to below the prediction with Inductor, up to 5.5% above with ``aot_eager``.
     Only the regional prediction is tested (equal to the allocator's peak).
 
+NOTE [ Alternations shared by alike blocks ]
+    The two steps that alternate kept and checkpointed blocks exist to measure each
+    block after a neighbour of the other mode (keys ``CK`` and ``KC``); the first
+    measures them on every other block, the second on the rest. Blocks that measure
+    alike in the kept and the checkpointed steps (``_alike``: same class, parameters,
+    ops, input and output bytes, windows and releases) measure alike in these too, so
+    the second step is skipped when every block after the first has an alike block
+    after the first that the first alternation measured with each missing pair, and
+    takes that block's figures (``_by_modes``). Block 0 neither gives nor takes: its
+    "previous block" is the stem, never a block of the chain. A stack of three or more
+    identical layers saves a step; ``test_profile`` checks the figures against the
+    second step's.
+
 NOTE [ Ops between blocks ]
     Memory windows run from one block's start to the next one's, so what the parent
     runs between two blocks (an encoder's final norm and the decoder's embedding, between
@@ -664,15 +677,32 @@ _T = TypeVar("_T")
 
 
 def _by_modes(runs: dict[str, _MemoryRun], i: int,
-              value: Callable[[str, _MemoryRun, int], _T]) -> dict[str, _T]:
+              value: Callable[[str, _MemoryRun, int], _T],
+              alike: Sequence[int] = ()) -> dict[str, _T]:
     """``value(modes, run, i)`` keyed by block ``i``'s (previous mode, own mode), from
-    the first run made with each pair (its windows and what else that run measured)."""
+    the first run made with each pair (its windows and what else that run measured);
+    with ``alike`` (``_alike``), a pair no run made for block ``i > 0`` from the first
+    block ``j > 0`` alike to it that has one: ``value(modes, run, j)``
+    (NOTE [ Alternations shared by alike blocks ])."""
     out: dict[str, _T] = {}
-    for modes, run in runs.items():
-        key = (modes[i - 1] if i > 0 else "K") + modes[i]
-        if key not in out:
-            out[key] = value(modes, run, i)
+    others = [j for j in range(1, len(alike)) if j != i and alike[j] == alike[i]] if i else []
+    for j in [i, *others]:
+        for modes, run in runs.items():
+            key = (modes[j - 1] if j > 0 else "K") + modes[j]
+            if key not in out:
+                out[key] = value(modes, run, j)
     return dict(sorted(out.items()))
+
+
+def _pairs_missing(runs: dict[str, _MemoryRun], n: int, alike: Sequence[int],
+                   modes_measured: str) -> bool:
+    """Whether some block ``i > 0`` has a pair of modes that neither it nor an alike
+    block ``j > 0`` was measured with."""
+    for i in range(1, n):
+        have = _by_modes(runs, i, lambda _, run, k: None, alike)
+        if len(have) < len(modes_measured) ** 2:
+            return True
+    return False
 
 
 def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
@@ -687,10 +717,13 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
     ops = [plain.block_ops(name) for name in names]
     options = _selective_options(names, [plain.block_stats(name) for name in names], ops,
                                  setup.cost_model)
-    alike = _alike(model, names, base.runs, ops)
+    alike = base.alike
     members: dict[int, list[int]] = {}
     for i, like in enumerate(alike):
         members.setdefault(like, []).append(i)
+        internal_assert(options[i].keys() == options[like].keys(),
+                        f"blocks {names[like]} and {names[i]} have the same ops but not the "
+                        "same selective options")
     pending = {like: sorted(options[like]) for like in members}
     measured: dict[tuple[int, str], tuple[WindowMemory, WindowMemory, int]] = {}
     while any(pending.values()):
@@ -756,21 +789,25 @@ def _selective_options(names: list[str], op_stats: list[dict[str, OpStats]],
 
 def _alike(model: nn.Module, names: list[str], runs: dict[str, _MemoryRun],
            ops: list[tuple[OpRecord, ...]]) -> list[int]:
-    """Per block, the first block whose selective options measure the same as its own
-    (itself if none): NOTE [ Options measured together ]."""
+    """Per block, the first block that measures as it does (itself if none): the same
+    class, parameters, input and output bytes and ops (``ms`` aside), and the same
+    figures in the kept and the checkpointed step (``runs``: those two at least).
+    NOTE [ Options measured together ], NOTE [ Alternations shared by alike blocks ]."""
+    n = len(names)
+    kept, ckpt = runs["K" * n], runs["C" * n]
+    released = [_released_at_fwd_end(run, n) for run in (kept, ckpt)]
     first: dict[tuple[Any, ...], int] = {}
     out = []
     for i, name in enumerate(names):
         module = model.get_submodule(name)
-        key = ("K" if i == 0 else "C") + "C"  # as in a selective step: the block before
-        # is checkpointed or selective (or, before block 0, kept)
-        plain = runs["K" * len(names)]
         signature = (
             type(module), param_signature(module),
-            plain.probe.input_bytes[i], plain.probe.output_bytes[i],
+            kept.probe.input_bytes[i], kept.probe.output_bytes[i],
             tuple(dataclasses.replace(o, ms=0.0) for o in ops[i]),
-            _by_modes(runs, i, lambda _, run, k: run.fwd[k])[key],
-            _by_modes(runs, i, lambda _, run, k: run.bwd[k])[key],
+            # block 0 checkpointed comes after the kept stem (key "KC"), any other after a
+            # checkpointed block ("CC"), as in a selective step
+            kept.fwd[i], kept.bwd[i], ckpt.fwd[i], ckpt.bwd[i],
+            released[0][i], released[1][i],
         )
         out.append(first.setdefault(signature, i))
     return out
@@ -921,6 +958,7 @@ class _BaseRuns:
     grad_bytes: int  # all gradients after the plain step
     block_grad_bytes: list[int]  # per block
     host_bandwidth: float  # bytes per second to host memory (0.0 without offload)
+    alike: list[int]  # per block, the first block that measures alike (_alike)
 
     @property
     def plain(self) -> _MemoryRun:
@@ -938,7 +976,15 @@ def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: lis
     ckpt_counter = FlopCounter() if eager else None
     runs: dict[str, _MemoryRun] = {}
     bandwidth = 0.0
+    alike: list[int] = []
     for modes in _patterns(n, setup.offload):
+        if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
+            if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
+                counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
+            alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
+        if len(runs) >= 3 and not setup.offload and \
+                not _pairs_missing(runs, n, alike, "KC"):
+            break  # NOTE [ Alternations shared by alike blocks ]
         runs[modes] = _memory_run(model, inputs, loss_fn, names, modes,
                                   rounding=setup.rounding, loop=setup.loop, backend=backend,
                                   counter={"K" * n: counter, "C" * n: ckpt_counter}.get(modes)
@@ -954,14 +1000,16 @@ def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: lis
                     if setup.host_bandwidth is not None else measure_host_bandwidth(setup.ran_on)
     for p in model.parameters():
         p.grad = None
-    if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager steps
-        counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
+    if len(runs) < 3:  # a chain of one block
+        if not eager:
+            counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
+        alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
     recompute_flops = _recompute_flops(ckpt_counter, counter, names) \
         if ckpt_counter is not None else \
         _checkpointed_flops(model, inputs, loss_fn, names, counter, loop=setup.loop)
     return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
                      grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
-                     host_bandwidth=bandwidth)
+                     host_bandwidth=bandwidth, alike=alike)
 
 
 def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list[str]:
@@ -1010,8 +1058,8 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
             param_bytes=unique_storage_bytes(list(module.parameters())),
             param_signature=param_signature(module),
             grad_bytes=base.block_grad_bytes[i],
-            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k]),
-            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k]),
+            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k], base.alike),
+            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k], base.alike),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
             selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
@@ -1021,7 +1069,7 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
             fwd_end_release={key: v for key, v in _by_modes(
-                runs, i, lambda modes, _, k: released[modes][k]).items() if v},
+                runs, i, lambda modes, _, k: released[modes][k], base.alike).items() if v},
             fwd_frees=frees[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
