@@ -136,9 +136,9 @@ def test_profile_reports_its_stages_in_order() -> None:
     autoremat.profile(model, inputs, repeats=2, progress=stages.append)
     memory = [s for s in stages if s.startswith("memory runs")]
     assert stages[0] == "warm-up step" and stages[-1] == "timing 2 steps"
-    n = len(memory)
-    assert n >= 2 and memory == [f"memory runs {k}/{n}" for k in range(1, n + 1)]
-    assert stages.index("counting FLOPs") > stages.index(memory[-1])
+    n = int(memory[0].split("/")[1])  # at most: alike blocks can make the last ones needless
+    assert 2 <= len(memory) <= n
+    assert memory == [f"memory runs {k}/{n}" for k in range(1, len(memory) + 1)]
     selective = [s for s in stages if s.startswith("selective options")]
     assert selective and selective[-1].endswith(f"{len(selective)}/{len(selective)}")
 

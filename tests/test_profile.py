@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
 import re
@@ -391,3 +392,73 @@ def test_a_tape_profiled_in_eval_mode_says_so() -> None:
     model.train()
     assert not any("eval()" in n for n in autoremat.profile(
         model, inputs, with_selective=False, timing=False).notes)
+
+
+@pytest.mark.parametrize(("name", "sizes"), [
+    ("gpt2", _SIZES["gpt2"]),  # three identical layers
+    ("mlp", {"widths": (64,) * 5, "batch_size": 16}),  # alike blocks 1 and 3, not adjacent
+])
+def test_options_measured_together_equal_one_step_per_option(
+        name: str, sizes: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Options measured together ]: several blocks' options in one step, and
+    # alike blocks sharing their figures, give what one step per option measures
+    profile_module = importlib.import_module("autoremat._measure.profile")
+    model, inputs = zoo.build(name, **sizes)
+    steps: list[int] = []
+    shared: list[list[int]] = []
+    run_marked, alike = profile_module._run_marked, profile_module._alike
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(1)
+        return run_marked(*args, **kwargs)
+
+    def seen(*args: Any) -> list[int]:
+        shared.append(alike(*args))
+        return shared[-1]
+
+    monkeypatch.setattr(profile_module, "_run_marked", counted)
+    monkeypatch.setattr(profile_module, "_alike", seen)
+    together = autoremat.profile(model, inputs, timing=False)
+    steps_together = len(steps)
+    steps.clear()
+    monkeypatch.setattr(profile_module, "_alike",
+                        lambda model, names, runs, ops: list(range(len(names))))
+    apart = autoremat.profile(model, inputs, timing=False)
+
+    assert any(like != i for i, like in enumerate(shared[0])), shared  # some share
+    assert all(b.selective for b in together.blocks)
+    assert [b.selective for b in together.blocks] == [b.selective for b in apart.blocks]
+    # NOTE [ Alternations shared by alike blocks ]: and so are the windows of each pair
+    assert [(b.fwd, b.bwd, b.fwd_end_release) for b in together.blocks] == \
+        [(b.fwd, b.bwd, b.fwd_end_release) for b in apart.blocks]
+    assert all(len(b.fwd) == 4 for b in together.blocks[1:])
+    if name == "gpt2":  # all alike: ceil(options / 3) selective steps, not one per option,
+        # and one alternating step, not two
+        assert shared[0] == [0, 0, 0]
+        options = len(together.blocks[0].selective)
+        assert len(steps) - steps_together == options - -(-options // 3) + 1 > 1
+
+
+@pytest.mark.parametrize(("agree", "timing_steps"), [(float("inf"), 1), (-1.0, 2)])
+def test_the_first_step_is_one_timing_sample_and_agreeing_steps_end_the_timing(
+        agree: float, timing_steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Timing repeats ]: with repeats=3 the step that finds the chain is a sample;
+    # one more step if it agrees with the next one (always, with an infinite tolerance),
+    # two more if not (never, with a negative one)
+    profile_module = importlib.import_module("autoremat._measure.profile")
+    model, inputs = zoo.build("mlp", **_SIZES["mlp"])
+    steps: list[str] = []
+    run_marked = profile_module._run_marked
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(type(args[4]).__name__)  # on_mark: _Stamps in the timing steps
+        return run_marked(*args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "_run_marked", counted)
+    monkeypatch.setattr(profile_module, "_AGREE", agree)
+    tape = autoremat.profile(model, inputs, repeats=3, with_selective=False)
+    assert steps.count("_Stamps") == timing_steps
+    assert tape.step_ms > 0 and all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in tape.blocks)
+    steps.clear()
+    autoremat.profile(model, inputs, repeats=2, with_selective=False)
+    assert steps.count("_Stamps") == 2  # fewer than three: the first step is not a sample

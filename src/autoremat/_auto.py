@@ -80,8 +80,9 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         raise BudgetError("auto() with neither budget= nor max_memory= would plan to keep "
                           "every block (the fastest step) and change nothing: give a budget "
                           "(e.g. budget='60%') or max_memory=, or a strategy such as 'full'")
+    # plans read FLOPs and bytes, never the tape's times: no uninstrumented steps timed
     tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop,
-                   compile=backend or False, offload=offload)
+                   compile=backend or False, offload=offload, timing=False)
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
                   offload=offload, head=head)
     apply(model, chosen, check_ranks=False)

@@ -1,15 +1,46 @@
 """``profile``: measure one training step block by block and return a :class:`Tape`.
 
 NOTE [ Three kinds of run ]
-    Per-op instrumentation slows a step several-fold, so no figure mixes kinds:
+    Per-op instrumentation slows a step, so no time is taken from an instrumented one:
     * memory: four steps under ``track_memory`` (plain; every block checkpointed on its
       own; and two that alternate kept and checkpointed blocks), with marks at block
       boundaries. Windows between marks give what the planner composes (see
       ``tape.py``), for each pair (previous block's mode, this block's mode): who
       holds a boundary tensor depends on both its producer and its consumer. Memory
-      is exact and deterministic.
-    * FLOPs: one step under a FLOP counter labelled by block.
+      is exact and deterministic. Then the selective options, a few per step
+      (NOTE [ Options measured together ]).
+    * FLOPs: counted by block in the same steps (NOTE [ One pass for memory and FLOPs ]).
     * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
+    Before them, one uninstrumented step finds the chain (and warms up: what a model
+    makes lazily on its first step is not measured as the step's), and one forward
+    without gradients finds the inputs held outside it.
+
+NOTE [ One pass for memory and FLOPs ]
+    FLOPs and op records need no step of their own: the FLOP counter (an ``OpRecorder``
+    for the plain step, which also traces each block's ops and what autograd saves) is
+    a dispatch mode entered under the memory tracker's, so every op passes through both
+    (the tracker's first, then the counter's) and both see the same ops, labelled by the
+    same marks. The counter creates no storage and keeps none alive (weak references,
+    and saved-tensor hooks that hand back the tensor they get), so the memory figures are
+    those of a step without it; the ``ms`` of its op records then include the tracker's
+    overhead, which no plan reads. Recompute FLOPs are the backward FLOPs of the
+    checkpointed step (or of a selective step) less the plain step's, per block. A
+    compiled step is measured from the allocator, and its FLOPs and ops from eager steps
+    of their own (NOTE [ Profiling a compiled step ]).
+
+NOTE [ Options measured together ]
+    A selective option's windows are a block's own: from its forward start to the next
+    block's, and from its output's gradient to its input's, in a step where the blocks
+    around it are checkpointed, whole or selective (each saves its own input, so no
+    boundary depends on which option a neighbour runs). So one step measures an option
+    on every block at once, a different option on each, and blocks that measure alike
+    share their figures: same class, parameters, input and output bytes, the same ops
+    (kinds, bytes, FLOPs, dataflow) and the same windows checkpointed (keyed as in a
+    selective step: after a checkpointed block, or for the first block after the kept
+    stem). Each class of alike blocks spreads its options over its members, so a stack
+    of identical layers takes ceil(options / layers) steps instead of one per option
+    (GPT-2's 11 options on 6 layers: 2). ``test_profile`` checks that the figures equal
+    those of one step per option.
     Every run follows the training loop ``loop`` (NOTE [ Which loop a step models ] in
     ``step.py``), so with ``"holds_output"`` each window sees the model's output alive
     until backward has finished, and every prediction made from the tape includes it.
@@ -28,6 +59,19 @@ NOTE [ Profiling a compiled step ]
     from the regional one predicted: measured on CPU (gpt2 zoo, 4 layers) from 0.26%
     above to below the prediction with Inductor, up to 5.5% above with ``aot_eager``.
     Only the regional prediction is tested (equal to the allocator's peak).
+
+NOTE [ Alternations shared by alike blocks ]
+    The two steps that alternate kept and checkpointed blocks exist to measure each
+    block after a neighbour of the other mode (keys ``CK`` and ``KC``); the first
+    measures them on every other block, the second on the rest. Blocks that measure
+    alike in the kept and the checkpointed steps (``_alike``: same class, parameters,
+    ops, input and output bytes, windows and releases) measure alike in these too, so
+    the second step is skipped when every block after the first has an alike block
+    after the first that the first alternation measured with each missing pair, and
+    takes that block's figures (``_by_modes``). Block 0 neither gives nor takes: its
+    "previous block" is the stem, never a block of the chain. A stack of three or more
+    identical layers saves a step; ``test_profile`` checks the figures against the
+    second step's.
 
 NOTE [ Ops between blocks ]
     Memory windows run from one block's start to the next one's, so what the parent
@@ -87,8 +131,9 @@ from autoremat._core.errors import (
     did_you_mean,
     internal_assert,
 )
+from autoremat._core.flops import FlopCounter
 from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes, track_memory
-from autoremat._core.ops import OpRecorder, OpStats, op_kind
+from autoremat._core.ops import OpRecord, OpRecorder, OpStats, op_kind
 from autoremat._core.step import (
     Loop,
     LossFn,
@@ -107,9 +152,9 @@ from autoremat._core.step import (
     training_config,
     unique_storage_bytes,
 )
-from autoremat._core.timing import clock_for, device_of
+from autoremat._core.timing import Clock, clock_for, device_of
 from autoremat._measure.costs import CostModel, cost_model_for, head_cost
-from autoremat._measure.keepsets import keep_sets
+from autoremat._measure.keepsets import KeepSet, keep_sets
 from autoremat._measure.tape import (
     BlockProfile,
     HeadOption,
@@ -386,10 +431,12 @@ def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                 names: list[str], modes: str,
                 contexts: _Contexts | None = None, *,
                 rounding: Rounding | None, loop: Loop,
-                backend: str | None = None) -> _MemoryRun:
+                backend: str | None = None,
+                counter: FlopCounter | None = None) -> _MemoryRun:
     """One step measured, block ``i`` in mode ``modes[i]``: ``K`` kept, ``C``
     checkpointed (with its context from ``contexts``, if any), ``O`` offloaded, ``P``
-    checkpointed with its input offloaded."""
+    checkpointed with its input offloaded. With a ``counter`` (eager only), the same
+    step also counts FLOPs by block (NOTE [ One pass for memory and FLOPs ])."""
     internal_assert(len(modes) == len(names), f"modes {modes!r} for {len(names)} blocks")
     for p in model.parameters():
         p.grad = None
@@ -402,9 +449,19 @@ def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
             _run_marked(model, inputs, loss_fn, names, lambda label: None, loop=loop)
             for p in model.parameters():
                 p.grad = None
-        with (track_allocations(device_of(model, inputs)) if backend is not None
-              else track_memory(rounding)) as mem:
-            probe = _run_marked(model, inputs, loss_fn, names, mem.mark, loop=loop)
+        internal_assert(counter is None or backend is None,
+                        "FLOPs are counted in eager steps only")
+        with ExitStack() as counting:
+            if counter is not None:
+                _enter_counter(counting, counter)
+            with (track_allocations(device_of(model, inputs)) if backend is not None
+                  else track_memory(rounding)) as mem:
+                def mark(label: str) -> None:
+                    mem.mark(label)
+                    if counter is not None:
+                        _label(counter, names, label)
+
+                probe = _run_marked(model, inputs, loss_fn, names, mark, loop=loop)
     marks = _marks(mem)
     n = len(names)
     missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
@@ -444,68 +501,134 @@ def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
     return out
 
 
+def _label(counter: FlopCounter, names: list[str], label: str) -> None:
+    """File the ops after mark ``label`` under the block whose forward or backward it
+    starts, and the rest under ``<outside>`` (NOTE [ Ops between blocks ])."""
+    kind, _, index = label.partition(":")
+    if kind in ("fwd", "bwd") and index != "-1":
+        counter.label = names[int(index)]
+    else:
+        counter.label = "<outside>"
+
+
+def _enter_counter(stack: ExitStack, counter: FlopCounter) -> None:
+    """Enter ``counter``'s dispatch mode on ``stack``; an :class:`OpRecorder` also sees
+    what autograd saves, through its saved-tensors hooks."""
+    stack.enter_context(counter)
+    if isinstance(counter, OpRecorder):
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(counter.pack,
+                                                                      counter.unpack))
+
+
 def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
            names: list[str], *, loop: Loop) -> OpRecorder:
+    """One step under an :class:`OpRecorder`: FLOPs by block and the ops of each."""
     counter = OpRecorder()
-
-    def on_mark(label: str) -> None:
-        kind, _, index = label.partition(":")
-        if kind in ("fwd", "bwd") and index != "-1":
-            counter.label = names[int(index)]
-        else:
-            counter.label = "<outside>"
-
-    with counter, torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        _run_marked(model, inputs, loss_fn, names, on_mark, loop=loop)
+    with ExitStack() as stack:
+        _enter_counter(stack, counter)
+        _run_marked(model, inputs, loss_fn, names, lambda label: _label(counter, names, label),
+                    loop=loop)
+    for p in model.parameters():
+        p.grad = None
     return counter
 
 
-def _recompute_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                     plain: OpRecorder,
-                     contexts: dict[str, ContextFn] | None = None, *,
-                     loop: Loop) -> list[int]:
-    """Per block, the FLOPs its recompute runs with every block checkpointed (those in
-    ``contexts`` selective with that context): backward FLOPs minus the plain step's.
-    Measured, so checkpoint's early stop (no re-run after the last op backward needs)
-    and skipped dead ops are included."""
-    with checkpointed(model, names, contexts):
-        counter = _flops(model, inputs, loss_fn, names, loop=loop)
-    for p in model.parameters():
-        p.grad = None
+def _recompute_flops(counter: FlopCounter, plain: FlopCounter, names: list[str]) -> list[int]:
+    """Per block, the FLOPs its recompute ran in the step ``counter`` counted (blocks
+    checkpointed, or selective): backward FLOPs minus the plain step's. Measured, so
+    checkpoint's early stop (no re-run after the last op backward needs) and skipped
+    dead ops are included."""
     return [counter.by_label.get((n, "bwd"), 0) - plain.by_label.get((n, "bwd"), 0)
             for n in names]
 
 
+def _checkpointed_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
+                        names: list[str], plain: FlopCounter,
+                        contexts: dict[str, ContextFn] | None = None, *,
+                        loop: Loop) -> list[int]:
+    """:func:`_recompute_flops` of a step of its own with every block checkpointed (those
+    in ``contexts`` selective): for compiled profiles, whose memory steps count no FLOPs."""
+    counter = FlopCounter()
+    with checkpointed(model, names, contexts), counter:
+        _run_marked(model, inputs, loss_fn, names, lambda label: _label(counter, names, label),
+                    loop=loop)
+    for p in model.parameters():
+        p.grad = None
+    return _recompute_flops(counter, plain, names)
+
+
+@dataclass(frozen=True)
+class _Times:
+    """Medians of uninstrumented steps (0.0 where not measured)."""
+
+    fwd_ms: list[float]  # per block
+    bwd_ms: list[float]  # per block
+    step_ms: float
+
+    @staticmethod
+    def unmeasured(n: int) -> _Times:
+        return _Times([0.0] * n, [0.0] * n, 0.0)
+
+
+class _Stamps:
+    """Clock stamps at the block boundaries of one step, the first time each is reached;
+    an ``on_mark`` for :func:`_run_marked`."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.at: dict[str, Any] = {}
+
+    def __call__(self, label: str) -> None:
+        if label not in self.at:
+            self.at[label] = self.clock.stamp()
+
+    def times(self, n: int) -> _Times:
+        """The times of the step stamped (call after ``clock.sync()``)."""
+        at, elapsed = self.at, self.clock.elapsed_ms
+        fwd, bwd = [], []
+        for i in range(n):
+            nxt = at[f"fwd:{i + 1}"] if i + 1 < n else at["fwd_end"]
+            fwd.append(elapsed(at[f"fwd:{i}"], nxt))
+            end = at.get(f"bwd:{i - 1}", at["end"]) if i else at.get("bwd:-1", at["end"])
+            bwd.append(elapsed(at[f"bwd:{i}"], end))
+        return _Times(fwd, bwd, elapsed(at["start"], at["end"]))
+
+
+_AGREE = 0.05  # two step times this close (relative) end the timing (NOTE [ Timing repeats ])
+
+
 def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-             repeats: int, *, loop: Loop) -> tuple[list[float], list[float], float]:
+             repeats: int, *, loop: Loop, first: _Times | None = None) -> _Times:
     """Per-block forward and backward medians and the step's, from stamps at the block
     boundaries: ``perf_counter`` on the CPU, CUDA events read after one synchronise at
-    the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``)."""
+    the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``).
+    ``first``: the times of the step that found the chain, one of the ``repeats``
+    samples when there are three or more (NOTE [ Timing repeats ])."""
+    # NOTE [ Timing repeats ]
+    #     Times are medians of at most ``repeats`` uninstrumented steps. The step that
+    #     found the chain is one of them when ``repeats >= 3``: it may run slow (the
+    #     first step of a process allocates fresh memory; on a GPU, library handles),
+    #     and a median of three or more leaves one slow sample out. Steps stop early
+    #     once two in a row agree within 5%: their median is already what more steps of
+    #     a quiet machine would give, and on a noisy one they do not agree. No plan
+    #     reads times (they cost FLOPs and bytes), so this saves steps, not accuracy.
     n = len(names)
-    fwd: list[list[float]] = [[] for _ in range(n)]
-    bwd: list[list[float]] = [[] for _ in range(n)]
-    steps: list[float] = []
+    samples = [first] if first is not None and repeats >= 3 else []
     clock = clock_for(device_of(model, inputs))
-    for _ in range(repeats):
-        stamps: dict[str, Any] = {}
-        def stamp(label: str, stamps: dict[str, Any] = stamps) -> None:
-            if label not in stamps:  # the first time a boundary is reached
-                stamps[label] = clock.stamp()
-
+    while len(samples) < repeats:
+        if len(samples) >= 2 and \
+                abs(samples[-1].step_ms - samples[-2].step_ms) <= _AGREE * samples[-2].step_ms:
+            break
+        stamps = _Stamps(clock)
         clock.sync()
-        _run_marked(model, inputs, loss_fn, names, stamp, loop=loop)
+        _run_marked(model, inputs, loss_fn, names, stamps, loop=loop)
         clock.sync()
-        for i in range(n):
-            nxt = stamps[f"fwd:{i + 1}"] if i + 1 < n else stamps["fwd_end"]
-            fwd[i].append(clock.elapsed_ms(stamps[f"fwd:{i}"], nxt))
-            end = stamps.get(f"bwd:{i - 1}", stamps["end"]) if i else \
-                stamps.get("bwd:-1", stamps["end"])
-            bwd[i].append(clock.elapsed_ms(stamps[f"bwd:{i}"], end))
-        steps.append(clock.elapsed_ms(stamps["start"], stamps["end"]))
+        samples.append(stamps.times(n))
         for p in model.parameters():
             p.grad = None
-    return ([statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd],
-            statistics.median(steps))
+    return _Times([statistics.median(s.fwd_ms[i] for s in samples) for i in range(n)],
+                  [statistics.median(s.bwd_ms[i] for s in samples) for i in range(n)],
+                  statistics.median(s.step_ms for s in samples))
 
 
 def _patterns(n: int, offload: bool) -> list[str]:
@@ -565,61 +688,143 @@ _T = TypeVar("_T")
 
 
 def _by_modes(runs: dict[str, _MemoryRun], i: int,
-              value: Callable[[str, _MemoryRun, int], _T]) -> dict[str, _T]:
+              value: Callable[[str, _MemoryRun, int], _T],
+              alike: Sequence[int] = ()) -> dict[str, _T]:
     """``value(modes, run, i)`` keyed by block ``i``'s (previous mode, own mode), from
-    the first run made with each pair (its windows and what else that run measured)."""
+    the first run made with each pair (its windows and what else that run measured);
+    with ``alike`` (``_alike``), a pair no run made for block ``i > 0`` from the first
+    block ``j > 0`` alike to it that has one: ``value(modes, run, j)``
+    (NOTE [ Alternations shared by alike blocks ])."""
     out: dict[str, _T] = {}
-    for modes, run in runs.items():
-        key = (modes[i - 1] if i > 0 else "K") + modes[i]
-        if key not in out:
-            out[key] = value(modes, run, i)
+    others = [j for j in range(1, len(alike)) if j != i and alike[j] == alike[i]] if i else []
+    for j in [i, *others]:
+        for modes, run in runs.items():
+            key = (modes[j - 1] if j > 0 else "K") + modes[j]
+            if key not in out:
+                out[key] = value(modes, run, j)
     return dict(sorted(out.items()))
 
 
+def _pairs_missing(runs: dict[str, _MemoryRun], n: int, alike: Sequence[int],
+                   modes_measured: str) -> bool:
+    """Whether some block ``i > 0`` has a pair of modes that neither it nor an alike
+    block ``j > 0`` was measured with."""
+    for i in range(1, n):
+        have = _by_modes(runs, i, lambda _, run, k: None, alike)
+        if len(have) < len(modes_measured) ** 2:
+            return True
+    return False
+
+
 def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                    op_stats: list[dict[str, OpStats]], plain: OpRecorder,
-                    cost_model: CostModel,
-                    rounding: Rounding | None, *,
-                    loop: Loop, backend: str | None,
-                    progress: Callable[[str], None]) -> list[dict[str, SelectiveProfile]]:
-    """Per save-set of op kinds, and per keep-set index, one memory step and one FLOP
-    step: blocks that have that option run selective, the others fully checkpointed (so
-    every block's neighbours are checkpointed). Recompute FLOPs are measured, as for whole
-    blocks: checkpoint's early stop skips the ops after the last one backward needs."""
+                    base: _BaseRuns, setup: _Setup,
+                    stage: Callable[[str], None] = lambda _: None,
+                    ) -> list[dict[str, SelectiveProfile]]:
+    """Each block's selective options (save-sets of op kinds, keep-sets by position),
+    measured in steps where every other block is checkpointed or selective, several
+    blocks' options in one step (NOTE [ Options measured together ]); block ``i`` takes
+    the figures measured on block ``alike[i]``. Recompute FLOPs are measured, as for
+    whole blocks: checkpoint's early stop skips the ops after the last one backward
+    needs."""
+    plain = base.counter
+    ops = [plain.block_ops(name) for name in names]
+    options = _selective_options(names, [plain.block_stats(name) for name in names], ops,
+                                 setup.cost_model)
+    alike = base.alike
+    members: dict[int, list[int]] = {}
+    for i, like in enumerate(alike):
+        members.setdefault(like, []).append(i)
+        internal_assert(options[i].keys() == options[like].keys(),
+                        f"blocks {names[like]} and {names[i]} have the same ops but not the "
+                        "same selective options")
+    pending = {like: sorted(options[like]) for like in members}
+    measured: dict[tuple[int, str], tuple[WindowMemory, WindowMemory, int]] = {}
+    steps = max((len(keys) for keys in pending.values()), default=0)
+    while any(pending.values()):
+        stage(f"selective options {steps - max(len(k) for k in pending.values()) + 1}/{steps}")
+        chosen: dict[int, str] = {}  # block -> the option it runs in this step
+        for like, keys in pending.items():
+            for i in members[like]:
+                if keys:
+                    chosen[i] = keys.pop(0)
+        contexts = _Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
+                             {names[i]: options[i][key][1] for i, key in chosen.items()})
+        counter = FlopCounter() if setup.backend is None else None
+        run = _memory_run(model, inputs, loss_fn, names, "C" * len(names), contexts,
+                          rounding=setup.rounding, loop=setup.loop, backend=setup.backend,
+                          counter=counter)
+        flops = _recompute_flops(counter, plain, names) if counter is not None else \
+            _checkpointed_flops(model, inputs, loss_fn, names, plain, contexts.eager,
+                                loop=setup.loop)
+        for i, key in chosen.items():
+            measured[alike[i], key] = (run.fwd[i], run.bwd[i], flops[i])
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
-    options: dict[str, dict[str, tuple[ContextFn, Any, SelectiveProfile]]] = {}
-    for i, stats in enumerate(op_stats):  # save-sets of op kinds (NOTE [ Save-sets by op kind ])
+    for i, block_options in enumerate(options):
+        for key in sorted(block_options):
+            fwd, bwd, flops_i = measured[alike[i], key]
+            out[i][key] = dataclasses.replace(block_options[key][2], fwd=fwd, bwd=bwd,
+                                              recompute_flops=flops_i)
+    return out
+
+
+_Option = tuple[ContextFn, Any, SelectiveProfile]  # eager context, compiled one, figures
+
+
+def _selective_options(names: list[str], op_stats: list[dict[str, OpStats]],
+                       block_ops: list[tuple[OpRecord, ...]],
+                       cost_model: CostModel) -> list[dict[str, _Option]]:
+    """Per block, its selective options keyed as the tape keys them: save-sets of op
+    kinds (NOTE [ Save-sets by op kind ]) and keep-sets by position, ``#1``, ``#2``, ...
+    (NOTE [ Dead ops ]), each with its contexts and static figures. Blocks with the same
+    ops share their keep-sets (one MILP per distinct block)."""
+    options: list[dict[str, _Option]] = [{} for _ in names]
+    for i, stats in enumerate(op_stats):
         for save in save_sets(k for k, s in stats.items() if s.count):
             redo = [s for k, s in stats.items() if k not in save]
-            options.setdefault(save_set_name(save), {})[names[i]] = (
+            options[i][save_set_name(save)] = (
                 selective_context(save), compiled_context(save),
                 _partial(sum(s.out_bytes for s in redo), sum(s.count for s in redo)))
-    progress("choosing keep-sets")
-    for name in names:  # keep-sets by position (NOTE [ Dead ops ])
-        ops = plain.block_ops(name)
+    solved: dict[tuple[OpRecord, ...], list[KeepSet]] = {}
+    for i, ops in enumerate(block_ops):
+        untimed = tuple(dataclasses.replace(o, ms=0.0) for o in ops)  # keep_sets reads no ms
+        if untimed not in solved:
+            solved[untimed] = keep_sets(ops, cost_model)
         signature = op_signature(ops)
-        for k, found in enumerate(keep_sets(ops, cost_model)):
+        for k, found in enumerate(solved[untimed]):
             rerun = [o for j, o in enumerate(ops)
                      if j not in found.keep and j not in found.skip]
-            options.setdefault(f"#{k + 1}", {})[name] = (
+            options[i][f"#{k + 1}"] = (
                 selective_context(keep_ops=found.keep, skip_ops=found.skip,
                                   signature=signature),
                 compiled_context(keep=keep_keys(ops, found.keep)),
                 _partial(sum(o.out_bytes for o in rerun), len(rerun),
                          found.keep, found.skip))
-    for k, key in enumerate(sorted(options), 1):
-        progress(f"selective options {k}/{len(options)}")
-        users = options[key]
-        contexts = _Contexts({n: ctx for n, (ctx, _, _) in users.items()},
-                             {n: ctx for n, (_, ctx, _) in users.items()})
-        run = _memory_run(model, inputs, loss_fn, names, "C" * len(names), contexts,
-                          rounding=rounding, loop=loop, backend=backend)
-        flops = _recompute_flops(model, inputs, loss_fn, names, plain, contexts.eager,
-                                 loop=loop)
-        for i, name in enumerate(names):
-            if name in users:
-                out[i][key] = dataclasses.replace(users[name][2], fwd=run.fwd[i],
-                                                  bwd=run.bwd[i], recompute_flops=flops[i])
+    return options
+
+
+def _alike(model: nn.Module, names: list[str], runs: dict[str, _MemoryRun],
+           ops: list[tuple[OpRecord, ...]]) -> list[int]:
+    """Per block, the first block that measures as it does (itself if none): the same
+    class, parameters, input and output bytes and ops (``ms`` aside), and the same
+    figures in the kept and the checkpointed step (``runs``: those two at least).
+    NOTE [ Options measured together ], NOTE [ Alternations shared by alike blocks ]."""
+    n = len(names)
+    kept, ckpt = runs["K" * n], runs["C" * n]
+    released = [_released_at_fwd_end(run, n) for run in (kept, ckpt)]
+    first: dict[tuple[Any, ...], int] = {}
+    out = []
+    for i, name in enumerate(names):
+        module = model.get_submodule(name)
+        signature = (
+            type(module), param_signature(module),
+            kept.probe.input_bytes[i], kept.probe.output_bytes[i],
+            tuple(dataclasses.replace(o, ms=0.0) for o in ops[i]),
+            # block 0 checkpointed comes after the kept stem (key "KC"), any other after a
+            # checkpointed block ("CC"), as in a selective step
+            kept.fwd[i], kept.bwd[i], ckpt.fwd[i], ckpt.bwd[i],
+            released[0][i], released[1][i],
+        )
+        out.append(first.setdefault(signature, i))
     return out
 
 
@@ -630,6 +835,282 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
     return SelectiveProfile(fwd=empty, bwd=empty, recompute_flops=0,
                             recompute_bytes=recompute_bytes, recompute_ops=recompute_ops,
                             keep_ops=keep, skip_ops=skip)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What ``profile``'s arguments come to once checked, before any step runs."""
+
+    model: nn.Module  # the module the steps run (a compiled model's inner one)
+    backend: str | None  # torch.compile backend of the steps; None: eager
+    ran_on: torch.device  # where the steps run
+    target: str  # the device the tape is for (tape.device)
+    cost_model: CostModel  # the target's rates
+    rounding: Rounding | None
+    loop: Loop
+    offload: bool
+    host_bandwidth: float | None
+    names: list[str]  # the blocks given or found, in the order defined
+
+
+def _checked_setup(model: nn.Module, inputs: Any, loss_fn: LossFn | None, blocks: BlockSpec,
+                   *, repeats: int, with_selective: bool, timing: bool,
+                   rounding: Rounding | None, loop: Loop, device: str | torch.device | None,
+                   compile: bool | str, offload: bool,
+                   host_bandwidth: float | None, with_head: bool = True) -> _Setup:
+    """``profile``'s arguments checked (a mistake fails here, before any work)."""
+    if not isinstance(model, nn.Module):
+        raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
+    backend = compile_backend(compile)
+    if offload and backend is not None:
+        raise RematError("profile(offload=True, compile=...) is not supported: offloaded "
+                         "blocks run saved-tensor hooks that torch.compile does not trace. "
+                         "Profile with one of them")
+    if host_bandwidth is not None and not offload:
+        raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
+                         "neither")
+    if host_bandwidth is not None and (not isinstance(host_bandwidth, (int, float))
+                                       or isinstance(host_bandwidth, bool)
+                                       or not host_bandwidth > 0):
+        raise RematError(f"host_bandwidth must be a positive number of bytes per second "
+                         f"(e.g. 25e9), got {host_bandwidth!r}")
+    model = uncompiled(model)
+    check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
+    for flag, value in (("with_selective", with_selective), ("timing", timing),
+                        ("offload", offload), ("with_head", with_head)):
+        check_flag(flag, value)
+    check_inputs(inputs)
+    check_loss_fn(loss_fn)
+    if not torch.is_grad_enabled():
+        raise RematError("profile() was called with gradients disabled (under "
+                         "torch.no_grad() or torch.inference_mode()): it measures a training "
+                         "step, whose backward needs them; call it outside that block")
+    check_loop(loop)
+    ran_on = device_of(model, inputs)
+    if device is None and ran_on.type == "meta":
+        raise RematError("profile() of a model on meta needs device=, the device the tape is "
+                         "for (its recompute costs and tape.device), e.g. device='cuda'; or "
+                         "use autoremat.estimate(), which gives it")
+    target = str(ran_on if device is None else parse_device(device))
+    # a device without rates fails before any work
+    cost_model = cost_model_for(target, compiled=backend is not None)
+    if rounding is None and ran_on.type == "meta":
+        rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
+    names = resolve_blocks(model, blocks)
+    if names == [""]:
+        raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
+                         f"blocks=[...] with the names of the layers to plan over")
+    return _Setup(model=model, backend=backend, ran_on=ran_on, target=target,
+                  cost_model=cost_model, rounding=rounding, loop=loop, offload=offload,
+                  host_bandwidth=host_bandwidth, names=names)
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """The blocks planned over, from a first step that measures nothing else."""
+
+    names: list[str]  # in the order they run
+    held_inputs: list[bool]  # NOTE [ Boundaries held outside the chain ]
+    output_bytes: int  # the model's output, less the loss (tape.output_bytes)
+    notes: list[str]  # what changed from the blocks found, and inputs held
+    times: _Times | None  # of that first step, when timed and the chain is what it stamped
+
+
+def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup, *,
+           in_order: bool, timed: bool) -> _Chain:
+    """One uninstrumented step (it also warms up: lazy state is not measured later) that
+    finds the chain and the output's size, timed when ``timed``, and one forward without
+    gradients that finds the inputs held outside it. ``in_order``: the blocks were
+    given, and must run in that order."""
+    held: list[int] = []
+
+    def measure_output(output: Any) -> torch.Tensor:
+        check_no_cache(model, output)
+        loss = (loss_fn or default_loss)(output)
+        held.append(output_bytes(output, loss))
+        return loss
+
+    seen: list[str] = []
+    names = setup.names
+    clock = clock_for(setup.ran_on)
+    stamps = _Stamps(clock)
+
+    def mark(label: str) -> None:
+        seen.append(label)
+        stamps(label)
+
+    clock.sync()
+    warm = _run_marked(model, inputs, measure_output, names, mark if timed else seen.append,
+                       loop=setup.loop, in_order=in_order)
+    clock.sync()
+    notes: list[str] = []
+    if not in_order:
+        names, notes = _discovered_chain(model, names, warm.order, seen)
+    # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
+    # the blocks it stamped, in the same order
+    stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))
+    times = stamps.times(len(names)) if timed and stamped else None
+    for p in model.parameters():
+        p.grad = None
+    held_inputs = _held_boundaries(model, inputs, names)
+    if any(held_inputs[1:]):
+        inner = [name for name, h in zip(names[1:], held_inputs[1:], strict=True) if h]
+        notes.append(
+            f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
+            f"the model outside the chain (skip connections, kept hidden states): a "
+            f"segment of several blocks does not free them, and plans count them held")
+    return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
+                  times=times)
+
+
+@dataclass(frozen=True)
+class _BaseRuns:
+    """The memory steps of whole-block modes, and the FLOPs and ops counted in them."""
+
+    runs: dict[str, _MemoryRun]  # by the mode of each block (_patterns)
+    counter: OpRecorder  # the plain step's FLOPs by block, and its ops
+    recompute_flops: list[int]  # per block, checkpointed on its own
+    grad_bytes: int  # all gradients after the plain step
+    block_grad_bytes: list[int]  # per block
+    host_bandwidth: float  # bytes per second to host memory (0.0 without offload)
+    alike: list[int]  # per block, the first block that measures alike (_alike)
+
+    @property
+    def plain(self) -> _MemoryRun:
+        return self.runs["K" * len(self.recompute_flops)]
+
+
+def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+               setup: _Setup, stage: Callable[[str], None] = lambda _: None) -> _BaseRuns:
+    """One memory step per pattern of whole-block modes (``_patterns``); eager, the plain
+    one also records FLOPs and ops, and the checkpointed one recompute FLOPs
+    (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them."""
+    n, backend = len(names), setup.backend
+    eager = backend is None
+    counter = OpRecorder()
+    ckpt_counter = FlopCounter() if eager else None
+    runs: dict[str, _MemoryRun] = {}
+    bandwidth = 0.0
+    alike: list[int] = []
+    patterns = _patterns(n, setup.offload)
+    for modes in patterns:
+        if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
+            if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
+                counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
+            alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
+        if len(runs) >= 3 and not setup.offload and \
+                not _pairs_missing(runs, n, alike, "KC"):
+            break  # NOTE [ Alternations shared by alike blocks ]
+        stage(f"memory runs {len(runs) + 1}/{len(patterns)}")
+        runs[modes] = _memory_run(model, inputs, loss_fn, names, modes,
+                                  rounding=setup.rounding, loop=setup.loop, backend=backend,
+                                  counter={"K" * n: counter, "C" * n: ckpt_counter}.get(modes)
+                                  if eager else None)
+        if modes == "K" * n:  # the gradients the plain step left
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grad_bytes = unique_storage_bytes(grads)
+            block_grad_bytes = [
+                unique_storage_bytes([p.grad for p in model.get_submodule(name).parameters()
+                                      if p.grad is not None]) for name in names]
+            if setup.offload:
+                bandwidth = float(setup.host_bandwidth) \
+                    if setup.host_bandwidth is not None else measure_host_bandwidth(setup.ran_on)
+    for p in model.parameters():
+        p.grad = None
+    if len(runs) < 3:  # a chain of one block
+        if not eager:
+            counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
+        alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
+    recompute_flops = _recompute_flops(ckpt_counter, counter, names) \
+        if ckpt_counter is not None else \
+        _checkpointed_flops(model, inputs, loss_fn, names, counter, loop=setup.loop)
+    return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
+                     grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
+                     host_bandwidth=bandwidth, alike=alike)
+
+
+def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list[str]:
+    """Notes on what the tape holds for: the model's mode, and the blocks left out."""
+    notes: list[str] = []
+    if not model.training:
+        # issue 16: an eval() tape planned a train() step 35% over its budget
+        eval_note = (f"{type(model).__name__} was profiled in eval() mode (dropout off, "
+                     "BatchNorm on running statistics): its figures and plans hold for "
+                     "that mode; profile it in the mode you train in (model.train())")
+        notes.append(eval_note)
+        warnings.warn(f"autoremat: {eval_note}", UserWarning, stacklevel=3)
+    if discovered:
+        others = other_repeated_blocks(model, names)
+        if others:
+            notes.append(f"planning over the repeated blocks found; also smaller "
+                         f"repeated, not planned over: {', '.join(others)} (pass "
+                         "blocks=[...] with all of them, in the order they run)")
+    return notes
+
+
+def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _BaseRuns,
+          selective: list[dict[str, SelectiveProfile]], times: _Times, *,
+          notes: list[str], head: HeadProfile | None = None) -> Tape:
+    """The tape, from what the steps measured."""
+    names, runs, plain, counter = chain.names, base.runs, base.plain, base.counter
+    n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
+    modes_measured = "KCOP" if setup.offload else "KC"
+    released = {modes: _released_at_fwd_end(run, n) for modes, run in runs.items()}
+    frees = _freed_in_forward(plain, n)
+    saved = _saved_by_block(plain)
+    offload_stats, input_stats = ([runs[m * n].offloaded.get(name, OffloadStats())
+                                   if setup.offload else OffloadStats() for name in names]
+                                  for m in "OP")
+    block_list = []
+    for i, name in enumerate(names):
+        module = model.get_submodule(name)
+        block_list.append(BlockProfile(
+            name=name, fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
+            fwd_flops=counter.by_label.get((name, "fwd"), 0),
+            bwd_flops=counter.by_label.get((name, "bwd"), 0),
+            recompute_flops=base.recompute_flops[i],
+            saved_bytes=sum(saved[i].values()),
+            saved_bytes_by_kind=dict(sorted(saved[i].items())),
+            input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],
+            param_bytes=unique_storage_bytes(list(module.parameters())),
+            param_signature=param_signature(module),
+            grad_bytes=base.block_grad_bytes[i],
+            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k], base.alike),
+            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k], base.alike),
+            op_stats=counter.block_stats(name), ops=counter.block_ops(name),
+            selective=selective[i],
+            chained=i > 0 and plain.probe.chained[i],
+            offload_bytes=offload_stats[i].host_bytes,
+            offload_tensors=offload_stats[i].tensors,
+            offload_input_bytes=input_stats[i].host_bytes,
+            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
+            if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
+            fwd_end_release={key: v for key, v in _by_modes(
+                runs, i, lambda modes, _, k: released[modes][k], base.alike).items() if v},
+            fwd_frees=frees[i],
+            stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
+                            for buf in stashed_buffers([module])),
+        ))
+    params = list(model.parameters())
+    return Tape(
+        model=type(model).__name__, inputs=describe_inputs(inputs),
+        device=setup.target, training=model.training,
+        blocks=tuple(block_list),
+        step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
+        ckpt_step_peak_bytes=runs["C" * n].mem.peak_bytes,
+        param_bytes=unique_storage_bytes(params),
+        trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
+        trainable_param_tensors=sum(p.requires_grad for p in params),
+        input_bytes=unique_storage_bytes(inputs),
+        buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        grad_bytes=base.grad_bytes,
+        pre=plain.pre, post={m: runs[m * n].post for m in modes_measured},
+        tail={m: runs[m * n].tail for m in modes_measured},
+        offload=setup.offload, host_bandwidth=base.host_bandwidth,
+        step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
+        step_ms=times.step_ms, loop=setup.loop, output_bytes=chain.output_bytes,
+        compiled=setup.backend or "", head=head, notes=tuple(notes),
+    )
 
 
 # NOTE [ Measuring the head ]
@@ -644,8 +1125,7 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
 #     (:data:`HEAD_CHUNKS`): few chunks cost least, many hold least; the transient of a
 #     chunk is proportional to its rows, so more options would add little.
 def _head_options(model: nn.Module, inputs: Any, names: list[str], site: HeadSite,
-                  cost_model: CostModel, *, rounding: Rounding | None, loop: Loop,
-                  ) -> tuple[HeadProfile | None, str]:
+                  setup: _Setup) -> tuple[HeadProfile | None, str]:
     """The head options of ``site``, measured (NOTE [ Measuring the head ]); or ``None``
     and why, when the chunked head never ran in the step."""
     weight = model.get_submodule(site.name).weight
@@ -654,7 +1134,7 @@ def _head_options(model: nn.Module, inputs: Any, names: list[str], site: HeadSit
     for chunks in HEAD_CHUNKS:
         with head_installed(model, site, chunks) as install:
             run = _memory_run(model, inputs, None, names, "K" * len(names),
-                              rounding=rounding, loop=loop)
+                              rounding=setup.rounding, loop=setup.loop)
         if install is None or install.calls != 1:
             calls = 0 if install is None else install.calls
             return None, (f"the loss head {site} took {calls} losses in one step, not one "
@@ -662,11 +1142,27 @@ def _head_options(model: nn.Module, inputs: Any, names: list[str], site: HeadSit
                           f"computes it")
         options[f"chunked:{chunks}"] = HeadOption(
             chunks=chunks, post=run.post, tail=run.tail, step_peak_bytes=run.mem.peak_bytes,
-            cost=head_cost(chunks, weight_bytes, cost_model))
+            cost=head_cost(chunks, weight_bytes, setup.cost_model))
     for p in model.parameters():
         p.grad = None
     return HeadProfile(kind=site.kind, name=site.name, vocab=site.vocab,
                        weight_bytes=weight_bytes, options=options), ""
+
+
+def _head(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
+          setup: _Setup, with_head: bool,
+          stage: Callable[[str], None]) -> tuple[HeadProfile | None, str]:
+    """The loss head's options, where the model has a head autoremat can chunk (NOTE
+    [ Which heads can be chunked ]); else ``None`` and why ("" when it has no head)."""
+    site, why = find_head(model, inputs, loss_fn) if with_head else (None, "")
+    if site is not None and setup.backend is not None:
+        return None, ("a compiled profile measures no loss-head options (the head is "
+                      "outside the compiled blocks): the head stays as the model computes "
+                      "it; plan it from an eager profile")
+    if site is None:
+        return None, why
+    stage("loss head options")
+    return _head_options(model, inputs, names, site, setup)
 
 
 def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
@@ -686,7 +1182,10 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             else the sum of the first floating tensor in the output.
         blocks: ``None`` to find the chain of repeated layers, a list of qualified
             module names, or a predicate ``(name, module) -> bool``.
-        repeats: uninstrumented steps timed (medians are reported).
+        repeats: uninstrumented steps timed, at most (medians are reported): the
+            first step, which finds the blocks, counts as one when ``repeats >= 3``, and
+            timing stops once two steps in a row agree within 5%
+            (NOTE [ Timing repeats ]).
         with_selective: also measure selective-recompute options (one more memory step
             per distinct save-set), so that plans can use them.
         timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
@@ -730,7 +1229,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             :class:`autoremat.LMHead` (NOTE [ Which heads can be chunked ]). Plans may
             then chunk it (``tape.head``); the tape's notes say why a head is not.
         progress: called with the name of each stage as it starts (``"memory runs
-            2/6"``), for a progress display; default: nothing.
+            2/4"``), for a progress display; default: nothing.
 
     Returns:
         A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
@@ -747,194 +1246,33 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         * A block that runs more than once per step (shared weights) is rejected.
         * Times on a busy machine are noisy; planning uses FLOPs and bytes, not times.
     """
-    if not isinstance(model, nn.Module):
-        raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
-    backend = compile_backend(compile)
-    if offload and backend is not None:
-        raise RematError("profile(offload=True, compile=...) is not supported: offloaded "
-                         "blocks run saved-tensor hooks that torch.compile does not trace. "
-                         "Profile with one of them")
-    if host_bandwidth is not None and not offload:
-        raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
-                         "neither")
-    if host_bandwidth is not None and (not isinstance(host_bandwidth, (int, float))
-                                       or isinstance(host_bandwidth, bool)
-                                       or not host_bandwidth > 0):
-        raise RematError(f"host_bandwidth must be a positive number of bytes per second "
-                         f"(e.g. 25e9), got {host_bandwidth!r}")
-    model = uncompiled(model)
-    check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
-    for flag, value in (("with_selective", with_selective), ("timing", timing),
-                        ("offload", offload), ("with_head", with_head)):
-        check_flag(flag, value)
-    check_inputs(inputs)
-    check_loss_fn(loss_fn)
-    if not torch.is_grad_enabled():
-        raise RematError("profile() was called with gradients disabled (under "
-                         "torch.no_grad() or torch.inference_mode()): it measures a training "
-                         "step, whose backward needs them; call it outside that block")
-    check_loop(loop)
-    ran_on = device_of(model, inputs)
-    if device is None and ran_on.type == "meta":
-        raise RematError("profile() of a model on meta needs device=, the device the tape is "
-                         "for (its recompute costs and tape.device), e.g. device='cuda'; or "
-                         "use autoremat.estimate(), which gives it")
-    target = str(ran_on if device is None else parse_device(device))
-    # a device without rates fails before any work
-    cost_model = cost_model_for(target, compiled=backend is not None)
-    if rounding is None and ran_on.type == "meta":
-        rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
-    names = resolve_blocks(model, blocks)
-    if names == [""]:
-        raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
-                         f"blocks=[...] with the names of the layers to plan over")
+    setup = _checked_setup(model, inputs, loss_fn, blocks, repeats=repeats,
+                           with_selective=with_selective, timing=timing, rounding=rounding,
+                           loop=loop, device=device, compile=compile, offload=offload,
+                           host_bandwidth=host_bandwidth, with_head=with_head)
+    model = setup.model
     stage = progress or (lambda _: None)
     with preserved_state(model), training_config(model) as cache_notes, \
-            compile_settings(backend):
-        held: list[int] = []
-
-        def measure_output(output: Any) -> torch.Tensor:
-            check_no_cache(model, output)
-            loss = (loss_fn or default_loss)(output)
-            held.append(output_bytes(output, loss))
-            return loss
-
-        seen: list[str] = []
+            compile_settings(setup.backend):
+        timed = timing and setup.ran_on.type != "meta"
         stage("warm-up step")
-        warm = _run_marked(model, inputs, measure_output, names, seen.append,
-                           loop=loop, in_order=blocks is not None)  # and the output's size
-        order_notes: list[str] = []
-        if blocks is None:
-            names, order_notes = _discovered_chain(model, names, warm.order, seen)
-        for p in model.parameters():
-            p.grad = None
-        n = len(names)
-        held_inputs = _held_boundaries(model, inputs, names)
-        if any(held_inputs[1:]):
-            inner = [name for name, h in zip(names[1:], held_inputs[1:], strict=True) if h]
-            order_notes.append(
-                f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
-                f"the model outside the chain (skip connections, kept hidden states): a "
-                f"segment of several blocks does not free them, and plans count them held")
-        patterns = _patterns(n, offload)
-        stage(f"memory runs 1/{len(patterns)}")
-        plain = _memory_run(model, inputs, loss_fn, names, "K" * n, rounding=rounding,
-                            loop=loop, backend=backend)
-        grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
-        grad_bytes = unique_storage_bytes(list(grads.values()))
-        block_grad_bytes = [
-            unique_storage_bytes([p.grad for p in model.get_submodule(n).parameters()
-                                  if p.grad is not None]) for n in names
-        ]
-        modes_measured = "KCOP" if offload else "KC"
-        bandwidth = 0.0
-        if offload:
-            bandwidth = float(host_bandwidth) if host_bandwidth is not None else \
-                measure_host_bandwidth(ran_on)
-        runs = {"K" * n: plain}
-        for k, modes in enumerate(patterns[1:], 2):
-            stage(f"memory runs {k}/{len(patterns)}")
-            runs[modes] = _memory_run(model, inputs, loss_fn, names, modes,
-                                      rounding=rounding, loop=loop, backend=backend)
-        for p in model.parameters():
-            p.grad = None
-        stage("counting FLOPs")
-        counter = _flops(model, inputs, loss_fn, names, loop=loop)
-        for p in model.parameters():
-            p.grad = None
-        recompute_flops = _recompute_flops(model, inputs, loss_fn, names, counter, loop=loop)
-        op_stats = [counter.block_stats(name) for name in names]
-        params = list(model.parameters())
-        selective = _selective_runs(model, inputs, loss_fn, names, op_stats, counter,
-                                    cost_model, rounding, loop=loop, backend=backend,
-                                    progress=stage) if with_selective else [{} for _ in names]
-        on_meta = ran_on.type == "meta"
-        notes: list[str] = []
-        site, why = find_head(model, inputs, loss_fn) if with_head else (None, "")
-        head = None
-        if site is not None and backend is not None:
-            site, why = None, ("a compiled profile measures no loss-head options (the "
-                               "head is outside the compiled blocks): the head stays as "
-                               "the model computes it; plan it from an eager profile")
-        if site is not None:
-            stage("loss head options")
-            head, why = _head_options(model, inputs, names, site, cost_model,
-                                      rounding=rounding, loop=loop)
+        chain = _chain(model, inputs, loss_fn, setup, in_order=blocks is not None,
+                       timed=timed and setup.backend is None)  # compiled: timed compiled
+        base = _base_runs(model, inputs, loss_fn, chain.names, setup, stage)
+        selective = _selective_runs(model, inputs, loss_fn, chain.names, base, setup,
+                                    stage) if with_selective else [{} for _ in chain.names]
+        notes = _mode_notes(model, chain.names, discovered=blocks is None)
+        head, why = _head(model, inputs, loss_fn, chain.names, setup, with_head, stage)
         if why:
             notes.append(why)
-        if not model.training:
-            # issue 16: an eval() tape planned a train() step 35% over its budget
-            eval_note = (f"{type(model).__name__} was profiled in eval() mode (dropout off, "
-                         "BatchNorm on running statistics): its figures and plans hold for "
-                         "that mode; profile it in the mode you train in (model.train())")
-            notes.append(eval_note)
-            warnings.warn(f"autoremat: {eval_note}", UserWarning, stacklevel=2)
-        if blocks is None:
-            others = other_repeated_blocks(model, names)
-            if others:
-                notes.append(f"planning over the repeated blocks found; also smaller "
-                             f"repeated, not planned over: {', '.join(others)} (pass "
-                             "blocks=[...] with all of them, in the order they run)")
-        if timing and not on_meta:
+        if timed:
             stage(f"timing {repeats} steps")
-            with _step_as_run(model, names, [], None, backend):
-                fwd_ms, bwd_ms, step_ms = _timings(model, inputs, loss_fn, names, repeats,
-                                                   loop=loop)
+            with _step_as_run(model, chain.names, [], None, setup.backend):
+                times = _timings(model, inputs, loss_fn, chain.names, repeats,
+                                 loop=setup.loop, first=chain.times)
         else:
-            fwd_ms, bwd_ms, step_ms = [0.0] * n, [0.0] * n, 0.0
-            notes.append("times not measured (" + ("meta tensors" if on_meta else
-                                                   "timing=False") + ")")
-
-    released = {modes: _released_at_fwd_end(run, n) for modes, run in runs.items()}
-    frees = _freed_in_forward(plain, n)
-    saved = _saved_by_block(plain)
-    offload_stats, input_stats = ([runs[m * n].offloaded.get(name, OffloadStats()) if offload
-                                   else OffloadStats() for name in names] for m in "OP")
-    block_list = []
-    for i, name in enumerate(names):
-        module = model.get_submodule(name)
-        block_list.append(BlockProfile(
-            name=name, fwd_ms=fwd_ms[i], bwd_ms=bwd_ms[i],
-            fwd_flops=counter.by_label.get((name, "fwd"), 0),
-            bwd_flops=counter.by_label.get((name, "bwd"), 0),
-            recompute_flops=recompute_flops[i],
-            saved_bytes=sum(saved[i].values()),
-            saved_bytes_by_kind=dict(sorted(saved[i].items())),
-            input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],
-            param_bytes=unique_storage_bytes(list(module.parameters())),
-            param_signature=param_signature(module),
-            grad_bytes=block_grad_bytes[i],
-            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k]),
-            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k]),
-            op_stats=op_stats[i], ops=counter.block_ops(name), selective=selective[i],
-            chained=i > 0 and plain.probe.chained[i],
-            offload_bytes=offload_stats[i].host_bytes,
-            offload_tensors=offload_stats[i].tensors,
-            offload_input_bytes=input_stats[i].host_bytes,
-            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
-            if i > 0 and not held_inputs[i] else 0,  # NOTE [ Boundaries held outside the chain ]
-            fwd_end_release={key: v for key, v in _by_modes(
-                runs, i, lambda modes, _, k: released[modes][k]).items() if v},
-            fwd_frees=frees[i],
-            stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
-                            for buf in stashed_buffers([module])),
-        ))
-    return Tape(
-        model=type(model).__name__, inputs=describe_inputs(inputs),
-        device=target, training=model.training,
-        blocks=tuple(block_list),
-        step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
-        ckpt_step_peak_bytes=runs["C" * n].mem.peak_bytes,
-        param_bytes=unique_storage_bytes(params),
-        trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
-        trainable_param_tensors=sum(p.requires_grad for p in params),
-        input_bytes=unique_storage_bytes(inputs),
-        buffer_bytes=unique_storage_bytes(list(model.buffers())),
-        grad_bytes=grad_bytes,
-        pre=plain.pre, post={m: runs[m * n].post for m in modes_measured},
-        tail={m: runs[m * n].tail for m in modes_measured},
-        offload=offload, host_bandwidth=bandwidth,
-        step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
-        step_ms=step_ms, loop=loop, output_bytes=held[0], compiled=backend or "", head=head,
-        notes=tuple(notes + order_notes + cache_notes + plain.mem.notes),
-    )
+            times = _Times.unmeasured(len(chain.names))
+            notes.append("times not measured (" + ("meta tensors" if setup.ran_on.type ==
+                                                   "meta" else "timing=False") + ")")
+    return _tape(model, inputs, setup, chain, base, selective, times, head=head,
+                 notes=notes + chain.notes + cache_notes + base.plain.mem.notes)
