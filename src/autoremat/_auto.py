@@ -81,8 +81,11 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
                           "every block (the fastest step) and change nothing: give a budget "
                           "(e.g. budget='60%') or max_memory=, or a strategy such as 'full'")
     # plans read FLOPs and bytes, never the tape's times: no uninstrumented steps timed
+    # the loss head's options cost a memory step each: measured only when the plan may
+    # chunk the head
     tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop,
-                   compile=backend or False, offload=offload, timing=False)
+                   compile=backend or False, offload=offload, timing=False,
+                   with_head=head not in (None, "keep"))
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
                   offload=offload, head=head)
     apply(model, chosen, check_ranks=False)
