@@ -17,6 +17,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+# NOTE [ One thread for the tests ]
+#     The suite runs with one intra-op thread unless OMP_NUM_THREADS says otherwise: on a
+#     shared machine torch's default (one thread per core) oversubscribes the cores, and
+#     a test of ten steps took 305 s with two threads against 19 s with one. Set in the
+#     environment before torch is imported, so the processes the tests start (the CLI,
+#     the distributed ranks, the compile workers, the OS peak probe) inherit it too, and
+#     with set_num_threads in case torch was imported before this file. No test compares
+#     figures across thread counts: each compares against a plain run in its own process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 from torch import nn
@@ -26,6 +36,8 @@ from torch import nn
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from autoremat import Tape, profile, zoo
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The zoo at sizes where one step takes milliseconds: 2 transformer blocks, 4 MLP blocks,
 # a two-stage ResNet.
