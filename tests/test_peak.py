@@ -227,7 +227,7 @@ def test_the_solver_counts_the_least_release_so_it_never_predicts_below() -> Non
     (37, "KKK"),  # nothing needed
     (36, "CKK"),  # cost 100: CKK (29) and KCK (30) tie; the lower peak wins
     (29, "CKK"),
-    (28, "CCK"),  # cost 200: CCK 23 (CKC, [0,2)K and C[1,3) peak at 29 or 30)
+    (28, "CCK"),  # cost 200: CCK 23; CKC 29, KCC and [0,2)K 30, K[1,3) 37
     (23, "CCK"),  # the smallest feasible peak (CCC reaches it too, at cost 300)
 ])
 def test_the_solver_on_the_hand_made_tape(budget: int, expected: str) -> None:
