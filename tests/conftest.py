@@ -4,18 +4,32 @@
 ``from conftest import SMALL``); ``zoo_tapes`` profiles a zoo model once per session, so
 that test files which plan over the same model share one tape instead of each profiling
 it again; ``tiny_tape`` is the tape of a three-block MLP for the tests of the tape itself;
-``hf_model`` builds the small Hugging Face models test_apply and test_auto run.
+``hf_model`` builds the small Hugging Face models test_apply and test_auto run;
+``synthetic_tape`` and ``random_tape`` build tapes by hand, without a model, for the
+tests of the peak model and the solvers (test_peak, test_chain).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+import random
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+# NOTE [ One thread for the tests ]
+#     The suite runs with one intra-op thread unless OMP_NUM_THREADS says otherwise: on a
+#     shared machine torch's default (one thread per core) oversubscribes the cores, and
+#     a test of ten steps took 305 s with two threads against 19 s with one. Set in the
+#     environment before torch is imported, so the processes the tests start (the CLI,
+#     the distributed ranks, the compile workers, the OS peak probe) inherit it too, and
+#     with set_num_threads in case torch was imported before this file. No test compares
+#     figures across thread counts: each compares against a plain run in its own process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -26,6 +40,10 @@ from torch import nn
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from autoremat import Tape, profile, zoo
+from autoremat._measure.tape import BlockProfile, WindowMemory
+from autoremat._plan.peak import KEEP, RECOMPUTE, predict_peak
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The zoo at sizes where one step takes milliseconds: 2 transformer blocks, 4 MLP blocks,
 # a two-stage ResNet.
@@ -118,3 +136,88 @@ def tiny_tape() -> Tape:
     """The tape of a three-block MLP (milliseconds to profile)."""
     model, inputs = zoo.build("mlp", widths=(32, 16, 24), d_in=16, batch_size=8)
     return profile(model, inputs, repeats=1)
+
+
+# --- synthetic tapes: built from BlockProfile / WindowMemory directly, no model ----------
+
+
+def window(peak: int, delta: int) -> WindowMemory:
+    """A window that rises ``peak`` bytes above its start and ends ``delta`` above it
+    (the peak is at least the end and at least 0, as a measured one is)."""
+    return WindowMemory(peak_bytes=max(peak, delta, 0), delta_bytes=delta)
+
+
+def synthetic_block(i: int, *, fwd: dict[str, WindowMemory], bwd: dict[str, WindowMemory],
+                    flops: int, chained: bool, chain_bytes: int,
+                    output_bytes: int = 0) -> BlockProfile:
+    """Block ``i`` of a synthetic chain, its windows keyed by (previous mode, own mode);
+    the first block keeps only the keys after "K" (nothing comes before it)."""
+    if i == 0:  # the first block's previous mode is always K
+        fwd = {k: v for k, v in fwd.items() if k[0] == "K"}
+        bwd = {k: v for k, v in bwd.items() if k[0] == "K"}
+    return BlockProfile(
+        name=f"blocks.{i}", fwd_ms=1.0, bwd_ms=2.0, fwd_flops=flops, bwd_flops=2 * flops,
+        saved_bytes=fwd["KK"].delta_bytes, saved_bytes_by_kind={"matmul": fwd["KK"].delta_bytes},
+        input_bytes=chain_bytes, output_bytes=output_bytes, param_bytes=0, grad_bytes=0,
+        fwd=fwd, bwd=bwd, chained=chained and i > 0, chain_bytes=chain_bytes if i > 0 else 0,
+    )
+
+
+def synthetic_tape(blocks: Sequence[BlockProfile], *, pre: WindowMemory | None = None,
+                   post: dict[str, WindowMemory] | None = None,
+                   tail: dict[str, WindowMemory] | None = None) -> Tape:
+    """A tape of ``blocks`` (zero windows where none is given); its step peaks are what
+    the peak model predicts for keeping and for checkpointing every block."""
+    zero = {"K": window(0, 0), "C": window(0, 0)}
+    tape = Tape(
+        model="Synthetic", inputs="x: (1,) float32", device="cpu", blocks=tuple(blocks),
+        step_peak_bytes=1, peak_breakdown={}, ckpt_step_peak_bytes=1, param_bytes=0,
+        trainable_param_bytes=0, buffer_bytes=0, grad_bytes=0, pre=pre or window(0, 0),
+        post=post or zero, tail=tail or zero,
+        step_fwd_flops=sum(b.fwd_flops for b in blocks) + 1,
+        step_bwd_flops=sum(b.bwd_flops for b in blocks) + 1, step_ms=1.0,
+    )
+    n = len(blocks)
+    unplanned = predict_peak(tape, [(i, i + 1, KEEP) for i in range(n)])
+    full = predict_peak(tape, [(i, i + 1, RECOMPUTE) for i in range(n)])
+    return dataclasses.replace(tape, step_peak_bytes=unplanned, ckpt_step_peak_bytes=full)
+
+
+def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = False,
+                scale: int = 1) -> Tape:
+    """A chain of ``n`` blocks with random, physically plausible windows.
+
+    Block ``i`` saves ``a`` bytes for backward (its output ``o`` among them) and needs a
+    transient ``tf`` in forward and ``tb`` in backward; checkpointed, it holds only ``o``
+    and its backward recomputes the rest. Who holds a boundary tensor depends on the
+    neighbour's mode, so the windows after a checkpointed block differ by a little.
+    Small integers (times ``scale``) make equal peaks, hence ties, common.
+    """
+    rng = random.Random(seed)
+    draw: dict[str, int] = {}
+
+    def r(lo: int, hi: int) -> int:
+        return rng.randint(lo, hi) * scale
+
+    blocks, prev_out = [], r(1, 8)
+    for i in range(n):
+        if not identical or not draw:
+            o = r(1, 8)
+            draw = {"o": o, "a": o + r(0, 30), "tf": r(0, 10), "tb": r(0, 10), "g": r(0, 4),
+                    "x": r(0, 3), "flops": rng.randint(1, 50) * 1000}
+        o, a, tf, tb, g, x = (draw[k] for k in ("o", "a", "tf", "tb", "g", "x"))
+        fwd = {
+            "KK": window(a + tf, a), "CK": window(a + tf + x, a + x),
+            "KC": window(a + tf, o), "CC": window(a + tf + x, o + x),
+        }
+        bwd = {
+            "KK": window(tb + g, g - a), "CK": window(tb + g + x, g - a - x),
+            "KC": window(a - o + tb + g, g - o), "CC": window(a - o + tb + g + x, g - o - x),
+        }
+        chained = identical or rng.random() < chained_p
+        blocks.append(synthetic_block(i, fwd=fwd, bwd=bwd, flops=draw["flops"],
+                                      chained=chained, chain_bytes=prev_out, output_bytes=o))
+        prev_out = o
+    post = {"K": window(r(0, 20), r(0, 5)), "C": window(r(0, 20), r(0, 5))}
+    tail = {"K": window(r(0, 10), -r(0, 3)), "C": window(r(0, 10), -r(0, 3))}
+    return synthetic_tape(blocks, pre=window(r(0, 6), r(0, 3)), post=post, tail=tail)

@@ -428,6 +428,7 @@ def test_eval_and_no_grad_match_the_plain_model(tapes: Callable[[str], Tape],
 # --- Hugging Face transformers -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_plan_that_recomputes_nothing_also_turns_the_kv_cache_off() -> None:
     # The plan was profiled without a cache; a loop holding the output would hold one.
     model, inputs = hf_model("gpt2", None)

@@ -1,11 +1,12 @@
 """Tests for the exact chain DP (``_plan/chain.py``) over the peak model (``_plan/peak.py``).
 
-The peak model is tested here with the solver rather than in a file of its own: the
-brute-force reference and the hand-made optima below are both statements about
-``predict_peak`` and ``solve`` at once, on the same synthetic tapes.
+The brute-force reference and the hand-made optima below are statements about
+``predict_peak`` and ``solve`` at once; the peak model alone is tested in
+``test_peak.py``, on the same synthetic tapes.
 
 Everything here runs on synthetic tapes built directly from ``BlockProfile`` /
-``WindowMemory`` objects (no model, no profiling), so the solver is checked in isolation:
+``WindowMemory`` objects (``synthetic_tape`` and ``random_tape`` in ``conftest.py``; no
+model, no profiling), so the solver is checked in isolation:
 
 * against a brute-force enumeration of every plan in its space (random chains of 1..10
   blocks, several budgets each, both objectives);
@@ -16,7 +17,6 @@ Everything here runs on synthetic tapes built directly from ``BlockProfile`` /
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Iterator, Sequence
 from functools import cache
@@ -25,93 +25,17 @@ import pytest
 
 import autoremat
 from autoremat._core.errors import BudgetError
-from autoremat._measure.tape import BlockProfile, Tape, WindowMemory
+from autoremat._measure.tape import Tape
 from autoremat._plan import chain
 from autoremat._plan.chain import solve
 from autoremat._plan.peak import Option, plan_costs, predict_peak
 from autoremat._plan.plan import smallest_feasible_bytes
 
+from conftest import random_tape, synthetic_block, synthetic_tape, window
+
 KEEP: Option = ("keep", ())
 RECOMPUTE: Option = ("recompute", ())
 Segments = list[tuple[int, int, Option]]
-
-
-# --- a factory of synthetic tapes ------------------------------------------------------
-
-
-def _w(peak: int, delta: int) -> WindowMemory:
-    return WindowMemory(peak_bytes=max(peak, delta, 0), delta_bytes=delta)
-
-
-def _block(i: int, *, fwd: dict[str, WindowMemory], bwd: dict[str, WindowMemory],
-           flops: int, chained: bool, chain_bytes: int, output_bytes: int = 0) -> BlockProfile:
-    if i == 0:  # the first block's previous mode is always K
-        fwd = {k: v for k, v in fwd.items() if k[0] == "K"}
-        bwd = {k: v for k, v in bwd.items() if k[0] == "K"}
-    return BlockProfile(
-        name=f"blocks.{i}", fwd_ms=1.0, bwd_ms=2.0, fwd_flops=flops, bwd_flops=2 * flops,
-        saved_bytes=fwd["KK"].delta_bytes, saved_bytes_by_kind={"matmul": fwd["KK"].delta_bytes},
-        input_bytes=chain_bytes, output_bytes=output_bytes, param_bytes=0, grad_bytes=0,
-        fwd=fwd, bwd=bwd, chained=chained and i > 0, chain_bytes=chain_bytes if i > 0 else 0,
-    )
-
-
-def _tape(blocks: Sequence[BlockProfile], *, pre: WindowMemory | None = None,
-          post: dict[str, WindowMemory] | None = None,
-          tail: dict[str, WindowMemory] | None = None) -> Tape:
-    zero = {"K": _w(0, 0), "C": _w(0, 0)}
-    tape = Tape(
-        model="Synthetic", inputs="x: (1,) float32", device="cpu", blocks=tuple(blocks),
-        step_peak_bytes=1, peak_breakdown={}, ckpt_step_peak_bytes=1, param_bytes=0,
-        trainable_param_bytes=0, buffer_bytes=0, grad_bytes=0, pre=pre or _w(0, 0),
-        post=post or zero, tail=tail or zero,
-        step_fwd_flops=sum(b.fwd_flops for b in blocks) + 1,
-        step_bwd_flops=sum(b.bwd_flops for b in blocks) + 1, step_ms=1.0,
-    )
-    n = len(blocks)
-    unplanned = predict_peak(tape, [(i, i + 1, KEEP) for i in range(n)])
-    full = predict_peak(tape, [(i, i + 1, RECOMPUTE) for i in range(n)])
-    return dataclasses.replace(tape, step_peak_bytes=unplanned, ckpt_step_peak_bytes=full)
-
-
-def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = False,
-                scale: int = 1) -> Tape:
-    """A chain of ``n`` blocks with random, physically plausible windows.
-
-    Block ``i`` saves ``a`` bytes for backward (its output ``o`` among them) and needs a
-    transient ``tf`` in forward and ``tb`` in backward; checkpointed, it holds only ``o``
-    and its backward recomputes the rest. Who holds a boundary tensor depends on the
-    neighbour's mode, so the windows after a checkpointed block differ by a little.
-    Small integers (times ``scale``) make equal peaks, hence ties, common.
-    """
-    rng = random.Random(seed)
-    draw: dict[str, int] = {}
-
-    def r(lo: int, hi: int) -> int:
-        return rng.randint(lo, hi) * scale
-
-    blocks, prev_out = [], r(1, 8)
-    for i in range(n):
-        if not identical or not draw:
-            o = r(1, 8)
-            draw = {"o": o, "a": o + r(0, 30), "tf": r(0, 10), "tb": r(0, 10), "g": r(0, 4),
-                    "x": r(0, 3), "flops": rng.randint(1, 50) * 1000}
-        o, a, tf, tb, g, x = (draw[k] for k in ("o", "a", "tf", "tb", "g", "x"))
-        fwd = {
-            "KK": _w(a + tf, a), "CK": _w(a + tf + x, a + x),
-            "KC": _w(a + tf, o), "CC": _w(a + tf + x, o + x),
-        }
-        bwd = {
-            "KK": _w(tb + g, g - a), "CK": _w(tb + g + x, g - a - x),
-            "KC": _w(a - o + tb + g, g - o), "CC": _w(a - o + tb + g + x, g - o - x),
-        }
-        chained = identical or rng.random() < chained_p
-        blocks.append(_block(i, fwd=fwd, bwd=bwd, flops=draw["flops"], chained=chained,
-                             chain_bytes=prev_out, output_bytes=o))
-        prev_out = o
-    post = {"K": _w(r(0, 20), r(0, 5)), "C": _w(r(0, 20), r(0, 5))}
-    tail = {"K": _w(r(0, 10), -r(0, 3)), "C": _w(r(0, 10), -r(0, 3))}
-    return _tape(blocks, pre=_w(r(0, 6), r(0, 3)), post=post, tail=tail)
 
 
 # --- the brute-force reference -----------------------------------------------------------
@@ -281,16 +205,17 @@ def _identical_unchained(n: int, *, grads: bool) -> Tape:
     gradients (net +3 per block), the head/loss leaves 1 and peaks at 5 above its start.
     """
     g = 3 if grads else 0
-    keep_bwd = _w(g, g - 10)
-    ckpt_bwd = _w(8 + g, g - 2)
+    keep_bwd = window(g, g - 10)
+    ckpt_bwd = window(8 + g, g - 2)
     blocks = [
-        _block(i, fwd={"KK": _w(10, 10), "CK": _w(10, 10), "KC": _w(10, 2), "CC": _w(10, 2)},
-               bwd={"KK": keep_bwd, "CK": keep_bwd, "KC": ckpt_bwd, "CC": ckpt_bwd},
-               flops=100, chained=False, chain_bytes=0)
+        synthetic_block(i, fwd={"KK": window(10, 10), "CK": window(10, 10),
+                                "KC": window(10, 2), "CC": window(10, 2)},
+                        bwd={"KK": keep_bwd, "CK": keep_bwd, "KC": ckpt_bwd, "CC": ckpt_bwd},
+                        flops=100, chained=False, chain_bytes=0)
         for i in range(n)
     ]
-    post = {"K": _w(5, 1), "C": _w(5, 1)} if grads else None
-    return _tape(blocks, post=post)
+    post = {"K": window(5, 1), "C": window(5, 1)} if grads else None
+    return synthetic_tape(blocks, post=post)
 
 
 def _recomputed(p: autoremat.Plan) -> list[int]:
@@ -361,12 +286,12 @@ def test_hand_made_chain_where_only_a_segment_helps() -> None:
     # backward 0 + hold 4 + recompute 8 = 12; then F = 4, 8, 12 -> peak 12, cost 200.
     # Longer or later segments recompute more at once and peak at 16.
     blocks = [
-        _block(i, fwd={k: _w(4, 4) for k in ("KK", "CK", "KC", "CC")},
-               bwd={k: _w(0, -4) for k in ("KK", "CK", "KC", "CC")},
-               flops=100, chained=True, chain_bytes=4, output_bytes=4)
+        synthetic_block(i, fwd={k: window(4, 4) for k in ("KK", "CK", "KC", "CC")},
+                        bwd={k: window(0, -4) for k in ("KK", "CK", "KC", "CC")},
+                        flops=100, chained=True, chain_bytes=4, output_bytes=4)
         for i in range(4)
     ]
-    tape = _tape(blocks)
+    tape = synthetic_tape(blocks)
     assert predict_peak(tape, [(i, i + 1, KEEP) for i in range(4)]) == 16
     assert predict_peak(tape, [(i, i + 1, RECOMPUTE) for i in range(4)]) == 16
     assert smallest_feasible_bytes(tape) == 12

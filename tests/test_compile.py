@@ -136,6 +136,7 @@ def _no_break_of_ours() -> None:
     assert not [r for r in reasons if "checkpoint" in r or "autoremat" in r], reasons
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["compile-first", "apply-first"])
 @pytest.mark.parametrize("how", ["whole", "regional"])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "hf-gpt2", "hf-llama"])
@@ -168,6 +169,7 @@ def test_segments_are_refused_when_applied_to_a_compiled_model() -> None:
     assert autoremat.applied_plan(model) is None
 
 
+@pytest.mark.slow
 def test_segments_are_refused_when_the_model_is_compiled_after_apply() -> None:
     model, inputs, plan = _segment_plan()
     autoremat.apply(model, plan)
@@ -191,6 +193,7 @@ def test_keep_keys_survive_json_and_bad_ones_are_refused() -> None:
         Plan.from_json(json.dumps(data))
 
 
+@pytest.mark.slow
 def test_a_compiled_tape_plans_what_the_compiled_step_measures() -> None:
     """profile(compile=...) measures the step with each block compiled on its own; its
     plans predict that step's allocator peak exactly and never join blocks."""
@@ -218,6 +221,7 @@ def test_compile_must_name_a_backend() -> None:
         autoremat.profile(model, inputs, compile="aot_eagr")
 
 
+@pytest.mark.slow
 def test_auto_compiled_plans_and_measures_the_regionally_compiled_step() -> None:
     """auto(compile=...) profiles compiled, applies a plan made for the compiled step, and
     that step, each block compiled on its own, measures within the budget."""

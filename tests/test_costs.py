@@ -25,6 +25,7 @@ def test_cost_model_of_an_unknown_device_is_an_error(device: str) -> None:
         cost_model_for(device)
 
 
+@pytest.mark.slow
 def test_an_estimate_for_the_cpu_plans_with_the_cpu_rates() -> None:
     model, inputs = zoo.build("mlp", device="meta")
     est = estimate(model, inputs, device="cpu")

@@ -83,6 +83,7 @@ def gpt2() -> tuple[nn.Module, Any, Any]:
     return model, inputs, estimate(model, inputs, optimizer="adamw", selective=False)
 
 
+@pytest.mark.slow
 def test_fits_as_is(gpt2: tuple[nn.Module, Any, Any]) -> None:
     model, inputs, est = gpt2
     p = doctor(model, inputs, memory=est.total_peak_bytes)
@@ -106,6 +107,7 @@ def test_fits_with_the_cheapest_plan(gpt2: tuple[nn.Module, Any, Any]) -> None:
     assert "with checkpointing (planner)" in p.verdict
 
 
+@pytest.mark.slow
 def test_does_not_fit_prescribes_remedies_with_their_effect(
         gpt2: tuple[nn.Module, Any, Any]) -> None:
     model, inputs, est = gpt2
@@ -142,6 +144,7 @@ def test_does_not_fit_prescribes_remedies_with_their_effect(
     assert "DOES NOT FIT" in text and "Remedies" in text
 
 
+@pytest.mark.slow
 def test_when_nothing_alone_is_enough_all_remedies_are_combined(
         gpt2: tuple[nn.Module, Any, Any]) -> None:
     model, inputs, est = gpt2
@@ -165,6 +168,7 @@ def test_chunked_loss_is_offered_when_the_logits_make_the_peak() -> None:
     assert chunked.fits and chunked.total_peak_bytes < est.ckpt_total_peak_bytes
 
 
+@pytest.mark.slow
 def test_plot_is_a_png(tmp_path: Any, gpt2: tuple[nn.Module, Any, Any]) -> None:
     pytest.importorskip("matplotlib")
     model, inputs, _ = gpt2

@@ -88,6 +88,7 @@ def test_offload_plans_give_plain_gradients(name: str, simulated: bool) -> None:
         assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True)), chosen
 
 
+@pytest.mark.slow
 def test_host_is_device_frees_nothing_and_changes_nothing(gpt2_offload_tape: Any) -> None:
     model, inputs, _ = gpt2_offload_tape
     tape = autoremat.profile(model, inputs, offload=True, with_selective=False, timing=False)
@@ -118,6 +119,7 @@ def test_offload_peak_model_is_exact(gpt2_offload_tape: Any) -> None:
             assert peak <= chosen.budget_bytes
 
 
+@pytest.mark.slow
 def test_offload_input_goes_below_per_block_checkpointing() -> None:
     """Where the blocks' inputs are what per-block checkpointing keeps (many narrow
     blocks, long sequences), offloading them lowers the least feasible peak; the plan
@@ -167,6 +169,7 @@ def test_offloading_a_block_lowers_the_device_level_by_its_offloaded_bytes(
                 == b.offload_bytes > 0
 
 
+@pytest.mark.slow
 def test_estimate_for_cuda_offload() -> None:
     """On meta for a CUDA target the host copies are not counted: the device level the
     forward leaves drops by at most the bytes copied (CUDA's attention kernel saves

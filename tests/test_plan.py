@@ -406,9 +406,9 @@ def _names_listed(text: str, names: list[str]) -> list[str]:
     "none", "full", "every:2",
     "sqrt",
 ])
-def test_print_lists_every_block(strategy: str, capsys: pytest.CaptureFixture[str]) -> None:
-    model, inputs = zoo.build("mlp", widths=(96, 64) * 4 + (32,), batch_size=64)
-    tape = autoremat.profile(model, inputs, repeats=1)
+def test_print_lists_every_block(strategy: str, capsys: pytest.CaptureFixture[str],
+                                 zoo_tapes: Callable[..., Tape]) -> None:
+    tape = zoo_tapes("mlp", widths=(96, 64) * 4 + (32,), batch_size=64)  # profiled once
     p = autoremat.plan(tape, None, strategy)
     if strategy == "sqrt":  # 9 blocks: three segments of three
         assert [(s, e) for s, e, _ in p.segments] == [(0, 3), (3, 6), (6, 9)]

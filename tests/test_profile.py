@@ -6,6 +6,7 @@ import importlib
 import itertools
 import random
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -194,9 +195,9 @@ _RELATION = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
-def test_saved_bytes_and_gradients_account_for_the_peak(name: str) -> None:
-    model, inputs = zoo.build(name)  # default sizes: activations dominate
-    tape = autoremat.profile(model, inputs, repeats=1)
+def test_saved_bytes_and_gradients_account_for_the_peak(
+        name: str, zoo_tapes: Callable[..., Tape]) -> None:
+    tape = zoo_tapes(name)  # default sizes (activations dominate), shared with test_plan
     ratio = (tape.block_saved_bytes + tape.grad_bytes) / tape.step_peak_bytes
     print(f"\n{name}: (saved {tape.block_saved_bytes} + grads {tape.grad_bytes}) / "
           f"peak {tape.step_peak_bytes} = {ratio:.4f}")

@@ -12,6 +12,7 @@ import json
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -171,9 +172,9 @@ def test_bench_writes_tables_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
 
 
 
-def _selective_plan() -> autoremat.Plan:
-    model, inputs = zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=16)
-    tape = autoremat.profile(model, inputs, repeats=1)
+@pytest.fixture(scope="module")
+def selective_plan(zoo_tapes: Callable[..., autoremat.Tape]) -> autoremat.Plan:
+    tape = zoo_tapes("gpt2", n_layer=2, batch_size=2, seq_len=16)  # profiled once, shared
     base = autoremat.plan(tape, None, "full")
     first = dataclasses.replace(base.blocks[0], decision="selective", keep_ops=(3, 5),
                                 skip_ops=(2,), op_signature="abc",
@@ -193,16 +194,17 @@ def _selective_plan() -> autoremat.Plan:
     (lambda b: b.update(skip_ops=[2, 4]), "it was edited"),
     (lambda b: b.pop("keep_seal"), "Plan again instead of editing"),
 ])
-def test_an_edited_plan_file_is_refused(change: Any, fragment: str) -> None:
-    data = json.loads(_selective_plan().to_json())
+def test_an_edited_plan_file_is_refused(change: Any, fragment: str,
+                                        selective_plan: autoremat.Plan) -> None:
+    data = json.loads(selective_plan.to_json())
     assert autoremat.Plan.from_json(json.dumps(data)).blocks[0].keep_ops == (3, 5)
     change(data["blocks"][0])
     with pytest.raises(SchemaError, match=re.escape(fragment)):
         autoremat.Plan.from_json(json.dumps(data))
 
 
-def test_only_recomputed_blocks_share_a_segment() -> None:
-    data = json.loads(_selective_plan().to_json())
+def test_only_recomputed_blocks_share_a_segment(selective_plan: autoremat.Plan) -> None:
+    data = json.loads(selective_plan.to_json())
     data["blocks"][1]["segment"] = data["blocks"][0]["segment"]
     with pytest.raises(SchemaError, match="only recomputed blocks whose input stays"):
         autoremat.Plan.from_json(json.dumps(data))
