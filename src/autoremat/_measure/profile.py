@@ -75,6 +75,7 @@ from torch.utils._pytree import tree_flatten
 from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import (
     BlockSpec,
+    discovery_notes,
     other_repeated_blocks,
     param_signature,
     resolve_blocks,
@@ -869,6 +870,7 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             notes.append(eval_note)
             warnings.warn(f"autoremat: {eval_note}", UserWarning, stacklevel=2)
         if blocks is None:
+            notes.extend(discovery_notes(model))
             others = other_repeated_blocks(model, names)
             if others:
                 notes.append(f"planning over the repeated blocks found; also smaller "
