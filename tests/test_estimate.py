@@ -401,6 +401,9 @@ def _hf_case(kind: str) -> nn.Module:
                                               vocab_size=_VOCAB, n_positions=64))
     if kind == "llama":
         return t.LlamaForCausalLM(t.LlamaConfig(**_SMALL_DECODER))
+    if kind == "llama-eager":  # masks built by Transformers' eager_mask, on meta
+        return t.LlamaForCausalLM(t.LlamaConfig(**_SMALL_DECODER,
+                                                attn_implementation="eager"))
     if kind == "qwen2":
         return t.Qwen2ForCausalLM(t.Qwen2Config(**_SMALL_DECODER))
     if kind == "mistral-window":  # a sliding window shorter than the sequence
@@ -441,8 +444,8 @@ def _tokenizer_batch(padded: bool = True, seq: int = 64) -> dict[str, torch.Tens
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
 
 
-_HF_KINDS = ["gpt2", "llama", "qwen2", "mistral-window", "mistral", "bert", "t5", "bart",
-             "mixtral", "qwen2-moe", "olmoe"]
+_HF_KINDS = ["gpt2", "llama", "llama-eager", "qwen2", "mistral-window", "mistral", "bert",
+             "t5", "bart", "mixtral", "qwen2-moe", "olmoe"]
 
 
 @pytest.mark.slow
@@ -454,6 +457,8 @@ def test_estimate_matches_the_cpu_profile_of_every_hf_architecture(kind: str,
     # grouped matmuls, masks Transformers reads values of: each used to end in a raw
     # PyTorch error (or a 1.7% miss for the sliding window) before reaching a figure
     model, inputs = _hf_case(kind).train(), _tokenizer_batch(padded)
+    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    attention = [c._attn_implementation for c in configs]
     tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
     est = estimate(model, inputs, device="cpu", selective=False)
     for estimated, measured in ((est.step_peak_bytes, tape.step_peak_bytes),
@@ -462,8 +467,7 @@ def test_estimate_matches_the_cpu_profile_of_every_hf_architecture(kind: str,
     assert est.step_fwd_flops == tape.step_fwd_flops
     if getattr(model.config, "use_cache", False):  # left as the caller had it
         assert "use_cache was turned off" in " ".join(est.notes)
-    assert all(getattr(m.config, "_attn_implementation", "sdpa") == "sdpa"
-               for m in model.modules() if hasattr(m, "config"))
+    assert [c._attn_implementation for c in configs] == attention  # put back
 
 
 def test_a_meta_mask_whose_values_are_needed_is_refused_with_the_fix() -> None:
@@ -486,6 +490,18 @@ def test_experts_routed_by_a_loop_are_refused_with_the_fix() -> None:
     message = str(info.value)
     assert "MixtralExperts" in message and "set_experts_implementation('grouped_mm')" in message
     assert "autoremat.profile on a real device" in message
+
+
+def test_eager_attention_without_a_mask_is_refused_naming_the_attention() -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **_SMALL_DECODER, attn_implementation="eager")).train()
+    inputs = _tokenizer_batch(padded=False)
+    del inputs["attention_mask"]  # Transformers then reads position_ids on meta
+    with pytest.raises(RematError, match="attn_implementation='eager'") as info:
+        estimate(model, inputs, device="cpu", selective=False)
+    assert "attn_implementation='sdpa'" in str(info.value)
+    assert "position_ids" in str(info.value)
 
 
 @pytest.mark.parametrize(("dtype", "n", "backward"), [

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -522,6 +523,16 @@ def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
             f"Estimate the model with model.set_experts_implementation('grouped_mm') "
             f"(Transformers' default, whose memory does not depend on the routing), or "
             f"measure the eager experts with autoremat.profile on a real device")
+    if any(frame.filename.endswith("masking_utils.py")
+           for frame in traceback.extract_tb(exc.__traceback__)):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        return RematError(
+            f"{what} cannot run on fake (meta) tensors: Transformers read tensor values "
+            f"while building its attention mask for attn_implementation={impl!r} (without "
+            f"an attention_mask in the batch, it checks whether position_ids pack several "
+            f"sequences: {exc}). Estimate it with attn_implementation='sdpa' (whose masks "
+            f"estimate runs on meta), or with the batch's attention_mask given on the CPU, "
+            f"or measure it with autoremat.profile on a real device")
     return RematError(
         f"{what} cannot run on fake (meta) tensors: {exc}. Its forward reads tensor values "
         f"(.item(), a Python if on a tensor, shapes that depend on values such as "
