@@ -10,6 +10,7 @@ from autoremat import zoo
 from autoremat._core.blocks import (
     STACK_SHARE,
     discover_blocks,
+    discovery_notes,
     other_repeated_blocks,
     resolve_blocks,
 )
@@ -245,3 +246,69 @@ def test_a_discovered_chain_is_planned_in_the_order_it_runs() -> None:
     assert [b.chained for b in tape.blocks] == [False, True, False, True]
     with pytest.raises(BlockError, match="list the blocks in the order they run"):
         autoremat.profile(model, torch.randn(4, 8), blocks=discover_blocks(model), repeats=1)
+
+
+class _MixedBlocks(nn.Module):
+    """The most ordinary model: a ModuleList of Sequential(Linear, GELU, Linear, Tanh)."""
+
+    def __init__(self, n: int = 6, d: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.Tanh())
+            for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_list_of_mixed_sequentials_is_a_chain_of_the_sequentials() -> None:
+    model = _MixedBlocks()
+    assert discover_blocks(model) == [f"layers.{i}" for i in range(6)]  # not 24 layers
+    assert other_repeated_blocks(model, discover_blocks(model)) == []
+    (note,) = discovery_notes(model)
+    assert note.startswith("blocks: the 6 elements of 'layers' (each a Sequential of "
+                           "Linear, GELU, Linear, Tanh), not the layers inside them")
+
+
+@pytest.mark.slow
+def test_a_list_of_mixed_sequentials_is_planned_over_the_sequentials() -> None:
+    # was planned over the 24 layers inside them: every "block" checkpointed raised the
+    # peak (27%), and the tape's note blamed skip connections
+    import autoremat
+
+    torch.manual_seed(0)
+    model, x = _MixedBlocks(), torch.randn(128, 64)
+    names = [f"layers.{i}" for i in range(6)]
+    tape = autoremat.profile(model, x, repeats=1, with_selective=False, timing=False)
+    assert [b.name for b in tape.blocks] == names
+    assert any("the 6 elements of 'layers'" in n and "Linear, GELU, Linear, Tanh" in n
+               for n in tape.notes)
+    assert not any("skip connections" in n for n in tape.notes)
+    assert tape.ckpt_step_peak_bytes < tape.step_peak_bytes  # full checkpointing helps
+    for plan in (autoremat.plan(tape, "75%"), autoremat.plan(tape, strategy="full")):
+        autoremat.apply(model, plan)
+        report = autoremat.verify(model, x, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal
+        assert report.peak_bytes <= plan.predicted_peak_bytes < tape.step_peak_bytes
+
+
+def test_the_stages_of_a_cnn_are_flattened_and_the_notes_say_which_level() -> None:
+    def stage(n: int) -> nn.Sequential:
+        return nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(n)])
+
+    stages = nn.Sequential(stage(2), stage(3))
+    assert discover_blocks(stages) == ["0.0", "0.1", "1.0", "1.1", "1.2"]
+    assert discovery_notes(stages) == [
+        "blocks: the 5 layers of the 2 stages in the model (each stage a run of Conv2d), "
+        "not the stages themselves. Pass blocks=[...] to plan at another level"]
+    assert discovery_notes(Wrapped()) == []  # no choice between levels: no note
+
+
+def test_copies_of_one_run_of_layers_are_blocks_but_a_stage_of_blocks_is_flattened() -> None:
+    pairs = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)) for _ in range(3))
+    assert discover_blocks(pairs) == ["0", "1", "2"]  # checkpointing one Linear saves nothing
+    stages = nn.ModuleList(nn.Sequential(Layer(), Layer()) for _ in range(2))
+    assert discover_blocks(stages) == ["0.0", "0.1", "1.0", "1.1"]  # residual-style blocks

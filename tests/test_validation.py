@@ -517,3 +517,26 @@ def test_doctor_passes_on_an_error_that_is_not_about_the_config(
     monkeypatch.setattr(doctor_cli, "require", lambda *args: None)
     with pytest.raises(AttributeError, match="rope_type"):
         main(["doctor", "--hf", "llama"])
+
+
+def test_estimate_of_a_model_that_reads_values_says_what_to_do() -> None:
+    """On meta a forward that branches on a value cannot run: the refusal names the model
+    and the way on (measure it on a real device), not only what went wrong."""
+
+    class Gated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+                if x.sum() > 0:  # reads a value
+                    x = x.relu()
+            return x
+
+    with pytest.raises(RematError) as info:
+        autoremat.estimate(Gated(), torch.randn(2, 4), device="cpu", selective=False)
+    message = str(info.value)
+    assert message.startswith("Gated cannot run on fake (meta) tensors")
+    assert "autoremat.profile on a real device" in message

@@ -3,10 +3,19 @@
 NOTE [ Which container is the chain ]
     We score every ``nn.ModuleList`` / ``nn.Sequential`` with at least two children by
     the parameters held in its children of the most common class (repeated layers hold
-    most of a model), tie-broken by the number of children. A container whose children
-    are themselves containers (a CNN's stages of residual blocks) is flattened one level,
-    so the chain is the residual blocks, in order. A model with no such container is its
-    own single block. Explicit names or a predicate override all of this.
+    most of a model), tie-broken by the number of children. Its children are the blocks,
+    at the level a person writes them: the outermost repeated container's elements. One
+    exception: an element that is itself a run of one kind of layer (every child of one
+    class: a CNN's stage of residual blocks) is a stage, not a block, and is flattened
+    one level, so the chain is the residual blocks, in order (so are stages of single
+    layers that differ from each other: a toy CNN's stages of 2 and 3 convolutions). An
+    element that mixes kinds (``nn.Sequential(Linear, GELU, Linear, Tanh)``), or copies
+    of one run of single layers, is a block: flattening it would plan over single
+    layers, where checkpointing saves nothing (a layer's input is what it saves anyway)
+    and its recompute adds to the peak (27% on six such blocks, every layer
+    checkpointed). When the elements are containers, :func:`discovery_notes` says
+    which level was taken and why. A model with no such container is its own single
+    block. Explicit names or a predicate override all of this.
 
 NOTE [ Stacks beside the chain ]
     An encoder-decoder (T5, BART, ``nn.Transformer``) or a two-tower model (CLIP) has
@@ -30,8 +39,8 @@ from torch import nn
 
 from autoremat._core.errors import BlockError, did_you_mean
 
-__all__ = ["STACK_SHARE", "BlockSpec", "discover_blocks", "other_repeated_blocks",
-           "resolve_blocks"]
+__all__ = ["STACK_SHARE", "BlockSpec", "discover_blocks", "discovery_notes",
+           "other_repeated_blocks", "resolve_blocks"]
 
 BlockSpec = None | Sequence[str] | Callable[[str, nn.Module], bool]
 
@@ -75,6 +84,23 @@ def _repeated_score(container: nn.Module) -> tuple[int, int]:
 def _is_repeated_container(module: nn.Module) -> bool:
     return isinstance(module, _CONTAINERS) and len(module) >= 2 \
         and _repeated_score(module)[0] >= 0
+
+
+def _is_run(module: nn.Module) -> bool:
+    """A repeated container that is a run of one kind of layer (every child of one class)."""
+    return _is_repeated_container(module) and len({type(c) for c in module.children()}) == 1
+
+
+def _stages(container: nn.Module) -> list[nn.Module]:
+    """The children of ``container`` that are stages, flattened into the chain (NOTE [ Which
+    container is the chain ]): runs of one kind of layer, when those layers are blocks of
+    their own (residual blocks) or the runs differ (a CNN's stages); identical runs of
+    single layers are blocks."""
+    runs = [c for c in container.children() if _is_run(c)]
+    composite = any(next(layer.children(), None) is not None
+                    for run in runs for layer in run.children())
+    differ = len({param_signature(run) for run in runs}) > 1
+    return runs if composite or differ else []
 
 
 def _repeated_containers(model: nn.Module) -> Iterator[tuple[str, tuple[int, int]]]:
@@ -131,12 +157,56 @@ def discover_blocks(model: nn.Module) -> list[str]:
     for root in stacks:
         container = model.get_submodule(root)
         prefix = f"{root}." if root else ""
+        stages = _stages(container)
         for child_name, child in container.named_children():
-            if _is_repeated_container(child):
+            if any(child is stage for stage in stages):
                 names.extend(f"{prefix}{child_name}.{n}" for n, _ in child.named_children())
             else:
                 names.append(f"{prefix}{child_name}")
     return names
+
+
+def _kinds(module: nn.Module) -> str:
+    return ", ".join(type(c).__name__ for c in module.children())
+
+
+def discovery_notes(model: nn.Module) -> list[str]:
+    """Why :func:`discover_blocks` planned at the level it did, when the repeated
+    container it found holds containers (a choice between their elements and the layers
+    inside them); empty otherwise (NOTE [ Which container is the chain ]).
+
+    Example:
+        >>> import torch.nn as nn
+        >>> m = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+        ...                   for _ in range(3))
+        >>> discover_blocks(m)
+        ['0', '1', '2']
+        >>> print(discovery_notes(m)[0])  # doctest: +ELLIPSIS
+        blocks: the 3 elements of the model (each a Sequential of Linear, GELU, Linear), ...
+    """
+    notes = []
+    for root in _stacks(model):
+        container = model.get_submodule(root)
+        where = repr(root) if root else "the model"
+        children = list(container.children())
+        stages = _stages(container)
+        blocks = [c for c in children
+                  if _is_repeated_container(c) and not any(c is s for s in stages)]
+        if blocks:
+            notes.append(
+                f"blocks: the {len(children)} elements of {where} (each a "
+                f"{type(blocks[0]).__name__} of {_kinds(blocks[0])}), not the layers inside "
+                f"them: a layer checkpointed alone saves nothing (its input is what it "
+                f"saves anyway) and its recompute adds to the peak. Pass blocks=[...] to "
+                f"plan at another level")
+        if stages:
+            layers = sum(len(list(c.children())) for c in stages)
+            kind = type(next(iter(stages[0].children()))).__name__
+            notes.append(
+                f"blocks: the {layers} layers of the {len(stages)} stages in {where} (each "
+                f"stage a run of {kind}), not the stages themselves. Pass blocks=[...] to "
+                f"plan at another level")
+    return notes
 
 
 def other_repeated_blocks(model: nn.Module, chosen: Sequence[str]) -> list[str]:

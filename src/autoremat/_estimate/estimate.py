@@ -36,7 +36,9 @@ Known limitations:
       unsplit, fragmentation, and kernels' workspaces (cuBLAS, flash-attention backward's
       fp32 accumulators), invisible to storage accounting. Keep some headroom.
     * A model that reads tensor values in forward (``.item()``, data-dependent shapes)
-      cannot run on ``meta``.
+      cannot run on ``meta``; the error says so and what to do. Transformers' attention
+      masks and mixture-of-experts layers with grouped matmuls do run (NOTE [ Hugging
+      Face models on meta ], NOTE [ Grouped matmuls on meta ] in ``fake.py``).
 """
 
 from __future__ import annotations
@@ -70,10 +72,10 @@ from autoremat._core.step import (
 )
 from autoremat._core.units import format_bytes, format_flops, parse_budget
 from autoremat._estimate.fake import (
-    _hf_attention_without_masks,
     _resolve_device,
+    meta_refusal,
     parse_dtype,
-    sdpa_as_on,
+    step_as_on,
     to_meta,
 )
 from autoremat._estimate.tracked_step import (
@@ -423,12 +425,12 @@ def estimate(
     rounding = target_rounding(target_type)  # NOTE [ CUDA allocator rounding ] in memory.py
     cast = parse_dtype(dtype)
     _optimizer_class(optimizer)  # a misspelt name fails before any work
+    given = inputs  # the caller's batch: its attention masks have values
     model, inputs = to_meta(model, inputs, cast)
     names = resolve_blocks(model, blocks)
     stage = progress or (lambda _: None)
     try:
-        with preserved_state(model), sdpa_as_on(target_type), \
-                _hf_attention_without_masks(model, inputs) as hf_notes:
+        with preserved_state(model), step_as_on(target_type, model, inputs, given) as hf_notes:
             # the tape is for the target (its costs, tape.device), not for meta
             tape = profile(model, inputs, loss_fn, names, repeats=1,
                            with_selective=selective, rounding=rounding,
@@ -443,9 +445,7 @@ def estimate(
     except (RuntimeError, NotImplementedError) as exc:
         if "meta" not in str(exc):
             raise
-        raise RematError(f"{type(model).__name__} cannot run on fake (meta) tensors: {exc}. "
-                         f"estimate needs a forward that does not read tensor values "
-                         f"(.item(), data-dependent shapes)") from exc
+        raise meta_refusal(model, exc) from exc
     opt_name = optimizer if isinstance(optimizer, str) or optimizer is None else \
         f"{optimizer} bytes"
     opt_bytes, opt_step_bytes = optimizer_memory(model, optimizer, target_type)

@@ -4,9 +4,12 @@
 computes shapes and allocates nothing, with floating tensors cast to the dtype being
 estimated (:func:`parse_dtype`). :func:`sdpa_as_on` makes attention on ``meta`` run the
 kernel the target device would pick (NOTE [ Attention on meta ]), and
-:func:`register_hf_attention` lets Transformers models run on ``meta`` without building
-masks (NOTE [ Hugging Face models on meta ]). :func:`autoremat.estimate` and
-:func:`autoremat._estimate.tracked_step.meta_step_peak` run their step inside both.
+:func:`grouped_mm_on_meta` runs mixture-of-experts matmuls on ``meta`` (NOTE [ Grouped
+matmuls on meta ]), and Transformers models run on ``meta`` with the masks their batch
+asks for (NOTE [ Hugging Face models on meta ]). :func:`autoremat.estimate` and
+:func:`autoremat._estimate.tracked_step.meta_step_peak` run their step inside
+:func:`step_as_on`, which holds all of these and turns the KV cache off as ``profile``
+does; :func:`meta_refusal` says why a step could not run on ``meta`` and what to do.
 
 Known limitations:
     * Code that bound ``scaled_dot_product_attention`` at import
@@ -14,29 +17,42 @@ Known limitations:
       is estimated with the math kernel (an overestimate).
     * Parameters that are views of one storage (rare) are counted once per parameter
       when a real model is converted to ``meta``.
+    * A Transformers attention mask whose values decide the step (padding or not) must
+      come with the batch on a real device; a mask on ``meta`` is refused when the
+      choice is needed (NOTE [ Hugging Face models on meta ]).
+    * Experts routed by a loop over the experts hit (``experts_implementation="eager"``)
+      have shapes that depend on the routing and are refused (NOTE [ Grouped matmuls on
+      meta ]).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import math
+import traceback
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from autoremat._core.errors import RematError, did_you_mean
-from autoremat._core.step import parse_device
+from autoremat._core.step import parse_device, training_config
 
 __all__ = [
     "HF_META_ATTENTION",
+    "HF_META_MASKED_ATTENTION",
+    "grouped_mm_on_meta",
+    "meta_refusal",
     "parse_dtype",
     "register_hf_attention",
     "sdpa_as_on",
+    "step_as_on",
     "to_meta",
 ]
 
@@ -128,7 +144,9 @@ def _resolve_device(model: nn.Module, device: str | torch.device | None) -> str:
 #     the same sizes, dtypes and strides that matter); for ``cuda`` it follows PyTorch's
 #     CUDA priority
 #     (flash for fp16/bf16 without a mask, else memory-efficient, else math), calling the
-#     CUDA ops' meta kernels, which save the same output and log-sum-exp as on a GPU.
+#     CUDA ops' meta kernels, which save the same output and log-sum-exp as on a GPU. A
+#     boolean mask reaches a fused kernel as PyTorch's SDPA passes it: converted to an
+#     additive mask in the query's dtype, a tensor the kernel's backward keeps.
 #     (A ``TorchFunctionMode`` would be tidier, but torch-function modes are not active
 #     inside autograd's backward, where checkpointing recomputes the forward: the
 #     recompute would take the math path and fail checkpoint's metadata check.)
@@ -182,6 +200,9 @@ def _sdpa_on_meta(device_type: str, func: Callable[..., Any], args: tuple[Any, .
     q, k, v = a["query"], a["key"], a["value"]
     choose = _cuda_choice if device_type == "cuda" else _cpu_choice
     choice = choose(q, k, v, a)
+    if choice == _MATH:
+        return func(*args, **kwargs)  # PyTorch's own math path, mask conversion included
+    a["attn_mask"] = _additive_mask(a["attn_mask"], q.dtype)
     aten = torch.ops.aten
     if choice == _FLASH and device_type == "cuda":
         return aten._scaled_dot_product_flash_attention(
@@ -198,6 +219,18 @@ def _sdpa_on_meta(device_type: str, func: Callable[..., Any], args: tuple[Any, .
         return aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, needs_lse, a["dropout_p"], a["is_causal"], scale=a["scale"])[0]
     return func(*args, **kwargs)
+
+
+def _additive_mask(mask: Any, dtype: torch.dtype) -> Any:
+    """A boolean mask as the fused kernels get it from PyTorch's SDPA: 0 where attending,
+    -inf elsewhere, in the query's dtype (``convert_boolean_attn_mask`` in ATen's
+    attention.cpp); a (B, 1, T, T) mask so becomes a float tensor that lives through
+    the kernel's backward. Other masks are passed on as they are."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return mask
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.scalar_tensor(-math.inf, dtype=dtype,
+                                                       device=mask.device))
 
 
 @contextmanager
@@ -224,17 +257,95 @@ def sdpa_as_on(device: str | torch.device) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+# --- grouped matmuls (mixture-of-experts layers) on meta ---------------------------------
+
+# NOTE [ Grouped matmuls on meta ]
+#     Mixture-of-experts layers in Transformers (Mixtral, Qwen2-MoE, OLMoE, ... with
+#     ``experts_implementation="grouped_mm"``, the default) run their experts with
+#     ``torch._grouped_mm``: the (token, expert) pairs sorted by expert, one matmul over
+#     groups whose sizes (``offs``) come from the routing. The output is (pairs, out)
+#     whatever the routing, so the step's memory does not depend on it, and a step on
+#     ``meta`` can be exact. But the op's meta kernel copies the CUDA kernel's checks (it
+#     refuses anything but bfloat16), and on a CPU build of PyTorch it leaves out the row
+#     padding the real kernels give their output (rows padded to 16 bytes,
+#     ``create_grouped_gemm_output_tensor`` in ATen's ``GroupedMMUtils.h``, CPU and CUDA
+#     alike). While estimating, :func:`grouped_mm_on_meta` answers ``_grouped_mm`` on
+#     ``meta`` with the output those kernels make, in forward and in backward. Whether the
+#     target's kernel supports the dtype is not checked. Routing that reads values
+#     (``experts_implementation="eager"``: a loop over the experts hit, ``nonzero``)
+#     cannot run on ``meta``; ``estimate`` says so and how to go on.
+
+
+def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor,
+                       offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The output of ``aten._grouped_mm`` as the CPU and CUDA kernels allocate it."""
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if a_2d and b_2d and offs is not None:  # (K, M) x (M, N), groups along M: the
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]  # weights' gradient
+    elif a_2d:  # (M, K) x (E, K, N): the experts' forward
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b_2d:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:  # (E, M, K) x (E, K, N): a batched matmul
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    dtype = out_dtype or mat_a.dtype
+    align = max(1, 16 // dtype.itemsize)
+    padded = -(-size[-1] // align) * align  # each row starts on 16 bytes
+    stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
+
+
+class _GroupedMMOnMeta(TorchDispatchMode):
+    """``aten._grouped_mm`` on ``meta`` (NOTE [ Grouped matmuls on meta ]); every other
+    op goes on unchanged."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._grouped_mm.default and args[0].is_meta
+                and kwargs.get("bias") is None and (len(args) < 4 or args[3] is None)
+                and (args[0].dim() == 3 or args[1].dim() == 3
+                     or kwargs.get("offs", args[2] if len(args) > 2 else None) is not None)):
+            return _grouped_mm_output(*args, **kwargs)
+        return func(*args, **kwargs)  # what it cannot answer, PyTorch's checks refuse
+
+
+@contextmanager
+def grouped_mm_on_meta() -> Iterator[None]:
+    """Inside, ``torch._grouped_mm`` on ``meta`` tensors (any floating dtype) makes the
+    output the CPU and CUDA kernels make (NOTE [ Grouped matmuls on meta ])."""
+    with _GroupedMMOnMeta():
+        yield
+
+
+# --- Transformers models on meta -----------------------------------------------------------
+
 # NOTE [ Hugging Face models on meta ]
-#     Transformers builds attention masks by reading tensor values (it checks whether
-#     ``position_ids`` pack several sequences, whether a padding mask is all ones), which
-#     ``meta`` tensors cannot answer. For a model configured with ``"sdpa"`` and a batch
-#     without ``attention_mask``, the estimate runs it under ``"autoremat_sdpa"``:
-#     Transformers' own SDPA function registered under a name that has no mask builder, so
-#     SDPA gets no mask and ``is_causal`` (``True`` for decoders, ``False`` for BERT) --
-#     exactly what ``"sdpa"`` passes for an unpadded, unpacked batch. A batch with an
-#     ``attention_mask`` runs unchanged and may not run on ``meta``.
+#     Transformers builds attention masks by reading tensor values, which ``meta`` tensors
+#     do not have: it checks whether ``position_ids`` pack several sequences (when the
+#     batch has no ``attention_mask``), and whether a padding mask is all ones, in which
+#     case it builds no mask and SDPA runs with ``is_causal`` instead. While estimating, a
+#     model configured with ``"sdpa"`` runs Transformers' own SDPA function registered
+#     under another name (in every config of the model: an encoder-decoder's stacks have
+#     their own):
+#     * a batch without ``attention_mask``: :data:`HF_META_ATTENTION`, a name with no mask
+#       builder, so SDPA gets no mask and ``is_causal`` (``True`` for decoders, ``False``
+#       for BERT) -- exactly what ``"sdpa"`` passes for an unpadded, unpacked batch;
+#     * a batch with one: :data:`HF_META_MASKED_ATTENTION`, whose mask builder is
+#       Transformers' ``sdpa_mask`` with its one value-dependent choice (skip the mask, or
+#       build it) made by Transformers' own test on the real values of the mask. Those
+#       are followed (:class:`_MaskValues`) from the caller's batch, the one the meta copy
+#       was made from, or from the ``torch.ones`` a model makes when a stack has no mask
+#       (BART's decoder), through the copies and casts on the way to the builder. The
+#       mask itself, when built, is built on ``meta`` as the real one would be. A mask
+#       without known values (a batch given on ``meta``, a mask the model computed) leaves
+#       nothing to choose by; when the choice is needed (not with a sliding window shorter
+#       than the sequence, which always builds the mask), the estimate stops and says to
+#       pass the batch's real ``attention_mask``, or none when nothing is padded.
 
 HF_META_ATTENTION = "autoremat_sdpa"
+HF_META_MASKED_ATTENTION = "autoremat_sdpa_masked"
 
 
 def register_hf_attention() -> str | None:
@@ -249,27 +360,198 @@ def register_hf_attention() -> str | None:
     return HF_META_ATTENTION
 
 
-@contextmanager
-def _hf_attention_without_masks(model: nn.Module, inputs: Any) -> Iterator[list[str]]:
-    """Run a Transformers model whose config says ``"sdpa"`` under
-    :data:`HF_META_ATTENTION` (no mask builder) when the batch has no ``attention_mask``;
-    yields notes for the estimate."""
-    config = getattr(model, "config", None)
-    notes: list[str] = []
-    if config is not None and getattr(config, "use_cache", False) and model.training:
-        notes.append("the model's config has use_cache=True: with checkpointing, every "
-                     "recompute appends to the KV cache; train with use_cache=False, as "
-                     "Transformers does under gradient checkpointing")
-    masked = isinstance(inputs, dict) and inputs.get("attention_mask") is not None
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or masked:
-        yield notes
-        return
-    name = register_hf_attention()
-    if name is None:
-        yield notes
-        return
-    config._attn_implementation = name
+class _MaskValues(TorchDispatchMode):
+    """The real values of attention masks on ``meta``, followed from the batch (or from a
+    ``torch.ones`` the model makes when it has none) through copies and casts to
+    Transformers' mask builder (NOTE [ Hugging Face models on meta ]). Every other
+    tensor has no known values."""
+
+    # ops that, keeping the shape, keep the values (a transpose would not)
+    _FOLLOW = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
+               torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+               torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+               torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor)
+    _ONES = (torch.ops.aten.ones.default, torch.ops.aten.new_ones.default)
+
+    def __init__(self, inputs: Any, given: Any) -> None:
+        super().__init__()
+        # id(meta tensor) -> (a weak reference to it, its values as a CPU bool tensor)
+        self.values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        if isinstance(inputs, Mapping) and isinstance(given, Mapping):
+            for key, meta in inputs.items():
+                real = given.get(key)
+                if ("attention_mask" in str(key) and isinstance(meta, torch.Tensor)
+                        and isinstance(real, torch.Tensor) and not real.is_meta):
+                    self._set(meta, real.detach().to("cpu", torch.bool))
+
+    def _set(self, meta: torch.Tensor, real: torch.Tensor) -> None:
+        self.values[id(meta)] = (weakref.ref(meta), real)
+
+    def value(self, meta: torch.Tensor) -> torch.Tensor | None:
+        """The values of ``meta`` as a CPU bool tensor, or ``None`` when unknown."""
+        ref, real = self.values.get(id(meta), (None, None))
+        return real if ref is not None and ref() is meta else None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not isinstance(out, torch.Tensor) or not out.is_meta or out.dim() > 2:
+            return out
+        if func in self._ONES:
+            self._set(out, torch.ones(out.shape, dtype=torch.bool))
+        elif func in self._FOLLOW and isinstance(args[0], torch.Tensor) \
+                and args[0].shape == out.shape:
+            real = self.value(args[0])
+            if real is not None:
+                self._set(out, real)
+        return out
+
+
+_MASK_API = ("AttentionMaskInterface", "sdpa_mask", "prepare_padding_mask",
+             "_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+
+
+def _mask_utils() -> Any:
+    """Transformers' ``masking_utils`` when it has what :class:`_MaskBuilder` calls, else
+    ``None`` (an older or newer Transformers: masked batches then run unchanged)."""
     try:
+        from transformers import masking_utils
+    except ImportError:
+        return None
+    return masking_utils if all(hasattr(masking_utils, n) for n in _MASK_API) else None
+
+
+class _MaskBuilder:
+    """Transformers' ``sdpa_mask`` whose choice to skip the mask reads the real values
+    of the mask's meta copy (NOTE [ Hugging Face models on meta ])."""
+
+    def __init__(self, utils: Any, values: _MaskValues, model: str) -> None:
+        self.utils, self.values, self.model = utils, values, model
+
+    def __call__(self, **kwargs: Any) -> Any:
+        mask = kwargs.get("attention_mask")
+        causal = kwargs.get("allow_is_causal_skip", True)
+        bidirectional = kwargs.get("allow_is_bidirectional_skip", False)
+        if isinstance(mask, torch.Tensor) and mask.is_meta and (causal or bidirectional):
+            if self._skips(mask, kwargs, causal, bidirectional):
+                return None
+            kwargs = {**kwargs, "allow_is_causal_skip": False,
+                      "allow_is_bidirectional_skip": False}
+        return self.utils.sdpa_mask(**kwargs)
+
+    def _skips(self, mask: torch.Tensor, kwargs: dict[str, Any], causal: bool,
+               bidirectional: bool) -> bool:
+        real = self.values.value(mask)
+        if real is None:
+            raise RematError(
+                f"{self.model} reads the values of an attention mask of shape "
+                f"{tuple(mask.shape)} (to skip building a mask when no token is padded), "
+                f"and on meta it has none: the batch's attention_mask is on meta, or the "
+                f"model computed the mask. Pass the batch with a real attention_mask (on "
+                f"the CPU; estimate makes the meta copy), leave attention_mask out if no "
+                f"token is padded, or measure the step with autoremat.profile on a real "
+                f"device")
+        q_length, kv_length = kwargs["q_length"], kwargs["kv_length"]
+        q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+        local = kwargs.get("local_size")
+        with _disable_current_modes():  # CPU work of ours, not the step's
+            padding = self.utils.prepare_padding_mask(real, kv_length, kv_offset)
+            return bool(
+                (causal and self.utils._ignore_causal_mask_sdpa(
+                    padding, q_length, kv_length, q_offset, kv_offset, local))
+                or (bidirectional and self.utils._ignore_bidirectional_mask_sdpa(
+                    padding, kv_length, local)))
+
+
+def _sdpa_configs(model: nn.Module) -> list[Any]:
+    """The distinct Hugging Face configs in ``model`` that ask for ``"sdpa"``."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextmanager
+def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator[None]:
+    """Run a Transformers model configured with ``"sdpa"`` under :data:`HF_META_ATTENTION`
+    (``inputs`` without ``attention_mask``) or :data:`HF_META_MASKED_ATTENTION` (with
+    one, whose skip choice reads the real masks of ``given``, the caller's batch); see
+    NOTE [ Hugging Face models on meta ]."""
+    configs = _sdpa_configs(model)
+    masked = isinstance(inputs, Mapping) and inputs.get("attention_mask") is not None
+    utils: Any = _mask_utils() if masked else None
+    if not configs or register_hf_attention() is None or (masked and utils is None):
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    name = HF_META_ATTENTION
+    with ExitStack() as stack:
+        if masked:
+            name = HF_META_MASKED_ATTENTION
+            values = stack.enter_context(_MaskValues(inputs, given))
+            AttentionInterface.register(name, sdpa_attention_forward)
+            utils.AttentionMaskInterface.register(
+                name, _MaskBuilder(utils, values, type(model).__name__))
+        try:
+            for config in configs:
+                config._attn_implementation = name
+            yield
+        finally:
+            for config in configs:
+                config._attn_implementation = "sdpa"
+            if masked:  # the builder holds the caller's masks: not beyond this step
+                utils.AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
+    """The error to raise when ``model``'s step failed on ``meta`` with ``exc``: why, and
+    what to do (for a mixture of experts routed by a loop over the experts hit, how to
+    estimate it anyway; NOTE [ Grouped matmuls on meta ])."""
+    what = type(model).__name__
+    eager = sorted({type(m).__name__ for m in model.modules()  # Transformers' experts
+                    if getattr(getattr(m, "config", None), "_experts_implementation", None)
+                    == "eager" and hasattr(m, "num_experts") and hasattr(m, "has_gate")})
+    if eager:
+        return RematError(
+            f"{what} cannot run on fake (meta) tensors: its mixture-of-experts layers "
+            f"({', '.join(eager)}) run with experts_implementation='eager', a loop over the "
+            f"experts the router picked, whose shapes depend on the routing ({exc}). "
+            f"Estimate the model with model.set_experts_implementation('grouped_mm') "
+            f"(Transformers' default, whose memory does not depend on the routing), or "
+            f"measure the eager experts with autoremat.profile on a real device")
+    if any(frame.filename.endswith("masking_utils.py")
+           for frame in traceback.extract_tb(exc.__traceback__)):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        return RematError(
+            f"{what} cannot run on fake (meta) tensors: Transformers read tensor values "
+            f"while building its attention mask for attn_implementation={impl!r} (without "
+            f"an attention_mask in the batch, it checks whether position_ids pack several "
+            f"sequences: {exc}). Estimate it with attn_implementation='sdpa' (whose masks "
+            f"estimate runs on meta), or with the batch's attention_mask given on the CPU, "
+            f"or measure it with autoremat.profile on a real device")
+    return RematError(
+        f"{what} cannot run on fake (meta) tensors: {exc}. Its forward reads tensor values "
+        f"(.item(), a Python if on a tensor, shapes that depend on values such as "
+        f"nonzero's), which fake tensors do not have: measure it with autoremat.profile on "
+        f"a real device, or make the forward independent of the values")
+
+
+@contextmanager
+def step_as_on(device: str | torch.device, model: nn.Module, inputs: Any,
+               given: Any = None) -> Iterator[list[str]]:
+    """Inside, a training step of the ``meta`` ``model`` on ``inputs`` runs as it would on
+    ``device``: the KV cache turned off as ``profile`` does (``training_config``), SDPA
+    as the device runs it (NOTE [ Attention on meta ]), grouped matmuls (NOTE [ Grouped
+    matmuls on meta ]) and Transformers' attention masks (NOTE [ Hugging Face models on
+    meta ], reading the real masks of ``given``, the batch ``inputs`` was made from).
+    Yields notes for the estimate. Everything is put back on exit."""
+    with ExitStack() as stack:
+        notes = stack.enter_context(training_config(model))
+        stack.enter_context(sdpa_as_on(device))
+        stack.enter_context(grouped_mm_on_meta())
+        stack.enter_context(_hf_attention_on_meta(model, inputs, given))
         yield notes
-    finally:
-        config._attn_implementation = "sdpa"

@@ -23,10 +23,10 @@ from autoremat._core.memory import MemoryTracker, Rounding, track_memory
 from autoremat._core.ops import op_kind
 from autoremat._core.step import Loop, LossFn, check_loop, preserved_state, run_step
 from autoremat._estimate.fake import (
-    _hf_attention_without_masks,
     _resolve_device,
+    meta_refusal,
     parse_dtype,
-    sdpa_as_on,
+    step_as_on,
     to_meta,
 )
 from autoremat._mechanism.wrap import checkpointed
@@ -218,11 +218,17 @@ def meta_step_peak(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = No
     """
     check_loop(loop)
     target = torch.device(_resolve_device(model, device)).type
+    given = inputs
     model, inputs = to_meta(model, inputs, parse_dtype(dtype))
     names = resolve_blocks(model, blocks)
-    with preserved_state(model), sdpa_as_on(target), _hf_attention_without_masks(model, inputs):
-        run = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=checkpoint_all,
-                            rounding=target_rounding(target), loop=loop)
+    try:
+        with preserved_state(model), step_as_on(target, model, inputs, given):
+            run = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=checkpoint_all,
+                                rounding=target_rounding(target), loop=loop)
+    except (RuntimeError, NotImplementedError) as exc:
+        if "meta" not in str(exc):
+            raise
+        raise meta_refusal(model, exc) from exc
     return StepPeak(peak_bytes=run.mem.peak_bytes,
                     grads_at_peak_bytes=run.mem.breakdown["gradients"],
                     chunked_loss_peak_bytes=chunked_loss_peak(run, LOSS_CHUNKS))

@@ -119,6 +119,7 @@ from torch.utils._pytree import tree_flatten
 from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import (
     BlockSpec,
+    discovery_notes,
     other_repeated_blocks,
     param_signature,
     resolve_blocks,
@@ -1040,6 +1041,7 @@ def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list
         notes.append(eval_note)
         warnings.warn(f"autoremat: {eval_note}", UserWarning, stacklevel=3)
     if discovered:
+        notes.extend(discovery_notes(model))
         others = other_repeated_blocks(model, names)
         if others:
             notes.append(f"planning over the repeated blocks found; also smaller "

@@ -91,6 +91,11 @@ def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
     if lm_head._forward_hooks or lm_head._forward_pre_hooks:
         return f"{what}.lm_head has hooks, which the chunked head would bypass"
     config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        # T5's and BART's loss_function resolves to ForCausalLMLoss, but their forward
+        # takes its own cross-entropy of lm_head's output (plus BART's logit bias)
+        return (f"{what} is an encoder-decoder, whose forward takes its own loss of "
+                f"lm_head's output, not Hugging Face's causal-LM loss")
     for key in _LOGIT_TRANSFORMS:
         value = getattr(config, key, None)
         if value not in (None, 1, 1.0):
