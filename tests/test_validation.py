@@ -22,7 +22,7 @@ from autoremat import zoo
 from autoremat._cli import main
 from autoremat._core.errors import BlockError, BudgetError, RematError, SchemaError
 from autoremat._core.units import parse_budget, parse_size
-from autoremat._plan.plan import keep_set_seal
+from autoremat._plan.plan import UnsealedPlanWarning, keep_set_seal
 
 
 def _refuse(*args: Any, **kwargs: Any) -> Any:
@@ -207,7 +207,11 @@ def test_only_recomputed_blocks_share_a_segment() -> None:
     with pytest.raises(SchemaError, match="only recomputed blocks whose input stays"):
         autoremat.Plan.from_json(json.dumps(data))
     data["blocks"][0].update(decision="recompute", keep_ops=[], skip_ops=[])
-    assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0
+    with pytest.raises(SchemaError, match="edited after autoremat wrote it"):
+        autoremat.Plan.from_json(json.dumps(data))  # a well-formed edit: refused by its seal
+    del data["seal"]  # as a file saved before plans were sealed: loads, unchecked
+    with pytest.warns(UnsealedPlanWarning, match="no seal"):
+        assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0
 
 
 class _IntegerOutput(torch.nn.Module):
