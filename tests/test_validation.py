@@ -519,3 +519,27 @@ def test_doctor_passes_on_an_error_that_is_not_about_the_config(
     monkeypatch.setattr(doctor_cli, "require", lambda *args: None)
     with pytest.raises(AttributeError, match="rope_type"):
         main(["doctor", "--hf", "llama"])
+
+
+def test_a_plan_that_decides_a_block_twice_is_refused() -> None:
+    model, _, plan = _mlp_plan()
+    data = json.loads(plan.to_json())
+    data["blocks"].insert(1, dict(data["blocks"][0], segment=1))
+    for b in data["blocks"][2:]:
+        b["segment"] += 1
+    del data["seal"]  # even unsealed: no plan decides a block twice
+    with pytest.raises(SchemaError, match=r"names block .* again"):
+        autoremat.Plan.from_json(json.dumps(data))
+    twice = dataclasses.replace(plan, blocks=(plan.blocks[0], *plan.blocks))
+    with pytest.raises(autoremat.PlanMismatchError, match="twice"):
+        autoremat.apply(model, twice)
+    assert autoremat.applied_plan(model) is None
+
+
+def test_a_prediction_above_the_budget_is_refused_unsealed() -> None:
+    _, _, plan = _mlp_plan()
+    data = json.loads(plan.to_json())
+    del data["seal"]
+    data["budget_bytes"] = data["predicted_peak_bytes"] - 1
+    with pytest.raises(SchemaError, match=r"is above plan\.budget_bytes"):
+        autoremat.Plan.from_json(json.dumps(data))
