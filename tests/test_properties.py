@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -214,3 +215,133 @@ def test_found_cases_are_predicted_from_above(spec: ModelSpec) -> None:
         assert report.peak_bytes <= plan.predicted_peak_bytes, (plan.strategy, n)
         if all(stop == start + 1 for start, stop, _ in plan.segments):
             assert report.peak_bytes == plan.predicted_peak_bytes, plan.strategy
+
+
+# --- plan files edited by hand ----------------------------------------------------------
+#
+# A plan file states figures (predicted peak, recompute FLOPs) that the planner derived
+# from the tape and the decisions. Hand edits of a saved plan (a decision flipped, a block
+# entry duplicated or deleted, two segments joined, the budget, the stated peak or the head
+# changed; the seal kept, or dropped as in a file saved before plans were sealed) must be
+# refused on load, or load to a plan whose prediction, derived again here from its
+# decisions and the tape, is the one it states (NOTE [ Sealed plan files ]).
+
+_EDITS = ["flip", "duplicate", "delete", "join", "budget", "peak", "head"]
+
+
+@pytest.fixture(scope="module")
+def edit_plans(zoo_tapes: Any) -> tuple[autoremat.Tape, list[str]]:
+    from conftest import MEDIUM
+
+    tape = zoo_tapes("gpt2", **MEDIUM["gpt2"])
+    assert tape.head is not None and tape.head.options  # the head edits need options
+    least = smallest_feasible_bytes(tape)
+    plans = [autoremat.plan(tape, budget) for budget in
+             (least, (least + tape.step_peak_bytes) // 2, "90%")]
+    plans += [autoremat.plan(tape, None, strategy) for strategy in ("sqrt", "selective")]
+    assert any(b.decision == "selective" for p in plans for b in p.blocks)
+    assert any(stop > start + 1 for p in plans for start, stop, _ in p.segments)
+    return tape, [p.to_json() for p in plans]
+
+
+def _edit(data: dict[str, Any], edit: str, i: int, value: int, tape: autoremat.Tape) -> None:
+    blocks = data["blocks"]
+    i %= len(blocks)
+    if edit == "flip":
+        blocks[i]["decision"] = ["keep", "recompute", "selective", "offload"][value % 4]
+    elif edit == "duplicate":
+        blocks.insert(i + 1, dict(blocks[i]))
+        for b in blocks[i + 1:]:
+            b["segment"] += 1
+    elif edit == "delete":
+        del blocks[i]
+        for b in blocks[i:]:
+            b["segment"] -= 1
+    elif edit == "join" and i > 0:  # block i joins the segment of block i - 1
+        for b in blocks[i:]:
+            b["segment"] -= blocks[i]["segment"] - blocks[i - 1]["segment"]
+        for b in blocks[i - 1:i + 1]:
+            b.update(decision="recompute", offload_input=False, save_ops=[],
+                     recompute_ops=[], keep_ops=[], skip_ops=[], op_signature="",
+                     keep_keys=[], keep_seal="")
+    elif edit == "budget":
+        data["budget_bytes"] = None if value % 5 == 0 else value
+    elif edit == "peak":
+        data["predicted_peak_bytes"] = value
+    elif edit == "head":
+        assert tape.head is not None
+        heads = ["keep", *tape.head.options]
+        data["head"] = heads[value % len(heads)]
+        data["head_site"] = "" if data["head"] == "keep" else \
+            f"{tape.head.kind}:{tape.head.name}"
+
+
+def _derived_peak(plan: autoremat.Plan, tape: autoremat.Tape) -> int:
+    """The peak the plan's decisions give on the tape, derived here, not by autoremat's
+    own check."""
+    from autoremat._plan.peak import (
+        KEEP,
+        OFFLOAD,
+        OFFLOAD_INPUT,
+        RECOMPUTE,
+        predict_peak,
+        with_head,
+    )
+
+    segments = []
+    for start, stop, decision in plan.segments:
+        block = plan.blocks[start]
+        if decision == "selective":
+            measured = tape.blocks[start].selective
+            name = next((n for n, s in measured.items()
+                         if (s.keep_ops, s.skip_ops) == (block.keep_ops, block.skip_ops)
+                         and (block.keep_ops or block.skip_ops)), "+".join(block.save_ops))
+            option = ("selective", tuple(name.split("+")) if name else ())
+        else:
+            option = {"keep": KEEP, "offload": OFFLOAD,
+                      "recompute": OFFLOAD_INPUT if block.offload_input else RECOMPUTE
+                      }[decision]
+        segments.append((start, stop, option))
+    return predict_peak(with_head(tape, plan.head), segments)
+
+
+@settings(max_examples=50, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, 4), edits=st.lists(st.tuples(
+    st.sampled_from(_EDITS), st.integers(0, 63), st.integers(0, 2**26)), min_size=1,
+    max_size=3), sealed=st.booleans())
+def test_edited_plan_files_are_refused_or_hold(edit_plans: Any, which: int,
+                                               edits: list[tuple[str, int, int]],
+                                               sealed: bool) -> None:
+    import json
+    import warnings
+
+    from autoremat._core.errors import SchemaError
+    from autoremat._plan.plan import UnsealedPlanWarning
+
+    tape, texts = edit_plans
+    original = json.loads(texts[which])
+    data = json.loads(texts[which])
+    for edit, i, value in edits:
+        _edit(data, edit, i, value, tape)
+    if not sealed:
+        del data["seal"]  # as a file saved before plans were sealed
+    changed = {k: v for k, v in data.items() if k != "seal"} != \
+        {k: v for k, v in original.items() if k != "seal"}
+    event(f"edits {[e for e, _, _ in edits]}, sealed {sealed}, changed {changed}")
+    for given_tape in (None, tape):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                loaded = autoremat.Plan.from_json(json.dumps(data), tape=given_tape)
+            except SchemaError as exc:
+                event(f"refused: {str(exc)[:40]}")
+                assert "plan" in str(exc)
+                continue
+        # a sealed file loads only as it was written; an unsealed one says it is unchecked
+        assert not (sealed and changed), data
+        assert sealed or any(issubclass(w.category, UnsealedPlanWarning) for w in caught)
+        if given_tape is not None or not changed:
+            assert _derived_peak(loaded, tape) == loaded.predicted_peak_bytes
+            assert loaded.budget_bytes is None or \
+                loaded.predicted_peak_bytes <= loaded.budget_bytes

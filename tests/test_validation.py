@@ -23,7 +23,7 @@ from autoremat import zoo
 from autoremat._cli import main
 from autoremat._core.errors import BlockError, BudgetError, RematError, SchemaError
 from autoremat._core.units import parse_budget, parse_size
-from autoremat._plan.plan import keep_set_seal
+from autoremat._plan.plan import UnsealedPlanWarning, keep_set_seal
 
 
 def _refuse(*args: Any, **kwargs: Any) -> Any:
@@ -209,7 +209,11 @@ def test_only_recomputed_blocks_share_a_segment(selective_plan: autoremat.Plan) 
     with pytest.raises(SchemaError, match="only recomputed blocks whose input stays"):
         autoremat.Plan.from_json(json.dumps(data))
     data["blocks"][0].update(decision="recompute", keep_ops=[], skip_ops=[])
-    assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0
+    with pytest.raises(SchemaError, match="edited after autoremat wrote it"):
+        autoremat.Plan.from_json(json.dumps(data))  # a well-formed edit: refused by its seal
+    del data["seal"]  # as a file saved before plans were sealed: loads, unchecked
+    with pytest.warns(UnsealedPlanWarning, match="no seal"):
+        assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0
 
 
 class _IntegerOutput(torch.nn.Module):
@@ -540,3 +544,27 @@ def test_estimate_of_a_model_that_reads_values_says_what_to_do() -> None:
     message = str(info.value)
     assert message.startswith("Gated cannot run on fake (meta) tensors")
     assert "autoremat.profile on a real device" in message
+
+
+def test_a_plan_that_decides_a_block_twice_is_refused() -> None:
+    model, _, plan = _mlp_plan()
+    data = json.loads(plan.to_json())
+    data["blocks"].insert(1, dict(data["blocks"][0], segment=1))
+    for b in data["blocks"][2:]:
+        b["segment"] += 1
+    del data["seal"]  # even unsealed: no plan decides a block twice
+    with pytest.raises(SchemaError, match=r"names block .* again"):
+        autoremat.Plan.from_json(json.dumps(data))
+    twice = dataclasses.replace(plan, blocks=(plan.blocks[0], *plan.blocks))
+    with pytest.raises(autoremat.PlanMismatchError, match="twice"):
+        autoremat.apply(model, twice)
+    assert autoremat.applied_plan(model) is None
+
+
+def test_a_prediction_above_the_budget_is_refused_unsealed() -> None:
+    _, _, plan = _mlp_plan()
+    data = json.loads(plan.to_json())
+    del data["seal"]
+    data["budget_bytes"] = data["predicted_peak_bytes"] - 1
+    with pytest.raises(SchemaError, match=r"is above plan\.budget_bytes"):
+        autoremat.Plan.from_json(json.dumps(data))

@@ -143,7 +143,12 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         raise PlanMismatchError(f"this plan was made for a {plan.model}, not a "
                                 f"{model_class_name(model)}; profile and plan this model")
     modules = dict(model.named_modules())
+    seen: set[str] = set()
     for block in plan.blocks:
+        if block.name in seen:
+            raise PlanMismatchError(f"the plan decides block {block.name!r} twice; a plan "
+                                    "decides each block once (was it edited?). Plan again")
+        seen.add(block.name)
         if block.name not in modules:
             raise PlanMismatchError(f"the plan names block {block.name!r}, which "
                                     f"{model_class_name(model)} does not have."

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,11 +34,19 @@ from autoremat._measure.tape import (
     load_json,
 )
 from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_keep_keys
-from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
+from autoremat._mechanism.selective import (
+    MEGATRON,
+    is_keep_set,
+    op_signature,
+    save_set_name,
+    save_set_of,
+)
 from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import (
+    KEEP,
     OFFLOAD,
+    OFFLOAD_INPUT,
     RECOMPUTE,
     Option,
     plan_costs,
@@ -46,7 +56,8 @@ from autoremat._plan.peak import (
 )
 
 __all__ = [
-    "STRATEGIES", "BlockDecision", "Plan", "check_head", "check_plan_args", "plan",
+    "STRATEGIES", "BlockDecision", "Plan", "UnsealedPlanWarning", "check_against_tape",
+    "check_head", "check_plan_args", "plan", "plan_seal",
 ]
 
 
@@ -154,13 +165,34 @@ class Plan:
         return out
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Return the JSON text; with ``path``, also write it there atomically."""
-        return dump_json(asdict(self), path)
+        """Return the JSON text, sealed (NOTE [ Sealed plan files ]); with ``path``, also
+        write it there atomically."""
+        data = asdict(self)
+        return dump_json(dict(data, seal=plan_seal(data)), path)
 
     @classmethod
-    def from_json(cls, text_or_path: str | os.PathLike[str]) -> Plan:
-        """Load a plan from JSON text or a file; says which field is wrong if any."""
+    def from_json(cls, text_or_path: str | os.PathLike[str], *, tape: Tape | None = None
+                  ) -> Plan:
+        """Load a plan from JSON text or a file; says which field is wrong if any.
+
+        A file is refused if it was edited after it was written (its ``seal`` does not
+        match; NOTE [ Sealed plan files ]). A file saved before plans were sealed loads
+        unchecked, with an :class:`UnsealedPlanWarning`.
+
+        Args:
+            text_or_path: JSON text, or the path of a file holding it.
+            tape: the tape the plan was made from (optional): the plan's predictions are
+                then derived again from its decisions and the tape, and a plan whose
+                stated figures differ is refused, sealed or not.
+
+        Raises:
+            SchemaError: the text is not a plan, a field is malformed, the file was edited
+                by hand, or (with ``tape``) its figures are not the ones its decisions
+                give on that tape.
+        """
         data = dict(load_json(text_or_path, what="plan"))
+        seal = data.pop("seal", None)
+        as_read = dict(data)  # what the seal covers: the fields as the file has them
         raw = data.get("blocks")
         if not isinstance(raw, list):
             raise SchemaError("plan.blocks must be a list")
@@ -207,6 +239,14 @@ class Plan:
             raise SchemaError(f"plan.shards must be >= 1, got {loaded.shards}")
         if loaded.budget_bytes is not None:
             _expect(loaded.budget_bytes, int, "plan.budget_bytes")
+            if loaded.predicted_peak_bytes > loaded.budget_bytes:
+                raise SchemaError(
+                    f"plan.predicted_peak_bytes ({loaded.predicted_peak_bytes}) is above "
+                    f"plan.budget_bytes ({loaded.budget_bytes}), which no plan autoremat "
+                    f"makes states: the file was edited. {_REPLAN}")
+        _check_seal(seal, as_read)
+        if tape is not None:
+            check_against_tape(loaded, tape)
         return loaded
 
     def __str__(self) -> str:
@@ -325,9 +365,146 @@ def keep_set_seal(signature: str, keep: tuple[int, ...], skip: tuple[int, ...]) 
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+_REPLAN = ("Plan again instead of editing: autoremat.plan(autoremat.profile(model, inputs), "
+           "budget), or `autoremat plan TARGET --budget B --out plan.json`")
+
+
+class UnsealedPlanWarning(UserWarning):
+    """A plan file carries no seal (saved before plans were sealed): nothing shows
+    whether it was edited, so its figures are not checked (NOTE [ Sealed plan files ])."""
+
+
+def plan_seal(data: dict[str, Any]) -> str:
+    """The seal of a plan's JSON fields (every field but ``seal``), as ``to_json`` writes
+    it and ``from_json`` checks it.
+
+    NOTE [ Sealed plan files ]
+        A plan's figures (predicted peak, recompute FLOPs, cost) are derived by the
+        planner from the tape and the decisions; the file carries the result, not the
+        tape. An edited file (a decision changed from recompute to keep, a block entry
+        duplicated or deleted, two blocks joined into one segment, the budget or the
+        head changed) still loads and applies, and states a peak its decisions no longer
+        give: edited plans measured up to 2.5x their stated peak. So ``to_json`` writes
+        a hash over every other field as they are written (``seal``), and ``from_json``
+        refuses a file whose fields do not hash to it. The hash covers the fields as the
+        file has them, so a file written before a field was added still matches its own
+        seal. A file without a seal (saved before plans were sealed) loads, with an
+        :class:`UnsealedPlanWarning`, since nothing shows whether it was edited; it can
+        only be checked against its tape: ``Plan.from_json(path, tape=tape)`` derives
+        the predictions again from the decisions and the tape (:func:`check_against_tape`)
+        and refuses a plan whose stated figures differ, sealed or not. A plan changed in
+        memory (``dataclasses.replace``) is the caller's own and is sealed as it is when
+        written; ``check_against_tape`` checks it too. The seal guards against edits,
+        not forgery: it is a checksum, not a signature.
+    """
+    body = {key: value for key, value in data.items() if key != "seal"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_seal(seal: Any, data: dict[str, Any]) -> None:
+    if seal is None or seal == "":
+        warnings.warn("autoremat: this plan file has no seal (it was saved before plans "
+                      "were sealed), so an edit of it cannot be detected and its predicted "
+                      "peak is not checked; pass tape= to Plan.from_json to check it against "
+                      "its tape, or plan again and save the new plan", UnsealedPlanWarning,
+                      stacklevel=3)
+        return
+    if not isinstance(seal, str):
+        raise SchemaError(f"plan.seal must be a string, got {seal!r}")
+    if seal != plan_seal(data):
+        raise SchemaError(
+            f"this plan file was edited after autoremat wrote it (its fields do not match "
+            f"its seal {seal!r}): an edited decision, segment, block entry, budget or head "
+            f"changes the peak the plan gives, but not the peak it states, so it is not "
+            f"trusted. {_REPLAN}")
+
+
+def check_against_tape(plan: Plan, tape: Tape) -> None:
+    """Derive ``plan``'s predictions again from its decisions and ``tape``, and refuse a
+    plan that states other figures (NOTE [ Sealed plan files ]).
+
+    Raises:
+        SchemaError: the plan's blocks are not the tape's, its decisions name options the
+            tape did not measure, or its predicted figures differ from the re-derived ones.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(64,) * 4, batch_size=32)
+        >>> tape = autoremat.profile(model, inputs, repeats=1)
+        >>> check_against_tape(autoremat.plan(tape, None, "every:2"), tape)  # it holds
+    """
+    if not isinstance(plan, Plan) or not isinstance(tape, Tape):
+        raise RematError(f"check_against_tape() needs a Plan and a Tape, got "
+                         f"{type(plan).__name__} and {type(tape).__name__}")
+    names = [b.name for b in tape.blocks]
+    if plan.model != tape.model or [b.name for b in plan.blocks] != names:
+        raise SchemaError(
+            f"this plan (model {plan.model}, blocks {[b.name for b in plan.blocks]}) does "
+            f"not decide the blocks of this tape (model {tape.model}, blocks {names}): a "
+            f"block entry was added, deleted or renamed, or the tape is of another model. "
+            f"Pass the tape the plan was made from. {_REPLAN}")
+    if plan.head != "keep" and (tape.head is None or plan.head not in tape.head.options):
+        have = ["keep", *(tape.head.options if tape.head is not None else [])]
+        raise SchemaError(f"plan.head is {plan.head!r}, which this tape did not measure "
+                          f"(it offers {have}). {_REPLAN}")
+    segments = [(start, stop, _option_of(tape, plan, start, stop, decision))
+                for start, stop, decision in plan.segments]
+    again = _with_head_fields(plan_of_segments(with_head(tape, plan.head), segments,
+                                               plan.strategy, plan.budget_bytes),
+                              tape, plan.head)
+    wrong = [f"{key} {getattr(plan, key)} (it gives {getattr(again, key)})"
+             for key in ("predicted_peak_bytes", "predicted_recompute_flops",
+                         "predicted_cost", "predicted_host_bytes", "unplanned_peak_bytes",
+                         "step_flops")
+             if getattr(plan, key) != getattr(again, key)]
+    if wrong:
+        raise SchemaError(f"this plan's decisions do not give the figures it states on "
+                          f"this tape: {'; '.join(wrong)}. It was edited, or made from "
+                          f"another tape. {_REPLAN}")
+
+
+def _option_of(tape: Tape, plan: Plan, start: int, stop: int, decision: str) -> Option:
+    """The peak model's option for the plan's segment ``[start, stop)``."""
+    block = plan.blocks[start]
+    where = f"plan.blocks[{start}] ({block.name})"
+    for k in range(start + 1, stop):
+        if not tape.joins_previous(k):
+            raise SchemaError(f"plan.blocks[{k}] ({plan.blocks[k].name}) shares a segment "
+                              f"with the block before it, which this tape does not allow "
+                              f"(they are not chained, or the step is compiled). {_REPLAN}")
+    if decision == "keep":
+        return KEEP
+    if decision == "offload":
+        return OFFLOAD
+    if decision == "recompute":
+        return OFFLOAD_INPUT if block.offload_input else RECOMPUTE
+    measured = tape.blocks[start].selective
+    if block.keep_ops or block.skip_ops:
+        for name, sel in measured.items():
+            if is_keep_set(name) and (sel.keep_ops, sel.skip_ops) == (block.keep_ops,
+                                                                      block.skip_ops):
+                return ("selective", save_set_of(name))
+        raise SchemaError(f"{where} keeps ops {list(block.keep_ops)} and skips "
+                          f"{list(block.skip_ops)}, a keep-set this tape did not measure. "
+                          f"{_REPLAN}")
+    name = save_set_name(block.save_ops)
+    if name not in measured:
+        raise SchemaError(f"{where} saves {list(block.save_ops)}, a save-set this tape did "
+                          f"not measure (it has {sorted(measured)}). {_REPLAN}")
+    return ("selective", save_set_of(name))
+
+
 def _check_segments(blocks: list[BlockDecision]) -> None:
     """Segments number the chain from 0 up, one step at a time; only recomputed blocks
-    share one (a kept or selective block is a segment of its own)."""
+    share one (a kept or selective block is a segment of its own); each block once."""
+    seen: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        if block.name in seen:
+            raise SchemaError(f"plan.blocks[{i}] names block {block.name!r} again (it is "
+                              f"plan.blocks[{seen[block.name]}]); a plan decides each block "
+                              f"once. {_REPLAN}")
+        seen[block.name] = i
     for i, block in enumerate(blocks):
         prev = blocks[i - 1].segment if i else -1
         allowed = (prev, prev + 1) if i else (0,)

@@ -1,0 +1,53 @@
+"""The peak model never predicts below the measured step: regression cases found by
+measuring ``plan()`` + ``apply()`` on the zoo (NOTE [ The peak model ] in
+``_plan/peak.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import autoremat
+from autoremat import Tape, zoo
+from autoremat._plan.peak import KEEP, Option
+from autoremat._plan.plan import plan_of_segments, smallest_feasible_bytes
+from autoremat._verify import step_measure
+
+from conftest import SMALL
+
+
+def _measured(name: str, plan: autoremat.Plan) -> int:
+    model, inputs = zoo.build(name, **SMALL[name])  # the model the tape was measured on
+    autoremat.apply(model, plan)
+    return step_measure(model, inputs, None).peak_bytes
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt2"])
+def test_a_selective_block_before_kept_ones_is_predicted_from_above(
+        name: str, zoo_tapes: Callable[..., Tape]) -> None:
+    # NOTE [ A selective block that keeps its output ]: on the ResNet a keep-set that
+    # keeps the block's final ReLU, before kept blocks, measured one activation over
+    # its prediction
+    tape = zoo_tapes(name, **SMALL[name])
+    n = len(tape.blocks)
+    checked = 0
+    for i, block in enumerate(tape.blocks):
+        for key in sorted(block.selective):
+            option: Option = ("selective", tuple(key.split("+")) if key else ())
+            segments = [(k, k + 1, option if k == i else KEEP) for k in range(n)]
+            plan = plan_of_segments(tape, segments, "test")
+            assert _measured(name, plan) <= plan.predicted_peak_bytes, (block.name, key)
+            checked += 1
+    assert checked >= n
+
+
+def test_the_smallest_feasible_resnet_plan_fits_its_prediction(
+        zoo_tapes: Callable[..., Tape]) -> None:
+    # its BudgetError named a smallest feasible budget whose plan measured what the plan
+    # that checkpoints the same blocks does, one activation over it
+    tape = zoo_tapes("resnet", **SMALL["resnet"])
+    least = smallest_feasible_bytes(tape)
+    plan = autoremat.plan(tape, least)
+    assert plan.predicted_peak_bytes <= least
+    assert _measured("resnet", plan) <= least
