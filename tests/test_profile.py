@@ -433,11 +433,51 @@ def test_options_measured_together_equal_one_step_per_option(
     assert [(b.fwd, b.bwd, b.fwd_end_release) for b in together.blocks] == \
         [(b.fwd, b.bwd, b.fwd_end_release) for b in apart.blocks]
     assert all(len(b.fwd) == 4 for b in together.blocks[1:])
-    if name == "gpt2":  # all alike: ceil(options / 3) selective steps, not one per option,
-        # and one alternating step, not two
+    if name == "gpt2":  # all alike: ceil(options / 3) selective steps, not one per option
+        # (and no alternating step in either: NOTE [ Pairs that cannot differ ])
         assert shared[0] == [0, 0, 0]
         options = len(together.blocks[0].selective)
-        assert len(steps) - steps_together == options - -(-options // 3) + 1 > 1
+        assert len(steps) - steps_together == options - -(-options // 3) > 1
+
+
+@pytest.mark.parametrize(("name", "local"), [("gpt2", True), ("llama", True), ("mlp", False)])
+def test_pairs_read_from_the_uniform_steps_equal_the_alternating_steps(
+        name: str, local: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Pairs that cannot differ ]: where no block holds what it hands on (the zoo's
+    # transformers) the alternating steps are skipped and CK, KC taken from KK, CC; the
+    # figures are those the alternating steps measure. The MLP's Tanh saves its output,
+    # which the next block saves too: its pairs differ, and are measured
+    profile_module = importlib.import_module("autoremat._measure.profile")
+    model, inputs = zoo.build(name, **_SIZES[name])
+    steps: list[int] = []
+    run_marked, pairs_local = profile_module._run_marked, profile_module._pairs_local
+    found: list[bool] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(1)
+        return run_marked(*args, **kwargs)
+
+    def seen(*args: Any) -> bool:
+        found.append(pairs_local(*args))
+        return found[-1]
+
+    monkeypatch.setattr(profile_module, "_run_marked", counted)
+    monkeypatch.setattr(profile_module, "_pairs_local", seen)
+    shortcut = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    steps_shortcut = len(steps)
+    steps.clear()
+    monkeypatch.setattr(profile_module, "_pairs_local", lambda runs, n: False)
+    measured = autoremat.profile(model, inputs, timing=False, with_selective=False)
+
+    assert found == [local]
+    assert len(steps) - steps_shortcut == (1 if local else 0)
+    assert all(len(b.fwd) == len(b.bwd) == 4 for b in shortcut.blocks[1:])
+    assert [(b.fwd, b.bwd, b.fwd_end_release) for b in shortcut.blocks] == \
+        [(b.fwd, b.bwd, b.fwd_end_release) for b in measured.blocks]
+    assert (shortcut.post, shortcut.tail, shortcut.step_peak_bytes,
+            shortcut.ckpt_step_peak_bytes) == (measured.post, measured.tail,
+                                               measured.step_peak_bytes,
+                                               measured.ckpt_step_peak_bytes)
 
 
 @pytest.mark.parametrize(("agree", "timing_steps"), [(float("inf"), 1), (-1.0, 2)])

@@ -73,6 +73,29 @@ NOTE [ Alternations shared by alike blocks ]
     identical layers saves a step; ``test_profile`` checks the figures against the
     second step's.
 
+NOTE [ Pairs that cannot differ ]
+    A block's windows depend on its predecessor's mode only through tensors that both
+    can hold: a storage made in block ``i``'s forward and read by block ``i + 1`` (the
+    boundary) is freed in the backward of its last holder, ``i`` when ``i`` is kept and
+    saved it, else ``i + 1`` (kept: if it saved it; checkpointed: it holds its inputs),
+    else in ``i + 1``'s forward. When no block holds what it hands on (and nothing is
+    held across more than one boundary), every storage is freed where its own block's
+    mode says, whatever the neighbour's, so ``CK`` equals ``KK`` and ``KC`` equals
+    ``CC`` and the alternating steps would measure nothing new. ``_pairs_local`` reads
+    that from the kept and the checkpointed steps: per event, the window it falls in
+    (``_placer``). A storage made in block ``i``'s forward must die in block ``i``'s
+    windows, in ``i + 1``'s, or at or after the end (held by the caller); the bytes
+    that die in ``i + 1``'s windows must be the same in both steps (what ``i + 1``
+    takes, none of it held by ``i`` kept: held by ``i``, it would die in ``i``'s
+    backward in the kept step and in ``i + 1``'s in the checkpointed one); a storage
+    made before the chain may die in no block's windows but block 0's, and the bytes
+    block 0 frees in its backward must be the same in both steps (what block 0 holds
+    either way, so no later block is ever its last holder); one made in a block's
+    backward dies there, in the previous block's backward or never. Then the
+    alternating steps are skipped and the pairs taken from the uniform steps
+    (``_by_modes(..., local=True)``); ``test_profile`` checks the figures against the
+    alternating steps'. Eager steps without offload only.
+
 NOTE [ Ops between blocks ]
     Memory windows run from one block's start to the next one's, so what the parent
     runs between two blocks (an encoder's final norm and the decoder's embedding, between
@@ -690,12 +713,14 @@ _T = TypeVar("_T")
 
 def _by_modes(runs: dict[str, _MemoryRun], i: int,
               value: Callable[[str, _MemoryRun, int], _T],
-              alike: Sequence[int] = ()) -> dict[str, _T]:
+              alike: Sequence[int] = (), local: bool = False) -> dict[str, _T]:
     """``value(modes, run, i)`` keyed by block ``i``'s (previous mode, own mode), from
     the first run made with each pair (its windows and what else that run measured);
     with ``alike`` (``_alike``), a pair no run made for block ``i > 0`` from the first
     block ``j > 0`` alike to it that has one: ``value(modes, run, j)``
-    (NOTE [ Alternations shared by alike blocks ])."""
+    (NOTE [ Alternations shared by alike blocks ]); with ``local`` (``_pairs_local``),
+    ``CK`` and ``KC`` of a block ``i > 0`` no run made as its ``KK`` and ``CC``
+    (NOTE [ Pairs that cannot differ ])."""
     out: dict[str, _T] = {}
     others = [j for j in range(1, len(alike)) if j != i and alike[j] == alike[i]] if i else []
     for j in [i, *others]:
@@ -703,7 +728,72 @@ def _by_modes(runs: dict[str, _MemoryRun], i: int,
             key = (modes[j - 1] if j > 0 else "K") + modes[j]
             if key not in out:
                 out[key] = value(modes, run, j)
+    if local and i > 0:
+        for key, same in (("CK", "KK"), ("KC", "CC")):
+            if key not in out and same in out:
+                out[key] = out[same]
     return dict(sorted(out.items()))
+
+
+_Place = tuple[str, int]  # a window of a step: ("F" | "B", block), "pre", "post", "tail", "never"
+
+
+def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
+    """The window event ``k`` of ``run`` falls in (``None``: never freed)."""
+    marks = _marks(run.mem)
+    # bwd[i + 1] < k <= bwd[i]: block i's backward (NOTE [ Block boundaries in backward ])
+    bwd = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    ascending = bwd[::-1]
+
+    def place(event: int | None) -> _Place:
+        if event is None:
+            return ("never", 0)
+        block = _forward_window(run, event)
+        if block is not None:
+            return ("F", block)
+        if event <= run.bounds[0]:
+            return ("pre", 0)
+        if event <= bwd[n]:
+            return ("post", 0)
+        if event > bwd[0]:
+            return ("tail", 0)
+        return ("B", n - bisect.bisect_left(ascending, event))
+    return place
+
+
+def _pairs_local(runs: dict[str, _MemoryRun], n: int) -> bool:
+    """Whether no block's windows can depend on its predecessor's mode, read from the
+    kept and the checkpointed steps (NOTE [ Pairs that cannot differ ])."""
+    handed_on: list[list[list[int]]] = []  # per step, per block: bytes block i + 1 frees
+    freed_by_first: list[list[int]] = []  # per step: bytes from before the chain block 0 frees
+    for run in (runs["K" * n], runs["C" * n]):
+        place = _placer(run, n)
+        handed = [[] for _ in range(n)]
+        first: list[int] = []
+        for record in run.mem.records:
+            (born, i), died = place(record.born), place(record.died)
+            if died[0] in ("tail", "never"):
+                continue  # held by the caller until the end, whatever the modes
+            if born == "pre":
+                if died[0] in "FB" and died[1] > 0:
+                    return False
+                if died == ("B", 0):
+                    first.append(record.nbytes)
+            elif born == "F":
+                if died in (("F", i), ("B", i)) or (i == n - 1 and died[0] == "post"):
+                    continue
+                if i + 1 < n and died in (("F", i + 1), ("B", i + 1)):
+                    handed[i].append(record.nbytes)
+                    continue
+                return False
+            elif born == "B":
+                if died not in (("B", i), ("B", i - 1)):
+                    return False
+            elif born == "post" and died[0] in "FB" and died[1] < n - 1:
+                return False
+        handed_on.append([sorted(h) for h in handed])
+        freed_by_first.append(sorted(first))
+    return handed_on[0] == handed_on[1] and freed_by_first[0] == freed_by_first[1]
 
 
 def _pairs_missing(runs: dict[str, _MemoryRun], n: int, alike: Sequence[int],
@@ -975,6 +1065,7 @@ class _BaseRuns:
     block_grad_bytes: list[int]  # per block
     host_bandwidth: float  # bytes per second to host memory (0.0 without offload)
     alike: list[int]  # per block, the first block that measures alike (_alike)
+    local: bool = False  # pairs read from the uniform steps (NOTE [ Pairs that cannot ... ])
 
     @property
     def plain(self) -> _MemoryRun:
@@ -993,12 +1084,16 @@ def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: lis
     runs: dict[str, _MemoryRun] = {}
     bandwidth = 0.0
     alike: list[int] = []
+    local = False
     patterns = _patterns(n, setup.offload)
     for modes in patterns:
         if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
             if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
                 counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
             alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
+            local = eager and not setup.offload and _pairs_local(runs, n)
+            if local:
+                break  # NOTE [ Pairs that cannot differ ]
         if len(runs) >= 3 and not setup.offload and \
                 not _pairs_missing(runs, n, alike, "KC"):
             break  # NOTE [ Alternations shared by alike blocks ]
@@ -1018,7 +1113,7 @@ def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: lis
                     if setup.host_bandwidth is not None else measure_host_bandwidth(setup.ran_on)
     for p in model.parameters():
         p.grad = None
-    if len(runs) < 3:  # a chain of one block
+    if len(alike) != n:  # a chain of one block
         if not eager:
             counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
         alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
@@ -1027,7 +1122,7 @@ def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: lis
         _checkpointed_flops(model, inputs, loss_fn, names, counter, loop=setup.loop)
     return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
                      grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
-                     host_bandwidth=bandwidth, alike=alike)
+                     host_bandwidth=bandwidth, alike=alike, local=local)
 
 
 def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list[str]:
@@ -1077,8 +1172,8 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
             param_bytes=unique_storage_bytes(list(module.parameters())),
             param_signature=param_signature(module),
             grad_bytes=base.block_grad_bytes[i],
-            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k], base.alike),
-            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k], base.alike),
+            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
+            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
             selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
@@ -1088,7 +1183,8 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
             fwd_end_release={key: v for key, v in _by_modes(
-                runs, i, lambda modes, _, k: released[modes][k], base.alike).items() if v},
+                runs, i, lambda modes, _, k: released[modes][k], base.alike,
+                base.local).items() if v},
             fwd_frees=frees[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
