@@ -16,6 +16,7 @@ from autoremat import distributed, zoo
 from autoremat._apply import (
     PlanMismatchWarning,
     ShapeMismatchWarning,
+    StepMismatchWarning,
     applied_plan,
     apply,
     remove,
@@ -61,6 +62,7 @@ __all__ = [
     "Report",
     "SchemaError",
     "ShapeMismatchWarning",
+    "StepMismatchWarning",
     "Tape",
     "__version__",
     "applied_plan",

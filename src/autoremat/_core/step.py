@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autoremat._core.conditions import loop_autocast
 from autoremat._core.errors import LoopError, RematError, did_you_mean
 
 __all__ = [
@@ -144,28 +145,30 @@ def run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     """
     check_loop(loop)
     check_loss_fn(loss_fn)
-    try:
-        output = call_model(model, inputs)
-    except Exception as exc:
-        # the model's own error: it stays what it is, with where it was raised from
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"autoremat: raised by the forward of {type(model).__name__} on "
-                         f"inputs {describe_inputs(inputs)}, in a training step autoremat "
-                         f"ran (profile, verify, auto or bench)")
-        raise
-    loss = (loss_fn or default_loss)(output)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise RematError(f"loss_fn must return a scalar tensor, got "
-                         f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-    if not loss.requires_grad:
-        raise RematError("the loss does not require grad: no parameter of the model is "
-                         "trainable, or the output was detached")
-    held = output if loop == "holds_output" else None
-    del output
-    if between is not None:
-        between()
-    loss.backward()
-    del held  # backward has finished: "holds_output" lets the output go only now
+    with loop_autocast() as leave_autocast:  # NOTE [ The conditions a step is measured under ]
+        try:
+            output = call_model(model, inputs)
+        except Exception as exc:
+            # the model's own error: it stays what it is, with where it was raised from
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"autoremat: raised by the forward of {type(model).__name__} "
+                             f"on inputs {describe_inputs(inputs)}, in a training step "
+                             f"autoremat ran (profile, verify, auto or bench)")
+            raise
+        loss = (loss_fn or default_loss)(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise RematError(f"loss_fn must return a scalar tensor, got "
+                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        if not loss.requires_grad:
+            raise RematError("the loss does not require grad: no parameter of the model is "
+                             "trainable, or the output was detached")
+        held = output if loop == "holds_output" else None
+        del output
+        leave_autocast()
+        if between is not None:
+            between()
+        loss.backward()
+        del held  # backward has finished: "holds_output" lets the output go only now
     return loss.detach()
 
 

@@ -124,6 +124,12 @@ from autoremat._core.blocks import (
     param_signature,
     resolve_blocks,
 )
+from autoremat._core.conditions import (
+    autocast_state,
+    describe_loss,
+    float_dtypes,
+    structure_of,
+)
 from autoremat._core.errors import (
     BlockError,
     RematError,
@@ -915,6 +921,7 @@ class _Chain:
     output_bytes: int  # the model's output, less the loss (tape.output_bytes)
     notes: list[str]  # what changed from the blocks found, and inputs held
     times: _Times | None  # of that first step, when timed and the chain is what it stamped
+    loss: str = ""  # the loss it took, in words (conditions.describe_loss)
 
 
 def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup, *,
@@ -924,11 +931,13 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
     gradients that finds the inputs held outside it. ``in_order``: the blocks were
     given, and must run in that order."""
     held: list[int] = []
+    losses: list[tuple[str, bool]] = []
 
     def measure_output(output: Any) -> torch.Tensor:
         check_no_cache(model, output)
         loss = (loss_fn or default_loss)(output)
         held.append(output_bytes(output, loss))
+        losses.append(describe_loss(output, loss_fn, inputs))
         return loss
 
     seen: list[str] = []
@@ -960,8 +969,16 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
             f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
             f"the model outside the chain (skip connections, kept hidden states): a "
             f"segment of several blocks does not free them, and plans count them held")
+    loss, logits = losses[0]
+    if logits:  # NOTE [ The conditions a step is measured under ]
+        why = (f"{type(model).__name__} returns logits and was profiled without loss_fn: "
+               f"the step measured takes {loss}, which holds less than the cross-entropy a "
+               "training loop takes (its softmax and gradient over the vocabulary); "
+               "profile with loss_fn=<the loop's loss>, or give the model labels")
+        notes.append(why)
+        warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
-                  times=times)
+                  times=times, loss=loss)
 
 
 @dataclass(frozen=True)
@@ -1112,6 +1129,8 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=times.step_ms, loop=setup.loop, output_bytes=chain.output_bytes,
         compiled=setup.backend or "", head=head, notes=tuple(notes),
+        autocast=autocast_state(), dtypes=float_dtypes(model), loss=chain.loss,
+        structure=structure_of(model, names),
     )
 
 
@@ -1157,6 +1176,10 @@ def _head(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str
     """The loss head's options, where the model has a head autoremat can chunk (NOTE
     [ Which heads can be chunked ]); else ``None`` and why ("" when it has no head)."""
     site, why = find_head(model, inputs, loss_fn) if with_head else (None, "")
+    if site is not None and autocast_state():
+        return None, (f"a profile under autocast ({autocast_state()}) measures no loss-head "
+                      "options (the chunked head runs in the parameters' dtype): the head "
+                      "stays as the model computes it")
     if site is not None and setup.backend is not None:
         return None, ("a compiled profile measures no loss-head options (the head is "
                       "outside the compiled blocks): the head stays as the model computes "
