@@ -100,7 +100,7 @@ def test_a_plan_of_fewer_blocks_is_refused_on_a_model_of_more(
 def test_a_model_cast_before_apply_is_refused(gpt2: tuple[nn.Module, Any, Tape, Plan]) -> None:
     model, _, _, plan = gpt2
     cast = copy.deepcopy(model).double()
-    with pytest.raises(PlanMismatchError, match="dtypes|float64"):
+    with pytest.raises(PlanMismatchError, match="other names, shapes or dtypes"):
         autoremat.apply(cast, plan)
     # the parameters outside the blocks count too (the blocks' own are checked per block)
     head = copy.deepcopy(model)
@@ -228,6 +228,24 @@ def test_a_block_run_more_often_than_profiled_warns_once() -> None:
     with _no_warning():
         model(x, twice=True).backward()
         model(x).backward()  # a recompute in backward is no call of the forward
+
+
+def test_a_forward_that_enters_autocast_itself_is_recorded_and_not_warned_about() -> None:
+    """Accelerate's mixed precision wraps the model's forward in autocast: the blocks run
+    under it although the caller is outside (what profile records, and apply checks, is
+    the autocast the blocks see)."""
+    torch.manual_seed(0)
+    model, x = _Twice(), torch.randn(8, 16)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    model.forward = autocast(model.forward)  # type: ignore[method-assign]
+    tape = autoremat.profile(model, x, timing=False)
+    assert tape.autocast == "cpu:bfloat16"
+    autoremat.apply(model, autoremat.plan(tape, None, "every:2"))
+    with _no_warning():
+        model(x).backward()
+    with pytest.warns(StepMismatchWarning, match="now runs without autocast"):
+        del model.forward  # the forward without its autocast
+        model(x).backward()
 
 
 class _Logits(nn.Module):

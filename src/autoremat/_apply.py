@@ -316,34 +316,49 @@ def _watch_blocks(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
 
 
 def _count_call(state: _Applied, i: int, module: nn.Module, args: Any) -> None:
-    if state.calls is not None:
-        state.calls[i] += 1
+    if state.calls is None:
+        return  # no forward with gradients running (or a recompute, in backward)
+    if not any(state.calls):  # the first block of this forward
+        _check_autocast(state)
+    state.calls[i] += 1
 
 
-def _check_step(state: _Applied) -> None:
-    """At a forward with gradients: warn once per kind when autocast, the parameters'
-    dtypes or the blocks differ from the step the plan's tape measured (NOTE [ What a
-    plan is checked against ])."""
+def _check_autocast(state: _Applied) -> None:
+    """At the first block of a forward with gradients, the autocast its blocks run under
+    (a forward may enter autocast itself: Accelerate's mixed precision wraps it) against
+    the one the plan's tape measured (NOTE [ What a plan is checked against ])."""
     plan = state.plan
-    if not plan.dtypes:
-        return  # made from a tape that did not record them
-    redo = ("profile and plan the model as the loop runs it (autoremat.auto(model, inputs, "
-            "budget=...) inside the loop's autocast, after any cast or change)")
     here = autocast_state()
-    if here != plan.autocast and plan.head != "keep" and here:
+    if not plan.dtypes or here == plan.autocast:
+        return
+    if plan.head != "keep" and here:
         raise RematError(
             f"this plan computes the loss head in chunks ({plan.head}), which cannot run "
             f"under autocast ({here}); its tape was measured without. Re-plan under the "
             "loop's autocast (the head then stays as the model computes it)")
-    if here != plan.autocast and "autocast" not in state.warned:
+    if "autocast" not in state.warned:
         state.warned.add("autocast")
         warnings.warn(
-            f"autoremat: this plan was profiled "
+            "autoremat: this plan was profiled "
             + (f"under autocast {plan.autocast}" if plan.autocast else "without autocast")
             + ", and the model now runs "
             + (f"under autocast {here}" if here else "without autocast")
             + f": the step saves tensors of other dtypes (and autocast's weight casts), so "
-            f"its memory prediction does not hold; {redo}", StepMismatchWarning, stacklevel=4)
+            f"its memory prediction does not hold; {_REDO}", StepMismatchWarning,
+            stacklevel=5)
+
+
+_REDO = ("profile and plan the model as the loop runs it (autoremat.auto(model, inputs, "
+         "budget=...) inside the loop's autocast, after any cast or change)")
+
+
+def _check_step(state: _Applied) -> None:
+    """At a forward with gradients: warn once per kind when the parameters' dtypes or the
+    blocks differ from the step the plan's tape measured (NOTE [ What a plan is checked
+    against ])."""
+    plan = state.plan
+    if not plan.dtypes:
+        return  # made from a tape that did not record them
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in state.probes
                      if p.is_floating_point()})
     if not set(dtypes) <= set(plan.dtypes.split(",")) and "dtypes" not in state.warned:
@@ -351,7 +366,7 @@ def _check_step(state: _Applied) -> None:
         warnings.warn(
             f"autoremat: this plan was made for parameters of {plan.dtypes}; the model's "
             f"are now {','.join(dtypes)} (cast after apply?): its memory prediction does not "
-            f"hold; {redo}", StepMismatchWarning, stacklevel=4)
+            f"hold; {_REDO}", StepMismatchWarning, stacklevel=6)
     if "structure" not in state.warned:
         grown = [f"{name or type(parent).__name__} holds {len(parent._modules)} modules, "
                  f"not {count}" for name, parent, count in state.parents
@@ -365,7 +380,7 @@ def _check_step(state: _Applied) -> None:
                                        "(the module there now runs kept)"] if replaced else []))
             warnings.warn(
                 f"autoremat: the model's blocks changed since apply(): {what}. Its memory "
-                f"prediction does not hold; {redo}", StepMismatchWarning, stacklevel=4)
+                f"prediction does not hold; {_REDO}", StepMismatchWarning, stacklevel=6)
 
 
 def _check_ranks_agree(plan: Plan, timeout_s: float) -> None:
@@ -466,7 +481,7 @@ def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) 
             "recomputes, its tensors again), so its memory prediction does not hold. "
             "Profile the step as the loop runs it, with the same arguments (a block that "
             "runs more than once per step cannot be planned: pass blocks=[...] to plan over "
-            "its parts)", StepMismatchWarning, stacklevel=2)
+            "its parts)", StepMismatchWarning, stacklevel=5)
 
 
 def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSite | None:

@@ -922,6 +922,7 @@ class _Chain:
     notes: list[str]  # what changed from the blocks found, and inputs held
     times: _Times | None  # of that first step, when timed and the chain is what it stamped
     loss: str = ""  # the loss it took, in words (conditions.describe_loss)
+    autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
 
 
 def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup, *,
@@ -945,13 +946,19 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
     clock = clock_for(setup.ran_on)
     stamps = _Stamps(clock)
 
+    autocast: list[str] = []  # as the first block to run sees it (NOTE [ The conditions a
+    # step is measured under ]: a forward may enter autocast itself)
+
     def mark(label: str) -> None:
+        if label.startswith("fwd:") and not autocast:
+            autocast.append(autocast_state())
         seen.append(label)
-        stamps(label)
+        if timed:
+            stamps(label)
 
     clock.sync()
-    warm = _run_marked(model, inputs, measure_output, names, mark if timed else seen.append,
-                       loop=setup.loop, in_order=in_order)
+    warm = _run_marked(model, inputs, measure_output, names, mark, loop=setup.loop,
+                       in_order=in_order)
     clock.sync()
     notes: list[str] = []
     if not in_order:
@@ -978,7 +985,7 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
         notes.append(why)
         warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
-                  times=times, loss=loss)
+                  times=times, loss=loss, autocast=autocast[0] if autocast else "")
 
 
 @dataclass(frozen=True)
@@ -1129,7 +1136,7 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=times.step_ms, loop=setup.loop, output_bytes=chain.output_bytes,
         compiled=setup.backend or "", head=head, notes=tuple(notes),
-        autocast=autocast_state(), dtypes=float_dtypes(model), loss=chain.loss,
+        autocast=chain.autocast, dtypes=float_dtypes(model), loss=chain.loss,
         structure=structure_of(model, names),
     )
 
