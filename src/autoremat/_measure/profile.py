@@ -666,7 +666,8 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
-    (NOTE [ Released when the forward returns ] in plan/peak.py). Block 0 gets 0."""
+    (NOTE [ Released when the forward returns ] in plan/peak.py). Block 0 gets what
+    was made before the first block's forward."""
     start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
     for record in run.mem.records:
@@ -675,6 +676,8 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
         made_in = _forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
             out[made_in + 1] += record.nbytes
+        elif made_in is None and record.born <= run.bounds[0]:
+            out[0] += record.nbytes  # made before the first block (position ids)
     return out
 
 
