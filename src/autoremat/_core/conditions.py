@@ -3,7 +3,7 @@
 NOTE [ The conditions a step is measured under ]
     A tape's figures hold for the step it measured; a loop that runs the model under
     other conditions holds other tensors, and a plan made from the tape may go over its
-    budget (issue 26 saw up to 2x) with nothing said. The tape therefore records, and the
+    budget (up to 2x was seen) with nothing said. The tape therefore records, and the
     plan carries, what else shaped the step beyond its inputs, device and mode:
     * ``autocast``: the autocast regions active at profile time (``"cpu:bfloat16"``;
       ``""``: none). Under autocast every matmul saves a cast copy of its weight: a loop
