@@ -5,10 +5,11 @@ NOTE [ The conditions a step is measured under ]
     other conditions holds other tensors, and a plan made from the tape may go over its
     budget (up to 2x was seen) with nothing said. The tape therefore records, and the
     plan carries, what else shaped the step beyond its inputs, device and mode:
-    * ``autocast``: the autocast regions active at profile time (``"cpu:bfloat16"``;
-      ``""``: none). Under autocast every matmul saves a cast copy of its weight: a loop
-      under autocast of a plan profiled without (or the other way round) holds other
-      bytes. Checked at each forward with gradients (warned once).
+    * ``autocast``: the autocast regions the first block runs under (``"cpu:bfloat16"``;
+      ``""``: none; a forward may enter autocast itself, as Accelerate's mixed precision
+      does). Under autocast every matmul saves a cast copy of its weight: a loop under
+      autocast of a plan profiled without (or the other way round) holds other bytes.
+      Checked at the first block of each forward with gradients (warned once).
     * ``dtypes``: the floating dtypes of the model's parameters (``"float32"``). Checked
       at apply (each block's parameters, ``BlockDecision.params``) and at each forward
       with gradients (a model cast with ``.double()`` after apply; warned once).
