@@ -43,8 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["autocast_state", "conditions_line", "describe_loss", "float_dtypes", "loop_autocast",
-           "structure_of"]
+__all__ = ["autocast_state", "conditions_line", "float_dtypes", "loop_autocast", "structure_of"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
@@ -125,30 +124,4 @@ def conditions_line(loss: str, autocast: str, dtypes: str) -> str:
     return (f"measured with loss {loss or 'not recorded'}; "
             + (f"under autocast {autocast}" if autocast else "without autocast")
             + f"; parameters {dtypes}\n")
-
-
-def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, bool]:
-    """Which loss a step takes from ``output`` (as :func:`~autoremat._core.step.run_step`
-    does), in words, and whether it is the default sum of logits: a floating output
-    ``(*S, V)`` over an integer input of shape ``S`` (token ids), which a loop trains
-    with a cross-entropy that holds more (NOTE [ The conditions a step is measured
-    under ])."""
-    from autoremat._core.step import flat_tensors  # (step imports this module)
-
-    if loss_fn is not None:
-        return f"loss_fn {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}", False
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return "output.loss", False
-    first = next((t for t in flat_tensors(output) if t.is_floating_point()), None)
-    if first is None:
-        return "none found", False
-    shape = tuple(first.shape)
-    ids = [tuple(t.shape) for t in flat_tensors(inputs) if not t.is_floating_point()
-           and not t.is_complex() and t.dim() >= 1]
-    logits = first.dim() >= 2 and shape[-1] > 1 and shape[:-1] in ids
-    return (f"the sum of the output's first floating tensor {shape} "
-            f"{str(first.dtype).removeprefix('torch.')} (the default; no loss_fn)", logits)
 

@@ -28,6 +28,7 @@ __all__ = [
     "check_no_cache",
     "default_loss",
     "describe_inputs",
+    "describe_loss",
     "flat_tensors",
     "output_bytes",
     "preserved_state",
@@ -113,6 +114,30 @@ def default_loss(output: Any) -> torch.Tensor:
     raise RematError(f"cannot find a loss in the model output of type {type(output).__name__} "
                      f"({found}): pass loss_fn=lambda out: ... returning a floating-point "
                      f"scalar tensor")
+
+
+def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, bool]:
+    """Which loss a step takes from ``output`` (as :func:`run_step` does), in words, and
+    whether it is the default sum of logits: a floating output ``(*S, V)`` over an
+    integer input of shape ``S`` (token ids), which a loop trains with a cross-entropy
+    that holds more (NOTE [ The conditions a step is measured under ] in
+    ``conditions.py``)."""
+    if loss_fn is not None:
+        return f"loss_fn {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}", False
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return "output.loss", False
+    first = next((t for t in flat_tensors(output) if t.is_floating_point()), None)
+    if first is None:
+        return "none found", False
+    shape = tuple(first.shape)
+    ids = [tuple(t.shape) for t in flat_tensors(inputs) if not t.is_floating_point()
+           and not t.is_complex() and t.dim() >= 1]
+    logits = first.dim() >= 2 and shape[-1] > 1 and shape[:-1] in ids
+    return (f"the sum of the output's first floating tensor {shape} "
+            f"{str(first.dtype).removeprefix('torch.')} (the default; no loss_fn)", logits)
 
 
 def check_loop(loop: Any) -> Loop:

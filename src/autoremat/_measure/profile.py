@@ -124,12 +124,7 @@ from autoremat._core.blocks import (
     param_signature,
     resolve_blocks,
 )
-from autoremat._core.conditions import (
-    autocast_state,
-    describe_loss,
-    float_dtypes,
-    structure_of,
-)
+from autoremat._core.conditions import autocast_state, float_dtypes, structure_of
 from autoremat._core.errors import (
     BlockError,
     RematError,
@@ -151,6 +146,7 @@ from autoremat._core.step import (
     check_no_cache,
     default_loss,
     describe_inputs,
+    describe_loss,
     flat_tensors,
     output_bytes,
     parse_device,
