@@ -150,13 +150,13 @@ class Step:
 
     Example:
         >>> import autoremat
-        >>> model, inputs = autoremat.zoo.build("mlp", widths=(128,) * 4, batch_size=256)
-        >>> def mse(out):
-        ...     return out.square().mean()
-        >>> step = autoremat.Step(model, inputs, mse, loop="loss_only")
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(32,) * 2, batch_size=8)
+        >>> def loss_of(out):
+        ...     return out.loss
+        >>> step = autoremat.Step(model, inputs, loss_of, loop="loss_only")
         >>> step.describe()
-        'MLPChain on (256, 256) float32, (256,) int64; loss: mse; loop: loss_only'
-        >>> autoremat.profile(step, timing=False).loop
+        'MLPChain on (8, 256) float32, (8,) int64; loss: loss_of; loop: loss_only'
+        >>> autoremat.profile(step, timing=False, with_selective=False).loop
         'loss_only'
     """
 
