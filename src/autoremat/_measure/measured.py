@@ -90,9 +90,9 @@ def measure_step(step: Step, *, memory: Memory | None = None,
             ``"backward"`` (a caller's run installs its own hooks, e.g. block marks).
         timed: time the step (wall and CPU); only without other instruments, which would
             slow it down.
-        isolated: run inside :func:`~autoremat._core.step.preserved_state` (buffers,
-            gradients and RNGs as before, afterwards); ``False``: the caller holds the
-            state, and gradients are only set to ``None`` before the step.
+        isolated: run inside :func:`~autoremat._core.step.preserved_state` (gradients
+            ``None`` before the step; buffers, gradients and RNGs as before, afterwards);
+            ``False``: the caller holds that state, gradients included.
         rng: the CPU RNG state the step starts from (default: the current one).
         warm_up: run the step once, unmeasured, first (compiling allocates too).
         grads, buffers: return clones of the gradients and buffers after the step.
@@ -106,8 +106,6 @@ def measure_step(step: Step, *, memory: Memory | None = None,
     with preserved_state(model) if isolated else nullcontext():
         if rng is not None:
             torch.set_rng_state(rng)
-        for p in model.parameters():
-            p.grad = None
         if warm_up:
             run(step, lambda label: None)
             for p in model.parameters():
