@@ -20,7 +20,7 @@ from conftest import SMALL
 def _measured(name: str, plan: autoremat.Plan) -> int:
     model, inputs = zoo.build(name, **SMALL[name])  # the model the tape was measured on
     autoremat.apply(model, plan)
-    return step_measure(model, inputs, None).peak_bytes
+    return step_measure(autoremat.Step(model, inputs)).peak_bytes
 
 
 @pytest.mark.parametrize("name", ["resnet", "gpt2"])
@@ -70,7 +70,7 @@ def test_what_the_model_makes_before_the_first_block_is_counted_held() -> None:
                     for i, c in enumerate(pattern)]
         plan = plan_of_segments(tape, segments, "test")
         autoremat.apply(model, plan)
-        measured = step_measure(model, inputs, None).peak_bytes
+        measured = step_measure(autoremat.Step(model, inputs)).peak_bytes
         autoremat.remove(model)
         assert measured <= plan.predicted_peak_bytes, pattern
         assert plan.predicted_peak_bytes - measured <= 1024, pattern  # and no more
