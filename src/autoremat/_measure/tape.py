@@ -22,6 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from autoremat._core.conditions import conditions_line
 from autoremat._core.errors import RematError, SchemaError, did_you_mean
 from autoremat._core.ops import OpRecord, OpStats
 from autoremat._core.step import LOOPS, Loop
@@ -100,14 +101,14 @@ class BlockProfile:
     param_signature: str = ""
     # Bytes of its input (made by the block before) that the model held outside the
     # chain and released when the forward returned, keyed like ``fwd`` (keys with none
-    # left out): NOTE [ Released when the forward returns ] in plan/peak.py.
+    # left out): NOTE [ Released when the forward returns ] in _plan/peak.py.
     fwd_end_release: dict[str, int] = field(default_factory=dict)
     # Bytes of tensors made before its forward that die in its forward in the plain
     # step (its input, when neither it nor the block before keeps it): a segment's
-    # recompute keeps them (NOTE [ The peak model ] in plan/peak.py). -1: not measured.
+    # recompute keeps them (NOTE [ The peak model ] in _plan/peak.py). -1: not measured.
     fwd_frees: int = -1
     # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
-    # NOTE [ Recompute and BatchNorm statistics ] in wrap.py): in a segment of several
+    # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.
     stash_bytes: int = 0
 
@@ -182,7 +183,7 @@ class Tape:
     output_bytes: int = -1  # the output's storages other than the loss's; -1: not measured
     # The batch (unique storages of the inputs) and the number of trainable parameter
     # tensors, which max_memory= needs (NOTE [ From max_memory to a step budget ] in
-    # plan/budget.py); -1: saved before they were recorded.
+    # _plan/budget.py); -1: saved before they were recorded.
     input_bytes: int = -1
     trainable_param_tensors: int = -1
     # The torch.compile backend the step was measured under ("": eager); see
@@ -197,6 +198,14 @@ class Tape:
     # Its loss head and the head options measured (None: none found, or none measured;
     # notes say why).
     head: HeadProfile | None = None
+    # What else the step ran under (NOTE [ The conditions a step is measured under ] in
+    # _core/conditions.py): the autocast regions ("cpu:bfloat16"; "": none), the floating
+    # dtypes of the parameters ("float32"), the loss it took, and how many modules each
+    # parent of a block holds ("blocks=4"). dtypes "": saved before these were recorded.
+    autocast: str = ""
+    dtypes: str = ""
+    loss: str = ""
+    structure: str = ""
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -497,7 +506,8 @@ def tape_table(tape: Tape) -> str:
             f"loop {tape.loop}{_held(tape)}\n"
             f"parameters {format_bytes(tape.param_bytes)}, buffers "
             f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
-            f"step {tape.step_ms:.1f} ms, {format_flops(tape.step_flops, 'FLOPs')}\n")
+            f"step {tape.step_ms:.1f} ms, {format_flops(tape.step_flops, 'FLOPs')}\n"
+            + conditions_line(tape.loss, tape.autocast, tape.dtypes))
     notes = "".join(f"\nnote: {n}" for n in tape.notes)
     return head + _head_line(tape) + table + notes
 
