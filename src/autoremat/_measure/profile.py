@@ -751,7 +751,7 @@ def _pairs_local(runs: dict[str, _MemoryRun], n: int) -> bool:
     freed_by_first: list[list[int]] = []  # per step: bytes from before the chain block 0 frees
     for run in (runs["K" * n], runs["C" * n]):
         place = _placer(run, n)
-        handed = [[] for _ in range(n)]
+        handed: list[list[int]] = [[] for _ in range(n)]
         first: list[int] = []
         for record in run.mem.records:
             (born, i), died = place(record.born), place(record.died)
