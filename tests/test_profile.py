@@ -503,3 +503,34 @@ def test_the_first_step_is_one_timing_sample_and_agreeing_steps_end_the_timing(
     steps.clear()
     autoremat.profile(model, inputs, repeats=2, with_selective=False)
     assert steps.count("_Stamps") == 2  # fewer than three: the first step is not a sample
+
+
+def test_hf_gpt2s_first_layer_measures_alike_despite_the_position_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # HF GPT-2 makes its position ids before the first layer and releases them when the
+    # forward returns; they are filed under block 0's release but are not made by it, so
+    # they do not make it unlike the other layers: its selective options are measured
+    # with theirs (2 steps for 11 options on 6 layers, not 11), and the figures are those
+    # measured on block 0 itself
+    profile_module = importlib.import_module("autoremat._measure.profile")
+    torch.manual_seed(0)
+    model = _hf("gpt2").train()
+    ids = torch.randint(0, _V, (_B, _T))
+    inputs = {"input_ids": ids, "labels": ids}
+    alike = profile_module._alike
+    shared: list[list[int]] = []
+
+    def seen(*args: Any) -> list[int]:
+        shared.append(alike(*args))
+        return shared[-1]
+
+    monkeypatch.setattr(profile_module, "_alike", seen)
+    together = autoremat.profile(model, inputs, timing=False, with_head=False)
+    monkeypatch.setattr(profile_module, "_alike",
+                        lambda model, names, runs, ops: list(range(len(names))))
+    apart = autoremat.profile(model, inputs, timing=False, with_head=False)
+
+    assert shared == [[0, 0, 0]]
+    assert together.blocks[0].fwd_end_release  # the position ids, released at the end
+    assert all(b.selective for b in together.blocks)
+    assert [b.selective for b in together.blocks] == [b.selective for b in apart.blocks]

@@ -659,12 +659,12 @@ def _forward_window(run: _MemoryRun, event: int) -> int | None:
     return after - 1 if 0 < after < len(run.bounds) else None
 
 
-def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
+def _released_at_fwd_end(run: _MemoryRun, n: int, before_chain: bool = True) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
     (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
-    was made before the first block's forward."""
+    was made before the first block's forward (``before_chain=False``: not that)."""
     start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
     for record in run.mem.records:
@@ -673,7 +673,7 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
         made_in = _forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
             out[made_in + 1] += record.nbytes
-        elif made_in is None and record.born <= run.bounds[0]:
+        elif before_chain and made_in is None and record.born <= run.bounds[0]:
             out[0] += record.nbytes  # made before the first block (position ids)
     return out
 
@@ -881,7 +881,10 @@ def _alike(model: nn.Module, names: list[str], runs: dict[str, _MemoryRun],
     NOTE [ Options measured together ], NOTE [ Alternations shared by alike blocks ]."""
     n = len(names)
     kept, ckpt = runs["K" * n], runs["C" * n]
-    released = [_released_at_fwd_end(run, n) for run in (kept, ckpt)]
+    # what the model made before the chain and releases when the forward returns is
+    # filed under block 0 but is not made by it: HF GPT-2's position ids made its first
+    # layer unlike the others, and its 11 selective options took 11 steps instead of 2
+    released = [_released_at_fwd_end(run, n, before_chain=False) for run in (kept, ckpt)]
     first: dict[tuple[Any, ...], int] = {}
     out = []
     for i, name in enumerate(names):
