@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import functools
 import io
 import json
 import os
@@ -54,13 +53,13 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import autoremat  # noqa: E402
-from autoremat import Plan, RematError, Tape, zoo  # noqa: E402
-from autoremat._cli import main as cli_main  # noqa: E402
-from autoremat._core.step import call_model, default_loss  # noqa: E402
+import autoremat
+from autoremat import Plan, RematError, Tape, zoo
+from autoremat._cli import main as cli_main
+from autoremat._core.step import call_model, default_loss
 
 SCHEMA_VERSION = 1
 OUTCOMES = ("ok", "refused", "warned", "silent", "raw")
@@ -281,7 +280,7 @@ def classify(case: Case) -> Result:
             missing = [n for n in case.names if n not in message]
             outcome = "raw" if missing else "refused"
             detail = (f"message lacks {missing}: " if missing else "") + message
-        except Exception as exc:  # noqa: BLE001 (what the sweep counts as raw)
+        except Exception as exc:
             outcome, detail = "raw", f"{type(exc).__name__}: {exc}"
         ours = [str(w.message) for w in caught if _ours(w)]
     if ours and outcome in ("ok", "silent"):
@@ -330,8 +329,7 @@ def _arguments() -> list[Case]:
     add("profile rounding='tpu'", lambda: autoremat.profile(*net(), rounding="tpu"),
         "rounding", quick=True)
     add("profile compile='no_such_backend'",
-        lambda: autoremat.profile(*net(), compile="no_such_backend"), "no_such_backend",
-        quick=True)
+        lambda: autoremat.profile(*net(), compile="no_such_backend"), "no_such_backend")
     add("profile device=[3] (a list)", lambda: autoremat.profile(*net(), device=[3]), "device",
         quick=True)
     add("profile with_head='yes'", lambda: autoremat.profile(*net(), with_head="yes"),
@@ -473,10 +471,9 @@ def _estimate_both() -> None:
 
 
 def _remove_plain() -> None:
-    model, x = net()
-    before = [type(m).forward for m in model.modules()]
+    model, _x = net()
     expect(autoremat.remove(model) is model, "remove did not return the model")
-    expect([type(m).forward for m in model.modules()] == before, "changed")
+    expect(not any("forward" in vars(m) for m in model.modules()), "remove installed a forward")
 
 
 # --- cases: models ----------------------------------------------------------------------------
@@ -804,14 +801,12 @@ def _models() -> list[Case]:
         _plan_and_check(model, x(), strategy="optimal", budget="70%")
     add("nn.Sequential of blocks, optimal 70%", sequential)
 
-    def seq_modulelist() -> None:
+    def seq_layers() -> None:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(W, W), nn.ModuleList())  # empty list: not callable
-        del model
         m = nn.Sequential(nn.Linear(W, W), nn.GELU(), nn.Linear(W, W), nn.GELU(),
                           nn.Linear(W, W))
         _plan_and_check(m, x(), strategy="every:2")
-    add("nn.Sequential of bare layers, every:2", seq_modulelist)
+    add("nn.Sequential of bare layers, every:2", seq_layers)
 
     def hooks() -> None:
         torch.manual_seed(0)
@@ -937,13 +932,13 @@ def _loops() -> list[Case]:
     add("eval() mode with gradients (e.g. a probe)", eval_with_grad, "eval")
 
     def other_batch() -> None:
-        model, plain, x, _ = _applied_net()
+        model, plain, _x, _ = _applied_net()
         y = torch.randn(16, W)
         same_grads(step(plain, y)[0], step(model, y)[0])
     add("a larger batch than planned", other_batch, "shape")
 
     def smaller_batch() -> None:
-        model, plain, x, _ = _applied_net()
+        model, plain, _x, _ = _applied_net()
         y = torch.randn(4, W)
         same_grads(step(plain, y)[0], step(model, y)[0])
     add("a smaller batch than planned (last batch)", smaller_batch)
@@ -1022,7 +1017,7 @@ def _loops() -> list[Case]:
     add("apply a second plan over the first", reapply_other)
 
     def set_to_zero() -> None:
-        model, plain, x, chosen = _applied_net()
+        model, plain, x, _chosen = _applied_net()
         for m in (plain, model):
             m.zero_grad(set_to_none=False)  # grads exist as zeros
         for m in (plain, model):
@@ -1078,7 +1073,7 @@ def _loops() -> list[Case]:
         note="tape conditions (dtype after apply): another helper's")
 
     def append_block() -> None:
-        model, plain, x, chosen = _applied_net()
+        model, _plain, x, chosen = _applied_net()
         model.blocks.append(Block())
         _, peak = step(model, x)
         expect(peak <= chosen.predicted_peak_bytes,
@@ -1318,7 +1313,7 @@ def _cli_cases() -> list[Case]:
     add("doctor --hf nosuchfamily", ["doctor", "--hf", "nosuchfamily"], "nosuchfamily",
         quick=True)
     add("doctor --hf llama --config hidden_size=abc",
-        ["doctor", "--hf", "llama", "--config", "hidden_size=abc"], "hidden_size", quick=True)
+        ["doctor", "--hf", "llama", "--config", "hidden_size=abc"], "hidden_size")
     add("doctor mlp --memory 1KiB", ["doctor", "mlp", "--set", _MLP, "--memory", "1KiB",
                                      "--device", "cpu"], codes=(1,), check=has("1.00 KiB"))
     add("estimate mlp --budget 50%", ["estimate", "mlp", "--set", _MLP, "--budget", "50%",
@@ -1477,7 +1472,7 @@ def _compile_devices() -> list[Case]:
     add("compile", "torch.compile(aot_eager) over an applied eager plan", compiled_block_plan)
 
     def compiled_segments() -> None:
-        model, x = net(4)
+        model, _x = net(4)
         compiled = torch.compile(model, backend="aot_eager")
         autoremat.apply(compiled, autoremat.plan(net_tape(4), None, "sqrt"))
     add("compile", "a multi-block segment plan on a compiled model", compiled_segments,
@@ -1494,7 +1489,7 @@ def _compile_devices() -> list[Case]:
     add("devices", "estimate for cuda on a CPU-only machine", estimate_cuda)
 
     def deterministic() -> None:
-        model, plain, x, _ = _applied_net(3)
+        model, _plain, x, _ = _applied_net(3)
         report = autoremat.verify(model, x, deterministic=True, repeats=1)
         expect(report.ok and report.grads_equal, str(report))
     add("devices", "verify(deterministic=True) on CPU", deterministic)
@@ -1551,7 +1546,7 @@ def _zoo_cases() -> list[Case]:
     add("pickle a Tape", pickle_tape)
 
     def str_everything() -> None:
-        model, plain, x, chosen = _applied_net()
+        model, _plain, x, chosen = _applied_net()
         report = autoremat.verify(model, x, repeats=1)
         for obj in (net_tape(), chosen, report):
             expect(len(str(obj)) > 20, f"str({type(obj).__name__}) is empty")
@@ -1597,6 +1592,11 @@ def write_results(results: Sequence[Result], out: Path, seconds: float,
             "autoremat": autoremat.__version__, "seconds": round(seconds, 1),
             "cases": len(results), "counts": per_class, "total": total,
             "before": before, "results": [dataclasses.asdict(r) for r in results]}
+    if before:  # only the counts and the cases that were silent or raw
+        data["before"] = {"counts": before["counts"], "total": before["total"],
+                          "silent_or_raw": [f"{r['outcome']} {r['cls']}: {r['name']}"
+                                            for r in before["results"]
+                                            if r["outcome"] in ("silent", "raw")]}
     lines = ["# Misuse sweep (issue 26)", "",
              f"`PYTHONPATH=src python benchmarks/misuse_sweep.py`: {len(results)} cases, "
              f"{seconds:.0f} s on this machine (torch {torch.__version__}, Python "
@@ -1610,8 +1610,13 @@ def write_results(results: Sequence[Result], out: Path, seconds: float,
     lines.append("| **all** | " + " | ".join(f"**{total[o]}**" for o in OUTCOMES)
                  + f" | **{len(results)}** |")
     if before:
-        lines += ["", "Before the fixes on this branch (same cases): "
-                  + ", ".join(f"{o} {before['total'][o]}" for o in OUTCOMES) + "."]
+        lines += ["", "Before the fixes of the branch that added the sweep (the same cases "
+                  "run on the code before them): "
+                  + ", ".join(f"{o} {before['total'][o]}" for o in OUTCOMES) + ". By class:",
+                  "", "| class | " + " | ".join(OUTCOMES) + " |",
+                  "|---|" + "---:|" * len(OUTCOMES)]
+        lines += [f"| {cls} | " + " | ".join(str(row[o]) for o in OUTCOMES) + " |"
+                  for cls, row in before["counts"].items()]
     bad = [r for r in results if r.outcome in ("silent", "raw")]
     if bad:
         lines += ["", "## Silent and raw cases left", ""]

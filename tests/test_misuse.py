@@ -459,3 +459,33 @@ def test_torch_func_grad_is_refused_with_the_reason(
         finally:
             autoremat.remove(model)
     assert set(torch.func.grad(loss)(params)) == set(params)  # the plain model
+
+
+# --- 6. an input whose gradient the user wants (issue 26's sweep) -----------------------------
+
+
+def test_measuring_leaves_an_inputs_gradient_alone() -> None:
+    """profile, verify and auto run steps of their own; an input that is a leaf requiring
+    grad kept their gradients (summed over the measurement steps), so the user's next
+    backward added to them: the input's gradient came out wrong, silently."""
+    model, x, chosen = _chain(_Body, "block")
+    inp = x.clone().requires_grad_(True)
+    torch.manual_seed(3)
+    model(inp).backward()
+    want = inp.grad.clone()
+    inp.grad = None
+    autoremat.profile(model, inp, repeats=1, timing=False, with_selective=False)
+    assert inp.grad is None
+    autoremat.apply(model, chosen)
+    autoremat.verify(model, inp, repeats=1)
+    assert inp.grad is None
+    autoremat.remove(model)
+    autoremat.auto(model, inp, strategy="full")
+    assert inp.grad is None
+    inp.grad = marker = torch.ones_like(inp)  # a gradient the user holds stays theirs
+    autoremat.verify(model, inp, repeats=1)
+    assert inp.grad is marker
+    inp.grad = None
+    torch.manual_seed(3)
+    model(inp).backward()
+    assert torch.equal(inp.grad, want)

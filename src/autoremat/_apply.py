@@ -137,6 +137,10 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     if not isinstance(plan, Plan):
         raise RematError(f"apply() needs a Plan from autoremat.plan(), got {type(plan).__name__}")
     given, (model, compiled_whole) = model, unwrapped(model)
+    if not (isinstance(rank_timeout_s, (int, float)) and not isinstance(rank_timeout_s, bool)
+            and rank_timeout_s > 0):
+        raise RematError(f"rank_timeout_s must be a number of seconds > 0 (how long a rank "
+                         f"waits for the others), got {rank_timeout_s!r}")
     if check_flag("check_ranks", check_ranks):
         _check_ranks_agree(plan, rank_timeout_s)
     if model_class_name(model) != plan.model:

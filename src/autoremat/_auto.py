@@ -139,7 +139,7 @@ def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, applie
     allocator's peak of the step with every block compiled on its own, as ``profile``
     measured it (NOTE [ auto under torch.compile ])."""
     if backend is None:
-        with preserved_state(model), track_memory() as mem:
+        with preserved_state(model, inputs), track_memory() as mem:
             run_step(model, inputs, loss_fn, loop=applied.loop)
         return mem.peak_bytes
     # NOTE [ auto under torch.compile ]
@@ -153,7 +153,7 @@ def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, applie
     #     module it wraps, block by block, like any other.
     inner = uncompiled(model)
     names = [block.name for block in applied.blocks]
-    with preserved_state(inner), compile_settings(backend), \
+    with preserved_state(inner, inputs), compile_settings(backend), \
             compiled_forwards(inner, names, backend):
         run_step(inner, inputs, loss_fn, loop=applied.loop)
         for p in inner.parameters():

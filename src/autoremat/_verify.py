@@ -306,8 +306,8 @@ class StepMeasure:
 
 
 @contextmanager
-def _same_start(model: nn.Module, rng: torch.Tensor) -> Iterator[None]:
-    with preserved_state(model):
+def _same_start(model: nn.Module, inputs: Any, rng: torch.Tensor) -> Iterator[None]:
+    with preserved_state(model, inputs):
         torch.set_rng_state(rng)
         yield
 
@@ -325,11 +325,11 @@ def step_measure(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     (the tracker allocates nothing)."""
     rng = torch.get_rng_state() if rng is None else rng
     device = device_of(model, inputs)
-    with _same_start(model, rng):
+    with _same_start(model, inputs, rng):
         with track_allocator(device) as alloc, track_memory() as mem:
             run_step(model, inputs, loss_fn, loop=loop)
         grads = _grads(model)
-    with _same_start(model, rng), FlopCounter() as counter:
+    with _same_start(model, inputs, rng), FlopCounter() as counter:
         run_step(model, inputs, loss_fn, loop=loop)
     return StepMeasure(mem.peak_bytes, counter.total, grads, alloc.peak_bytes)
 
@@ -365,14 +365,14 @@ def _judge_head(plain: Grads, planned: Grads, names: set[str]) -> tuple[float | 
 
 def _plain_grads(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                  rng: torch.Tensor, loop: Loop) -> dict[str, torch.Tensor | None]:
-    with _same_start(model, rng):
+    with _same_start(model, inputs, rng):
         run_step(model, inputs, loss_fn, loop=loop)
         return _grads(model)
 
 
 def _time_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                rng: torch.Tensor, device: torch.device, loop: Loop) -> float:
-    with _same_start(model, rng):
+    with _same_start(model, inputs, rng):
         return time_ms(lambda: run_step(model, inputs, loss_fn, loop=loop), device)
 
 

@@ -392,6 +392,9 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
         True
     """
     limit = parse_size(memory, what="memory")
+    if limit <= 0:
+        raise BudgetError(f"memory must be the device's memory in bytes (> 0), got "
+                          f"{memory!r}; e.g. memory='80GiB'")
     options: dict[str, Any] = {"loss_fn": loss_fn, "blocks": blocks, "device": device,
                                "dtype": dtype, "optimizer": optimizer,
                                "throughput_flops": throughput_flops}
