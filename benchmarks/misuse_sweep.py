@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -1564,12 +1565,506 @@ def _zoo_cases() -> list[Case]:
     return c
 
 
+# --- cases: workflows around apply, verify and auto ---------------------------------------
+
+
+class HeadLM(nn.Module):
+    """Token ids -> embedding -> blocks -> :class:`autoremat.LMHead` (logits, loss)."""
+
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, W)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.lm_head = autoremat.LMHead(W, vocab, shift=True)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        logits, loss = self.lm_head(h, labels)
+        return zoo.LMOutput(logits=logits, loss=loss)
+
+
+def _workflows() -> list[Case]:
+    c: list[Case] = []
+
+    def add(cls: str, name: str, run: Callable[[], object], *names: str,
+            quick: bool = False) -> None:
+        c.append(Case(cls, name, run, tuple(names), quick))
+
+    def auto_twice() -> None:
+        model, x = net()
+        plain = copy.deepcopy(model)
+        autoremat.auto(model, x, budget="80%")
+        chosen = autoremat.auto(model, x, budget="60%")  # a notebook cell run again
+        expect(autoremat.applied_plan(model) == chosen, "the second plan is not applied")
+        expect(chosen.unplanned_peak_bytes == net_tape().step_peak_bytes,
+               f"the second auto profiled {chosen.unplanned_peak_bytes} B, not the plain "
+               f"model's {net_tape().step_peak_bytes} B")
+        want, _ = step(plain, x)
+        got, peak = step(model, x)
+        same_grads(want, got)
+        expect(peak <= chosen.predicted_peak_bytes, f"{peak} B over the prediction")
+    add("workflows", "auto on a model already applied (cell run twice)", auto_twice)
+
+    def profile_applied() -> None:
+        model, _, x, _ = _applied_net()
+        tape = quick_profile(model, x)
+        expect(tape.step_peak_bytes == net_tape().step_peak_bytes,
+               f"profile of an applied model measured {tape.step_peak_bytes} B, the plain "
+               f"model {net_tape().step_peak_bytes} B")
+    add("workflows", "profile a model with a plan applied", profile_applied, "remove")
+
+    def estimate_applied() -> None:
+        model, _, x, _ = _applied_net()
+        est = autoremat.estimate(model, x, device="cpu", selective=False)
+        want = net_tape().step_peak_bytes
+        expect(abs(est.step_peak_bytes - want) <= 0.01 * want,
+               f"estimate of an applied model {est.step_peak_bytes} B, plain {want} B")
+    add("workflows", "estimate a model with a plan applied", estimate_applied, "remove")
+
+    def verify_unapplied() -> None:
+        model, x = net()
+        chosen = autoremat.plan(net_tape(), "70%")
+        report = autoremat.verify(model, x, chosen, repeats=1)
+        expect(report.ok and report.grads_equal, str(report))
+        expect(autoremat.applied_plan(model) is None, "verify left the plan applied")
+    add("workflows", "verify(model, inputs, plan) on a model without a plan", verify_unapplied)
+
+    def verify_loss_fn() -> None:
+        model, _, x, _ = _applied_net()
+        report = autoremat.verify(model, x, loss_fn=lambda o: o.pow(2).mean(), repeats=1)
+        expect(report.grads_equal, str(report))
+    add("workflows", "verify with a loss_fn", verify_loss_fn)
+
+    def verify_keeps_grads() -> None:
+        model, _, x, _ = _applied_net()
+        model(x).sum().backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        autoremat.verify(model, x, repeats=1)
+        expect(all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters(),
+                                                          strict=True)),
+               "verify changed the gradients the model held")
+    add("workflows", "verify between backward and optimizer.step", verify_keeps_grads)
+
+    def auto_predicate() -> None:
+        model, x = net()
+        chosen = autoremat.auto(model, x, strategy="full",
+                                blocks=lambda name, m: isinstance(m, Block))
+        expect([b.name for b in chosen.blocks] == [f"blocks.{i}" for i in range(4)],
+               str([b.name for b in chosen.blocks]))
+    add("workflows", "auto with a blocks predicate", auto_predicate)
+
+    def blocks_container() -> None:
+        quick_profile(*net(), blocks=["blocks"])
+    add("workflows", "blocks=['blocks'] (the ModuleList itself)", blocks_container, "blocks")
+
+    def head_block() -> None:
+        model, x = net()
+        tape = quick_profile(model, x, blocks=["head"])
+        planned_step_right(model, x, autoremat.plan(tape, None, "full"))
+    add("workflows", "blocks=['head'] (one block named)", head_block)
+
+    def offload_strategy() -> None:
+        autoremat.plan(net_tape(), None, "offload")
+    add("workflows", "strategy='offload' from a tape without offload", offload_strategy,
+        "offload")
+
+    def offload_cpu() -> None:
+        model, x = net()
+        tape = quick_profile(model, x, offload=True)
+        chosen = autoremat.plan(tape, "80%", offload=True)
+        expect(not chosen.offload_blocks, "offloaded on a CPU")
+        planned_step_right(model, x, chosen)
+    add("workflows", "offload=True on a CPU", offload_cpu)
+
+    def selective_without() -> None:
+        chosen = autoremat.plan(net_tape(), None, "selective")
+        model, x = net()
+        planned_step_right(model, x, chosen)
+    add("workflows", "strategy='selective' from a tape without selective options",
+        selective_without, "selective")
+
+    def nested_tracking() -> None:
+        w = torch.randn(64, 64, requires_grad=True)
+        with autoremat.track_memory() as outer, autoremat.track_memory() as inner:
+            (torch.randn(32, 64) @ w).relu().sum().backward()
+        expect(outer.peak_bytes == inner.peak_bytes > 0,
+               f"nested trackers disagree: {outer.peak_bytes} B and {inner.peak_bytes} B")
+    add("workflows", "nested track_memory()", nested_tracking)
+
+    add("workflows", "track_memory(rounding='gpu')",
+        lambda: autoremat.track_memory(rounding="gpu").__enter__(), "rounding", quick=True)
+    add("workflows", "remove(Net) (the class)", lambda: autoremat.remove(Net), "nn.Module",
+        quick=True)
+    add("workflows", "applied_plan('model')", lambda: autoremat.applied_plan("model"),
+        "nn.Module", quick=True)
+
+    def lmhead_chunked() -> None:
+        torch.manual_seed(0)
+        model = HeadLM()
+        ids = torch.randint(0, 64, (4, 16))
+        batch = {"ids": ids, "labels": ids}
+        plain = copy.deepcopy(model)
+        tape = quick_profile(model, batch)
+        chosen = autoremat.plan(tape, None, "full", head="chunked")
+        expect(chosen.head_chunks is not None, "the head was not chunked")
+        autoremat.apply(model, chosen)
+        torch.manual_seed(0)
+        out = model(**batch)
+        expect(out.logits is None, "a chunked head built the logits")
+        torch.manual_seed(0)
+        want = plain(**batch).loss
+        expect(torch.allclose(out.loss, want, rtol=1e-5), f"loss {out.loss} vs {want}")
+    add("HF", "LMHead chunked by a plan", lmhead_chunked)
+
+    def lmhead_eval() -> None:
+        torch.manual_seed(0)
+        model = HeadLM()
+        ids = torch.randint(0, 64, (4, 16))
+        tape = quick_profile(model, {"ids": ids, "labels": ids})
+        autoremat.apply(model, autoremat.plan(tape, None, "full", head="chunked"))
+        with torch.no_grad():
+            out = model(ids, ids)
+        expect(out.logits is not None and out.logits.shape == (4, 16, 64),
+               "no logits in evaluation")
+    add("HF", "LMHead chunked, evaluated under no_grad", lmhead_eval)
+
+    def head_on_headless() -> None:
+        autoremat.plan(net_tape(), None, "full", head="chunked:2")
+    add("HF", "head='chunked:2' on a model without a loss head", head_on_headless, "head")
+
+    def zoo_resnet() -> None:
+        model, inputs = zoo.build("resnet", stage_channels=(8, 16), stem_channels=8,
+                                  batch_size=4, image_size=16)
+        plain = copy.deepcopy(model)
+        chosen = autoremat.auto(model, inputs, strategy="full")
+        want, _ = step(plain, inputs)
+        got, peak = step(model, inputs)
+        same_grads(want, got)
+        expect(peak <= chosen.predicted_peak_bytes, f"{peak} B over the prediction")
+        for (n, a), (_, b) in zip(plain.named_buffers(), model.named_buffers(), strict=True):
+            expect(torch.equal(a, b), f"buffer {n} differs after a step")
+    add("zoo", "resnet, every block recomputed (BatchNorm)", zoo_resnet)
+
+    def zoo_llama() -> None:
+        model, inputs = zoo.build("llama", n_layer=2, batch_size=2, seq_len=16)
+        plain = copy.deepcopy(model)
+        chosen = autoremat.auto(model, inputs, strategy="sqrt")
+        want, _ = step(plain, inputs)
+        got, peak = step(model, inputs)
+        same_grads(want, got)
+        expect(peak <= chosen.predicted_peak_bytes, f"{peak} B over the prediction")
+    add("zoo", "llama, sqrt segments", zoo_llama)
+
+    def regulariser() -> None:
+        model, x = net()
+        plain = copy.deepcopy(model)
+
+        def reg(m: nn.Module) -> Callable[[Any], torch.Tensor]:
+            return lambda o: o.sum() + 1e-3 * sum(p.pow(2).sum() for p in m.parameters())
+
+        chosen = autoremat.plan(quick_profile(model, x, loss_fn=reg(model)), "80%")
+        want, _ = step(plain, x, reg(plain))
+        autoremat.apply(model, chosen)
+        got, peak = step(model, x, reg(model))
+        same_grads(want, got)
+        expect(peak <= chosen.predicted_peak_bytes, f"{peak} B over the prediction")
+    add("loops", "a loss with a weight regulariser", regulariser)
+
+    def none_output() -> None:
+        class Nothing(Net):
+            def forward(self, x: torch.Tensor) -> None:  # type: ignore[override]
+                super().forward(x)
+
+        quick_profile(Nothing(), torch.randn(B, W))
+    add("models", "a model whose forward returns None", none_output, "loss")
+
+    def cli_plan_file_applied() -> None:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "plan.json"
+            cli(["plan", "mlp", "--set", _MLP, "--budget", "70%", "--out", str(path)])
+            chosen = Plan.from_json(path)
+            model, inputs = zoo.build("mlp", widths=(32, 32, 32), d_in=32, batch_size=128)
+            planned_step_right(model, inputs, chosen)
+    add("CLI", "autoremat plan --out plan.json, then Plan.from_json + apply",
+        cli_plan_file_applied)
+
+    def cli_tape_file() -> None:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "tape.json"
+            cli(["profile", "mlp", "--set", _MLP, "--out", str(path)])
+            tape = Tape.from_json(path)
+            expect([b.name for b in tape.blocks] == ["blocks.0", "blocks.1", "blocks.2"],
+                   str([b.name for b in tape.blocks]))
+            chosen = autoremat.plan(tape, "70%")
+            expect(chosen.predicted_peak_bytes <= chosen.budget_bytes, "over budget")
+    add("CLI", "autoremat profile --out tape.json, then plan in Python", cli_tape_file)
+
+    def cli_doctor_json() -> None:
+        text = cli(["doctor", "mlp", "--set", _MLP, "--memory", "1GiB", "--device", "cpu",
+                    "--json"])
+        data = json.loads(text)
+        expect(isinstance(data, dict) and data.get("fits") is True, str(data)[:200])
+    add("CLI", "autoremat doctor --json", cli_doctor_json)
+
+    add("CLI", "autoremat doctor --plot into a missing folder",
+        lambda: cli(["doctor", "mlp", "--plot", "/proc/no/such/m.png"]), "m.png",
+        quick=True)
+
+    def cli_bench() -> None:
+        with tempfile.TemporaryDirectory() as d:
+            cli(["bench", "mlp", "--set", _MLP, "--budgets", "70%", "--repeats", "1",
+                 "--no-compile", "--out", d])
+            data = json.loads((Path(d) / "results.json").read_text())
+            expect(data.get("schema_version") == 1 and data.get("models"), str(data)[:200])
+    add("CLI", "autoremat bench mlp --budgets 70% --repeats 1 --no-compile", cli_bench)
+
+    def cli_gpt2_head() -> None:
+        text = cli(["plan", "gpt2", "--set", "n_layer=2,batch_size=2,seq_len=16,n_embd=32,"
+                    "n_head=2,vocab_size=512", "--budget", "60%", "--head", "auto"])
+        expect("predicted" in text or "peak" in text, text[-200:])
+    add("CLI", "autoremat plan gpt2 --head auto", cli_gpt2_head)
+
+    def trainer() -> None:
+        from transformers import Trainer, TrainingArguments
+
+        from autoremat.hf import AutorematCallback
+
+        model, batch = _hf_gpt2()
+        data = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]}
+                for i in range(2)]
+        with tempfile.TemporaryDirectory() as d:
+            args = TrainingArguments(output_dir=d, per_device_train_batch_size=2,
+                                     max_steps=2, report_to=[], use_cpu=True,
+                                     save_strategy="no", logging_strategy="no")
+            callback = AutorematCallback(strategy="full")
+            Trainer(model=model, args=args, train_dataset=data,
+                    callbacks=[callback]).train()
+        expect(callback.plan is not None and callback.plan.recompute_blocks,
+               "no plan was applied")
+        expect(autoremat.applied_plan(model) is None, "the plan stayed after training")
+    add("HF", "Trainer with AutorematCallback(strategy='full'), two steps", trainer)
+
+    def trainer_hf_ckpt() -> None:
+        from transformers import Trainer, TrainingArguments
+
+        from autoremat.hf import AutorematCallback
+
+        model, batch = _hf_gpt2()
+        data = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]}
+                for i in range(2)]
+        with tempfile.TemporaryDirectory() as d:
+            args = TrainingArguments(output_dir=d, per_device_train_batch_size=2,
+                                     max_steps=1, report_to=[], use_cpu=True,
+                                     gradient_checkpointing=True, save_strategy="no")
+            Trainer(model=model, args=args, train_dataset=data,
+                    callbacks=[AutorematCallback(budget="60%")]).train()
+    add("HF", "Trainer(gradient_checkpointing=True) with AutorematCallback", trainer_hf_ckpt,
+        "gradient_checkpointing")
+    return c
+
+
+# --- cases: models that checkpoint themselves, distributed, more Hugging Face --------------
+
+
+class SelfCheckpointed(Block):
+    """A block that already runs its body under ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(super().forward, x,
+                                                 use_reentrant=self.reentrant)
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(W, W)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(x))
+
+
+class MaskedBlock(Block):
+    """Computes a mask under ``torch.no_grad()`` inside the block."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            keep = (x.abs() > 0.1).float()
+        return super().forward(x) * keep
+
+
+@contextlib.contextmanager
+def _one_rank() -> Iterator[None]:
+    """A gloo process group of one rank (this process), torn down after."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _more_models() -> list[Case]:
+    c: list[Case] = []
+
+    def add(cls: str, name: str, run: Callable[[], object], *names: str) -> None:
+        c.append(Case(cls, name, run, tuple(names)))
+
+    def own(block: Callable[[], nn.Module], strategy: str = "full") -> Callable[[], None]:
+        def run() -> None:
+            torch.manual_seed(0)
+            _plan_and_check(Net(3, block=block), torch.randn(B, W), strategy=strategy)
+        return run
+
+    add("models", "blocks that checkpoint themselves (non-reentrant)", own(SelfCheckpointed))
+    add("models", "blocks that checkpoint themselves (reentrant)",
+        own(functools.partial(SelfCheckpointed, True)), "reentrant")
+    add("models", "an nn.Identity among the blocks", own(nn.Identity))
+    add("models", "ReLU(inplace=True) in every block", own(InPlaceBlock))
+    add("models", "a mask computed under no_grad inside each block", own(MaskedBlock))
+    add("models", "sqrt segments over self-checkpointing blocks", own(SelfCheckpointed, "sqrt"))
+
+    def adversarial() -> None:
+        torch.manual_seed(0)
+        model = Net(3)
+        model.requires_grad_(False)
+        inp = torch.randn(B, W, requires_grad=True)
+        tape = quick_profile(model, inp)
+        chosen = autoremat.plan(tape, None, "full")
+        plain = copy.deepcopy(model)
+        torch.manual_seed(0)
+        (want,) = torch.autograd.grad(plain(inp).sum(), inp)
+        autoremat.apply(model, chosen)
+        torch.manual_seed(0)
+        (got,) = torch.autograd.grad(model(inp).sum(), inp)
+        expect(torch.equal(want, got), "the input's gradient differs")
+    add("models", "a frozen model, gradients w.r.t. the input only (adversarial)",
+        adversarial)
+
+    def ddp() -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        with _one_rank():
+            model, x = net(3)
+            plain = copy.deepcopy(model)
+            wrapped = DistributedDataParallel(model)
+            chosen = autoremat.distributed.broadcast_plan(
+                autoremat.plan(net_tape(3), None, "full"))
+            autoremat.apply(wrapped, chosen)
+            want, _ = step(plain, x)
+            got, _ = step(wrapped, x)
+            same_grads(want, {k.removeprefix("module."): v for k, v in got.items()})
+    add("distributed", "DDP over one gloo rank, plan broadcast and applied", ddp)
+
+    def fsdp() -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        with _one_rank():
+            model, x = net(3)
+            plain = copy.deepcopy(model)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            chosen = autoremat.plan(net_tape(3), None, "full")
+            autoremat.apply(model, chosen)
+            want, _ = step(plain, x)
+            got, _ = step(model, x)
+            for name, g in want.items():
+                h = got[name]
+                h = h.full_tensor() if hasattr(h, "full_tensor") else h
+                expect(g is not None and h is not None and torch.equal(g, h),
+                       f"{name}: gradient differs")
+    add("distributed", "FSDP2 fully_shard over one gloo rank", fsdp)
+
+    def fsdp_segments() -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        with _one_rank():
+            model, _ = net(4)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            autoremat.apply(model, autoremat.plan(net_tape(4), None, "sqrt"))
+    add("distributed", "a multi-block segment plan under FSDP2", fsdp_segments, "FSDP")
+
+    def apply_ranks_outside() -> None:
+        model, _ = net()
+        chosen = autoremat.plan(net_tape(), None, "full")
+        expect(autoremat.apply(model, chosen, check_ranks=True) is model, "not returned")
+    add("distributed", "apply(check_ranks=True) outside a distributed run", apply_ranks_outside)
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return c
+
+    def llama_head_auto() -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=512, max_position_embeddings=64,
+            use_cache=False)).train()
+        ids = torch.randint(0, 512, (2, 32))
+        batch = {"input_ids": ids, "labels": ids}
+        plain = copy.deepcopy(model)
+        chosen = autoremat.auto(model, batch, strategy="full", head="chunked")
+        expect(chosen.head_chunks is not None, "the head was not chunked")
+        torch.manual_seed(0)
+        want = plain(**batch).loss
+        _, peak = step(model, batch)
+        torch.manual_seed(0)
+        out = model(**batch)
+        expect(out.logits is None, "the chunked head built logits")
+        expect(torch.allclose(out.loss, want, rtol=1e-5), f"loss {out.loss} vs {want}")
+        expect(peak <= chosen.predicted_peak_bytes, f"{peak} B over the prediction")
+    add("HF", "Llama with a chunked loss head", llama_head_auto)
+
+    def t5() -> None:
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(T5Config(
+            num_layers=2, num_decoder_layers=2, d_model=16, d_ff=32, num_heads=2, d_kv=8,
+            vocab_size=64, use_cache=False, decoder_start_token_id=0, pad_token_id=0)).train()
+        ids = torch.randint(0, 64, (2, 8))
+        _plan_and_check(model, {"input_ids": ids, "labels": ids})
+    add("HF", "T5 encoder-decoder, every block recomputed", t5)
+
+    def llama_estimate() -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=128, max_position_embeddings=64,
+            use_cache=False)).train()
+        ids = torch.randint(0, 128, (2, 16))
+        batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+        tape = quick_profile(model, batch)
+        est = autoremat.estimate(model, batch, device="cpu", selective=False)
+        expect(abs(est.step_peak_bytes - tape.step_peak_bytes) <= 0.01 * tape.step_peak_bytes,
+               f"estimate {est.step_peak_bytes} B, profile {tape.step_peak_bytes} B")
+    add("HF", "estimate equals profile (HF Llama with attention_mask)", llama_estimate)
+    return c
+
+
 # --- the table ---------------------------------------------------------------------------------
 
 
 def all_cases(quick: bool = False) -> list[Case]:
     cases = (_arguments() + _models() + _loops() + _plan_files() + _cli_cases() + _hf()
-             + _compile_devices() + _zoo_cases())
+             + _compile_devices() + _zoo_cases() + _workflows() + _more_models())
     names = [(c.cls, c.name) for c in cases]
     assert len(names) == len(set(names)), "two cases share a name"
     return [c for c in cases if c.quick] if quick else cases

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import pickle
 import random
@@ -489,3 +490,21 @@ def test_measuring_leaves_an_inputs_gradient_alone() -> None:
     torch.manual_seed(3)
     model(inp).backward()
     assert torch.equal(inp.grad, want)
+
+
+def test_a_batch_given_another_way_is_not_taken_for_another_shape() -> None:
+    """The plan's inputs were a dict (a tokenizer's BatchEncoding is one); the same batch
+    as a BatchEncoding, or by position, is no reason to warn, nor is evaluation."""
+    from collections import UserDict
+
+    model, x, chosen = _chain(_Body, "block")
+    chosen = dataclasses.replace(chosen, inputs=describe_inputs({"x": x}))
+    autoremat.apply(model, chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**UserDict({"x": x})).backward()
+        model(x).backward()
+        with torch.no_grad():
+            model(torch.randn(3, 16))  # evaluation on another batch: nothing to hold
+    with pytest.warns(autoremat.ShapeMismatchWarning, match=r"now runs on \(3, 16\)"):
+        model(torch.randn(3, 16)).backward()

@@ -621,6 +621,8 @@ _SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
      "unplanned peak write '50%'"),
     (lambda: autoremat.doctor(*_mlp(), memory=0, device="cpu"), BudgetError,
      "memory must be the device's memory in bytes (> 0), got 0"),
+    (lambda: autoremat.applied_plan("model"), RematError,
+     "applied_plan() needs an nn.Module, got str"),
 ]
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -94,6 +95,8 @@ class _Applied:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model``, or ``None``."""
+    if not isinstance(model, nn.Module):
+        raise RematError(f"applied_plan() needs an nn.Module, got {type(model).__name__}")
     state = unwrapped(model)[0].__dict__.get(_ATTR)
     return state.plan if state is not None else None
 
@@ -291,16 +294,24 @@ def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> 
     that a copy of the model checks against the copy's state)."""
     inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                       not kwargs else args)
-    if torch.is_grad_enabled():
-        _check_setting(module, inputs, state)
+    if not torch.is_grad_enabled():
+        return  # evaluation: nothing is recomputed, and no prediction to hold
+    _check_setting(module, inputs, state)
     signature = describe_inputs(inputs)
-    if signature != state.plan.inputs and signature not in state.warned \
-            and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
+    if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
+            and _unnamed(describe_inputs(_without_scalars(inputs))) != _unnamed(
+                state.plan.inputs):
         state.warned.add(signature)
         warnings.warn(
             f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
             f"runs on {signature}. Its memory prediction no longer holds: re-plan "
             f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
+
+
+def _unnamed(signature: str) -> str:
+    """An inputs signature less its keyword names: ``"ids: (4, 16) int64"`` and
+    ``"(4, 16) int64"`` are one batch, given by keyword or by position."""
+    return re.sub(r"(^|, )\w+: ", r"\1", signature)
 
 
 def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:

@@ -183,7 +183,7 @@ def describe_inputs(inputs: Any) -> str:
         if isinstance(t, torch.Tensor):
             return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
         return type(t).__name__
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):  # a dict, or a UserDict such as a BatchEncoding
         return ", ".join(f"{k}: {one(v)}" for k, v in inputs.items())
     if isinstance(inputs, (tuple, list)):
         return ", ".join(one(v) for v in inputs)
