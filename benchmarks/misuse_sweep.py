@@ -1479,6 +1479,38 @@ def _compile_devices() -> list[Case]:
     add("compile", "a multi-block segment plan on a compiled model", compiled_segments,
         "segment")
 
+    def compiled_tape() -> None:
+        model, x = net(3)
+        tape = quick_profile(model, x, compile="aot_eager")
+        chosen = autoremat.plan(tape, None, "full")
+        expect(bool(chosen.compiled), "the plan does not say it is for a compiled step")
+        plain = copy.deepcopy(model)
+        want, _ = step(plain, x)
+        autoremat.apply(model, chosen)
+        got, _ = step(torch.compile(model, backend="aot_eager"), x)
+        same_grads(want, {k.removeprefix("_orig_mod."): v for k, v in got.items()})
+    add("compile", "a plan from a compiled profile, run under torch.compile", compiled_tape)
+
+    def compiled_plan_eager() -> None:
+        model, x = net(3)
+        tape = quick_profile(model, x, compile="aot_eager")
+        planned_step_right(model, x, autoremat.plan(tape, None, "full"), check_peak=False)
+    add("compile", "a plan from a compiled profile, run eagerly", compiled_plan_eager)
+
+    def cuda1() -> None:
+        tape = quick_profile(*net(3), device="cuda:1")
+        expect(tape.device.startswith("cuda"), f"tape.device {tape.device}")
+    add("devices", "profile costed for device='cuda:1'", cuda1)
+
+    add("devices", "estimate for device='mps'",
+        lambda: autoremat.estimate(*net(3), device="mps", selective=False), "mps")
+
+    def cuda_plan_on_cpu() -> None:
+        model, x = net(3)
+        tape = quick_profile(model, x, device="cuda")
+        planned_step_right(model, x, autoremat.plan(tape, None, "full"), check_peak=False)
+    add("devices", "a plan costed for cuda applied on the CPU", cuda_plan_on_cpu, "cuda")
+
     def cuda_device() -> None:
         tape = quick_profile(*net(3), device="cuda")
         expect(tape.device.startswith("cuda"), f"tape.device {tape.device}")

@@ -600,7 +600,7 @@ def _plan_json() -> str:
 _SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
     (lambda: autoremat.apply(_mlp()[0], autoremat.plan(_tape(), None, "full"),
                              rank_timeout_s=0), RematError,
-     "rank_timeout_s must be a number of seconds > 0"),
+     "rank_timeout_s (how long a rank waits for the others) must be a number of seconds > 0"),
     (lambda: autoremat.profile(_Shared(), torch.ones(2, 4)), BlockError,
      "'blocks' holds one module more than once"),
     (lambda: autoremat.profile(zoo.build("mlp", widths=(8,), d_in=8, batch_size=2)[0],

@@ -142,8 +142,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     given, (model, compiled_whole) = model, unwrapped(model)
     if not (isinstance(rank_timeout_s, (int, float)) and not isinstance(rank_timeout_s, bool)
             and rank_timeout_s > 0):
-        raise RematError(f"rank_timeout_s must be a number of seconds > 0 (how long a rank "
-                         f"waits for the others), got {rank_timeout_s!r}")
+        raise RematError(f"rank_timeout_s (how long a rank waits for the others) must be a "
+                         f"number of seconds > 0, got {rank_timeout_s!r}")
     if check_flag("check_ranks", check_ranks):
         _check_ranks_agree(plan, rank_timeout_s)
     if model_class_name(model) != plan.model:
