@@ -20,7 +20,7 @@ from conftest import SMALL
 def _measured(name: str, plan: autoremat.Plan) -> int:
     model, inputs = zoo.build(name, **SMALL[name])  # the model the tape was measured on
     autoremat.apply(model, plan)
-    return step_measure(model, inputs, None).peak_bytes
+    return step_measure(autoremat.Step(model, inputs)).peak_bytes
 
 
 @pytest.mark.parametrize("name", ["resnet", "gpt2"])

@@ -32,7 +32,7 @@ from autoremat._core.errors import (
 )
 from autoremat._core.head import LMHead
 from autoremat._core.memory import MemoryTracker, track_memory
-from autoremat._core.step import Loop
+from autoremat._core.step import Loop, Step
 from autoremat._core.version import __version__
 from autoremat._estimate.doctor import Prescription, Remedy, doctor
 from autoremat._estimate.estimate import Estimate, estimate
@@ -61,6 +61,7 @@ __all__ = [
     "Report",
     "SchemaError",
     "ShapeMismatchWarning",
+    "Step",
     "Tape",
     "__version__",
     "applied_plan",

@@ -332,7 +332,7 @@ def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
     fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes
     bwd_peak = sel.bwd.peak_bytes
     if _keeps_output(block.ops, save, sel.keep_ops, is_keep_set(name)):
-        # NOTE [ A selective block that keeps its output ]
+        # see NOTE [ A selective block that keeps its output ]
         bwd_peak += block.output_bytes
     if i > 0 and prev != "C":
         f_here, f_ref = _fwd(tape, i, prev + "C"), _fwd(tape, i, "CC")
