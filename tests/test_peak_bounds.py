@@ -51,3 +51,27 @@ def test_the_smallest_feasible_resnet_plan_fits_its_prediction(
     plan = autoremat.plan(tape, least)
     assert plan.predicted_peak_bytes <= least
     assert _measured("resnet", plan) <= least
+
+
+def test_what_the_model_makes_before_the_first_block_is_counted_held() -> None:
+    # NOTE [ Released when the forward returns ]: a Hugging Face Llama given no
+    # position_ids makes them before its first layer and passes them to every layer; a
+    # checkpoint of any layer holds them until its backward, where the plain step frees
+    # them when the forward returns (measured 512 bytes over every plan that recomputed
+    # block 0, at 64 tokens)
+    from conftest import hf_model
+
+    model, inputs = hf_model("llama", None, layers=4, seq_len=64)
+    assert "position_ids" not in inputs
+    tape = autoremat.profile(model, inputs, timing=False)
+    assert tape.blocks[0].fwd_end_release.get("KK", 0) > 0
+    for pattern in ("kkkk", "rkkk", "krkk", "kkkr", "rkrk", "rrrr"):
+        segments = [(i, i + 1, ("recompute", ()) if c == "r" else KEEP)
+                    for i, c in enumerate(pattern)]
+        plan = plan_of_segments(tape, segments, "test")
+        autoremat.apply(model, plan)
+        measured = step_measure(autoremat.Step(model, inputs)).peak_bytes
+        autoremat.remove(model)
+        assert measured <= plan.predicted_peak_bytes, pattern
+        assert plan.predicted_peak_bytes - measured <= 1024, pattern  # and no more
+    assert [b.decision for b in autoremat.plan(tape, "100%").blocks] == ["keep"] * 4

@@ -16,6 +16,7 @@ from autoremat import distributed, zoo
 from autoremat._apply import (
     PlanMismatchWarning,
     ShapeMismatchWarning,
+    StepMismatchWarning,
     applied_plan,
     apply,
     remove,
@@ -62,6 +63,7 @@ __all__ = [
     "SchemaError",
     "ShapeMismatchWarning",
     "Step",
+    "StepMismatchWarning",
     "Tape",
     "__version__",
     "applied_plan",

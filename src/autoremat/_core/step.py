@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autoremat._core.conditions import loop_autocast
 from autoremat._core.errors import LoopError, RematError, did_you_mean
 from autoremat._core.timing import device_of
 
@@ -33,6 +34,7 @@ __all__ = [
     "check_no_cache",
     "default_loss",
     "describe_inputs",
+    "describe_loss",
     "flat_tensors",
     "output_bytes",
     "preserved_state",
@@ -120,6 +122,30 @@ def default_loss(output: Any) -> torch.Tensor:
                      f"scalar tensor")
 
 
+def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, bool]:
+    """Which loss a step takes from ``output`` (as :func:`run_step` does), in words, and
+    whether it is the default sum of logits: a floating output ``(*S, V)`` over an
+    integer input of shape ``S`` (token ids), which a loop trains with a cross-entropy
+    that holds more (NOTE [ The conditions a step is measured under ] in
+    ``conditions.py``)."""
+    if loss_fn is not None:
+        return f"loss_fn {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}", False
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return "output.loss", False
+    first = next((t for t in flat_tensors(output) if t.is_floating_point()), None)
+    if first is None:
+        return "none found", False
+    shape = tuple(first.shape)
+    ids = [tuple(t.shape) for t in flat_tensors(inputs) if not t.is_floating_point()
+           and not t.is_complex() and t.dim() >= 1]
+    logits = first.dim() >= 2 and shape[-1] > 1 and shape[:-1] in ids
+    return (f"the sum of the output's first floating tensor {shape} "
+            f"{str(first.dtype).removeprefix('torch.')} (the default; no loss_fn)", logits)
+
+
 def check_loop(loop: Any) -> Loop:
     """``loop`` if it is one of :data:`LOOPS`, else :class:`~autoremat.LoopError`."""
     if loop not in LOOPS:
@@ -202,28 +228,32 @@ class Step:
             models ]).
         """
         model, inputs = self.model, self.inputs
-        try:
-            output = call_model(model, inputs)
-        except Exception as exc:
-            # the model's own error: it stays what it is, with where it was raised from
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(f"autoremat: raised by the forward of {type(model).__name__} "
-                             f"on inputs {describe_inputs(inputs)}, in a training step "
-                             f"autoremat ran (profile, verify, auto or bench)")
-            raise
-        loss = (self.loss_fn or default_loss)(output)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise RematError(f"loss_fn must return a scalar tensor, got "
-                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        if not loss.requires_grad:
-            raise RematError("the loss does not require grad: no parameter of the model is "
-                             "trainable, or the output was detached")
-        held = output if self.loop == "holds_output" else None
-        del output
-        if between is not None:
-            between()
-        loss.backward()
-        del held  # backward has finished: "holds_output" lets the output go only now
+        with loop_autocast() as leave_autocast:  # NOTE [ The conditions a step is
+            # measured under ] in conditions.py: autocast as a loop enters it
+            try:
+                output = call_model(model, inputs)
+            except Exception as exc:
+                # the model's own error: it stays what it is, with where it was raised from
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"autoremat: raised by the forward of "
+                                 f"{type(model).__name__} on inputs {describe_inputs(inputs)}, "
+                                 f"in a training step autoremat ran (profile, verify, auto or "
+                                 f"bench)")
+                raise
+            loss = (self.loss_fn or default_loss)(output)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise RematError(f"loss_fn must return a scalar tensor, got "
+                                 f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+            if not loss.requires_grad:
+                raise RematError("the loss does not require grad: no parameter of the model "
+                                 "is trainable, or the output was detached")
+            held = output if self.loop == "holds_output" else None
+            del output
+            leave_autocast()
+            if between is not None:
+                between()
+            loss.backward()
+            del held  # backward has finished: "holds_output" lets the output go only now
         return loss.detach()
 
 

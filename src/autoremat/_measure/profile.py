@@ -123,6 +123,7 @@ from autoremat._core.blocks import (
     param_signature,
     resolve_blocks,
 )
+from autoremat._core.conditions import autocast_state, float_dtypes, structure_of
 from autoremat._core.errors import (
     BlockError,
     RematError,
@@ -143,6 +144,7 @@ from autoremat._core.step import (
     check_no_cache,
     default_loss,
     describe_inputs,
+    describe_loss,
     flat_tensors,
     output_bytes,
     parse_device,
@@ -638,7 +640,8 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
-    (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets 0."""
+    (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
+    was made before the first block's forward."""
     start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
     for record in run.mem.records:
@@ -647,6 +650,8 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
         made_in = _forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
             out[made_in + 1] += record.nbytes
+        elif made_in is None and record.born <= run.bounds[0]:
+            out[0] += record.nbytes  # made before the first block (position ids)
     return out
 
 
@@ -914,6 +919,8 @@ class _Chain:
     output_bytes: int  # the model's output, less the loss (tape.output_bytes)
     notes: list[str]  # what changed from the blocks found, and inputs held
     times: _Times | None  # of that first step, when timed and the chain is what it stamped
+    loss: str = ""  # the loss it took, in words (conditions.describe_loss)
+    autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
 
 
 def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
@@ -924,11 +931,13 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     held: list[int] = []
     step = setup.step
     model, inputs = step.model, step.inputs
+    losses: list[tuple[str, bool]] = []
 
     def measure_output(output: Any) -> torch.Tensor:
         check_no_cache(model, output)
         loss = (step.loss_fn or default_loss)(output)
         held.append(output_bytes(output, loss))
+        losses.append(describe_loss(output, step.loss_fn, inputs))
         return loss
 
     seen: list[str] = []
@@ -936,13 +945,19 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     clock = clock_for(setup.ran_on)
     stamps = _Stamps(clock)
 
+    autocast: list[str] = []  # as the first block to run sees it (NOTE [ The conditions a
+    # step is measured under ]: a forward may enter autocast itself)
+
     def mark(label: str) -> None:
+        if label.startswith("fwd:") and not autocast:
+            autocast.append(autocast_state())
         seen.append(label)
-        stamps(label)
+        if timed:
+            stamps(label)
 
     clock.sync()
-    warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names,
-                       mark if timed else seen.append, in_order=in_order)
+    warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
+                       in_order=in_order)
     clock.sync()
     notes: list[str] = []
     if not in_order:
@@ -960,8 +975,16 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
             f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
             f"the model outside the chain (skip connections, kept hidden states): a "
             f"segment of several blocks does not free them, and plans count them held")
+    loss, logits = losses[0]
+    if logits:  # NOTE [ The conditions a step is measured under ]
+        why = (f"{type(model).__name__} returns logits and was profiled without loss_fn: "
+               f"the step measured takes {loss}, which holds less than the cross-entropy a "
+               "training loop takes (its softmax and gradient over the vocabulary); "
+               "profile with loss_fn=<the loop's loss>, or give the model labels")
+        notes.append(why)
+        warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
-                  times=times)
+                  times=times, loss=loss, autocast=autocast[0] if autocast else "")
 
 
 @dataclass(frozen=True)
@@ -1113,6 +1136,8 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=times.step_ms, loop=setup.step.loop, output_bytes=chain.output_bytes,
         compiled=setup.backend or "", head=head, notes=tuple(notes),
+        autocast=chain.autocast, dtypes=float_dtypes(model), loss=chain.loss,
+        structure=structure_of(model, names),
     )
 
 
@@ -1159,6 +1184,10 @@ def _head(names: list[str], setup: _Setup, with_head: bool,
     [ Which heads can be chunked ]); else ``None`` and why ("" when it has no head)."""
     step = setup.step
     site, why = find_head(step.model, step.inputs, step.loss_fn) if with_head else (None, "")
+    if site is not None and autocast_state():
+        return None, (f"a profile under autocast ({autocast_state()}) measures no loss-head "
+                      "options (the chunked head runs in the parameters' dtype): the head "
+                      "stays as the model computes it")
     if site is not None and setup.backend is not None:
         return None, ("a compiled profile measures no loss-head options (the head is "
                       "outside the compiled blocks): the head stays as the model computes "
