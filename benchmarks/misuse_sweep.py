@@ -1045,7 +1045,7 @@ def _loops() -> list[Case]:
                f"two forwards per step: {mem.peak_bytes} B over the prediction "
                f"{chosen.predicted_peak_bytes} B")
     add("two forwards per step (siamese)", two_forwards, "call",
-        note="tape conditions (number of calls): not recorded by the tape yet")
+        note="two forwards before one backward: the calls check counts within one forward")
 
     def autocast() -> None:
         model, x = net()
@@ -1060,7 +1060,7 @@ def _loops() -> list[Case]:
         expect(peak <= chosen.predicted_peak_bytes,
                f"under autocast: {peak} B over the prediction {chosen.predicted_peak_bytes} B")
     add("training under autocast after an fp32 profile", autocast, "autocast",
-        note="tape conditions (autocast): not recorded by the tape yet")
+        note="tape conditions (autocast): a recorded condition")
 
     def cast_after() -> None:
         model, x = net()
@@ -1071,7 +1071,7 @@ def _loops() -> list[Case]:
         expect(peak <= chosen.predicted_peak_bytes,
                f"float64 after apply: {peak} B over the prediction {chosen.predicted_peak_bytes}")
     add("model.double() after apply", cast_after, "dtype",
-        note="tape conditions (dtype after apply): not recorded by the tape yet")
+        note="tape conditions (dtype after apply): a recorded condition")
 
     def append_block() -> None:
         model, _plain, x, chosen = _applied_net()
@@ -1080,7 +1080,7 @@ def _loops() -> list[Case]:
         expect(peak <= chosen.predicted_peak_bytes,
                f"a block appended after apply: {peak} B over {chosen.predicted_peak_bytes} B")
     add("a block appended after apply", append_block, "block",
-        note="tape conditions (number of blocks): not recorded by the tape yet")
+        note="tape conditions (number of blocks): a recorded condition")
 
     def other_loss() -> None:
         model, x = net()
@@ -1092,7 +1092,7 @@ def _loops() -> list[Case]:
         expect(peak <= chosen.predicted_peak_bytes,
                f"cross-entropy loop: {peak} B over {chosen.predicted_peak_bytes} B")
     add("profiled with the default loss, trained with cross-entropy", other_loss, "loss",
-        note="tape conditions (loss identity): not recorded by the tape yet")
+        note="a loss taken outside the model: no hook on the model sees it")
     return c
 
 
@@ -1180,7 +1180,7 @@ def _plan_files() -> list[Case]:
                f"a 4-block plan on 6 blocks: {peak} B over {chosen.predicted_peak_bytes} B")
     c.append(Case("plan-files", "a 4-block plan applied to a 6-block model", bigger_model,
                   ("block",),
-                  note="tape conditions (number of blocks): not recorded by the tape yet"))
+                  note="tape conditions (number of blocks): a recorded condition"))
 
     def with_tape_check() -> None:
         p = full()
