@@ -20,7 +20,7 @@ its own package and the layers below it, so a reader can learn the project botto
     8  _cli         argparse only
        hf           the Hugging Face Trainer callback (public: ``autoremat.hf``; imports
                     transformers, so ``autoremat`` itself does not import it)
-    9  autoremat    the public names (``__init__``)
+    9  autoremat    the public names (``__init__``); ``__main__`` (``python -m autoremat``)
 
 Every import of another autoremat module sits at the top of its file: no import inside a
 function, so none can be hiding a cycle.
@@ -51,7 +51,7 @@ LAYERS: dict[str, int] = {
     "autoremat._auto": 6,
     "autoremat._bench": 7,
     "autoremat._cli": 8,
-    "autoremat.__main__": 8,
+    "autoremat.__main__": 9,  # python -m autoremat: runs the command line
     "autoremat.hf": 8,
     "autoremat": 9,
 }

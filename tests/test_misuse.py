@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import pickle
 import random
@@ -479,3 +480,51 @@ def test_torch_func_grad_is_refused_with_the_reason(
         finally:
             autoremat.remove(model)
     assert set(torch.func.grad(loss)(params)) == set(params)  # the plain model
+
+
+# --- 6. an input whose gradient the user wants (issue 26's sweep) -----------------------------
+
+
+def test_measuring_leaves_an_inputs_gradient_alone() -> None:
+    """profile, verify and auto run steps of their own; an input that is a leaf requiring
+    grad kept their gradients (summed over the measurement steps), so the user's next
+    backward added to them: the input's gradient came out wrong, silently."""
+    model, x, chosen = _chain(_Body, "block")
+    inp = x.clone().requires_grad_(True)
+    torch.manual_seed(3)
+    model(inp).backward()
+    want = inp.grad.clone()
+    inp.grad = None
+    autoremat.profile(model, inp, repeats=1, timing=False, with_selective=False)
+    assert inp.grad is None
+    autoremat.apply(model, chosen)
+    autoremat.verify(model, inp, repeats=1)
+    assert inp.grad is None
+    autoremat.remove(model)
+    autoremat.auto(model, inp, strategy="full")
+    assert inp.grad is None
+    inp.grad = marker = torch.ones_like(inp)  # a gradient the user holds stays theirs
+    autoremat.verify(model, inp, repeats=1)
+    assert inp.grad is marker
+    inp.grad = None
+    torch.manual_seed(3)
+    model(inp).backward()
+    assert torch.equal(inp.grad, want)
+
+
+def test_a_batch_given_another_way_is_not_taken_for_another_shape() -> None:
+    """The plan's inputs were a dict (a tokenizer's BatchEncoding is one); the same batch
+    as a BatchEncoding, or by position, is no reason to warn, nor is evaluation."""
+    from collections import UserDict
+
+    model, x, chosen = _chain(_Body, "block")
+    chosen = dataclasses.replace(chosen, inputs=describe_inputs({"x": x}))
+    autoremat.apply(model, chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**UserDict({"x": x})).backward()
+        model(x).backward()
+        with torch.no_grad():
+            model(torch.randn(3, 16))  # evaluation on another batch: nothing to hold
+    with pytest.warns(autoremat.ShapeMismatchWarning, match=r"now runs on \(3, 16\)"):
+        model(torch.randn(3, 16)).backward()

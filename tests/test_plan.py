@@ -381,7 +381,7 @@ def test_malformed_plan_json_names_the_field(small_tape: Tape, case: str, change
 
 @pytest.mark.parametrize(("text", "message"), [
     ("{not json", "plan is not valid JSON"),
-    ("[1, 2]", "cannot read plan file"),  # not an object, read as a path
+    ("[1, 2]", "plan JSON must be an object, got list"),  # JSON, but not an object
     ("/nonexistent/plan.json", "cannot read plan file '/nonexistent/plan.json'"),
 ])
 def test_unreadable_plan_json(text: str, message: str) -> None:

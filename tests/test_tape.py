@@ -12,7 +12,7 @@ import pytest
 
 import autoremat._measure.tape as tape_module
 from autoremat import Tape
-from autoremat._core.errors import SchemaError
+from autoremat._core.errors import RematError, SchemaError
 from autoremat._measure.tape import SCHEMA_VERSION
 
 
@@ -54,7 +54,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
         raise OSError("disk on fire")
 
     monkeypatch.setattr(tape_module.os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk on fire"):
+    with pytest.raises(RematError, match=r"cannot write to .*: disk on fire; choose another"):
         tiny_tape.to_json(path)
     assert path.read_text() == "old contents"
     assert os.listdir(tmp_path) == ["tape.json"]

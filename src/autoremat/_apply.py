@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -118,6 +119,8 @@ class _Applied:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model``, or ``None``."""
+    if not isinstance(model, nn.Module):
+        raise RematError(f"applied_plan() needs an nn.Module, got {type(model).__name__}")
     state = unwrapped(model)[0].__dict__.get(_ATTR)
     return state.plan if state is not None else None
 
@@ -161,6 +164,10 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     if not isinstance(plan, Plan):
         raise RematError(f"apply() needs a Plan from autoremat.plan(), got {type(plan).__name__}")
     given, (model, compiled_whole) = model, unwrapped(model)
+    if not (isinstance(rank_timeout_s, (int, float)) and not isinstance(rank_timeout_s, bool)
+            and rank_timeout_s > 0):
+        raise RematError(f"rank_timeout_s (how long a rank waits for the others) must be a "
+                         f"number of seconds > 0, got {rank_timeout_s!r}")
     if check_flag("check_ranks", check_ranks):
         _check_ranks_agree(plan, rank_timeout_s)
     if model_class_name(model) != plan.model:
@@ -422,18 +429,26 @@ def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> 
     inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                       not kwargs else args)
     state.calls = None
-    if torch.is_grad_enabled():
-        _check_setting(module, inputs, state)
-        _check_step(state)
-        state.calls = [0] * len(state.blocks)
+    if not torch.is_grad_enabled():
+        return  # evaluation: nothing is recomputed, and no prediction to hold
+    _check_setting(module, inputs, state)
+    _check_step(state)
+    state.calls = [0] * len(state.blocks)
     signature = describe_inputs(inputs)
-    if signature != state.plan.inputs and signature not in state.warned \
-            and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
+    if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
+            and _unnamed(describe_inputs(_without_scalars(inputs))) != _unnamed(
+                state.plan.inputs):
         state.warned.add(signature)
         warnings.warn(
             f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
             f"runs on {signature}. Its memory prediction no longer holds: re-plan "
             f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
+
+
+def _unnamed(signature: str) -> str:
+    """An inputs signature less its keyword names: ``"ids: (4, 16) int64"`` and
+    ``"(4, 16) int64"`` are one batch, given by keyword or by position."""
+    return re.sub(r"(^|, )\w+: ", r"\1", signature)
 
 
 def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:

@@ -833,6 +833,23 @@ class _Setup:
     names: list[str]  # the blocks given or found, in the order defined
 
 
+def _why_no_chain(model: nn.Module) -> str:
+    """Why discovery may have found no chain: a container holding one module more than
+    once (weights shared by reuse; such a block would run more than once per step), or
+    a list of layers holding a single one."""
+    for name, module in model.named_modules():
+        kids = [k for k in module._modules.values() if k is not None]
+        if len({id(k) for k in kids}) < len(kids):
+            return (f" ({name or 'the model'!r} holds one module more than once: a block "
+                    "reused at several positions runs more than once per step, and "
+                    "autoremat plans blocks that run once)")
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1:
+            return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
+                    "among two or more: build the model with more layers)")
+    return ""
+
+
 def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selective: bool,
                    timing: bool, rounding: Rounding | None,
                    device: str | torch.device | None, compile: bool | str, offload: bool,
@@ -863,6 +880,12 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
                          "torch.no_grad() or torch.inference_mode()): it measures a training "
                          "step, whose backward needs them; call it outside that block")
     ran_on = step.device
+    on_meta = [t for t in flat_tensors(step.inputs) if t.device.type == "meta"]
+    if on_meta and ran_on.type != "meta":
+        raise RematError(f"the inputs are on meta and the model on {ran_on}: profile() runs "
+                         "a real step, which needs real inputs (build them on the model's "
+                         "device); to predict on meta tensors use autoremat.estimate(model, "
+                         "inputs)")
     if device is None and ran_on.type == "meta":
         raise RematError("profile() of a model on meta needs device=, the device the tape is "
                          "for (its recompute costs and tape.device), e.g. device='cuda'; or "
@@ -874,8 +897,14 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
         rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
     names = resolve_blocks(model, blocks)
     if names == [""]:
-        raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
-                         f"blocks=[...] with the names of the layers to plan over")
+        raise BlockError(f"found no chain of blocks in {type(model).__name__}"
+                         f"{_why_no_chain(model)}: give blocks=[...] with the names of the "
+                         "layers to plan over")
+    scripted = [n for n in names if isinstance(model.get_submodule(n), torch.jit.ScriptModule)]
+    if scripted:
+        raise BlockError(f"block {scripted[0]!r} is a TorchScript module (torch.jit.script), "
+                         "which autoremat can neither measure nor checkpoint (it takes no "
+                         "hooks): plan the eager model, or leave the blocks unscripted")
     return _Setup(step=step, backend=backend, ran_on=ran_on, target=target,
                   cost_model=cost_model, rounding=rounding, offload=offload,
                   host_bandwidth=host_bandwidth, names=names)
@@ -1261,7 +1290,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
                            with_head=with_head)
     step = setup.step
     stage = progress or (lambda _: None)
-    with preserved_state(step.model), training_config(step.model) as cache_notes, \
+    with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
             compile_settings(setup.backend):
         timed = timing and setup.ran_on.type != "meta"
         stage("warm-up step")

@@ -256,7 +256,11 @@ def dump_json(data: dict[str, Any], path: str | os.PathLike[str] | None = None) 
     """JSON text of a report (sorted keys); with ``path``, also written atomically."""
     text = json.dumps(data, indent=1, sort_keys=True)
     if path is not None:
-        write_atomic(Path(path), text)
+        try:
+            write_atomic(Path(path), text)
+        except OSError as exc:
+            raise RematError(f"cannot write to {str(path)!r}: {exc.strerror or exc}; choose "
+                             "another path") from exc
     return text
 
 
@@ -294,8 +298,18 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def load_json(text_or_path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
+    if isinstance(text_or_path, (bytes, bytearray)):
+        text_or_path = text_or_path.decode("utf-8", errors="replace")
+    if not isinstance(text_or_path, (str, os.PathLike)):
+        raise SchemaError(f"a {what} loads from JSON text or a file path, got "
+                          f"{type(text_or_path).__name__}"
+                          + (" (for a dict: json.dumps(it) first)"
+                             if isinstance(text_or_path, dict) else ""))
     text = str(text_or_path)
-    if not text.lstrip().startswith("{"):
+    if not text.strip():
+        raise SchemaError(f"the {what} JSON text is empty (nor is it a file name): pass the "
+                          f"text {what}.to_json() returned, or the path of a file it wrote")
+    if not text.lstrip().startswith(("{", "[")):
         try:
             text = Path(text).read_text()
         except OSError as exc:

@@ -235,6 +235,8 @@ class Plan:
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
                     "step_flops", "predicted_cost", "predicted_host_bytes"):
             _expect(getattr(loaded, key), int, f"plan.{key}")
+            if getattr(loaded, key) < 0:
+                raise SchemaError(f"plan.{key} must be >= 0, got {getattr(loaded, key)}")
         if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
