@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 import autoremat
 from autoremat import Plan, RematError, SchemaError, zoo
 from autoremat._core.allocations import track_allocations
+from autoremat._core.decisions import KEEP, RECOMPUTE, Choice, Decision
 from autoremat._core.step import call_model, default_loss, run_step
 from autoremat._mechanism.compiled import compiled_parts
 from autoremat._plan.plan import plan_of_segments
@@ -33,8 +34,8 @@ from conftest import hf_model
 
 # (start, stop, option) of a four-block plan with every decision kind: a kept block, a
 # recomputed one, a save-set by op kind and a keep-set by position.
-MIXED = [(0, 1, ("keep", ())), (1, 2, ("recompute", ())), (2, 3, ("selective", ("matmul",))),
-         (3, 4, ("selective", ("#1",)))]
+MIXED = [(0, 1, KEEP), (1, 2, RECOMPUTE), (2, 3, Choice(Decision.SELECTIVE, save_ops=("matmul",))),
+         (3, 4, Choice(Decision.SELECTIVE, keep_set=1))]
 
 
 @pytest.fixture(autouse=True)

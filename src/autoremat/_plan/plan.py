@@ -19,6 +19,15 @@ from typing import Any
 
 import torch
 
+from autoremat._core.decisions import (
+    BLOCK_DECISIONS,
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    Choice,
+    Decision,
+    decision_of,
+)
 from autoremat._core.errors import BudgetError, RematError, SchemaError, check_flag, did_you_mean
 from autoremat._core.optimizers import resolve_optimizer
 from autoremat._core.step import Loop
@@ -34,21 +43,11 @@ from autoremat._measure.tape import (
     load_json,
 )
 from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_keep_keys
-from autoremat._mechanism.selective import (
-    MEGATRON,
-    is_keep_set,
-    op_signature,
-    save_set_name,
-    save_set_of,
-)
+from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
 from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import (
-    KEEP,
-    OFFLOAD,
-    OFFLOAD_INPUT,
-    RECOMPUTE,
-    Option,
+    Segments,
     plan_costs,
     predict_peak,
     selective_options,
@@ -61,15 +60,17 @@ __all__ = [
 ]
 
 
-DECISIONS = ("keep", "recompute", "selective", "offload")
-
-
 @dataclass(frozen=True)
 class BlockDecision:
-    """What one block does in backward."""
+    """What one block does in backward: its :class:`~autoremat.Decision` and what that
+    needs (the op kinds or positions a selective block keeps). ``decision`` may be given
+    by name (``"recompute"``); it is held as a ``Decision``."""
 
     name: str  # qualified module name
-    decision: str  # "keep" | "recompute" | "selective" | "offload"
+    # keep | recompute | selective | offload | offload_input (checkpointed, its input
+    # waiting in host memory until the recompute, alone in its segment: NOTE
+    # [ Offloading a checkpoint's input ] in _mechanism/offload.py)
+    decision: Decision
     segment: int  # index of its segment; blocks sharing one are recomputed together
     save_ops: tuple[str, ...] = ()  # selective: op kinds whose outputs stay saved
     recompute_ops: tuple[str, ...] = ()  # selective: op kinds re-run in backward
@@ -80,15 +81,22 @@ class BlockDecision:
     # the kept ops as "op#occurrence" (e.g. "aten.mm.default#1"): what they lower to
     # under torch.compile (NOTE [ Plans under torch.compile ] in _mechanism/compiled.py)
     keep_keys: tuple[str, ...] = ()
-    # recompute, alone in its segment: its input waits in host memory until the
-    # recompute (NOTE [ Offloading a checkpoint's input ] in _mechanism/offload.py)
-    offload_input: bool = False
     # its parameters' fingerprint when planned (blocks.param_signature): apply refuses a
     # block whose parameters differ ("": not recorded, not checked)
     params: str = ""
     # a keep-set's seal: keep_set_seal(op_signature, keep_ops, skip_ops), so that an
     # edited keep-set (which could skip ops whose outputs backward needs) is refused
     keep_seal: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decision",
+                           decision_of(self.decision, f"the decision of block {self.name!r}"))
+
+    @property
+    def offload_input(self) -> bool:
+        """Whether it is checkpointed with its input in host memory (``decision`` is
+        ``Decision.OFFLOAD_INPUT``; a field of version-1 plan files)."""
+        return self.decision is Decision.OFFLOAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -146,17 +154,17 @@ class Plan:
     @property
     def recompute_blocks(self) -> int:
         """How many blocks recompute anything in backward."""
-        return sum(b.decision in ("recompute", "selective") for b in self.blocks)
+        return sum(b.decision.recomputes for b in self.blocks)
 
     @property
     def offload_blocks(self) -> int:
         """How many blocks offload to host memory (their saved tensors, or their input)."""
-        return sum(b.decision == "offload" or b.offload_input for b in self.blocks)
+        return sum(b.decision.offloads for b in self.blocks)
 
     @property
-    def segments(self) -> list[tuple[int, int, str]]:
+    def segments(self) -> list[tuple[int, int, Decision]]:
         """``(start, stop, decision)`` runs of blocks that share a segment."""
-        out: list[tuple[int, int, str]] = []
+        out: list[tuple[int, int, Decision]] = []
         for i, b in enumerate(self.blocks):
             if out and b.segment == self.blocks[out[-1][0]].segment:
                 out[-1] = (out[-1][0], i + 1, out[-1][2])
@@ -168,6 +176,8 @@ class Plan:
         """Return the JSON text, sealed (NOTE [ Sealed plan files ]); with ``path``, also
         write it there atomically."""
         data = asdict(self)
+        for block in data["blocks"]:  # NOTE [ Decisions in files ] in tape.py
+            block["decision"] = block["decision"].value
         return dump_json(dict(data, seal=plan_seal(data)), path)
 
     @classmethod
@@ -202,6 +212,7 @@ class Plan:
             if isinstance(item, dict):
                 item = dict(item, **{key: _strings(item.get(key, []), f"{where}.{key}")
                                      for key in ("save_ops", "recompute_ops", "keep_keys")})
+                item["decision"] = _decision_field(item, data["schema_version"], where)
             item = int_tuples(item, ("keep_ops", "skip_ops"), where)
             block = build_dataclass(BlockDecision, item, where)
             _expect(block.op_signature, str, f"{where}.op_signature")
@@ -209,18 +220,11 @@ class Plan:
             _expect(block.params, str, f"{where}.params")
             _expect(block.keep_seal, str, f"{where}.keep_seal")
             _expect(block.segment, int, f"{where}.segment")
-            if block.decision not in DECISIONS:
-                raise SchemaError(f"{where}.decision must be one of {list(DECISIONS)}, "
-                                  f"got {block.decision!r}")
             _check_keep_set(block, where)
-            if not isinstance(block.offload_input, bool) or (
-                    block.offload_input and block.decision != "recompute"):
-                raise SchemaError(f"{where}.offload_input must be false, or true on a "
-                                  f"recompute block, got {block.offload_input!r} on a "
-                                  f"{block.decision!r} block")
             blocks.append(block)
         _check_segments(blocks)
         data["blocks"] = tuple(blocks)
+        data["schema_version"] = SCHEMA_VERSION  # read; it is written as this version
         data["notes"] = _strings(data.get("notes", []), "plan.notes")
         loaded: Plan = build_dataclass(cls, data, "plan")
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
@@ -254,18 +258,19 @@ class Plan:
         for start, stop, decision in self.segments:
             for i in range(start, stop):
                 block = self.blocks[i]
-                what = decision
-                if decision == "selective" and block.op_signature:
+                what = (Decision.RECOMPUTE if decision is Decision.OFFLOAD_INPUT
+                        else decision).value
+                if decision is Decision.SELECTIVE and block.op_signature:
                     what += (f" (keep the outputs of {len(block.keep_ops)} ops, skip "
                              f"{len(block.skip_ops)} dead ops; recompute "
                              + ", ".join(block.recompute_ops) + ")")
-                elif decision == "selective":
+                elif decision is Decision.SELECTIVE:
                     what += (" (save " + ", ".join(block.save_ops) + " outputs" if block.save_ops
                              else " (recompute all ops, keep the random draws")
                     if block.save_ops and block.recompute_ops:
                         what += "; recompute " + ", ".join(block.recompute_ops)
                     what += ")"
-                if block.offload_input:
+                if decision is Decision.OFFLOAD_INPUT:
                     what += " (its input in host memory)"
                 if stop > start + 1:
                     what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
@@ -318,12 +323,35 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _decision_field(item: dict[str, Any], version: int, where: str) -> Decision:
+    """A block's decision as a version-``version`` file writes it (NOTE [ Decisions in
+    files ] in tape.py): by name; in version 1, an input-offloaded block as "recompute"
+    with ``offload_input: true``, a field version 2 does not have."""
+    allowed = BLOCK_DECISIONS if version >= 2 else BLOCK_DECISIONS[:4]
+    name = item.get("decision")
+    names = [d.value for d in allowed]
+    if not isinstance(name, str) or name not in names:
+        raise SchemaError(f"{where}.decision must be one of {names}, got {name!r}"
+                          + (did_you_mean(name, names) if isinstance(name, str) else ""))
+    decision = Decision(name)
+    if version == 1:
+        offload_input = item.pop("offload_input", False)
+        if not isinstance(offload_input, bool) or (
+                offload_input and decision is not Decision.RECOMPUTE):
+            raise SchemaError(f"{where}.offload_input must be false, or true on a "
+                              f"recompute block, got {offload_input!r} on a "
+                              f"{name!r} block")
+        if offload_input:
+            return Decision.OFFLOAD_INPUT
+    return decision
+
+
 def _check_keep_set(block: BlockDecision, where: str) -> None:
     """A keep-set indexes the block's op sequence: never trusted from a file."""
     for key in ("keep_ops", "skip_ops"):
         positions = getattr(block, key)
-        if positions and block.decision != "selective":
-            raise SchemaError(f"{where}.{key} is set on a {block.decision!r} block; op "
+        if positions and block.decision is not Decision.SELECTIVE:
+            raise SchemaError(f"{where}.{key} is set on a {block.decision.value!r} block; op "
                               "positions belong to selective blocks only")
         if any(i < 0 for i in positions) or list(positions) != sorted(set(positions)):
             raise SchemaError(f"{where}.{key} must be distinct op positions >= 0 in "
@@ -448,7 +476,7 @@ def check_against_tape(plan: Plan, tape: Tape) -> None:
         have = ["keep", *(tape.head.options if tape.head is not None else [])]
         raise SchemaError(f"plan.head is {plan.head!r}, which this tape did not measure "
                           f"(it offers {have}). {_REPLAN}")
-    segments = [(start, stop, _option_of(tape, plan, start, stop, decision))
+    segments = [(start, stop, _choice_of(tape, plan, start, stop, decision))
                 for start, stop, decision in plan.segments]
     again = _with_head_fields(plan_of_segments(with_head(tape, plan.head), segments,
                                                plan.strategy, plan.budget_bytes),
@@ -464,8 +492,8 @@ def check_against_tape(plan: Plan, tape: Tape) -> None:
                           f"another tape. {_REPLAN}")
 
 
-def _option_of(tape: Tape, plan: Plan, start: int, stop: int, decision: str) -> Option:
-    """The peak model's option for the plan's segment ``[start, stop)``."""
+def _choice_of(tape: Tape, plan: Plan, start: int, stop: int, decision: Decision) -> Choice:
+    """The peak model's choice for the plan's segment ``[start, stop)``."""
     block = plan.blocks[start]
     where = f"plan.blocks[{start}] ({block.name})"
     for k in range(start + 1, stop):
@@ -473,18 +501,14 @@ def _option_of(tape: Tape, plan: Plan, start: int, stop: int, decision: str) -> 
             raise SchemaError(f"plan.blocks[{k}] ({plan.blocks[k].name}) shares a segment "
                               f"with the block before it, which this tape does not allow "
                               f"(they are not chained, or the step is compiled). {_REPLAN}")
-    if decision == "keep":
-        return KEEP
-    if decision == "offload":
-        return OFFLOAD
-    if decision == "recompute":
-        return OFFLOAD_INPUT if block.offload_input else RECOMPUTE
+    if decision is not Decision.SELECTIVE:
+        return Choice(decision)
     measured = tape.blocks[start].selective
     if block.keep_ops or block.skip_ops:
         for name, sel in measured.items():
             if is_keep_set(name) and (sel.keep_ops, sel.skip_ops) == (block.keep_ops,
                                                                       block.skip_ops):
-                return ("selective", save_set_of(name))
+                return Choice.selective_from_key(name)
         raise SchemaError(f"{where} keeps ops {list(block.keep_ops)} and skips "
                           f"{list(block.skip_ops)}, a keep-set this tape did not measure. "
                           f"{_REPLAN}")
@@ -492,7 +516,7 @@ def _option_of(tape: Tape, plan: Plan, start: int, stop: int, decision: str) -> 
     if name not in measured:
         raise SchemaError(f"{where} saves {list(block.save_ops)}, a save-set this tape did "
                           f"not measure (it has {sorted(measured)}). {_REPLAN}")
-    return ("selective", save_set_of(name))
+    return Choice(Decision.SELECTIVE, save_ops=block.save_ops)
 
 
 def _check_segments(blocks: list[BlockDecision]) -> None:
@@ -513,12 +537,11 @@ def _check_segments(blocks: list[BlockDecision]) -> None:
                               f"{' or '.join(map(str, allowed))} (segments number the blocks "
                               f"in order from 0), got {block.segment}")
         if i and block.segment == prev and not (
-                block.decision == blocks[i - 1].decision == "recompute"
-                and not block.offload_input and not blocks[i - 1].offload_input):
+                block.decision is blocks[i - 1].decision is Decision.RECOMPUTE):
             raise SchemaError(f"plan.blocks[{i - 1}] and plan.blocks[{i}] share segment "
                               f"{prev}, but only recomputed blocks whose input stays on the "
-                              f"device can share one (got {blocks[i - 1].decision!r} and "
-                              f"{block.decision!r})")
+                              f"device can share one (got {blocks[i - 1].decision.value!r} "
+                              f"and {block.decision.value!r})")
 
 
 # --- budgets -------------------------------------------------------------------------
@@ -536,12 +559,11 @@ def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
 
 # --- strategies ----------------------------------------------------------------------
 
-Segments = list[tuple[int, int, Option]]
 Strategy = Callable[[Tape, int | None, str, bool], Segments]  # (tape, budget, arg, offload)
 
 
 def _none(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
-    return [(i, i + 1, ("keep", ())) for i in range(len(tape.blocks))]
+    return [(i, i + 1, KEEP) for i in range(len(tape.blocks))]
 
 
 def _full(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
@@ -550,14 +572,13 @@ def _full(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
 
 def _every(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     k = int(arg)  # a whole number >= 1: check_plan_args refuses anything else
-    return [(i, i + 1, RECOMPUTE if i % k == 0 else ("keep", ()))
-            for i in range(len(tape.blocks))]
+    return [(i, i + 1, RECOMPUTE if i % k == 0 else KEEP) for i in range(len(tape.blocks))]
 
 
 def _sqrt(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     n = len(tape.blocks)
     size = max(1, round(math.sqrt(n)))
-    out: Segments = []
+    out: list[tuple[int, int, Choice]] = []
     start = 0
     while start < n:
         stop = start + 1
@@ -569,12 +590,12 @@ def _sqrt(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
 
 
 def _selective(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
-    out: Segments = []
+    out: list[tuple[int, int, Choice]] = []
     for i, block in enumerate(tape.blocks):
         kinds = [k for k in MEGATRON if k in block.op_stats and block.op_stats[k].count]
         name = save_set_name(kinds)
         if kinds and name in block.selective:
-            out.append((i, i + 1, ("selective", tuple(sorted(kinds)))))
+            out.append((i, i + 1, Choice(Decision.SELECTIVE, save_ops=tuple(kinds))))
         else:
             out.append((i, i + 1, RECOMPUTE))  # nothing worth saving: recompute it all
     return out
@@ -626,20 +647,16 @@ def smallest_feasible_bytes(tape: Tape, offload: bool = False,
     return _smallest(tape, offload, head_choices(tape, head)).peak_bytes
 
 
-def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision:
-    """Block ``i``'s decision under ``option``; a selective one names the op kinds it
+def _decision(tape: Tape, i: int, segment: int, choice: Choice) -> BlockDecision:
+    """Block ``i``'s decision under ``choice``; a selective one names the op kinds it
     re-runs in backward (dropout copies its kept draws back; see NOTE [ Our own selective
     contexts, and random bits ])."""
     block = tape.blocks[i]
-    kind, save = option
-    if kind == "offload_input":
-        return BlockDecision(block.name, "recompute", segment, offload_input=True,
-                             params=block.param_signature)
-    if kind != "selective":  # keep, recompute, offload
+    kind = choice.decision
+    if kind is not Decision.SELECTIVE:  # keep, recompute, offload, offload_input
         return BlockDecision(block.name, kind, segment, params=block.param_signature)
-    name = save_set_name(save)
-    if is_keep_set(name):
-        sel = block.selective[name]
+    if choice.keep_set:
+        sel = block.selective[choice.selective_key]
         redo = sorted({o.kind for j, o in enumerate(block.ops) if not o.view
                        and j not in sel.keep_ops and j not in sel.skip_ops})
         signature = op_signature(block.ops)
@@ -648,6 +665,7 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
                              format_keep_keys(keep_keys(block.ops, sel.keep_ops)),
                              params=block.param_signature,
                              keep_seal=keep_set_seal(signature, sel.keep_ops, sel.skip_ops))
+    save = choice.save_ops
     redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
     return BlockDecision(block.name, kind, segment, save, tuple(redo),
                          params=block.param_signature)
@@ -908,24 +926,31 @@ def _offload_dtype(value: str | torch.dtype | None, offloading: bool) -> str:
 
 def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
                      budget_bytes: int | None = None) -> Plan:
-    """The plan that runs ``segments`` (consecutive ``(start, stop, option)``), with its
+    """The plan that runs ``segments`` (consecutive ``(start, stop, choice)``), with its
     predictions; no budget check."""
     costs = plan_costs(tape, segments)
     peak = predict_peak(tape, segments)
     decisions = []
-    for seg_index, (start, stop, opt) in enumerate(segments):
+    for seg_index, (start, stop, choice) in enumerate(segments):
         for i in range(start, stop):
-            decisions.append(_decision(tape, i, seg_index, opt))
+            decisions.append(_decision(tape, i, seg_index, choice))
     return Plan(
         strategy=strategy, blocks=tuple(decisions), budget_bytes=budget_bytes,
         predicted_peak_bytes=peak,
         predicted_recompute_flops=sum(c.flops for c in costs),
         predicted_cost=sum(c.rank_cost for c in costs),
-        predicted_host_bytes=sum(
-            tape.blocks[start].offload_bytes if opt[0] == "offload" else
-            tape.blocks[start].offload_input_bytes if opt[0] == "offload_input" else 0
-            for start, _, opt in segments),
+        predicted_host_bytes=sum(_host_bytes(tape, start, choice)
+                                 for start, _, choice in segments),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
         model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
         device=tape.device, training=tape.training,
     )
+
+
+def _host_bytes(tape: Tape, start: int, choice: Choice) -> int:
+    """Bytes a segment copies to host memory in one step (the tape's, uncompressed)."""
+    if choice.decision is Decision.OFFLOAD:
+        return tape.blocks[start].offload_bytes
+    if choice.decision is Decision.OFFLOAD_INPUT:
+        return tape.blocks[start].offload_input_bytes
+    return 0
