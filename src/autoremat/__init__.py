@@ -21,7 +21,7 @@ from autoremat._apply import (
     remove,
 )
 from autoremat._auto import auto
-from autoremat._core.decisions import Decision
+from autoremat._core.decisions import Choice, Decision
 from autoremat._core.errors import (
     BlockError,
     BudgetError,
@@ -47,6 +47,7 @@ __all__ = [
     "BlockError",
     "BlockProfile",
     "BudgetError",
+    "Choice",
     "Decision",
     "DeterminismError",
     "Estimate",

@@ -331,7 +331,7 @@ def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) 
 
 def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSite | None:
     """Where the plan's chunked head runs (``None``: the plan keeps the head)."""
-    if plan.head == "keep":
+    if plan.head.decision is Decision.KEEP:
         return None
     kind, _, name = plan.head_site.partition(":")
     module = modules.get(name)

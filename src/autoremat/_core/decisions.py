@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from autoremat._core.errors import RematError, did_you_mean
+from autoremat._core.errors import RematError, did_you_mean, internal_assert
 
 __all__ = ["KEEP", "OFFLOAD", "OFFLOAD_INPUT", "RECOMPUTE", "Choice", "Decision", "decision_of"]
 
@@ -132,6 +132,32 @@ class Choice:
         if self.keep_set:
             return f"#{self.keep_set}"
         return "+".join(sorted(self.save_ops))
+
+    @property
+    def head_key(self) -> str:
+        """The name of a loss-head choice, as ``plan(head=...)``, files and a tape's
+        ``head.options`` write it: "keep", or "chunked:N"."""
+        if self.decision is Decision.CHUNKED:
+            return f"chunked:{self.chunks}"
+        internal_assert(self.decision is Decision.KEEP,
+                        f"a loss head is kept or chunked, not {self.decision.value}")
+        return "keep"
+
+    @classmethod
+    def head_from_key(cls, key: str) -> Choice:
+        """The loss-head choice ``key`` names ("keep" or "chunked:N", N >= 1; the inverse
+        of :attr:`head_key`).
+
+        Raises:
+            RematError: ``key`` names no head choice.
+        """
+        kind, _, count = key.partition(":") if isinstance(key, str) else ("", "", "")
+        if key == "keep":
+            return cls(Decision.KEEP)
+        if kind == "chunked" and count.isdigit() and int(count) >= 1:
+            return cls(Decision.CHUNKED, chunks=int(count))
+        raise RematError(f"a loss head is 'keep' or 'chunked:N' (N chunks of tokens, N >= 1), "
+                         f"got {key!r}")
 
     @classmethod
     def selective_from_key(cls, key: str) -> Choice:

@@ -335,7 +335,6 @@ def load_json(text_or_path: str | os.PathLike[str], *, what: str) -> dict[str, A
 #     still read, and written again as version 2.
 
 WINDOW_DECISIONS = (Decision.KEEP, Decision.RECOMPUTE, Decision.OFFLOAD, Decision.OFFLOAD_INPUT)
-_LETTERS = dict(zip("KCOP", WINDOW_DECISIONS, strict=True))  # version 1
 
 
 def _pair_name(key: WindowKey) -> str:
@@ -344,11 +343,12 @@ def _pair_name(key: WindowKey) -> str:
 
 def _window_decision(name: str, version: int, where: str) -> Decision:
     """The decision a version-``version`` file writes as ``name`` (a letter in version 1)."""
-    if version == 1 and name in _LETTERS:
-        return _LETTERS[name]
+    letters = dict(zip("KCOP", WINDOW_DECISIONS, strict=True))  # version 1
+    if version == 1 and name in letters:
+        return letters[name]
     if version >= 2 and name in [d.value for d in WINDOW_DECISIONS]:
         return Decision(name)
-    have = list(_LETTERS) if version == 1 else [d.value for d in WINDOW_DECISIONS]
+    have = list(letters) if version == 1 else [d.value for d in WINDOW_DECISIONS]
     raise SchemaError(f"{where}: {name!r} names no decision a window is measured for "
                       f"(schema version {version} writes {have})")
 

@@ -411,14 +411,14 @@ def _moved(option: WindowMemory, by_decision: WindowMemory,
                         delta_bytes=option.delta_bytes + delta)
 
 
-def with_head(tape: Tape, head: str) -> Tape:
-    """The tape as the step runs with loss head ``head`` ("keep": the tape itself, else a
-    name of ``tape.head.options``): its ``post`` and ``tail`` windows are the head's."""
-    if head == "keep":
+def with_head(tape: Tape, head: Choice) -> Tape:
+    """The tape as the step runs with loss head ``head`` (kept: the tape itself, else one
+    of ``tape.head.options``): its ``post`` and ``tail`` windows are the head's."""
+    if head.decision is _KEEP:
         return tape
-    internal_assert(tape.head is not None and head in tape.head.options,
-                    f"no head option {head!r} in the tape")
-    option = tape.head.options[head]  # type: ignore[union-attr]
+    internal_assert(tape.head is not None and head.head_key in tape.head.options,
+                    f"no head option {head.head_key!r} in the tape")
+    option = tape.head.options[head.head_key]  # type: ignore[union-attr]
     return dataclasses.replace(
         tape,
         post={d: _moved(option.post, w, tape.post[_KEEP]) for d, w in tape.post.items()},

@@ -56,7 +56,7 @@ from autoremat._plan.peak import (
 
 __all__ = [
     "STRATEGIES", "BlockDecision", "Plan", "UnsealedPlanWarning", "check_against_tape",
-    "check_head", "check_plan_args", "plan", "plan_seal",
+    "check_head", "check_plan_args", "keeps_head", "plan", "plan_seal",
 ]
 
 
@@ -133,10 +133,10 @@ class Plan:
     # and the model's mode then (model.training).
     device: str = ""
     training: bool = True
-    # The loss head: "keep" (as the model computes it) or "chunked:N" (over N chunks of
-    # tokens, NOTE [ A chunked head ] in _core/head.py), and where it is ("hf:lm_head" or
-    # "module:<name>"; "" without a head option).
-    head: str = "keep"
+    # The loss head: kept (as the model computes it) or chunked over N chunks of tokens
+    # (NOTE [ A chunked head ] in _core/head.py; files write "keep" or "chunked:N"), and
+    # where it is ("hf:lm_head" or "module:<name>"; "" without a head option).
+    head: Choice = KEEP
     head_site: str = ""
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -144,7 +144,7 @@ class Plan:
     @property
     def head_chunks(self) -> int | None:
         """The chunks of tokens the loss head runs in, or ``None`` when it is kept."""
-        return int(self.head.split(":")[1]) if self.head != "keep" else None
+        return self.head.chunks or None
 
     @property
     def recompute_overhead(self) -> float:
@@ -172,12 +172,19 @@ class Plan:
                 out.append((i, i + 1, b.decision))
         return out
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON fields (unsealed), decisions by name (NOTE [ Decisions in files ] in
+        tape.py)."""
+        data = asdict(self)
+        for block in data["blocks"]:
+            block["decision"] = block["decision"].value
+        data["head"] = self.head.head_key
+        return data
+
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         """Return the JSON text, sealed (NOTE [ Sealed plan files ]); with ``path``, also
         write it there atomically."""
-        data = asdict(self)
-        for block in data["blocks"]:  # NOTE [ Decisions in files ] in tape.py
-            block["decision"] = block["decision"].value
+        data = self.to_dict()
         return dump_json(dict(data, seal=plan_seal(data)), path)
 
     @classmethod
@@ -226,6 +233,8 @@ class Plan:
         data["blocks"] = tuple(blocks)
         data["schema_version"] = SCHEMA_VERSION  # read; it is written as this version
         data["notes"] = _strings(data.get("notes", []), "plan.notes")
+        if "head" in data:
+            data["head"] = _head_field(data["head"])
         loaded: Plan = build_dataclass(cls, data, "plan")
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
                     "step_flops", "predicted_cost", "predicted_host_bytes"):
@@ -233,7 +242,7 @@ class Plan:
         if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
-        for key in ("strategy", "model", "inputs", "compiled", "device", "head", "head_site"):
+        for key in ("strategy", "model", "inputs", "compiled", "device", "head_site"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         _check_head(loaded)
         _expect(loaded.training, bool, "plan.training")
@@ -288,7 +297,7 @@ class Plan:
                 + (f"; parameters sharded over {self.shards} ranks" if self.shards > 1
                    else "")
                 + "\n")
-        if self.head != "keep":
+        if self.head.decision is Decision.CHUNKED:
             rows.append([f"{self.head_site.partition(':')[2]} (loss head)",
                          f"chunked: {self.head_chunks} chunks of tokens, the full logits never "
                          f"built (out.logits is None); loss and the projection's weight "
@@ -297,13 +306,18 @@ class Plan:
         return head + render_table(["block", "decision"], rows) + notes
 
 
-def _check_head(plan: Plan) -> None:
-    """A loaded plan's head is "keep" or "chunked:N" (N >= 1) at a named site."""
-    kind, _, count = plan.head.partition(":")
-    chunked = kind == "chunked" and count.isdigit() and int(count) >= 1
-    if plan.head != "keep" and not chunked:
+def _head_field(value: Any) -> Choice:
+    """A plan file's head: "keep" or "chunked:N" (N >= 1)."""
+    try:
+        return Choice.head_from_key(value)
+    except RematError:
         raise SchemaError(f"plan.head must be 'keep' or 'chunked:N' (N >= 1), got "
-                          f"{plan.head!r}")
+                          f"{value!r}") from None
+
+
+def _check_head(plan: Plan) -> None:
+    """A loaded plan's chunked head is at a named site."""
+    chunked = plan.head.decision is Decision.CHUNKED
     site_kind, _, name = plan.head_site.partition(":")
     if chunked and (site_kind not in ("hf", "module") or not name):
         raise SchemaError(f"plan.head_site must be 'hf:<name>' or 'module:<name>' for a "
@@ -472,9 +486,10 @@ def check_against_tape(plan: Plan, tape: Tape) -> None:
             f"not decide the blocks of this tape (model {tape.model}, blocks {names}): a "
             f"block entry was added, deleted or renamed, or the tape is of another model. "
             f"Pass the tape the plan was made from. {_REPLAN}")
-    if plan.head != "keep" and (tape.head is None or plan.head not in tape.head.options):
+    if plan.head.decision is not Decision.KEEP and (
+            tape.head is None or plan.head.head_key not in tape.head.options):
         have = ["keep", *(tape.head.options if tape.head is not None else [])]
-        raise SchemaError(f"plan.head is {plan.head!r}, which this tape did not measure "
+        raise SchemaError(f"plan.head is {plan.head.head_key!r}, which this tape did not measure "
                           f"(it offers {have}). {_REPLAN}")
     segments = [(start, stop, _choice_of(tape, plan, start, stop, decision))
                 for start, stop, decision in plan.segments]
@@ -617,17 +632,17 @@ STRATEGIES: dict[str, Strategy] = {
 
 
 def _smallest(tape: Tape, offload: bool = False,
-              heads: list[str] | None = None) -> ChainSolution:
+              heads: list[Choice] | None = None) -> ChainSolution:
     """The least-peak plan, over the head decisions ``heads`` (default: keep it)."""
     solutions = [solve(with_head(tape, h), None, objective="peak",
                        options=selective_options(tape, offload))
-                 for h in (heads or ["keep"])]
+                 for h in (heads or [KEEP])]
     return min(solutions, key=lambda s: s.peak_bytes)
 
 
 def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
                       predicted: int | None = None, offload: bool = False,
-                      heads: list[str] | None = None) -> None:
+                      heads: list[Choice] | None = None) -> None:
     best = _smallest(tape, offload, heads)
     got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
     raise BudgetError(
@@ -820,18 +835,24 @@ def check_head(head: Any) -> None:
                         if isinstance(head, str) else ""))
 
 
-def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[str]:
-    """The loss-head decisions a plan may take, in order of preference (NOTE [ Choosing
-    the head ])."""
+def keeps_head(head: str | None) -> bool:
+    """Whether a ``head=`` argument keeps the loss head as the model computes it."""
+    return head is None or head == "keep"
+
+
+def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[Choice]:
+    """The loss-head choices a plan may take, in order of preference (NOTE [ Choosing
+    the head ]), from ``plan``'s ``head=`` argument (a name)."""
     options = list(tape.head.options) if tape.head is not None else []
-    if head is None or head == "keep":
-        return ["keep"]
+    chunked = [Choice.head_from_key(name) for name in options]
+    if keeps_head(head):
+        return [KEEP]
     if head == "auto":
-        return ["keep", *options]
+        return [KEEP, *chunked]
     if head == "chunked" and options:
-        return options
+        return chunked
     if head in options:
-        return [head]
+        return [Choice.head_from_key(head)]  # type: ignore[arg-type]
     if not isinstance(head, str):
         raise RematError(f"head must be a string such as 'keep' or 'chunked:32', got {head!r}")
     have = ["keep", "auto", "chunked", *options]
@@ -856,7 +877,7 @@ def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
                     offload: bool) -> BudgetError:
     """``exc``, saying how far a chunked loss head would go where the tape measured one
     and the plan was not allowed to chunk it."""
-    if head not in (None, "keep") or tape.head is None or not tape.head.options:
+    if not keeps_head(head) or tape.head is None or not tape.head.options:
         return exc
     chunked = _smallest(tape, offload, head_choices(tape, "auto")).peak_bytes
     if exc.min_feasible_bytes is not None and chunked >= exc.min_feasible_bytes:
@@ -868,22 +889,22 @@ def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
         min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy)
 
 
-def _with_head_fields(found: Plan, tape: Tape, head: str) -> Plan:
-    if head == "keep" or tape.head is None:
+def _with_head_fields(found: Plan, tape: Tape, head: Choice) -> Plan:
+    if head.decision is Decision.KEEP or tape.head is None:
         return found
-    option = tape.head.options[head]
+    option = tape.head.options[head.head_key]
     return dataclasses.replace(found, head=head, head_site=f"{tape.head.kind}:{tape.head.name}",
                                predicted_cost=found.predicted_cost + option.cost)
 
 
-def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy: str,
+def _best_over_heads(tape: Tape, heads: list[Choice], name: str, arg: str, strategy: str,
                      budget_bytes: int | None, offload: bool, head: str | None) -> Plan:
     """The least-cost plan of the strategy that fits, over the head decisions ``heads``
     (NOTE [ Choosing the head ])."""
     best: Plan | None = None
     predicted = None
-    for choice in heads:
-        view = with_head(tape, choice)
+    for head_choice in heads:
+        view = with_head(tape, head_choice)
         try:
             segments = STRATEGIES[name](view, budget_bytes, arg, offload)
         except BudgetError as exc:
@@ -891,7 +912,7 @@ def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy
                 raise _with_head_hint(exc, tape, head, offload) from None
             continue
         found = _with_head_fields(plan_of_segments(view, segments, strategy, budget_bytes),
-                                  tape, choice)
+                                  tape, head_choice)
         if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
             predicted = found.predicted_peak_bytes if predicted is None else predicted
             continue
