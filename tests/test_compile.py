@@ -89,7 +89,8 @@ def _mixed_plan(name: str) -> Plan:
     tape = autoremat.profile(model, inputs, timing=False)
     assert "#1" in tape.blocks[3].selective and "matmul" in tape.blocks[2].selective
     plan = plan_of_segments(tape, MIXED, "test")
-    assert [b.decision for b in plan.blocks] == ["keep", "recompute", "selective", "selective"]
+    assert [b.decision for b in plan.blocks] == [Decision.KEEP, Decision.RECOMPUTE,
+                                                 Decision.SELECTIVE, Decision.SELECTIVE]
     assert plan.blocks[3].keep_keys, "the keep-set lowers to (op, occurrence) keys"
     return plan
 
@@ -230,7 +231,7 @@ def test_auto_compiled_plans_and_measures_the_regionally_compiled_step() -> None
     plan = autoremat.auto(model, inputs, budget="90%", compile="aot_eager")
     assert plan.compiled == "aot_eager"
     assert autoremat.applied_plan(model) is plan
-    assert any(block.decision != "keep" for block in plan.blocks)
+    assert any(block.decision is not Decision.KEEP for block in plan.blocks)
     assert compiled_parts(model) == [], "auto left a compiled module behind"
     assert not [name for name, m in model.named_modules()
                 if hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")], \

@@ -239,7 +239,7 @@ def edit_plans(zoo_tapes: Any) -> tuple[autoremat.Tape, list[str]]:
     plans = [autoremat.plan(tape, budget) for budget in
              (least, (least + tape.step_peak_bytes) // 2, "90%")]
     plans += [autoremat.plan(tape, None, strategy) for strategy in ("sqrt", "selective")]
-    assert any(b.decision == "selective" for p in plans for b in p.blocks)
+    assert any(b.decision is autoremat.Decision.SELECTIVE for p in plans for b in p.blocks)
     assert any(stop > start + 1 for p in plans for start, stop, _ in p.segments)
     return tape, [p.to_json() for p in plans]
 
