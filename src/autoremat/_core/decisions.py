@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from autoremat._core.errors import RematError, did_you_mean, internal_assert
 
-__all__ = ["KEEP", "OFFLOAD", "OFFLOAD_INPUT", "RECOMPUTE", "Choice", "Decision", "decision_of"]
+__all__ = ["BLOCK_DECISIONS", "KEEP", "OFFLOAD", "OFFLOAD_INPUT", "RECOMPUTE", "Choice", "Decision",
+           "decision_of"]
 
 
 class Decision(str, enum.Enum):
@@ -61,6 +62,7 @@ class Decision(str, enum.Enum):
         return Decision.RECOMPUTE if self is Decision.SELECTIVE else self
 
 
+# the decisions a block of the chain can take (CHUNKED is the loss head's)
 BLOCK_DECISIONS = tuple(d for d in Decision if d is not Decision.CHUNKED)
 
 

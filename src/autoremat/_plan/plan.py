@@ -341,7 +341,8 @@ def _decision_field(item: dict[str, Any], version: int, where: str) -> Decision:
     """A block's decision as a version-``version`` file writes it (NOTE [ Decisions in
     files ] in tape.py): by name; in version 1, an input-offloaded block as "recompute"
     with ``offload_input: true``, a field version 2 does not have."""
-    allowed = BLOCK_DECISIONS if version >= 2 else BLOCK_DECISIONS[:4]
+    allowed = tuple(d for d in BLOCK_DECISIONS  # version 1: offload_input was a flag
+                    if version >= 2 or d is not Decision.OFFLOAD_INPUT)
     name = item.get("decision")
     names = [d.value for d in allowed]
     if not isinstance(name, str) or name not in names:
