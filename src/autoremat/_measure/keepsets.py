@@ -246,7 +246,8 @@ def _keep_set(g: _Graph, keep: np.ndarray, run: np.ndarray, cap: int) -> KeepSet
 
 # Caps as fractions of a block's saved bytes: dense around a third, where budgets that
 # halve or third the activations land (a coarser grid cost 10% more recompute FLOPs on
-# GPT-2 small's shape at issue 4's budget; benchmarks/selective_overhead.md).
+# GPT-2 small's shape at a budget of one third of the blocks' activations;
+# benchmarks/selective_overhead.md).
 CAPS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.45)
 
 

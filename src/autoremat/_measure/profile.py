@@ -675,7 +675,7 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
-    (NOTE [ Released when the forward returns ] in plan/peak.py). Block 0 gets 0."""
+    (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets 0."""
     start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
     for record in run.mem.records:
@@ -1051,7 +1051,7 @@ def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list
     """Notes on what the tape holds for: the model's mode, and the blocks left out."""
     notes: list[str] = []
     if not model.training:
-        # issue 16: an eval() tape planned a train() step 35% over its budget
+        # an eval() tape plans a train() step over its budget (dropout's masks are missing)
         eval_note = (f"{type(model).__name__} was profiled in eval() mode (dropout off, "
                      "BatchNorm on running statistics): its figures and plans hold for "
                      "that mode; profile it in the mode you train in (model.train())")

@@ -110,14 +110,14 @@ class BlockProfile:
     param_signature: str = ""
     # Bytes of its input (made by the block before) that the model held outside the
     # chain and released when the forward returned, keyed like ``fwd`` (keys with none
-    # left out): NOTE [ Released when the forward returns ] in plan/peak.py.
+    # left out): NOTE [ Released when the forward returns ] in _plan/peak.py.
     fwd_end_release: dict[WindowKey, int] = field(default_factory=dict)
     # Bytes of tensors made before its forward that die in its forward in the plain
     # step (its input, when neither it nor the block before keeps it): a segment's
-    # recompute keeps them (NOTE [ The peak model ] in plan/peak.py). -1: not measured.
+    # recompute keeps them (NOTE [ The peak model ] in _plan/peak.py). -1: not measured.
     fwd_frees: int = -1
     # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
-    # NOTE [ Recompute and BatchNorm statistics ] in wrap.py): in a segment of several
+    # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.
     stash_bytes: int = 0
 
@@ -192,7 +192,7 @@ class Tape:
     output_bytes: int = -1  # the output's storages other than the loss's; -1: not measured
     # The batch (unique storages of the inputs) and the number of trainable parameter
     # tensors, which max_memory= needs (NOTE [ From max_memory to a step budget ] in
-    # plan/budget.py); -1: saved before they were recorded.
+    # _plan/budget.py); -1: saved before they were recorded.
     input_bytes: int = -1
     trainable_param_tensors: int = -1
     # The torch.compile backend the step was measured under ("": eager); see

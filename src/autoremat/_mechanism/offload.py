@@ -54,6 +54,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,9 @@ __all__ = ["BlockOffload", "OffloadGroup", "OffloadStats", "input_offloaded", "o
 
 _MIN_BYTES = 1024  # see NOTE [ What is not offloaded ]
 
-_SIMULATED = [False]  # simulated_host() on: CPU copies the tracker does not see
+# simulated_host() on: CPU copies the tracker does not see. A context variable, so that
+# one thread (or task) simulating a host does not change another's runs.
+_SIMULATED: ContextVar[bool] = ContextVar("autoremat_simulated_host", default=False)
 
 
 @contextmanager
@@ -85,12 +88,11 @@ def simulated_host() -> Iterator[None]:
     count (real copies, made outside it), so a CPU step measures what a GPU step with a
     separate host would. For tests and for checking the peak model; see NOTE
     [ Offloading saved tensors ]."""
-    before = _SIMULATED[0]
-    _SIMULATED[0] = True
+    token = _SIMULATED.set(True)
     try:
         yield
     finally:
-        _SIMULATED[0] = before
+        _SIMULATED.reset(token)
 
 
 @dataclass
@@ -128,7 +130,7 @@ def _side(device: torch.device) -> Any:
 def _host_kind(device: torch.device) -> str:
     if device.type == "cuda":
         return "pinned"
-    if device.type == "meta" or (_SIMULATED[0] and device.type == "cpu"):
+    if device.type == "meta" or (_SIMULATED.get() and device.type == "cpu"):
         return "untracked"
     return "same"
 

@@ -331,7 +331,7 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes
     bwd_peak = sel.bwd.peak_bytes
     if _keeps_output(block.ops, choice.save_ops, sel.keep_ops, bool(choice.keep_set)):
-        # NOTE [ A selective block that keeps its output ]
+        # see NOTE [ A selective block that keeps its output ]
         bwd_peak += block.output_bytes
     ckpt = (_RECOMPUTE, _RECOMPUTE)
     if i > 0 and prev is not _RECOMPUTE:

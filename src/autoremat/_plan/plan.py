@@ -401,8 +401,8 @@ def keep_set_seal(signature: str, keep: tuple[int, ...], skip: tuple[int, ...]) 
         Whether a keep-set's skipped ops are dead depends on the block's dataflow, which
         a plan file does not carry; the planner derived them from the tape. So a plan
         records a hash binding the op sequence to the positions it chose, and loading
-        refuses positions that do not match it: an edit is caught, not trusted (issue
-        16: an edited keep-set applied and gave gradients off by hundreds).
+        refuses positions that do not match it: an edit is caught, not trusted (an edited
+        keep-set that skips an op backward needs gives gradients off by hundreds).
     """
     text = f"{signature}|{','.join(map(str, keep))}|{','.join(map(str, skip))}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
