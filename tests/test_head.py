@@ -173,14 +173,15 @@ def test_chunking_is_asked_for():
     keep_least = smallest_feasible_bytes(tape)
     chunked_least = smallest_feasible_bytes(tape, head="auto")
     assert chunked_least < keep_least == smallest_feasible_bytes(tape, head="keep")
-    assert autoremat.plan(tape, budget=keep_least).head == "keep"
+    assert autoremat.plan(tape, budget=keep_least).head.decision is Decision.KEEP
     with pytest.raises(autoremat.BudgetError) as err:  # by default the head is kept...
         autoremat.plan(tape, budget=keep_least - 1)
     assert err.value.min_feasible_bytes == keep_least
     assert f"({chunked_least} bytes)" in str(err.value)  # ...and the error says how far
     chunked = autoremat.plan(tape, budget=keep_least - 1, head="auto")  # chunking would go
-    assert chunked.head != "keep" and "chunked" in str(chunked)
-    assert autoremat.plan(tape, strategy="full", head="chunked").head.startswith("chunked:")
+    assert chunked.head.decision is not Decision.KEEP and "chunked" in str(chunked)
+    assert autoremat.plan(tape, strategy="full", head="chunked").head.decision \
+        is Decision.CHUNKED
 
 
 @pytest.mark.slow
