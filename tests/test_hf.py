@@ -165,6 +165,19 @@ def test_trainer_with_a_chunked_head_trains_within_its_bound(
         AutorematCallback(budget="50%", head="chunky")
 
 
+@pytest.mark.slow
+def test_trainer_in_bf16_plans_under_the_autocast_its_forward_runs_in(
+        tmp_path: pathlib.Path) -> None:
+    # Accelerate's mixed precision wraps the model's forward in autocast: the callback's
+    # profile runs under it (its tape records it), and the steps match the plan
+    # (NOTE [ The conditions a step is measured under ])
+    callback = AutorematCallback(budget="75%")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoremat.PlanMismatchWarning)
+        _train("gpt2", tmp_path, [callback], bf16=True)
+    assert callback.plan is not None and callback.plan.autocast == "cpu:bfloat16"
+
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.parametrize("flag", ["gradient_checkpointing", "activation_checkpointing"])
 def test_trainer_checkpointing_is_refused_when_the_trainer_is_built(

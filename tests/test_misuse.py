@@ -11,7 +11,9 @@ Each case was wrong or raised a raw error from inside autoremat before it was fi
   context manager ("'_GeneratorContextManager' object has no attribute 'args'");
 * a block whose ops differ between forward and recompute (an early exit on a counter,
   stochastic depth drawn from Python's ``random``), or that changes its input in place,
-  failed with checkpoint's own errors in backward, which name no block;
+  failed with checkpoint's own errors in backward, which name no block, and so did one
+  that saves as many tensors in recompute as in forward, of other shapes (a slice whose
+  length comes from a counter);
 * a block drawing from its own ``torch.Generator`` recomputed other numbers (silently
   wrong gradients), and a buffer other than BatchNorm's statistics was updated twice
   without a word.
@@ -263,6 +265,21 @@ class _EarlyExit(_Body):
         return x + super().forward(x)
 
 
+class _SliceOnCounter(_Body):
+    """Takes a slice whose length comes from a call counter: a recompute saves as many
+    tensors as the forward, of other shapes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        n = x.shape[1] if self.calls % 2 else x.shape[1] // 2
+        y = super().forward(x)[:, :n]  # (B, n)
+        return x + torch.nn.functional.pad(y * y, (0, x.shape[1] - n))
+
+
 class _ExitOnInput(_Body):
     """Exits early on a property of its input: a recompute sees the same input."""
 
@@ -367,7 +384,10 @@ def _chain_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor | None]:
     (_PythonDepth, r"block 'blocks\.0'.*draws from Python's random module"),
     (_PythonScale, r"block 'blocks\.0'.*draws from Python's random module"),
     (_InPlaceInput, r"block 'blocks\.0'.*changed its input in place"),
-], ids=["early-exit", "python-random-depth", "python-random-scale", "in-place-input"])
+    (_SliceOnCounter, r"block 'blocks\.2'.*saved tensors of other shapes, dtypes or number "
+                      r"when it was recomputed"),
+], ids=["early-exit", "python-random-depth", "python-random-scale", "in-place-input",
+        "other-shapes"])
 def test_a_forward_that_recompute_cannot_repeat_is_refused_naming_the_block(
         block: type[_Body], match: str, strategy: str) -> None:
     model, x, chosen = _chain(block, strategy)

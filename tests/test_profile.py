@@ -454,7 +454,7 @@ def test_the_first_step_is_one_timing_sample_and_agreeing_steps_end_the_timing(
     run_marked = profile_module._run_marked
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        steps.append(type(args[4]).__name__)  # on_mark: _Stamps in the timing steps
+        steps.append(type(args[2]).__name__)  # on_mark: _Stamps in the timing steps
         return run_marked(*args, **kwargs)
 
     monkeypatch.setattr(profile_module, "_run_marked", counted)

@@ -415,6 +415,30 @@ def test_a_plan_for_another_device_or_mode_warns_at_a_training_forward(
         model(*inputs)  # once per kind
 
 
+def test_a_plan_for_another_autocast_warns_at_a_training_forward() -> None:
+    model, inputs, plan = _mlp_plan()
+    autoremat.apply(model, dataclasses.replace(plan, autocast="cpu:bfloat16"))
+    with pytest.warns(autoremat.StepMismatchWarning, match=re.escape(
+            "profiled under autocast cpu:bfloat16, and the model now runs without autocast")):
+        model(*inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(*inputs)  # once per kind
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ({"structure": "blocks=2"}, "made for a MLPChain of blocks=2 (the modules each parent"),
+    ({"dtypes": "bfloat16"}, "whose parameters are bfloat16; this one's are float32"),
+    ({"dtypes": "float32,float64"}, "parameters are float32,float64; this one's are float32"),
+])
+def test_a_plan_of_another_structure_or_dtype_is_refused_at_apply(
+        change: dict[str, Any], fragment: str) -> None:
+    model, _, plan = _mlp_plan()
+    with pytest.raises(autoremat.PlanMismatchError, match=re.escape(fragment)):
+        autoremat.apply(model, dataclasses.replace(plan, **change))
+    assert autoremat.applied_plan(model) is None
+
+
 def test_an_eval_profile_is_recorded_in_its_plan() -> None:
     _, _, plan = _mlp_plan(train=False)
     assert plan.training is False

@@ -286,13 +286,13 @@ def test_step_measure_leaves_no_trace(
         small: Callable[[str], tuple[nn.Module, Any, Tape]]) -> None:
     model, inputs, tape = small("mlp")
     params = dict(model.named_parameters())
-    m = step_measure(model, inputs, None)
+    m = step_measure(autoremat.Step(model, inputs))
     assert m.peak_bytes == tape.step_peak_bytes
     assert m.flops == tape.step_flops
     assert m.grads.keys() == params.keys()
     assert all(g is not None and g.shape == params[n].shape for n, g in m.grads.items())
     assert all(p.grad is None for p in model.parameters())
-    again = step_measure(model, inputs, None, rng=torch.get_rng_state())
+    again = step_measure(autoremat.Step(model, inputs), rng=torch.get_rng_state())
     assert all(torch.equal(m.grads[n], again.grads[n]) for n in params)
 
 

@@ -16,6 +16,7 @@ from autoremat import distributed, zoo
 from autoremat._apply import (
     PlanMismatchWarning,
     ShapeMismatchWarning,
+    StepMismatchWarning,
     applied_plan,
     apply,
     remove,
@@ -33,7 +34,7 @@ from autoremat._core.errors import (
 )
 from autoremat._core.head import LMHead
 from autoremat._core.memory import MemoryTracker, track_memory
-from autoremat._core.step import Loop
+from autoremat._core.step import Loop, Step
 from autoremat._core.version import __version__
 from autoremat._estimate.doctor import Prescription, Remedy, doctor
 from autoremat._estimate.estimate import Estimate, estimate
@@ -64,6 +65,8 @@ __all__ = [
     "Report",
     "SchemaError",
     "ShapeMismatchWarning",
+    "Step",
+    "StepMismatchWarning",
     "Tape",
     "__version__",
     "applied_plan",

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from autoremat._core.blocks import param_signature
+from autoremat._core.conditions import autocast_state, float_dtypes, structure_of
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError, check_flag, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
@@ -49,7 +50,8 @@ from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
 from autoremat._plan.plan import Plan
 
-__all__ = ["PlanMismatchWarning", "ShapeMismatchWarning", "applied_plan", "apply", "remove"]
+__all__ = ["PlanMismatchWarning", "ShapeMismatchWarning", "StepMismatchWarning", "applied_plan",
+           "apply", "remove"]
 
 _ATTR = "_autoremat_applied"
 
@@ -61,6 +63,13 @@ class PlanMismatchWarning(UserWarning):
 
 class ShapeMismatchWarning(PlanMismatchWarning):
     """A model runs on inputs of another shape than its plan was made for."""
+
+
+class StepMismatchWarning(PlanMismatchWarning):
+    """A model trains under other conditions than its plan's tape measured: another
+    autocast, parameters cast to another dtype, blocks appended or replaced, or a block
+    run more than once per forward (NOTE [ The conditions a step is measured under ] in
+    ``_core/conditions.py``)."""
 
 
 # NOTE [ What a plan is checked against ]
@@ -78,7 +87,14 @@ class ShapeMismatchWarning(PlanMismatchWarning):
 #     * train/eval mode: warned when a plan profiled in eval() mode runs a model in
 #       train() mode with gradients enabled (dropout and BatchNorm then save more: 35%
 #       over budget was seen). The other way round holds less and is not warned about;
-#       nor is any forward without gradients (evaluation), where nothing is recomputed.
+#       nor is any forward without gradients (evaluation), where nothing is recomputed;
+#     * the conditions of the step (NOTE [ The conditions a step is measured under ] in
+#       _core/conditions.py): the blocks' parents holding another number of modules and
+#       the parameters' floating dtypes are refused at apply(); at a forward with
+#       gradients, another autocast (refused for a plan whose chunked head cannot run
+#       under it), another dtype, a block appended or replaced since apply(), and, when
+#       the forward returns, a block that ran more than once are warned about once each
+#       (StepMismatchWarning).
 
 
 @dataclass
@@ -91,6 +107,14 @@ class _Applied:
     cache_restore: list[tuple[Any, bool]] = field(default_factory=list)  # configs whose
     # use_cache we turned off, and their values (NOTE [ Every stack has its own config ])
     head: HeadInstall | None = None  # the chunked loss head, when the plan chunks it
+    # the planned blocks as (parent, key, block), the parents' sizes, some parameters
+    # whose dtypes stand for the model's, and each block's calls in the forward now
+    # running (None: no forward with gradients running) (NOTE [ What a plan is checked
+    # against ])
+    blocks: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
+    parents: list[tuple[str, nn.Module, int]] = field(default_factory=list)
+    probes: list[nn.Parameter] = field(default_factory=list)
+    calls: list[int] | None = None
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
@@ -162,6 +186,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 f"the block this plan was made for (here: {shapes or 'none'}, ...): a wider, "
                 "narrower or cast model of the same class, whose memory the plan's figures "
                 "do not describe. Profile and plan this model")
+    _check_conditions(model, plan)
     compiled = compiled_parts(model, given if compiled_whole else None)
     joined = [start for start, stop, _ in plan.segments if stop > start + 1]
     for start, stop, _ in plan.segments:
@@ -233,6 +258,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 state.runners.append(runner)
         if site is not None and plan.head_chunks is not None:
             state.head = install_head(model, site, plan.head_chunks)
+        _watch_blocks(model, plan, modules, state)
         state.handles.append(model.register_forward_pre_hook(
             functools.partial(_shape_check, state), with_kwargs=True))
         state.handles.append(model.register_forward_hook(
@@ -242,6 +268,114 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         raise
     setattr(model, _ATTR, state)
     return given
+
+
+def _check_conditions(model: nn.Module, plan: Plan) -> None:
+    """Refuse a model whose blocks' parents hold another number of modules, or whose
+    parameters have other floating dtypes, than the step the plan's tape measured (NOTE
+    [ What a plan is checked against ])."""
+    if not plan.dtypes:
+        return  # made from a tape that did not record them
+    here = structure_of(model, [b.name for b in plan.blocks])
+    if plan.structure and here != plan.structure:
+        raise PlanMismatchError(
+            f"this plan was made for a {plan.model} of {plan.structure} (the modules each "
+            f"parent of its blocks holds); this one is of {here}: the blocks the plan does "
+            "not name would run kept, beyond its prediction (a plan of a smaller model of "
+            "the same class?). Profile and plan this model")
+    dtypes = float_dtypes(model)
+    if dtypes != plan.dtypes:
+        raise PlanMismatchError(
+            f"this plan was made for a {plan.model} whose parameters are {plan.dtypes}; "
+            f"this one's are {dtypes} (cast since it was profiled?): every tensor of the "
+            "step has another size than the plan's figures count. Profile and plan the "
+            "model as it trains (after the cast)")
+
+
+def _watch_blocks(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
+                  state: _Applied) -> None:
+    """Note what the forward checks (NOTE [ What a plan is checked against ]): where each
+    planned block sits, its parents' sizes, parameters that stand for the model's
+    dtypes; and count each block's calls in a forward."""
+    for block in plan.blocks:
+        parent, _, key = block.name.rpartition(".")
+        state.blocks.append((modules[parent], key, modules[block.name]))
+    for parent in dict.fromkeys(block.name.rpartition(".")[0] for block in plan.blocks):
+        state.parents.append((parent, modules[parent], len(modules[parent]._modules)))
+    inside = {id(p) for _, _, module in state.blocks for p in module.parameters()}
+    state.probes = [p for p in model.parameters() if id(p) not in inside][:16] + [
+        p for _, _, module in state.blocks for p in list(module.parameters())[:1]]
+    for i, (_, _, module) in enumerate(state.blocks):
+        state.handles.append(module.register_forward_pre_hook(
+            functools.partial(_count_call, state, i)))
+
+
+def _count_call(state: _Applied, i: int, module: nn.Module, args: Any) -> None:
+    if state.calls is None:
+        return  # no forward with gradients running (or a recompute, in backward)
+    if not any(state.calls):  # the first block of this forward
+        _check_autocast(state)
+    state.calls[i] += 1
+
+
+def _check_autocast(state: _Applied) -> None:
+    """At the first block of a forward with gradients, the autocast its blocks run under
+    (a forward may enter autocast itself: Accelerate's mixed precision wraps it) against
+    the one the plan's tape measured (NOTE [ What a plan is checked against ])."""
+    plan = state.plan
+    here = autocast_state()
+    if not plan.dtypes or here == plan.autocast:
+        return
+    if plan.head.decision is Decision.CHUNKED and here:
+        raise RematError(
+            f"this plan computes the loss head in chunks ({plan.head.head_key}), which cannot run "
+            f"under autocast ({here}); its tape was measured without. Re-plan under the "
+            "loop's autocast (the head then stays as the model computes it)")
+    if "autocast" not in state.warned:
+        state.warned.add("autocast")
+        warnings.warn(
+            "autoremat: this plan was profiled "
+            + (f"under autocast {plan.autocast}" if plan.autocast else "without autocast")
+            + ", and the model now runs "
+            + (f"under autocast {here}" if here else "without autocast")
+            + f": the step saves tensors of other dtypes (and autocast's weight casts), so "
+            f"its memory prediction does not hold; {_REDO}", StepMismatchWarning,
+            stacklevel=5)
+
+
+_REDO = ("profile and plan the model as the loop runs it (autoremat.auto(model, inputs, "
+         "budget=...) inside the loop's autocast, after any cast or change)")
+
+
+def _check_step(state: _Applied) -> None:
+    """At a forward with gradients: warn once per kind when the parameters' dtypes or the
+    blocks differ from the step the plan's tape measured (NOTE [ What a plan is checked
+    against ])."""
+    plan = state.plan
+    if not plan.dtypes:
+        return  # made from a tape that did not record them
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in state.probes
+                     if p.is_floating_point()})
+    if not set(dtypes) <= set(plan.dtypes.split(",")) and "dtypes" not in state.warned:
+        state.warned.add("dtypes")
+        warnings.warn(
+            f"autoremat: this plan was made for parameters of {plan.dtypes}; the model's "
+            f"are now {','.join(dtypes)} (cast after apply?): its memory prediction does not "
+            f"hold; {_REDO}", StepMismatchWarning, stacklevel=6)
+    if "structure" not in state.warned:
+        grown = [f"{name or type(parent).__name__} holds {len(parent._modules)} modules, "
+                 f"not {count}" for name, parent, count in state.parents
+                 if len(parent._modules) != count]
+        replaced = [block.name for block, (parent, key, module) in
+                    zip(plan.blocks, state.blocks, strict=True)
+                    if parent._modules.get(key) is not module]
+        if grown or replaced:
+            state.warned.add("structure")
+            what = "; ".join(grown + ([f"{', '.join(replaced[:3])} replaced since apply() "
+                                       "(the module there now runs kept)"] if replaced else []))
+            warnings.warn(
+                f"autoremat: the model's blocks changed since apply(): {what}. Its memory "
+                f"prediction does not hold; {_REDO}", StepMismatchWarning, stacklevel=6)
 
 
 def _check_ranks_agree(plan: Plan, timeout_s: float) -> None:
@@ -282,8 +416,11 @@ def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> 
     that a copy of the model checks against the copy's state)."""
     inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                       not kwargs else args)
+    state.calls = None
     if torch.is_grad_enabled():
         _check_setting(module, inputs, state)
+        _check_step(state)
+        state.calls = [0] * len(state.blocks)
     signature = describe_inputs(inputs)
     if signature != state.plan.inputs and signature not in state.warned \
             and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
@@ -327,6 +464,19 @@ def _without_scalars(inputs: Any) -> Any:
 def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) -> None:
     for runner in state.runners:
         runner.abort()  # no-op after a normal forward; closes frames after an error
+    calls, state.calls = state.calls, None
+    again = [] if calls is None else [
+        (block.name, n) for block, n in zip(state.plan.blocks, calls, strict=True) if n > 1]
+    if again and "calls" not in state.warned:
+        state.warned.add("calls")
+        warnings.warn(
+            f"autoremat: block {again[0][0]!r} ran {again[0][1]} times in one forward"
+            + (f" (and {len(again) - 1} more blocks)" if len(again) > 1 else "")
+            + "; its plan was profiled with each block running once (every run saves, or "
+            "recomputes, its tensors again), so its memory prediction does not hold. "
+            "Profile the step as the loop runs it, with the same arguments (a block that "
+            "runs more than once per step cannot be planned: pass blocks=[...] to plan over "
+            "its parts)", StepMismatchWarning, stacklevel=5)
 
 
 def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSite | None:

@@ -11,13 +11,11 @@ from typing import Any
 from torch import nn
 
 from autoremat._apply import apply, remove
-from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, check_flag
-from autoremat._core.memory import track_memory
-from autoremat._core.step import Loop, LossFn, preserved_state, run_step
-from autoremat._core.timing import device_of
+from autoremat._core.step import Loop, LossFn, Step, as_step
 from autoremat._core.units import format_bytes
+from autoremat._measure.measured import measure_step
 from autoremat._measure.profile import compile_backend, compile_settings, profile
 from autoremat._mechanism.compiled import compiled_forwards, uncompiled
 from autoremat._plan.plan import Plan, check_head, check_plan_args, keeps_head, plan
@@ -25,10 +23,11 @@ from autoremat._plan.plan import Plan, check_head, check_plan_args, keeps_head, 
 __all__ = ["auto"]
 
 
-def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
-         strategy: str = "optimal", *, loss_fn: LossFn | None = None,
-         blocks: BlockSpec = None, max_memory: int | str | None = None,
-         optimizer: str | int | None = None, loop: Loop = "holds_output",
+def auto(model: nn.Module | Step, inputs: Any = None,
+         budget: int | float | str | None = None, strategy: str = "optimal", *,
+         loss_fn: LossFn | None = None, blocks: BlockSpec = None,
+         max_memory: int | str | None = None, optimizer: str | int | None = None,
+         loop: Loop | None = None,
          compile: bool | str = False, offload: bool = False,
          head: str | None = None) -> Plan:
     """Profile, plan and apply in one call; returns the plan applied.
@@ -38,13 +37,15 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     prediction error (at most twice more); see NOTE [ auto measures what it applies ].
 
     Args:
-        model, inputs, loss_fn, blocks: as for :func:`autoremat.profile`.
+        model, inputs, loss_fn, blocks: as for :func:`autoremat.profile`; an
+            :class:`autoremat.Step` in place of the model carries inputs, loss_fn and
+            loop (the rest by keyword: ``auto(step, budget="6GiB")``).
         budget, strategy, max_memory, optimizer: as for :func:`autoremat.plan`.
         loop: the training loop the budget must hold for, as for
             :func:`autoremat.profile` (recorded as ``plan.loop``). ``"holds_output"``
-            (default): ``out = model(**batch); out.loss.backward()``, and every loop
-            that releases the output sooner. ``"loss_only"``: a tighter plan for a loop
-            that keeps only the loss (``loss = model(**batch).loss``).
+            (default, also for ``None``): ``out = model(**batch); out.loss.backward()``,
+            and every loop that releases the output sooner. ``"loss_only"``: a tighter
+            plan for a loop that keeps only the loss (``loss = model(**batch).loss``).
         compile: plan for the step as it runs under ``torch.compile`` (``True``:
             Inductor; or a backend name such as ``"aot_eager"``), as for
             :func:`autoremat.profile`: the tape is measured compiled and the plan
@@ -71,9 +72,11 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
         >>> autoremat.applied_plan(model) is plan
         True
     """
+    step = as_step(model, inputs, loss_fn, loop, caller="auto", keyword="budget")
     check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
     check_head(head)
     backend = compile_backend(compile)
+    model = step.model
     remove(model)
     check_flag("offload", offload)
     if budget is None and max_memory is None and strategy == "optimal":
@@ -83,8 +86,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     # plans read FLOPs and bytes, never the tape's times: no uninstrumented steps timed
     # the loss head's options cost a memory step each: measured only when the plan may
     # chunk the head
-    tape = profile(model, inputs, loss_fn=loss_fn, blocks=blocks, loop=loop,
-                   compile=backend or False, offload=offload, timing=False,
+    tape = profile(step, blocks=blocks, compile=backend or False, offload=offload, timing=False,
                    with_head=not keeps_head(head))
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
                   offload=offload, head=head)
@@ -102,7 +104,7 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
     #     the same from plan to plan, so one retry usually does it.
     limit, target = chosen.budget_bytes, chosen.budget_bytes
     for attempt in range(_AUTO_ATTEMPTS):
-        peak = _measured_peak(model, inputs, loss_fn, chosen, backend)
+        peak = _measured_peak(step, chosen, backend)
         if peak <= limit:
             return chosen
         remove(model)
@@ -133,15 +135,13 @@ def auto(model: nn.Module, inputs: Any, budget: int | float | str | None = None,
 _AUTO_ATTEMPTS = 3  # plans auto() measures before giving up (NOTE [ auto measures ... ])
 
 
-def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, applied: Plan,
-                   backend: str | None) -> int:
+def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:
     """The step peak with ``applied`` applied: tracked eagerly, or with ``backend`` the
     allocator's peak of the step with every block compiled on its own, as ``profile``
     measured it (NOTE [ auto under torch.compile ])."""
+    step = dataclasses.replace(step, loop=applied.loop)
     if backend is None:
-        with preserved_state(model), track_memory() as mem:
-            run_step(model, inputs, loss_fn, loop=applied.loop)
-        return mem.peak_bytes
+        return measure_step(step, memory="storages").peak_bytes
     # NOTE [ auto under torch.compile ]
     #     The tracker's dispatch mode would make Dynamo run the blocks eagerly, so the
     #     compiled step is measured from the allocator's reports (track_allocations), after
@@ -151,13 +151,7 @@ def _measured_peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, applie
     #     plan predicts, and only for the measurement: the user's model gets no compiled
     #     wrapper it did not ask for. A model compiled whole is measured through the
     #     module it wraps, block by block, like any other.
-    inner = uncompiled(model)
+    inner = dataclasses.replace(step, model=uncompiled(step.model))
     names = [block.name for block in applied.blocks]
-    with preserved_state(inner), compile_settings(backend), \
-            compiled_forwards(inner, names, backend):
-        run_step(inner, inputs, loss_fn, loop=applied.loop)
-        for p in inner.parameters():
-            p.grad = None
-        with track_allocations(device_of(inner, inputs)) as mem:
-            run_step(inner, inputs, loss_fn, loop=applied.loop)
-    return mem.peak_bytes
+    with compile_settings(backend), compiled_forwards(inner.model, names, backend):
+        return measure_step(inner, memory="allocations", warm_up=True).peak_bytes

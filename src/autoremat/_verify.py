@@ -33,6 +33,7 @@ NOTE [ Judging gradients ]
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -46,14 +47,19 @@ from torch import nn
 
 from autoremat._apply import applied_plan, apply, remove
 from autoremat._core.decisions import Decision
-from autoremat._core.errors import DeterminismError, RematError, check_flag, check_whole
+from autoremat._core.errors import (
+    DeterminismError,
+    LoopError,
+    RematError,
+    check_flag,
+    check_whole,
+)
 from autoremat._core.flops import FlopCounter
 from autoremat._core.head import HEAD_RTOL
-from autoremat._core.memory import track_allocator, track_memory
-from autoremat._core.step import Loop, LossFn, preserved_state, run_step, training_config
+from autoremat._core.step import LossFn, Step, as_step, training_config
 from autoremat._core.tables import render_table
-from autoremat._core.timing import device_of, time_ms
 from autoremat._core.units import format_bytes
+from autoremat._measure.measured import measure_step
 from autoremat._plan.plan import Plan
 
 __all__ = ["NOISE_MULTIPLE", "GradientJudgement", "Report", "Verdict", "judge_gradients",
@@ -306,33 +312,17 @@ class StepMeasure:
     allocator_peak_bytes: int | None = None  # rise of max_memory_allocated (CUDA only)
 
 
-@contextmanager
-def _same_start(model: nn.Module, rng: torch.Tensor) -> Iterator[None]:
-    with preserved_state(model):
-        torch.set_rng_state(rng)
-        yield
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: (p.grad.detach().clone() if p.grad is not None else None)
-            for n, p in model.named_parameters()}
-
-
-def step_measure(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-                 rng: torch.Tensor | None = None, *,
-                 loop: Loop = "holds_output") -> StepMeasure:
-    """One step in the training loop ``loop``: measured peak, FLOPs and gradients
-    (clones), leaving no trace. On CUDA the allocator's peak is measured in the same step
-    (the tracker allocates nothing)."""
+def step_measure(step: Step, rng: torch.Tensor | None = None) -> StepMeasure:
+    """One step from the RNG state ``rng`` (default: the current one): measured peak,
+    FLOPs and gradients (clones), leaving no trace. On CUDA the allocator's peak is
+    measured in the same step (the tracker allocates nothing)."""
     rng = torch.get_rng_state() if rng is None else rng
-    device = device_of(model, inputs)
-    with _same_start(model, rng):
-        with track_allocator(device) as alloc, track_memory() as mem:
-            run_step(model, inputs, loss_fn, loop=loop)
-        grads = _grads(model)
-    with _same_start(model, rng), FlopCounter() as counter:
-        run_step(model, inputs, loss_fn, loop=loop)
-    return StepMeasure(mem.peak_bytes, counter.total, grads, alloc.peak_bytes)
+    measured = measure_step(step, memory="storages", allocator=True, rng=rng, grads=True)
+    counter = FlopCounter()
+    measure_step(step, counter=counter, rng=rng)
+    assert measured.grads is not None  # for mypy: asked for
+    return StepMeasure(measured.peak_bytes, counter.total, measured.grads,
+                       measured.allocator_peak_bytes)
 
 
 def _head_params(model: nn.Module, plan: Plan) -> set[str]:
@@ -364,20 +354,19 @@ def _judge_head(plain: Grads, planned: Grads, names: set[str]) -> tuple[float | 
     return worst, bound
 
 
-def _plain_grads(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-                 rng: torch.Tensor, loop: Loop) -> dict[str, torch.Tensor | None]:
-    with _same_start(model, rng):
-        run_step(model, inputs, loss_fn, loop=loop)
-        return _grads(model)
+def _plain_grads(step: Step, rng: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    grads = measure_step(step, rng=rng, grads=True).grads
+    assert grads is not None  # for mypy: asked for
+    return grads
 
 
-def _time_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-               rng: torch.Tensor, device: torch.device, loop: Loop) -> float:
-    with _same_start(model, rng):
-        return time_ms(lambda: run_step(model, inputs, loss_fn, loop=loop), device)
+def _time_step(step: Step, rng: torch.Tensor) -> float:
+    wall_ms = measure_step(step, rng=rng, timed=True).wall_ms
+    assert wall_ms is not None  # for mypy: asked for
+    return wall_ms
 
 
-def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
+def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None, *,
            loss_fn: LossFn | None = None, repeats: int = 3, deterministic: bool = False,
            measure_noise: bool | None = None) -> Report:
     """Run one step with and one without the plan and compare them.
@@ -393,6 +382,9 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
     figure is reported beside it.
 
     Args:
+        model, inputs, loss_fn: as for :func:`autoremat.profile`; or an
+            :class:`autoremat.Step` in place of all three, with the plan by keyword
+            (``verify(step, plan=plan)``), whose ``loop`` must be the plan's.
         plan: the plan to check; default the plan applied to ``model``.
         repeats: timed steps of each kind (after one warm-up).
         deterministic: run both measured steps under
@@ -420,7 +412,8 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
         >>> autoremat.verify(model, inputs).grads_equal
         True
     """
-    before = applied_plan(model)
+    given = as_step(model, inputs, loss_fn, None, caller="verify", keyword="plan")
+    before = applied_plan(given.model)
     plan = plan or before
     if plan is None:
         raise RematError("verify() needs a plan: pass plan=..., or apply one first "
@@ -432,33 +425,37 @@ def verify(model: nn.Module, inputs: Any, plan: Plan | None = None, *,
     if deterministic and measure_noise:
         raise RematError("deterministic=True requires torch.equal gradients and "
                          "measure_noise=True judges them against a noise floor: pass one")
-    device = device_of(model, inputs)
+    if isinstance(model, Step) and model.loop != plan.loop:
+        raise LoopError(f"verify() was given a step in the loop {model.loop!r} and a plan "
+                        f"made for the loop {plan.loop!r}: verify checks the step the plan "
+                        f"was made for; pass dataclasses.replace(step, loop={plan.loop!r})")
+    step = dataclasses.replace(given, loop=plan.loop)  # both steps in the plan's loop
+    model, device = step.model, step.device
     if deterministic:
         _check_cublas_workspace(device)
     measure_floor = not deterministic and (
         measure_noise if measure_noise is not None else device.type not in ("cpu", "meta"))
     rng = torch.get_rng_state()
-    loop = plan.loop
     stack = ExitStack()
     remove(model)
     try:
         stack.enter_context(training_config(model))  # both steps without a KV cache
         if device.type == "cuda":
-            _plain_grads(model, inputs, loss_fn, rng, loop)  # warm-up: one-time allocations
+            _plain_grads(step, rng)  # warm-up: one-time allocations
         with _deterministic_algorithms(device) if deterministic else nullcontext():
-            plain = step_measure(model, inputs, loss_fn, rng, loop=loop)
+            plain = step_measure(step, rng)
             floor = 0.0
             if measure_floor:
                 _, floor = max_grad_diff(plain.grads,
-                                          _plain_grads(model, inputs, loss_fn, rng, loop))
+                                          _plain_grads(step, rng))
             apply(model, plan, check_ranks=False)
-            planned = step_measure(model, inputs, loss_fn, rng, loop=loop)
+            planned = step_measure(step, rng)
         plain_ms, planned_ms = [], []
         for r in range(repeats + 1):
             remove(model)
-            t_plain = _time_step(model, inputs, loss_fn, rng, device, loop)
+            t_plain = _time_step(step, rng)
             apply(model, plan, check_ranks=False)
-            t_planned = _time_step(model, inputs, loss_fn, rng, device, loop)
+            t_planned = _time_step(step, rng)
             if r:  # the first pair is a warm-up
                 plain_ms.append(t_plain)
                 planned_ms.append(t_planned)

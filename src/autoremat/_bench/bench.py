@@ -92,7 +92,7 @@ from autoremat._bench.report import (
 from autoremat._bench.rows import AUTO, BLOCK, HF, NONE, SAC, SEQ, BenchRow, ModelResult, Settings
 from autoremat._core.blocks import resolve_blocks
 from autoremat._core.errors import BudgetError, internal_assert
-from autoremat._core.step import describe_inputs
+from autoremat._core.step import Step, describe_inputs
 from autoremat._core.units import format_bytes, parse_budget
 from autoremat._measure.profile import profile
 from autoremat._measure.tape import Tape
@@ -156,6 +156,7 @@ class _Sweep:
         self.grow = grow
         self.model, self.inputs = build_target(target, dict(settings.overrides),
                                                settings.device, settings.dtype)
+        self.step = Step(self.model, self.inputs, loop=settings.loop)
         self.rng = torch.get_rng_state()  # every step starts from this RNG state
         self.tape: Tape | None = None
         self.tape_error = ""
@@ -172,7 +173,7 @@ class _Sweep:
         names = resolve_blocks(self.model, None)
         self.progress(0, f"{self.target}: profiling")
         try:
-            self.tape = profile(self.model, self.inputs, loop=self.settings.loop)
+            self.tape = profile(self.step)
             names = [b.name for b in self.tape.blocks]
         except Exception as exc:  # reported in the table; the references still run
             self.tape_error = f"profile failed: {type(exc).__name__}: {first_line(exc)}"
@@ -190,7 +191,7 @@ class _Sweep:
         self._measure_all(self.variants[before:])
         if self.plain.measure is not None and self.plain.measure.allocator_peak_bytes is not None:
             # CUDA kernels differ from themselves (NOTE [ Judging gradients ] in _verify.py)
-            again = bench_measure(self.model, self.inputs, self.rng, loop=self.settings.loop)
+            again = bench_measure(self.step, self.rng)
             _, self.noise_floor = max_grad_diff(self.plain.measure.grads, again.grads)
         self._time_rounds([v for v in self.variants if v.measure is not None])
 
@@ -270,8 +271,7 @@ class _Sweep:
         self.progress(0, f"{self.target}: measuring {variant.method} {variant.budget}")
         try:
             with variant.installed():
-                variant.measure = bench_measure(self.model, self.inputs, self.rng,
-                                                loop=self.settings.loop)
+                variant.measure = bench_measure(self.step, self.rng)
         except Exception as exc:  # a reference that breaks on this model is a result too
             if variant.method == NONE:
                 raise
@@ -287,8 +287,7 @@ class _Sweep:
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for variant in order:
                 with variant.installed():
-                    ms, cpu = time_step(self.model, self.inputs, self.rng,
-                                        loop=self.settings.loop)
+                    ms, cpu = time_step(self.step, self.rng)
                 if r:
                     variant.times_ms.append(ms)
                     variant.cpu_ms.append(cpu)

@@ -12,7 +12,6 @@ figures and failures into table cells. Used by :mod:`autoremat._bench.bench` and
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +22,8 @@ from torch.utils._pytree import tree_map
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
 from autoremat._core.flops import FlopCounter
-from autoremat._core.memory import track_allocator, track_memory
-from autoremat._core.step import Loop, preserved_state, run_step
-from autoremat._core.timing import device_of, time_ms
+from autoremat._core.step import Step
+from autoremat._measure.measured import measure_step
 from autoremat._plan.plan import Plan
 from autoremat._targets import load_target
 
@@ -96,35 +94,27 @@ class BenchMeasure:
     allocator_peak_bytes: int | None = None  # rise of max_memory_allocated (CUDA only)
 
 
-def bench_measure(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
-                  loop: Loop = "holds_output") -> BenchMeasure:
+def bench_measure(step: Step, rng: torch.Tensor) -> BenchMeasure:
     """Peak, FLOPs, gradients and buffers after one step from RNG state ``rng``, in the
-    training loop ``loop`` (see NOTE [ Which loop a step models ] in ``step.py``); on CUDA
+    step's training loop (see NOTE [ Which loop a step models ] in ``step.py``); on CUDA
     also the rise of ``torch.cuda.max_memory_allocated()`` over the same step (peak
     statistics reset just before it)."""
-    with preserved_state(model):
-        torch.set_rng_state(rng)
-        # All three in one step: neither the FLOP counter nor the tracker holds tensors,
-        # so none changes what the others see.
-        with track_allocator(device_of(model, inputs)) as alloc, track_memory() as mem, \
-                FlopCounter() as counter:
-            run_step(model, inputs, None, loop=loop)
-        grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
-                 for n, p in model.named_parameters()}
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return BenchMeasure(mem.peak_bytes, counter.total, grads, buffers, alloc.peak_bytes)
+    # All three in one step: neither the FLOP counter nor the tracker holds tensors, so
+    # none changes what the others see.
+    counter = FlopCounter()
+    run = measure_step(step, memory="storages", allocator=True, counter=counter, rng=rng,
+                       grads=True, buffers=True)
+    assert run.grads is not None and run.buffers is not None  # for mypy: asked for
+    return BenchMeasure(run.peak_bytes, counter.total, run.grads, run.buffers,
+                        run.allocator_peak_bytes)
 
 
-def time_step(model: nn.Module, inputs: Any, rng: torch.Tensor, *,
-              loop: Loop = "holds_output") -> tuple[float, float]:
-    """(wall ms, CPU ms of this process) of one plain, uninstrumented step in ``loop``;
-    the wall time is CUDA-synchronised on a GPU (``timing.py``)."""
-    device = device_of(model, inputs)
-    with preserved_state(model):
-        torch.set_rng_state(rng)
-        cpu = time.process_time()
-        wall = time_ms(lambda: run_step(model, inputs, None, loop=loop), device)
-        return wall, (time.process_time() - cpu) * 1e3
+def time_step(step: Step, rng: torch.Tensor) -> tuple[float, float]:
+    """(wall ms, CPU ms of this process) of one plain, uninstrumented step from RNG state
+    ``rng``; the wall time is CUDA-synchronised on a GPU (``timing.py``)."""
+    run = measure_step(step, timed=True, rng=rng)
+    assert run.wall_ms is not None and run.cpu_ms is not None  # for mypy: asked for
+    return run.wall_ms, run.cpu_ms
 
 
 def largest_grad(grads: dict[str, torch.Tensor | None]) -> float:

@@ -1,6 +1,8 @@
 """One training step of a user's model: call it, take the loss, run backward.
 
-Shared by profile, verify, estimate and bench so every figure comes from the same step.
+:class:`Step` holds what defines the step (model, inputs, loss, loop), checked once when
+it is made; profile, verify, auto, estimate and bench all run it (``Step.run``), so every
+figure comes from the same step.
 """
 
 from __future__ import annotations
@@ -9,17 +11,22 @@ import random
 import reprlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autoremat._core.conditions import loop_autocast
 from autoremat._core.errors import LoopError, RematError, did_you_mean
+from autoremat._core.timing import device_of
 
 __all__ = [
     "LOOPS",
     "Loop",
+    "Step",
+    "as_step",
     "cache_configs",
     "caches_off",
     "call_model",
@@ -27,6 +34,7 @@ __all__ = [
     "check_no_cache",
     "default_loss",
     "describe_inputs",
+    "describe_loss",
     "flat_tensors",
     "output_bytes",
     "preserved_state",
@@ -114,6 +122,30 @@ def default_loss(output: Any) -> torch.Tensor:
                      f"scalar tensor")
 
 
+def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, bool]:
+    """Which loss a step takes from ``output`` (as :func:`run_step` does), in words, and
+    whether it is the default sum of logits: a floating output ``(*S, V)`` over an
+    integer input of shape ``S`` (token ids), which a loop trains with a cross-entropy
+    that holds more (NOTE [ The conditions a step is measured under ] in
+    ``conditions.py``)."""
+    if loss_fn is not None:
+        return f"loss_fn {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}", False
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return "output.loss", False
+    first = next((t for t in flat_tensors(output) if t.is_floating_point()), None)
+    if first is None:
+        return "none found", False
+    shape = tuple(first.shape)
+    ids = [tuple(t.shape) for t in flat_tensors(inputs) if not t.is_floating_point()
+           and not t.is_complex() and t.dim() >= 1]
+    logits = first.dim() >= 2 and shape[-1] > 1 and shape[:-1] in ids
+    return (f"the sum of the output's first floating tensor {shape} "
+            f"{str(first.dtype).removeprefix('torch.')} (the default; no loss_fn)", logits)
+
+
 def check_loop(loop: Any) -> Loop:
     """``loop`` if it is one of :data:`LOOPS`, else :class:`~autoremat.LoopError`."""
     if loop not in LOOPS:
@@ -125,48 +157,146 @@ def check_loop(loop: Any) -> Loop:
     return cast(Loop, loop)
 
 
+@dataclass(frozen=True, eq=False, repr=False)
+class Step:
+    """One training step of a model: forward on ``inputs``, the loss, backward, in the
+    training loop ``loop``. What profile, verify, auto, estimate and doctor measure.
+
+    Each of them takes a step in place of its first arguments: ``profile(step)`` measures
+    exactly what ``profile(model, inputs, loss_fn=..., loop=...)`` does (same tape). The
+    other arguments then go by keyword (``auto(step, budget="6GiB")``,
+    ``verify(step, plan=plan)``): a step carries its inputs, so a second positional
+    argument would be read as inputs and is refused. Make one step and pass it around
+    when a script profiles, plans and verifies the same batch; loose arguments read as
+    well for a single call.
+
+    The values are checked when the step is made (:class:`~autoremat.RematError`,
+    :class:`~autoremat.LoopError` for ``loop``); a step is frozen, and
+    ``dataclasses.replace(step, inputs=...)`` makes a checked copy.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(32,) * 2, batch_size=8)
+        >>> def loss_of(out):
+        ...     return out.loss
+        >>> step = autoremat.Step(model, inputs, loss_of, loop="loss_only")
+        >>> step.describe()
+        'MLPChain on (8, 256) float32, (8,) int64; loss: loss_of; loop: loss_only'
+        >>> autoremat.profile(step, timing=False, with_selective=False).loop
+        'loss_only'
+    """
+
+    model: nn.Module  # in the mode it trains in (dropout and BatchNorm active)
+    inputs: Any  # a tensor, a tuple of positional arguments or a dict of keyword arguments
+    loss_fn: LossFn | None = None  # output -> scalar tensor; None: default_loss
+    loop: Loop = "holds_output"  # NOTE [ Which loop a step models ]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise RematError(f"a Step needs an nn.Module as its model, got "
+                             f"{type(self.model).__name__} {reprlib.repr(self.model)}")
+        check_inputs(self.inputs)
+        check_loss_fn(self.loss_fn)
+        check_loop(self.loop)
+
+    def __repr__(self) -> str:
+        return f"Step({self.describe()})"
+
+    def describe(self) -> str:
+        """The step in one line, for messages: model, inputs, loss and loop."""
+        loss = ("the default (output.loss, else the sum of the first floating tensor)"
+                if self.loss_fn is None else getattr(self.loss_fn, "__qualname__",
+                                                     type(self.loss_fn).__name__))
+        return (f"{type(self.model).__name__} on {describe_inputs(self.inputs)}; "
+                f"loss: {loss}; loop: {self.loop}")
+
+    @property
+    def device(self) -> torch.device:
+        """The device the step runs on (:func:`~autoremat._core.timing.device_of`)."""
+        return device_of(self.model, self.inputs)
+
+    def run(self, between: Callable[[], None] | None = None) -> torch.Tensor:
+        """Forward, loss, backward, as the training loop ``self.loop`` runs them.
+
+        Args:
+            between: runs after the loss and before backward.
+
+        Returns:
+            The loss, detached. ``"holds_output"`` keeps the model's output referenced
+            until backward has finished, then releases it before returning;
+            ``"loss_only"`` releases it before backward (NOTE [ Which loop a step
+            models ]).
+        """
+        model, inputs = self.model, self.inputs
+        with loop_autocast() as leave_autocast:  # NOTE [ The conditions a step is
+            # measured under ] in conditions.py: autocast as a loop enters it
+            try:
+                output = call_model(model, inputs)
+            except Exception as exc:
+                # the model's own error: it stays what it is, with where it was raised from
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"autoremat: raised by the forward of "
+                                 f"{type(model).__name__} on inputs {describe_inputs(inputs)}, "
+                                 f"in a training step autoremat ran (profile, verify, auto or "
+                                 f"bench)")
+                raise
+            loss = (self.loss_fn or default_loss)(output)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise RematError(f"loss_fn must return a scalar tensor, got "
+                                 f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+            if not loss.requires_grad:
+                raise RematError("the loss does not require grad: no parameter of the model "
+                                 "is trainable, or the output was detached")
+            held = output if self.loop == "holds_output" else None
+            del output
+            leave_autocast()
+            if between is not None:
+                between()
+            loss.backward()
+            del held  # backward has finished: "holds_output" lets the output go only now
+        return loss.detach()
+
+
+def as_step(model: nn.Module | Step, inputs: Any, loss_fn: LossFn | None, loop: Any,
+            *, caller: str, keyword: str) -> Step:
+    """The step a public function was given: ``model`` itself when it is a :class:`Step`
+    (then ``inputs``, ``loss_fn`` and ``loop`` must be left out), else a step made of the
+    loose arguments (``loop=None``: ``"holds_output"``).
+
+    Args:
+        caller: the function's name, for messages (``"profile"``).
+        keyword: an argument of ``caller`` that goes by keyword after a step, for the
+            message when it was passed positionally (``"budget"``).
+
+    Raises:
+        RematError: a step and loose arguments both, or ``model`` neither a module nor a
+            step; what :class:`Step` raises for a wrong value.
+    """
+    if isinstance(model, Step):
+        given = [f"{name}={reprlib.repr(value)}" for name, value in
+                 (("inputs", inputs), ("loss_fn", loss_fn), ("loop", loop))
+                 if value is not None]
+        if given:
+            raise RematError(
+                f"{caller}() was given a Step and {', '.join(given)}: the step carries its "
+                f"inputs, loss_fn and loop. Pass the other arguments by keyword "
+                f"({caller}(step, {keyword}=...)), or make the step with what you meant "
+                f"(dataclasses.replace(step, ...))")
+        return model
+    if not isinstance(model, nn.Module):
+        raise RematError(f"{caller}() needs an nn.Module, got {type(model).__name__}: pass "
+                         f"the model and its inputs, or an autoremat.Step")
+    return Step(model, inputs, loss_fn, "holds_output" if loop is None else loop)
+
+
 def run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
              between: Callable[[], None] | None = None, *,
              loop: Loop = "holds_output") -> torch.Tensor:
-    """Forward, loss, backward, as the training loop ``loop`` runs them.
-
-    Args:
-        model, inputs: ``model`` is called on ``inputs`` as by :func:`call_model`.
-        loss_fn: ``loss_fn(output) -> scalar``; ``None``: :func:`default_loss`.
-        between: runs after the loss and before backward.
-        loop: ``"holds_output"`` (default) keeps the model's output referenced until
-            backward has finished, then releases it before returning;
-            ``"loss_only"`` releases it before backward. See NOTE [ Which loop a step
-            models ].
-
-    Returns:
-        The loss, detached.
-    """
+    """``Step(model, inputs, loss_fn, loop).run(between)``: forward, loss, backward, as
+    the training loop ``loop`` runs them (see :meth:`Step.run`)."""
     check_loop(loop)
     check_loss_fn(loss_fn)
-    try:
-        output = call_model(model, inputs)
-    except Exception as exc:
-        # the model's own error: it stays what it is, with where it was raised from
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"autoremat: raised by the forward of {type(model).__name__} on "
-                         f"inputs {describe_inputs(inputs)}, in a training step autoremat "
-                         f"ran (profile, verify, auto or bench)")
-        raise
-    loss = (loss_fn or default_loss)(output)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise RematError(f"loss_fn must return a scalar tensor, got "
-                         f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-    if not loss.requires_grad:
-        raise RematError("the loss does not require grad: no parameter of the model is "
-                         "trainable, or the output was detached")
-    held = output if loop == "holds_output" else None
-    del output
-    if between is not None:
-        between()
-    loss.backward()
-    del held  # backward has finished: "holds_output" lets the output go only now
-    return loss.detach()
+    return Step(model, inputs, loss_fn, loop).run(between)
 
 
 def output_bytes(output: Any, loss: torch.Tensor | None = None) -> int:

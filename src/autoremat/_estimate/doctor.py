@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
 from autoremat._core.optimizers import takes_fused
-from autoremat._core.step import LossFn, unique_storage_bytes
+from autoremat._core.step import LossFn, Step, as_step, unique_storage_bytes
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._estimate.estimate import Estimate, estimate
 from autoremat._estimate.fake import parse_dtype, register_hf_attention
@@ -362,7 +362,7 @@ def _combined(est: Estimate, memory: int, inputs: Any, batch: int | None,
                   total <= memory, "every block")
 
 
-def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
+def doctor(model: nn.Module | Step, inputs: Any = None, *, memory: int | str = "80GiB",
            device: str | torch.device | None = "cuda", dtype: torch.dtype | str | None = None,
            optimizer: str | int | None = "adamw", loss_fn: LossFn | None = None,
            blocks: BlockSpec = None, throughput_flops: float | None = None,
@@ -373,7 +373,8 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
 
     Args:
         model, inputs: as for :func:`autoremat.estimate` (any device; ``meta``
-            is cheapest).
+            is cheapest); or an :class:`autoremat.Step` in place of both, which carries
+            ``loss_fn`` and the loop too (``doctor(step, memory="24GiB")``).
         memory: the device's memory (``"80GiB"``, bytes).
         device, dtype, optimizer, loss_fn, blocks, throughput_flops: as for ``estimate``.
         plot_path: write a PNG of where the memory goes there (needs matplotlib).
@@ -391,13 +392,14 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
         >>> p.fits_as_is
         True
     """
+    step = as_step(model, inputs, loss_fn, None, caller="doctor", keyword="memory")
     limit = parse_size(memory, what="memory")
-    options: dict[str, Any] = {"loss_fn": loss_fn, "blocks": blocks, "device": device,
+    options: dict[str, Any] = {"blocks": blocks, "device": device,
                                "dtype": dtype, "optimizer": optimizer,
                                "throughput_flops": throughput_flops}
     # selective-recompute options cost a pass per save-set: measured only for a plan
     stage = progress or (lambda _: None)
-    est = estimate(model, inputs, selective=False, progress=progress, **options)
+    est = estimate(step, selective=False, progress=progress, **options)
     label = target or est.model
     plain, ckpt = est.total_peak_bytes, est.ckpt_total_peak_bytes
     notes: list[str] = []
@@ -411,7 +413,7 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
     elif ckpt <= limit:
         stage("planning under the limit")
         try:
-            est = estimate(model, inputs, max_memory=limit, progress=progress, **options)
+            est = estimate(step, max_memory=limit, progress=progress, **options)
         except BudgetError as exc:
             notes.append(f"the planner found no plan under the limit ({exc}); the "
                          f"prescription checkpoints every block")
@@ -426,11 +428,12 @@ def doctor(model: nn.Module, inputs: Any, *, memory: int | str = "80GiB",
                    f"+{100 * overhead:.1f}% FLOPs recomputed.")
     else:
         def measure(small: Any, ckpt_all: bool) -> StepPeak:
-            return meta_step_peak(model, small, loss_fn=loss_fn, blocks=blocks, device=est.device,
-                                  dtype=dtype, checkpoint_all=ckpt_all)
+            return meta_step_peak(step.model, small, loss_fn=step.loss_fn, blocks=blocks,
+                                  device=est.device, dtype=dtype, checkpoint_all=ckpt_all,
+                                  loop=step.loop)
 
         stage("remedies: fake steps at other settings")
-        remedies = _remedies(est, limit, model, inputs, measure)
+        remedies = _remedies(est, limit, step.model, step.inputs, measure)
         verdict = (f"DOES NOT FIT in {format_bytes(limit)}: peak {format_bytes(plain)} without "
                    f"checkpointing, {format_bytes(ckpt)} with every block checkpointed.")
     result = Prescription(

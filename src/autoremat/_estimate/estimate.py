@@ -65,7 +65,8 @@ from autoremat._core.optimizers import _optimizer_class, optimizer_memory
 from autoremat._core.step import (
     Loop,
     LossFn,
-    check_loop,
+    Step,
+    as_step,
     describe_inputs,
     preserved_state,
     unique_storage_bytes,
@@ -323,8 +324,8 @@ def _block_lines(by_block: dict[str, int]) -> list[str]:
 
 
 def estimate(
-    model: nn.Module,
-    inputs: Any,
+    model: nn.Module | Step,
+    inputs: Any = None,
     budget: int | str | None = None,
     strategy: str = "optimal",
     *,
@@ -337,7 +338,7 @@ def estimate(
     max_memory: int | str | None = None,
     selective: bool = True,
     top: int = 8,
-    loop: Loop = "holds_output",
+    loop: Loop | None = None,
     offload: bool = False,
     host_bandwidth: float | None = None,
     shards: int = 1,
@@ -348,6 +349,8 @@ def estimate(
     Args:
         model: the model, in train mode; on ``meta`` (built under ``torch.device("meta")``)
             or on a real device, in which case a ``meta`` copy is made (no data copied).
+            Or an :class:`autoremat.Step`, which carries ``inputs``, ``loss_fn`` and
+            ``loop`` (the rest by keyword: ``estimate(step, device="cuda")``).
         inputs: a tensor, a tuple of positional args or a dict of keyword args, on any
             device; they are remade on ``meta``.
         budget: with ``strategy``, ask the planner for a plan under this step budget
@@ -368,9 +371,9 @@ def estimate(
             this estimate can use them (one more pass per save-set; cheap on meta).
         top: how many of the largest live tensors to report.
         loop: the training loop to estimate, as for :func:`autoremat.profile`:
-            ``"holds_output"`` (default) keeps the model's output (logits) alive through
-            backward, as ``out = model(**batch); out.loss.backward()`` does;
-            ``"loss_only"`` releases it before backward.
+            ``"holds_output"`` (default, also for ``None``) keeps the model's output
+            (logits) alive through backward, as ``out = model(**batch);
+            out.loss.backward()`` does; ``"loss_only"`` releases it before backward.
         offload: also measure every block offloaded to host memory (and checkpointed
             with its input offloaded), and let the plan offload (``plan(...,
             offload=True)``). The step runs on ``meta``, so the host copies are simply
@@ -401,12 +404,10 @@ def estimate(
         >>> est.step_peak_bytes > 0
         True
     """
-    if not isinstance(model, nn.Module):
-        raise RematError(f"estimate() needs an nn.Module, got {type(model).__name__}")
+    step = as_step(model, inputs, loss_fn, loop, caller="estimate", keyword="budget")
     if budget is not None and max_memory is not None:
         raise BudgetError("give either budget= (the step's own budget) or max_memory= (the "
                           "whole device, parameters and optimizer included), not both")
-    check_loop(loop)
     check_shards(shards)
     check_flag("offload", offload)
     check_flag("selective", selective)
@@ -419,28 +420,27 @@ def estimate(
     if host_bandwidth is not None and not offload:
         raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
                          "neither")
-    target = _resolve_device(model, device)
+    target = _resolve_device(step.model, device)
     target_type = torch.device(target).type
     rounding = target_rounding(target_type)  # NOTE [ CUDA allocator rounding ] in memory.py
     cast = parse_dtype(dtype)
     _optimizer_class(optimizer)  # a misspelt name fails before any work
-    given = inputs  # the caller's batch: its attention masks have values
-    model, inputs = to_meta(model, inputs, cast)
+    given = step.inputs  # the caller's batch: its attention masks have values
+    model, inputs = to_meta(step.model, step.inputs, cast)
+    step = dataclasses.replace(step, model=model, inputs=inputs)
     names = resolve_blocks(model, blocks)
     stage = progress or (lambda _: None)
     try:
         with preserved_state(model), step_as_on(target_type, model, inputs, given) as hf_notes:
             # the tape is for the target (its costs, tape.device), not for meta
-            tape = profile(model, inputs, loss_fn, names, repeats=1,
+            tape = profile(step, blocks=names, repeats=1,
                            with_selective=selective, rounding=rounding,
-                           loop=loop, device=target, offload=offload,
+                           device=target, offload=offload,
                            host_bandwidth=(host_bandwidth or DEFAULT_HOST_BANDWIDTH)
                            if offload else None, progress=progress)
             stage("tracked steps: what is live at the peak")
-            plain = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=False,
-                                  rounding=rounding, loop=loop)
-            ckpt = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=True,
-                                 rounding=rounding, loop=loop)
+            plain = _tracked_step(step, names, checkpoint_all=False, rounding=rounding)
+            ckpt = _tracked_step(step, names, checkpoint_all=True, rounding=rounding)
     except (RuntimeError, NotImplementedError) as exc:
         if "meta" not in str(exc):
             raise
@@ -483,7 +483,7 @@ def estimate(
         ckpt_head_chunked_step_peak_bytes=chunked_loss_peak(ckpt, LOSS_CHUNKS),
         step_fwd_flops=tape.step_fwd_flops, step_bwd_flops=tape.step_bwd_flops,
         ckpt_recompute_flops=sum(b.fwd_flops for b in tape.blocks),
-        throughput_flops=throughput_flops, loop=loop, shards=shards, notes=tuple(notes),
+        throughput_flops=throughput_flops, loop=step.loop, shards=shards, notes=tuple(notes),
         tape=tape,
     )
     if budget is None and max_memory is None:

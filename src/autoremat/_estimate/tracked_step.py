@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoremat._core.blocks import BlockSpec, resolve_blocks
-from autoremat._core.memory import MemoryTracker, Rounding, track_memory
+from autoremat._core.memory import MemoryTracker, Rounding
 from autoremat._core.ops import op_kind
-from autoremat._core.step import Loop, LossFn, check_loop, preserved_state, run_step
+from autoremat._core.step import Loop, LossFn, Step, check_loop, preserved_state
 from autoremat._estimate.fake import (
     _resolve_device,
     meta_refusal,
@@ -29,6 +29,7 @@ from autoremat._estimate.fake import (
     step_as_on,
     to_meta,
 )
+from autoremat._measure.measured import Mark, measure_step
 from autoremat._mechanism.wrap import checkpointed
 
 __all__ = [
@@ -91,27 +92,37 @@ class _MarkWalk:
             self.next += 1
 
 
-def _tracked_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                  *, checkpoint_all: bool, rounding: Rounding | None, loop: Loop) -> _Run:
+def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
+                  rounding: Rounding | None) -> _Run:
+    model = step.model
     root = type(model).__name__
     block_set = set(names)
-    with ExitStack() as stack, track_memory(rounding) as mem:
-        for qualname, module in model.named_modules():
-            def pre(module: nn.Module, args: Any, qualname: str = qualname) -> None:
-                mem.mark(f"enter:{qualname}")
 
-            def post(module: nn.Module, args: Any, output: Any, qualname: str = qualname) -> None:
-                mem.mark(f"exit:{qualname}")
-                if qualname in block_set and torch.is_grad_enabled():
-                    out = next((t for t in _tensors(output) if t.requires_grad), None)
-                    if out is not None:
-                        out.register_hook(lambda g, n=qualname: mem.mark(f"bwd:{n}"))
+    def run(step: Step, mark: Mark) -> None:
+        """The step, marking where each module's forward starts and ends and where each
+        block's backward starts."""
+        with ExitStack() as stack:
+            for qualname, module in model.named_modules():
+                def pre(module: nn.Module, args: Any, qualname: str = qualname) -> None:
+                    mark(f"enter:{qualname}")
 
-            stack.callback(module.register_forward_pre_hook(pre).remove)
-            stack.callback(module.register_forward_hook(post).remove)
-        if checkpoint_all:
-            stack.enter_context(checkpointed(model, names))
-        run_step(model, inputs, loss_fn, between=lambda: mem.mark("backward"), loop=loop)
+                def post(module: nn.Module, args: Any, output: Any,
+                         qualname: str = qualname) -> None:
+                    mark(f"exit:{qualname}")
+                    if qualname in block_set and torch.is_grad_enabled():
+                        out = next((t for t in _tensors(output) if t.requires_grad), None)
+                        if out is not None:
+                            out.register_hook(lambda g, n=qualname: mark(f"bwd:{n}"))
+
+                stack.callback(module.register_forward_pre_hook(pre).remove)
+                stack.callback(module.register_forward_hook(post).remove)
+            if checkpoint_all:
+                stack.enter_context(checkpointed(model, names))
+            step.run(between=lambda: mark("backward"))
+
+    mem = measure_step(step, memory="storages", rounding=rounding, isolated=False,
+                       run=run).memory
+    assert mem is not None  # for mypy: asked for
     for p in model.parameters():
         p.grad = None  # inside preserved_state: the caller's gradients come back after
 
@@ -221,10 +232,11 @@ def meta_step_peak(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = No
     given = inputs
     model, inputs = to_meta(model, inputs, parse_dtype(dtype))
     names = resolve_blocks(model, blocks)
+    step = Step(model, inputs, loss_fn, loop)
     try:
         with preserved_state(model), step_as_on(target, model, inputs, given):
-            run = _tracked_step(model, inputs, loss_fn, names, checkpoint_all=checkpoint_all,
-                                rounding=target_rounding(target), loop=loop)
+            run = _tracked_step(step, names, checkpoint_all=checkpoint_all,
+                                rounding=target_rounding(target))
     except (RuntimeError, NotImplementedError) as exc:
         if "meta" not in str(exc):
             raise

@@ -117,7 +117,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from autoremat._core.allocations import track_allocations
 from autoremat._core.blocks import (
     BlockSpec,
     discovery_notes,
@@ -125,6 +124,7 @@ from autoremat._core.blocks import (
     param_signature,
     resolve_blocks,
 )
+from autoremat._core.conditions import autocast_state, float_dtypes, structure_of
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import (
     BlockError,
@@ -135,29 +135,29 @@ from autoremat._core.errors import (
     internal_assert,
 )
 from autoremat._core.flops import FlopCounter
-from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes, track_memory
+from autoremat._core.memory import MemoryTracker, Rounding, counted_bytes
 from autoremat._core.ops import OpRecord, OpRecorder, OpStats, op_kind
 from autoremat._core.step import (
     Loop,
     LossFn,
+    Step,
+    as_step,
     call_model,
-    check_inputs,
-    check_loop,
-    check_loss_fn,
     check_no_cache,
     default_loss,
     describe_inputs,
+    describe_loss,
     flat_tensors,
     output_bytes,
     parse_device,
     preserved_state,
-    run_step,
     training_config,
     unique_storage_bytes,
 )
-from autoremat._core.timing import Clock, clock_for, device_of
+from autoremat._core.timing import Clock, clock_for
 from autoremat._measure.costs import CostModel, cost_model_for, head_cost
 from autoremat._measure.keepsets import KeepSet, keep_sets
+from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import (
     WINDOW_DECISIONS,
     BlockProfile,
@@ -268,15 +268,14 @@ class _Probe:
         return hook
 
 
-def _run_marked(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                on_mark: Callable[[str], None], *, loop: Loop,
+def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
                 in_order: bool = True) -> _Probe:
     """One step with marks at the block boundaries. Every block must run once; with
     ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``)."""
     probe = _Probe(names, on_mark)
-    with probe.installed(model):
+    with probe.installed(step.model):
         on_mark("start")
-        run_step(model, inputs, loss_fn, between=lambda: on_mark("backward"), loop=loop)
+        step.run(between=lambda: on_mark("backward"))
         on_mark("end")
     for name, calls in zip(names, probe.calls, strict=False):
         if calls != 1:
@@ -432,11 +431,9 @@ def compile_settings(backend: str | None) -> Iterator[None]:
         yield
 
 
-def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-                names: list[str], decisions: _Pattern,
+def _memory_run(step: Step, names: list[str], decisions: _Pattern,
                 contexts: _Contexts | None = None, *,
-                rounding: Rounding | None, loop: Loop,
-                backend: str | None = None,
+                rounding: Rounding | None, backend: str | None = None,
                 counter: FlopCounter | None = None) -> _MemoryRun:
     """One step measured, block ``i`` under ``decisions[i]``: kept, recomputed (with its
     context from ``contexts``, if any), offloaded, or recomputed with its input
@@ -444,6 +441,8 @@ def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     (NOTE [ One pass for memory and FLOPs ])."""
     internal_assert(len(decisions) == len(names),
                     f"{len(decisions)} decisions for {len(names)} blocks")
+    internal_assert(counter is None or backend is None, "FLOPs are counted in eager steps only")
+    model = step.model
     for p in model.parameters():
         p.grad = None
 
@@ -454,23 +453,16 @@ def _memory_run(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     inputs_offloaded = under(Decision.OFFLOAD_INPUT)
     with _step_as_run(model, names, chosen, contexts, backend, offloaded,
                       inputs_offloaded) as states:
-        if backend is not None:  # compile first: compiling allocates too
-            _run_marked(model, inputs, loss_fn, names, lambda label: None, loop=loop)
-            for p in model.parameters():
-                p.grad = None
-        internal_assert(counter is None or backend is None,
-                        "FLOPs are counted in eager steps only")
-        with ExitStack() as counting:
-            if counter is not None:
-                _enter_counter(counting, counter)
-            with (track_allocations(device_of(model, inputs)) if backend is not None
-                  else track_memory(rounding)) as mem:
-                def mark(label: str) -> None:
-                    mem.mark(label)
-                    if counter is not None:
-                        _label(counter, names, label)
-
-                probe = _run_marked(model, inputs, loss_fn, names, mark, loop=loop)
+        # compiled: from the allocator's reports, after a step that compiles (compiling
+        # allocates too)
+        measured = measure_step(
+            step, memory="storages" if backend is None else "allocations", rounding=rounding,
+            counter=counter, isolated=False, warm_up=backend is not None,
+            on_mark=None if counter is None else lambda label: _label(counter, names, label),
+            run=lambda step, mark: _run_marked(step, names, mark))
+    mem, probe = measured.memory, measured.ran
+    internal_assert(mem is not None, "a memory run measures memory")
+    assert mem is not None  # for mypy: internal_assert raised otherwise
     marks = _marks(mem)
     n = len(names)
     missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
@@ -520,24 +512,13 @@ def _label(counter: FlopCounter, names: list[str], label: str) -> None:
         counter.label = "<outside>"
 
 
-def _enter_counter(stack: ExitStack, counter: FlopCounter) -> None:
-    """Enter ``counter``'s dispatch mode on ``stack``; an :class:`OpRecorder` also sees
-    what autograd saves, through its saved-tensors hooks."""
-    stack.enter_context(counter)
-    if isinstance(counter, OpRecorder):
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(counter.pack,
-                                                                      counter.unpack))
-
-
-def _flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-           names: list[str], *, loop: Loop) -> OpRecorder:
+def _flops(step: Step, names: list[str]) -> OpRecorder:
     """One step under an :class:`OpRecorder`: FLOPs by block and the ops of each."""
     counter = OpRecorder()
-    with ExitStack() as stack:
-        _enter_counter(stack, counter)
-        _run_marked(model, inputs, loss_fn, names, lambda label: _label(counter, names, label),
-                    loop=loop)
-    for p in model.parameters():
+    measure_step(step, counter=counter, isolated=False,
+                 on_mark=lambda label: _label(counter, names, label),
+                 run=lambda step, mark: _run_marked(step, names, mark))
+    for p in step.model.parameters():
         p.grad = None
     return counter
 
@@ -551,17 +532,16 @@ def _recompute_flops(counter: FlopCounter, plain: FlopCounter, names: list[str])
             for n in names]
 
 
-def _checkpointed_flops(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
-                        names: list[str], plain: FlopCounter,
-                        contexts: dict[str, ContextFn] | None = None, *,
-                        loop: Loop) -> list[int]:
+def _checkpointed_flops(step: Step, names: list[str], plain: FlopCounter,
+                        contexts: dict[str, ContextFn] | None = None) -> list[int]:
     """:func:`_recompute_flops` of a step of its own with every block checkpointed (those
     in ``contexts`` selective): for compiled profiles, whose memory steps count no FLOPs."""
     counter = FlopCounter()
-    with checkpointed(model, names, contexts), counter:
-        _run_marked(model, inputs, loss_fn, names, lambda label: _label(counter, names, label),
-                    loop=loop)
-    for p in model.parameters():
+    with checkpointed(step.model, names, contexts):
+        measure_step(step, counter=counter, isolated=False,
+                     on_mark=lambda label: _label(counter, names, label),
+                     run=lambda step, mark: _run_marked(step, names, mark))
+    for p in step.model.parameters():
         p.grad = None
     return _recompute_flops(counter, plain, names)
 
@@ -606,8 +586,8 @@ class _Stamps:
 _AGREE = 0.05  # two step times this close (relative) end the timing (NOTE [ Timing repeats ])
 
 
-def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-             repeats: int, *, loop: Loop, first: _Times | None = None) -> _Times:
+def _timings(step: Step, names: list[str], repeats: int, *,
+             first: _Times | None = None) -> _Times:
     """Per-block forward and backward medians and the step's, from stamps at the block
     boundaries: ``perf_counter`` on the CPU, CUDA events read after one synchronise at
     the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``).
@@ -623,17 +603,17 @@ def _timings(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[
     #     reads times (they cost FLOPs and bytes), so this saves steps, not accuracy.
     n = len(names)
     samples = [first] if first is not None and repeats >= 3 else []
-    clock = clock_for(device_of(model, inputs))
+    clock = clock_for(step.device)
     while len(samples) < repeats:
         if len(samples) >= 2 and \
                 abs(samples[-1].step_ms - samples[-2].step_ms) <= _AGREE * samples[-2].step_ms:
             break
         stamps = _Stamps(clock)
         clock.sync()
-        _run_marked(model, inputs, loss_fn, names, stamps, loop=loop)
+        _run_marked(step, names, stamps)
         clock.sync()
         samples.append(stamps.times(n))
-        for p in model.parameters():
+        for p in step.model.parameters():
             p.grad = None
     return _Times([statistics.median(s.fwd_ms[i] for s in samples) for i in range(n)],
                   [statistics.median(s.bwd_ms[i] for s in samples) for i in range(n)],
@@ -675,7 +655,8 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
-    (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets 0."""
+    (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
+    was made before the first block's forward."""
     start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
     for record in run.mem.records:
@@ -684,6 +665,8 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
         made_in = _forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
             out[made_in + 1] += record.nbytes
+        elif made_in is None and record.born <= run.bounds[0]:
+            out[0] += record.nbytes  # made before the first block (position ids)
     return out
 
 
@@ -732,8 +715,7 @@ def _pairs_missing(runs: dict[_Pattern, _MemoryRun], n: int, alike: Sequence[int
     return False
 
 
-def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-                    base: _BaseRuns, setup: _Setup,
+def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
                     stage: Callable[[str], None] = lambda _: None,
                     ) -> list[dict[str, SelectiveProfile]]:
     """Each block's selective options (save-sets of op kinds, keep-sets by position),
@@ -742,7 +724,7 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
     the figures measured on block ``alike[i]``. Recompute FLOPs are measured, as for
     whole blocks: checkpoint's early stop skips the ops after the last one backward
     needs."""
-    plain = base.counter
+    step, plain = setup.step, base.counter
     ops = [plain.block_ops(name) for name in names]
     options = _selective_options(names, [plain.block_stats(name) for name in names], ops,
                                  setup.cost_model)
@@ -766,13 +748,10 @@ def _selective_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names
         contexts = _Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
                              {names[i]: options[i][key][1] for i, key in chosen.items()})
         counter = FlopCounter() if setup.backend is None else None
-        run = _memory_run(model, inputs, loss_fn, names, (Decision.RECOMPUTE,) * len(names),
-                          contexts,
-                          rounding=setup.rounding, loop=setup.loop, backend=setup.backend,
-                          counter=counter)
+        run = _memory_run(step, names, (Decision.RECOMPUTE,) * len(names), contexts,
+                          rounding=setup.rounding, backend=setup.backend, counter=counter)
         flops = _recompute_flops(counter, plain, names) if counter is not None else \
-            _checkpointed_flops(model, inputs, loss_fn, names, plain, contexts.eager,
-                                loop=setup.loop)
+            _checkpointed_flops(step, names, plain, contexts.eager)
         for i, key in chosen.items():
             measured[alike[i], key] = (run.fwd[i], run.bwd[i], flops[i])
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
@@ -858,26 +837,23 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
 class _Setup:
     """What ``profile``'s arguments come to once checked, before any step runs."""
 
-    model: nn.Module  # the module the steps run (a compiled model's inner one)
+    step: Step  # the step the runs measure (of a compiled model's inner module)
     backend: str | None  # torch.compile backend of the steps; None: eager
     ran_on: torch.device  # where the steps run
     target: str  # the device the tape is for (tape.device)
     cost_model: CostModel  # the target's rates
     rounding: Rounding | None
-    loop: Loop
     offload: bool
     host_bandwidth: float | None
     names: list[str]  # the blocks given or found, in the order defined
 
 
-def _checked_setup(model: nn.Module, inputs: Any, loss_fn: LossFn | None, blocks: BlockSpec,
-                   *, repeats: int, with_selective: bool, timing: bool,
-                   rounding: Rounding | None, loop: Loop, device: str | torch.device | None,
-                   compile: bool | str, offload: bool,
+def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selective: bool,
+                   timing: bool, rounding: Rounding | None,
+                   device: str | torch.device | None, compile: bool | str, offload: bool,
                    host_bandwidth: float | None, with_head: bool = True) -> _Setup:
-    """``profile``'s arguments checked (a mistake fails here, before any work)."""
-    if not isinstance(model, nn.Module):
-        raise RematError(f"profile() needs an nn.Module, got {type(model).__name__}")
+    """``profile``'s arguments checked (a mistake fails here, before any work; the step's
+    own values were checked when it was made)."""
     backend = compile_backend(compile)
     if offload and backend is not None:
         raise RematError("profile(offload=True, compile=...) is not supported: offloaded "
@@ -891,19 +867,17 @@ def _checked_setup(model: nn.Module, inputs: Any, loss_fn: LossFn | None, blocks
                                        or not host_bandwidth > 0):
         raise RematError(f"host_bandwidth must be a positive number of bytes per second "
                          f"(e.g. 25e9), got {host_bandwidth!r}")
-    model = uncompiled(model)
+    step = dataclasses.replace(step, model=uncompiled(step.model))
+    model = step.model
     check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
     for flag, value in (("with_selective", with_selective), ("timing", timing),
                         ("offload", offload), ("with_head", with_head)):
         check_flag(flag, value)
-    check_inputs(inputs)
-    check_loss_fn(loss_fn)
     if not torch.is_grad_enabled():
         raise RematError("profile() was called with gradients disabled (under "
                          "torch.no_grad() or torch.inference_mode()): it measures a training "
                          "step, whose backward needs them; call it outside that block")
-    check_loop(loop)
-    ran_on = device_of(model, inputs)
+    ran_on = step.device
     if device is None and ran_on.type == "meta":
         raise RematError("profile() of a model on meta needs device=, the device the tape is "
                          "for (its recompute costs and tape.device), e.g. device='cuda'; or "
@@ -917,8 +891,8 @@ def _checked_setup(model: nn.Module, inputs: Any, loss_fn: LossFn | None, blocks
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
                          f"blocks=[...] with the names of the layers to plan over")
-    return _Setup(model=model, backend=backend, ran_on=ran_on, target=target,
-                  cost_model=cost_model, rounding=rounding, loop=loop, offload=offload,
+    return _Setup(step=step, backend=backend, ran_on=ran_on, target=target,
+                  cost_model=cost_model, rounding=rounding, offload=offload,
                   host_bandwidth=host_bandwidth, names=names)
 
 
@@ -931,20 +905,25 @@ class _Chain:
     output_bytes: int  # the model's output, less the loss (tape.output_bytes)
     notes: list[str]  # what changed from the blocks found, and inputs held
     times: _Times | None  # of that first step, when timed and the chain is what it stamped
+    loss: str = ""  # the loss it took, in words (conditions.describe_loss)
+    autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
 
 
-def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup, *,
-           in_order: bool, timed: bool) -> _Chain:
+def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     """One uninstrumented step (it also warms up: lazy state is not measured later) that
     finds the chain and the output's size, timed when ``timed``, and one forward without
     gradients that finds the inputs held outside it. ``in_order``: the blocks were
     given, and must run in that order."""
     held: list[int] = []
+    step = setup.step
+    model, inputs = step.model, step.inputs
+    losses: list[tuple[str, bool]] = []
 
     def measure_output(output: Any) -> torch.Tensor:
         check_no_cache(model, output)
-        loss = (loss_fn or default_loss)(output)
+        loss = (step.loss_fn or default_loss)(output)
         held.append(output_bytes(output, loss))
+        losses.append(describe_loss(output, step.loss_fn, inputs))
         return loss
 
     seen: list[str] = []
@@ -952,13 +931,19 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
     clock = clock_for(setup.ran_on)
     stamps = _Stamps(clock)
 
+    autocast: list[str] = []  # as the first block to run sees it (NOTE [ The conditions a
+    # step is measured under ]: a forward may enter autocast itself)
+
     def mark(label: str) -> None:
+        if label.startswith("fwd:") and not autocast:
+            autocast.append(autocast_state())
         seen.append(label)
-        stamps(label)
+        if timed:
+            stamps(label)
 
     clock.sync()
-    warm = _run_marked(model, inputs, measure_output, names, mark if timed else seen.append,
-                       loop=setup.loop, in_order=in_order)
+    warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
+                       in_order=in_order)
     clock.sync()
     notes: list[str] = []
     if not in_order:
@@ -976,8 +961,16 @@ def _chain(model: nn.Module, inputs: Any, loss_fn: LossFn | None, setup: _Setup,
             f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
             f"the model outside the chain (skip connections, kept hidden states): a "
             f"segment of several blocks does not free them, and plans count them held")
+    loss, logits = losses[0]
+    if logits:  # NOTE [ The conditions a step is measured under ]
+        why = (f"{type(model).__name__} returns logits and was profiled without loss_fn: "
+               f"the step measured takes {loss}, which holds less than the cross-entropy a "
+               "training loop takes (its softmax and gradient over the vocabulary); "
+               "profile with loss_fn=<the loop's loss>, or give the model labels")
+        notes.append(why)
+        warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
-                  times=times)
+                  times=times, loss=loss, autocast=autocast[0] if autocast else "")
 
 
 @dataclass(frozen=True)
@@ -997,12 +990,13 @@ class _BaseRuns:
         return self.runs[(Decision.KEEP,) * len(self.recompute_flops)]
 
 
-def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-               setup: _Setup, stage: Callable[[str], None] = lambda _: None) -> _BaseRuns:
+def _base_runs(names: list[str], setup: _Setup,
+               stage: Callable[[str], None] = lambda _: None) -> _BaseRuns:
     """One memory step per pattern of whole-block decisions (``_patterns``); eager, the plain
     one also records FLOPs and ops, and the checkpointed one recompute FLOPs
     (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them."""
     n, backend = len(names), setup.backend
+    step, model = setup.step, setup.step.model
     eager = backend is None
     counter = OpRecorder()
     ckpt_counter = FlopCounter() if eager else None
@@ -1014,14 +1008,14 @@ def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: lis
     for pattern in patterns:
         if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
             if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
-                counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
+                counter = _flops(step, names)
             alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
         if len(runs) >= 3 and not setup.offload and \
                 not _pairs_missing(runs, n, alike, 2):
             break  # NOTE [ Alternations shared by alike blocks ]
         stage(f"memory runs {len(runs) + 1}/{len(patterns)}")
-        runs[pattern] = _memory_run(model, inputs, loss_fn, names, pattern,
-                                    rounding=setup.rounding, loop=setup.loop, backend=backend,
+        runs[pattern] = _memory_run(step, names, pattern, rounding=setup.rounding,
+                                    backend=backend,
                                     counter={kept: counter, ckpt: ckpt_counter}.get(pattern)
                                     if eager else None)
         if pattern == kept:  # the gradients the plain step left
@@ -1037,11 +1031,11 @@ def _base_runs(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: lis
         p.grad = None
     if len(runs) < 3:  # a chain of one block
         if not eager:
-            counter = _flops(model, inputs, loss_fn, names, loop=setup.loop)
+            counter = _flops(step, names)
         alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
     recompute_flops = _recompute_flops(ckpt_counter, counter, names) \
         if ckpt_counter is not None else \
-        _checkpointed_flops(model, inputs, loss_fn, names, counter, loop=setup.loop)
+        _checkpointed_flops(step, names, counter)
     return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
                      grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
                      host_bandwidth=bandwidth, alike=alike)
@@ -1067,11 +1061,12 @@ def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list
     return notes
 
 
-def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _BaseRuns,
+def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: _Times, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
     """The tape, from what the steps measured."""
     names, runs, plain, counter = chain.names, base.runs, base.plain, base.counter
+    model, inputs = setup.step.model, setup.step.inputs
     n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
     measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
     released = {pattern: _released_at_fwd_end(run, n) for pattern, run in runs.items()}
@@ -1127,8 +1122,10 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
-        step_ms=times.step_ms, loop=setup.loop, output_bytes=chain.output_bytes,
+        step_ms=times.step_ms, loop=setup.step.loop, output_bytes=chain.output_bytes,
         compiled=setup.backend or "", head=head, notes=tuple(notes),
+        autocast=chain.autocast, dtypes=float_dtypes(model), loss=chain.loss,
+        structure=structure_of(model, names),
     )
 
 
@@ -1143,17 +1140,18 @@ def _tape(model: nn.Module, inputs: Any, setup: _Setup, chain: _Chain, base: _Ba
 #     least nothing: never below what it measures. Two chunk counts are measured
 #     (:data:`HEAD_CHUNKS`): few chunks cost least, many hold least; the transient of a
 #     chunk is proportional to its rows, so more options would add little.
-def _head_options(model: nn.Module, inputs: Any, names: list[str], site: HeadSite,
+def _head_options(names: list[str], site: HeadSite,
                   setup: _Setup) -> tuple[HeadProfile | None, str]:
     """The head options of ``site``, measured (NOTE [ Measuring the head ]); or ``None``
     and why, when the chunked head never ran in the step."""
+    model = setup.step.model
+    step = dataclasses.replace(setup.step, loss_fn=None)  # the chunked head takes the loss
     weight = model.get_submodule(site.name).weight
     weight_bytes = cast(torch.Tensor, weight).untyped_storage().nbytes()
     options = {}
     for chunks in HEAD_CHUNKS:
         with head_installed(model, site, chunks) as install:
-            run = _memory_run(model, inputs, None, names, (Decision.KEEP,) * len(names),
-                              rounding=setup.rounding, loop=setup.loop)
+            run = _memory_run(step, names, (Decision.KEEP,) * len(names), rounding=setup.rounding)
         if install is None or install.calls != 1:
             calls = 0 if install is None else install.calls
             return None, (f"the loss head {site} took {calls} losses in one step, not one "
@@ -1168,12 +1166,16 @@ def _head_options(model: nn.Module, inputs: Any, names: list[str], site: HeadSit
                        weight_bytes=weight_bytes, options=options), ""
 
 
-def _head(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str],
-          setup: _Setup, with_head: bool,
+def _head(names: list[str], setup: _Setup, with_head: bool,
           stage: Callable[[str], None]) -> tuple[HeadProfile | None, str]:
     """The loss head's options, where the model has a head autoremat can chunk (NOTE
     [ Which heads can be chunked ]); else ``None`` and why ("" when it has no head)."""
-    site, why = find_head(model, inputs, loss_fn) if with_head else (None, "")
+    step = setup.step
+    site, why = find_head(step.model, step.inputs, step.loss_fn) if with_head else (None, "")
+    if site is not None and autocast_state():
+        return None, (f"a profile under autocast ({autocast_state()}) measures no loss-head "
+                      "options (the chunked head runs in the parameters' dtype): the head "
+                      "stays as the model computes it")
     if site is not None and setup.backend is not None:
         return None, ("a compiled profile measures no loss-head options (the head is "
                       "outside the compiled blocks): the head stays as the model computes "
@@ -1181,13 +1183,13 @@ def _head(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: list[str
     if site is None:
         return None, why
     stage("loss head options")
-    return _head_options(model, inputs, names, site, setup)
+    return _head_options(names, site, setup)
 
 
-def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
+def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None = None,
             blocks: BlockSpec = None, *, repeats: int = 3,
             with_selective: bool = True, timing: bool = True,
-            rounding: Rounding | None = None, loop: Loop = "holds_output",
+            rounding: Rounding | None = None, loop: Loop | None = None,
             device: str | torch.device | None = None, compile: bool | str = False,
             offload: bool = False, host_bandwidth: float | None = None,
             with_head: bool = True,
@@ -1195,7 +1197,10 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
     """Measure one training step of ``model`` block by block.
 
     Args:
-        model: the model, in the mode you train it in (dropout and BatchNorm active).
+        model: the model, in the mode you train it in (dropout and BatchNorm active); or
+            an :class:`autoremat.Step`, which carries ``inputs``, ``loss_fn`` and
+            ``loop`` (then leave those out and pass the rest by keyword:
+            ``profile(step, blocks=...)``; the tape is the same).
         inputs: a tensor, a tuple of positional args, or a dict of keyword args.
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` when present,
             else the sum of the first floating tensor in the output.
@@ -1214,7 +1219,8 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
             by default by device (the CUDA caching allocator's blocks on a GPU);
             ``"cuda"`` predicts a GPU's bytes from a step on ``meta``.
         loop: the training loop to measure (recorded as ``tape.loop``; plans made from
-            the tape hold for it). ``"holds_output"`` (default): the output stays
+            the tape hold for it). ``"holds_output"`` (default, also for ``None``): the
+            output stays
             referenced until backward has finished (``out = model(**batch);
             out.loss.backward()``); a budget that holds for it also holds for a loop
             that releases the output earlier. ``"loss_only"``: only the loss survives
@@ -1265,33 +1271,33 @@ def profile(model: nn.Module, inputs: Any, loss_fn: LossFn | None = None,
         * A block that runs more than once per step (shared weights) is rejected.
         * Times on a busy machine are noisy; planning uses FLOPs and bytes, not times.
     """
-    setup = _checked_setup(model, inputs, loss_fn, blocks, repeats=repeats,
-                           with_selective=with_selective, timing=timing, rounding=rounding,
-                           loop=loop, device=device, compile=compile, offload=offload,
-                           host_bandwidth=host_bandwidth, with_head=with_head)
-    model = setup.model
+    step = as_step(model, inputs, loss_fn, loop, caller="profile", keyword="blocks")
+    setup = _checked_setup(step, blocks, repeats=repeats, with_selective=with_selective,
+                           timing=timing, rounding=rounding, device=device, compile=compile,
+                           offload=offload, host_bandwidth=host_bandwidth,
+                           with_head=with_head)
+    step = setup.step
     stage = progress or (lambda _: None)
-    with preserved_state(model), training_config(model) as cache_notes, \
+    with preserved_state(step.model), training_config(step.model) as cache_notes, \
             compile_settings(setup.backend):
         timed = timing and setup.ran_on.type != "meta"
         stage("warm-up step")
-        chain = _chain(model, inputs, loss_fn, setup, in_order=blocks is not None,
+        chain = _chain(setup, in_order=blocks is not None,
                        timed=timed and setup.backend is None)  # compiled: timed compiled
-        base = _base_runs(model, inputs, loss_fn, chain.names, setup, stage)
-        selective = _selective_runs(model, inputs, loss_fn, chain.names, base, setup,
-                                    stage) if with_selective else [{} for _ in chain.names]
-        notes = _mode_notes(model, chain.names, discovered=blocks is None)
-        head, why = _head(model, inputs, loss_fn, chain.names, setup, with_head, stage)
+        base = _base_runs(chain.names, setup, stage)
+        selective = _selective_runs(chain.names, base, setup, stage) \
+            if with_selective else [{} for _ in chain.names]
+        notes = _mode_notes(step.model, chain.names, discovered=blocks is None)
+        head, why = _head(chain.names, setup, with_head, stage)
         if why:
             notes.append(why)
         if timed:
             stage(f"timing {repeats} steps")
-            with _step_as_run(model, chain.names, [], None, setup.backend):
-                times = _timings(model, inputs, loss_fn, chain.names, repeats,
-                                 loop=setup.loop, first=chain.times)
+            with _step_as_run(step.model, chain.names, [], None, setup.backend):
+                times = _timings(step, chain.names, repeats, first=chain.times)
         else:
             times = _Times.unmeasured(len(chain.names))
             notes.append("times not measured (" + ("meta tensors" if setup.ran_on.type ==
                                                    "meta" else "timing=False") + ")")
-    return _tape(model, inputs, setup, chain, base, selective, times, head=head,
+    return _tape(setup, chain, base, selective, times, head=head,
                  notes=notes + chain.notes + cache_notes + base.plain.mem.notes)

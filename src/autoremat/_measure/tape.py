@@ -22,6 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from autoremat._core.conditions import conditions_line
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError, SchemaError, did_you_mean
 from autoremat._core.ops import OpRecord, OpStats
@@ -207,6 +208,14 @@ class Tape:
     # Its loss head and the head options measured (None: none found, or none measured;
     # notes say why).
     head: HeadProfile | None = None
+    # What else the step ran under (NOTE [ The conditions a step is measured under ] in
+    # _core/conditions.py): the autocast regions ("cpu:bfloat16"; "": none), the floating
+    # dtypes of the parameters ("float32"), the loss it took, and how many modules each
+    # parent of a block holds ("blocks=4"). dtypes "": saved before these were recorded.
+    autocast: str = ""
+    dtypes: str = ""
+    loss: str = ""
+    structure: str = ""
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -587,7 +596,8 @@ def tape_table(tape: Tape) -> str:
             f"loop {tape.loop}{_held(tape)}\n"
             f"parameters {format_bytes(tape.param_bytes)}, buffers "
             f"{format_bytes(tape.buffer_bytes)}, gradients {format_bytes(tape.grad_bytes)}; "
-            f"step {tape.step_ms:.1f} ms, {format_flops(tape.step_flops, 'FLOPs')}\n")
+            f"step {tape.step_ms:.1f} ms, {format_flops(tape.step_flops, 'FLOPs')}\n"
+            + conditions_line(tape.loss, tape.autocast, tape.dtypes))
     notes = "".join(f"\nnote: {n}" for n in tape.notes)
     return head + _head_line(tape) + table + notes
 

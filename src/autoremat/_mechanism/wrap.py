@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import random
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -143,8 +144,58 @@ class _RestoredBuffers:
 #     * A buffer other than BatchNorm's statistics changed in forward: put back after
 #       each recompute (updated once, as BatchNorm's), but the recompute reads it as
 #       the forward left it, not as it found it; warned once (StatefulBlockWarning).
-#     What a recompute saves with other shapes than the forward (a slice whose length
-#     is drawn) is still checkpoint's own error, raised after the recompute ends.
+#     * What a recompute saves with other shapes than the forward (a slice whose length
+#       comes from a counter): checkpoint compares what it saved with what the recompute
+#       made after the recompute ends, outside every context of ours, and raises its
+#       own CheckpointError, which names no block. Its frame's check is wrapped, on that
+#       frame only, to raise a RematError naming the region (_NamedCheck); a torch
+#       whose frame is not found where this looks keeps its own error.
+
+
+class _NamedCheck:
+    """A checkpoint frame's ``check_recomputed_tensors_match``, which raises a
+    :class:`RematError` naming the region instead of checkpoint's own error (NOTE
+    [ What a recompute cannot see ]). It holds the frame weakly: the frame holds it."""
+
+    def __init__(self, frame: Any, label: str) -> None:
+        self.frame = weakref.ref(frame)
+        self.label = label
+
+    def __call__(self, gid: Any) -> None:
+        frame = self.frame()
+        if frame is None:
+            return
+        try:
+            type(frame).check_recomputed_tensors_match(frame, gid)
+        except _cp.CheckpointError as exc:
+            detail = " ".join(str(exc).split("\n")[1:4])
+            raise RematError(
+                f"block {self.label} saved tensors of other shapes, dtypes or number when "
+                f"it was recomputed in backward than in its forward ({detail.strip()}): a "
+                "recompute must run the same ops on tensors of the same shapes. Its forward "
+                "depends on something besides its inputs and torch's RNG: a length, index "
+                "or flag from a counter or schedule that changed since the forward, "
+                "Python's or numpy's random (not replayed: draw from torch). Keep this "
+                "block (leave it out of blocks= when profiling) or make its forward a "
+                "function of its inputs") from exc
+
+
+def _name_the_check(label: str) -> None:
+    """Wrap the check of the checkpoint frame now recording (found through the saved-
+    tensor hooks it installed) in a :class:`_NamedCheck`; nothing if not found."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    frame_type = getattr(_cp, "_CheckpointFrame", None)
+    if not hooks or frame_type is None:
+        return
+    for cell in getattr(hooks[1], "__closure__", None) or ():
+        try:
+            frame = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(frame, frame_type):
+            if "check_recomputed_tensors_match" not in vars(frame):
+                frame.check_recomputed_tensors_match = _NamedCheck(frame, label)
+            return
 
 
 def _changed_inputs(tensors: list[torch.Tensor], versions: list[int]) -> list[int]:
@@ -243,6 +294,7 @@ class _ForwardContext:
             self.python = random.getstate()
         self.buffers = self.layout.plain()
         self.versions = [buf._version for _, buf in self.buffers]
+        _name_the_check(self.region.label)
         self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:

@@ -30,6 +30,7 @@ from autoremat._plan.peak import (
     block_costs,
     fixed_peaks,
     post_window,
+    predict_peak,
     segment_cost,
     segment_runs,
     suffix_z,
@@ -89,6 +90,13 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     """
     n = len(tape.blocks)
     budget = np.inf if budget_bytes is None else float(budget_bytes)
+    keep_all = tuple((i, i + 1, KEEP) for i in range(n))
+    kept_peak = predict_peak(tape, keep_all)
+    if objective == "cost" and kept_peak <= budget:
+        # costs nothing: the best plan whenever it fits, which the DP below, counting
+        # what a plan releases when the forward returns at the least any plan does
+        # (NOTE [ Released when the forward returns ]), may not see
+        return ChainSolution(keep_all, 0, kept_peak)
     z = suffix_z(tape)
     stops = _allowed_stops(tape, max_segment)
     costs_of_blocks = block_costs(tape)

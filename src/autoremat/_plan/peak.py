@@ -69,7 +69,15 @@ NOTE [ Released when the forward returns ]
     under their decisions, in the solver by the least any plan releases (which can only
     over-predict).
     Only the inputs of the blocks up to ``j`` matter for ``Z_j`` (``suffix_z``): those
-    of later blocks are gone by ``j``'s backward either way. Likewise a segment's
+    of later blocks are gone by ``j``'s backward either way. What the model made before
+    the first block and released when the forward returns (a Hugging Face Llama's
+    ``position_ids``, passed to every layer) is the first block's: a checkpoint of any
+    block it is passed to holds it until that block's backward, so a plan that
+    checkpoints any block counts it held through the backward, as the least any mode
+    releases (512 bytes under at 64 tokens before; exact where the first block
+    checkpointed is the first that takes it, else over by it until then). The solver
+    counts it held in every plan but the one that keeps every block, which
+    ``chain.solve`` checks by itself first. Likewise a segment's
     recompute keeps what the plain forward of its blocks freed (``fwd_frees``: an input
     nothing else keeps), so the composed recompute counts it held, and before it starts
     it copies the BatchNorm statistics of all its blocks (``stash_bytes``), counted over
@@ -185,6 +193,9 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
         if choice.decision is not Decision.SELECTIVE:
             out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
         prev = cost.seen_as
+    if any(choice.decision is not _KEEP for _, _, choice in segments):
+        out[0] = least_release(tape)[0]  # what the model made before the first block, any
+        # checkpoint of a block it is passed to may hold (NOTE [ Released when ... ])
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from autoremat._core.conditions import conditions_line
 from autoremat._core.decisions import (
     BLOCK_DECISIONS,
     KEEP,
@@ -133,6 +134,14 @@ class Plan:
     # and the model's mode then (model.training).
     device: str = ""
     training: bool = True
+    # What its tape's step ran under, as the tape records it (NOTE [ The conditions a
+    # step is measured under ] in _core/conditions.py): autocast ("cpu:bfloat16"; "":
+    # none), the parameters' floating dtypes, the loss taken, the blocks' parents' sizes
+    # ("blocks=4"). dtypes "": made from a tape that did not record them (not checked).
+    autocast: str = ""
+    dtypes: str = ""
+    loss: str = ""
+    structure: str = ""
     # The loss head: kept (as the model computes it) or chunked over N chunks of tokens
     # (NOTE [ A chunked head ] in _core/head.py; files write "keep" or "chunked:N"), and
     # where it is ("hf:lm_head" or "module:<name>"; "" without a head option).
@@ -242,7 +251,8 @@ class Plan:
         if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
-        for key in ("strategy", "model", "inputs", "compiled", "device", "head_site"):
+        for key in ("strategy", "model", "inputs", "compiled", "device", "head_site",
+                    "autocast", "dtypes", "loss", "structure"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         _check_head(loaded)
         _expect(loaded.training, bool, "plan.training")
@@ -296,7 +306,7 @@ class Plan:
                    if self.offload_blocks else "")
                 + (f"; parameters sharded over {self.shards} ranks" if self.shards > 1
                    else "")
-                + "\n")
+                + "\n" + conditions_line(self.loss, self.autocast, self.dtypes))
         if self.head.decision is Decision.CHUNKED:
             rows.append([f"{self.head_site.partition(':')[2]} (loss head)",
                          f"chunked: {self.head_chunks} chunks of tokens, the full logits never "
@@ -965,7 +975,8 @@ def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
                                  for start, _, choice in segments),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
         model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
-        device=tape.device, training=tape.training,
+        device=tape.device, training=tape.training, autocast=tape.autocast,
+        dtypes=tape.dtypes, loss=tape.loss, structure=tape.structure,
     )
 
 

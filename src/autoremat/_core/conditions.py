@@ -1,0 +1,127 @@
+"""The conditions a training step runs under, as a tape records them and a plan checks.
+
+NOTE [ The conditions a step is measured under ]
+    A tape's figures hold for the step it measured; a loop that runs the model under
+    other conditions holds other tensors, and a plan made from the tape may go over its
+    budget (up to 2x was seen) with nothing said. The tape therefore records, and the
+    plan carries, what else shaped the step beyond its inputs, device and mode:
+    * ``autocast``: the autocast regions the first block runs under (``"cpu:bfloat16"``;
+      ``""``: none; a forward may enter autocast itself, as Accelerate's mixed precision
+      does). Under autocast every matmul saves a cast copy of its weight: a loop under
+      autocast of a plan profiled without (or the other way round) holds other bytes.
+      Checked at the first block of each forward with gradients (warned once).
+    * ``dtypes``: the floating dtypes of the model's parameters (``"float32"``). Checked
+      at apply (each block's parameters, ``BlockDecision.params``) and at each forward
+      with gradients (a model cast with ``.double()`` after apply; warned once).
+    * ``loss``: which loss the step took (``loss_fn``, ``output.loss``, or the default sum
+      of a tensor of the output, named with its shape). Said in the tape's and the
+      plan's tables; a profile that sums logits (an output ``(*S, V)`` over an integer
+      input ``S``: token ids) without ``loss_fn`` is warned about: a loop's
+      cross-entropy holds its softmax besides (41.7 MB against a 22.8 MB budget).
+    * ``structure``: how many modules each parent of a block holds (``"blocks=4"``): a
+      plan of a 4-layer model applied to a 6-layer one of the same class (the blocks it
+      names exist, the two it does not run kept) is refused at apply; a block appended or
+      replaced after apply is warned about at the next forward with gradients.
+    * calls: every block runs once per forward (``profile`` refuses others); a block
+      that runs more often (a keyword that makes blocks run twice) is warned about when
+      the forward returns.
+    The autocast cache is also part of the step: a loop that enters ``torch.autocast`` for
+    each forward starts each iteration with an empty weight-cast cache, and frees it when
+    the region exits (before backward), while the profile's steps all ran inside one
+    region, the casts of one step still cached in the next (measured 8-15% under the
+    loop's peak). Every step autoremat measures therefore runs as the loop does
+    (:func:`loop_autocast`): the cache emptied before the forward and after the loss,
+    and backward outside the region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["autocast_state", "conditions_line", "float_dtypes", "loop_autocast", "structure_of"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def _autocast_devices() -> list[str]:
+    """The device types whose autocast is enabled now."""
+    enabled = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                enabled.append(device)
+        except RuntimeError:  # a device type this build does not know
+            continue
+    return enabled
+
+
+def autocast_state() -> str:
+    """The autocast regions active now, e.g. ``"cpu:bfloat16"`` (``""``: none)."""
+    return ",".join(f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
+                    for device in _autocast_devices())
+
+
+def float_dtypes(model: nn.Module) -> str:
+    """The floating dtypes of ``model``'s parameters, sorted, e.g. ``"float32"``."""
+    return ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                            if p.is_floating_point()}))
+
+
+def structure_of(model: nn.Module, names: list[str]) -> str:
+    """How many modules each parent of the blocks ``names`` holds, e.g. ``"blocks=4"``
+    (``"=N"``: the model itself holds them)."""
+    parents: dict[str, int] = {}
+    for name in names:
+        parent = name.rpartition(".")[0]
+        if parent not in parents:
+            parents[parent] = len(model.get_submodule(parent)._modules)
+    return ",".join(f"{parent}={count}" for parent, count in parents.items())
+
+
+@contextmanager
+def loop_autocast() -> Iterator[Any]:
+    """Run a step as a loop that enters autocast for the forward runs it (NOTE [ The
+    conditions a step is measured under ]): yields a function to call after the loss,
+    which leaves the autocast regions (the cache emptied, autocast off) until the step
+    ends. Without autocast, a no-op."""
+    devices = _autocast_devices()
+    if not devices:
+        yield lambda: None
+        return
+    torch.clear_autocast_cache()
+    left: list[int] = []
+
+    def leave() -> None:
+        depth = 0
+        while torch.autocast_decrement_nesting() > 0:
+            depth += 1
+        left.append(depth + 1)
+        torch.clear_autocast_cache()
+        for device in devices:
+            torch.set_autocast_enabled(device, False)
+
+    try:
+        yield leave
+    finally:
+        if left:
+            for device in devices:
+                torch.set_autocast_enabled(device, True)
+            for _ in range(left[0]):
+                torch.autocast_increment_nesting()
+        torch.clear_autocast_cache()
+
+
+def conditions_line(loss: str, autocast: str, dtypes: str) -> str:
+    """The line of a tape's or a plan's table saying what its step ran under ("" when
+    nothing was recorded)."""
+    if not dtypes:
+        return ""
+    return (f"measured with loss {loss or 'not recorded'}; "
+            + (f"under autocast {autocast}" if autocast else "without autocast")
+            + f"; parameters {dtypes}\n")
+

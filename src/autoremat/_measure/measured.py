@@ -1,0 +1,145 @@
+"""One training step run under the instruments a caller asks for: the routine that
+profile, verify, auto, estimate and bench all measure a :class:`~autoremat.Step` with.
+
+:func:`measure_step` runs the step once (after an unmeasured warm-up, when asked) under
+any of: the storage tracker or the allocator's reports (``memory=``), the CUDA
+allocator's peak (``allocator=True``), a FLOP counter (``counter=``), a clock
+(``timed=True``); by default leaving no trace on the model or the RNGs. What it gives
+back is a :class:`Measured`, with ``None`` for what was not asked for.
+
+Example:
+    >>> import autoremat
+    >>> model, inputs = autoremat.zoo.build("mlp", widths=(64,) * 2, batch_size=8)
+    >>> run = measure_step(autoremat.Step(model, inputs), memory="storages")
+    >>> run.peak_bytes > 0, run.wall_ms is None
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from autoremat._core.allocations import track_allocations
+from autoremat._core.errors import internal_assert
+from autoremat._core.flops import FlopCounter
+from autoremat._core.memory import MemoryTracker, Rounding, track_allocator, track_memory
+from autoremat._core.ops import OpRecorder
+from autoremat._core.step import Step, preserved_state
+from autoremat._core.timing import time_ms
+
+__all__ = ["Mark", "Measured", "Memory", "measure_step"]
+
+Mark = Callable[[str], None]  # labels a point of the step (``"backward"``, ``"fwd:3"``)
+
+# How the step's memory is measured: "storages", the storage tracker (any device, meta
+# included; NOTE [ What "peak" means ] in the design); "allocations", the allocator's own
+# reports, which see compiled code that a dispatch mode would make run eagerly
+# (NOTE [ Measuring a compiled step from the allocator ] in allocations.py).
+Memory = Literal["storages", "allocations"]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one step measured by :func:`measure_step` gave; ``None`` where not asked."""
+
+    ran: Any  # what the run returned: the loss (detached), or the caller's run's result
+    memory: MemoryTracker | None  # levels, marks and records of the step's storages
+    allocator_peak_bytes: int | None  # rise of max_memory_allocated (CUDA only)
+    wall_ms: float | None  # the step's time, CUDA-synchronised on a GPU
+    cpu_ms: float | None  # CPU time of this process over the step
+    grads: dict[str, torch.Tensor | None] | None  # clones, by parameter name
+    buffers: dict[str, torch.Tensor] | None  # clones after the step, by buffer name
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step peak of ``memory`` (bytes above the level before the step)."""
+        internal_assert(self.memory is not None, "a step measured without memory= has no peak")
+        assert self.memory is not None  # for mypy: internal_assert raised otherwise
+        return self.memory.peak_bytes
+
+
+def _plain_run(step: Step, mark: Mark) -> torch.Tensor:
+    """The step, marking where backward starts."""
+    return step.run(between=lambda: mark("backward"))
+
+
+def measure_step(step: Step, *, memory: Memory | None = None,
+                 rounding: Rounding | None = None, allocator: bool = False,
+                 counter: FlopCounter | None = None, on_mark: Mark | None = None,
+                 run: Callable[[Step, Mark], Any] = _plain_run, timed: bool = False,
+                 isolated: bool = True, rng: torch.Tensor | None = None,
+                 warm_up: bool = False, grads: bool = False,
+                 buffers: bool = False) -> Measured:
+    """Run ``step`` once under the instruments asked for.
+
+    Args:
+        memory: ``"storages"`` (the storage tracker, counting bytes by ``rounding``) or
+            ``"allocations"`` (the allocator's reports); ``None``: not measured.
+        allocator: also measure the rise of ``torch.cuda.max_memory_allocated()`` (CUDA
+            only, ``None`` elsewhere): the truth on a GPU.
+        counter: a FLOP counter to count the step in (an :class:`OpRecorder` also sees
+            what autograd saves); the caller reads it afterwards.
+        on_mark: also told every mark the run makes (after ``memory`` records it).
+        run: runs the step, given the step and ``mark``; default: ``step.run()``, marking
+            ``"backward"`` (a caller's run installs its own hooks, e.g. block marks).
+        timed: time the step (wall and CPU); only without other instruments, which would
+            slow it down.
+        isolated: run inside :func:`~autoremat._core.step.preserved_state` (gradients
+            ``None`` before the step; buffers, gradients and RNGs as before, afterwards);
+            ``False``: the caller holds that state, gradients included.
+        rng: the CPU RNG state the step starts from (default: the current one).
+        warm_up: run the step once, unmeasured, first (compiling allocates too).
+        grads, buffers: return clones of the gradients and buffers after the step.
+
+    Returns:
+        A :class:`Measured`.
+    """
+    internal_assert(not timed or (memory is None and not allocator and counter is None),
+                    "a timed step runs without instruments")
+    model, device = step.model, step.device
+    with preserved_state(model) if isolated else nullcontext():
+        if rng is not None:
+            torch.set_rng_state(rng)
+        if warm_up:
+            run(step, lambda label: None)
+            for p in model.parameters():
+                p.grad = None
+        with ExitStack() as stack:
+            peak = stack.enter_context(track_allocator(device)) if allocator else None
+            if counter is not None:
+                stack.enter_context(counter)
+                if isinstance(counter, OpRecorder):  # it notes what autograd saves
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                        counter.pack, counter.unpack))
+            mem = (None if memory is None
+                   else stack.enter_context(track_memory(rounding)) if memory == "storages"
+                   else stack.enter_context(track_allocations(device)))
+
+            def mark(label: str) -> None:
+                if mem is not None:
+                    mem.mark(label)
+                if on_mark is not None:
+                    on_mark(label)
+
+            wall_ms = cpu_ms = None
+            if timed:
+                result: list[Any] = []
+                cpu = time.process_time()
+                wall_ms = time_ms(lambda: result.append(run(step, mark)), device)
+                cpu_ms = (time.process_time() - cpu) * 1e3
+                ran = result[0]
+            else:
+                ran = run(step, mark)
+        kept_grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
+                      for n, p in model.named_parameters()} if grads else None
+        kept_buffers = {n: b.detach().clone()
+                        for n, b in model.named_buffers()} if buffers else None
+    return Measured(ran=ran, memory=mem, allocator_peak_bytes=None if peak is None
+                    else peak.peak_bytes, wall_ms=wall_ms, cpu_ms=cpu_ms, grads=kept_grads,
+                    buffers=kept_buffers)

@@ -1,0 +1,203 @@
+"""``autoremat.Step`` and ``measure_step`` (``_core/step.py``, ``_measure/measured.py``).
+
+A step is checked once, when it is made; every public entry point takes one in place of
+``model, inputs, loss_fn, loop`` and measures exactly what the loose arguments measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autoremat
+from autoremat import LoopError, RematError, Step, zoo
+from autoremat._bench.measure import bench_measure, time_step
+from autoremat._core.errors import InternalError
+from autoremat._core.memory import track_memory
+from autoremat._core.step import run_step
+from autoremat._measure.measured import measure_step
+from autoremat._verify import step_measure
+
+from conftest import SMALL
+
+
+def _mlp() -> tuple[nn.Module, Any]:
+    return zoo.build("mlp", **SMALL["mlp"])
+
+
+def _logits_sum(out: Any) -> torch.Tensor:
+    return out.logits.float().pow(2).mean()
+
+
+def _untimed(tape: autoremat.Tape) -> autoremat.Tape:
+    """``tape`` without the times of single ops, which differ from run to run."""
+    return dataclasses.replace(tape, blocks=tuple(dataclasses.replace(
+        block, ops=tuple(dataclasses.replace(op, ms=0.0) for op in block.ops),
+        op_stats={kind: dataclasses.replace(stats, ms=0.0)
+                  for kind, stats in block.op_stats.items()}) for block in tape.blocks))
+
+
+def _untimed_estimate(est: autoremat.Estimate) -> autoremat.Estimate:
+    assert est.tape is not None
+    return dataclasses.replace(est, tape=_untimed(est.tape))
+
+
+# --- made and checked once -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda m, x: Step("model", x), RematError, "a Step needs an nn.Module as its model, got str"),
+    (lambda m, x: Step(m, None), RematError, "inputs hold no tensor (got NoneType"),
+    (lambda m, x: Step(m, [1, 2]), RematError, "inputs hold no tensor (got list"),
+    (lambda m, x: Step(m, x, loss_fn=3), RematError,
+     "loss_fn must be a function of the model's output"),
+    (lambda m, x: Step(m, x, loop="loss-only"), LoopError, "Did you mean 'loss_only'?"),
+    (lambda m, x: Step(m, x, loop=None), LoopError, "unknown loop None"),
+    (lambda m, x: dataclasses.replace(Step(m, x), loop="eval"), LoopError,
+     "unknown loop 'eval'"),
+])
+def test_a_step_is_checked_when_it_is_made(
+        make: Callable[[nn.Module, Any], Step], error: type[Exception], message: str) -> None:
+    model, inputs = _mlp()
+    with pytest.raises(error) as info:
+        make(model, inputs)
+    assert message in str(info.value)
+    assert isinstance(info.value, RematError)
+
+
+def test_a_step_is_frozen_says_what_it_is_and_runs_like_run_step() -> None:
+    model, inputs = _mlp()
+    step = Step(model, inputs, _logits_sum, loop="loss_only")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.loop = "holds_output"  # type: ignore[misc]
+    assert step.describe() == ("MLPChain on (16, 256) float32, (16,) int64; loss: "
+                               "_logits_sum; loop: loss_only")
+    assert repr(step) == f"Step({step.describe()})"  # not the model's and tensors' reprs
+    assert "the default (output.loss" in Step(model, inputs).describe()
+    assert step.device == torch.device("cpu")
+    torch.manual_seed(0)
+    loss = step.run()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    assert torch.equal(run_step(model, inputs, _logits_sum, loop="loss_only"), loss)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+
+
+# --- the two call forms --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda step: autoremat.profile(step, step.inputs),
+    lambda step: autoremat.profile(step, loss_fn=_logits_sum),
+    lambda step: autoremat.profile(step, loop="holds_output"),
+    lambda step: autoremat.auto(step, "75%"),
+    lambda step: autoremat.verify(step, autoremat.plan(autoremat.profile(step), None, "full")),
+    lambda step: autoremat.estimate(step, loop="loss_only"),
+    lambda step: autoremat.doctor(step, loss_fn=_logits_sum),
+])
+def test_a_step_and_loose_arguments_together_are_refused(call: Callable[[Step], Any]) -> None:
+    model, inputs = _mlp()
+    with pytest.raises(RematError, match=r"was given a Step and (inputs|loss_fn|loop)=") \
+            as info:
+        call(Step(model, inputs))
+    assert "(step, " in str(info.value)  # and says how to call it with a step
+
+
+def test_profile_of_a_step_is_the_tape_of_the_loose_arguments() -> None:
+    model, inputs = zoo.build("gpt2", **SMALL["gpt2"])
+    loose = autoremat.profile(model, inputs, _logits_sum, loop="loss_only", timing=False)
+    stepped = autoremat.profile(Step(model, inputs, _logits_sum, "loss_only"), timing=False)
+    assert _untimed(stepped) == _untimed(loose)
+    assert stepped.loop == "loss_only" and any(b.selective for b in stepped.blocks)
+    default = autoremat.profile(Step(model, inputs), timing=False, with_selective=False)
+    assert _untimed(default) == _untimed(autoremat.profile(
+        model, inputs, timing=False, with_selective=False, loop=None))
+    assert default.loop == "holds_output"
+
+
+def test_auto_and_verify_of_a_step_match_the_loose_arguments() -> None:
+    model, inputs = zoo.build("resnet", **SMALL["resnet"])  # a plan that checkpoints fits
+    step = Step(model, inputs, loop="loss_only")
+    loose = autoremat.auto(model, inputs, budget="80%", loop="loss_only")
+    autoremat.remove(model)
+    stepped = autoremat.auto(step, budget="80%")
+    assert stepped.blocks == loose.blocks and stepped.loop == "loss_only"
+    assert (stepped.predicted_peak_bytes, stepped.predicted_recompute_flops) == \
+        (loose.predicted_peak_bytes, loose.predicted_recompute_flops)
+    assert any(block.decision is not autoremat.Decision.KEEP for block in stepped.blocks)
+    assert autoremat.applied_plan(model) is stepped
+
+    by_step = autoremat.verify(step, plan=stepped)
+    by_args = autoremat.verify(model, inputs, stepped)
+    assert by_step.ok and by_args.ok and by_step.grads_equal and by_args.grads_equal
+    assert (by_step.peak_bytes, by_step.plain_peak_bytes, by_step.recompute_flops) == \
+        (by_args.peak_bytes, by_args.plain_peak_bytes, by_args.recompute_flops)
+
+
+
+def test_estimate_and_doctor_of_a_step_match_the_loose_arguments() -> None:
+    model, inputs = _mlp()
+    step = Step(model, inputs, loop="loss_only")
+    est = autoremat.estimate(step, device="cpu")
+    assert _untimed_estimate(est) == _untimed_estimate(
+        autoremat.estimate(model, inputs, device="cpu", loop="loss_only"))
+    assert est.loop == "loss_only"
+    rx = autoremat.doctor(Step(model, inputs), memory="1GiB", device="cpu")
+    loose_rx = autoremat.doctor(model, inputs, memory="1GiB", device="cpu")
+    assert rx.verdict == loose_rx.verdict and rx.fits_as_is
+    assert _untimed_estimate(rx.estimate) == _untimed_estimate(loose_rx.estimate)
+
+
+def test_verify_refuses_a_step_in_another_loop_than_the_plan() -> None:
+    model, inputs = _mlp()
+    chosen = autoremat.plan(autoremat.profile(model, inputs, timing=False), None, "full")
+    with pytest.raises(LoopError, match="a plan made for the loop 'holds_output'") as info:
+        autoremat.verify(Step(model, inputs, loop="loss_only"), plan=chosen)
+    assert "loop='holds_output'" in str(info.value)
+
+
+# --- one routine that runs and measures a step ---------------------------------------------
+
+
+def test_measure_step_leaves_no_trace_and_starts_from_the_rng_given() -> None:
+    model, inputs = zoo.build("gpt2", **SMALL["gpt2"])  # dropout: the RNG matters
+    step = Step(model, inputs)
+    rng = torch.get_rng_state()
+    first = measure_step(step, memory="storages", allocator=True, rng=rng, grads=True,
+                         buffers=True)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    torch.manual_seed(123)  # another state now: the step starts from rng all the same
+    again = measure_step(step, rng=rng, grads=True)
+    assert first.grads is not None and again.grads is not None
+    assert all(torch.equal(g, again.grads[n]) for n, g in first.grads.items()
+               if g is not None)
+    assert first.allocator_peak_bytes is None  # CUDA only
+    assert first.wall_ms is None and again.memory is None
+    with track_memory() as mem:
+        run_step(model, inputs, None)
+    assert first.peak_bytes == mem.peak_bytes
+    timed = measure_step(step, timed=True)
+    assert timed.wall_ms is not None and timed.wall_ms > 0 and timed.cpu_ms is not None
+    with pytest.raises(InternalError, match="a timed step runs without instruments"):
+        measure_step(step, memory="storages", timed=True)
+
+
+def test_every_tool_measures_the_same_step_peak() -> None:
+    # profile, verify's and bench's measurements and auto's check all run measure_step
+    model, inputs = _mlp()
+    step = Step(model, inputs)
+    tape = autoremat.profile(step, timing=False)
+    rng = torch.get_rng_state()
+    assert step_measure(step, rng).peak_bytes == tape.step_peak_bytes
+    bench = bench_measure(step, rng)
+    assert bench.peak_bytes == tape.step_peak_bytes
+    assert bench.flops == step_measure(step, rng).flops == tape.step_flops
+    wall_ms, cpu_ms = time_step(step, rng)
+    assert wall_ms > 0 and cpu_ms >= 0
