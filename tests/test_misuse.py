@@ -41,10 +41,11 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat import Plan, RematError, zoo
+from autoremat import Decision, Plan, RematError, zoo
+from autoremat._core.decisions import RECOMPUTE, Choice
 from autoremat._core.step import describe_inputs
 from autoremat._mechanism.offload import simulated_host
-from autoremat._mechanism.selective import is_keep_set, save_set_of
+from autoremat._mechanism.selective import is_keep_set
 from autoremat._mechanism.wrap import StatefulBlockWarning
 from autoremat._plan.plan import BlockDecision, plan_of_segments
 
@@ -65,21 +66,19 @@ def gpt2() -> tuple[nn.Module, Any, dict[str, Plan]]:
                                           for b in tape.blocks)))
     assert keep_sets, "the tape must offer keep-sets"
 
-    def each(option: tuple[str, tuple[str, ...]]) -> Plan:
-        return plan_of_segments(tape, [(i, i + 1, option) for i in range(n)], "test")
+    def each(choice: Choice) -> Plan:
+        return plan_of_segments(tape, [(i, i + 1, choice) for i in range(n)], "test")
 
     names = [b.name for b in tape.blocks]
-    offload = ["offload", "offload_input", "offload", "keep"]
+    offload = [Decision.OFFLOAD, Decision.OFFLOAD_INPUT, Decision.OFFLOAD, Decision.KEEP]
     plans = {
-        "recompute": each(("recompute", ())),
-        "save-set": each(("selective", ("matmul",))),
-        "keep-set": each(("selective", save_set_of(keep_sets[-1]))),
-        "segment": plan_of_segments(tape, [(0, 2, ("recompute", ())),
-                                           (2, 4, ("recompute", ()))], "test"),
+        "recompute": each(RECOMPUTE),
+        "save-set": each(Choice(Decision.SELECTIVE, save_ops=("matmul",))),
+        "keep-set": each(Choice.selective_from_key(keep_sets[-1])),
+        "segment": plan_of_segments(tape, [(0, 2, RECOMPUTE), (2, 4, RECOMPUTE)], "test"),
         "offload": Plan(
             strategy="test", blocks=tuple(
-                BlockDecision(name, "recompute" if k == "offload_input" else k, i,
-                              offload_input=k == "offload_input")
+                BlockDecision(name, k, i)
                 for i, (name, k) in enumerate(zip(names, offload, strict=True))),
             budget_bytes=None, predicted_peak_bytes=0, predicted_recompute_flops=0,
             predicted_cost=0, unplanned_peak_bytes=0, step_flops=0,
@@ -359,7 +358,8 @@ def _chain(block: type[_Body], strategy: str) -> tuple[_Chain, torch.Tensor, Pla
     model, x = _Chain(block), torch.randn(8, 16)
     names = [f"blocks.{i}" for i in range(3)]
     segments = [0, 0, 0] if strategy == "segment" else [0, 1, 2]
-    kind, save = ("selective", ("matmul",)) if strategy == "selective" else ("recompute", ())
+    kind, save = (Decision.SELECTIVE, ("matmul",)) if strategy == "selective" else \
+        (Decision.RECOMPUTE, ())
     chosen = Plan(strategy="test", blocks=tuple(
         BlockDecision(name, kind, s, save) for name, s in zip(names, segments, strict=True)),
         budget_bytes=None, predicted_peak_bytes=0, predicted_recompute_flops=0,

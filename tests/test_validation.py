@@ -176,7 +176,8 @@ def test_bench_writes_tables_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
 def selective_plan(zoo_tapes: Callable[..., autoremat.Tape]) -> autoremat.Plan:
     tape = zoo_tapes("gpt2", n_layer=2, batch_size=2, seq_len=16)  # profiled once, shared
     base = autoremat.plan(tape, None, "full")
-    first = dataclasses.replace(base.blocks[0], decision="selective", keep_ops=(3, 5),
+    first = dataclasses.replace(base.blocks[0], decision=autoremat.Decision.SELECTIVE,
+                                keep_ops=(3, 5),
                                 skip_ops=(2,), op_signature="abc",
                                 keep_seal=keep_set_seal("abc", (3, 5), (2,)))
     return dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
