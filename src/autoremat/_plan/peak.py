@@ -193,7 +193,7 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
         if choice.decision is not Decision.SELECTIVE:
             out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
         prev = cost.seen_as
-    if any(choice.decision is not _KEEP for _, _, choice in segments):
+    if any(choice.decision.recomputes for _, _, choice in segments):
         out[0] = least_release(tape)[0]  # what the model made before the first block, any
         # checkpoint of a block it is passed to may hold (NOTE [ Released when ... ])
     return out
