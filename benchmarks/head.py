@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         plans[name] = plan
         variants[name] = Variant(name, functools.partial(autoremat.apply, model, plan),
                                  functools.partial(autoremat.remove, model), plan=plan)
-        r.head = plan.head
+        r.head = plan.head.head_key
         r.budget_bytes, r.predicted_peak_bytes = plan.budget_bytes, plan.predicted_peak_bytes
         r.recomputed = plan.recompute_blocks
         r.plan = ", ".join(f"{b.name}:{b.decision}" for b in plan.blocks)

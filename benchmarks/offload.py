@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 import autoremat
+from autoremat import Decision
 from autoremat._bench.refs import hf_toggle
 from autoremat._bench.report import device_info
 from autoremat._core.errors import RematError
@@ -191,17 +192,14 @@ def _save_on_cpu(pin: bool) -> Callable[[], contextlib.AbstractContextManager[An
 
 
 def _counts(plan: autoremat.Plan) -> tuple[int, int, int]:
-    offloaded = sum(b.decision == "offload" for b in plan.blocks)
-    inputs = sum(b.offload_input for b in plan.blocks)
+    offloaded = sum(b.decision is Decision.OFFLOAD for b in plan.blocks)
+    inputs = sum(b.decision is Decision.OFFLOAD_INPUT for b in plan.blocks)
     return offloaded, inputs, plan.recompute_blocks
 
 
-def _head_mode(plan: autoremat.Plan) -> str:
-    """The tape's key for the loss head's window: the last block's mode."""
-    last = plan.blocks[-1]
-    if last.decision in ("keep", "offload"):
-        return "K" if last.decision == "keep" else "O"
-    return "P" if last.offload_input else "C"
+def _head_key(plan: autoremat.Plan) -> Decision:
+    """The tape's key for the loss head's window: what the last block is seen as."""
+    return plan.blocks[-1].decision.seen_as
 
 
 def where_peak_sits(row: Row, mem: MemoryTracker, tape: autoremat.Tape,
@@ -211,7 +209,7 @@ def where_peak_sits(row: Row, mem: MemoryTracker, tape: autoremat.Tape,
         return f"{n / 2**20:,.1f} MiB"
     bd = mem.breakdown
     in_backward = any(r.backward for r in mem.live_at(mem.peak_event))
-    post = tape.post.get(_head_mode(plan)) or tape.post["K"]
+    post = tape.post.get(_head_key(plan)) or tape.post[Decision.KEEP]
     held = max(tape.output_bytes, 0)
     rest = bd["activations"] - held
     return [
@@ -288,8 +286,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], list[str], dict[str, Any]]
         r.budget_bytes, r.predicted_peak_bytes = plan.budget_bytes, plan.predicted_peak_bytes
         r.host_bytes = plan.predicted_host_bytes
         r.offloaded, r.offload_input, r.recomputed = _counts(plan)
-        r.plan = ", ".join(f"{b.name}:{b.decision}{'+input' if b.offload_input else ''}"
-                           for b in plan.blocks)
+        r.plan = ", ".join(f"{b.name}:{b.decision}" for b in plan.blocks)
         r.note = "; ".join(plan.notes)[:300]
         _step(model, inputs, variants[name], seed, lambda: run_step(model, inputs, None))
         peaks[name] = measure_peak(model, inputs, variants[name], device, seed)

@@ -21,12 +21,15 @@ from pathlib import Path
 import torch
 
 import autoremat
+from autoremat import Decision
+from autoremat._core.decisions import KEEP, RECOMPUTE
 from autoremat._core.units import format_bytes
 from autoremat._measure.tape import BlockProfile, Tape, WindowMemory
 from autoremat._plan.peak import predict_peak
 from autoremat._plan.plan import smallest_feasible_bytes
 
 MiB = 1 << 20
+K, C = Decision.KEEP, Decision.RECOMPUTE  # window keys: (previous block's, this block's)
 
 
 def _w(peak: int, delta: int) -> WindowMemory:
@@ -46,14 +49,14 @@ def chain_tape(n: int = 200, seed: int = 0, *, uniform: bool = False) -> Tape:
         saved = out + rng.randint(0, 64) * MiB  # activations kept for backward
         tf, tb = rng.randint(0, 16) * MiB, rng.randint(0, 16) * MiB  # transients
         grads = rng.randint(0, 8) * MiB  # parameter gradients its backward creates
-        fwd = {"KK": _w(saved + tf, saved), "CK": _w(saved + tf, saved),
-               "KC": _w(saved + tf, out), "CC": _w(saved + tf, out)}
-        bwd = {"KK": _w(tb + grads, grads - saved), "CK": _w(tb + grads, grads - saved),
-               "KC": _w(saved - out + tb + grads, grads - out),
-               "CC": _w(saved - out + tb + grads, grads - out)}
-        if i == 0:
-            fwd = {k: v for k, v in fwd.items() if k[0] == "K"}
-            bwd = {k: v for k, v in bwd.items() if k[0] == "K"}
+        fwd = {(K, K): _w(saved + tf, saved), (C, K): _w(saved + tf, saved),
+               (K, C): _w(saved + tf, out), (C, C): _w(saved + tf, out)}
+        bwd = {(K, K): _w(tb + grads, grads - saved), (C, K): _w(tb + grads, grads - saved),
+               (K, C): _w(saved - out + tb + grads, grads - out),
+               (C, C): _w(saved - out + tb + grads, grads - out)}
+        if i == 0:  # the first block follows the stem, as a kept one
+            fwd = {k: v for k, v in fwd.items() if k[0] is K}
+            bwd = {k: v for k, v in bwd.items() if k[0] is K}
         flops = rng.randint(1, 100) * 10**9
         blocks.append(BlockProfile(
             name=f"blocks.{i}", fwd_ms=1.0, bwd_ms=2.0, fwd_flops=flops, bwd_flops=2 * flops,
@@ -67,13 +70,13 @@ def chain_tape(n: int = 200, seed: int = 0, *, uniform: bool = False) -> Tape:
         model="SyntheticChain", inputs="x: (1,) float32", device="cpu", blocks=tuple(blocks),
         step_peak_bytes=1, peak_breakdown={}, ckpt_step_peak_bytes=1, param_bytes=0,
         trainable_param_bytes=0, buffer_bytes=0, grad_bytes=0, pre=_w(4 * MiB, 4 * MiB),
-        post={"K": _w(64 * MiB, 8 * MiB), "C": _w(64 * MiB, 8 * MiB)},
-        tail={"K": zero, "C": zero},
+        post={K: _w(64 * MiB, 8 * MiB), C: _w(64 * MiB, 8 * MiB)},
+        tail={K: zero, C: zero},
         step_fwd_flops=sum(b.fwd_flops for b in blocks),
         step_bwd_flops=sum(b.bwd_flops for b in blocks), step_ms=1.0,
     )
-    keep = [(i, i + 1, ("keep", ())) for i in range(n)]
-    full = [(i, i + 1, ("recompute", ())) for i in range(n)]
+    keep = [(i, i + 1, KEEP) for i in range(n)]
+    full = [(i, i + 1, RECOMPUTE) for i in range(n)]
     return dataclasses.replace(tape, step_peak_bytes=predict_peak(tape, keep),
                                ckpt_step_peak_bytes=predict_peak(tape, full))
 

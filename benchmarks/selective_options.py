@@ -17,8 +17,9 @@ import statistics
 from selective_overhead import profiled_zoo_model, step_ms  # this folder is on sys.path
 
 import autoremat
+from autoremat import Choice, Decision
+from autoremat._core.decisions import KEEP, RECOMPUTE
 from autoremat._core.units import format_bytes
-from autoremat._mechanism.selective import save_set_of
 from autoremat._plan.peak import segment_cost
 from autoremat._plan.plan import plan_of_segments
 
@@ -29,7 +30,7 @@ def main() -> None:
     plans = {"none": autoremat.plan(tape, strategy="none"),
              "full": autoremat.plan(tape, strategy="full")}
     for key in sorted(probe.selective):
-        option = ("selective", save_set_of(key))
+        option = Choice.selective_from_key(key)
         plans[key or "(empty)"] = plan_of_segments(
             tape, [(i, i + 1, option) for i in range(n)], f"selective:{key}")
     times: dict[str, list[float]] = {k: [] for k in plans}
@@ -48,13 +49,13 @@ def main() -> None:
     for label, samples in times.items():
         extra = (statistics.median(samples) - base) / n
         if label in ("none", "full"):
-            option = ("keep", ()) if label == "none" else ("recompute", ())
+            option = KEEP if label == "none" else RECOMPUTE
             held = "-"
         else:
             key = "" if label == "(empty)" else label
-            option = ("selective", save_set_of(key))
+            option = Choice.selective_from_key(key)
             held = format_bytes(probe.selective[key].fwd.delta_bytes)
-        cost = segment_cost(tape, 1, 2, option, "C").rank_cost if n > 2 else 0
+        cost = segment_cost(tape, 1, 2, option, Decision.RECOMPUTE).rank_cost if n > 2 else 0
         print(f"| {label} | {held} | {extra:.1f} ms | {cost / 1e9:.2f} |")
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat import Plan
+from autoremat import Decision, Plan
 
 
 def call(model: nn.Module, inputs: Any) -> Any:
@@ -77,7 +77,7 @@ def assert_same_step(model: nn.Module, inputs: Any, plan: Plan) -> None:
 
 def recomputing(plan: Plan) -> bool:
     """Whether ``plan`` recomputes anything."""
-    return any(b.decision != "keep" for b in plan.blocks)
+    return any(b.decision is not Decision.KEEP for b in plan.blocks)
 
 
 def _hook_dicts(module: nn.Module) -> dict[str, list[int]]:

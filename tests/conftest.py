@@ -39,9 +39,10 @@ from torch import nn
 # before CUDA initialises; it changes nothing on the CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from autoremat import Tape, profile, zoo
-from autoremat._measure.tape import BlockProfile, WindowMemory
-from autoremat._plan.peak import KEEP, RECOMPUTE, predict_peak
+from autoremat import Decision, Tape, profile, zoo
+from autoremat._core.decisions import KEEP, RECOMPUTE
+from autoremat._measure.tape import BlockProfile, WindowKey, WindowMemory
+from autoremat._plan.peak import predict_peak
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -147,28 +148,38 @@ def window(peak: int, delta: int) -> WindowMemory:
     return WindowMemory(peak_bytes=max(peak, delta, 0), delta_bytes=delta)
 
 
-def synthetic_block(i: int, *, fwd: dict[str, WindowMemory], bwd: dict[str, WindowMemory],
-                    flops: int, chained: bool, chain_bytes: int,
-                    output_bytes: int = 0) -> BlockProfile:
-    """Block ``i`` of a synthetic chain, its windows keyed by (previous mode, own mode);
-    the first block keeps only the keys after "K" (nothing comes before it)."""
-    if i == 0:  # the first block's previous mode is always K
-        fwd = {k: v for k, v in fwd.items() if k[0] == "K"}
-        bwd = {k: v for k, v in bwd.items() if k[0] == "K"}
+# files written by earlier versions, which this one must read (tests/data/README.md)
+V1_TAPE = Path(__file__).parent / "data" / "tape_v1.json"
+V1_PLAN = Path(__file__).parent / "data" / "plan_v1.json"
+V1_OPTIMAL_PLAN = Path(__file__).parent / "data" / "plan_optimal_v1.json"
+
+# the whole-block decisions a tape's windows are keyed by, for short keys: fwd[K, C]
+K, C = Decision.KEEP, Decision.RECOMPUTE
+PAIRS = ((K, K), (C, K), (K, C), (C, C))
+
+
+def synthetic_block(i: int, *, fwd: dict[WindowKey, WindowMemory],
+                    bwd: dict[WindowKey, WindowMemory], flops: int, chained: bool,
+                    chain_bytes: int, output_bytes: int = 0) -> BlockProfile:
+    """Block ``i`` of a synthetic chain, its windows keyed by (previous decision, own
+    decision); the first block keeps only the keys after K (nothing comes before it)."""
+    if i == 0:  # the first block's previous decision is always K
+        fwd = {k: v for k, v in fwd.items() if k[0] is K}
+        bwd = {k: v for k, v in bwd.items() if k[0] is K}
     return BlockProfile(
         name=f"blocks.{i}", fwd_ms=1.0, bwd_ms=2.0, fwd_flops=flops, bwd_flops=2 * flops,
-        saved_bytes=fwd["KK"].delta_bytes, saved_bytes_by_kind={"matmul": fwd["KK"].delta_bytes},
+        saved_bytes=fwd[K, K].delta_bytes, saved_bytes_by_kind={"matmul": fwd[K, K].delta_bytes},
         input_bytes=chain_bytes, output_bytes=output_bytes, param_bytes=0, grad_bytes=0,
         fwd=fwd, bwd=bwd, chained=chained and i > 0, chain_bytes=chain_bytes if i > 0 else 0,
     )
 
 
 def synthetic_tape(blocks: Sequence[BlockProfile], *, pre: WindowMemory | None = None,
-                   post: dict[str, WindowMemory] | None = None,
-                   tail: dict[str, WindowMemory] | None = None) -> Tape:
+                   post: dict[Decision, WindowMemory] | None = None,
+                   tail: dict[Decision, WindowMemory] | None = None) -> Tape:
     """A tape of ``blocks`` (zero windows where none is given); its step peaks are what
     the peak model predicts for keeping and for checkpointing every block."""
-    zero = {"K": window(0, 0), "C": window(0, 0)}
+    zero = {K: window(0, 0), C: window(0, 0)}
     tape = Tape(
         model="Synthetic", inputs="x: (1,) float32", device="cpu", blocks=tuple(blocks),
         step_peak_bytes=1, peak_breakdown={}, ckpt_step_peak_bytes=1, param_bytes=0,
@@ -190,7 +201,7 @@ def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = 
     Block ``i`` saves ``a`` bytes for backward (its output ``o`` among them) and needs a
     transient ``tf`` in forward and ``tb`` in backward; checkpointed, it holds only ``o``
     and its backward recomputes the rest. Who holds a boundary tensor depends on the
-    neighbour's mode, so the windows after a checkpointed block differ by a little.
+    neighbour's decision, so the windows after a checkpointed block differ by a little.
     Small integers (times ``scale``) make equal peaks, hence ties, common.
     """
     rng = random.Random(seed)
@@ -207,17 +218,17 @@ def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = 
                     "x": r(0, 3), "flops": rng.randint(1, 50) * 1000}
         o, a, tf, tb, g, x = (draw[k] for k in ("o", "a", "tf", "tb", "g", "x"))
         fwd = {
-            "KK": window(a + tf, a), "CK": window(a + tf + x, a + x),
-            "KC": window(a + tf, o), "CC": window(a + tf + x, o + x),
+            (K, K): window(a + tf, a), (C, K): window(a + tf + x, a + x),
+            (K, C): window(a + tf, o), (C, C): window(a + tf + x, o + x),
         }
         bwd = {
-            "KK": window(tb + g, g - a), "CK": window(tb + g + x, g - a - x),
-            "KC": window(a - o + tb + g, g - o), "CC": window(a - o + tb + g + x, g - o - x),
+            (K, K): window(tb + g, g - a), (C, K): window(tb + g + x, g - a - x),
+            (K, C): window(a - o + tb + g, g - o), (C, C): window(a - o + tb + g + x, g - o - x),
         }
         chained = identical or rng.random() < chained_p
         blocks.append(synthetic_block(i, fwd=fwd, bwd=bwd, flops=draw["flops"],
                                       chained=chained, chain_bytes=prev_out, output_bytes=o))
         prev_out = o
-    post = {"K": window(r(0, 20), r(0, 5)), "C": window(r(0, 20), r(0, 5))}
-    tail = {"K": window(r(0, 10), -r(0, 3)), "C": window(r(0, 10), -r(0, 3))}
+    post = {K: window(r(0, 20), r(0, 5)), C: window(r(0, 20), r(0, 5))}
+    tail = {K: window(r(0, 10), -r(0, 3)), C: window(r(0, 10), -r(0, 3))}
     return synthetic_tape(blocks, pre=window(r(0, 6), r(0, 3)), post=post, tail=tail)

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoremat
-from autoremat import Plan, Tape, zoo
+from autoremat import Decision, Plan, Tape, zoo
 from autoremat._apply import ShapeMismatchWarning
+from autoremat._core.decisions import Choice
 from autoremat._core.errors import BudgetError, PlanMismatchError, RematError
 from autoremat._measure.costs import cost_model_for, keep_set_cost
-from autoremat._mechanism.selective import is_keep_set, save_set_of
+from autoremat._mechanism.selective import is_keep_set
 from autoremat._mechanism.wrap import is_wrapped
 from autoremat._plan.plan import plan_of_segments, smallest_feasible_bytes
 
@@ -80,7 +81,7 @@ def test_the_suite_covers_multi_block_segments_and_selective(
     sqrt = make_plan(tapes("mlp"), "sqrt")
     assert any(stop - start > 1 for start, stop, _ in sqrt.segments)
     selective = make_plan(tapes("gpt2"), "selective")
-    assert {b.decision for b in selective.blocks} == {"selective"}
+    assert {b.decision for b in selective.blocks} == {Decision.SELECTIVE}
 
 
 # --- apply / remove mechanics ---------------------------------------------------------------
@@ -149,7 +150,7 @@ def test_apply_twice_is_apply_once(tapes: Callable[[str], Tape]) -> None:
         # one remove undoes it all: nothing was wrapped twice
         autoremat.remove(model)
         assert snapshot(model) == before, strategy
-        assert all(v in (None, "recompute") for v in wrapped.values())
+        assert all(v in (None, Decision.RECOMPUTE) for v in wrapped.values())
 
 
 def test_applying_another_plan_replaces_the_first(tapes: Callable[[str], Tape]) -> None:
@@ -158,7 +159,8 @@ def test_applying_another_plan_replaces_the_first(tapes: Callable[[str], Tape]) 
     autoremat.apply(model, full)
     autoremat.apply(model, every)
     assert autoremat.applied_plan(model) is every
-    assert [is_wrapped(b) for b in model.blocks] == ["recompute", None, "recompute", None]
+    assert [is_wrapped(b) for b in model.blocks] == [Decision.RECOMPUTE, None, Decision.RECOMPUTE,
+                                                        None]
     assert_same_step(model, inputs, every)
     autoremat.remove(model)
     assert all(is_wrapped(b) is None for b in model.blocks)
@@ -264,7 +266,7 @@ def test_frozen_embeddings_first_block_input_without_grad(strategy: str) -> None
     seen: list[bool] = []
     model.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].requires_grad))
     plan = make_plan(autoremat.profile(model, inputs, repeats=1), strategy)
-    assert plan.blocks[0].decision != "keep"
+    assert plan.blocks[0].decision is not Decision.KEEP
     assert_same_step(model, inputs, plan)
     assert seen and not any(seen)
     _, grads = step(model, inputs)
@@ -484,7 +486,7 @@ def test_zoo_keep_sets_are_exact_predicted_and_skip_dead_ops(name: str) -> None:
                            cost_model_for(tape.device)) for n in names]
     assert holds == sorted(holds) and costs == sorted(costs, reverse=True)  # more kept, less run
     for key in names:
-        options = [(i, i + 1, ("selective", save_set_of(key))) for i in range(len(tape.blocks))]
+        options = [(i, i + 1, Choice.selective_from_key(key)) for i in range(len(tape.blocks))]
         plan = plan_of_segments(tape, options, f"selective:{key}")
         assert "keep the outputs of" in str(plan)
         assert Plan.from_json(plan.to_json()) == plan
@@ -507,8 +509,8 @@ def test_hugging_face_every_selective_option_is_exact_and_predicted(name: str) -
     assert names, "every block should have selective options"
     assert any(is_keep_set(n) for n in names), "and keep-sets by position"
     for save_name in sorted(names):
-        save = save_set_of(save_name)
-        options = [(i, i + 1, ("selective", save)) for i in range(len(tape.blocks))]
+        options = [(i, i + 1, Choice.selective_from_key(save_name))
+                   for i in range(len(tape.blocks))]
         plan = plan_of_segments(tape, options, f"selective:{save_name}")
         autoremat.apply(model, plan)
         report = autoremat.verify(model, inputs, repeats=1)

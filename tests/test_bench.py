@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from autoremat import Plan, RematError, zoo
+from autoremat import Decision, Plan, RematError, zoo
 from autoremat._bench.measure import build_target, plan_key
 from autoremat._bench.refs import sequential_chain
 from autoremat._bench.report import (
@@ -241,7 +241,8 @@ def test_plans_differing_only_in_a_keep_set_are_measured_apart(tiny_tape) -> Non
     from autoremat import plan
 
     base = plan(tiny_tape, None, "full")
-    first = dataclasses.replace(base.blocks[0], decision="selective", keep_ops=(1, 2))
+    first = dataclasses.replace(base.blocks[0], decision=Decision.SELECTIVE,
+                                keep_ops=(1, 2))
     other = dataclasses.replace(first, keep_ops=(1,), skip_ops=(0,))
     one = dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
     two = dataclasses.replace(base, blocks=(other, *base.blocks[1:]))

@@ -24,19 +24,15 @@ from functools import cache
 import pytest
 
 import autoremat
+from autoremat._core.decisions import KEEP, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import BudgetError
 from autoremat._measure.tape import Tape
 from autoremat._plan import chain
 from autoremat._plan.chain import solve
-from autoremat._plan.peak import Option, plan_costs, predict_peak
+from autoremat._plan.peak import Segments, plan_costs, predict_peak
 from autoremat._plan.plan import smallest_feasible_bytes
 
-from conftest import random_tape, synthetic_block, synthetic_tape, window
-
-KEEP: Option = ("keep", ())
-RECOMPUTE: Option = ("recompute", ())
-Segments = list[tuple[int, int, Option]]
-
+from conftest import C, K, random_tape, synthetic_block, synthetic_tape, window
 
 # --- the brute-force reference -----------------------------------------------------------
 
@@ -47,7 +43,7 @@ def all_plans(tape: Tape) -> list[Segments]:
     n = len(tape.blocks)
 
     @cache
-    def from_(i: int) -> tuple[tuple[tuple[int, int, Option], ...], ...]:
+    def from_(i: int) -> tuple[tuple[tuple[int, int, Choice], ...], ...]:
         if i == n:
             return ((),)
         out = [((i, i + 1, KEEP), *rest) for rest in from_(i + 1)]
@@ -69,7 +65,7 @@ def recompute_flops(tape: Tape, segments: Segments) -> int:
                for k in range(s, e))
 
 
-def check_valid(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> None:
+def check_valid(tape: Tape, segments: Sequence[tuple[int, int, Choice]]) -> None:
     """The segments tile the chain, and multi-block segments only cross chained links."""
     assert segments, "empty plan"
     expected_start = 0
@@ -170,7 +166,7 @@ def test_plan_optimal_matches_brute_force(seed: int) -> None:
         assert p.predicted_recompute_flops == min(fits)
         assert p.predicted_peak_bytes <= budget == p.budget_bytes
         assert p.predicted_peak_bytes == predict_peak(
-            tape, [(s, e, ("keep" if d == "keep" else "recompute", ())) for s, e, d in p.segments]
+            tape, [(s, e, Choice(d)) for s, e, d in p.segments]
         )
 
 
@@ -208,18 +204,19 @@ def _identical_unchained(n: int, *, grads: bool) -> Tape:
     keep_bwd = window(g, g - 10)
     ckpt_bwd = window(8 + g, g - 2)
     blocks = [
-        synthetic_block(i, fwd={"KK": window(10, 10), "CK": window(10, 10),
-                                "KC": window(10, 2), "CC": window(10, 2)},
-                        bwd={"KK": keep_bwd, "CK": keep_bwd, "KC": ckpt_bwd, "CC": ckpt_bwd},
+        synthetic_block(i, fwd={(K, K): window(10, 10), (C, K): window(10, 10),
+                                (K, C): window(10, 2), (C, C): window(10, 2)},
+                        bwd={(K, K): keep_bwd, (C, K): keep_bwd,
+                             (K, C): ckpt_bwd, (C, C): ckpt_bwd},
                         flops=100, chained=False, chain_bytes=0)
         for i in range(n)
     ]
-    post = {"K": window(5, 1), "C": window(5, 1)} if grads else None
+    post = {K: window(5, 1), C: window(5, 1)} if grads else None
     return synthetic_tape(blocks, post=post)
 
 
 def _recomputed(p: autoremat.Plan) -> list[int]:
-    return [i for i, b in enumerate(p.blocks) if b.decision == "recompute"]
+    return [i for i, b in enumerate(p.blocks) if b.decision is Decision.RECOMPUTE]
 
 
 def test_hand_made_three_blocks() -> None:
@@ -286,8 +283,8 @@ def test_hand_made_chain_where_only_a_segment_helps() -> None:
     # backward 0 + hold 4 + recompute 8 = 12; then F = 4, 8, 12 -> peak 12, cost 200.
     # Longer or later segments recompute more at once and peak at 16.
     blocks = [
-        synthetic_block(i, fwd={k: window(4, 4) for k in ("KK", "CK", "KC", "CC")},
-                        bwd={k: window(0, -4) for k in ("KK", "CK", "KC", "CC")},
+        synthetic_block(i, fwd={k: window(4, 4) for k in ((K, K), (C, K), (K, C), (C, C))},
+                        bwd={k: window(0, -4) for k in ((K, K), (C, K), (K, C), (C, C))},
                         flops=100, chained=True, chain_bytes=4, output_bytes=4)
         for i in range(4)
     ]
@@ -297,7 +294,8 @@ def test_hand_made_chain_where_only_a_segment_helps() -> None:
     assert smallest_feasible_bytes(tape) == 12
     for budget in (12, 15):
         p = autoremat.plan(tape, budget)
-        assert p.segments == [(0, 2, "recompute"), (2, 3, "keep"), (3, 4, "keep")]
+        assert p.segments == [(0, 2, Decision.RECOMPUTE), (2, 3, Decision.KEEP),
+                              (3, 4, Decision.KEEP)]
         assert p.predicted_peak_bytes == 12 and p.predicted_recompute_flops == 200
     assert autoremat.plan(tape, 16).predicted_recompute_flops == 0
     with pytest.raises(BudgetError) as info:
@@ -309,7 +307,7 @@ def test_no_budget_means_nothing_recomputed() -> None:
     tape = random_tape(7, 5)
     p = autoremat.plan(tape)
     assert p.budget_bytes is None and p.predicted_recompute_flops == 0
-    assert all(b.decision == "keep" for b in p.blocks)
+    assert all(b.decision is Decision.KEEP for b in p.blocks)
 
 
 # --- (c) determinism -------------------------------------------------------------------------
@@ -330,7 +328,7 @@ def test_identical_blocks_give_the_same_plan_every_time(n: int) -> None:
             assert autoremat.plan(tape, budget) == first
             again = solve(tape, budget)
             assert list(again.segments) == [
-                (s, e, ("keep" if d == "keep" else "recompute", ())) for s, e, d in first.segments
+                (s, e, Choice(d)) for s, e, d in first.segments
             ]
         # a fresh but equal tape (no shared objects) gives the same plan too
         assert autoremat.plan(random_tape(n, 7, identical=True), budget) == first
@@ -355,7 +353,7 @@ def test_200_block_chain_is_feasible_and_no_worse_than_full() -> None:
     assert len(p.blocks) == 200
     assert p.predicted_peak_bytes <= full.predicted_peak_bytes
     assert p.predicted_recompute_flops <= full.predicted_recompute_flops
-    segs = [(s, e, ("keep" if d == "keep" else "recompute", ())) for s, e, d in p.segments]
+    segs = [(s, e, Choice(d)) for s, e, d in p.segments]
     check_valid(tape, segs)
     assert predict_peak(tape, segs) == p.predicted_peak_bytes
     # and at the smallest feasible budget it reaches exactly that peak

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 import autoremat
 from autoremat import Plan, RematError, SchemaError, zoo
 from autoremat._core.allocations import track_allocations
+from autoremat._core.decisions import KEEP, RECOMPUTE, Choice, Decision
 from autoremat._core.step import call_model, default_loss, run_step
 from autoremat._mechanism.compiled import compiled_parts
 from autoremat._plan.plan import plan_of_segments
@@ -33,8 +34,8 @@ from conftest import hf_model
 
 # (start, stop, option) of a four-block plan with every decision kind: a kept block, a
 # recomputed one, a save-set by op kind and a keep-set by position.
-MIXED = [(0, 1, ("keep", ())), (1, 2, ("recompute", ())), (2, 3, ("selective", ("matmul",))),
-         (3, 4, ("selective", ("#1",)))]
+MIXED = [(0, 1, KEEP), (1, 2, RECOMPUTE), (2, 3, Choice(Decision.SELECTIVE, save_ops=("matmul",))),
+         (3, 4, Choice(Decision.SELECTIVE, keep_set=1))]
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +89,8 @@ def _mixed_plan(name: str) -> Plan:
     tape = autoremat.profile(model, inputs, timing=False)
     assert "#1" in tape.blocks[3].selective and "matmul" in tape.blocks[2].selective
     plan = plan_of_segments(tape, MIXED, "test")
-    assert [b.decision for b in plan.blocks] == ["keep", "recompute", "selective", "selective"]
+    assert [b.decision for b in plan.blocks] == [Decision.KEEP, Decision.RECOMPUTE,
+                                                 Decision.SELECTIVE, Decision.SELECTIVE]
     assert plan.blocks[3].keep_keys, "the keep-set lowers to (op, occurrence) keys"
     return plan
 
@@ -229,7 +231,7 @@ def test_auto_compiled_plans_and_measures_the_regionally_compiled_step() -> None
     plan = autoremat.auto(model, inputs, budget="90%", compile="aot_eager")
     assert plan.compiled == "aot_eager"
     assert autoremat.applied_plan(model) is plan
-    assert any(block.decision != "keep" for block in plan.blocks)
+    assert any(block.decision is not Decision.KEEP for block in plan.blocks)
     assert compiled_parts(model) == [], "auto left a compiled module behind"
     assert not [name for name, m in model.named_modules()
                 if hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")], \

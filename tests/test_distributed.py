@@ -310,7 +310,7 @@ def test_the_plans_recompute_something(results: dict[str, Any]) -> None:
     assert any(stop > start + 1 for start, stop, _ in segmented.segments)
     assert sharded.shards == WORLD and sharded.recompute_blocks > 0
     assert all(stop == start + 1 for start, stop, _ in sharded.segments)
-    assert {b.decision for b in selective.blocks} == {"selective"}
+    assert {b.decision for b in selective.blocks} == {autoremat.Decision.SELECTIVE}
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import autoremat
+from autoremat import Decision
 from autoremat._core.head import HEAD_RTOL, linear_cross_entropy
 from autoremat._mechanism.head import find_head
 from autoremat._plan.plan import smallest_feasible_bytes
@@ -151,7 +152,7 @@ def test_hf_plans_with_a_chunked_head_keep_their_prediction(arch, vocab):
         autoremat.apply(model, plan)
         peak, out = _measured(model, inputs)
         assert peak <= plan.predicted_peak_bytes <= budget, (budget, plan.head)
-        if plan.head != "keep":
+        if plan.head.decision is not Decision.KEEP:
             assert out.logits is None  # the full logits are never built
         report = autoremat.verify(model, inputs, plan, repeats=1)
         assert report.ok, report
@@ -172,14 +173,15 @@ def test_chunking_is_asked_for():
     keep_least = smallest_feasible_bytes(tape)
     chunked_least = smallest_feasible_bytes(tape, head="auto")
     assert chunked_least < keep_least == smallest_feasible_bytes(tape, head="keep")
-    assert autoremat.plan(tape, budget=keep_least).head == "keep"
+    assert autoremat.plan(tape, budget=keep_least).head.decision is Decision.KEEP
     with pytest.raises(autoremat.BudgetError) as err:  # by default the head is kept...
         autoremat.plan(tape, budget=keep_least - 1)
     assert err.value.min_feasible_bytes == keep_least
     assert f"({chunked_least} bytes)" in str(err.value)  # ...and the error says how far
     chunked = autoremat.plan(tape, budget=keep_least - 1, head="auto")  # chunking would go
-    assert chunked.head != "keep" and "chunked" in str(chunked)
-    assert autoremat.plan(tape, strategy="full", head="chunked").head.startswith("chunked:")
+    assert chunked.head.decision is not Decision.KEEP and "chunked" in str(chunked)
+    assert autoremat.plan(tape, strategy="full", head="chunked").head.decision \
+        is Decision.CHUNKED
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 import autoremat
-from autoremat import BudgetError, RematError
+from autoremat import BudgetError, Choice, Decision, RematError
 from autoremat._core.blocks import discover_blocks
 from autoremat.hf import AutorematCallback
 
@@ -153,7 +153,7 @@ def test_trainer_with_a_chunked_head_trains_within_its_bound(
     callback = AutorematCallback(strategy="full", head="chunked:4")
     planned, trainer = _train(kind, tmp_path / "planned", [callback],
                               gradient_accumulation_steps=2)
-    assert callback.plan is not None and callback.plan.head == "chunked:4"
+    assert callback.plan is not None and callback.plan.head == Choice(Decision.CHUNKED, chunks=4)
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h]
               for t in (plain_trainer, trainer)]
     assert len(losses[1]) == 2

@@ -20,7 +20,7 @@ its own package and the layers below it, so a reader can learn the project botto
     8  _cli         argparse only
        hf           the Hugging Face Trainer callback (public: ``autoremat.hf``; imports
                     transformers, so ``autoremat`` itself does not import it)
-    9  autoremat    the public names (``__init__``)
+    9  autoremat    the public names (``__init__``); ``__main__`` (``python -m autoremat``)
 
 Every import of another autoremat module sits at the top of its file: no import inside a
 function, so none can be hiding a cycle.
@@ -51,7 +51,7 @@ LAYERS: dict[str, int] = {
     "autoremat._auto": 6,
     "autoremat._bench": 7,
     "autoremat._cli": 8,
-    "autoremat.__main__": 8,
+    "autoremat.__main__": 9,  # python -m autoremat: runs the command line
     "autoremat.hf": 8,
     "autoremat": 9,
 }
@@ -193,3 +193,93 @@ def test_autoremat_does_not_import_the_optional_hf_module() -> None:
     work without it, so the package's ``__init__`` never imports ``autoremat.hf``."""
     imported = {target for target, _, _ in _imports(SRC / "__init__.py")}
     assert "autoremat.hf" not in imported
+
+
+# --- one decision vocabulary -----------------------------------------------------------------
+# What a block (or the loss head) does is a Decision everywhere (``_core/decisions.py``);
+# its names ("keep", "recompute", ...) and the letters of version-1 files ("K", "C", "O",
+# "P"; window keys "KC") appear only where JSON or a user's argument is read or written.
+
+_DECISION_NAMES = {d.value for d in autoremat.Decision}
+_LETTERS = set("KCOP") | {a + b for a in "KCOP" for b in "KCOP"}  # and window keys
+_LETTER_RUNS = {"KC", "KCO", "KCOP"}  # the sets of letters a tape had (tape.modes)
+
+# (module, function) -> why names are allowed there
+_CODEC = {
+    ("autoremat._core.decisions", "*"): "the vocabulary itself: names to and from Decision",
+    ("autoremat._measure.tape", "_window_decision"): "reads window keys of versions 1 and 2",
+    ("autoremat._measure.tape", "_window_key"): "reads window keys of versions 1 and 2",
+    ("autoremat._plan.plan", "_decision_field"): "reads a plan block's decision, v1 and v2",
+    ("autoremat._plan.plan", "check_head"): "the head= argument, a name, before any work",
+    ("autoremat._plan.plan", "keeps_head"): "the head= argument, a name",
+    ("autoremat._plan.plan", "head_choices"): "the head= argument, a name, to Choices",
+    ("autoremat._plan.plan", "plan"): "compares strategy names ('offload'), not decisions",
+}
+
+
+def _string_decisions(source: str, module: str) -> list[str]:
+    """Decisions written as strings in ``source``: a decision's name compared, used as a
+    keyword value or as an option tuple ``("keep", ())``; a window letter or key
+    compared, subscripted, used as a dict key or in arithmetic; "KCOP" anywhere."""
+    found: list[str] = []
+    seen: set[tuple[int, int]] = set()
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if (module, function) in _CODEC or (module, "*") in _CODEC:
+            return
+        constants: list[ast.expr] = []
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                constants += side.elts if isinstance(side, (ast.Tuple, ast.Set, ast.List)) \
+                    else [side]
+            names = _DECISION_NAMES | _LETTERS
+        elif isinstance(node, ast.Subscript):
+            constants, names = [node.slice], _LETTERS
+        elif isinstance(node, ast.keyword):
+            constants, names = [node.value], _DECISION_NAMES
+        elif isinstance(node, ast.Tuple) and len(node.elts) == 2 \
+                and isinstance(node.elts[1], ast.Tuple):
+            constants, names = [node.elts[0]], _DECISION_NAMES
+        elif isinstance(node, ast.Dict):
+            constants, names = [k for k in node.keys if k is not None], _LETTERS
+        elif isinstance(node, ast.BinOp):
+            constants, names = [node.left, node.right], _LETTERS
+        elif isinstance(node, ast.Constant):
+            constants, names = [node], _LETTER_RUNS
+        else:
+            names = set()
+        for c in constants:
+            if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in names \
+                    and (c.lineno, c.col_offset) not in seen:
+                seen.add((c.lineno, c.col_offset))
+                found.append(f"{module}:{c.lineno} ({function}): {c.value!r}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_the_decision_detector_finds_the_old_spellings() -> None:
+    old = '''
+def f(b, windows, mode, option, plan):
+    if b.decision == "offload" or option[0] != "selective":
+        return windows["KC"], windows["K" + mode], plan.head == "keep"
+    wrap(b, tag="recompute")
+    return [("keep", ()), {"C": 1}, mode in ("K", "C")]
+'''
+    found = _string_decisions(old, "m")
+    assert [f.rpartition(": ")[2] for f in found] == [
+        "'offload'", "'selective'", "'KC'", "'K'", "'keep'", "'recompute'", "'keep'", "'C'",
+        "'K'", "'C'"], found
+    assert _string_decisions("print('OK', data['selective'])\n", "m") == []
+    assert _string_decisions("def g(x):\n    return x == 'keep'\n", "autoremat._core.decisions") \
+        == []
+
+
+def test_no_decision_is_a_string_outside_the_codec() -> None:
+    found = [hit for path in sorted(SRC.rglob("*.py"))
+             for hit in _string_decisions(path.read_text(), _module_name(path))]
+    assert not found, "decisions written as strings (use autoremat.Decision):\n" + "\n".join(found)

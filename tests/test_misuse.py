@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import pickle
 import random
@@ -40,10 +41,11 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat import Plan, RematError, zoo
+from autoremat import Decision, Plan, RematError, zoo
+from autoremat._core.decisions import RECOMPUTE, Choice
 from autoremat._core.step import describe_inputs
 from autoremat._mechanism.offload import simulated_host
-from autoremat._mechanism.selective import is_keep_set, save_set_of
+from autoremat._mechanism.selective import is_keep_set
 from autoremat._mechanism.wrap import StatefulBlockWarning
 from autoremat._plan.plan import BlockDecision, plan_of_segments
 
@@ -64,21 +66,19 @@ def gpt2() -> tuple[nn.Module, Any, dict[str, Plan]]:
                                           for b in tape.blocks)))
     assert keep_sets, "the tape must offer keep-sets"
 
-    def each(option: tuple[str, tuple[str, ...]]) -> Plan:
-        return plan_of_segments(tape, [(i, i + 1, option) for i in range(n)], "test")
+    def each(choice: Choice) -> Plan:
+        return plan_of_segments(tape, [(i, i + 1, choice) for i in range(n)], "test")
 
     names = [b.name for b in tape.blocks]
-    offload = ["offload", "offload_input", "offload", "keep"]
+    offload = [Decision.OFFLOAD, Decision.OFFLOAD_INPUT, Decision.OFFLOAD, Decision.KEEP]
     plans = {
-        "recompute": each(("recompute", ())),
-        "save-set": each(("selective", ("matmul",))),
-        "keep-set": each(("selective", save_set_of(keep_sets[-1]))),
-        "segment": plan_of_segments(tape, [(0, 2, ("recompute", ())),
-                                           (2, 4, ("recompute", ()))], "test"),
+        "recompute": each(RECOMPUTE),
+        "save-set": each(Choice(Decision.SELECTIVE, save_ops=("matmul",))),
+        "keep-set": each(Choice.selective_from_key(keep_sets[-1])),
+        "segment": plan_of_segments(tape, [(0, 2, RECOMPUTE), (2, 4, RECOMPUTE)], "test"),
         "offload": Plan(
             strategy="test", blocks=tuple(
-                BlockDecision(name, "recompute" if k == "offload_input" else k, i,
-                              offload_input=k == "offload_input")
+                BlockDecision(name, k, i)
                 for i, (name, k) in enumerate(zip(names, offload, strict=True))),
             budget_bytes=None, predicted_peak_bytes=0, predicted_recompute_flops=0,
             predicted_cost=0, unplanned_peak_bytes=0, step_flops=0,
@@ -358,7 +358,8 @@ def _chain(block: type[_Body], strategy: str) -> tuple[_Chain, torch.Tensor, Pla
     model, x = _Chain(block), torch.randn(8, 16)
     names = [f"blocks.{i}" for i in range(3)]
     segments = [0, 0, 0] if strategy == "segment" else [0, 1, 2]
-    kind, save = ("selective", ("matmul",)) if strategy == "selective" else ("recompute", ())
+    kind, save = (Decision.SELECTIVE, ("matmul",)) if strategy == "selective" else \
+        (Decision.RECOMPUTE, ())
     chosen = Plan(strategy="test", blocks=tuple(
         BlockDecision(name, kind, s, save) for name, s in zip(names, segments, strict=True)),
         budget_bytes=None, predicted_peak_bytes=0, predicted_recompute_flops=0,
@@ -479,3 +480,51 @@ def test_torch_func_grad_is_refused_with_the_reason(
         finally:
             autoremat.remove(model)
     assert set(torch.func.grad(loss)(params)) == set(params)  # the plain model
+
+
+# --- 6. an input whose gradient the user wants (issue 26's sweep) -----------------------------
+
+
+def test_measuring_leaves_an_inputs_gradient_alone() -> None:
+    """profile, verify and auto run steps of their own; an input that is a leaf requiring
+    grad kept their gradients (summed over the measurement steps), so the user's next
+    backward added to them: the input's gradient came out wrong, silently."""
+    model, x, chosen = _chain(_Body, "block")
+    inp = x.clone().requires_grad_(True)
+    torch.manual_seed(3)
+    model(inp).backward()
+    want = inp.grad.clone()
+    inp.grad = None
+    autoremat.profile(model, inp, repeats=1, timing=False, with_selective=False)
+    assert inp.grad is None
+    autoremat.apply(model, chosen)
+    autoremat.verify(model, inp, repeats=1)
+    assert inp.grad is None
+    autoremat.remove(model)
+    autoremat.auto(model, inp, strategy="full")
+    assert inp.grad is None
+    inp.grad = marker = torch.ones_like(inp)  # a gradient the user holds stays theirs
+    autoremat.verify(model, inp, repeats=1)
+    assert inp.grad is marker
+    inp.grad = None
+    torch.manual_seed(3)
+    model(inp).backward()
+    assert torch.equal(inp.grad, want)
+
+
+def test_a_batch_given_another_way_is_not_taken_for_another_shape() -> None:
+    """The plan's inputs were a dict (a tokenizer's BatchEncoding is one); the same batch
+    as a BatchEncoding, or by position, is no reason to warn, nor is evaluation."""
+    from collections import UserDict
+
+    model, x, chosen = _chain(_Body, "block")
+    chosen = dataclasses.replace(chosen, inputs=describe_inputs({"x": x}))
+    autoremat.apply(model, chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**UserDict({"x": x})).backward()
+        model(x).backward()
+        with torch.no_grad():
+            model(torch.randn(3, 16))  # evaluation on another batch: nothing to hold
+    with pytest.warns(autoremat.ShapeMismatchWarning, match=r"now runs on \(3, 16\)"):
+        model(torch.randn(3, 16)).backward()

@@ -17,15 +17,16 @@ import pytest
 import torch
 
 import autoremat
-from autoremat import Plan, RematError, SchemaError, zoo
+from autoremat import Decision, Plan, RematError, SchemaError, zoo
 from autoremat._core.blocks import resolve_blocks
+from autoremat._core.decisions import KEEP, OFFLOAD, Choice
 from autoremat._core.memory import track_memory
 from autoremat._core.step import describe_inputs, run_step
 from autoremat._mechanism.offload import OffloadGroup, simulated_host
 from autoremat._plan.peak import plan_costs
 from autoremat._plan.plan import BlockDecision, plan_of_segments, smallest_feasible_bytes
 
-from conftest import SMALL, hf_model
+from conftest import SMALL, V1_PLAN, hf_model
 
 
 def _grads(model: torch.nn.Module, inputs: Any) -> tuple[int, list[torch.Tensor]]:
@@ -38,19 +39,19 @@ def _grads(model: torch.nn.Module, inputs: Any) -> tuple[int, list[torch.Tensor]
     return mem.peak_bytes, [p.grad.clone() for p in model.parameters()]
 
 
-_KINDS = ["offload", "offload_input", "keep", "recompute"]
+_KINDS = [Decision.OFFLOAD, Decision.OFFLOAD_INPUT, Decision.KEEP, Decision.RECOMPUTE]
 
 
 def _mixed(tape: autoremat.Tape) -> Plan:
     """Offload, offloaded input, keep and recompute, in turn along the chain."""
-    segments = [(i, i + 1, (_KINDS[i % 4], ())) for i in range(len(tape.blocks))]
+    segments = [(i, i + 1, Choice(_KINDS[i % 4])) for i in range(len(tape.blocks))]
     return plan_of_segments(tape, segments, "test:mixed")
 
 
-def _by_hand(model: torch.nn.Module, inputs: Any, names: list[str], kinds: list[str]) -> Plan:
+def _by_hand(model: torch.nn.Module, inputs: Any, names: list[str],
+             kinds: list[Decision]) -> Plan:
     """A plan without a tape (its predictions are zeros): for tests of the mechanism."""
-    blocks = tuple(BlockDecision(n, "recompute" if k == "offload_input" else k, i,
-                                 offload_input=k == "offload_input")
+    blocks = tuple(BlockDecision(n, k, i)
                    for i, (n, k) in enumerate(zip(names, kinds, strict=True)))
     return Plan(strategy="test", blocks=blocks, budget_bytes=None, predicted_peak_bytes=0,
                 predicted_recompute_flops=0, predicted_cost=0, unplanned_peak_bytes=0,
@@ -79,7 +80,7 @@ def test_offload_plans_give_plain_gradients(name: str, simulated: bool) -> None:
     _, plain = _grads(model, inputs)
     names = resolve_blocks(model, None)
     assert len(names) == 4
-    for kinds in (_KINDS, ["offload"] * 4, ["offload_input"] * 4):
+    for kinds in (_KINDS, [Decision.OFFLOAD] * 4, [Decision.OFFLOAD_INPUT] * 4):
         chosen = _by_hand(model, inputs, names, kinds)
         autoremat.apply(model, chosen)
         with simulated_host() if simulated else contextlib.nullcontext():
@@ -94,7 +95,8 @@ def test_host_is_device_frees_nothing_and_changes_nothing(gpt2_offload_tape: Any
     tape = autoremat.profile(model, inputs, offload=True, with_selective=False, timing=False)
     assert tape.host_bandwidth == 0.0  # no copies on a CPU
     for b in tape.blocks[1:]:
-        assert b.fwd["OO"] == b.fwd["KK"] and b.bwd["OO"] == b.bwd["KK"]
+        offloaded, kept = (Decision.OFFLOAD,) * 2, (Decision.KEEP,) * 2
+        assert b.fwd[offloaded] == b.fwd[kept] and b.bwd[offloaded] == b.bwd[kept]
     # so the planner never offloads there: it costs hooks and frees nothing
     least = smallest_feasible_bytes(tape)
     for budget in (least, (least + tape.step_peak_bytes) // 2):
@@ -135,8 +137,8 @@ def test_offload_input_goes_below_per_block_checkpointing() -> None:
     best = autoremat.plan(tape, with_offload, offload=True)
     assert any(b.offload_input for b in best.blocks)
     assert best.predicted_host_bytes == sum(
-        b.offload_input_bytes if d.offload_input else b.offload_bytes if d.decision ==
-        "offload" else 0 for b, d in zip(tape.blocks, best.blocks, strict=True))
+        b.offload_input_bytes if d.offload_input else b.offload_bytes if d.decision is
+        Decision.OFFLOAD else 0 for b, d in zip(tape.blocks, best.blocks, strict=True))
     autoremat.apply(model, best)
     with simulated_host():
         peak, _ = _grads(model, inputs)
@@ -164,8 +166,9 @@ def test_offloading_a_block_lowers_the_device_level_by_its_offloaded_bytes(
     the head also reads), whatever its neighbour."""
     _, _, tape = gpt2_offload_tape
     for i, b in enumerate(tape.blocks[:-1]):
-        for prev in ("K" if i == 0 else "KCOP"):
-            assert b.fwd[prev + "K"].delta_bytes - b.fwd[prev + "O"].delta_bytes \
+        for prev in ((Decision.KEEP,) if i == 0 else tape.window_decisions):
+            assert b.fwd[prev, Decision.KEEP].delta_bytes \
+                - b.fwd[prev, Decision.OFFLOAD].delta_bytes \
                 == b.offload_bytes > 0
 
 
@@ -180,8 +183,8 @@ def test_estimate_for_cuda_offload() -> None:
     tape = est.tape
     assert tape is not None and tape.offload and tape.host_bandwidth == 25e9
     n = len(tape.blocks)
-    keep = [(i, i + 1, ("keep", ())) for i in range(n)]
-    some = [(i, i + 1, ("offload" if i < n - 1 else "keep", ())) for i in range(n)]
+    keep = [(i, i + 1, KEEP) for i in range(n)]
+    some = [(i, i + 1, OFFLOAD if i < n - 1 else KEEP) for i in range(n)]
     held = [sum(c.hold for c in plan_costs(tape, s)) for s in (keep, some)]
     assert 0 < held[0] - held[1] <= sum(b.offload_bytes for b in tape.blocks[:-1])
     peaks = [plan_of_segments(tape, s, "test").predicted_peak_bytes for s in (keep, some)]
@@ -221,7 +224,8 @@ def test_offload_plans_round_trip_and_bad_json_is_refused(gpt2_offload_tape: Any
     chosen = _mixed(tape)
     assert Plan.from_json(chosen.to_json()) == chosen
     assert "offload" in str(chosen) and "its input in host memory" in str(chosen)
-    data = chosen.to_json().replace('"offload_input": true', '"offload_input": 1')
+    # a version-1 file wrote an offloaded input as a flag (NOTE [ Decisions in files ])
+    data = V1_PLAN.read_text().replace('"offload_input": true', '"offload_input": 1')
     with pytest.raises(SchemaError, match="offload_input must be false, or true on a "
                                           "recompute block"):
         Plan.from_json(data)

@@ -15,13 +15,12 @@ import random
 
 import pytest
 
+from autoremat._core.decisions import KEEP, RECOMPUTE
 from autoremat._core.errors import BudgetError
 from autoremat._measure.tape import Tape, WindowMemory
 from autoremat._plan.chain import solve
 from autoremat._plan.peak import (
-    KEEP,
-    RECOMPUTE,
-    Option,
+    Segments,
     plan_costs,
     post_window,
     predict_peak,
@@ -30,9 +29,7 @@ from autoremat._plan.peak import (
     suffix_z,
 )
 
-from conftest import random_tape, synthetic_block, synthetic_tape, window
-
-Segments = list[tuple[int, int, Option]]
+from conftest import C, K, random_tape, synthetic_block, synthetic_tape, window
 
 
 def _three_blocks() -> Tape:
@@ -48,21 +45,23 @@ def _three_blocks() -> Tape:
     * ``post`` (head and loss) peaks 3 above the level after the last forward and
       leaves 1; ``tail`` peaks 3 and leaves -1.
 
-    A block leaves 3 in either mode, so ``Z_j`` (what is left above ``F_{j+1}`` when
+    A block leaves 3 kept or checkpointed, so ``Z_j`` (what is left above ``F_{j+1}`` when
     block ``j``'s backward starts: post's 1 and 3 per later block) is 7, 4, 1 for
     j = 0, 1, 2, whatever the plan.
     """
     kept_fwd, ckpt_fwd = window(12, 10), window(12, 2)
     kept_bwd, ckpt_bwd = window(4, -7), window(12, 1)
     blocks = [
-        synthetic_block(i, fwd={"KK": kept_fwd, "CK": kept_fwd, "KC": ckpt_fwd, "CC": ckpt_fwd},
-                        bwd={"KK": kept_bwd, "CK": kept_bwd, "KC": ckpt_bwd, "CC": ckpt_bwd},
+        synthetic_block(i, fwd={(K, K): kept_fwd, (C, K): kept_fwd,
+                                (K, C): ckpt_fwd, (C, C): ckpt_fwd},
+                        bwd={(K, K): kept_bwd, (C, K): kept_bwd,
+                             (K, C): ckpt_bwd, (C, C): ckpt_bwd},
                         flops=100, chained=True, chain_bytes=2, output_bytes=2)
         for i in range(3)
     ]
     return synthetic_tape(blocks, pre=window(5, 2),
-                          post={"K": window(3, 1), "C": window(3, 1)},
-                          tail={"K": window(3, -1), "C": window(3, -1)})
+                          post={K: window(3, 1), C: window(3, 1)},
+                          tail={K: window(3, -1), C: window(3, -1)})
 
 
 def _plan(decisions: str) -> Segments:
@@ -124,7 +123,7 @@ def test_a_two_block_segment_drops_the_inner_boundary_and_recomputes_both() -> N
     # 22; it ends at 10 + 1 = 11, and block 0's plain backward peaks 11 + 4 = 15.
     tape = _three_blocks()
     cost = segment_cost(tape, 0, 2, RECOMPUTE)
-    assert (cost.fwd_peak, cost.hold, cost.bwd_peak, cost.mode) == (14, 2, 22, "C")
+    assert (cost.fwd_peak, cost.hold, cost.bwd_peak, cost.seen_as) == (14, 2, 22, C)
     assert cost.flops == 200  # both blocks' forwards run again
     # The step: F = 2, 4 after the segment, 14 after block 2; block 2's backward
     # 14 + 10 + Z_2 1 + 4 = 29, the segment's backward 2 + 2 + Z_1 4 + 22 = 30.
@@ -170,12 +169,12 @@ def _released_at_forward_end() -> Tape:
     own and dropped the list when its forward returned. With block 1 kept (it saves
     nothing of its input) that frees the 6 bytes there, in ``post``; with block 1
     checkpointed, its checkpoint holds them until its backward. So the keep-everything
-    step measured ``post["K"]`` leaving 1 - 6 = -5, and the checkpoint-everything step
-    ``post["C"]`` leaving 1 as before."""
+    step measured ``post[K]`` leaving 1 - 6 = -5, and the checkpoint-everything step
+    ``post[C]`` leaving 1 as before."""
     tape = _three_blocks()
-    block_1 = dataclasses.replace(tape.blocks[1], fwd_end_release={"KK": 6, "CK": 6})
+    block_1 = dataclasses.replace(tape.blocks[1], fwd_end_release={(K, K): 6, (C, K): 6})
     return dataclasses.replace(tape, blocks=(tape.blocks[0], block_1, tape.blocks[2]),
-                               post={"K": window(3, -5), "C": window(3, 1)})
+                               post={K: window(3, -5), C: window(3, 1)})
 
 
 def test_a_plan_that_releases_as_measured_takes_the_measured_head() -> None:
@@ -183,9 +182,9 @@ def test_a_plan_that_releases_as_measured_takes_the_measured_head() -> None:
     segments = _plan("KKK")
     release = release_of(tape, segments, plan_costs(tape, segments))
     assert release == [0, 6, 0]
-    assert post_window(tape, "K", release) == tape.post["K"]
+    assert post_window(tape, K, release) == tape.post[K]
     # Z_j: post's -5, then +3 per later block: -5, -2, 1 for j = 2, 1, 0.
-    assert suffix_z(tape, release)["K"] == [1, -2, -5]
+    assert suffix_z(tape, release)[K] == [1, -2, -5]
     # Forwards to 32 as before; post peaks at 35 and leaves 27; block 2's backward
     # 27 + 4 = 31; the head is the peak.
     assert predict_peak(tape, segments) == 35
@@ -199,23 +198,23 @@ def test_a_checkpoint_holding_what_the_measured_step_released_adds_it_back() -> 
     # The 6 bytes stay through the head: added to its delta (-5 + 6 = 1) and, from
     # above (the measured window does not say whether its peak came before the
     # release), to its peak: 3 + 6 = 9.
-    assert post_window(tape, "K", release) == WindowMemory(peak_bytes=9, delta_bytes=1)
+    assert post_window(tape, K, release) == WindowMemory(peak_bytes=9, delta_bytes=1)
     # They live until block 1's backward: Z_2 and Z_1 hold them (-5 + 6 = 1 and
     # -2 + 6 = 4), Z_0 (after block 1's backward) does not: 1.
-    assert suffix_z(tape, release)["K"] == [1, 4, 1]
+    assert suffix_z(tape, release)[K] == [1, 4, 1]
     # Levels 2, 12, 14, 24 as on the plain tape: the head peaks at 24 + 9 = 33, above
     # block 1's backward (30, as without the release).
     assert predict_peak(tape, segments) == 33
 
 
 def test_the_solver_counts_the_least_release_so_it_never_predicts_below() -> None:
-    # Without a plan to go by, the solver's DP counts the least any mode of block 1
+    # Without a plan to go by, the solver's DP counts the least any decision of block 1
     # releases (0, checkpointed), so it would see the head of KKK at 32 + 9 = 41 where
     # predict_peak, which knows block 1 is kept, says 35. Keeping every block costs
     # nothing, so the solver checks that plan with predict_peak first (35 fits 36); the
     # DP's own figures stay at or above predict_peak's.
     tape = _released_at_forward_end()
-    assert post_window(tape, "K") == WindowMemory(peak_bytes=9, delta_bytes=1)
+    assert post_window(tape, K) == WindowMemory(peak_bytes=9, delta_bytes=1)
     found = solve(tape, 36)
     assert list(found.segments) == _plan("KKK")
     assert found.peak_bytes == predict_peak(tape, found.segments) == 35
@@ -257,10 +256,10 @@ def _with_releases(tape: Tape, seed: int) -> Tape:
     blocks = [tape.blocks[0]]
     for b in tape.blocks[1:]:
         size = rng.choice([0, 0, b.chain_bytes])
-        blocks.append(dataclasses.replace(b, fwd_end_release={"KK": size, "CK": size}))
+        blocks.append(dataclasses.replace(b, fwd_end_release={(K, K): size, (C, K): size}))
     post = dict(tape.post)
-    released = sum(b.fwd_end_release.get("KK", 0) for b in blocks)
-    post["K"] = window(post["K"].peak_bytes, post["K"].delta_bytes - released)
+    released = sum(b.fwd_end_release.get((K, K), 0) for b in blocks)
+    post[K] = window(post[K].peak_bytes, post[K].delta_bytes - released)
     return dataclasses.replace(tape, blocks=tuple(blocks), post=post)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import autoremat
 from autoremat import Tape, zoo
-from autoremat._plan.peak import KEEP, Option
+from autoremat._core.decisions import KEEP, RECOMPUTE, Choice
 from autoremat._plan.plan import plan_of_segments, smallest_feasible_bytes
 from autoremat._verify import step_measure
 
@@ -34,8 +34,8 @@ def test_a_selective_block_before_kept_ones_is_predicted_from_above(
     checked = 0
     for i, block in enumerate(tape.blocks):
         for key in sorted(block.selective):
-            option: Option = ("selective", tuple(key.split("+")) if key else ())
-            segments = [(k, k + 1, option if k == i else KEEP) for k in range(n)]
+            choice = Choice.selective_from_key(key)
+            segments = [(k, k + 1, choice if k == i else KEEP) for k in range(n)]
             plan = plan_of_segments(tape, segments, "test")
             assert _measured(name, plan) <= plan.predicted_peak_bytes, (block.name, key)
             checked += 1
@@ -64,9 +64,10 @@ def test_what_the_model_makes_before_the_first_block_is_counted_held() -> None:
     model, inputs = hf_model("llama", None, layers=4, seq_len=64)
     assert "position_ids" not in inputs
     tape = autoremat.profile(model, inputs, timing=False)
-    assert tape.blocks[0].fwd_end_release.get("KK", 0) > 0
+    kept = (autoremat.Decision.KEEP, autoremat.Decision.KEEP)
+    assert tape.blocks[0].fwd_end_release.get(kept, 0) > 0
     for pattern in ("kkkk", "rkkk", "krkk", "kkkr", "rkrk", "rrrr"):
-        segments = [(i, i + 1, ("recompute", ()) if c == "r" else KEEP)
+        segments = [(i, i + 1, RECOMPUTE if c == "r" else KEEP)
                     for i, c in enumerate(pattern)]
         plan = plan_of_segments(tape, segments, "test")
         autoremat.apply(model, plan)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +17,12 @@ import pytest
 import torch
 
 import autoremat
-from autoremat import Plan, Tape, zoo
+from autoremat import Decision, Plan, Tape, zoo
 from autoremat._core.errors import BudgetError, RematError, SchemaError
 from autoremat._plan.budget import optimizer_state_bytes
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.plan import BlockDecision, smallest_feasible_bytes
+
+from conftest import V1_OPTIMAL_PLAN, V1_PLAN, V1_TAPE
 
 BUDGETS = ["75%", "50%", "30%", "min"]
 BASELINES = ["full", "every:2", "every:3", "sqrt"]
@@ -48,7 +51,7 @@ def _budget_bytes(tape: Tape, budget: str) -> int:
 
 
 def _recomputed(p: Plan) -> list[int]:
-    return [i for i, b in enumerate(p.blocks) if b.decision != "keep"]
+    return [i for i, b in enumerate(p.blocks) if b.decision is not Decision.KEEP]
 
 
 # --- budgets on the zoo --------------------------------------------------------------------
@@ -86,7 +89,7 @@ def test_some_budget_besides_the_minimum_is_feasible(zoo_tape: Tape) -> None:
     p = autoremat.plan(zoo_tape, "75%")
     assert p.predicted_peak_bytes <= 0.75 * zoo_tape.step_peak_bytes
     full = autoremat.plan(zoo_tape, None, "full")
-    assert any(b.decision != "keep" for b in p.blocks)
+    assert any(b.decision is not Decision.KEEP for b in p.blocks)
     assert 0 < p.predicted_cost < full.predicted_cost
     assert p.predicted_recompute_flops <= full.predicted_recompute_flops
 
@@ -149,7 +152,7 @@ def test_strategies_make_the_expected_decisions(zoo_tape: Tape) -> None:
     assert _recomputed(none) == [] and none.predicted_recompute_flops == 0
     assert none.predicted_peak_bytes == zoo_tape.step_peak_bytes  # exact for the plain step
     full = autoremat.plan(zoo_tape, None, "full")
-    assert full.segments == [(i, i + 1, "recompute") for i in range(n)]
+    assert full.segments == [(i, i + 1, Decision.RECOMPUTE) for i in range(n)]
     assert full.predicted_peak_bytes == zoo_tape.ckpt_step_peak_bytes  # exact too
     assert full.predicted_recompute_flops == sum(b.fwd_flops for b in zoo_tape.blocks)
     for k in (1, 2, 3):
@@ -160,7 +163,7 @@ def test_strategies_make_the_expected_decisions(zoo_tape: Tape) -> None:
             b.fwd_flops for b in zoo_tape.blocks[::k])
     sqrt = autoremat.plan(zoo_tape, None, "sqrt")
     assert [(s, e) for s, e, _ in sqrt.segments] == _sqrt_segments(zoo_tape)
-    assert {d for _, _, d in sqrt.segments} == {"recompute"}
+    assert {d for _, _, d in sqrt.segments} == {Decision.RECOMPUTE}
     assert len({b.segment for b in sqrt.blocks}) == len(sqrt.segments)
 
 
@@ -168,7 +171,7 @@ def test_sqrt_groups_a_four_block_chain_in_pairs(small_tape: Tape) -> None:
     # 4 chained blocks: round(sqrt(4)) = 2 per segment; block 0 is not chained to anything
     assert [b.chained for b in small_tape.blocks] == [False, True, True, True]
     assert autoremat.plan(small_tape, None, "sqrt").segments == [
-        (0, 2, "recompute"), (2, 4, "recompute")]
+        (0, 2, Decision.RECOMPUTE), (2, 4, Decision.RECOMPUTE)]
 
 
 # --- budget parsing ----------------------------------------------------------------------
@@ -323,7 +326,7 @@ def test_plan_needs_a_tape() -> None:
 def test_json_round_trip(small_tape: Tape, strategy: str, tmp_path: Any) -> None:
     p = autoremat.plan(small_tape, "95%" if strategy == "optimal" else None, strategy)
     text = p.to_json()
-    assert json.loads(text)["schema_version"] == p.schema_version == 1
+    assert json.loads(text)["schema_version"] == p.schema_version == 2
     assert Plan.from_json(text) == p
     path = tmp_path / "sub" / "plan.json"
     assert p.to_json(path) == text and path.read_text() == text
@@ -348,8 +351,8 @@ _MALFORMED = [
      "plan.predicted_recompute_flops"),
     ("blocks", lambda d: d.__setitem__("blocks", {}), "plan.blocks must be a list"),
     ("decision", lambda d: d["blocks"][1].__setitem__("decision", "maybe"),
-     "plan.blocks[1].decision must be one of ['keep', 'recompute', 'selective', 'offload'], "
-     "got 'maybe'"),
+     "plan.blocks[1].decision must be one of ['keep', 'recompute', 'selective', 'offload', "
+     "'offload_input'], got 'maybe'"),
     ("block-missing", lambda d: d["blocks"][0].pop("segment"),
      "plan.blocks[0]: missing field 'segment'"),
     ("block-type", lambda d: d["blocks"].__setitem__(2, 5), "plan.blocks[2] must be an object"),
@@ -381,7 +384,7 @@ def test_malformed_plan_json_names_the_field(small_tape: Tape, case: str, change
 
 @pytest.mark.parametrize(("text", "message"), [
     ("{not json", "plan is not valid JSON"),
-    ("[1, 2]", "cannot read plan file"),  # not an object, read as a path
+    ("[1, 2]", "plan JSON must be an object, got list"),  # JSON, but not an object
     ("/nonexistent/plan.json", "cannot read plan file '/nonexistent/plan.json'"),
 ])
 def test_unreadable_plan_json(text: str, message: str) -> None:
@@ -395,7 +398,7 @@ def test_plan_is_frozen(small_tape: Tape) -> None:
     with pytest.raises(AttributeError):
         p.strategy = "none"  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        p.blocks[0].decision = "keep"  # type: ignore[misc]
+        p.blocks[0].decision = Decision.KEEP  # type: ignore[misc]
 
 
 def _names_listed(text: str, names: list[str]) -> list[str]:
@@ -458,3 +461,52 @@ def test_two_profiles_of_the_same_model_give_the_same_plan(small_tape: Tape) -> 
             assert info.value.min_feasible_bytes == err.min_feasible_bytes
             continue
         assert autoremat.plan(again, budget) == a
+
+
+# --- files of schema version 1 (tests/data/README.md) ---------------------------------------
+
+_V1_DECISIONS = [Decision.RECOMPUTE, Decision.RECOMPUTE, Decision.SELECTIVE, Decision.SELECTIVE,
+                 Decision.OFFLOAD_INPUT, Decision.OFFLOAD, Decision.KEEP]
+
+
+def test_a_version_1_plan_loads_and_its_figures_hold_on_its_version_1_tape() -> None:
+    """A plan file of version 1 (an offloaded input as "recompute" with ``offload_input:
+    true``) loads with its seal checked, every decision as a Decision; with its tape,
+    also of version 1, the plan's predictions are derived again from the decisions and
+    equal the ones the file states (so the peak model reads the old windows as before)."""
+    raw = json.loads(V1_PLAN.read_text())
+    assert raw["schema_version"] == 1 and raw["blocks"][4]["offload_input"] is True
+    tape = Tape.from_json(V1_TAPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sealed: no UnsealedPlanWarning
+        p = Plan.from_json(V1_PLAN, tape=tape)
+    assert [b.decision for b in p.blocks] == _V1_DECISIONS
+    assert [b.offload_input for b in p.blocks] == [False] * 4 + [True, False, False]
+    assert p.blocks[2].keep_seal and p.blocks[3].save_ops == ()
+    assert p.segments[0] == (0, 2, Decision.RECOMPUTE) and p.offload_blocks == 2
+    assert p.schema_version == 2
+    # written again as version 2: the decision by name, no flag
+    data = json.loads(p.to_json())
+    assert data["schema_version"] == 2
+    assert data["blocks"][4]["decision"] == "offload_input"
+    assert all("offload_input" not in b for b in data["blocks"])
+    assert Plan.from_json(p.to_json(), tape=tape) == p
+
+
+def test_planning_a_version_1_tape_gives_the_plan_made_when_it_was_written() -> None:
+    """The optimal plan of the version-1 tape, made by the autoremat that wrote both
+    files, is the plan this one makes from the same tape and budget."""
+    tape = Tape.from_json(V1_TAPE)
+    then = Plan.from_json(V1_OPTIMAL_PLAN, tape=tape)
+    assert then.budget_bytes is not None
+    assert autoremat.plan(tape, then.budget_bytes, offload=True) == then
+    assert autoremat.plan(tape, None, "sqrt").segments != then.segments  # a real choice
+
+
+def test_a_block_decision_is_read_by_name_at_the_boundary() -> None:
+    block = BlockDecision("blocks.0", "recompute", 0)  # type: ignore[arg-type]
+    assert block.decision is Decision.RECOMPUTE and block.decision == "recompute"
+    with pytest.raises(RematError, match=r"decision of block 'blocks.0' must be one of "
+                                         r"\['keep', .*'offload_input'\] .*, got 'recompte'. "
+                                         r"Did you mean 'recompute'\?"):
+        BlockDecision("blocks.0", "recompte", 0)  # type: ignore[arg-type]

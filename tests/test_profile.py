@@ -15,7 +15,7 @@ import transformers
 from torch import nn
 
 import autoremat
-from autoremat import Tape, zoo
+from autoremat import Decision, Tape, zoo
 from autoremat._core.blocks import discover_blocks
 from autoremat._core.errors import BlockError, RematError
 from autoremat._core.step import run_step
@@ -33,10 +33,11 @@ _SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _replay(tape: Tape, mode: str) -> tuple[int, int]:
+def _replay(tape: Tape, decision: Decision) -> tuple[int, int]:
     """Compose the step from the tape's windows: ``(peak, final level)``.
 
-    ``mode`` is "K" (the plain step) or "C" (every block checkpointed on its own). The
+    ``decision`` is KEEP (the plain step) or RECOMPUTE (every block checkpointed on its
+    own). The
     windows tile the step's timeline: pre, each block's forward, post (head, loss and
     their backward), each block's backward in reverse, tail. A window's peak is relative
     to the level at its start, so the step's peak is the max over windows of (level at
@@ -49,22 +50,23 @@ def _replay(tape: Tape, mode: str) -> tuple[int, int]:
         peak = max(peak, level + window.peak_bytes)
         level += window.delta_bytes
 
-    keys = ["K" + mode] + [mode + mode] * (len(tape.blocks) - 1)  # (previous, own) mode
+    # (previous block's decision, own decision); the first block follows the stem
+    keys = [(Decision.KEEP, decision)] + [(decision, decision)] * (len(tape.blocks) - 1)
     visit(tape.pre)
     for block, key in zip(tape.blocks, keys, strict=True):
         visit(block.fwd[key])
-    visit(tape.post[mode])
+    visit(tape.post[decision])
     for block, key in reversed(list(zip(tape.blocks, keys, strict=True))):
         visit(block.bwd[key])
-    visit(tape.tail[mode])
+    visit(tape.tail[decision])
     return peak, level
 
 
 def _check_tape_invariants(tape: Tape) -> None:
     # the plain step's peak is the composition of its windows, exactly
-    assert _replay(tape, "K") == (tape.step_peak_bytes, tape.grad_bytes)
+    assert _replay(tape, Decision.KEEP) == (tape.step_peak_bytes, tape.grad_bytes)
     # and so is the peak with every block checkpointed
-    assert _replay(tape, "C") == (tape.ckpt_step_peak_bytes, tape.grad_bytes)
+    assert _replay(tape, Decision.RECOMPUTE) == (tape.ckpt_step_peak_bytes, tape.grad_bytes)
     assert sum(tape.peak_breakdown.values()) == tape.step_peak_bytes
     # the forward leaves everything saved in and before the blocks: a lower bound
     fwd_end = tape.pre.delta_bytes + sum(b.keep_fwd.delta_bytes for b in tape.blocks)

@@ -239,7 +239,7 @@ def edit_plans(zoo_tapes: Any) -> tuple[autoremat.Tape, list[str]]:
     plans = [autoremat.plan(tape, budget) for budget in
              (least, (least + tape.step_peak_bytes) // 2, "90%")]
     plans += [autoremat.plan(tape, None, strategy) for strategy in ("sqrt", "selective")]
-    assert any(b.decision == "selective" for p in plans for b in p.blocks)
+    assert any(b.decision is autoremat.Decision.SELECTIVE for p in plans for b in p.blocks)
     assert any(stop > start + 1 for p in plans for start, stop, _ in p.segments)
     return tape, [p.to_json() for p in plans]
 
@@ -261,7 +261,7 @@ def _edit(data: dict[str, Any], edit: str, i: int, value: int, tape: autoremat.T
         for b in blocks[i:]:
             b["segment"] -= blocks[i]["segment"] - blocks[i - 1]["segment"]
         for b in blocks[i - 1:i + 1]:
-            b.update(decision="recompute", offload_input=False, save_ops=[],
+            b.update(decision="recompute", save_ops=[],
                      recompute_ops=[], keep_ops=[], skip_ops=[], op_signature="",
                      keep_keys=[], keep_seal="")
     elif edit == "budget":
@@ -279,29 +279,21 @@ def _edit(data: dict[str, Any], edit: str, i: int, value: int, tape: autoremat.T
 def _derived_peak(plan: autoremat.Plan, tape: autoremat.Tape) -> int:
     """The peak the plan's decisions give on the tape, derived here, not by autoremat's
     own check."""
-    from autoremat._plan.peak import (
-        KEEP,
-        OFFLOAD,
-        OFFLOAD_INPUT,
-        RECOMPUTE,
-        predict_peak,
-        with_head,
-    )
+    from autoremat._core.decisions import Choice
+    from autoremat._plan.peak import predict_peak, with_head
 
     segments = []
     for start, stop, decision in plan.segments:
         block = plan.blocks[start]
-        if decision == "selective":
+        if decision is autoremat.Decision.SELECTIVE:
             measured = tape.blocks[start].selective
             name = next((n for n, s in measured.items()
                          if (s.keep_ops, s.skip_ops) == (block.keep_ops, block.skip_ops)
                          and (block.keep_ops or block.skip_ops)), "+".join(block.save_ops))
-            option = ("selective", tuple(name.split("+")) if name else ())
+            choice = Choice.selective_from_key(name)
         else:
-            option = {"keep": KEEP, "offload": OFFLOAD,
-                      "recompute": OFFLOAD_INPUT if block.offload_input else RECOMPUTE
-                      }[decision]
-        segments.append((start, stop, option))
+            choice = Choice(decision)
+        segments.append((start, stop, choice))
     return predict_peak(with_head(tape, plan.head), segments)
 
 

@@ -26,14 +26,13 @@ from torch import nn
 
 import autoremat
 from autoremat._core import rng
-from autoremat._mechanism.selective import _op_info, save_set_of
+from autoremat._core.decisions import KEEP, RECOMPUTE, Choice
+from autoremat._mechanism.selective import _op_info
 from autoremat._plan.plan import plan_of_segments
 
-KEEP, RECOMPUTE = ("keep", ()), ("recompute", ())
 
-
-def _sel(key: str) -> tuple[str, tuple[str, ...]]:
-    return ("selective", save_set_of(key))
+def _sel(key: str) -> Choice:
+    return Choice.selective_from_key(key)
 
 # --- a kernel that draws inside: a fused "attention" with dropout ------------------------
 

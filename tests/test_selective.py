@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import autoremat
-from autoremat import RematError, Tape, zoo
+from autoremat import Decision, RematError, Tape, zoo
+from autoremat._core.decisions import Choice
 from autoremat._mechanism.selective import (
     op_signature,
     save_set_name,
@@ -170,8 +171,9 @@ def test_plans_with_the_empty_save_set_apply_exactly_and_print(
     tape = zoo_tapes("gpt2", **SMALL["gpt2"])  # measured on a model built the same way
     assert all("" in b.selective for b in tape.blocks)
     base = autoremat.plan(tape, strategy="full")
-    blocks = tuple(dataclasses.replace(b, decision="selective", save_ops=()) for b in base.blocks)
-    options = [(i, i + 1, ("selective", ())) for i in range(len(blocks))]
+    blocks = tuple(dataclasses.replace(b, decision=Decision.SELECTIVE, save_ops=())
+                   for b in base.blocks)
+    options = [(i, i + 1, Choice(Decision.SELECTIVE)) for i in range(len(blocks))]
     plan = dataclasses.replace(base, blocks=blocks,
                                predicted_peak_bytes=predict_peak(tape, options))
     assert "recompute all ops, keep the random draws" in str(plan)
@@ -239,7 +241,8 @@ def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
     names = set.intersection(*(set(b.selective) for b in tape.blocks))
     assert {"", "matmul"} < names and all(is_keep_set(n) for n in names - {"", "matmul"})
     for name in sorted(names):
-        options = [(i, i + 1, ("selective", save_set_of(name))) for i in range(len(tape.blocks))]
+        options = [(i, i + 1, Choice.selective_from_key(name))
+                   for i in range(len(tape.blocks))]
         plan = plan_of_segments(tape, options, f"selective:{name}")
         autoremat.apply(model, plan)
         report = autoremat.verify(model, inputs, loss_fn=lambda out: out, repeats=1)

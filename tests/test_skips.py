@@ -97,7 +97,7 @@ def test_unet_selective_blocks_run_the_ops_they_were_profiled_with(listed: tuple
     chosen = [b for b in tape.blocks if b.selective]
     assert chosen, "the U-Net's blocks have selective options"
     plan = autoremat.plan(tape, None, "selective")
-    assert any(d.decision == "selective" for d in plan.blocks)
+    assert any(d.decision is autoremat.Decision.SELECTIVE for d in plan.blocks)
     autoremat.apply(model, plan)
     try:
         with warnings.catch_warnings():

@@ -130,7 +130,7 @@ def test_auto_and_verify_of_a_step_match_the_loose_arguments() -> None:
     assert stepped.blocks == loose.blocks and stepped.loop == "loss_only"
     assert (stepped.predicted_peak_bytes, stepped.predicted_recompute_flops) == \
         (loose.predicted_peak_bytes, loose.predicted_recompute_flops)
-    assert any(block.decision != "keep" for block in stepped.blocks)
+    assert any(block.decision is not autoremat.Decision.KEEP for block in stepped.blocks)
     assert autoremat.applied_plan(model) is stepped
 
     by_step = autoremat.verify(step, plan=stepped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -11,9 +12,11 @@ from typing import Any
 import pytest
 
 import autoremat._measure.tape as tape_module
-from autoremat import Tape
-from autoremat._core.errors import SchemaError
+from autoremat import Decision, Tape
+from autoremat._core.errors import RematError, SchemaError
 from autoremat._measure.tape import SCHEMA_VERSION
+
+from conftest import V1_TAPE
 
 
 def _data(tape: Tape) -> dict[str, Any]:
@@ -54,7 +57,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
         raise OSError("disk on fire")
 
     monkeypatch.setattr(tape_module.os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk on fire"):
+    with pytest.raises(RematError, match=r"cannot write to .*: disk on fire; choose another"):
         tiny_tape.to_json(path)
     assert path.read_text() == "old contents"
     assert os.listdir(tmp_path) == ["tape.json"]
@@ -110,7 +113,8 @@ def _set(value: Any, *path: Any) -> Callable[[dict[str, Any]], None]:
         (_drop("blocks", 1, "saved_bytes"), ["tape.blocks[1]", "saved_bytes"]),
         (_drop("blocks", 0, "name"), ["tape.blocks[0]", "name"]),
         (_drop("pre", "peak_bytes"), ["tape.pre", "peak_bytes"]),
-        (_drop("blocks", 2, "fwd", "KK", "delta_bytes"), ["tape.blocks[2].fwd.KK", "delta_bytes"]),
+        (_drop("blocks", 2, "fwd", "keep>keep", "delta_bytes"),
+         ["tape.blocks[2].fwd.keep>keep", "delta_bytes"]),
     ],
     ids=["step_peak_bytes", "grad_bytes", "block-saved_bytes", "block-name", "pre-peak",
          "window-delta"],
@@ -139,7 +143,8 @@ def test_missing_field_is_named(
         (_set(2.0, "blocks", 1, "saved_bytes"), "tape.blocks[1].saved_bytes"),
         (_set(1, "blocks", 1, "chained"), "tape.blocks[1].chained"),
         (_set("1", "pre", "peak_bytes"), "tape.pre.peak_bytes"),
-        (_set(0.5, "blocks", 0, "bwd", "KK", "peak_bytes"), "tape.blocks[0].bwd.KK.peak_bytes"),
+        (_set(0.5, "blocks", 0, "bwd", "keep>keep", "peak_bytes"),
+         "tape.blocks[0].bwd.keep>keep.peak_bytes"),
         (_set(7, "post"), "tape.post"),
         (_set("yes", "blocks", 0, "ops", 0, "random"), "tape.blocks[0].ops[0].random"),
         (_set({}, "blocks", 0, "ops"), "tape.blocks[0].ops"),
@@ -177,3 +182,60 @@ def test_print_shows_every_block_and_the_peak(
         assert block.name in out
     assert "MLPChain" in out
     assert "step peak" in out
+
+
+# --- files of schema version 1 (tests/data/README.md) ---------------------------------------
+
+# what version 1 wrote for each decision a window is measured for
+_LETTERS = {"K": Decision.KEEP, "C": Decision.RECOMPUTE, "O": Decision.OFFLOAD,
+            "P": Decision.OFFLOAD_INPUT}
+
+
+def test_a_version_1_tape_loads_with_its_letters_read_as_decisions() -> None:
+    """Every window of a version-1 file ("KC": kept before, checkpointed here; O and P
+    offloaded and input-offloaded) is under the decisions its letters name, with the
+    figures the file holds; written again, it is version 2 with decisions by name."""
+    raw = json.loads(V1_TAPE.read_text())
+    assert raw["schema_version"] == 1
+    tape = Tape.from_json(V1_TAPE)
+    assert tape.schema_version == 2 and tape.offload
+    assert tape.window_decisions == tuple(_LETTERS.values())
+    for block, raw_block in zip(tape.blocks, raw["blocks"], strict=True):
+        for key in ("fwd", "bwd"):
+            windows = getattr(block, key)
+            assert len(windows) == len(raw_block[key]) > 0
+            for letters, window in raw_block[key].items():
+                pair = (_LETTERS[letters[0]], _LETTERS[letters[1]])
+                assert dataclasses.asdict(windows[pair]) == window
+        assert block.fwd_end_release == {(_LETTERS[k[0]], _LETTERS[k[1]]): v
+                                         for k, v in raw_block["fwd_end_release"].items()}
+    for key in ("post", "tail"):
+        assert {d: w.peak_bytes for d, w in getattr(tape, key).items()} == {
+            _LETTERS[k]: w["peak_bytes"] for k, w in raw[key].items()}
+    data = json.loads(tape.to_json())
+    assert data["schema_version"] == 2
+    assert sorted(data["post"]) == ["keep", "offload", "offload_input", "recompute"]
+    assert "recompute>offload" in data["blocks"][1]["fwd"]
+    assert all(len(k.split(">")) == 2 for b in data["blocks"] for k in b["fwd"])
+    assert Tape.from_json(tape.to_json()) == tape
+
+
+@pytest.mark.parametrize(("version", "key", "message"), [
+    (1, "KX", "'X' names no decision a window is measured for (schema version 1 writes "
+              "['K', 'C', 'O', 'P'])"),
+    (1, "KCK", "window key 'KCK' is not the previous block's decision and this block's, "
+               "as 'KC'"),
+    (2, "keep>maybe", "'maybe' names no decision a window is measured for (schema version 2 "
+                      "writes ['keep', 'recompute', 'offload', 'offload_input'])"),
+    (2, "KK", "window key 'KK' is not the previous block's decision and this block's, as "
+              "'keep>recompute'"),
+    (2, "keep>selective", "'selective' names no decision a window is measured for"),
+])
+def test_a_window_key_that_names_no_decisions_is_refused(tiny_tape: Tape, version: int,
+                                                          key: str, message: str) -> None:
+    data = _data(tiny_tape) if version == 2 else json.loads(V1_TAPE.read_text())
+    windows = data["blocks"][1]["fwd"]
+    windows[key] = next(iter(windows.values()))
+    with pytest.raises(SchemaError) as info:
+        _load(data)
+    assert "tape.blocks[1].fwd" in str(info.value) and message in str(info.value)

@@ -176,7 +176,8 @@ def test_bench_writes_tables_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
 def selective_plan(zoo_tapes: Callable[..., autoremat.Tape]) -> autoremat.Plan:
     tape = zoo_tapes("gpt2", n_layer=2, batch_size=2, seq_len=16)  # profiled once, shared
     base = autoremat.plan(tape, None, "full")
-    first = dataclasses.replace(base.blocks[0], decision="selective", keep_ops=(3, 5),
+    first = dataclasses.replace(base.blocks[0], decision=autoremat.Decision.SELECTIVE,
+                                keep_ops=(3, 5),
                                 skip_ops=(2,), op_signature="abc",
                                 keep_seal=keep_set_seal("abc", (3, 5), (2,)))
     return dataclasses.replace(base, blocks=(first, *base.blocks[1:]))
@@ -592,3 +593,118 @@ def test_a_prediction_above_the_budget_is_refused_unsealed() -> None:
     data["budget_bytes"] = data["predicted_peak_bytes"] - 1
     with pytest.raises(SchemaError, match=r"is above plan\.budget_bytes"):
         autoremat.Plan.from_json(json.dumps(data))
+
+
+# --- issue 26's misuse sweep (benchmarks/misuse_sweep.py): each failed before its fix ---------
+
+
+class _Shared(torch.nn.Module):
+    """One block module at every position of its list (weights shared by reuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleList([block, block, block])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _scripted() -> torch.nn.Module:
+    model, _ = _mlp()
+    model.blocks[1] = torch.jit.script(model.blocks[1])
+    return model
+
+
+def _plan_json() -> str:
+    return autoremat.plan(_tape(), None, "full").to_json()
+
+
+_SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
+    (lambda: autoremat.apply(_mlp()[0], autoremat.plan(_tape(), None, "full"),
+                             rank_timeout_s=0), RematError,
+     "rank_timeout_s (how long a rank waits for the others) must be a number of seconds > 0"),
+    (lambda: autoremat.profile(_Shared(), torch.ones(2, 4)), BlockError,
+     "'blocks' holds one module more than once"),
+    (lambda: autoremat.profile(zoo.build("mlp", widths=(8,), d_in=8, batch_size=2)[0],
+                               torch.ones(2, 8)), BlockError, "holds a single block"),
+    (lambda: autoremat.profile(_scripted(), _mlp()[1], blocks=["blocks.0", "blocks.1"]),
+     BlockError, "block 'blocks.1' is a TorchScript module"),
+    (lambda: autoremat.profile(_mlp()[0], tuple(t.to("meta") for t in _mlp()[1])), RematError,
+     "the inputs are on meta and the model on cpu"),
+    (lambda: autoremat.Plan.from_json(""), SchemaError, "the plan JSON text is empty"),
+    (lambda: autoremat.Plan.from_json("  "), SchemaError, "the plan JSON text is empty"),
+    (lambda: autoremat.Plan.from_json(json.loads(_plan_json())), SchemaError,
+     "got dict (for a dict: json.dumps(it) first)"),
+    (lambda: autoremat.Plan.from_json("[]"), SchemaError, "plan JSON must be an object"),
+    (lambda: autoremat.plan(_tape(), None, "full").to_json("/proc/no/such/plan.json"),
+     RematError, "cannot write to '/proc/no/such/plan.json'"),
+    (lambda: autoremat.plan(_tape(), 0.5), BudgetError,
+     "budget 0.5 is less than one byte: a number is a count of bytes; for a share of the "
+     "unplanned peak write '50%'"),
+    (lambda: autoremat.doctor(*_mlp(), memory=0, device="cpu"), BudgetError,
+     "memory must be the device's memory in bytes (> 0), got 0"),
+    (lambda: autoremat.applied_plan("model"), RematError,
+     "applied_plan() needs an nn.Module, got str"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "fragment"), _SWEEP_CASES)
+def test_sweep_misuse_is_a_clear_error(call: Any, error: type[Exception], fragment: str) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+def test_a_plan_loads_from_bytes() -> None:
+    text = _plan_json()
+    assert autoremat.Plan.from_json(text.encode()) == autoremat.Plan.from_json(text)
+
+
+def test_a_negative_count_in_a_plan_file_is_refused_unsealed() -> None:
+    data = json.loads(_plan_json())
+    del data["seal"]
+    data["predicted_recompute_flops"] = -1
+    with pytest.raises(SchemaError, match=r"plan\.predicted_recompute_flops must be >= 0"):
+        autoremat.Plan.from_json(json.dumps(data))
+
+
+def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"autoremat {autoremat.__version__}"
+
+
+def test_python_dash_m_autoremat_runs_the_command(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["autoremat", "--version"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("autoremat", run_name="__main__")
+    assert info.value.code == 0
+    assert "autoremat" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("source", "argv", "fragment"), [
+    ("def make(:\n    pass\n", ["profile", "autoremat_broken:make"],
+     "importing 'autoremat_broken' for target 'autoremat_broken:make' raised SyntaxError"),
+    ("import torch\n\ndef make(width=8):\n    raise ValueError('my factory is broken')\n",
+     ["profile", "autoremat_broken:make", "--set", "width=4"],
+     "autoremat_broken:make(width=4) raised ValueError: my factory is broken at "),
+    ("raise KeyError('at import')\n", ["plan", "autoremat_broken.py:make", "--strategy", "full"],
+     "importing 'autoremat_broken.py' for target 'autoremat_broken.py:make' raised KeyError"),
+])
+def test_a_factory_that_raises_is_one_line_naming_where(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, source: str, argv: list[str],
+        fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import autoremat._cli
+
+    (tmp_path / "autoremat_broken.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "autoremat_broken", raising=False)
+    monkeypatch.setattr(autoremat._cli, "profile", _refuse)
+    _assert_one_line_error(argv, fragment, capsys)

@@ -22,6 +22,7 @@ from autoremat._apply import (
     remove,
 )
 from autoremat._auto import auto
+from autoremat._core.decisions import Choice, Decision
 from autoremat._core.errors import (
     BlockError,
     BudgetError,
@@ -47,6 +48,8 @@ __all__ = [
     "BlockError",
     "BlockProfile",
     "BudgetError",
+    "Choice",
+    "Decision",
     "DeterminismError",
     "Estimate",
     "LMHead",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from torch import nn
 
 from autoremat._core.blocks import param_signature
 from autoremat._core.conditions import autocast_state, float_dtypes, structure_of
+from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError, check_flag, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
 from autoremat._core.step import cache_configs, describe_inputs, flat_tensors
@@ -118,6 +120,8 @@ class _Applied:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model``, or ``None``."""
+    if not isinstance(model, nn.Module):
+        raise RematError(f"applied_plan() needs an nn.Module, got {type(model).__name__}")
     state = unwrapped(model)[0].__dict__.get(_ATTR)
     return state.plan if state is not None else None
 
@@ -161,6 +165,10 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     if not isinstance(plan, Plan):
         raise RematError(f"apply() needs a Plan from autoremat.plan(), got {type(plan).__name__}")
     given, (model, compiled_whole) = model, unwrapped(model)
+    if not (isinstance(rank_timeout_s, (int, float)) and not isinstance(rank_timeout_s, bool)
+            and rank_timeout_s > 0):
+        raise RematError(f"rank_timeout_s (how long a rank waits for the others) must be a "
+                         f"number of seconds > 0, got {rank_timeout_s!r}")
     if check_flag("check_ranks", check_ranks):
         _check_ranks_agree(plan, rank_timeout_s)
     if model_class_name(model) != plan.model:
@@ -199,7 +207,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             "for the compiled step from a tape measured compiled: "
             "autoremat.plan(autoremat.profile(model, inputs, compile=True), budget)")
     if compiled and plan.offload_blocks:
-        first = next(b.name for b in plan.blocks if b.decision == "offload" or b.offload_input)
+        first = next(b.name for b in plan.blocks if b.decision.offloads)
         raise RematError(
             f"this plan offloads blocks (from {first}), which cannot run under "
             f"torch.compile, and {compiled[0]} is compiled. Plan without offload for the "
@@ -229,33 +237,27 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     try:
         for start, stop, decision in plan.segments:
             blocks = [modules[b.name] for b in plan.blocks[start:stop]]
-            if decision == "keep":
+            if decision is Decision.KEEP:
                 continue
-            if decision == "offload":
+            if decision.offloads:  # its saved tensors, or (checkpointed) its input
                 after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
                 _, handle = offload(blocks[0], model, after, dtype=dtype,
+                                    input_only=decision is Decision.OFFLOAD_INPUT,
                                     name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
                 if handle is not None:
                     state.handles.append(handle)
                 continue
-            if decision == "selective":
+            if decision is Decision.SELECTIVE:
                 for b, module in zip(plan.blocks[start:stop], blocks, strict=False):
-                    wrap(module, tag="selective", selective=selective_context(
+                    wrap(module, decision, selective=selective_context(
                         b.save_ops, keep_ops=b.keep_ops, skip_ops=b.skip_ops,
                         signature=b.op_signature),
                         compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)),
                         name=b.name)
                     state.wrapped.append(module)
-            elif stop == start + 1 and plan.blocks[start].offload_input:
-                after = modules[plan.blocks[stop].name] if stop < len(plan.blocks) else None
-                _, handle = offload(blocks[0], model, after, input_only=True, dtype=dtype,
-                                    name=plan.blocks[start].name)
-                state.wrapped.append(blocks[0])
-                if handle is not None:
-                    state.handles.append(handle)
             elif stop == start + 1:
-                wrap(blocks[0], tag="recompute", name=plan.blocks[start].name)
+                wrap(blocks[0], Decision.RECOMPUTE, name=plan.blocks[start].name)
                 state.wrapped.append(blocks[0])
             else:
                 runner = SegmentRunner(blocks, [b.name for b in plan.blocks[start:stop]])
@@ -331,9 +333,9 @@ def _check_autocast(state: _Applied) -> None:
     here = autocast_state()
     if not plan.dtypes or here == plan.autocast:
         return
-    if plan.head != "keep" and here:
+    if plan.head.decision is Decision.CHUNKED and here:
         raise RematError(
-            f"this plan computes the loss head in chunks ({plan.head}), which cannot run "
+            f"this plan computes the loss head in chunks ({plan.head.head_key}), which cannot run "
             f"under autocast ({here}); its tape was measured without. Re-plan under the "
             "loop's autocast (the head then stays as the model computes it)")
     if "autocast" not in state.warned:
@@ -422,18 +424,26 @@ def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> 
     inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                       not kwargs else args)
     state.calls = None
-    if torch.is_grad_enabled():
-        _check_setting(module, inputs, state)
-        _check_step(state)
-        state.calls = [0] * len(state.blocks)
+    if not torch.is_grad_enabled():
+        return  # evaluation: nothing is recomputed, and no prediction to hold
+    _check_setting(module, inputs, state)
+    _check_step(state)
+    state.calls = [0] * len(state.blocks)
     signature = describe_inputs(inputs)
-    if signature != state.plan.inputs and signature not in state.warned \
-            and describe_inputs(_without_scalars(inputs)) != state.plan.inputs:
+    if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
+            and _unnamed(describe_inputs(_without_scalars(inputs))) != _unnamed(
+                state.plan.inputs):
         state.warned.add(signature)
         warnings.warn(
             f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
             f"runs on {signature}. Its memory prediction no longer holds: re-plan "
             f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
+
+
+def _unnamed(signature: str) -> str:
+    """An inputs signature less its keyword names: ``"ids: (4, 16) int64"`` and
+    ``"(4, 16) int64"`` are one batch, given by keyword or by position."""
+    return re.sub(r"(^|, )\w+: ", r"\1", signature)
 
 
 def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:
@@ -486,7 +496,7 @@ def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) 
 
 def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSite | None:
     """Where the plan's chunked head runs (``None``: the plan keeps the head)."""
-    if plan.head == "keep":
+    if plan.head.decision is Decision.KEEP:
         return None
     kind, _, name = plan.head_site.partition(":")
     module = modules.get(name)

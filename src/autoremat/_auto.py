@@ -18,7 +18,7 @@ from autoremat._core.units import format_bytes
 from autoremat._measure.measured import measure_step
 from autoremat._measure.profile import compile_backend, compile_settings, profile
 from autoremat._mechanism.compiled import compiled_forwards, uncompiled
-from autoremat._plan.plan import Plan, check_head, check_plan_args, plan
+from autoremat._plan.plan import Plan, check_head, check_plan_args, keeps_head, plan
 
 __all__ = ["auto"]
 
@@ -87,7 +87,7 @@ def auto(model: nn.Module | Step, inputs: Any = None,
     # the loss head's options cost a memory step each: measured only when the plan may
     # chunk the head
     tape = profile(step, blocks=blocks, compile=backend or False, offload=offload, timing=False,
-                   with_head=head not in (None, "keep"))
+                   with_head=not keeps_head(head))
     chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
                   offload=offload, head=head)
     apply(model, chosen, check_ranks=False)

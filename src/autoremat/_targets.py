@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,6 +171,9 @@ def _import(spec: str, target: str) -> ModuleType:
             raise RematError(f"cannot import {spec!r} for target {target!r} (looked in the "
                              f"current folder {os.getcwd()} and the installed packages): "
                              f"{exc}") from exc
+        except Exception as exc:
+            raise _raised_in_user_code(exc, f"importing {spec!r} for target {target!r}",
+                                       "fix the module") from exc
     path = Path(spec).resolve()
     if not path.is_file():
         raise RematError(f"no file {spec!r} for target {target!r} (from {os.getcwd()}); give "
@@ -186,10 +190,28 @@ def _import(spec: str, target: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses and pickle look classes up by module name
     try:
         loader.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise _raised_in_user_code(exc, f"importing {spec!r} for target {target!r}",
+                                   "fix the file") from exc
     except BaseException:
         del sys.modules[name]
         raise
     return module
+
+
+def _raised_in_user_code(exc: Exception, doing: str, fix: str) -> RematError:
+    """A user's module or factory raised: one line that says where (the CLI shows no
+    traceback for a user's mistake; the original stays as ``__cause__``)."""
+    where = ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f" at {exc.filename}:{exc.lineno}"
+    else:
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}"
+    return RematError(f"{doing} raised {type(exc).__name__}: {exc}{where}; {fix} and run "
+                      "again")
 
 
 def _check_signature(factory: Callable[..., Any], target: str, opts: Mapping[str, Any]) -> None:
@@ -248,11 +270,16 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
             public = [n for n in dir(module) if not n.startswith("_")]
             raise RematError(f"{spec!r} has no callable {attr!r}." + did_you_mean(attr, public))
         _check_signature(factory, target, opts)
-        if device is None:
-            result = factory(**opts)
-        else:
-            with torch.device(device):
+        try:
+            if device is None:
                 result = factory(**opts)
+            else:
+                with torch.device(device):
+                    result = factory(**opts)
+        except Exception as exc:
+            given = ", ".join(f"{k}={v!r}" for k, v in opts.items())
+            raise _raised_in_user_code(exc, f"{target}({given})",
+                                       "fix the factory or its --set options") from exc
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise RematError(f"{target} must return (model, inputs), got {type(result).__name__}")
     return result

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from autoremat._apply import applied_plan, apply, remove
+from autoremat._core.decisions import Decision
 from autoremat._core.errors import (
     DeterminismError,
     LoopError,
@@ -329,7 +330,7 @@ def _head_params(model: nn.Module, plan: Plan) -> set[str]:
     projection's, and through the hidden states' gradient (NOTE [ What a chunked head
     changes in numerics ]) possibly every one below it; so all of them, for a plan that
     chunks the head."""
-    if plan.head == "keep":
+    if plan.head.decision is Decision.KEEP:
         return set()
     return {name for name, _ in model.named_parameters()}
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
 from autoremat._core.flops import FlopCounter
 from autoremat._core.step import Step
@@ -147,10 +148,10 @@ def describe_plan(chosen: Plan) -> str:
     """A plan in a few words for a table note: ``recomputes blocks 0, 2-3, 5(sel)``."""
     parts = []
     for start, stop, decision in chosen.segments:
-        if decision == "keep":
+        if decision is Decision.KEEP:
             continue
         what = f"{start}" if stop == start + 1 else f"{start}-{stop - 1}"
-        if decision == "selective":
+        if decision is Decision.SELECTIVE:
             what += "(sel)"
         parts.append(what)
     if not parts:

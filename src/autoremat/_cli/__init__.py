@@ -30,6 +30,7 @@ from autoremat._core.blocks import discover_blocks
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
 from autoremat._core.step import LOOPS
 from autoremat._core.units import format_bytes
+from autoremat._core.version import __version__
 from autoremat._measure.profile import profile
 from autoremat._measure.tape import check_writable, ops_table
 from autoremat._plan.plan import check_head, check_plan_args, plan, smallest_feasible_bytes
@@ -174,6 +175,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="autoremat", epilog=TARGET_HELP,
         description="Plan activation checkpointing for a PyTorch training step under a "
                     "memory budget. 'autoremat COMMAND --help' for each command's options.")
+    parser.add_argument("--version", action="version", version=f"autoremat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="profile a built-in model and compare plans")

@@ -313,7 +313,7 @@ def describe_inputs(inputs: Any) -> str:
         if isinstance(t, torch.Tensor):
             return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
         return type(t).__name__
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):  # a dict, or a UserDict such as a BatchEncoding
         return ", ".join(f"{k}: {one(v)}" for k, v in inputs.items())
     if isinstance(inputs, (tuple, list)):
         return ", ".join(one(v) for v in inputs)
@@ -409,14 +409,17 @@ def training_config(model: nn.Module) -> Iterator[list[str]]:
 
 
 @contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Run measurement steps without leaving a trace on the model or the RNGs.
+def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
+    """Run measurement steps without leaving a trace on the model, the inputs or the RNGs.
 
-    Saves and restores: buffers (BatchNorm statistics), parameters' ``.grad``, the
-    Python, CPU and CUDA random states. Gradients are ``None`` inside.
+    Saves and restores: buffers (BatchNorm statistics), the ``.grad`` of parameters and
+    of the input tensors that are leaves requiring grad (an input whose gradient the user
+    wants must not collect the measurement steps'), the Python, CPU and CUDA random
+    states. Gradients are ``None`` inside.
     """
     buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
-    grads = [(p, p.grad) for p in model.parameters()]
+    leaves = [t for t in flat_tensors(inputs) if t.is_leaf and t.requires_grad]
+    grads = [(p, p.grad) for p in (*model.parameters(), *leaves)]
     py_state = random.getstate()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):

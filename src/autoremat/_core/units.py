@@ -32,6 +32,11 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
             raise BudgetError(f"{what} must be a finite number of bytes, got {value!r}")
         if value < 0:
             raise BudgetError(f"{what} must not be negative, got {value!r}")
+        if 0 < value < 1:
+            share = f"; for a share of the unplanned peak write '{value * 100:g}%'" \
+                if what == "budget" else ""
+            raise BudgetError(f"{what} {value!r} is less than one byte: a number is a count "
+                              f"of bytes{share}")
         return int(value)
     if not isinstance(value, str):
         raise BudgetError(f"{what} must be bytes or a size string like '6GiB', got {value!r}")

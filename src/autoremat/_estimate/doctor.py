@@ -394,6 +394,9 @@ def doctor(model: nn.Module | Step, inputs: Any = None, *, memory: int | str = "
     """
     step = as_step(model, inputs, loss_fn, None, caller="doctor", keyword="memory")
     limit = parse_size(memory, what="memory")
+    if limit <= 0:
+        raise BudgetError(f"memory must be the device's memory in bytes (> 0), got "
+                          f"{memory!r}; e.g. memory='80GiB'")
     options: dict[str, Any] = {"blocks": blocks, "device": device,
                                "dtype": dtype, "optimizer": optimizer,
                                "throughput_flops": throughput_flops}

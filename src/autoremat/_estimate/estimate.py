@@ -236,8 +236,7 @@ class Estimate:
                      "ckpt_total_peak_bytes", "plan_total_peak_bytes", "recompute_overhead",
                      "ckpt_recompute_overhead", "step_seconds", "plan_step_seconds"):
             data[name] = getattr(self, name)
-        data["plan"] = dataclasses.asdict(self.plan) if dataclasses.is_dataclass(self.plan) \
-            and not isinstance(self.plan, type) else None
+        data["plan"] = self.plan.to_dict() if self.plan is not None else None
         data["schema_version"] = ESTIMATE_SCHEMA_VERSION
         return data
 

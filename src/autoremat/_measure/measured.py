@@ -103,7 +103,7 @@ def measure_step(step: Step, *, memory: Memory | None = None,
     internal_assert(not timed or (memory is None and not allocator and counter is None),
                     "a timed step runs without instruments")
     model, device = step.model, step.device
-    with preserved_state(model) if isolated else nullcontext():
+    with preserved_state(model, step.inputs) if isolated else nullcontext():
         if rng is not None:
             torch.set_rng_state(rng)
         if warm_up:

@@ -5,7 +5,7 @@ NOTE [ Three kinds of run ]
     * memory: four steps under ``track_memory`` (plain; every block checkpointed on its
       own; and two that alternate kept and checkpointed blocks), with marks at block
       boundaries. Windows between marks give what the planner composes (see
-      ``tape.py``), for each pair (previous block's mode, this block's mode): who
+      ``tape.py``), for each pair (previous block's decision, this block's): who
       holds a boundary tensor depends on both its producer and its consumer. Memory
       is exact and deterministic. Then the selective options, a few per step
       (NOTE [ Options measured together ]).
@@ -62,13 +62,14 @@ NOTE [ Profiling a compiled step ]
 
 NOTE [ Alternations shared by alike blocks ]
     The two steps that alternate kept and checkpointed blocks exist to measure each
-    block after a neighbour of the other mode (keys ``CK`` and ``KC``); the first
+    block after a neighbour of the other decision (keys (RECOMPUTE, KEEP) and (KEEP,
+    RECOMPUTE)); the first
     measures them on every other block, the second on the rest. Blocks that measure
     alike in the kept and the checkpointed steps (``_alike``: same class, parameters,
     ops, input and output bytes, windows and releases) measure alike in these too, so
     the second step is skipped when every block after the first has an alike block
     after the first that the first alternation measured with each missing pair, and
-    takes that block's figures (``_by_modes``). Block 0 neither gives nor takes: its
+    takes that block's figures (``_by_pairs``). Block 0 neither gives nor takes: its
     "previous block" is the stem, never a block of the chain. A stack of three or more
     identical layers saves a step; ``test_profile`` checks the figures against the
     second step's.
@@ -80,21 +81,21 @@ NOTE [ Pairs that cannot differ ]
     saved it, else ``i + 1`` (kept: if it saved it; checkpointed: it holds its inputs),
     else in ``i + 1``'s forward. When no block holds what it hands on (and nothing is
     held across more than one boundary), every storage is freed where its own block's
-    mode says, whatever the neighbour's, so ``CK`` equals ``KK`` and ``KC`` equals
-    ``CC`` and the alternating steps would measure nothing new. ``_pairs_local`` reads
-    that from the kept and the checkpointed steps: per event, the window it falls in
-    (``_placer``). A storage made in block ``i``'s forward must die in block ``i``'s
-    windows, in ``i + 1``'s, or at or after the end (held by the caller); the bytes
-    that die in ``i + 1``'s windows must be the same in both steps (what ``i + 1``
-    takes, none of it held by ``i`` kept: held by ``i``, it would die in ``i``'s
-    backward in the kept step and in ``i + 1``'s in the checkpointed one); a storage
-    made before the chain may die in no block's windows but block 0's, and the bytes
-    block 0 frees in its backward must be the same in both steps (what block 0 holds
-    either way, so no later block is ever its last holder); one made in a block's
-    backward dies there, in the previous block's backward or never. Then the
-    alternating steps are skipped and the pairs taken from the uniform steps
-    (``_by_modes(..., local=True)``); ``test_profile`` checks the figures against the
-    alternating steps'. Eager steps without offload only.
+    decision says, whatever the neighbour's, so (recompute, keep) equals (keep, keep)
+    and (keep, recompute) equals (recompute, recompute): the alternating steps would
+    measure nothing new. ``_pairs_local`` reads that from the kept and the checkpointed
+    steps: per event, the window it falls in (``_placer``). A storage made in block
+    ``i``'s forward must die in block ``i``'s windows, in ``i + 1``'s, or at or after
+    the end (held by the caller); the bytes that die in ``i + 1``'s windows must be the
+    same in both steps (what ``i + 1`` takes, none of it held by ``i`` kept: held by
+    ``i``, it would die in ``i``'s backward in the kept step and in ``i + 1``'s in the
+    checkpointed one); a storage made before the chain may die in no block's windows but
+    block 0's, and the bytes block 0 frees in its backward must be the same in both
+    steps (what block 0 holds either way, so no later block is ever its last holder);
+    one made in a block's backward dies there, in the previous block's backward or
+    never. Then the alternating steps are skipped and the pairs taken from the uniform
+    steps (``_by_pairs(..., local=True)``); ``test_profile`` checks the figures against
+    the alternating steps'. Eager steps without offload only.
 
 NOTE [ Ops between blocks ]
     Memory windows run from one block's start to the next one's, so what the parent
@@ -147,6 +148,7 @@ from autoremat._core.blocks import (
     resolve_blocks,
 )
 from autoremat._core.conditions import autocast_state, float_dtypes, structure_of
+from autoremat._core.decisions import Decision
 from autoremat._core.errors import (
     BlockError,
     RematError,
@@ -180,11 +182,13 @@ from autoremat._measure.costs import CostModel, cost_model_for, head_cost
 from autoremat._measure.keepsets import KeepSet, keep_sets
 from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import (
+    WINDOW_DECISIONS,
     BlockProfile,
     HeadOption,
     HeadProfile,
     SelectiveProfile,
     Tape,
+    WindowKey,
     WindowMemory,
 )
 from autoremat._mechanism.compiled import (
@@ -450,22 +454,26 @@ def compile_settings(backend: str | None) -> Iterator[None]:
         yield
 
 
-def _memory_run(step: Step, names: list[str], modes: str,
+def _memory_run(step: Step, names: list[str], decisions: _Pattern,
                 contexts: _Contexts | None = None, *,
                 rounding: Rounding | None, backend: str | None = None,
                 counter: FlopCounter | None = None) -> _MemoryRun:
-    """One step measured, block ``i`` in mode ``modes[i]``: ``K`` kept, ``C``
-    checkpointed (with its context from ``contexts``, if any), ``O`` offloaded, ``P``
-    checkpointed with its input offloaded. With a ``counter`` (eager only), the same
-    step also counts FLOPs by block (NOTE [ One pass for memory and FLOPs ])."""
-    internal_assert(len(modes) == len(names), f"modes {modes!r} for {len(names)} blocks")
+    """One step measured, block ``i`` under ``decisions[i]``: kept, recomputed (with its
+    context from ``contexts``, if any), offloaded, or recomputed with its input
+    offloaded. With a ``counter`` (eager only), the same step also counts FLOPs by block
+    (NOTE [ One pass for memory and FLOPs ])."""
+    internal_assert(len(decisions) == len(names),
+                    f"{len(decisions)} decisions for {len(names)} blocks")
     internal_assert(counter is None or backend is None, "FLOPs are counted in eager steps only")
     model = step.model
     for p in model.parameters():
         p.grad = None
-    chosen = [n for n, m in zip(names, modes, strict=True) if m == "C"]
-    offloaded = [n for n, m in zip(names, modes, strict=True) if m == "O"]
-    inputs_offloaded = [n for n, m in zip(names, modes, strict=True) if m == "P"]
+
+    def under(decision: Decision) -> list[str]:
+        return [n for n, d in zip(names, decisions, strict=True) if d is decision]
+
+    chosen, offloaded = under(Decision.RECOMPUTE), under(Decision.OFFLOAD)
+    inputs_offloaded = under(Decision.OFFLOAD_INPUT)
     with _step_as_run(model, names, chosen, contexts, backend, offloaded,
                       inputs_offloaded) as states:
         # compiled: from the allocator's reports, after a step that compiles (compiling
@@ -635,18 +643,25 @@ def _timings(step: Step, names: list[str], repeats: int, *,
                   statistics.median(s.step_ms for s in samples))
 
 
-def _patterns(n: int, offload: bool) -> list[str]:
-    """The memory runs of a profile, as the mode of each block: every block kept, every
-    one checkpointed, then alternations so that each block is measured after a
-    neighbour of each other mode (``_by_modes``); with ``offload``, the same for ``O``."""
-    def alternate(even: str, odd: str) -> str:
-        return "".join(even if i % 2 == 0 else odd for i in range(n))
+_Pattern = tuple[Decision, ...]  # one memory run: the decision of each block
 
-    pairs = [("C", "K"), ("K", "C")]
+
+def _patterns(n: int, offload: bool) -> list[_Pattern]:
+    """The memory runs of a profile, as the decision of each block: every block kept,
+    every one recomputed, then alternations so that each block is measured after a
+    neighbour of each other decision (``_by_pairs``); with ``offload``, the same for
+    offload and offload_input."""
+    def alternate(even: Decision, odd: Decision) -> _Pattern:
+        return tuple(even if i % 2 == 0 else odd for i in range(n))
+
+    keep, recompute = Decision.KEEP, Decision.RECOMPUTE
+    order = WINDOW_DECISIONS  # keep, recompute, offload, offload_input
+    pairs = [(recompute, keep), (keep, recompute)]
     if offload:
-        pairs += [(a, b) for new in "OP" for old in "KCO"[:"KCOP".index(new)]
+        pairs += [(a, b) for new in order[2:] for old in order[:order.index(new)]
                   for a, b in ((new, old), (old, new))]
-    out = ["K" * n, "C" * n] + (["O" * n, "P" * n] if offload else [])
+    whole = order if offload else order[:2]
+    out = [(d,) * n for d in whole]
     if n > 1:
         out += [alternate(a, b) for a, b in pairs]
     return out
@@ -694,27 +709,29 @@ def _freed_in_forward(run: _MemoryRun, n: int) -> list[int]:
 _T = TypeVar("_T")
 
 
-def _by_modes(runs: dict[str, _MemoryRun], i: int,
-              value: Callable[[str, _MemoryRun, int], _T],
-              alike: Sequence[int] = (), local: bool = False) -> dict[str, _T]:
-    """``value(modes, run, i)`` keyed by block ``i``'s (previous mode, own mode), from
-    the first run made with each pair (its windows and what else that run measured);
-    with ``alike`` (``_alike``), a pair no run made for block ``i > 0`` from the first
-    block ``j > 0`` alike to it that has one: ``value(modes, run, j)``
+def _by_pairs(runs: dict[_Pattern, _MemoryRun], i: int,
+              value: Callable[[_Pattern, _MemoryRun, int], _T],
+              alike: Sequence[int] = (), local: bool = False) -> dict[WindowKey, _T]:
+    """``value(pattern, run, i)`` keyed by block ``i``'s (previous decision, own
+    decision), from the first run made with each pair (its windows and what else that
+    run measured); with ``alike`` (``_alike``), a pair no run made for block ``i > 0``
+    from the first block ``j > 0`` alike to it that has one: ``value(pattern, run, j)``
     (NOTE [ Alternations shared by alike blocks ]); with ``local`` (``_pairs_local``),
-    ``CK`` and ``KC`` of a block ``i > 0`` no run made as its ``KK`` and ``CC``
-    (NOTE [ Pairs that cannot differ ])."""
-    out: dict[str, _T] = {}
+    (recompute, keep) and (keep, recompute) of a block ``i > 0`` no run made as its
+    (keep, keep) and (recompute, recompute) (NOTE [ Pairs that cannot differ ])."""
+    out: dict[WindowKey, _T] = {}
     others = [j for j in range(1, len(alike)) if j != i and alike[j] == alike[i]] if i else []
     for j in [i, *others]:
-        for modes, run in runs.items():
-            key = (modes[j - 1] if j > 0 else "K") + modes[j]
+        for pattern, run in runs.items():
+            key = (pattern[j - 1] if j > 0 else Decision.KEEP, pattern[j])
             if key not in out:
-                out[key] = value(modes, run, j)
+                out[key] = value(pattern, run, j)
     if local and i > 0:
-        for key, same in (("CK", "KK"), ("KC", "CC")):
-            if key not in out and same in out:
-                out[key] = out[same]
+        keep, recompute = Decision.KEEP, Decision.RECOMPUTE
+        for pair, same in (((recompute, keep), (keep, keep)),
+                           ((keep, recompute), (recompute, recompute))):
+            if pair not in out and same in out:
+                out[pair] = out[same]
     return dict(sorted(out.items()))
 
 
@@ -744,12 +761,12 @@ def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
     return place
 
 
-def _pairs_local(runs: dict[str, _MemoryRun], n: int) -> bool:
+def _pairs_local(runs: dict[_Pattern, _MemoryRun], n: int) -> bool:
     """Whether no block's windows can depend on its predecessor's mode, read from the
     kept and the checkpointed steps (NOTE [ Pairs that cannot differ ])."""
     handed_on: list[list[list[int]]] = []  # per step, per block: bytes block i + 1 frees
     freed_by_first: list[list[int]] = []  # per step: bytes from before the chain block 0 frees
-    for run in (runs["K" * n], runs["C" * n]):
+    for run in (runs[(Decision.KEEP,) * n], runs[(Decision.RECOMPUTE,) * n]):
         place = _placer(run, n)
         handed: list[list[int]] = [[] for _ in range(n)]
         first: list[int] = []
@@ -779,13 +796,13 @@ def _pairs_local(runs: dict[str, _MemoryRun], n: int) -> bool:
     return handed_on[0] == handed_on[1] and freed_by_first[0] == freed_by_first[1]
 
 
-def _pairs_missing(runs: dict[str, _MemoryRun], n: int, alike: Sequence[int],
-                   modes_measured: str) -> bool:
-    """Whether some block ``i > 0`` has a pair of modes that neither it nor an alike
-    block ``j > 0`` was measured with."""
+def _pairs_missing(runs: dict[_Pattern, _MemoryRun], n: int, alike: Sequence[int],
+                   measured: int) -> bool:
+    """Whether some block ``i > 0`` has a pair of the ``measured`` whole-block
+    decisions that neither it nor an alike block ``j > 0`` was measured with."""
     for i in range(1, n):
-        have = _by_modes(runs, i, lambda _, run, k: None, alike)
-        if len(have) < len(modes_measured) ** 2:
+        have = _by_pairs(runs, i, lambda _, run, k: None, alike)
+        if len(have) < measured ** 2:
             return True
     return False
 
@@ -823,7 +840,7 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
         contexts = _Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
                              {names[i]: options[i][key][1] for i, key in chosen.items()})
         counter = FlopCounter() if setup.backend is None else None
-        run = _memory_run(step, names, "C" * len(names), contexts,
+        run = _memory_run(step, names, (Decision.RECOMPUTE,) * len(names), contexts,
                           rounding=setup.rounding, backend=setup.backend, counter=counter)
         flops = _recompute_flops(counter, plain, names) if counter is not None else \
             _checkpointed_flops(step, names, plain, contexts.eager)
@@ -873,14 +890,14 @@ def _selective_options(names: list[str], op_stats: list[dict[str, OpStats]],
     return options
 
 
-def _alike(model: nn.Module, names: list[str], runs: dict[str, _MemoryRun],
+def _alike(model: nn.Module, names: list[str], runs: dict[_Pattern, _MemoryRun],
            ops: list[tuple[OpRecord, ...]]) -> list[int]:
     """Per block, the first block that measures as it does (itself if none): the same
     class, parameters, input and output bytes and ops (``ms`` aside), and the same
     figures in the kept and the checkpointed step (``runs``: those two at least).
     NOTE [ Options measured together ], NOTE [ Alternations shared by alike blocks ]."""
     n = len(names)
-    kept, ckpt = runs["K" * n], runs["C" * n]
+    kept, ckpt = runs[(Decision.KEEP,) * n], runs[(Decision.RECOMPUTE,) * n]
     # what the model made before the chain and releases when the forward returns is
     # filed under block 0 but is not made by it: HF GPT-2's position ids made its first
     # layer unlike the others, and its 11 selective options took 11 steps instead of 2
@@ -893,8 +910,8 @@ def _alike(model: nn.Module, names: list[str], runs: dict[str, _MemoryRun],
             type(module), param_signature(module),
             kept.probe.input_bytes[i], kept.probe.output_bytes[i],
             tuple(dataclasses.replace(o, ms=0.0) for o in ops[i]),
-            # block 0 checkpointed comes after the kept stem (key "KC"), any other after a
-            # checkpointed block ("CC"), as in a selective step
+            # block 0 checkpointed comes after the kept stem (KEEP, RECOMPUTE), any other
+            # after a checkpointed block (RECOMPUTE, RECOMPUTE), as in a selective step
             kept.fwd[i], kept.bwd[i], ckpt.fwd[i], ckpt.bwd[i],
             released[0][i], released[1][i],
         )
@@ -924,6 +941,23 @@ class _Setup:
     offload: bool
     host_bandwidth: float | None
     names: list[str]  # the blocks given or found, in the order defined
+
+
+def _why_no_chain(model: nn.Module) -> str:
+    """Why discovery may have found no chain: a container holding one module more than
+    once (weights shared by reuse; such a block would run more than once per step), or
+    a list of layers holding a single one."""
+    for name, module in model.named_modules():
+        kids = [k for k in module._modules.values() if k is not None]
+        if len({id(k) for k in kids}) < len(kids):
+            return (f" ({name or 'the model'!r} holds one module more than once: a block "
+                    "reused at several positions runs more than once per step, and "
+                    "autoremat plans blocks that run once)")
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1:
+            return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
+                    "among two or more: build the model with more layers)")
+    return ""
 
 
 def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selective: bool,
@@ -956,6 +990,12 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
                          "torch.no_grad() or torch.inference_mode()): it measures a training "
                          "step, whose backward needs them; call it outside that block")
     ran_on = step.device
+    on_meta = [t for t in flat_tensors(step.inputs) if t.device.type == "meta"]
+    if on_meta and ran_on.type != "meta":
+        raise RematError(f"the inputs are on meta and the model on {ran_on}: profile() runs "
+                         "a real step, which needs real inputs (build them on the model's "
+                         "device); to predict on meta tensors use autoremat.estimate(model, "
+                         "inputs)")
     if device is None and ran_on.type == "meta":
         raise RematError("profile() of a model on meta needs device=, the device the tape is "
                          "for (its recompute costs and tape.device), e.g. device='cuda'; or "
@@ -967,8 +1007,14 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
         rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
     names = resolve_blocks(model, blocks)
     if names == [""]:
-        raise BlockError(f"found no chain of blocks in {type(model).__name__}: give "
-                         f"blocks=[...] with the names of the layers to plan over")
+        raise BlockError(f"found no chain of blocks in {type(model).__name__}"
+                         f"{_why_no_chain(model)}: give blocks=[...] with the names of the "
+                         "layers to plan over")
+    scripted = [n for n in names if isinstance(model.get_submodule(n), torch.jit.ScriptModule)]
+    if scripted:
+        raise BlockError(f"block {scripted[0]!r} is a TorchScript module (torch.jit.script), "
+                         "which autoremat can neither measure nor checkpoint (it takes no "
+                         "hooks): plan the eager model, or leave the blocks unscripted")
     return _Setup(step=step, backend=backend, ran_on=ran_on, target=target,
                   cost_model=cost_model, rounding=rounding, offload=offload,
                   host_bandwidth=host_bandwidth, names=names)
@@ -1053,9 +1099,9 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
 
 @dataclass(frozen=True)
 class _BaseRuns:
-    """The memory steps of whole-block modes, and the FLOPs and ops counted in them."""
+    """The memory steps of whole-block decisions, and the FLOPs and ops counted in them."""
 
-    runs: dict[str, _MemoryRun]  # by the mode of each block (_patterns)
+    runs: dict[_Pattern, _MemoryRun]  # by the decision of each block (_patterns)
     counter: OpRecorder  # the plain step's FLOPs by block, and its ops
     recompute_flops: list[int]  # per block, checkpointed on its own
     grad_bytes: int  # all gradients after the plain step
@@ -1066,12 +1112,12 @@ class _BaseRuns:
 
     @property
     def plain(self) -> _MemoryRun:
-        return self.runs["K" * len(self.recompute_flops)]
+        return self.runs[(Decision.KEEP,) * len(self.recompute_flops)]
 
 
 def _base_runs(names: list[str], setup: _Setup,
                stage: Callable[[str], None] = lambda _: None) -> _BaseRuns:
-    """One memory step per pattern of whole-block modes (``_patterns``); eager, the plain
+    """One memory step per pattern of whole-block decisions (``_patterns``); eager, the plain
     one also records FLOPs and ops, and the checkpointed one recompute FLOPs
     (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them."""
     n, backend = len(names), setup.backend
@@ -1079,12 +1125,13 @@ def _base_runs(names: list[str], setup: _Setup,
     eager = backend is None
     counter = OpRecorder()
     ckpt_counter = FlopCounter() if eager else None
-    runs: dict[str, _MemoryRun] = {}
+    runs: dict[_Pattern, _MemoryRun] = {}
     bandwidth = 0.0
     alike: list[int] = []
     local = False
     patterns = _patterns(n, setup.offload)
-    for modes in patterns:
+    kept, ckpt = (Decision.KEEP,) * n, (Decision.RECOMPUTE,) * n
+    for pattern in patterns:
         if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
             if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
                 counter = _flops(step, names)
@@ -1093,13 +1140,14 @@ def _base_runs(names: list[str], setup: _Setup,
             if local:
                 break  # NOTE [ Pairs that cannot differ ]
         if len(runs) >= 3 and not setup.offload and \
-                not _pairs_missing(runs, n, alike, "KC"):
+                not _pairs_missing(runs, n, alike, 2):
             break  # NOTE [ Alternations shared by alike blocks ]
         stage(f"memory runs {len(runs) + 1}/{len(patterns)}")
-        runs[modes] = _memory_run(step, names, modes, rounding=setup.rounding, backend=backend,
-                                  counter={"K" * n: counter, "C" * n: ckpt_counter}.get(modes)
-                                  if eager else None)
-        if modes == "K" * n:  # the gradients the plain step left
+        runs[pattern] = _memory_run(step, names, pattern, rounding=setup.rounding,
+                                    backend=backend,
+                                    counter={kept: counter, ckpt: ckpt_counter}.get(pattern)
+                                    if eager else None)
+        if pattern == kept:  # the gradients the plain step left
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             grad_bytes = unique_storage_bytes(grads)
             block_grad_bytes = [
@@ -1149,13 +1197,13 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
     names, runs, plain, counter = chain.names, base.runs, base.plain, base.counter
     model, inputs = setup.step.model, setup.step.inputs
     n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
-    modes_measured = "KCOP" if setup.offload else "KC"
-    released = {modes: _released_at_fwd_end(run, n) for modes, run in runs.items()}
+    measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
+    released = {pattern: _released_at_fwd_end(run, n) for pattern, run in runs.items()}
     frees = _freed_in_forward(plain, n)
     saved = _saved_by_block(plain)
-    offload_stats, input_stats = ([runs[m * n].offloaded.get(name, OffloadStats())
+    offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
                                    if setup.offload else OffloadStats() for name in names]
-                                  for m in "OP")
+                                  for d in (Decision.OFFLOAD, Decision.OFFLOAD_INPUT))
     block_list = []
     for i, name in enumerate(names):
         module = model.get_submodule(name)
@@ -1170,8 +1218,8 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
             param_bytes=unique_storage_bytes(list(module.parameters())),
             param_signature=param_signature(module),
             grad_bytes=base.block_grad_bytes[i],
-            fwd=_by_modes(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
-            bwd=_by_modes(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
+            fwd=_by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
+            bwd=_by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
             selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
@@ -1180,8 +1228,8 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
             offload_input_bytes=input_stats[i].host_bytes,
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
-            fwd_end_release={key: v for key, v in _by_modes(
-                runs, i, lambda modes, _, k: released[modes][k], base.alike,
+            fwd_end_release={key: v for key, v in _by_pairs(
+                runs, i, lambda pattern, _, k: released[pattern][k], base.alike,
                 base.local).items() if v},
             fwd_frees=frees[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
@@ -1193,15 +1241,15 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
         device=setup.target, training=model.training,
         blocks=tuple(block_list),
         step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
-        ckpt_step_peak_bytes=runs["C" * n].mem.peak_bytes,
+        ckpt_step_peak_bytes=runs[(Decision.RECOMPUTE,) * n].mem.peak_bytes,
         param_bytes=unique_storage_bytes(params),
         trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
         trainable_param_tensors=sum(p.requires_grad for p in params),
         input_bytes=unique_storage_bytes(inputs),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
         grad_bytes=base.grad_bytes,
-        pre=plain.pre, post={m: runs[m * n].post for m in modes_measured},
-        tail={m: runs[m * n].tail for m in modes_measured},
+        pre=plain.pre, post={d: runs[(d,) * n].post for d in measured},
+        tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=times.step_ms, loop=setup.step.loop, output_bytes=chain.output_bytes,
@@ -1215,10 +1263,10 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
 #     Each head option is one more memory step, every block kept, with the head chunked
 #     (``head_installed``): its ``post`` and ``tail`` windows are the head's. The block
 #     windows do not depend on the head (they are relative to their start), and neither
-#     does what a block's mode changes in ``post`` and ``tail`` (what the model releases
+#     does what a block's decision changes in ``post`` and ``tail`` (what the model releases
 #     when the forward returns: a level that differs by a constant from there on), so a
 #     plan with checkpointed blocks uses the option's windows moved by the difference
-#     the modes make with the model's own head (``peak.with_head``), its peak by at
+#     the decisions make with the model's own head (``peak.with_head``), its peak by at
 #     least nothing: never below what it measures. Two chunk counts are measured
 #     (:data:`HEAD_CHUNKS`): few chunks cost least, many hold least; the transient of a
 #     chunk is proportional to its rows, so more options would add little.
@@ -1233,7 +1281,7 @@ def _head_options(names: list[str], site: HeadSite,
     options = {}
     for chunks in HEAD_CHUNKS:
         with head_installed(model, site, chunks) as install:
-            run = _memory_run(step, names, "K" * len(names), rounding=setup.rounding)
+            run = _memory_run(step, names, (Decision.KEEP,) * len(names), rounding=setup.rounding)
         if install is None or install.calls != 1:
             calls = 0 if install is None else install.calls
             return None, (f"the loss head {site} took {calls} losses in one step, not one "
@@ -1360,7 +1408,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
                            with_head=with_head)
     step = setup.step
     stage = progress or (lambda _: None)
-    with preserved_state(step.model), training_config(step.model) as cache_notes, \
+    with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
             compile_settings(setup.backend):
         timed = timing and setup.ran_on.type != "meta"
         stage("warm-up step")

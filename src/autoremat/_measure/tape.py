@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autoremat._core.conditions import conditions_line
+from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError, SchemaError, did_you_mean
 from autoremat._core.ops import OpRecord, OpStats
 from autoremat._core.step import LOOPS, Loop
@@ -30,11 +31,18 @@ from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes, format_flops
 
 __all__ = [
-    "SCHEMA_VERSION", "BlockProfile", "HeadOption", "HeadProfile", "SelectiveProfile", "Tape",
-    "WindowMemory", "ops_table", "tape_table",
+    "SCHEMA_VERSION", "WINDOW_DECISIONS", "BlockProfile", "HeadOption", "HeadProfile",
+    "SelectiveProfile", "Tape", "WindowKey", "WindowMemory", "ops_table", "tape_table",
 ]
 
-SCHEMA_VERSION = 1
+# 2: decisions written by name (window keys "keep>recompute", post and tail by
+# decision); 1: by letter ("KC", K/C/O/P), still read (NOTE [ Decisions in files ])
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+# A block's memory windows are keyed by the previous block's decision and its own: who
+# holds a boundary tensor depends on both its producer and its consumer.
+WindowKey = tuple[Decision, Decision]
 
 
 @dataclass(frozen=True)
@@ -74,11 +82,12 @@ class BlockProfile:
     output_bytes: int  # unique storages of the tensors returned
     param_bytes: int  # parameters owned by the block
     grad_bytes: int  # gradients of the block's trainable parameters
-    # Memory windows keyed by (previous block's mode, this block's mode), K = kept,
-    # C = checkpointed: "KK" is the plain step, "CC" every block checkpointed, "KC" and
-    # "CK" come from steps that alternate. The first block's previous mode is always K.
-    fwd: dict[str, WindowMemory]  # forward window
-    bwd: dict[str, WindowMemory]  # backward window (recompute included when C)
+    # Memory windows keyed by (previous block's decision, this block's decision), among
+    # Tape.window_decisions: (KEEP, KEEP) is the plain step, (RECOMPUTE, RECOMPUTE) every
+    # block checkpointed, (KEEP, RECOMPUTE) and (RECOMPUTE, KEEP) come from steps that
+    # alternate. The first block's previous decision is always KEEP (the stem).
+    fwd: dict[WindowKey, WindowMemory]  # forward window
+    bwd: dict[WindowKey, WindowMemory]  # backward window (recompute included)
     chained: bool  # its first tensor input is an output of the previous block, unchanged
     chain_bytes: int  # bytes of that input when chained (freed early inside a segment)
     # FLOPs a checkpointed recompute of this block runs (measured: recompute stops
@@ -90,11 +99,12 @@ class BlockProfile:
     ops: tuple[OpRecord, ...] = ()
     # Selective recompute options keyed by save-set name, e.g. "matmul" or "bmm+matmul".
     selective: dict[str, SelectiveProfile] = field(default_factory=dict)
-    # Offloaded (mode "O", tapes with ``offload``): bytes and number of the saved tensors
+    # Offloaded (Decision.OFFLOAD, tapes with ``offload``): bytes and number of the saved tensors
     # it copies to host memory (NOTE [ Offloading saved tensors ] in offload.py).
     offload_bytes: int = 0
     offload_tensors: int = 0
-    # Checkpointed with its input offloaded (mode "P"): bytes of that input's host copy.
+    # Checkpointed with its input offloaded (Decision.OFFLOAD_INPUT): bytes of that
+    # input's host copy.
     offload_input_bytes: int = 0
     # Fingerprint of its parameters' names, shapes and dtypes (blocks.param_signature);
     # "": not recorded (tapes made before it was)
@@ -102,7 +112,7 @@ class BlockProfile:
     # Bytes of its input (made by the block before) that the model held outside the
     # chain and released when the forward returned, keyed like ``fwd`` (keys with none
     # left out): NOTE [ Released when the forward returns ] in _plan/peak.py.
-    fwd_end_release: dict[str, int] = field(default_factory=dict)
+    fwd_end_release: dict[WindowKey, int] = field(default_factory=dict)
     # Bytes of tensors made before its forward that die in its forward in the plain
     # step (its input, when neither it nor the block before keeps it): a segment's
     # recompute keeps them (NOTE [ The peak model ] in _plan/peak.py). -1: not measured.
@@ -118,11 +128,11 @@ class BlockProfile:
 
     @property
     def keep_fwd(self) -> WindowMemory:
-        return self.fwd["KK"]
+        return self.fwd[Decision.KEEP, Decision.KEEP]
 
     @property
     def keep_bwd(self) -> WindowMemory:
-        return self.bwd["KK"]
+        return self.bwd[Decision.KEEP, Decision.KEEP]
 
 
 @dataclass(frozen=True)
@@ -131,8 +141,8 @@ class HeadOption:
     chunked head ] in ``_core/head.py``), measured with every block kept."""
 
     chunks: int
-    post: WindowMemory  # as ``Tape.post["K"]``, with this head
-    tail: WindowMemory  # as ``Tape.tail["K"]``, with this head
+    post: WindowMemory  # as ``Tape.post[Decision.KEEP]``, with this head
+    tail: WindowMemory  # as ``Tape.tail[Decision.KEEP]``, with this head
     step_peak_bytes: int  # the step with every block kept and this head
     cost: int  # what chunking costs the planner, in FLOP-equivalents (costs.head_cost)
 
@@ -172,8 +182,8 @@ class Tape:
     buffer_bytes: int  # buffers (BatchNorm statistics, rotary tables, ...)
     grad_bytes: int  # gradient bytes alive after the step
     pre: WindowMemory  # before the first block's forward
-    post: dict[str, WindowMemory]  # head and loss, keyed by the last block's mode (K/C)
-    tail: dict[str, WindowMemory]  # after the first block's backward, by its mode (K/C)
+    post: dict[Decision, WindowMemory]  # head and loss, by the last block's decision
+    tail: dict[Decision, WindowMemory]  # after the first block's backward, by its decision
     step_fwd_flops: int
     step_bwd_flops: int
     step_ms: float  # median plain step (forward + backward)
@@ -189,7 +199,7 @@ class Tape:
     # The torch.compile backend the step was measured under ("": eager); see
     # NOTE [ Profiling a compiled step ] in profile.py.
     compiled: str = ""
-    # Whether the blocks were also measured offloaded (windows keyed with "O"), and the
+    # Whether the blocks were also measured offloaded (window_decisions), and the
     # bytes per second of copies between device and host (0.0: the host is the device).
     offload: bool = False
     host_bandwidth: float = 0.0
@@ -210,10 +220,11 @@ class Tape:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
-    def modes(self) -> str:
-        """The modes a block can be in, as the windows key them: K kept, C checkpointed;
-        with ``offload``, O offloaded and P checkpointed with its input offloaded."""
-        return "KCOP" if self.offload else "KC"
+    def window_decisions(self) -> tuple[Decision, ...]:
+        """The whole-block decisions the windows were measured for (what keys them):
+        keep and recompute; with ``offload``, offload and offload_input too. (A selective
+        block has windows of its own, ``BlockProfile.selective``.)"""
+        return WINDOW_DECISIONS if self.offload else WINDOW_DECISIONS[:2]
 
     @property
     def resting_bytes(self) -> int:
@@ -236,7 +247,14 @@ class Tape:
 
     # -- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSON fields, decisions by name (NOTE [ Decisions in files ])."""
+        data = asdict(self)
+        for block in data["blocks"]:
+            for key in ("fwd", "bwd", "fwd_end_release"):
+                block[key] = {_pair_name(k): v for k, v in block[key].items()}
+        for key in ("post", "tail"):
+            data[key] = {d.value: v for d, v in data[key].items()}
+        return data
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         """Return the JSON text; with ``path``, also write it there atomically."""
@@ -256,7 +274,11 @@ def dump_json(data: dict[str, Any], path: str | os.PathLike[str] | None = None) 
     """JSON text of a report (sorted keys); with ``path``, also written atomically."""
     text = json.dumps(data, indent=1, sort_keys=True)
     if path is not None:
-        write_atomic(Path(path), text)
+        try:
+            write_atomic(Path(path), text)
+        except OSError as exc:
+            raise RematError(f"cannot write to {str(path)!r}: {exc.strerror or exc}; choose "
+                             "another path") from exc
     return text
 
 
@@ -294,8 +316,18 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def load_json(text_or_path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
+    if isinstance(text_or_path, (bytes, bytearray)):
+        text_or_path = text_or_path.decode("utf-8", errors="replace")
+    if not isinstance(text_or_path, (str, os.PathLike)):
+        raise SchemaError(f"a {what} loads from JSON text or a file path, got "
+                          f"{type(text_or_path).__name__}"
+                          + (" (for a dict: json.dumps(it) first)"
+                             if isinstance(text_or_path, dict) else ""))
     text = str(text_or_path)
-    if not text.lstrip().startswith("{"):
+    if not text.strip():
+        raise SchemaError(f"the {what} JSON text is empty (nor is it a file name): pass the "
+                          f"text {what}.to_json() returned, or the path of a file it wrote")
+    if not text.lstrip().startswith(("{", "[")):
         try:
             text = Path(text).read_text()
         except OSError as exc:
@@ -307,10 +339,53 @@ def load_json(text_or_path: str | os.PathLike[str], *, what: str) -> dict[str, A
     if not isinstance(data, dict):
         raise SchemaError(f"{what} JSON must be an object, got {type(data).__name__}")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        older = ", ".join(map(str, READABLE_VERSIONS[:-1]))
         raise SchemaError(f"{what} has schema_version {version!r}; this autoremat reads "
-                          f"version {SCHEMA_VERSION}. Re-create it with this version.")
+                          f"version {SCHEMA_VERSION} (and the earlier {older}). Re-create "
+                          f"it with this version.")
     return data
+
+
+# NOTE [ Decisions in files ]
+#     In memory a decision is a Decision (``_core/decisions.py``); names and letters
+#     exist only here, where JSON is read and written. Version 2 writes a decision by
+#     its name: a block's window key as "keep>recompute" (the previous block's decision,
+#     then its own), ``post`` and ``tail`` keys as "keep", a plan's block as
+#     ``"decision": "offload_input"``. Version 1 wrote letters: K kept, C checkpointed
+#     (recompute), O offloaded, P checkpointed with its input offloaded ("KC"), and a
+#     plan's input-offloaded block as "recompute" with ``offload_input: true``; it is
+#     still read, and written again as version 2.
+
+WINDOW_DECISIONS = (Decision.KEEP, Decision.RECOMPUTE, Decision.OFFLOAD, Decision.OFFLOAD_INPUT)
+
+
+def _pair_name(key: WindowKey) -> str:
+    return f"{key[0].value}>{key[1].value}"
+
+
+def _window_decision(name: str, version: int, where: str) -> Decision:
+    """The decision a version-``version`` file writes as ``name`` (a letter in version 1)."""
+    letters = dict(zip("KCOP", WINDOW_DECISIONS, strict=True))  # version 1
+    if version == 1 and name in letters:
+        return letters[name]
+    if version >= 2 and name in [d.value for d in WINDOW_DECISIONS]:
+        return Decision(name)
+    have = list(letters) if version == 1 else [d.value for d in WINDOW_DECISIONS]
+    raise SchemaError(f"{where}: {name!r} names no decision a window is measured for "
+                      f"(schema version {version} writes {have})")
+
+
+def _window_key(name: str, version: int, where: str) -> WindowKey:
+    """A block's window key as a version-``version`` file writes it: "keep>recompute"
+    (version 2) or "KC" (version 1)."""
+    parts = name.split(">") if version >= 2 else list(name)
+    if len(parts) != 2:
+        form = "'keep>recompute'" if version >= 2 else "'KC'"
+        raise SchemaError(f"{where}: window key {name!r} is not the previous block's decision "
+                          f"and this block's, as {form}")
+    return (_window_decision(parts[0], version, f"{where}.{name}"),
+            _window_decision(parts[1], version, f"{where}.{name}"))
 
 
 def build_dataclass(cls: type, data: Any, where: str) -> Any:
@@ -386,13 +461,34 @@ def _mapping(data: Any, where: str) -> dict[str, Any]:
     return data
 
 
-def _windows(data: Any, where: str) -> dict[str, WindowMemory]:
+def _windows(data: Any, where: str, version: int) -> dict[WindowKey, WindowMemory]:
+    """A block's windows, keyed by decision pairs."""
     if not isinstance(data, dict) or not data:
         raise SchemaError(f"{where} must be a non-empty object of windows")
-    return {str(k): _window(v, f"{where}.{k}") for k, v in data.items()}
+    return {_window_key(str(k), version, where): _window(v, f"{where}.{k}")
+            for k, v in data.items()}
+
+
+def _by_decision(data: Any, where: str, version: int) -> dict[Decision, WindowMemory]:
+    """``post`` or ``tail``: windows keyed by one decision."""
+    if not isinstance(data, dict) or not data:
+        raise SchemaError(f"{where} must be a non-empty object of windows")
+    return {_window_decision(str(k), version, where): _window(v, f"{where}.{k}")
+            for k, v in data.items()}
+
+
+def _releases(data: Any, where: str, version: int) -> dict[WindowKey, int]:
+    """``fwd_end_release``: bytes keyed like a block's windows."""
+    out = {}
+    for k, v in _mapping(data, where).items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise SchemaError(f"{where} must be an object of integers, got {data!r}")
+        out[_window_key(str(k), version, where)] = v
+    return out
 
 
 def _tape_from_dict(data: dict[str, Any]) -> Tape:
+    version = data["schema_version"]  # load_json checked it
     raw_blocks = data.get("blocks")
     if not isinstance(raw_blocks, list):
         raise SchemaError("tape.blocks must be a list")
@@ -403,7 +499,10 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             raise SchemaError(f"{where} must be an object")
         raw = dict(raw)
         for key in ("fwd", "bwd"):
-            raw[key] = _windows(raw.get(key), f"{where}.{key}")
+            raw[key] = _windows(raw.get(key), f"{where}.{key}", version)
+        if "fwd_end_release" in raw:
+            raw["fwd_end_release"] = _releases(raw["fwd_end_release"],
+                                               f"{where}.fwd_end_release", version)
         raw["op_stats"] = {
             str(k): build_dataclass(OpStats, v, f"{where}.op_stats.{k}")
             for k, v in _mapping(raw.get("op_stats", {}), f"{where}.op_stats").items()
@@ -430,24 +529,29 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise SchemaError(f"tape.notes must be a list of strings, got {notes!r}")
     data["notes"] = tuple(notes)
+    data["schema_version"] = SCHEMA_VERSION  # read; it is written as this version
     data["pre"] = _window(data.get("pre"), "tape.pre")
     for key in ("post", "tail"):
-        data[key] = _windows(data.get(key), f"tape.{key}")
+        data[key] = _by_decision(data.get(key), f"tape.{key}", version)
     if data.get("head") is not None:
         data["head"] = _head(data["head"])
     tape = build_dataclass(Tape, data, "tape")
     _check_types(tape, "tape")
     check_loop_field(tape.loop, "tape.loop")
-    for mode in tape.modes:  # every window the peak model reads for each mode
+    for decision in tape.window_decisions:  # every window the peak model reads
         for key in ("post", "tail"):
-            if mode not in getattr(tape, key):
-                raise SchemaError(f"tape.{key} has no window for mode {mode!r} (it has "
-                                  f"{sorted(getattr(tape, key))}); profile again")
+            if decision not in getattr(tape, key):
+                raise SchemaError(f"tape.{key} has no window for decision "
+                                  f"{decision.value!r} (it has "
+                                  f"{sorted(d.value for d in getattr(tape, key))}); "
+                                  f"profile again")
         for i, b in enumerate(tape.blocks):
-            key = ("K" if i == 0 else mode) + mode  # the first block follows a kept one
-            if key not in b.fwd or key not in b.bwd:
-                raise SchemaError(f"tape.blocks[{i}] has no {key!r} window (fwd "
-                                  f"{sorted(b.fwd)}, bwd {sorted(b.bwd)}); profile again")
+            # the first block follows the stem, as a kept block
+            pair = (Decision.KEEP if i == 0 else decision, decision)
+            if pair not in b.fwd or pair not in b.bwd:
+                raise SchemaError(f"tape.blocks[{i}] has no {_pair_name(pair)!r} window "
+                                  f"(fwd {sorted(map(_pair_name, b.fwd))}, bwd "
+                                  f"{sorted(map(_pair_name, b.bwd))}); profile again")
     return tape  # type: ignore[no-any-return]
 
 

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
 from autoremat._mechanism.compiled import refuse_under_compile
 from autoremat._mechanism.wrap import (
@@ -332,8 +333,8 @@ def prefetch_hook(state: BlockOffload) -> Callable[..., None]:
 def offload(module: nn.Module, root: nn.Module, after: nn.Module | None, *,
             input_only: bool = False,
             dtype: torch.dtype | None = None, name: str = "") -> tuple[BlockOffload, Any]:
-    """Offload ``module``'s saved tensors (tag ``"offload"``), or with ``input_only``
-    checkpoint it and offload its input (tag ``"recompute+offload"``); ``unwrap``
+    """Offload ``module``'s saved tensors (``is_wrapped``: offload), or with ``input_only``
+    checkpoint it and offload its input (offload_input); ``unwrap``
     undoes either. What was offloaded is prefetched when the backward of ``after`` (the
     next block, if any) starts; ``name`` (the module's) is for error messages. Returns
     the block's state and the prefetch hook's handle (to remove with the wrapper;
@@ -341,11 +342,11 @@ def offload(module: nn.Module, root: nn.Module, after: nn.Module | None, *,
     stored in it (NOTE [ Compressed offload ])."""
     state = BlockOffload(dtype=dtype)
     if input_only:
-        wrap(module, tag="recompute+offload",
+        wrap(module, Decision.OFFLOAD_INPUT,
              inputs=functools.partial(_InputOffloaded, root=root, state=state), name=name)
     else:
         install_forward(module, lambda original: _OffloadedForward(
-            original, root, state, name or type(module).__name__), "offload")
+            original, root, state, name or type(module).__name__), Decision.OFFLOAD)
     handle = after.register_forward_hook(prefetch_hook(state)) if after is not None else None
     return state, handle
 

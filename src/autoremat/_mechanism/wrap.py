@@ -51,6 +51,7 @@ from torch.utils import checkpoint as _cp
 from torch.utils.checkpoint import checkpoint
 
 from autoremat._core import rng
+from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError, internal_assert
 from autoremat._core.step import flat_tensors
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
@@ -68,7 +69,7 @@ PolicyFactory = Callable[[], ContextFn | None]
 @dataclass(frozen=True)
 class _WrapState:
     user_forward: Any  # an instance-level forward that was there before us, or None
-    tag: str  # what the wrapper does, e.g. "recompute" or "selective"
+    tag: Decision  # what the wrapper does: recompute, selective, offload, offload_input
 
 
 def _tracking_batchnorms(modules: list[nn.Module]) -> list[_BatchNorm]:
@@ -473,14 +474,16 @@ class _Checkpointed:
         return out
 
 
-def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | None = None,
+def wrap(module: nn.Module, tag: Decision = Decision.RECOMPUTE, *,
+         selective: ContextFn | None = None,
          compiled: Any = None, inputs: InputRunner | None = None, name: str = "") -> None:
     """Make ``module`` recompute its forward during backward. Idempotent; re-wrapping
     replaces the previous wrapper.
 
     Args:
         module: any ``nn.Module``; its parameters, hooks and state dict are untouched.
-        tag: a label kept for inspection (``is_wrapped`` returns it).
+        tag: the decision the wrapper carries out, kept for inspection (``is_wrapped``
+            returns it): recompute, selective, or offload_input.
         selective: a ``context_fn`` for ``torch.utils.checkpoint`` (autoremat's
             ``selective.selective_context``, or PyTorch's
             ``create_selective_checkpoint_contexts``), to save some op outputs instead
@@ -499,7 +502,7 @@ def wrap(module: nn.Module, *, tag: str = "recompute", selective: ContextFn | No
 
 
 def install_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]],
-                    tag: str) -> None:
+                    tag: Decision) -> None:
     """Replace ``module``'s forward by ``make(its forward)`` (NOTE [ Patching forward
     instead of wrapping the module ]), replacing an earlier wrapper of ours; ``unwrap``
     undoes it."""
@@ -523,8 +526,8 @@ def unwrap(module: nn.Module) -> bool:
     return True
 
 
-def is_wrapped(module: nn.Module) -> str | None:
-    """The tag of the wrapper on ``module``, or ``None``."""
+def is_wrapped(module: nn.Module) -> Decision | None:
+    """The decision the wrapper on ``module`` carries out, or ``None``."""
     state = module.__dict__.get(_MARK)
     return state.tag if state is not None else None
 
@@ -545,7 +548,7 @@ def checkpointed(model: nn.Module, names: list[str],
                          "autoremat.remove(model) before profiling it")
     try:
         for name, module in zip(names, modules, strict=True):
-            wrap(module, tag="selective" if name in selective else "recompute",
+            wrap(module, Decision.SELECTIVE if name in selective else Decision.RECOMPUTE,
                  selective=selective.get(name), compiled=compiled.get(name), name=name)
         yield
     finally:

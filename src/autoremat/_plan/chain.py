@@ -21,13 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from autoremat._core.decisions import KEEP, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import BudgetError, internal_assert
 from autoremat._core.units import format_bytes
 from autoremat._measure.tape import Tape
 from autoremat._plan.peak import (
-    KEEP,
-    RECOMPUTE,
-    Option,
     SegmentCost,
     block_costs,
     fixed_peaks,
@@ -43,7 +41,7 @@ __all__ = ["ChainSolution", "ExtraOptions", "solve"]
 
 @dataclass(frozen=True)
 class ChainSolution:
-    segments: tuple[tuple[int, int, Option], ...]  # (start, stop, option)
+    segments: tuple[tuple[int, int, Choice], ...]  # (start, stop, choice)
     cost: int  # the planner's objective (FLOP-equivalents, see costs.py)
     peak_bytes: int
 
@@ -62,7 +60,15 @@ def _allowed_stops(tape: Tape, max_len: int | None) -> list[list[int]]:
     return out
 
 
-ExtraOptions = Sequence[Sequence[Option]]
+ExtraOptions = Sequence[Sequence[Choice]]
+
+# NOTE [ The order of decisions in the DP ]
+#     States and moves are ordered by what a block is seen as, in this order, and ties
+#     in cost and peak between plans that end differently go to the earlier one: the
+#     same tape always gives the same plan. (The order is the one the DP had when it
+#     keyed decisions by letter, C < K < O < P, so that plans stay what they were.)
+_ORDER = (Decision.RECOMPUTE, Decision.KEEP, Decision.OFFLOAD, Decision.OFFLOAD_INPUT)
+_RANK = {d: i for i, d in enumerate(_ORDER)}
 
 
 def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
@@ -94,14 +100,15 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     z = suffix_z(tape)
     stops = _allowed_stops(tape, max_segment)
     costs_of_blocks = block_costs(tape)
-    fixed = {mode: fixed_peaks(tape, mode) for mode in tape.modes}
-    # moves[i][prev]: the options from block i after a block of mode prev, as a list of
-    # (stop, option) and arrays of their figures for the vectorised step below.
-    moves: list[dict[str, tuple[list[tuple[int, Option]], dict[str, np.ndarray]]]] = []
+    seen = tape.window_decisions  # what a block can be seen as by the next one
+    fixed = {d: fixed_peaks(tape, d) for d in seen}
+    # moves[i][prev]: the choices from block i after a block seen as prev, as a list of
+    # (stop, choice) and arrays of their figures for the vectorised step below.
+    moves: list[dict[Decision, tuple[list[tuple[int, Choice]], dict[str, np.ndarray]]]] = []
     for i in range(n):
         by_prev = {}
-        for prev in tape.modes if i else "K":
-            here: list[tuple[int, Option, SegmentCost]] = [
+        for prev in seen if i else (Decision.KEEP,):
+            here: list[tuple[int, Choice, SegmentCost]] = [
                 (i + 1, KEEP, segment_cost(tape, i, i + 1, KEEP, prev))]
             runs = segment_runs(tape, i, stops[i][-1], prev, costs_of_blocks)
             here += [(i + 1 + k, RECOMPUTE, c) for k, c in enumerate(runs)]
@@ -110,33 +117,33 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
                          for opt in options[i]]
             figures = {
                 "stop": np.array([m[0] for m in here]),
-                "mode": np.array([ord(m[2].mode) for m in here]),
+                "seen": np.array([_RANK[m[2].seen_as] for m in here]),
                 "fwd": np.array([m[2].fwd_peak for m in here], dtype=np.int64),
                 "hold": np.array([m[2].hold for m in here], dtype=np.int64),
-                "bwd": np.array([m[2].hold + z[m[2].mode][m[0] - 1] + m[2].bwd_peak
+                "bwd": np.array([m[2].hold + z[m[2].seen_as][m[0] - 1] + m[2].bwd_peak
                                  for m in here], dtype=np.int64),
                 "cost": np.array([m[2].rank_cost for m in here], dtype=np.int64),
-                "first": np.array([fixed[m[2].mode] for m in here], dtype=np.int64),
+                "first": np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
             }
             by_prev[prev] = ([(m[0], m[1]) for m in here], figures)
         moves.append(by_prev)
 
-    # A state is (index, mode of the block before it); each holds a Pareto frontier.
-    # NOTE [ Who frees a boundary tensor ]: a block's output is freed in the backward of
-    # the last block that holds it, the producer (kept, saving its output) or the
-    # consumer. So the leftovers after block j's backward depend on block j's own mode
-    # (known when the segment is chosen), and the head's on the last block's mode.
-    frontier: dict[tuple[int, str], dict[str, np.ndarray]] = {
-        (0, "K"): {"F": np.array([tape.pre.delta_bytes], dtype=np.int64),
-                   "cost": np.array([0], dtype=np.int64),
-                   "peak": np.array([tape.pre.peak_bytes], dtype=np.int64),
-                   "prev": np.array([-1]), "move": np.array([-1]), "from": np.array([-1]),
-                   "from_mode": np.array([-1])},
+    # A state is (index, what the block before it is seen as); each holds a Pareto
+    # frontier. NOTE [ Who frees a boundary tensor ]: a block's output is freed in the
+    # backward of the last block that holds it, the producer (kept, saving its output)
+    # or the consumer. So the leftovers after block j's backward depend on block j's own
+    # decision (known when the segment is chosen), and the head's on the last block's.
+    frontier: dict[tuple[int, Decision], dict[str, np.ndarray]] = {
+        (0, Decision.KEEP): {"F": np.array([tape.pre.delta_bytes], dtype=np.int64),
+                             "cost": np.array([0], dtype=np.int64),
+                             "peak": np.array([tape.pre.peak_bytes], dtype=np.int64),
+                             "prev": np.array([-1]), "move": np.array([-1]),
+                             "from": np.array([-1]), "from_seen": np.array([-1])},
     }
     # per target state, parts: row arrays (_ROW_ARRAYS) plus the source state's scalars
-    incoming: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    incoming: dict[tuple[int, Decision], list[dict[str, Any]]] = {}
     for i in range(n):
-        for prev in tape.modes:
+        for prev in seen:
             cur = frontier.get((i, prev))
             if cur is None:
                 continue
@@ -148,7 +155,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             rows, cols = np.nonzero(peak <= budget)
             if rows.size == 0:
                 continue
-            targets = fig["stop"][cols] * 256 + fig["mode"][cols]  # (stop, mode), ordered
+            targets = fig["stop"][cols] * 256 + fig["seen"][cols]  # (stop, seen), ordered
             order = np.argsort(targets, kind="stable")
             rows, cols, targets = rows[order], cols[order], targets[order]
             F_new = cur["F"][rows] + fig["hold"][cols]
@@ -157,18 +164,18 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             edges = [0, *(np.flatnonzero(np.diff(targets)) + 1).tolist(), len(targets)]
             for a, b in itertools.pairwise(edges):  # one group per target state (views)
                 c0 = cols[a]
-                stop, mode = int(fig["stop"][c0]), chr(int(fig["mode"][c0]))
-                incoming.setdefault((stop, mode), []).append({
+                stop, as_seen = int(fig["stop"][c0]), _ORDER[int(fig["seen"][c0])]
+                incoming.setdefault((stop, as_seen), []).append({
                     "F": F_new[a:b], "cost": cost_new[a:b], "peak": peak_new[a:b],
-                    "prev": rows[a:b], "move": cols[a:b], "from": i, "from_mode": ord(prev),
+                    "prev": rows[a:b], "move": cols[a:b], "from": i, "from_seen": _RANK[prev],
                 })
-        for mode in tape.modes:
-            parts = incoming.pop((i + 1, mode), None)
+        for decision in seen:
+            parts = incoming.pop((i + 1, decision), None)
             if parts:
-                frontier[(i + 1, mode)] = _prune(parts, objective)
+                frontier[(i + 1, decision)] = _prune(parts, objective)
 
     finals = []
-    for last in tape.modes:
+    for last in seen:
         f = frontier.get((n, last))
         if f is None:
             continue
@@ -176,7 +183,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         for found in np.nonzero(peak <= budget)[0]:
             cost, top = int(f["cost"][found]), int(peak[found])
             key = (cost, top) if objective == "cost" else (top, cost)
-            finals.append((key, last, int(found), cost, top))
+            finals.append((key, _RANK[last], int(found), cost, top))
     if not finals:
         internal_assert(budget_bytes is not None, "no plan of the chain without a budget")
         least = solve(tape, None, objective="peak", options=options, max_segment=max_segment)
@@ -185,18 +192,18 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             f"feasible budget is {format_bytes(least.peak_bytes)} ({least.peak_bytes} bytes), "
             "reached by strategy 'optimal'; use a budget of at least that, a smaller batch, "
             "or also offload/shard", min_feasible_bytes=least.peak_bytes, strategy="optimal")
-    _, last, chosen, result_cost, result_peak = min(finals)
-    segments: list[tuple[int, int, Option]] = []
-    state, row = (n, last), chosen
+    _, rank, chosen, result_cost, result_peak = min(finals)
+    segments: list[tuple[int, int, Choice]] = []
+    state, row = (n, _ORDER[rank]), chosen
     while state[0] > 0:
         f = frontier[state]
         start, move = int(f["from"][row]), int(f["move"][row])
-        prev_mode = chr(int(f["from_mode"][row]))
-        stop, opt = moves[start][prev_mode][0][move]
+        prev_seen = _ORDER[int(f["from_seen"][row])]
+        stop, choice = moves[start][prev_seen][0][move]
         internal_assert(stop == state[0], "back-pointer mismatch")
-        segments.append((start, stop, opt))
+        segments.append((start, stop, choice))
         row = int(f["prev"][row])
-        state = (start, prev_mode)
+        state = (start, prev_seen)
     segments.reverse()
     return ChainSolution(tuple(segments), result_cost, result_peak)
 
@@ -205,7 +212,7 @@ def _prune(parts: list[dict[str, Any]], objective: str) -> dict[str, np.ndarray]
     """Pareto frontier of (F, objective) over the candidate rows; deterministic order."""
     sizes = [len(p["F"]) for p in parts]
     cat = {k: np.concatenate([p[k] for p in parts]) for k in _ROW_ARRAYS}
-    for k in ("from", "from_mode"):  # one source state per part: expand to its rows
+    for k in ("from", "from_seen"):  # one source state per part: expand to its rows
         cat[k] = np.repeat(np.array([p[k] for p in parts]), sizes)
     primary = cat["cost"] if objective == "cost" else cat["peak"]
     secondary = cat["peak"] if objective == "cost" else cat["cost"]

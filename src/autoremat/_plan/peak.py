@@ -45,10 +45,10 @@ NOTE [ Tensors held across stacks ]
     In an encoder-decoder planned as one chain, the encoder's output is made between
     the stacks (so in the last encoder block's forward window, NOTE [ Ops between
     blocks ] in ``profile.py``) and read by every decoder block. Each of them holds it
-    whatever its mode: kept, its cross-attention saves it for the key and value
+    whatever its decision: kept, its cross-attention saves it for the key and value
     projections; recomputed, its checkpoint keeps its inputs (a segment keeps its
     blocks' arguments). So it is freed in the backward of the first decoder block, in
-    every plan, and the windows measured for that block's modes already contain the
+    every plan, and the windows measured for that block's decisions already contain the
     release: the composed levels hold it from its creation to there, and no term is
     needed for it. On T5 and BART (both loops, budgets from 90% to the minimum) plans
     of single-block segments predict the measured peak to the byte, and composed
@@ -61,12 +61,13 @@ NOTE [ Released when the forward returns ]
     holds that tensor for backward (the next block is frozen, or saves nothing of its
     input), the model's release frees it when the forward returns, in the ``post``
     window; if a checkpoint holds it, it lives until that block's backward. So what
-    ``post`` frees depends on the modes of blocks far from the last one, which keys it.
+    ``post`` frees depends on the decisions of blocks far from the last one, which keys it.
     The profile measures, per block and per key of its windows, the bytes of its input
     released there (``BlockProfile.fwd_end_release``); ``post_window`` corrects the
-    measured ``post`` (taken from a step with every block in one mode) for what a plan
-    releases instead: in :func:`predict_peak` by what the plan's blocks release in their
-    modes, in the solver by the least any plan releases (which can only over-predict).
+    measured ``post`` (taken from a step with every block under one decision) for what a
+    plan releases instead: in :func:`predict_peak` by what the plan's blocks release
+    under their decisions, in the solver by the least any plan releases (which can only
+    over-predict).
     Only the inputs of the blocks up to ``j`` matter for ``Z_j`` (``suffix_z``): those
     of later blocks are gone by ``j``'s backward either way. What the model made before
     the first block and released when the forward returns (a Hugging Face Llama's
@@ -94,6 +95,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autoremat._core.decisions import OFFLOAD, OFFLOAD_INPUT, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import internal_assert
 from autoremat._core.ops import OpRecord
 from autoremat._measure.costs import (
@@ -103,16 +105,11 @@ from autoremat._measure.costs import (
     offload_cost,
     recompute_cost,
 )
-from autoremat._measure.tape import Tape, WindowMemory
-from autoremat._mechanism.selective import is_keep_set, save_set_name, save_set_of
+from autoremat._measure.tape import Tape, WindowKey, WindowMemory
 
 __all__ = [
-    "KEEP",
-    "OFFLOAD",
-    "OFFLOAD_INPUT",
-    "RECOMPUTE",
-    "Option",
     "SegmentCost",
+    "Segments",
     "block_costs",
     "fixed_peaks",
     "least_release",
@@ -127,13 +124,9 @@ __all__ = [
     "with_head",
 ]
 
-# An option for a segment: ("keep", ()) | ("recompute", ()) | ("selective", save_ops)
-# | ("offload", ()).
-Option = tuple[str, tuple[str, ...]]
-KEEP: Option = ("keep", ())
-RECOMPUTE: Option = ("recompute", ())
-OFFLOAD: Option = ("offload", ())
-OFFLOAD_INPUT: Option = ("offload_input", ())  # recompute, the input offloaded
+# A plan of the chain as the peak model reads it: consecutive (start, stop, choice).
+Segments = Sequence[tuple[int, int, Choice]]
+_KEEP, _RECOMPUTE = Decision.KEEP, Decision.RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -144,7 +137,7 @@ class SegmentCost:
     hold: int  # bytes held from the end of its forward until its backward
     bwd_peak: int  # backward transient above the level at its start
     flops: int  # recompute FLOPs
-    mode: str  # "K" kept, "C" checkpointed or "O" offloaded: what the next block sees
+    seen_as: Decision  # what the next block's windows see (Decision.seen_as)
     cost: int | None = None  # what the planner minimises (FLOP-equivalents, see costs.py);
     # None: the recompute FLOPs themselves
 
@@ -153,28 +146,33 @@ class SegmentCost:
         return self.flops if self.cost is None else self.cost
 
 
-def _fwd(tape: Tape, k: int, key: str) -> WindowMemory:
+def _fwd(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
     windows = tape.blocks[k].fwd
-    return windows[key] if key in windows else windows[key[1] * 2]
+    return windows[key] if key in windows else windows[key[1], key[1]]
 
 
-def _bwd(tape: Tape, k: int, key: str) -> WindowMemory:
+def _bwd(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
     windows = tape.blocks[k].bwd
-    return windows[key] if key in windows else windows[key[1] * 2]
+    return windows[key] if key in windows else windows[key[1], key[1]]
 
 
-def _net(tape: Tape, k: int, mode: str) -> int:
-    """Bytes block ``k`` leaves behind after its backward in a run of uniform ``mode``."""
+def _uniform(i: int, decision: Decision) -> WindowKey:
+    """Block ``i``'s window key in the step with every block under ``decision`` (the
+    first block follows the stem, as a kept one)."""
+    return (_KEEP if i == 0 else decision, decision)
+
+
+def _net(tape: Tape, k: int, decision: Decision) -> int:
+    """Bytes block ``k`` leaves behind after its backward in a run of uniform ``decision``."""
     b = tape.blocks[k]
-    key = mode * 2 if mode * 2 in b.fwd else "K" + mode
+    key = (decision, decision) if (decision, decision) in b.fwd else (_KEEP, decision)
     return b.fwd[key].delta_bytes + b.bwd[key].delta_bytes
 
 
-def _uniform_release(tape: Tape, mode: str) -> list[int]:
+def _uniform_release(tape: Tape, decision: Decision) -> list[int]:
     """Per block, the bytes of its input released when the forward returns in the step
-    with every block in ``mode``, which measured ``post[mode]`` and the ``mode`` nets."""
-    return [b.fwd_end_release.get(("K" if i == 0 else mode) + mode, 0)
-            for i, b in enumerate(tape.blocks)]
+    with every block under ``decision``, which measured ``post[decision]`` and its nets."""
+    return [b.fwd_end_release.get(_uniform(i, decision), 0) for i, b in enumerate(tape.blocks)]
 
 
 def least_release(tape: Tape) -> list[int]:
@@ -183,41 +181,42 @@ def least_release(tape: Tape) -> list[int]:
             for b in tape.blocks]
 
 
-def release_of(tape: Tape, segments: Sequence[tuple[int, int, Option]],
-               costs: Sequence[SegmentCost]) -> list[int]:
+def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> list[int]:
     """Per block, the bytes of its input a plan's step releases when the forward
-    returns: a kept, checkpointed or offloaded block as measured in its mode after its
-    predecessor's; a segment's first block as checkpointed; inner and selective blocks
-    the least any mode releases (as the solver counts every block, so that a plan never
-    predicts above what the solver found for it)."""
+    returns: a kept, checkpointed or offloaded block as measured under its decision
+    after its predecessor's; a segment's first block as checkpointed; inner and
+    selective blocks the least any decision releases (as the solver counts every block,
+    so that a plan never predicts above what the solver found for it)."""
     out = least_release(tape)
-    prev = "K"
-    for (start, _stop, option), cost in zip(segments, costs, strict=True):
-        if option[0] != "selective":
-            out[start] = tape.blocks[start].fwd_end_release.get(prev + cost.mode, 0)
-        prev = cost.mode
-    if any(option[0] != "keep" for _, _, option in segments):
+    prev = _KEEP
+    for (start, _stop, choice), cost in zip(segments, costs, strict=True):
+        if choice.decision is not Decision.SELECTIVE:
+            out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
+        prev = cost.seen_as
+    if any(choice.decision.recomputes for _, _, choice in segments):
         out[0] = least_release(tape)[0]  # what the model made before the first block, any
         # checkpoint of a block it is passed to may hold (NOTE [ Released when ... ])
     return out
 
 
-def post_window(tape: Tape, mode: str, release: Sequence[int] | None = None) -> WindowMemory:
-    """``tape.post[mode]`` for a plan whose blocks' inputs are released when the forward
-    returns as ``release`` says (``None``: the least any plan releases), NOTE [ Released
-    when the forward returns ]."""
+def post_window(tape: Tape, last: Decision,
+                release: Sequence[int] | None = None) -> WindowMemory:
+    """``tape.post[last]`` (``last``: what the last block is seen as) for a plan whose
+    blocks' inputs are released when the forward returns as ``release`` says
+    (``None``: the least any plan releases), NOTE [ Released when the forward returns ]."""
     release = least_release(tape) if release is None else release
-    extra = sum(_uniform_release(tape, mode)) - sum(release)  # held on, that was freed
-    window = tape.post[mode]
+    extra = sum(_uniform_release(tape, last)) - sum(release)  # held on, that was freed
+    window = tape.post[last]
     if extra == 0:
         return window
     return WindowMemory(peak_bytes=window.peak_bytes + max(extra, 0),
                         delta_bytes=window.delta_bytes + extra)
 
 
-def suffix_z(tape: Tape, release: Sequence[int] | None = None) -> dict[str, list[int]]:
-    """``Z[mode][j]``: post.delta + net leftovers of the blocks after ``j``, when block
-    ``j`` has ``mode``, for a plan that releases ``release`` when the forward returns
+def suffix_z(tape: Tape, release: Sequence[int] | None = None
+             ) -> dict[Decision, list[int]]:
+    """``Z[d][j]``: post.delta + net leftovers of the blocks after ``j``, when block
+    ``j`` is seen as ``d``, for a plan that releases ``release`` when the forward returns
     (``None``: the least any plan releases). See NOTE [ Who frees a boundary tensor ]
     and NOTE [ Released when the forward returns ]: the inputs of blocks after ``j``
     are gone by ``j``'s backward whenever they were released; those of ``j`` and the
@@ -225,59 +224,59 @@ def suffix_z(tape: Tape, release: Sequence[int] | None = None) -> dict[str, list
     n = len(tape.blocks)
     release = least_release(tape) if release is None else release
     out = {}
-    for mode in tape.modes:
-        measured = _uniform_release(tape, mode)
+    for decision in tape.window_decisions:
+        measured = _uniform_release(tape, decision)
         held_on = [0] * n  # prefix sums of (measured - plan's) release up to j
         acc_held = 0
         for j in range(n):
             acc_held += measured[j] - release[j]
             held_on[j] = acc_held
         z = [0] * n
-        acc = tape.post[mode].delta_bytes
+        acc = tape.post[decision].delta_bytes
         for j in range(n - 1, -1, -1):
             z[j] = acc + held_on[j]
-            acc += _net(tape, j, mode)
-        out[mode] = z
+            acc += _net(tape, j, decision)
+        out[decision] = z
     return out
 
 
-def fixed_peaks(tape: Tape, first: str) -> int:
-    """Peaks that do not depend on the plan's middle: pre, and the tail."""
-    tail_level = (tape.pre.delta_bytes + tape.post["K"].delta_bytes
-                  + sum(_net(tape, k, "K") for k in range(len(tape.blocks))))
+def fixed_peaks(tape: Tape, first: Decision) -> int:
+    """Peaks that do not depend on the plan's middle: pre, and the tail (``first``: what
+    the first block is seen as)."""
+    tail_level = (tape.pre.delta_bytes + tape.post[_KEEP].delta_bytes
+                  + sum(_net(tape, k, _KEEP) for k in range(len(tape.blocks))))
     return max(tape.pre.peak_bytes, tail_level + tape.tail[first].peak_bytes)
 
 
-def segment_cost(tape: Tape, start: int, stop: int, option: Option = RECOMPUTE,
-                 prev: str = "K") -> SegmentCost:
-    """Figures of blocks ``start..stop-1`` as one segment under ``option``, after a
-    block of mode ``prev`` ("K" before the first block)."""
+def segment_cost(tape: Tape, start: int, stop: int, choice: Choice = RECOMPUTE,
+                 prev: Decision = _KEEP) -> SegmentCost:
+    """Figures of blocks ``start..stop-1`` as one segment under ``choice``, after a
+    block seen as ``prev`` (KEEP before the first block)."""
     blocks = tape.blocks
     internal_assert(0 <= start < stop <= len(blocks), f"bad segment {start}:{stop}")
-    kind = option[0]
-    if kind == "keep":
+    decision = choice.decision
+    if decision is _KEEP:
         internal_assert(stop == start + 1, "a kept segment is one block")
-        fwd, bwd = _fwd(tape, start, prev + "K"), _bwd(tape, start, prev + "K")
-        return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, "K")
+        fwd, bwd = _fwd(tape, start, (prev, _KEEP)), _bwd(tape, start, (prev, _KEEP))
+        return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, _KEEP)
     model = cost_model_for(tape.device, compiled=bool(tape.compiled))
-    if kind in ("offload", "offload_input"):
+    if decision.offloads:
         internal_assert(stop == start + 1 and tape.offload,
                         "an offloaded segment is one block of a tape measured offloaded")
-        mode = "O" if kind == "offload" else "P"
-        fwd, bwd = _fwd(tape, start, prev + mode), _bwd(tape, start, prev + mode)
+        fwd, bwd = _fwd(tape, start, (prev, decision)), _bwd(tape, start, (prev, decision))
         b = tape.blocks[start]
-        if mode == "O":
-            return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, mode,
+        if decision is Decision.OFFLOAD:
+            return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes, 0, decision,
                                offload_cost(b.offload_bytes, b.offload_tensors, b.fwd_flops,
                                             b.bwd_flops, tape.host_bandwidth, model))
         cost = recompute_cost(b.op_stats, b.fwd_flops, model) + offload_cost(
             b.offload_input_bytes, 1, b.fwd_flops, b.bwd_flops, tape.host_bandwidth, model)
         return SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
-                           b.recompute_flops, mode, cost)
-    if kind == "selective":
+                           b.recompute_flops, decision, cost)
+    if decision is Decision.SELECTIVE:
         internal_assert(stop == start + 1, "a selective segment is one block")
-        return _selective_cost(tape, start, option[1], prev, model)
-    internal_assert(kind == "recompute", f"unknown segment option {kind!r}")
+        return _selective_cost(tape, start, choice, prev, model)
+    internal_assert(decision is _RECOMPUTE, f"no segment of a chain is {decision.value}")
     return segment_runs(tape, start, stop, prev)[-1]
 
 
@@ -286,8 +285,8 @@ def block_costs(tape: Tape) -> list[int]:
     return [recompute_cost(b.op_stats, b.fwd_flops, model) for b in tape.blocks]
 
 
-def segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
-                  costs: list[int] | None = None) -> list[SegmentCost]:
+def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
+                 costs: list[int] | None = None) -> list[SegmentCost]:
     """Costs of the checkpointed segments ``[start, stop)`` for every ``stop`` up to
     ``last_stop``, built incrementally (O(length) for all of them)."""
     blocks = tape.blocks
@@ -302,25 +301,25 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
         b = blocks[k]
         cost += costs[k]
         stash += b.stash_bytes
-        window = _fwd(tape, k, (prev if k == start else "C") + "C")
+        window = _fwd(tape, k, (prev if k == start else _RECOMPUTE, _RECOMPUTE))
         f_peak = max(f_peak, f_level + window.peak_bytes)
         f_level += window.delta_bytes
         if k > start:
             f_level -= b.chain_bytes
         if k == start:  # a single block: its measured checkpointed windows
-            fwd, bwd = _fwd(tape, k, prev + "C"), _bwd(tape, k, prev + "C")
+            fwd, bwd = _fwd(tape, k, (prev, _RECOMPUTE)), _bwd(tape, k, (prev, _RECOMPUTE))
             out.append(SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
-                                   flops + b.recompute_flops, "C", cost))
+                                   flops + b.recompute_flops, _RECOMPUTE, cost))
         else:
             # Blocks start..k-1 are recomputed in full (later ones need their outputs);
             # the last one stops early as a checkpointed block does, so its measured
             # checkpointed backward window (recompute included) applies; then the plain
             # backward of the others.
-            last = _bwd(tape, k, "CC")
+            last = _bwd(tape, k, (_RECOMPUTE, _RECOMPUTE))
             bwd_peak = stash + max(r_peak, r_level + last.peak_bytes,
                                    r_level + last.delta_bytes + back)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
-                                   "C", cost))
+                                   _RECOMPUTE, cost))
         flops += b.fwd_flops
         # the recompute keeps what the plain forward freed in this block (its input,
         # held by the segment): counted held from the window's start
@@ -332,30 +331,31 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: str,
     return out
 
 
-def _selective_cost(tape: Tape, i: int, save: tuple[str, ...], prev: str,
+def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
                     model: CostModel) -> SegmentCost:
     """A selective block, measured between checkpointed neighbours; after a kept block
     we add the difference that neighbour makes to the same block fully checkpointed."""
     block = tape.blocks[i]
-    name = save_set_name(save)
-    internal_assert(name in block.selective, f"no selective profile {name!r} for {block.name}")
-    sel = block.selective[name]
+    key = choice.selective_key
+    internal_assert(key in block.selective, f"no selective profile {key!r} for {block.name}")
+    sel = block.selective[key]
     fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes
     bwd_peak = sel.bwd.peak_bytes
-    if _keeps_output(block.ops, save, sel.keep_ops, is_keep_set(name)):
+    if _keeps_output(block.ops, choice.save_ops, sel.keep_ops, bool(choice.keep_set)):
         # see NOTE [ A selective block that keeps its output ]
         bwd_peak += block.output_bytes
-    if i > 0 and prev != "C":
-        f_here, f_ref = _fwd(tape, i, prev + "C"), _fwd(tape, i, "CC")
-        b_here, b_ref = _bwd(tape, i, prev + "C"), _bwd(tape, i, "CC")
+    ckpt = (_RECOMPUTE, _RECOMPUTE)
+    if i > 0 and prev is not _RECOMPUTE:
+        f_here, f_ref = _fwd(tape, i, (prev, _RECOMPUTE)), _fwd(tape, i, ckpt)
+        b_here, b_ref = _bwd(tape, i, (prev, _RECOMPUTE)), _bwd(tape, i, ckpt)
         fwd_peak += f_here.peak_bytes - f_ref.peak_bytes
         hold += f_here.delta_bytes - f_ref.delta_bytes
         bwd_peak += b_here.peak_bytes - b_ref.peak_bytes
-    if is_keep_set(name):
+    if choice.keep_set:
         cost = keep_set_cost(block.ops, sel.keep_ops, sel.skip_ops, model)
     else:
-        cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=save)
-    return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, "C", cost)
+        cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=choice.save_ops)
+    return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, _RECOMPUTE, cost)
 
 
 def _keeps_output(ops: Sequence[OpRecord], save: tuple[str, ...], keep_ops: tuple[int, ...],
@@ -377,58 +377,60 @@ def _keeps_output(ops: Sequence[OpRecord], save: tuple[str, ...], keep_ops: tupl
     return True
 
 
-def selective_options(tape: Tape, offload: bool = False) -> list[list[Option]]:
+def selective_options(tape: Tape, offload: bool = False) -> list[list[Choice]]:
     """Per block, the selective options its tape measured, and with ``offload`` (on a
     tape measured offloaded) offloading it."""
     extra = [OFFLOAD, OFFLOAD_INPUT] if offload and tape.offload else []
-    return [[("selective", save_set_of(name)) for name in sorted(b.selective)] + extra
+    return [[Choice.selective_from_key(key) for key in sorted(b.selective)] + extra
             for b in tape.blocks]
 
 
-def plan_costs(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> list[SegmentCost]:
-    """Costs of consecutive segments, each seeing its predecessor's mode."""
+def plan_costs(tape: Tape, segments: Segments) -> list[SegmentCost]:
+    """Costs of consecutive segments, each seeing its predecessor as it is seen."""
     out: list[SegmentCost] = []
-    prev = "K"
-    for start, stop, option in segments:
-        cost = segment_cost(tape, start, stop, option, prev)
+    prev = _KEEP
+    for start, stop, choice in segments:
+        cost = segment_cost(tape, start, stop, choice, prev)
         out.append(cost)
-        prev = cost.mode
+        prev = cost.seen_as
     return out
 
 
-def predict_peak(tape: Tape, segments: Sequence[tuple[int, int, Option]]) -> int:
-    """Predicted step peak of a plan given as consecutive ``(start, stop, option)``."""
+def predict_peak(tape: Tape, segments: Segments) -> int:
+    """Predicted step peak of a plan given as consecutive ``(start, stop, choice)``."""
     costs = plan_costs(tape, segments)
     release = release_of(tape, segments, costs)
     z = suffix_z(tape, release)
     level = tape.pre.delta_bytes
-    peak = fixed_peaks(tape, costs[0].mode)
+    peak = fixed_peaks(tape, costs[0].seen_as)
     for (_start, stop, _), cost in zip(segments, costs, strict=False):
-        bwd = level + cost.hold + z[cost.mode][stop - 1] + cost.bwd_peak
+        bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak
         peak = max(peak, level + cost.fwd_peak, bwd)
         level += cost.hold
-    return max(peak, level + post_window(tape, costs[-1].mode, release).peak_bytes)
+    return max(peak, level + post_window(tape, costs[-1].seen_as, release).peak_bytes)
 
 
-def _moved(option: WindowMemory, by_mode: WindowMemory, kept: WindowMemory) -> WindowMemory:
+def _moved(option: WindowMemory, by_decision: WindowMemory,
+           kept: WindowMemory) -> WindowMemory:
     """A head option's window (measured with the last or first block kept) for a block
-    in another mode: moved by the difference that mode makes with the model's own head
-    (NOTE [ Measuring the head ] in ``profile.py``), its peak by at least nothing."""
-    delta = by_mode.delta_bytes - kept.delta_bytes
-    lift = max(0, delta, by_mode.peak_bytes - kept.peak_bytes)
+    under another decision: moved by the difference that decision makes with the
+    model's own head (NOTE [ Measuring the head ] in ``profile.py``), its peak by at
+    least nothing."""
+    delta = by_decision.delta_bytes - kept.delta_bytes
+    lift = max(0, delta, by_decision.peak_bytes - kept.peak_bytes)
     return WindowMemory(peak_bytes=option.peak_bytes + lift,
                         delta_bytes=option.delta_bytes + delta)
 
 
-def with_head(tape: Tape, head: str) -> Tape:
-    """The tape as the step runs with loss head ``head`` ("keep": the tape itself, else a
-    name of ``tape.head.options``): its ``post`` and ``tail`` windows are the head's."""
-    if head == "keep":
+def with_head(tape: Tape, head: Choice) -> Tape:
+    """The tape as the step runs with loss head ``head`` (kept: the tape itself, else one
+    of ``tape.head.options``): its ``post`` and ``tail`` windows are the head's."""
+    if head.decision is _KEEP:
         return tape
-    internal_assert(tape.head is not None and head in tape.head.options,
-                    f"no head option {head!r} in the tape")
-    option = tape.head.options[head]  # type: ignore[union-attr]
+    internal_assert(tape.head is not None and head.head_key in tape.head.options,
+                    f"no head option {head.head_key!r} in the tape")
+    option = tape.head.options[head.head_key]  # type: ignore[union-attr]
     return dataclasses.replace(
         tape,
-        post={m: _moved(option.post, w, tape.post["K"]) for m, w in tape.post.items()},
-        tail={m: _moved(option.tail, w, tape.tail["K"]) for m, w in tape.tail.items()})
+        post={d: _moved(option.post, w, tape.post[_KEEP]) for d, w in tape.post.items()},
+        tail={d: _moved(option.tail, w, tape.tail[_KEEP]) for d, w in tape.tail.items()})

@@ -20,6 +20,15 @@ from typing import Any
 import torch
 
 from autoremat._core.conditions import conditions_line
+from autoremat._core.decisions import (
+    BLOCK_DECISIONS,
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    Choice,
+    Decision,
+    decision_of,
+)
 from autoremat._core.errors import BudgetError, RematError, SchemaError, check_flag, did_you_mean
 from autoremat._core.optimizers import resolve_optimizer
 from autoremat._core.step import Loop
@@ -35,21 +44,11 @@ from autoremat._measure.tape import (
     load_json,
 )
 from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_keep_keys
-from autoremat._mechanism.selective import (
-    MEGATRON,
-    is_keep_set,
-    op_signature,
-    save_set_name,
-    save_set_of,
-)
+from autoremat._mechanism.selective import MEGATRON, is_keep_set, op_signature, save_set_name
 from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import (
-    KEEP,
-    OFFLOAD,
-    OFFLOAD_INPUT,
-    RECOMPUTE,
-    Option,
+    Segments,
     plan_costs,
     predict_peak,
     selective_options,
@@ -58,19 +57,21 @@ from autoremat._plan.peak import (
 
 __all__ = [
     "STRATEGIES", "BlockDecision", "Plan", "UnsealedPlanWarning", "check_against_tape",
-    "check_head", "check_plan_args", "plan", "plan_seal",
+    "check_head", "check_plan_args", "keeps_head", "plan", "plan_seal",
 ]
-
-
-DECISIONS = ("keep", "recompute", "selective", "offload")
 
 
 @dataclass(frozen=True)
 class BlockDecision:
-    """What one block does in backward."""
+    """What one block does in backward: its :class:`~autoremat.Decision` and what that
+    needs (the op kinds or positions a selective block keeps). ``decision`` may be given
+    by name (``"recompute"``); it is held as a ``Decision``."""
 
     name: str  # qualified module name
-    decision: str  # "keep" | "recompute" | "selective" | "offload"
+    # keep | recompute | selective | offload | offload_input (checkpointed, its input
+    # waiting in host memory until the recompute, alone in its segment: NOTE
+    # [ Offloading a checkpoint's input ] in _mechanism/offload.py)
+    decision: Decision
     segment: int  # index of its segment; blocks sharing one are recomputed together
     save_ops: tuple[str, ...] = ()  # selective: op kinds whose outputs stay saved
     recompute_ops: tuple[str, ...] = ()  # selective: op kinds re-run in backward
@@ -81,15 +82,22 @@ class BlockDecision:
     # the kept ops as "op#occurrence" (e.g. "aten.mm.default#1"): what they lower to
     # under torch.compile (NOTE [ Plans under torch.compile ] in _mechanism/compiled.py)
     keep_keys: tuple[str, ...] = ()
-    # recompute, alone in its segment: its input waits in host memory until the
-    # recompute (NOTE [ Offloading a checkpoint's input ] in _mechanism/offload.py)
-    offload_input: bool = False
     # its parameters' fingerprint when planned (blocks.param_signature): apply refuses a
     # block whose parameters differ ("": not recorded, not checked)
     params: str = ""
     # a keep-set's seal: keep_set_seal(op_signature, keep_ops, skip_ops), so that an
     # edited keep-set (which could skip ops whose outputs backward needs) is refused
     keep_seal: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decision",
+                           decision_of(self.decision, f"the decision of block {self.name!r}"))
+
+    @property
+    def offload_input(self) -> bool:
+        """Whether it is checkpointed with its input in host memory (``decision`` is
+        ``Decision.OFFLOAD_INPUT``; a field of version-1 plan files)."""
+        return self.decision is Decision.OFFLOAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -134,10 +142,10 @@ class Plan:
     dtypes: str = ""
     loss: str = ""
     structure: str = ""
-    # The loss head: "keep" (as the model computes it) or "chunked:N" (over N chunks of
-    # tokens, NOTE [ A chunked head ] in _core/head.py), and where it is ("hf:lm_head" or
-    # "module:<name>"; "" without a head option).
-    head: str = "keep"
+    # The loss head: kept (as the model computes it) or chunked over N chunks of tokens
+    # (NOTE [ A chunked head ] in _core/head.py; files write "keep" or "chunked:N"), and
+    # where it is ("hf:lm_head" or "module:<name>"; "" without a head option).
+    head: Choice = KEEP
     head_site: str = ""
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -145,7 +153,7 @@ class Plan:
     @property
     def head_chunks(self) -> int | None:
         """The chunks of tokens the loss head runs in, or ``None`` when it is kept."""
-        return int(self.head.split(":")[1]) if self.head != "keep" else None
+        return self.head.chunks or None
 
     @property
     def recompute_overhead(self) -> float:
@@ -155,17 +163,17 @@ class Plan:
     @property
     def recompute_blocks(self) -> int:
         """How many blocks recompute anything in backward."""
-        return sum(b.decision in ("recompute", "selective") for b in self.blocks)
+        return sum(b.decision.recomputes for b in self.blocks)
 
     @property
     def offload_blocks(self) -> int:
         """How many blocks offload to host memory (their saved tensors, or their input)."""
-        return sum(b.decision == "offload" or b.offload_input for b in self.blocks)
+        return sum(b.decision.offloads for b in self.blocks)
 
     @property
-    def segments(self) -> list[tuple[int, int, str]]:
+    def segments(self) -> list[tuple[int, int, Decision]]:
         """``(start, stop, decision)`` runs of blocks that share a segment."""
-        out: list[tuple[int, int, str]] = []
+        out: list[tuple[int, int, Decision]] = []
         for i, b in enumerate(self.blocks):
             if out and b.segment == self.blocks[out[-1][0]].segment:
                 out[-1] = (out[-1][0], i + 1, out[-1][2])
@@ -173,10 +181,19 @@ class Plan:
                 out.append((i, i + 1, b.decision))
         return out
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON fields (unsealed), decisions by name (NOTE [ Decisions in files ] in
+        tape.py)."""
+        data = asdict(self)
+        for block in data["blocks"]:
+            block["decision"] = block["decision"].value
+        data["head"] = self.head.head_key
+        return data
+
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         """Return the JSON text, sealed (NOTE [ Sealed plan files ]); with ``path``, also
         write it there atomically."""
-        data = asdict(self)
+        data = self.to_dict()
         return dump_json(dict(data, seal=plan_seal(data)), path)
 
     @classmethod
@@ -211,6 +228,7 @@ class Plan:
             if isinstance(item, dict):
                 item = dict(item, **{key: _strings(item.get(key, []), f"{where}.{key}")
                                      for key in ("save_ops", "recompute_ops", "keep_keys")})
+                item["decision"] = _decision_field(item, data["schema_version"], where)
             item = int_tuples(item, ("keep_ops", "skip_ops"), where)
             block = build_dataclass(BlockDecision, item, where)
             _expect(block.op_signature, str, f"{where}.op_signature")
@@ -218,27 +236,24 @@ class Plan:
             _expect(block.params, str, f"{where}.params")
             _expect(block.keep_seal, str, f"{where}.keep_seal")
             _expect(block.segment, int, f"{where}.segment")
-            if block.decision not in DECISIONS:
-                raise SchemaError(f"{where}.decision must be one of {list(DECISIONS)}, "
-                                  f"got {block.decision!r}")
             _check_keep_set(block, where)
-            if not isinstance(block.offload_input, bool) or (
-                    block.offload_input and block.decision != "recompute"):
-                raise SchemaError(f"{where}.offload_input must be false, or true on a "
-                                  f"recompute block, got {block.offload_input!r} on a "
-                                  f"{block.decision!r} block")
             blocks.append(block)
         _check_segments(blocks)
         data["blocks"] = tuple(blocks)
+        data["schema_version"] = SCHEMA_VERSION  # read; it is written as this version
         data["notes"] = _strings(data.get("notes", []), "plan.notes")
+        if "head" in data:
+            data["head"] = _head_field(data["head"])
         loaded: Plan = build_dataclass(cls, data, "plan")
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
                     "step_flops", "predicted_cost", "predicted_host_bytes"):
             _expect(getattr(loaded, key), int, f"plan.{key}")
+            if getattr(loaded, key) < 0:
+                raise SchemaError(f"plan.{key} must be >= 0, got {getattr(loaded, key)}")
         if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
-        for key in ("strategy", "model", "inputs", "compiled", "device", "head", "head_site",
+        for key in ("strategy", "model", "inputs", "compiled", "device", "head_site",
                     "autocast", "dtypes", "loss", "structure"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         _check_head(loaded)
@@ -264,18 +279,19 @@ class Plan:
         for start, stop, decision in self.segments:
             for i in range(start, stop):
                 block = self.blocks[i]
-                what = decision
-                if decision == "selective" and block.op_signature:
+                what = (Decision.RECOMPUTE if decision is Decision.OFFLOAD_INPUT
+                        else decision).value
+                if decision is Decision.SELECTIVE and block.op_signature:
                     what += (f" (keep the outputs of {len(block.keep_ops)} ops, skip "
                              f"{len(block.skip_ops)} dead ops; recompute "
                              + ", ".join(block.recompute_ops) + ")")
-                elif decision == "selective":
+                elif decision is Decision.SELECTIVE:
                     what += (" (save " + ", ".join(block.save_ops) + " outputs" if block.save_ops
                              else " (recompute all ops, keep the random draws")
                     if block.save_ops and block.recompute_ops:
                         what += "; recompute " + ", ".join(block.recompute_ops)
                     what += ")"
-                if block.offload_input:
+                if decision is Decision.OFFLOAD_INPUT:
                     what += " (its input in host memory)"
                 if stop > start + 1:
                     what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
@@ -293,7 +309,7 @@ class Plan:
                 + (f"; parameters sharded over {self.shards} ranks" if self.shards > 1
                    else "")
                 + "\n" + conditions_line(self.loss, self.autocast, self.dtypes))
-        if self.head != "keep":
+        if self.head.decision is Decision.CHUNKED:
             rows.append([f"{self.head_site.partition(':')[2]} (loss head)",
                          f"chunked: {self.head_chunks} chunks of tokens, the full logits never "
                          f"built (out.logits is None); loss and the projection's weight "
@@ -302,13 +318,18 @@ class Plan:
         return head + render_table(["block", "decision"], rows) + notes
 
 
-def _check_head(plan: Plan) -> None:
-    """A loaded plan's head is "keep" or "chunked:N" (N >= 1) at a named site."""
-    kind, _, count = plan.head.partition(":")
-    chunked = kind == "chunked" and count.isdigit() and int(count) >= 1
-    if plan.head != "keep" and not chunked:
+def _head_field(value: Any) -> Choice:
+    """A plan file's head: "keep" or "chunked:N" (N >= 1)."""
+    try:
+        return Choice.head_from_key(value)
+    except RematError:
         raise SchemaError(f"plan.head must be 'keep' or 'chunked:N' (N >= 1), got "
-                          f"{plan.head!r}")
+                          f"{value!r}") from None
+
+
+def _check_head(plan: Plan) -> None:
+    """A loaded plan's chunked head is at a named site."""
+    chunked = plan.head.decision is Decision.CHUNKED
     site_kind, _, name = plan.head_site.partition(":")
     if chunked and (site_kind not in ("hf", "module") or not name):
         raise SchemaError(f"plan.head_site must be 'hf:<name>' or 'module:<name>' for a "
@@ -328,12 +349,36 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _decision_field(item: dict[str, Any], version: int, where: str) -> Decision:
+    """A block's decision as a version-``version`` file writes it (NOTE [ Decisions in
+    files ] in tape.py): by name; in version 1, an input-offloaded block as "recompute"
+    with ``offload_input: true``, a field version 2 does not have."""
+    allowed = tuple(d for d in BLOCK_DECISIONS  # version 1: offload_input was a flag
+                    if version >= 2 or d is not Decision.OFFLOAD_INPUT)
+    name = item.get("decision")
+    names = [d.value for d in allowed]
+    if not isinstance(name, str) or name not in names:
+        raise SchemaError(f"{where}.decision must be one of {names}, got {name!r}"
+                          + (did_you_mean(name, names) if isinstance(name, str) else ""))
+    decision = Decision(name)
+    if version == 1:
+        offload_input = item.pop("offload_input", False)
+        if not isinstance(offload_input, bool) or (
+                offload_input and decision is not Decision.RECOMPUTE):
+            raise SchemaError(f"{where}.offload_input must be false, or true on a "
+                              f"recompute block, got {offload_input!r} on a "
+                              f"{name!r} block")
+        if offload_input:
+            return Decision.OFFLOAD_INPUT
+    return decision
+
+
 def _check_keep_set(block: BlockDecision, where: str) -> None:
     """A keep-set indexes the block's op sequence: never trusted from a file."""
     for key in ("keep_ops", "skip_ops"):
         positions = getattr(block, key)
-        if positions and block.decision != "selective":
-            raise SchemaError(f"{where}.{key} is set on a {block.decision!r} block; op "
+        if positions and block.decision is not Decision.SELECTIVE:
+            raise SchemaError(f"{where}.{key} is set on a {block.decision.value!r} block; op "
                               "positions belong to selective blocks only")
         if any(i < 0 for i in positions) or list(positions) != sorted(set(positions)):
             raise SchemaError(f"{where}.{key} must be distinct op positions >= 0 in "
@@ -454,11 +499,12 @@ def check_against_tape(plan: Plan, tape: Tape) -> None:
             f"not decide the blocks of this tape (model {tape.model}, blocks {names}): a "
             f"block entry was added, deleted or renamed, or the tape is of another model. "
             f"Pass the tape the plan was made from. {_REPLAN}")
-    if plan.head != "keep" and (tape.head is None or plan.head not in tape.head.options):
+    if plan.head.decision is not Decision.KEEP and (
+            tape.head is None or plan.head.head_key not in tape.head.options):
         have = ["keep", *(tape.head.options if tape.head is not None else [])]
-        raise SchemaError(f"plan.head is {plan.head!r}, which this tape did not measure "
+        raise SchemaError(f"plan.head is {plan.head.head_key!r}, which this tape did not measure "
                           f"(it offers {have}). {_REPLAN}")
-    segments = [(start, stop, _option_of(tape, plan, start, stop, decision))
+    segments = [(start, stop, _choice_of(tape, plan, start, stop, decision))
                 for start, stop, decision in plan.segments]
     again = _with_head_fields(plan_of_segments(with_head(tape, plan.head), segments,
                                                plan.strategy, plan.budget_bytes),
@@ -474,8 +520,8 @@ def check_against_tape(plan: Plan, tape: Tape) -> None:
                           f"another tape. {_REPLAN}")
 
 
-def _option_of(tape: Tape, plan: Plan, start: int, stop: int, decision: str) -> Option:
-    """The peak model's option for the plan's segment ``[start, stop)``."""
+def _choice_of(tape: Tape, plan: Plan, start: int, stop: int, decision: Decision) -> Choice:
+    """The peak model's choice for the plan's segment ``[start, stop)``."""
     block = plan.blocks[start]
     where = f"plan.blocks[{start}] ({block.name})"
     for k in range(start + 1, stop):
@@ -483,18 +529,14 @@ def _option_of(tape: Tape, plan: Plan, start: int, stop: int, decision: str) -> 
             raise SchemaError(f"plan.blocks[{k}] ({plan.blocks[k].name}) shares a segment "
                               f"with the block before it, which this tape does not allow "
                               f"(they are not chained, or the step is compiled). {_REPLAN}")
-    if decision == "keep":
-        return KEEP
-    if decision == "offload":
-        return OFFLOAD
-    if decision == "recompute":
-        return OFFLOAD_INPUT if block.offload_input else RECOMPUTE
+    if decision is not Decision.SELECTIVE:
+        return Choice(decision)
     measured = tape.blocks[start].selective
     if block.keep_ops or block.skip_ops:
         for name, sel in measured.items():
             if is_keep_set(name) and (sel.keep_ops, sel.skip_ops) == (block.keep_ops,
                                                                       block.skip_ops):
-                return ("selective", save_set_of(name))
+                return Choice.selective_from_key(name)
         raise SchemaError(f"{where} keeps ops {list(block.keep_ops)} and skips "
                           f"{list(block.skip_ops)}, a keep-set this tape did not measure. "
                           f"{_REPLAN}")
@@ -502,7 +544,7 @@ def _option_of(tape: Tape, plan: Plan, start: int, stop: int, decision: str) -> 
     if name not in measured:
         raise SchemaError(f"{where} saves {list(block.save_ops)}, a save-set this tape did "
                           f"not measure (it has {sorted(measured)}). {_REPLAN}")
-    return ("selective", save_set_of(name))
+    return Choice(Decision.SELECTIVE, save_ops=block.save_ops)
 
 
 def _check_segments(blocks: list[BlockDecision]) -> None:
@@ -523,12 +565,11 @@ def _check_segments(blocks: list[BlockDecision]) -> None:
                               f"{' or '.join(map(str, allowed))} (segments number the blocks "
                               f"in order from 0), got {block.segment}")
         if i and block.segment == prev and not (
-                block.decision == blocks[i - 1].decision == "recompute"
-                and not block.offload_input and not blocks[i - 1].offload_input):
+                block.decision is blocks[i - 1].decision is Decision.RECOMPUTE):
             raise SchemaError(f"plan.blocks[{i - 1}] and plan.blocks[{i}] share segment "
                               f"{prev}, but only recomputed blocks whose input stays on the "
-                              f"device can share one (got {blocks[i - 1].decision!r} and "
-                              f"{block.decision!r})")
+                              f"device can share one (got {blocks[i - 1].decision.value!r} "
+                              f"and {block.decision.value!r})")
 
 
 # --- budgets -------------------------------------------------------------------------
@@ -546,12 +587,11 @@ def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
 
 # --- strategies ----------------------------------------------------------------------
 
-Segments = list[tuple[int, int, Option]]
 Strategy = Callable[[Tape, int | None, str, bool], Segments]  # (tape, budget, arg, offload)
 
 
 def _none(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
-    return [(i, i + 1, ("keep", ())) for i in range(len(tape.blocks))]
+    return [(i, i + 1, KEEP) for i in range(len(tape.blocks))]
 
 
 def _full(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
@@ -560,14 +600,13 @@ def _full(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
 
 def _every(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     k = int(arg)  # a whole number >= 1: check_plan_args refuses anything else
-    return [(i, i + 1, RECOMPUTE if i % k == 0 else ("keep", ()))
-            for i in range(len(tape.blocks))]
+    return [(i, i + 1, RECOMPUTE if i % k == 0 else KEEP) for i in range(len(tape.blocks))]
 
 
 def _sqrt(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
     n = len(tape.blocks)
     size = max(1, round(math.sqrt(n)))
-    out: Segments = []
+    out: list[tuple[int, int, Choice]] = []
     start = 0
     while start < n:
         stop = start + 1
@@ -579,12 +618,12 @@ def _sqrt(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
 
 
 def _selective(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
-    out: Segments = []
+    out: list[tuple[int, int, Choice]] = []
     for i, block in enumerate(tape.blocks):
         kinds = [k for k in MEGATRON if k in block.op_stats and block.op_stats[k].count]
         name = save_set_name(kinds)
         if kinds and name in block.selective:
-            out.append((i, i + 1, ("selective", tuple(sorted(kinds)))))
+            out.append((i, i + 1, Choice(Decision.SELECTIVE, save_ops=tuple(kinds))))
         else:
             out.append((i, i + 1, RECOMPUTE))  # nothing worth saving: recompute it all
     return out
@@ -606,17 +645,17 @@ STRATEGIES: dict[str, Strategy] = {
 
 
 def _smallest(tape: Tape, offload: bool = False,
-              heads: list[str] | None = None) -> ChainSolution:
+              heads: list[Choice] | None = None) -> ChainSolution:
     """The least-peak plan, over the head decisions ``heads`` (default: keep it)."""
     solutions = [solve(with_head(tape, h), None, objective="peak",
                        options=selective_options(tape, offload))
-                 for h in (heads or ["keep"])]
+                 for h in (heads or [KEEP])]
     return min(solutions, key=lambda s: s.peak_bytes)
 
 
 def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
                       predicted: int | None = None, offload: bool = False,
-                      heads: list[str] | None = None) -> None:
+                      heads: list[Choice] | None = None) -> None:
     best = _smallest(tape, offload, heads)
     got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
     raise BudgetError(
@@ -636,20 +675,16 @@ def smallest_feasible_bytes(tape: Tape, offload: bool = False,
     return _smallest(tape, offload, head_choices(tape, head)).peak_bytes
 
 
-def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision:
-    """Block ``i``'s decision under ``option``; a selective one names the op kinds it
+def _decision(tape: Tape, i: int, segment: int, choice: Choice) -> BlockDecision:
+    """Block ``i``'s decision under ``choice``; a selective one names the op kinds it
     re-runs in backward (dropout copies its kept draws back; see NOTE [ Our own selective
     contexts, and random bits ])."""
     block = tape.blocks[i]
-    kind, save = option
-    if kind == "offload_input":
-        return BlockDecision(block.name, "recompute", segment, offload_input=True,
-                             params=block.param_signature)
-    if kind != "selective":  # keep, recompute, offload
+    kind = choice.decision
+    if kind is not Decision.SELECTIVE:  # keep, recompute, offload, offload_input
         return BlockDecision(block.name, kind, segment, params=block.param_signature)
-    name = save_set_name(save)
-    if is_keep_set(name):
-        sel = block.selective[name]
+    if choice.keep_set:
+        sel = block.selective[choice.selective_key]
         redo = sorted({o.kind for j, o in enumerate(block.ops) if not o.view
                        and j not in sel.keep_ops and j not in sel.skip_ops})
         signature = op_signature(block.ops)
@@ -658,6 +693,7 @@ def _decision(tape: Tape, i: int, segment: int, option: Option) -> BlockDecision
                              format_keep_keys(keep_keys(block.ops, sel.keep_ops)),
                              params=block.param_signature,
                              keep_seal=keep_set_seal(signature, sel.keep_ops, sel.skip_ops))
+    save = choice.save_ops
     redo = [k for k, s in block.op_stats.items() if s.count and k not in save]
     return BlockDecision(block.name, kind, segment, save, tuple(redo),
                          params=block.param_signature)
@@ -812,18 +848,24 @@ def check_head(head: Any) -> None:
                         if isinstance(head, str) else ""))
 
 
-def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[str]:
-    """The loss-head decisions a plan may take, in order of preference (NOTE [ Choosing
-    the head ])."""
+def keeps_head(head: str | None) -> bool:
+    """Whether a ``head=`` argument keeps the loss head as the model computes it."""
+    return head is None or head == "keep"
+
+
+def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[Choice]:
+    """The loss-head choices a plan may take, in order of preference (NOTE [ Choosing
+    the head ]), from ``plan``'s ``head=`` argument (a name)."""
     options = list(tape.head.options) if tape.head is not None else []
-    if head is None or head == "keep":
-        return ["keep"]
+    chunked = [Choice.head_from_key(name) for name in options]
+    if keeps_head(head):
+        return [KEEP]
     if head == "auto":
-        return ["keep", *options]
+        return [KEEP, *chunked]
     if head == "chunked" and options:
-        return options
+        return chunked
     if head in options:
-        return [head]
+        return [Choice.head_from_key(head)]  # type: ignore[arg-type]
     if not isinstance(head, str):
         raise RematError(f"head must be a string such as 'keep' or 'chunked:32', got {head!r}")
     have = ["keep", "auto", "chunked", *options]
@@ -848,7 +890,7 @@ def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
                     offload: bool) -> BudgetError:
     """``exc``, saying how far a chunked loss head would go where the tape measured one
     and the plan was not allowed to chunk it."""
-    if head not in (None, "keep") or tape.head is None or not tape.head.options:
+    if not keeps_head(head) or tape.head is None or not tape.head.options:
         return exc
     chunked = _smallest(tape, offload, head_choices(tape, "auto")).peak_bytes
     if exc.min_feasible_bytes is not None and chunked >= exc.min_feasible_bytes:
@@ -860,22 +902,22 @@ def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
         min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy)
 
 
-def _with_head_fields(found: Plan, tape: Tape, head: str) -> Plan:
-    if head == "keep" or tape.head is None:
+def _with_head_fields(found: Plan, tape: Tape, head: Choice) -> Plan:
+    if head.decision is Decision.KEEP or tape.head is None:
         return found
-    option = tape.head.options[head]
+    option = tape.head.options[head.head_key]
     return dataclasses.replace(found, head=head, head_site=f"{tape.head.kind}:{tape.head.name}",
                                predicted_cost=found.predicted_cost + option.cost)
 
 
-def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy: str,
+def _best_over_heads(tape: Tape, heads: list[Choice], name: str, arg: str, strategy: str,
                      budget_bytes: int | None, offload: bool, head: str | None) -> Plan:
     """The least-cost plan of the strategy that fits, over the head decisions ``heads``
     (NOTE [ Choosing the head ])."""
     best: Plan | None = None
     predicted = None
-    for choice in heads:
-        view = with_head(tape, choice)
+    for head_choice in heads:
+        view = with_head(tape, head_choice)
         try:
             segments = STRATEGIES[name](view, budget_bytes, arg, offload)
         except BudgetError as exc:
@@ -883,7 +925,7 @@ def _best_over_heads(tape: Tape, heads: list[str], name: str, arg: str, strategy
                 raise _with_head_hint(exc, tape, head, offload) from None
             continue
         found = _with_head_fields(plan_of_segments(view, segments, strategy, budget_bytes),
-                                  tape, choice)
+                                  tape, head_choice)
         if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
             predicted = found.predicted_peak_bytes if predicted is None else predicted
             continue
@@ -918,25 +960,32 @@ def _offload_dtype(value: str | torch.dtype | None, offloading: bool) -> str:
 
 def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
                      budget_bytes: int | None = None) -> Plan:
-    """The plan that runs ``segments`` (consecutive ``(start, stop, option)``), with its
+    """The plan that runs ``segments`` (consecutive ``(start, stop, choice)``), with its
     predictions; no budget check."""
     costs = plan_costs(tape, segments)
     peak = predict_peak(tape, segments)
     decisions = []
-    for seg_index, (start, stop, opt) in enumerate(segments):
+    for seg_index, (start, stop, choice) in enumerate(segments):
         for i in range(start, stop):
-            decisions.append(_decision(tape, i, seg_index, opt))
+            decisions.append(_decision(tape, i, seg_index, choice))
     return Plan(
         strategy=strategy, blocks=tuple(decisions), budget_bytes=budget_bytes,
         predicted_peak_bytes=peak,
         predicted_recompute_flops=sum(c.flops for c in costs),
         predicted_cost=sum(c.rank_cost for c in costs),
-        predicted_host_bytes=sum(
-            tape.blocks[start].offload_bytes if opt[0] == "offload" else
-            tape.blocks[start].offload_input_bytes if opt[0] == "offload_input" else 0
-            for start, _, opt in segments),
+        predicted_host_bytes=sum(_host_bytes(tape, start, choice)
+                                 for start, _, choice in segments),
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
         model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
         device=tape.device, training=tape.training, autocast=tape.autocast,
         dtypes=tape.dtypes, loss=tape.loss, structure=tape.structure,
     )
+
+
+def _host_bytes(tape: Tape, start: int, choice: Choice) -> int:
+    """Bytes a segment copies to host memory in one step (the tape's, uncompressed)."""
+    if choice.decision is Decision.OFFLOAD:
+        return tape.blocks[start].offload_bytes
+    if choice.decision is Decision.OFFLOAD_INPUT:
+        return tape.blocks[start].offload_input_bytes
+    return 0
