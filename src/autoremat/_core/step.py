@@ -145,8 +145,11 @@ def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, str]:
            and not t.is_complex() and t.dim() >= 1]
     vectors = first.dim() >= 2 and shape[-1] > 1
     kind = ("logits" if vectors and shape[:-1] in ids else "outputs" if vectors else "")
-    return (f"the sum of the output's first floating tensor {shape} "
-            f"{str(first.dtype).removeprefix('torch.')} (the default; no loss_fn)", kind)
+    dtype = str(first.dtype).removeprefix("torch.")
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return f"the output, a scalar {dtype} (no loss_fn)", ""
+    return (f"the sum of the output's first floating tensor {shape} {dtype} "
+            "(the default; no loss_fn)", kind)
 
 
 def check_loop(loop: Any) -> Loop:
