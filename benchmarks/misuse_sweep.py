@@ -1045,7 +1045,7 @@ def _loops() -> list[Case]:
                f"two forwards per step: {mem.peak_bytes} B over the prediction "
                f"{chosen.predicted_peak_bytes} B")
     add("two forwards per step (siamese)", two_forwards, "call",
-        note="two forwards before one backward: the calls check counts within one forward")
+        note="a forward while the last one's graph waits for its backward: warned")
 
     def autocast() -> None:
         model, x = net()
@@ -1092,7 +1092,8 @@ def _loops() -> list[Case]:
         expect(peak <= chosen.predicted_peak_bytes,
                f"cross-entropy loop: {peak} B over {chosen.predicted_peak_bytes} B")
     add("profiled with the default loss, trained with cross-entropy", other_loss, "loss",
-        note="a loss taken outside the model: no hook on the model sees it")
+        note="no hook sees a loss taken outside the model: profile warns that it "
+             "measured the default sum over a batch of outputs")
     return c
 
 

@@ -280,3 +280,41 @@ def test_the_loss_measured_is_named_and_summed_logits_are_warned_about() -> None
     with _no_warning():
         tape = autoremat.profile(model, ids, loss_fn=cross_entropy, timing=False)
     assert tape.loss.startswith("loss_fn ") and "cross_entropy" in tape.loss
+
+
+def test_a_second_forward_before_the_backward_warns_once(
+        gpt2: tuple[nn.Module, Any, Tape, Plan]) -> None:
+    model, inputs, _ = _applied(gpt2)
+    with _no_warning():  # forward, backward, forward, backward: one forward a backward
+        _step(model, inputs)
+        _step(model, inputs)
+        model(**inputs)  # a forward with gradients whose output is dropped: its graph
+        _step(model, inputs)  # is freed with the hooks that mark it, nothing held
+        with torch.no_grad():
+            model(**inputs)
+            model(**inputs)  # evaluation: nothing saved, nothing checked
+    first = model(**inputs)
+    with pytest.warns(StepMismatchWarning, match=re.escape(
+            "the model runs a second forward with gradients before the backward of the "
+            "first")):
+        second = model(**inputs)
+    (first.loss + second.loss).backward()
+    with _no_warning():  # once
+        first, second = model(**inputs), model(**inputs)
+        (first.loss + second.loss).backward()
+
+
+def test_the_default_loss_over_a_batch_of_outputs_is_warned_about() -> None:
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)), torch.randn(8, 16)
+    with pytest.warns(UserWarning, match=re.escape(
+            "Sequential returns a batch of outputs, not a loss, and was profiled without "
+            "loss_fn: the step measured takes the sum of the output's first floating tensor "
+            "(8, 4) float32")):
+        tape = autoremat.profile(model, x, blocks=["0", "2"], timing=False)
+    assert any("profile with loss_fn=<the loop's loss>" in n for n in tape.notes)
+    labels = torch.randint(0, 4, (8,))
+    with _no_warning():  # the loop's loss given, or an output that is one number a row
+        autoremat.profile(model, x, blocks=["0", "2"], timing=False,
+                          loss_fn=lambda out: nn.functional.cross_entropy(out, labels))
+        autoremat.profile(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)), x,
+                          blocks=["0", "2"], timing=False)

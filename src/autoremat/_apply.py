@@ -26,6 +26,7 @@ import functools
 import json
 import re
 import warnings
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -95,7 +96,14 @@ class StepMismatchWarning(PlanMismatchWarning):
 #       gradients, another autocast (refused for a plan whose chunked head cannot run
 #       under it), another dtype, a block appended or replaced since apply(), and, when
 #       the forward returns, a block that ran more than once are warned about once each
-#       (StepMismatchWarning).
+#       (StepMismatchWarning);
+#     * forwards before one backward: a forward with gradients while the graph of the
+#       last one is still alive and its backward has not reached the model's output (two
+#       views through the model, then one loss: a siamese or contrastive loss, a
+#       discriminator on real and fake) holds the activations of both, where the plan was
+#       measured for one: warned once (StepMismatchWarning). A graph freed without a
+#       backward (a forward with gradients whose output was dropped) is not counted: the
+#       hooks that mark it go with it.
 
 
 @dataclass
@@ -116,6 +124,20 @@ class _Applied:
     parents: list[tuple[str, nn.Module, int]] = field(default_factory=list)
     probes: list[nn.Parameter] = field(default_factory=list)
     calls: list[int] | None = None
+    # the last forward with gradients, until its backward starts or its graph is freed
+    # (NOTE [ What a plan is checked against ]: forwards before one backward)
+    pending: weakref.ref[_Forward] | None = None
+
+
+class _Forward:
+    """One forward with gradients: referenced only by the hooks on its output's graph
+    nodes, so it lives as long as that graph, and marked when backward reaches it."""
+
+    backward_ran = False
+
+
+def _backward_reached(forward: _Forward, *grads: Any) -> None:
+    forward.backward_ran = True
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
@@ -354,6 +376,35 @@ _REDO = ("profile and plan the model as the loop runs it (autoremat.auto(model, 
          "budget=...) inside the loop's autocast, after any cast or change)")
 
 
+def _check_pending(state: _Applied) -> None:
+    """At a forward with gradients: whether the last one's graph still waits for its
+    backward (NOTE [ What a plan is checked against ])."""
+    last = state.pending() if state.pending is not None else None
+    state.pending = None
+    if last is None or last.backward_ran or "forwards" in state.warned:
+        return
+    state.warned.add("forwards")
+    warnings.warn(
+        "autoremat: the model runs a second forward with gradients before the backward of "
+        "the first (two views through the model, then one loss?): both forwards' "
+        "activations are held together, and the plan was measured for one forward per "
+        "backward, so its memory prediction does not hold (up to twice the activations). "
+        "Run the views as one batch (torch.cat) and profile that step, or plan for half "
+        "the memory you have", StepMismatchWarning, stacklevel=4)
+
+
+def _watch_backward(state: _Applied, output: Any) -> None:
+    """Mark the end of a forward with gradients: hooks on its output's graph nodes mark
+    when backward reaches them (NOTE [ What a plan is checked against ])."""
+    nodes = {id(t.grad_fn): t.grad_fn for t in flat_tensors(output) if t.grad_fn is not None}
+    if not nodes:
+        return
+    forward = _Forward()
+    for node in nodes.values():
+        node.register_prehook(functools.partial(_backward_reached, forward))
+    state.pending = weakref.ref(forward)
+
+
 def _check_step(state: _Applied) -> None:
     """At a forward with gradients: warn once per kind when the parameters' dtypes or the
     blocks differ from the step the plan's tape measured (NOTE [ What a plan is checked
@@ -428,6 +479,7 @@ def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> 
         return  # evaluation: nothing is recomputed, and no prediction to hold
     _check_setting(module, inputs, state)
     _check_step(state)
+    _check_pending(state)
     state.calls = [0] * len(state.blocks)
     signature = describe_inputs(inputs)
     if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
@@ -480,6 +532,8 @@ def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) 
     for runner in state.runners:
         runner.abort()  # no-op after a normal forward; closes frames after an error
     calls, state.calls = state.calls, None
+    if calls is not None:  # a forward with gradients
+        _watch_backward(state, output)
     again = [] if calls is None else [
         (block.name, n) for block, n in zip(state.plan.blocks, calls, strict=True) if n > 1]
     if again and "calls" not in state.warned:

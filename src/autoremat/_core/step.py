@@ -122,28 +122,34 @@ def default_loss(output: Any) -> torch.Tensor:
                      f"scalar tensor")
 
 
-def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, bool]:
+def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, str]:
     """Which loss a step takes from ``output`` (as :func:`run_step` does), in words, and
-    whether it is the default sum of logits: a floating output ``(*S, V)`` over an
-    integer input of shape ``S`` (token ids), which a loop trains with a cross-entropy
-    that holds more (NOTE [ The conditions a step is measured under ] in
-    ``conditions.py``)."""
+    what a loop is likely to take instead when that is the default sum over an output that
+    is not a loss: ``"logits"`` for a floating output ``(*S, V)`` over an integer input of
+    shape ``S`` (token ids, trained with a cross-entropy over the vocabulary),
+    ``"outputs"`` for another batch of vectors ``(..., D)`` with ``D > 1`` (trained with
+    some loss of its own), ``""`` when the loss is the model's or the user's (NOTE [ The
+    conditions a step is measured under ] in ``conditions.py``)."""
     if loss_fn is not None:
-        return f"loss_fn {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}", False
+        return f"loss_fn {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}", ""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
-        return "output.loss", False
+        return "output.loss", ""
     first = next((t for t in flat_tensors(output) if t.is_floating_point()), None)
     if first is None:
-        return "none found", False
+        return "none found", ""
     shape = tuple(first.shape)
     ids = [tuple(t.shape) for t in flat_tensors(inputs) if not t.is_floating_point()
            and not t.is_complex() and t.dim() >= 1]
-    logits = first.dim() >= 2 and shape[-1] > 1 and shape[:-1] in ids
-    return (f"the sum of the output's first floating tensor {shape} "
-            f"{str(first.dtype).removeprefix('torch.')} (the default; no loss_fn)", logits)
+    vectors = first.dim() >= 2 and shape[-1] > 1
+    kind = ("logits" if vectors and shape[:-1] in ids else "outputs" if vectors else "")
+    dtype = str(first.dtype).removeprefix("torch.")
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return f"the output, a scalar {dtype} (no loss_fn)", ""
+    return (f"the sum of the output's first floating tensor {shape} {dtype} "
+            "(the default; no loss_fn)", kind)
 
 
 def check_loop(loop: Any) -> Loop:

@@ -1041,7 +1041,7 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     held: list[int] = []
     step = setup.step
     model, inputs = step.model, step.inputs
-    losses: list[tuple[str, bool]] = []
+    losses: list[tuple[str, str]] = []
 
     def measure_output(output: Any) -> torch.Tensor:
         check_no_cache(model, output)
@@ -1085,12 +1085,18 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
             f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
             f"the model outside the chain (skip connections, kept hidden states): a "
             f"segment of several blocks does not free them, and plans count them held")
-    loss, logits = losses[0]
-    if logits:  # NOTE [ The conditions a step is measured under ]
+    loss, kind = losses[0]
+    if kind:  # NOTE [ The conditions a step is measured under ]
         why = (f"{type(model).__name__} returns logits and was profiled without loss_fn: "
                f"the step measured takes {loss}, which holds less than the cross-entropy a "
                "training loop takes (its softmax and gradient over the vocabulary); "
-               "profile with loss_fn=<the loop's loss>, or give the model labels")
+               "profile with loss_fn=<the loop's loss>, or give the model labels"
+               if kind == "logits" else
+               f"{type(model).__name__} returns a batch of outputs, not a loss, and was "
+               f"profiled without loss_fn: the step measured takes {loss}, which holds "
+               "nothing of the loss a training loop takes (cross-entropy, MSE, ...), so a "
+               "plan made from it can go over its budget by what that loss holds; profile "
+               "with loss_fn=<the loop's loss>")
         notes.append(why)
         warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
