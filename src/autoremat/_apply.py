@@ -103,7 +103,8 @@ class StepMismatchWarning(PlanMismatchWarning):
 #       discriminator on real and fake) holds the activations of both, where the plan was
 #       measured for one: warned once (StepMismatchWarning). A graph freed without a
 #       backward (a forward with gradients whose output was dropped) is not counted: the
-#       hooks that mark it go with it.
+#       hooks that mark it go with it. Not checked inside a compiled forward (whole-model
+#       torch.compile traces the model's hooks, and dynamo reads no grad_fn).
 
 
 @dataclass
@@ -379,6 +380,8 @@ _REDO = ("profile and plan the model as the loop runs it (autoremat.auto(model, 
 def _check_pending(state: _Applied) -> None:
     """At a forward with gradients: whether the last one's graph still waits for its
     backward (NOTE [ What a plan is checked against ])."""
+    if torch.compiler.is_compiling():
+        return  # inside a compiled forward: its graph nodes are not the eager ones
     last = state.pending() if state.pending is not None else None
     state.pending = None
     if last is None or last.backward_ran or "forwards" in state.warned:
@@ -396,6 +399,8 @@ def _check_pending(state: _Applied) -> None:
 def _watch_backward(state: _Applied, output: Any) -> None:
     """Mark the end of a forward with gradients: hooks on its output's graph nodes mark
     when backward reaches them (NOTE [ What a plan is checked against ])."""
+    if torch.compiler.is_compiling():
+        return  # not checked under torch.compile (NOTE [ What a plan is checked against ])
     nodes = {id(t.grad_fn): t.grad_fn for t in flat_tensors(output) if t.grad_fn is not None}
     if not nodes:
         return
