@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from autoremat._core.flops import FlopCounter
+from autoremat._core.memory import _tensors_in
 
 __all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind"]
 
@@ -93,6 +93,44 @@ class OpRecord:
     value_out: bool = False  # it returns a non-tensor value (Python reads it, e.g. .item())
 
 
+@dataclass(frozen=True)
+class _OpInfo:
+    """What the recorder reads from an op overload, read once per overload: formatting
+    its name and walking its schema on every call cost as much as the op on small
+    tensors."""
+
+    name: str  # str(func), e.g. "aten.addmm.default"
+    kind: str  # op_kind(name)
+    random: bool  # is_random_op(name)
+    view: bool  # func.is_view
+    inplace: bool  # the schema is mutable
+    metadata_only: bool  # func._opname in _METADATA_ONLY
+    writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments it writes
+
+    @staticmethod
+    def of(func: Any) -> _OpInfo:
+        name = str(func)
+        schema = func._schema
+        writes = tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+                       if schema.is_mutable and arg.alias_info is not None
+                       and arg.alias_info.is_write)
+        return _OpInfo(name=name, kind=op_kind(name), random=is_random_op(name),
+                       view=bool(func.is_view), inplace=bool(schema.is_mutable),
+                       metadata_only=func._opname in _METADATA_ONLY, writes=writes)
+
+
+def _leaves(obj: Any, found: list[Any] | None = None) -> list[Any]:
+    """The leaves of an op's result (tensors, numbers, ``None``), in order:
+    ``tree_flatten(out)[0]`` for what ATen ops return (tuples and lists of them)."""
+    found = [] if found is None else found
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            _leaves(item, found)
+    else:
+        found.append(obj)
+    return found
+
+
 class OpRecorder(FlopCounter):
     """FLOPs by label and phase, plus per-kind stats and a per-op trace of each label's
     forward."""
@@ -106,6 +144,7 @@ class OpRecorder(FlopCounter):
         self._kept: dict[str, tuple[OpRecord, ...]] | None = None  # set when backward starts
         self._creators: dict[str, dict[int, int]] = {}  # label -> storage -> creating op
         self._packed: dict[str, set[int]] = {}  # label -> storages autograd saved
+        self._info: dict[Any, _OpInfo] = {}  # op overload -> what its schema says
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """A saved-tensors pack hook: note which storages autograd saves in each block's
@@ -129,27 +168,27 @@ class OpRecorder(FlopCounter):
             # run after it under a block's label
             return super().__torch_dispatch__(func, types, args, kwargs)
         before = self.total
-        flat_in = tree_flatten((args, kwargs or {}))[0]
-        inputs = {t.untyped_storage()._cdata for t in flat_in if isinstance(t, torch.Tensor)}
+        info = self._info.get(func)
+        if info is None:
+            info = self._info[func] = _OpInfo.of(func)
+        inputs = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
         creators = self._creators.setdefault(self.label, {})
         index = len(self._trace.get(self.label, ()))
-        read = () if func._opname in _METADATA_ONLY else \
+        read = () if info.metadata_only else \
             tuple(sorted({creators[c] for c in inputs if c in creators}))
         target = -1
-        for i, arg in enumerate(func._schema.arguments if func._schema.is_mutable else ()):
-            value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
-            if arg.alias_info is not None and arg.alias_info.is_write and \
-                    isinstance(value, torch.Tensor):
+        for i, arg_name in info.writes:
+            value = args[i] if i < len(args) else (kwargs or {}).get(arg_name)
+            if isinstance(value, torch.Tensor):
                 target = creators.get(value.untyped_storage()._cdata, -1)
                 break
         start = time.perf_counter()
         out = super().__torch_dispatch__(func, types, args, kwargs)
         elapsed = (time.perf_counter() - start) * 1e3
         created = 0
-        name = str(func)
-        random = is_random_op(name)
+        name, random = info.name, info.random
         refs = []
-        flat_out = tree_flatten(out)[0]
+        flat_out = _leaves(out)
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
@@ -160,7 +199,7 @@ class OpRecorder(FlopCounter):
                     refs.append((weakref.ref(st), st.nbytes()))
                 elif random:  # an in-place draw (CPU dropout's bernoulli_): its bytes cost
                     created += t.nbytes
-        kind = op_kind(name)
+        kind = info.kind
         flops = self.total - before
         row = self.stats.setdefault(self.label, {}).setdefault(kind, [0, 0, 0, 0.0])
         row[0] += 1
@@ -168,8 +207,8 @@ class OpRecorder(FlopCounter):
         row[2] += created
         row[3] += elapsed
         record = OpRecord(op=name, kind=kind, out_bytes=created, flops=flops,
-                          ms=round(elapsed, 4), random=random, view=bool(func.is_view),
-                          inplace=bool(func._schema.is_mutable), kept_bytes=0,
+                          ms=round(elapsed, 4), random=random, view=info.view,
+                          inplace=info.inplace, kept_bytes=0,
                           inputs=read, target=target,
                           value_out=any(not isinstance(t, torch.Tensor) and t is not None
                                         for t in flat_out))

@@ -74,6 +74,29 @@ NOTE [ Alternations shared by alike blocks ]
     identical layers saves a step; ``test_profile`` checks the figures against the
     second step's.
 
+NOTE [ Pairs that cannot differ ]
+    A block's windows depend on its predecessor's mode only through tensors that both
+    can hold: a storage made in block ``i``'s forward and read by block ``i + 1`` (the
+    boundary) is freed in the backward of its last holder, ``i`` when ``i`` is kept and
+    saved it, else ``i + 1`` (kept: if it saved it; checkpointed: it holds its inputs),
+    else in ``i + 1``'s forward. When no block holds what it hands on (and nothing is
+    held across more than one boundary), every storage is freed where its own block's
+    decision says, whatever the neighbour's, so (recompute, keep) equals (keep, keep)
+    and (keep, recompute) equals (recompute, recompute): the alternating steps would
+    measure nothing new. ``_pairs_local`` reads that from the kept and the checkpointed
+    steps: per event, the window it falls in (``_placer``). A storage made in block
+    ``i``'s forward must die in block ``i``'s windows, in ``i + 1``'s, or at or after
+    the end (held by the caller); the bytes that die in ``i + 1``'s windows must be the
+    same in both steps (what ``i + 1`` takes, none of it held by ``i`` kept: held by
+    ``i``, it would die in ``i``'s backward in the kept step and in ``i + 1``'s in the
+    checkpointed one); a storage made before the chain may die in no block's windows but
+    block 0's, and the bytes block 0 frees in its backward must be the same in both
+    steps (what block 0 holds either way, so no later block is ever its last holder);
+    one made in a block's backward dies there, in the previous block's backward or
+    never. Then the alternating steps are skipped and the pairs taken from the uniform
+    steps (``_by_pairs(..., local=True)``); ``test_profile`` checks the figures against
+    the alternating steps'. Eager steps without offload only.
+
 NOTE [ Ops between blocks ]
     Memory windows run from one block's start to the next one's, so what the parent
     runs between two blocks (an encoder's final norm and the decoder's embedding, between
@@ -651,12 +674,12 @@ def _forward_window(run: _MemoryRun, event: int) -> int | None:
     return after - 1 if 0 < after < len(run.bounds) else None
 
 
-def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
+def _released_at_fwd_end(run: _MemoryRun, n: int, before_chain: bool = True) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
     (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
-    was made before the first block's forward."""
+    was made before the first block's forward (``before_chain=False``: not that)."""
     start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
     for record in run.mem.records:
@@ -665,7 +688,7 @@ def _released_at_fwd_end(run: _MemoryRun, n: int) -> list[int]:
         made_in = _forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
             out[made_in + 1] += record.nbytes
-        elif made_in is None and record.born <= run.bounds[0]:
+        elif before_chain and made_in is None and record.born <= run.bounds[0]:
             out[0] += record.nbytes  # made before the first block (position ids)
     return out
 
@@ -688,12 +711,14 @@ _T = TypeVar("_T")
 
 def _by_pairs(runs: dict[_Pattern, _MemoryRun], i: int,
               value: Callable[[_Pattern, _MemoryRun, int], _T],
-              alike: Sequence[int] = ()) -> dict[WindowKey, _T]:
+              alike: Sequence[int] = (), local: bool = False) -> dict[WindowKey, _T]:
     """``value(pattern, run, i)`` keyed by block ``i``'s (previous decision, own
     decision), from the first run made with each pair (its windows and what else that
     run measured); with ``alike`` (``_alike``), a pair no run made for block ``i > 0``
     from the first block ``j > 0`` alike to it that has one: ``value(pattern, run, j)``
-    (NOTE [ Alternations shared by alike blocks ])."""
+    (NOTE [ Alternations shared by alike blocks ]); with ``local`` (``_pairs_local``),
+    (recompute, keep) and (keep, recompute) of a block ``i > 0`` no run made as its
+    (keep, keep) and (recompute, recompute) (NOTE [ Pairs that cannot differ ])."""
     out: dict[WindowKey, _T] = {}
     others = [j for j in range(1, len(alike)) if j != i and alike[j] == alike[i]] if i else []
     for j in [i, *others]:
@@ -701,7 +726,74 @@ def _by_pairs(runs: dict[_Pattern, _MemoryRun], i: int,
             key = (pattern[j - 1] if j > 0 else Decision.KEEP, pattern[j])
             if key not in out:
                 out[key] = value(pattern, run, j)
+    if local and i > 0:
+        keep, recompute = Decision.KEEP, Decision.RECOMPUTE
+        for pair, same in (((recompute, keep), (keep, keep)),
+                           ((keep, recompute), (recompute, recompute))):
+            if pair not in out and same in out:
+                out[pair] = out[same]
     return dict(sorted(out.items()))
+
+
+_Place = tuple[str, int]  # a window of a step: ("F" | "B", block), "pre", "post", "tail", "never"
+
+
+def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
+    """The window event ``k`` of ``run`` falls in (``None``: never freed)."""
+    marks = _marks(run.mem)
+    # bwd[i + 1] < k <= bwd[i]: block i's backward (NOTE [ Block boundaries in backward ])
+    bwd = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    ascending = bwd[::-1]
+
+    def place(event: int | None) -> _Place:
+        if event is None:
+            return ("never", 0)
+        block = _forward_window(run, event)
+        if block is not None:
+            return ("F", block)
+        if event <= run.bounds[0]:
+            return ("pre", 0)
+        if event <= bwd[n]:
+            return ("post", 0)
+        if event > bwd[0]:
+            return ("tail", 0)
+        return ("B", n - bisect.bisect_left(ascending, event))
+    return place
+
+
+def _pairs_local(runs: dict[_Pattern, _MemoryRun], n: int) -> bool:
+    """Whether no block's windows can depend on its predecessor's mode, read from the
+    kept and the checkpointed steps (NOTE [ Pairs that cannot differ ])."""
+    handed_on: list[list[list[int]]] = []  # per step, per block: bytes block i + 1 frees
+    freed_by_first: list[list[int]] = []  # per step: bytes from before the chain block 0 frees
+    for run in (runs[(Decision.KEEP,) * n], runs[(Decision.RECOMPUTE,) * n]):
+        place = _placer(run, n)
+        handed: list[list[int]] = [[] for _ in range(n)]
+        first: list[int] = []
+        for record in run.mem.records:
+            (born, i), died = place(record.born), place(record.died)
+            if died[0] in ("tail", "never"):
+                continue  # held by the caller until the end, whatever the modes
+            if born == "pre":
+                if died[0] in "FB" and died[1] > 0:
+                    return False
+                if died == ("B", 0):
+                    first.append(record.nbytes)
+            elif born == "F":
+                if died in (("F", i), ("B", i)) or (i == n - 1 and died[0] == "post"):
+                    continue
+                if i + 1 < n and died in (("F", i + 1), ("B", i + 1)):
+                    handed[i].append(record.nbytes)
+                    continue
+                return False
+            elif born == "B":
+                if died not in (("B", i), ("B", i - 1)):
+                    return False
+            elif born == "post" and died[0] in "FB" and died[1] < n - 1:
+                return False
+        handed_on.append([sorted(h) for h in handed])
+        freed_by_first.append(sorted(first))
+    return handed_on[0] == handed_on[1] and freed_by_first[0] == freed_by_first[1]
 
 
 def _pairs_missing(runs: dict[_Pattern, _MemoryRun], n: int, alike: Sequence[int],
@@ -806,7 +898,10 @@ def _alike(model: nn.Module, names: list[str], runs: dict[_Pattern, _MemoryRun],
     NOTE [ Options measured together ], NOTE [ Alternations shared by alike blocks ]."""
     n = len(names)
     kept, ckpt = runs[(Decision.KEEP,) * n], runs[(Decision.RECOMPUTE,) * n]
-    released = [_released_at_fwd_end(run, n) for run in (kept, ckpt)]
+    # what the model made before the chain and releases when the forward returns is
+    # filed under block 0 but is not made by it: HF GPT-2's position ids made its first
+    # layer unlike the others, and its 11 selective options took 11 steps instead of 2
+    released = [_released_at_fwd_end(run, n, before_chain=False) for run in (kept, ckpt)]
     first: dict[tuple[Any, ...], int] = {}
     out = []
     for i, name in enumerate(names):
@@ -1019,6 +1114,7 @@ class _BaseRuns:
     block_grad_bytes: list[int]  # per block
     host_bandwidth: float  # bytes per second to host memory (0.0 without offload)
     alike: list[int]  # per block, the first block that measures alike (_alike)
+    local: bool = False  # pairs read from the uniform steps (NOTE [ Pairs that cannot ... ])
 
     @property
     def plain(self) -> _MemoryRun:
@@ -1038,6 +1134,7 @@ def _base_runs(names: list[str], setup: _Setup,
     runs: dict[_Pattern, _MemoryRun] = {}
     bandwidth = 0.0
     alike: list[int] = []
+    local = False
     patterns = _patterns(n, setup.offload)
     kept, ckpt = (Decision.KEEP,) * n, (Decision.RECOMPUTE,) * n
     for pattern in patterns:
@@ -1045,6 +1142,9 @@ def _base_runs(names: list[str], setup: _Setup,
             if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
                 counter = _flops(step, names)
             alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
+            local = eager and not setup.offload and _pairs_local(runs, n)
+            if local:
+                break  # NOTE [ Pairs that cannot differ ]
         if len(runs) >= 3 and not setup.offload and \
                 not _pairs_missing(runs, n, alike, 2):
             break  # NOTE [ Alternations shared by alike blocks ]
@@ -1064,7 +1164,7 @@ def _base_runs(names: list[str], setup: _Setup,
                     if setup.host_bandwidth is not None else measure_host_bandwidth(setup.ran_on)
     for p in model.parameters():
         p.grad = None
-    if len(runs) < 3:  # a chain of one block
+    if len(alike) != n:  # a chain of one block
         if not eager:
             counter = _flops(step, names)
         alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
@@ -1073,7 +1173,7 @@ def _base_runs(names: list[str], setup: _Setup,
         _checkpointed_flops(step, names, counter)
     return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
                      grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
-                     host_bandwidth=bandwidth, alike=alike)
+                     host_bandwidth=bandwidth, alike=alike, local=local)
 
 
 def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list[str]:
@@ -1124,8 +1224,8 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
             param_bytes=unique_storage_bytes(list(module.parameters())),
             param_signature=param_signature(module),
             grad_bytes=base.block_grad_bytes[i],
-            fwd=_by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike),
-            bwd=_by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike),
+            fwd=_by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
+            bwd=_by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
             selective=selective[i],
             chained=i > 0 and plain.probe.chained[i],
@@ -1135,7 +1235,8 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
             fwd_end_release={key: v for key, v in _by_pairs(
-                runs, i, lambda pattern, _, k: released[pattern][k], base.alike).items() if v},
+                runs, i, lambda pattern, _, k: released[pattern][k], base.alike,
+                base.local).items() if v},
             fwd_frees=frees[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
