@@ -39,10 +39,9 @@ from torch import nn
 import autoremat
 from autoremat._bench.report import device_info
 from autoremat._core.errors import BudgetError
-from autoremat._core.memory import track_allocator, track_memory
-from autoremat._core.step import preserved_state, run_step
-from autoremat._core.timing import device_of
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._core.step import device_of, preserved_state, run_step
+from autoremat._measure.memory import track_allocator, track_memory
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 PLANS = ("none", "full", "every:2", "sqrt", "selective",
          "optimal@75%", "optimal@50%", "optimal@30%", "optimal@min")

@@ -63,10 +63,10 @@ from autoremat._bench.refs import hf_toggle
 from autoremat._bench.report import device_info
 from autoremat._core.errors import RematError
 from autoremat._core.head import HEAD_RTOL
-from autoremat._core.memory import track_allocator, track_memory
 from autoremat._core.step import preserved_state, run_step
-from autoremat._core.timing import time_ms
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._measure.memory import track_allocator, track_memory
+from autoremat._measure.timing import time_ms
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 ROWS = ("plain", "hf-per-block", "autoremat@hf-peak", "autoremat@0.75x-hf-peak",
         "autoremat-full+chunked:4", "autoremat-full+chunked:32", "autoremat@min")

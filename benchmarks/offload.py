@@ -52,9 +52,9 @@ from autoremat import Decision
 from autoremat._bench.refs import hf_toggle
 from autoremat._bench.report import device_info
 from autoremat._core.errors import RematError
-from autoremat._core.memory import MemoryTracker, track_allocator, track_memory
 from autoremat._core.step import preserved_state, run_step
-from autoremat._core.timing import time_ms
+from autoremat._measure.memory import MemoryTracker, track_allocator, track_memory
+from autoremat._measure.timing import time_ms
 from autoremat._mechanism.offload import simulated_host
 
 ROWS = ("plain", "hf-per-block", "hf-per-block+save_on_cpu", "autoremat@save_on_cpu-peak",

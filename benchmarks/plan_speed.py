@@ -26,7 +26,7 @@ from autoremat._core.decisions import KEEP, RECOMPUTE
 from autoremat._core.units import format_bytes
 from autoremat._measure.tape import BlockProfile, Tape, WindowMemory
 from autoremat._plan.peak import predict_peak
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 MiB = 1 << 20
 K, C = Decision.KEEP, Decision.RECOMPUTE  # window keys: (previous block's, this block's)

@@ -45,7 +45,7 @@ from torch import nn
 import autoremat
 from autoremat._bench.report import device_info
 from autoremat._core.step import run_step
-from autoremat._core.timing import time_ms
+from autoremat._measure.timing import time_ms
 
 Builder = Callable[[str, torch.device], tuple[nn.Module, Any]]
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import autoremat
-from autoremat._core.memory import track_memory
 from autoremat._core.step import preserved_state, run_step
 from autoremat._core.units import format_bytes
+from autoremat._measure.memory import track_memory
 
 
 def step_ms(model: torch.nn.Module, inputs: object) -> float:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from autoremat import zoo
-from autoremat._core.memory import os_peak_bytes, reset_os_peak, track_memory
 from autoremat._core.step import run_step
+from autoremat._measure.memory import os_peak_bytes, reset_os_peak, track_memory
 
 
 def _no_grads(model: nn.Module) -> None:

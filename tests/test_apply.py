@@ -25,10 +25,11 @@ from autoremat import Decision, Plan, Tape, zoo
 from autoremat._apply import ShapeMismatchWarning
 from autoremat._core.decisions import Choice
 from autoremat._core.errors import BudgetError, PlanMismatchError, RematError
-from autoremat._measure.costs import cost_model_for, keep_set_cost
 from autoremat._mechanism.selective import is_keep_set
 from autoremat._mechanism.wrap import is_wrapped
-from autoremat._plan.plan import plan_of_segments, smallest_feasible_bytes
+from autoremat._plan.costs import cost_model_for, keep_set_cost
+from autoremat._plan.plan import plan_of_segments
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 from _steps import assert_same_step, call, recomputing, snapshot, step
 from conftest import MEDIUM, hf_model

@@ -16,7 +16,7 @@ from torch import nn
 import autoremat
 from autoremat import zoo
 from autoremat._core.errors import BudgetError
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 from _steps import assert_same_step, recomputing, snapshot
 from conftest import MEDIUM, hf_model

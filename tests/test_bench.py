@@ -36,7 +36,7 @@ from autoremat._bench.rows import (
     Settings,
 )
 from autoremat._cli.bench import bench_main
-from autoremat._core.blocks import resolve_blocks
+from autoremat._measure.blocks import resolve_blocks
 
 # Small enough for a few seconds a step on a busy 2-core machine, large enough that
 # activations dominate the step so that "50%" is a feasible budget. Larger than

@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from autoremat import zoo
-from autoremat._core.blocks import (
+from autoremat._core.errors import BlockError
+from autoremat._measure.blocks import (
     STACK_SHARE,
     discover_blocks,
     discovery_notes,
     other_repeated_blocks,
     resolve_blocks,
 )
-from autoremat._core.errors import BlockError
 
 
 class Layer(nn.Module):

@@ -30,7 +30,7 @@ from autoremat._measure.tape import Tape
 from autoremat._plan import chain
 from autoremat._plan.chain import solve
 from autoremat._plan.peak import Segments, plan_costs, predict_peak
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 from conftest import C, K, random_tape, synthetic_block, synthetic_tape, window
 

@@ -194,8 +194,8 @@ def test_the_keep_set_solver_prints_nothing(monkeypatch: pytest.MonkeyPatch,
                                             capfd: pytest.CaptureFixture[str]) -> None:
     """HiGHS's C++ can write its trace to fd 1 during a solve; nothing of it may reach the
     user. The stand-in below writes to both fds as HiGHS does, then solves for real."""
-    import autoremat._measure.keepsets as keepsets
-    from autoremat._measure.costs import cost_model_for
+    import autoremat._plan.keepsets as keepsets
+    from autoremat._plan.costs import cost_model_for
 
     real = keepsets.milp
 

@@ -24,9 +24,9 @@ from transformers import PreTrainedModel
 
 import autoremat
 from autoremat import Plan, RematError, SchemaError, zoo
-from autoremat._core.allocations import track_allocations
 from autoremat._core.decisions import KEEP, RECOMPUTE, Choice, Decision
 from autoremat._core.step import call_model, default_loss, run_step
+from autoremat._measure.allocations import track_allocations
 from autoremat._mechanism.compiled import compiled_parts
 from autoremat._plan.plan import plan_of_segments
 
@@ -267,7 +267,7 @@ def test_flop_counter_sees_a_compiled_checkpoint_recompute() -> None:
     the recomputed matmul."""
     from torch.utils.checkpoint import checkpoint
 
-    from autoremat._core.flops import FlopCounter
+    from autoremat._measure.flops import FlopCounter
 
     torch.manual_seed(0)
     lin = nn.Linear(32, 32)

@@ -1,4 +1,4 @@
-"""Tests for autoremat._measure.costs: which device's rates a tape's plans are costed with."""
+"""Tests for autoremat._plan.costs: which device's rates a tape's plans are costed with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import autoremat
 from autoremat import zoo
 from autoremat._core.errors import RematError
 from autoremat._estimate.estimate import estimate
-from autoremat._measure.costs import _MODELS, cost_model_for, recompute_cost
+from autoremat._plan.costs import _MODELS, cost_model_for, recompute_cost
 
 
 @pytest.mark.parametrize(("device", "rates"), [

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import autoremat
-from autoremat._core.optimizers import resolve_optimizer
+from autoremat._measure.optimizers import resolve_optimizer
 from autoremat.distributed import broadcast_plan
 
 WORLD = 2

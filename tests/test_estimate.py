@@ -15,15 +15,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoremat
 from autoremat import zoo
-from autoremat._core.blocks import resolve_blocks
 from autoremat._core.errors import BudgetError, RematError
-from autoremat._core.flops import FlopCounter
-from autoremat._core.optimizers import OPTIMIZERS, optimizer_memory
 from autoremat._core.step import run_step, unique_storage_bytes
 from autoremat._estimate.doctor import build_hf_model
 from autoremat._estimate.estimate import Estimate, estimate
 from autoremat._estimate.fake import parse_dtype, sdpa_as_on, to_meta
 from autoremat._estimate.tracked_step import meta_step_peak
+from autoremat._measure.blocks import resolve_blocks
+from autoremat._measure.flops import FlopCounter
+from autoremat._measure.optimizers import OPTIMIZERS, optimizer_memory
 from autoremat._mechanism.wrap import checkpointed
 
 transformers = pytest.importorskip("transformers")

@@ -32,10 +32,10 @@ from torch import nn
 import autoremat
 from autoremat import zoo
 from autoremat._cli.bench import bench_main
-from autoremat._core.memory import track_allocator, track_memory
 from autoremat._core.step import preserved_state, run_step
-from autoremat._core.timing import CudaClock, clock_for, time_ms
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._measure.memory import track_allocator, track_memory
+from autoremat._measure.timing import CudaClock, clock_for, time_ms
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 pytestmark = pytest.mark.gpu
 

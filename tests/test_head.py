@@ -17,7 +17,7 @@ import autoremat
 from autoremat import Decision
 from autoremat._core.head import HEAD_RTOL, linear_cross_entropy
 from autoremat._mechanism.head import find_head
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import autoremat
 from autoremat import BudgetError, Choice, Decision, RematError
-from autoremat._core.blocks import discover_blocks
+from autoremat._measure.blocks import discover_blocks
 from autoremat.hf import AutorematCallback
 
 from _steps import assert_same_step, recomputing

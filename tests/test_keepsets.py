@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import pytest
 
 from autoremat._core.errors import RematError
-from autoremat._core.ops import OpRecord, op_kind
-from autoremat._measure.costs import CostModel
-from autoremat._measure.keepsets import KeepSet, keep_sets
+from autoremat._measure.ops import OpRecord, op_kind
+from autoremat._plan.costs import CostModel
+from autoremat._plan.keepsets import KeepSet, keep_sets
 
 # Whole-number rates, so every cost below is exact: op cost = flops + bytes + 10.
 MODEL = CostModel(flops_per_byte=1.0, flops_per_random_byte=100.0, flops_per_op=10.0,

@@ -5,22 +5,30 @@ NOTE [ Layers ]
 autoremat is built in layers, each a folder or file found by name. A module imports only
 its own package and the layers below it, so a reader can learn the project bottom up:
 
-    0  _core        errors, units, the training step, RNG, timing, memory, op records
-    1  _mechanism   checkpoint wrappers, segment hooks, selective modes (knows no Plan)
+    0  _core        errors, units, the training step, RNG, tables, ranks, the version, the
+                    chunked head's numerics, JSON and file helpers (``files.py``)
+    1  _measure     the instruments: memory, allocations, timing, FLOPs, op records, block
+                    discovery, optimizer state; and the Tape they produce
+    2  _mechanism   checkpoint wrappers, segment hooks, selective modes (knows no Plan)
        zoo          the example models (public: ``autoremat.zoo``)
-    2  _measure     one instrumented step -> Tape
+    3  _plan        pure functions of a Tape: cost model, keep-set MILP, peak model,
+                    solvers, the Plan (``plan.py``) and the strategies that choose one
+    4  _profile     one instrumented step -> Tape: the runs, the options measured, profile()
        _targets     "zoo name or module:function" -> (model, inputs), key=value parsing
-    3  _plan        pure functions of a Tape: peak model, solvers, Plan
-    4  _apply       Plan -> wrapped model (apply, remove)
+    5  _apply       Plan -> wrapped model (apply, remove)
        _estimate    fake-tensor measurement, optimizer state, doctor
        distributed  broadcast_plan (public: ``autoremat.distributed``)
-    5  _verify      gradients and peak of an applied plan against the plain model
-    6  _auto        the one place that composes profile, plan and apply
-    7  _bench       sweeps against PyTorch's own options, reports, plots
-    8  _cli         argparse only
+    6  _verify      gradients and peak of an applied plan against the plain model
+    7  _auto        the one place that composes profile, plan and apply
+    8  _bench       sweeps against PyTorch's own options, reports, plots
+    9  _cli         argparse only
        hf           the Hugging Face Trainer callback (public: ``autoremat.hf``; imports
                     transformers, so ``autoremat`` itself does not import it)
-    9  autoremat    the public names (``__init__``); ``__main__`` (``python -m autoremat``)
+   10  autoremat    the public names (``__init__``)
+
+Folder rules on top of the order (``FOLDER_RULES``): the instruments live in ``_measure``
+(a ``TorchDispatchMode`` that watches ops is an instrument), ``_measure`` knows nothing of
+checkpointing or planning, and nothing in ``_plan`` measures (it never imports ``_profile``).
 
 Every import of another autoremat module sits at the top of its file: no import inside a
 function, so none can be hiding a cycle.
@@ -39,21 +47,22 @@ SRC = pathlib.Path(autoremat.__file__).parent
 
 LAYERS: dict[str, int] = {
     "autoremat._core": 0,
-    "autoremat._mechanism": 1,
-    "autoremat.zoo": 1,
-    "autoremat._measure": 2,
-    "autoremat._targets": 2,
+    "autoremat._measure": 1,
+    "autoremat._mechanism": 2,
+    "autoremat.zoo": 2,
     "autoremat._plan": 3,
-    "autoremat._apply": 4,
-    "autoremat._estimate": 4,
-    "autoremat.distributed": 4,
-    "autoremat._verify": 5,
-    "autoremat._auto": 6,
-    "autoremat._bench": 7,
-    "autoremat._cli": 8,
-    "autoremat.__main__": 9,  # python -m autoremat: runs the command line
-    "autoremat.hf": 8,
-    "autoremat": 9,
+    "autoremat._targets": 4,
+    "autoremat._profile": 4,
+    "autoremat._apply": 5,
+    "autoremat._estimate": 5,
+    "autoremat.distributed": 5,
+    "autoremat._verify": 6,
+    "autoremat._auto": 7,
+    "autoremat._bench": 8,
+    "autoremat._cli": 9,
+    "autoremat.hf": 9,
+    "autoremat.__main__": 10,
+    "autoremat": 10,
 }
 
 
@@ -210,10 +219,10 @@ _CODEC = {
     ("autoremat._measure.tape", "_window_decision"): "reads window keys of versions 1 and 2",
     ("autoremat._measure.tape", "_window_key"): "reads window keys of versions 1 and 2",
     ("autoremat._plan.plan", "_decision_field"): "reads a plan block's decision, v1 and v2",
-    ("autoremat._plan.plan", "check_head"): "the head= argument, a name, before any work",
-    ("autoremat._plan.plan", "keeps_head"): "the head= argument, a name",
-    ("autoremat._plan.plan", "head_choices"): "the head= argument, a name, to Choices",
-    ("autoremat._plan.plan", "plan"): "compares strategy names ('offload'), not decisions",
+    ("autoremat._plan.strategies", "check_head"): "the head= argument, a name, before any work",
+    ("autoremat._plan.strategies", "keeps_head"): "the head= argument, a name",
+    ("autoremat._plan.strategies", "head_choices"): "the head= argument, a name, to Choices",
+    ("autoremat._plan.strategies", "plan"): "compares strategy names ('offload'), not decisions",
 }
 
 
@@ -283,3 +292,66 @@ def test_no_decision_is_a_string_outside_the_codec() -> None:
     found = [hit for path in sorted(SRC.rglob("*.py"))
              for hit in _string_decisions(path.read_text(), _module_name(path))]
     assert not found, "decisions written as strings (use autoremat.Decision):\n" + "\n".join(found)
+
+
+# (package, packages it must not import, why): rules the layer order implies, stated so a
+# change of the table cannot lift them silently.
+FOLDER_RULES: list[tuple[str, tuple[str, ...], str]] = [
+    ("autoremat._core", ("autoremat._measure", "autoremat._mechanism", "autoremat._plan",
+                         "autoremat._profile"), "the base knows no stage"),
+    ("autoremat._measure", ("autoremat._mechanism", "autoremat._plan", "autoremat._profile"),
+     "instruments know nothing of checkpointing or planning"),
+    ("autoremat._plan", ("autoremat._profile", "autoremat._apply", "autoremat._estimate"),
+     "planning is pure functions of a Tape: it never measures or applies"),
+]
+
+# Modules whose dispatch modes are not instruments, and what they are instead.
+NOT_INSTRUMENTS = {
+    "autoremat._estimate.fake": "kernels that let a step run on meta tensors",
+    "autoremat._mechanism.selective": "modes that keep or replay op outputs in a recompute",
+}
+
+
+@pytest.mark.parametrize(("package", "forbidden", "why"), FOLDER_RULES,
+                         ids=[rule[0] for rule in FOLDER_RULES])
+def test_folder_rules(package: str, forbidden: tuple[str, ...], why: str) -> None:
+    wrong = [f"{module}:{line} imports {target} ({why})"
+             for module, imports in _graph().items()
+             if module == package or module.startswith(package + ".")
+             for target, line, _ in imports
+             if any(target == f or target.startswith(f + ".") for f in forbidden)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_instruments_live_in_measure() -> None:
+    """A ``TorchDispatchMode`` subclass watches every op of a step: an instrument, so it
+    lives in ``_measure`` (``NOT_INSTRUMENTS`` lists the exceptions, with why)."""
+    outside = []
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        if module.startswith("autoremat._measure") or module in NOT_INSTRUMENTS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    (isinstance(b, ast.Name) and b.id == "TorchDispatchMode")
+                    or (isinstance(b, ast.Attribute) and b.attr == "TorchDispatchMode")
+                    for b in node.bases):
+                outside.append(f"{module}.{node.name}")
+    assert not outside, f"instruments outside _measure: {outside}"
+
+
+def test_the_pipeline_folders_hold_what_they_say() -> None:
+    """The instruments are in ``_measure``, the planner's cost model and MILP in ``_plan``,
+    ``profile`` in ``_profile`` and the file helpers in ``_core`` (NOTE [ Layers ])."""
+    expected = {
+        "autoremat._measure": {"memory", "allocations", "timing", "flops", "ops", "blocks",
+                               "optimizers", "tape"},
+        "autoremat._plan": {"costs", "keepsets", "peak", "chain", "budget", "plan",
+                            "strategies"},
+        "autoremat._profile": {"runs", "options", "profile"},
+        "autoremat._core": {"files"},
+    }
+    for package, modules in expected.items():
+        folder = SRC.parent / package.replace(".", "/")
+        have = {p.stem for p in folder.glob("*.py")}
+        assert modules <= have, f"{package} lacks {sorted(modules - have)}"

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autoremat import zoo
 from autoremat._core.errors import RematError
-from autoremat._core.memory import (
+from autoremat._core.step import run_step
+from autoremat._measure.memory import (
     CUDA_MIN_BLOCK_BYTES,
     MemoryTracker,
     allocator_config_note,
@@ -32,7 +33,6 @@ from autoremat._core.memory import (
     track_allocator,
     track_memory,
 )
-from autoremat._core.step import run_step
 
 from conftest import SMALL
 

@@ -18,13 +18,14 @@ import torch
 
 import autoremat
 from autoremat import Decision, Plan, RematError, SchemaError, zoo
-from autoremat._core.blocks import resolve_blocks
 from autoremat._core.decisions import KEEP, OFFLOAD, Choice
-from autoremat._core.memory import track_memory
 from autoremat._core.step import describe_inputs, run_step
+from autoremat._measure.blocks import resolve_blocks
+from autoremat._measure.memory import track_memory
 from autoremat._mechanism.offload import OffloadGroup, simulated_host
 from autoremat._plan.peak import plan_costs
-from autoremat._plan.plan import BlockDecision, plan_of_segments, smallest_feasible_bytes
+from autoremat._plan.plan import BlockDecision, plan_of_segments
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 from conftest import SMALL, V1_PLAN, hf_model
 

@@ -1,4 +1,4 @@
-"""Tests for autoremat._core.optimizers: one table of optimizers for plan, estimate and doctor.
+"""Tests for autoremat._measure.optimizers: one table of optimizers for plan, estimate and doctor.
 
 ``plan(max_memory=, optimizer=)`` prices optimizer state from a tape alone, with the
 table's states per parameter; ``estimate`` measures the real ``torch.optim`` class on
@@ -18,8 +18,8 @@ from torch import nn
 import autoremat
 from autoremat import zoo
 from autoremat._core.errors import RematError
-from autoremat._core.optimizers import OPTIMIZERS, optimizer_memory
 from autoremat._estimate.estimate import Estimate, estimate
+from autoremat._measure.optimizers import OPTIMIZERS, optimizer_memory
 from autoremat._plan.budget import optimizer_state_bytes
 
 # Every known name, spellings of them, names nobody knows, and sizes in bytes.

@@ -11,7 +11,8 @@ import pytest
 import autoremat
 from autoremat import Tape, zoo
 from autoremat._core.decisions import KEEP, RECOMPUTE, Choice
-from autoremat._plan.plan import plan_of_segments, smallest_feasible_bytes
+from autoremat._plan.plan import plan_of_segments
+from autoremat._plan.strategies import smallest_feasible_bytes
 from autoremat._verify import step_measure
 
 from conftest import SMALL

@@ -20,7 +20,8 @@ import autoremat
 from autoremat import Decision, Plan, Tape, zoo
 from autoremat._core.errors import BudgetError, RematError, SchemaError
 from autoremat._plan.budget import optimizer_state_bytes
-from autoremat._plan.plan import BlockDecision, smallest_feasible_bytes
+from autoremat._plan.plan import BlockDecision
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 from conftest import V1_OPTIMAL_PLAN, V1_PLAN, V1_TAPE
 

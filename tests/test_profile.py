@@ -16,9 +16,9 @@ from torch import nn
 
 import autoremat
 from autoremat import Decision, Tape, zoo
-from autoremat._core.blocks import discover_blocks
 from autoremat._core.errors import BlockError, RematError
 from autoremat._core.step import run_step
+from autoremat._measure.blocks import discover_blocks
 from autoremat._measure.tape import WindowMemory
 from autoremat._mechanism.wrap import is_wrapped
 
@@ -405,11 +405,12 @@ def test_options_measured_together_equal_one_step_per_option(
         name: str, sizes: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE [ Options measured together ]: several blocks' options in one step, and
     # alike blocks sharing their figures, give what one step per option measures
-    profile_module = importlib.import_module("autoremat._measure.profile")
+    options_module = importlib.import_module("autoremat._profile.options")
+    runs_module = importlib.import_module("autoremat._profile.runs")
     model, inputs = zoo.build(name, **sizes)
     steps: list[int] = []
     shared: list[list[int]] = []
-    run_marked, alike = profile_module._run_marked, profile_module._alike
+    run_marked, alike = runs_module._run_marked, options_module._alike
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         steps.append(1)
@@ -419,12 +420,12 @@ def test_options_measured_together_equal_one_step_per_option(
         shared.append(alike(*args))
         return shared[-1]
 
-    monkeypatch.setattr(profile_module, "_run_marked", counted)
-    monkeypatch.setattr(profile_module, "_alike", seen)
+    monkeypatch.setattr(runs_module, "_run_marked", counted)
+    monkeypatch.setattr(options_module, "_alike", seen)
     together = autoremat.profile(model, inputs, timing=False)
     steps_together = len(steps)
     steps.clear()
-    monkeypatch.setattr(profile_module, "_alike",
+    monkeypatch.setattr(options_module, "_alike",
                         lambda model, names, runs, ops: list(range(len(names))))
     apart = autoremat.profile(model, inputs, timing=False)
 
@@ -449,10 +450,11 @@ def test_pairs_read_from_the_uniform_steps_equal_the_alternating_steps(
     # transformers) the alternating steps are skipped and CK, KC taken from KK, CC; the
     # figures are those the alternating steps measure. The MLP's Tanh saves its output,
     # which the next block saves too: its pairs differ, and are measured
-    profile_module = importlib.import_module("autoremat._measure.profile")
+    options_module = importlib.import_module("autoremat._profile.options")
+    runs_module = importlib.import_module("autoremat._profile.runs")
     model, inputs = zoo.build(name, **_SIZES[name])
     steps: list[int] = []
-    run_marked, pairs_local = profile_module._run_marked, profile_module._pairs_local
+    run_marked, pairs_local = runs_module._run_marked, options_module._pairs_local
     found: list[bool] = []
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -463,12 +465,12 @@ def test_pairs_read_from_the_uniform_steps_equal_the_alternating_steps(
         found.append(pairs_local(*args))
         return found[-1]
 
-    monkeypatch.setattr(profile_module, "_run_marked", counted)
-    monkeypatch.setattr(profile_module, "_pairs_local", seen)
+    monkeypatch.setattr(runs_module, "_run_marked", counted)
+    monkeypatch.setattr(options_module, "_pairs_local", seen)
     shortcut = autoremat.profile(model, inputs, timing=False, with_selective=False)
     steps_shortcut = len(steps)
     steps.clear()
-    monkeypatch.setattr(profile_module, "_pairs_local", lambda runs, n: False)
+    monkeypatch.setattr(options_module, "_pairs_local", lambda runs, n: False)
     measured = autoremat.profile(model, inputs, timing=False, with_selective=False)
 
     assert found == [local]
@@ -488,7 +490,7 @@ def test_the_first_step_is_one_timing_sample_and_agreeing_steps_end_the_timing(
     # NOTE [ Timing repeats ]: with repeats=3 the step that finds the chain is a sample;
     # one more step if it agrees with the next one (always, with an infinite tolerance),
     # two more if not (never, with a negative one)
-    profile_module = importlib.import_module("autoremat._measure.profile")
+    profile_module = importlib.import_module("autoremat._profile.runs")
     model, inputs = zoo.build("mlp", **_SIZES["mlp"])
     steps: list[str] = []
     run_marked = profile_module._run_marked
@@ -514,7 +516,7 @@ def test_hf_gpt2s_first_layer_measures_alike_despite_the_position_ids(
     # they do not make it unlike the other layers: its selective options are measured
     # with theirs (2 steps for 11 options on 6 layers, not 11), and the figures are those
     # measured on block 0 itself
-    profile_module = importlib.import_module("autoremat._measure.profile")
+    profile_module = importlib.import_module("autoremat._profile.options")
     torch.manual_seed(0)
     model = _hf("gpt2").train()
     ids = torch.randint(0, _V, (_B, _T))

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 from _steps import assert_same_step
 

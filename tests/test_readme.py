@@ -108,7 +108,7 @@ def test_readme_names_only_public_api() -> None:
     assert names, "the README names no autoremat API"
     assert not [n for n in sorted(names) if not _public(n)]
     private = re.findall(r"(?:src/autoremat|_core/|_mechanism/|_measure/|_plan/|_estimate/"
-                         r"|_bench/|_cli/|\btests/\w+\.py)", text)
+                         r"|_profile/|_bench/|_cli/|\btests/\w+\.py)", text)
     assert not private, f"the README points into private code or tests: {private}"
 
 

@@ -1,7 +1,7 @@
 """Skip connections (issue 16): a U-Net whose encoder outputs wait in a list outside the
 chain plans at 75% and 50% of its peak with measured peak <= budget, gradients and
 BatchNorm statistics equal to the plain model's, and its estimate within 3%
-(NOTE [ Boundaries held outside the chain ] in profile.py)."""
+(NOTE [ Boundaries held outside the chain ] in _profile/runs.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autoremat
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 from _steps import assert_same_step
 

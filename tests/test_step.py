@@ -18,9 +18,9 @@ import autoremat
 from autoremat import LoopError, RematError, Step, zoo
 from autoremat._bench.measure import bench_measure, time_step
 from autoremat._core.errors import InternalError
-from autoremat._core.memory import track_memory
 from autoremat._core.step import run_step
 from autoremat._measure.measured import measure_step
+from autoremat._measure.memory import track_memory
 from autoremat._verify import step_measure
 
 from conftest import SMALL

@@ -14,7 +14,7 @@ import pytest
 import autoremat._measure.tape as tape_module
 from autoremat import Decision, Tape
 from autoremat._core.errors import RematError, SchemaError
-from autoremat._measure.tape import SCHEMA_VERSION
+from autoremat._core.files import SCHEMA_VERSION
 
 from conftest import V1_TAPE
 

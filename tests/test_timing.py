@@ -15,7 +15,8 @@ from torch import nn
 
 import autoremat
 from autoremat import zoo
-from autoremat._core.timing import CudaClock, WallClock, clock_for, clock_kind, device_of, time_ms
+from autoremat._core.step import device_of
+from autoremat._measure.timing import CudaClock, WallClock, clock_for, clock_kind, time_ms
 
 
 @pytest.mark.parametrize(("device", "kind"), [

@@ -31,7 +31,7 @@ import autoremat
 from autoremat import Plan, Report, Tape, zoo
 from autoremat._core.errors import BudgetError, DeterminismError, RematError
 from autoremat._core.units import format_bytes
-from autoremat._plan.plan import smallest_feasible_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 from autoremat._verify import (
     NOISE_MULTIPLE,
     _check_cublas_workspace,

@@ -33,14 +33,15 @@ from autoremat._core.errors import (
     SchemaError,
 )
 from autoremat._core.head import LMHead
-from autoremat._core.memory import MemoryTracker, track_memory
 from autoremat._core.step import Loop, Step
 from autoremat._core.version import __version__
 from autoremat._estimate.doctor import Prescription, Remedy, doctor
 from autoremat._estimate.estimate import Estimate, estimate
-from autoremat._measure.profile import profile
+from autoremat._measure.memory import MemoryTracker, track_memory
 from autoremat._measure.tape import BlockProfile, Tape
-from autoremat._plan.plan import BlockDecision, Plan, plan
+from autoremat._plan.plan import BlockDecision, Plan
+from autoremat._plan.strategies import plan
+from autoremat._profile.profile import profile
 from autoremat._verify import Report, verify
 
 __all__ = [

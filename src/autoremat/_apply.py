@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoremat._core.blocks import param_signature
 from autoremat._core.conditions import autocast_state, float_dtypes, structure_of
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError, check_flag, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
 from autoremat._core.step import cache_configs, describe_inputs, flat_tensors
+from autoremat._measure.blocks import param_signature
 from autoremat._mechanism.compiled import (
     compiled_context,
     compiled_parts,

@@ -11,14 +11,16 @@ from typing import Any
 from torch import nn
 
 from autoremat._apply import apply, remove
-from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, check_flag
 from autoremat._core.step import Loop, LossFn, Step, as_step
 from autoremat._core.units import format_bytes
+from autoremat._measure.blocks import BlockSpec
 from autoremat._measure.measured import measure_step
-from autoremat._measure.profile import compile_backend, compile_settings, profile
 from autoremat._mechanism.compiled import compiled_forwards, uncompiled
-from autoremat._plan.plan import Plan, check_head, check_plan_args, keeps_head, plan
+from autoremat._plan.plan import Plan
+from autoremat._plan.strategies import check_head, check_plan_args, keeps_head, plan
+from autoremat._profile.profile import compile_backend, profile
+from autoremat._profile.runs import compile_settings
 
 __all__ = ["auto"]
 

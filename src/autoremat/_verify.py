@@ -54,11 +54,11 @@ from autoremat._core.errors import (
     check_flag,
     check_whole,
 )
-from autoremat._core.flops import FlopCounter
 from autoremat._core.head import HEAD_RTOL
 from autoremat._core.step import LossFn, Step, as_step, training_config
 from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes
+from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
 from autoremat._plan.plan import Plan
 

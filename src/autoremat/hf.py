@@ -60,10 +60,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from autoremat._apply import remove
 from autoremat._auto import auto
-from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.step import Loop, LossFn, check_loop, check_loss_fn
-from autoremat._plan.plan import Plan, check_head, check_plan_args
+from autoremat._measure.blocks import BlockSpec
+from autoremat._plan.plan import Plan
+from autoremat._plan.strategies import check_head, check_plan_args
 
 __all__ = ["AutorematCallback"]
 

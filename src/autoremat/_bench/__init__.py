@@ -1,1 +1,1 @@
-"""Layer 7, bench: side-by-side sweeps against PyTorch's own options."""
+"""Layer 8, bench: side-by-side sweeps against PyTorch's own options."""

@@ -90,13 +90,14 @@ from autoremat._bench.report import (
     rich_table,
 )
 from autoremat._bench.rows import AUTO, BLOCK, HF, NONE, SAC, SEQ, BenchRow, ModelResult, Settings
-from autoremat._core.blocks import resolve_blocks
 from autoremat._core.errors import BudgetError, internal_assert
 from autoremat._core.step import Step, describe_inputs
 from autoremat._core.units import format_bytes, parse_budget
-from autoremat._measure.profile import profile
+from autoremat._measure.blocks import resolve_blocks
 from autoremat._measure.tape import Tape
-from autoremat._plan.plan import Plan, plan, smallest_feasible_bytes
+from autoremat._plan.plan import Plan
+from autoremat._plan.strategies import plan, smallest_feasible_bytes
+from autoremat._profile.profile import profile
 from autoremat._verify import NOISE_MULTIPLE, max_grad_diff
 
 __all__ = ["run_bench"]

@@ -93,16 +93,19 @@ from autoremat._bench.rows import (
     BenchRow,
     Settings,
 )
-from autoremat._core.allocations import track_allocations
 from autoremat._core.errors import BudgetError, RematError
-from autoremat._core.flops import FlopCounter
-from autoremat._core.memory import os_peak_bytes, reset_os_peak, track_allocator
+from autoremat._core.files import write_atomic
 from autoremat._core.step import Loop, call_model, default_loss, preserved_state, run_step
-from autoremat._core.timing import time_ms
 from autoremat._core.units import format_bytes, parse_budget
-from autoremat._measure.profile import compile_settings, profile
-from autoremat._measure.tape import Tape, write_atomic
-from autoremat._plan.plan import Plan, plan, smallest_feasible_bytes
+from autoremat._measure.allocations import track_allocations
+from autoremat._measure.flops import FlopCounter
+from autoremat._measure.memory import os_peak_bytes, reset_os_peak, track_allocator
+from autoremat._measure.tape import Tape
+from autoremat._measure.timing import time_ms
+from autoremat._plan.plan import Plan
+from autoremat._plan.strategies import plan, smallest_feasible_bytes
+from autoremat._profile.profile import profile
+from autoremat._profile.runs import compile_settings
 from autoremat._verify import max_grad_diff
 
 __all__ = ["compile_rows", "compile_worker"]

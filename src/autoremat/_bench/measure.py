@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_map
 
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
-from autoremat._core.flops import FlopCounter
 from autoremat._core.step import Step
+from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
 from autoremat._plan.plan import Plan
 from autoremat._targets import load_target

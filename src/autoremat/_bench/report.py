@@ -35,9 +35,9 @@ from autoremat._bench.rows import (
     ModelResult,
     Settings,
 )
+from autoremat._core.files import write_atomic
 from autoremat._core.units import format_bytes
 from autoremat._core.version import __version__
-from autoremat._measure.tape import write_atomic
 
 __all__ = ["SCHEMA_VERSION", "device_info", "headline", "machine_info", "rich_table",
            "write_results"]

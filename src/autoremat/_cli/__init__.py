@@ -26,14 +26,15 @@ from autoremat._cli.bench import bench_main
 from autoremat._cli.doctor import doctor_main
 from autoremat._cli.extras import require_for_target
 from autoremat._cli.progress import stages
-from autoremat._core.blocks import discover_blocks
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
+from autoremat._core.files import check_writable
 from autoremat._core.step import LOOPS
 from autoremat._core.units import format_bytes
 from autoremat._core.version import __version__
-from autoremat._measure.profile import profile
-from autoremat._measure.tape import check_writable, ops_table
-from autoremat._plan.plan import check_head, check_plan_args, plan, smallest_feasible_bytes
+from autoremat._measure.blocks import discover_blocks
+from autoremat._measure.tape import ops_table
+from autoremat._plan.strategies import check_head, check_plan_args, plan, smallest_feasible_bytes
+from autoremat._profile.profile import profile
 from autoremat._targets import TARGET_HELP, load_target, parse_options
 from autoremat._verify import Report, verify
 

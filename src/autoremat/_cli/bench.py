@@ -22,9 +22,9 @@ from autoremat._bench.report import device_info, machine_info, write_results
 from autoremat._bench.rows import ModelResult, Settings
 from autoremat._cli.extras import require_for_target
 from autoremat._core.errors import RematError
+from autoremat._core.files import check_writable
 from autoremat._core.units import parse_budget
-from autoremat._measure.profile import compile_backend
-from autoremat._measure.tape import check_writable
+from autoremat._profile.profile import compile_backend
 from autoremat._targets import TARGET_HELP, parse_options
 
 __all__ = ["bench_main"]

@@ -17,11 +17,11 @@ from autoremat import zoo
 from autoremat._cli.extras import require, require_for_target
 from autoremat._cli.progress import stages
 from autoremat._core.errors import InternalError, RematError
-from autoremat._core.optimizers import OPTIMIZERS
+from autoremat._core.files import check_writable
 from autoremat._core.units import parse_size
 from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
 from autoremat._estimate.fake import parse_dtype
-from autoremat._measure.tape import check_writable
+from autoremat._measure.optimizers import OPTIMIZERS
 from autoremat._targets import TARGET_HELP, check_not_negative, load_target, parse_options
 
 __all__ = ["doctor_main"]

@@ -1,1 +1,3 @@
-"""Layer 0, the base: errors, units, the training step, RNG, timing, memory tracking, op records."""
+"""Layer 0, the base: errors, units, the training step, RNG, tables, ranks, the chunked head's
+numerics, JSON and file helpers.
+"""

@@ -7,6 +7,7 @@ figure comes from the same step.
 
 from __future__ import annotations
 
+import itertools
 import random
 import reprlib
 from collections.abc import Callable, Iterator, Mapping
@@ -20,27 +21,12 @@ from torch.utils._pytree import tree_flatten
 
 from autoremat._core.conditions import loop_autocast
 from autoremat._core.errors import LoopError, RematError, did_you_mean
-from autoremat._core.timing import device_of
 
 __all__ = [
-    "LOOPS",
-    "Loop",
-    "Step",
-    "as_step",
-    "cache_configs",
-    "caches_off",
-    "call_model",
-    "check_loop",
-    "check_no_cache",
-    "default_loss",
-    "describe_inputs",
-    "describe_loss",
-    "flat_tensors",
-    "output_bytes",
-    "preserved_state",
-    "run_step",
-    "training_config",
-    "unique_storage_bytes",
+    "LOOPS", "Loop", "Step", "as_step", "cache_configs", "caches_off", "call_model",
+    "check_loop", "check_no_cache", "default_loss", "describe_inputs", "describe_loss",
+    "device_of", "flat_tensors", "output_bytes", "preserved_state", "run_step",
+    "training_config", "unique_storage_bytes",
 ]
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -218,7 +204,7 @@ class Step:
 
     @property
     def device(self) -> torch.device:
-        """The device the step runs on (:func:`~autoremat._core.timing.device_of`)."""
+        """The device the step runs on (:func:`~autoremat._core.step.device_of`)."""
         return device_of(self.model, self.inputs)
 
     def run(self, between: Callable[[], None] | None = None) -> torch.Tensor:
@@ -440,3 +426,20 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
             for p, g in grads:
                 p.grad = g
             random.setstate(py_state)
+
+
+def device_of(model: nn.Module, inputs: Any = None) -> torch.device:
+    """The device a step of ``model`` runs on: its first parameter's (or buffer's), else
+    the first tensor's among ``inputs``, else the CPU.
+
+    Example:
+        >>> device_of(nn.Linear(2, 2, device="meta")).type
+        'meta'
+    """
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if first is not None:
+        return first.device
+    for t in tree_flatten(inputs)[0]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")

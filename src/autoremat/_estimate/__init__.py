@@ -1,1 +1,1 @@
-"""Layer 4, estimate and doctor: the step measured on fake tensors, for runs too big to run."""
+"""Layer 5, estimate and doctor: the step measured on fake tensors, for runs too big to run."""

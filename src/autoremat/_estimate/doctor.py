@@ -44,15 +44,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autoremat._core.blocks import BlockSpec
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
-from autoremat._core.optimizers import takes_fused
+from autoremat._core.files import dump_json
 from autoremat._core.step import LossFn, Step, as_step, unique_storage_bytes
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._estimate.estimate import Estimate, estimate
 from autoremat._estimate.fake import parse_dtype, register_hf_attention
 from autoremat._estimate.tracked_step import LOSS_CHUNKS, StepPeak, meta_step_peak
-from autoremat._measure.tape import dump_json
+from autoremat._measure.blocks import BlockSpec
+from autoremat._measure.optimizers import takes_fused
 from autoremat._plan.budget import fsdp_param_bytes
 
 __all__ = [

@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoremat._core.blocks import BlockSpec, resolve_blocks
 from autoremat._core.errors import (
     BudgetError,
     InternalError,
@@ -61,7 +60,7 @@ from autoremat._core.errors import (
     check_flag,
     check_whole,
 )
-from autoremat._core.optimizers import _optimizer_class, optimizer_memory
+from autoremat._core.files import dump_json
 from autoremat._core.step import (
     Loop,
     LossFn,
@@ -88,15 +87,17 @@ from autoremat._estimate.tracked_step import (
     chunked_loss_peak,
     target_rounding,
 )
-from autoremat._measure.profile import profile
-from autoremat._measure.tape import Tape, dump_json
+from autoremat._measure.blocks import BlockSpec, resolve_blocks
+from autoremat._measure.optimizers import _optimizer_class, optimizer_memory
+from autoremat._measure.tape import Tape
 from autoremat._plan.budget import (
     IterationMemory,
     check_shards,
     fsdp_param_bytes,
     step_budget_bytes,
 )
-from autoremat._plan.plan import plan as make_plan
+from autoremat._plan.strategies import plan as make_plan
+from autoremat._profile.profile import profile
 
 __all__ = ["Estimate", "estimate"]
 

@@ -18,9 +18,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autoremat._core.blocks import BlockSpec, resolve_blocks
-from autoremat._core.memory import MemoryTracker, Rounding
-from autoremat._core.ops import op_kind
 from autoremat._core.step import Loop, LossFn, Step, check_loop, preserved_state
 from autoremat._estimate.fake import (
     _resolve_device,
@@ -29,7 +26,10 @@ from autoremat._estimate.fake import (
     step_as_on,
     to_meta,
 )
+from autoremat._measure.blocks import BlockSpec, resolve_blocks
 from autoremat._measure.measured import Mark, measure_step
+from autoremat._measure.memory import MemoryTracker, Rounding
+from autoremat._measure.ops import op_kind
 from autoremat._mechanism.wrap import checkpointed
 
 __all__ = [

@@ -1,1 +1,3 @@
-"""Layer 2, measure: one instrumented training step becomes a Tape."""
+"""Layer 1, the instruments: memory, allocations, timing, FLOPs, op records, blocks, optimizer
+state, and the Tape they produce.
+"""

@@ -25,13 +25,13 @@ from typing import Any, Literal
 
 import torch
 
-from autoremat._core.allocations import track_allocations
 from autoremat._core.errors import internal_assert
-from autoremat._core.flops import FlopCounter
-from autoremat._core.memory import MemoryTracker, Rounding, track_allocator, track_memory
-from autoremat._core.ops import OpRecorder
 from autoremat._core.step import Step, preserved_state
-from autoremat._core.timing import time_ms
+from autoremat._measure.allocations import track_allocations
+from autoremat._measure.flops import FlopCounter
+from autoremat._measure.memory import MemoryTracker, Rounding, track_allocator, track_memory
+from autoremat._measure.ops import OpRecorder
+from autoremat._measure.timing import time_ms
 
 __all__ = ["Mark", "Measured", "Memory", "measure_step"]
 

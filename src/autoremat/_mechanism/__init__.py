@@ -1,1 +1,1 @@
-"""Layer 1, the mechanism: checkpoint wrappers, segment hooks and selective modes. Knows no Plan."""
+"""Layer 2, the mechanism: checkpoint wrappers, segment hooks and selective modes. Knows no Plan."""

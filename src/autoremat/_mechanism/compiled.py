@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoremat._core.errors import RematError
-from autoremat._core.ops import IGNORED_OPS, OpRecord, op_kind
+from autoremat._measure.ops import IGNORED_OPS, OpRecord, op_kind
 
 __all__ = [
     "compiled_context",

@@ -10,7 +10,7 @@ NOTE [ Save-sets by op kind ]
     Kinds are a rule of thumb: a kept matmul output is wasted if nothing backward needs
     is computed from it, and a cheap op's output can be worth keeping if it spares a
     chain of recompute. So the planner also considers *keep-sets*, op outputs chosen one
-    by one from the tape's dataflow (``_measure/keepsets.py``, NOTE [ Dead ops ]).
+    by one from the tape's dataflow (``_plan/keepsets.py``, NOTE [ Dead ops ]).
 
 NOTE [ Our own selective contexts, and random bits ]
     The mechanism is the one of PyTorch's selective activation checkpointing (SAC): a
@@ -47,7 +47,7 @@ NOTE [ Dead ops ]
     backward only needs the tensors autograd saved. An op whose output is neither saved
     nor read by an op that must run is *dead*: once the softmax output is kept, the
     ``bmm`` and mask that computed it are; so is a block's last projection, whose output
-    only feeds the block's (kept) output. A keep-set (``_measure/keepsets.py``) names, by
+    only feeds the block's (kept) output. A keep-set (``_plan/keepsets.py``) names, by
     position in the block's op sequence, the outputs to keep and the dead ops; recompute
     returns uninitialised tensors of the right shape for dead ops (``_placeholder``) and
     hands kept outputs back. Which outputs autograd saves and which op reads which
@@ -76,7 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoremat._core import rng
 from autoremat._core.errors import RematError
-from autoremat._core.ops import IGNORED_OPS, OpRecord, is_random_op, op_kind
+from autoremat._measure.ops import IGNORED_OPS, OpRecord, is_random_op, op_kind
 from autoremat._mechanism.wrap import ContextFn
 
 __all__ = ["MEGATRON", "SAVEABLE_KINDS", "is_keep_set", "op_signature", "save_set_name",

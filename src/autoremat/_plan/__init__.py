@@ -1,1 +1,3 @@
-"""Layer 3, plan: pure functions from a Tape and a budget to a Plan."""
+"""Layer 3, plan: the cost model, keep-sets, the peak model and the solvers; pure functions
+from a Tape and a budget to a Plan.
+"""

@@ -15,7 +15,7 @@ NOTE [ From max_memory to a step budget ]
       step peak counts it. (``plan`` used to leave it out, and its plans could overrun
       ``max_memory`` by the batch.)
     * The optimizer state is the table's states per parameter, plus the scalar step
-      counters on a CPU (``_core/optimizers.py``); ``estimate`` measures the same figure
+      counters on a CPU (``_measure/optimizers.py``); ``estimate`` measures the same figure
       with the real class, and ``tests/test_optimizers.py`` keeps the two equal.
     * Gradients and the optimizer step's temporaries are not subtracted: the gradients
       are inside the step peak already (subtracting them would count them twice), and
@@ -55,8 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoremat._core.errors import BudgetError, check_whole
-from autoremat._core.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._core.units import format_bytes, parse_size
+from autoremat._measure.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._measure.tape import Tape
 
 __all__ = ["IterationMemory", "check_shards", "fsdp_param_bytes", "iteration_memory",
@@ -139,7 +139,7 @@ def check_shards(shards: int) -> None:
 def optimizer_state_bytes(tape: Tape, optimizer: str | int | None) -> int:
     """Bytes of parameter-sized optimizer state for the tape's trainable parameters.
 
-    ``optimizer`` is a name in :data:`~autoremat._core.optimizers.OPTIMIZERS` (states per
+    ``optimizer`` is a name in :data:`~autoremat._measure.optimizers.OPTIMIZERS` (states per
     parameter, in the parameters' dtype, as PyTorch's optimizers allocate them: adamw/adam
     2, sgd-momentum/adagrad/rmsprop 1, sgd 0) or a number of bytes, taken as given.
     """

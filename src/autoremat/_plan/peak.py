@@ -44,7 +44,7 @@ NOTE [ A selective block that keeps its output ]
 NOTE [ Tensors held across stacks ]
     In an encoder-decoder planned as one chain, the encoder's output is made between
     the stacks (so in the last encoder block's forward window, NOTE [ Ops between
-    blocks ] in ``profile.py``) and read by every decoder block. Each of them holds it
+    blocks ] in ``_profile/runs.py``) and read by every decoder block. Each of them holds it
     whatever its decision: kept, its cross-attention saves it for the key and value
     projections; recomputed, its checkpoint keeps its inputs (a segment keeps its
     blocks' arguments). So it is freed in the backward of the first decoder block, in
@@ -97,15 +97,15 @@ from dataclasses import dataclass
 
 from autoremat._core.decisions import OFFLOAD, OFFLOAD_INPUT, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import internal_assert
-from autoremat._core.ops import OpRecord
-from autoremat._measure.costs import (
+from autoremat._measure.ops import OpRecord
+from autoremat._measure.tape import Tape, WindowKey, WindowMemory
+from autoremat._plan.costs import (
     CostModel,
     cost_model_for,
     keep_set_cost,
     offload_cost,
     recompute_cost,
 )
-from autoremat._measure.tape import Tape, WindowKey, WindowMemory
 
 __all__ = [
     "SegmentCost",
@@ -414,7 +414,7 @@ def _moved(option: WindowMemory, by_decision: WindowMemory,
            kept: WindowMemory) -> WindowMemory:
     """A head option's window (measured with the last or first block kept) for a block
     under another decision: moved by the difference that decision makes with the
-    model's own head (NOTE [ Measuring the head ] in ``profile.py``), its peak by at
+    model's own head (NOTE [ Measuring the head ] in ``_profile/options.py``), its peak by at
     least nothing."""
     delta = by_decision.delta_bytes - kept.delta_bytes
     lift = max(0, delta, by_decision.peak_bytes - kept.peak_bytes)

@@ -1,9 +1,9 @@
 """Timing a step or a region of it: CUDA events on a GPU, ``time.perf_counter`` elsewhere.
 
 :func:`clock_for` picks a :class:`Clock` by device; :func:`time_ms` times one call with it;
-:func:`device_of` finds the device of a model's step (its parameters, else its inputs).
-``profile`` (block boundaries), ``verify`` and ``bench`` (whole steps) time through here,
-so every time autoremat reports is taken the same way.
+:func:`~autoremat._core.step.device_of` finds the device of a model's step (its parameters,
+else its inputs). ``profile`` (block boundaries), ``verify`` and ``bench`` (whole steps)
+time through here, so every time autoremat reports is taken the same way.
 
 NOTE [ CUDA-synchronised times ]
     CUDA kernels run asynchronously: ``perf_counter`` around a step measures how long the
@@ -19,17 +19,13 @@ NOTE [ CUDA-synchronised times ]
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import torch
-from torch import nn
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["Clock", "CudaClock", "WallClock", "clock_for", "clock_kind", "device_of",
-           "time_ms"]
+__all__ = ["Clock", "CudaClock", "WallClock", "clock_for", "clock_kind", "time_ms"]
 
 ClockKind = Literal["cuda", "wall"]
 
@@ -113,20 +109,3 @@ def time_ms(fn: Callable[[], object], device: torch.device | str) -> float:
     stop = clock.stamp()
     clock.sync()
     return clock.elapsed_ms(start, stop)
-
-
-def device_of(model: nn.Module, inputs: Any = None) -> torch.device:
-    """The device a step of ``model`` runs on: its first parameter's (or buffer's), else
-    the first tensor's among ``inputs``, else the CPU.
-
-    Example:
-        >>> device_of(nn.Linear(2, 2, device="meta")).type
-        'meta'
-    """
-    first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    if first is not None:
-        return first.device
-    for t in tree_flatten(inputs)[0]:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")

@@ -7,7 +7,7 @@ NOTE [ Measuring a compiled step from the allocator ]
     the CPU allocator and the CUDA caching allocator report every allocation and free to
     the profiler when ``torch.profiler.profile(profile_memory=True)`` runs. That is no
     dispatch mode, so compiled code stays compiled. :func:`track_allocations` turns
-    those reports into the same :class:`~autoremat._core.memory.MemoryTracker` timeline
+    those reports into the same :class:`~autoremat._measure.memory.MemoryTracker` timeline
     (levels, marks, storages born and freed), so every window, peak and saved-bytes
     figure ``profile`` takes from a tracked step it can take from a compiled one.
 
@@ -36,7 +36,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
-from autoremat._core.memory import MemoryTracker, StorageRecord
+from autoremat._measure.memory import MemoryTracker, StorageRecord
 
 __all__ = ["AllocationTracker", "quiet_fds", "track_allocations"]
 

@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from autoremat._core.errors import RematError
-from autoremat._core.ops import OpRecord, OpStats
+from autoremat._measure.ops import OpRecord, OpStats
 
 __all__ = ["CostModel", "cost_model_for", "head_cost", "keep_set_cost", "offload_cost",
            "op_cost", "recompute_cost"]

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from autoremat._core.flops import FlopCounter
-from autoremat._core.memory import _tensors_in
+from autoremat._measure.flops import FlopCounter
+from autoremat._measure.memory import _tensors_in
 
 __all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind"]
 
@@ -84,7 +84,7 @@ class OpRecord:
     inplace: bool  # writes into one of its arguments
     kept_bytes: int  # of out_bytes, those still alive when backward started (saved for
     # backward, or still referenced as an output): what autograd keeps of this op
-    # Dataflow, by storage (NOTE [ Keep-sets by MILP ] in _measure/keepsets.py):
+    # Dataflow, by storage (NOTE [ Keep-sets by MILP ] in _plan/keepsets.py):
     inputs: tuple[int, ...] = ()  # indices of the ops of this block that created the
     # storages it reads (storages from outside the block are not listed)
     target: int = -1  # in-place ops: index of the op that created the storage written

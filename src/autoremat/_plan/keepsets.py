@@ -56,10 +56,10 @@ import torch
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from autoremat._core.allocations import quiet_fds
 from autoremat._core.errors import RematError, internal_assert
-from autoremat._core.ops import OpRecord
-from autoremat._measure.costs import CostModel, op_cost
+from autoremat._measure.allocations import quiet_fds
+from autoremat._measure.ops import OpRecord
+from autoremat._plan.costs import CostModel, op_cost
 
 __all__ = ["KeepSet", "keep_sets"]
 
@@ -273,7 +273,7 @@ def keep_sets(ops: Sequence[OpRecord], model: CostModel,
         RematError: a fraction is negative or not finite, or the tape is malformed.
 
     Example:
-        >>> from autoremat._measure.costs import CostModel
+        >>> from autoremat._plan.costs import CostModel
         >>> mm = OpRecord(op="aten.mm.default", kind="matmul", out_bytes=400, flops=8000,
         ...               ms=0.0, random=False, view=False, inplace=False, kept_bytes=400,
         ...               inputs=(), target=-1, value_out=False)

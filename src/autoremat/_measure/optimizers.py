@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
-from autoremat._core.memory import track_memory
 from autoremat._core.step import unique_storage_bytes
 from autoremat._core.units import parse_size
+from autoremat._measure.memory import track_memory
 
 __all__ = [
     "OPTIMIZERS",

@@ -1,0 +1,378 @@
+"""``plan``: choose what each block keeps or recomputes so the step fits a budget.
+
+A pure function of (Tape, budget, strategy), the strategies a registry of
+functions (``STRATEGIES``). The :class:`Plan` it returns is plain, frozen
+data (``plan.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoremat._core.decisions import KEEP, OFFLOAD, RECOMPUTE, Choice, Decision
+from autoremat._core.errors import BudgetError, RematError, check_flag, did_you_mean
+from autoremat._core.units import format_bytes, parse_budget, parse_size
+from autoremat._measure.optimizers import resolve_optimizer
+from autoremat._measure.tape import Tape
+from autoremat._mechanism.selective import MEGATRON, save_set_name
+from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
+from autoremat._plan.chain import ChainSolution, solve
+from autoremat._plan.peak import Segments, selective_options, with_head
+from autoremat._plan.plan import _OFFLOAD_DTYPES, Plan, _with_head_fields, plan_of_segments
+
+__all__ = [
+    "STRATEGIES", "check_head", "check_plan_args", "head_choices", "keeps_head", "plan",
+    "smallest_feasible_bytes",
+]
+
+
+def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
+                  optimizer: str | int | None, shards: int = 1) -> int | None:
+    limits = []
+    if budget is not None:
+        limits.append(parse_budget(budget, tape.step_peak_bytes))
+    if max_memory is not None:  # optimizer= without it: refused by check_plan_args
+        limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer,
+                                                                     shards)))
+    return min(limits) if limits else None
+
+
+Strategy = Callable[[Tape, int | None, str, bool], Segments]  # (tape, budget, arg, offload)
+
+
+def _none(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    return [(i, i + 1, KEEP) for i in range(len(tape.blocks))]
+
+
+def _full(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    return [(i, i + 1, RECOMPUTE) for i in range(len(tape.blocks))]
+
+
+def _every(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    k = int(arg)  # a whole number >= 1: check_plan_args refuses anything else
+    return [(i, i + 1, RECOMPUTE if i % k == 0 else KEEP) for i in range(len(tape.blocks))]
+
+
+def _sqrt(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    n = len(tape.blocks)
+    size = max(1, round(math.sqrt(n)))
+    out: list[tuple[int, int, Choice]] = []
+    start = 0
+    while start < n:
+        stop = start + 1
+        while stop < min(start + size, n) and tape.joins_previous(stop):
+            stop += 1
+        out.append((start, stop, RECOMPUTE))
+        start = stop
+    return out
+
+
+def _selective(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    out: list[tuple[int, int, Choice]] = []
+    for i, block in enumerate(tape.blocks):
+        kinds = [k for k in MEGATRON if k in block.op_stats and block.op_stats[k].count]
+        name = save_set_name(kinds)
+        if kinds and name in block.selective:
+            out.append((i, i + 1, Choice(Decision.SELECTIVE, save_ops=tuple(kinds))))
+        else:
+            out.append((i, i + 1, RECOMPUTE))  # nothing worth saving: recompute it all
+    return out
+
+
+def _optimal(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    return list(solve(tape, budget, objective="cost",
+                      options=selective_options(tape, offload)).segments)
+
+
+def _offload(tape: Tape, budget: int | None, arg: str, offload: bool) -> Segments:
+    return [(i, i + 1, OFFLOAD) for i in range(len(tape.blocks))]
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "none": _none, "full": _full, "every": _every, "sqrt": _sqrt, "optimal": _optimal,
+    "selective": _selective, "offload": _offload,
+}
+
+
+def _smallest(tape: Tape, offload: bool = False,
+              heads: list[Choice] | None = None) -> ChainSolution:
+    """The least-peak plan, over the head decisions ``heads`` (default: keep it)."""
+    solutions = [solve(with_head(tape, h), None, objective="peak",
+                       options=selective_options(tape, offload))
+                 for h in (heads or [KEEP])]
+    return min(solutions, key=lambda s: s.peak_bytes)
+
+
+def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
+                      predicted: int | None = None, offload: bool = False,
+                      heads: list[Choice] | None = None) -> None:
+    best = _smallest(tape, offload, heads)
+    got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
+    raise BudgetError(
+        f"no {strategy!r} plan fits the budget of {format_bytes(budget or 0)}{got}. The "
+        f"smallest feasible budget is {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes), "
+        f"reached by strategy 'optimal'; use a budget of at least that, a smaller batch, "
+        f"or also offload/shard",
+        min_feasible_bytes=best.peak_bytes, strategy="optimal")
+
+
+def smallest_feasible_bytes(tape: Tape, offload: bool = False,
+                            head: str | None = None) -> int:
+    """The smallest step peak any plan in autoremat's space reaches for this tape (with
+    ``offload``, offloading blocks too; with the loss head as ``head=`` allows, as for
+    :func:`plan`: by default kept)."""
+    check_head(head)
+    return _smallest(tape, offload, head_choices(tape, head)).peak_bytes
+
+
+_STRATEGY_NAMES = ["optimal", "none", "full", "every:K", "sqrt", "selective", "offload"]
+
+
+def check_plan_args(budget: int | float | str | None, strategy: str,
+                    max_memory: int | str | None = None,
+                    optimizer: str | int | None = None, shards: int = 1) -> tuple[str, str]:
+    """Validate the arguments of :func:`plan` before any work (``auto`` and the CLI call
+    it before they profile); returns the strategy's name and its argument.
+
+    Raises:
+        BudgetError: a malformed budget, max_memory, optimizer or shards.
+        RematError: an unknown or malformed strategy.
+
+    Example:
+        >>> check_plan_args("50%", "every:2")
+        ('every', '2')
+    """
+    if not isinstance(strategy, str):
+        raise RematError(f"strategy must be a string such as 'optimal', got {strategy!r}")
+    name, _, arg = strategy.partition(":")
+    if name not in STRATEGIES:
+        raise RematError(f"unknown strategy {strategy!r}; choose from "
+                         f"{_STRATEGY_NAMES}."
+                         + did_you_mean(name, STRATEGIES))
+    if arg and name != "every":
+        raise RematError(f"strategy {name!r} takes no argument, got {strategy!r}")
+    if name == "every" and not (arg.isdigit() and int(arg) >= 1):
+        raise RematError(f"strategy 'every:K' needs a whole number K >= 1, got {strategy!r}")
+    if budget is not None:
+        parse_budget(budget, 1)  # the syntax; the percentage's reference comes with the tape
+    if max_memory is not None:
+        parse_size(max_memory, what="max_memory")
+    if optimizer is not None:
+        if max_memory is None:
+            raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
+        resolve_optimizer(optimizer)
+    check_shards(shards)
+    return name, arg
+
+
+def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
+         max_memory: int | str | None = None, optimizer: str | int | None = None,
+         offload: bool = False, offload_dtype: str | torch.dtype | None = None,
+         shards: int = 1, head: str | None = None) -> Plan:
+    """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
+
+    Args:
+        tape: from :func:`autoremat.profile`.
+        budget: the step peak to fit: bytes, a size string (``"6GiB"``, ``"500MB"``),
+            or a percentage of the unplanned step peak (``"50%"``).
+        strategy: ``"optimal"`` (least recompute FLOPs that fits), ``"none"``,
+            ``"full"`` (every block on its own), ``"every:K"`` (one block in K),
+            ``"sqrt"`` (Chen et al.: segments of about sqrt(n) blocks), ``"selective"``
+            (Megatron-LM's policy in every block: keep linear/conv outputs, recompute
+            the rest), ``"offload"`` (every block's saved tensors to host memory; needs
+            a tape measured with ``offload=True``). ``"optimal"`` also considers
+            selective save-sets per block, and with ``offload`` offloading a block.
+        max_memory: an absolute device limit; parameters, buffers, optimizer state and
+            the batch are subtracted from it (NOTE [ From max_memory to a step budget ]
+            in ``budget.py``, the rule :func:`autoremat.estimate` follows too). With
+            ``budget`` too, the tighter one wins.
+        optimizer: optimizer name (``"adamw"``; see ``OPTIMIZERS``) or state bytes, for
+            ``max_memory``.
+        offload: let ``"optimal"`` offload blocks' saved tensors to host memory
+            (decision ``"offload"``), costed by the copies' time not hidden behind
+            compute (NOTE [ What offload costs ]). Needs a tape measured with
+            ``profile(..., offload=True)``. A plan's ``predicted_host_bytes`` is the
+            host memory it uses. A plan made for a compiled step cannot offload.
+        offload_dtype: opt-in compressed offload, changing numerics: floating saved
+            tensors wider than this dtype (``"bfloat16"`` or ``"float16"``) are stored in
+            it in host memory, within a relative ``2**-8`` (bf16) of their values (NOTE
+            [ Compressed offload ]). Needs ``offload`` or ``strategy="offload"``. The
+            predictions and the ranking use uncompressed bytes.
+        shards: the ranks that FSDP2 (``fully_shard``) shards the parameters over; 1
+            (the default) for DDP or one process. With ``max_memory``, parameters,
+            gradients and optimizer state count 1/``shards`` of their bytes (NOTE
+            [ Sharded over N ranks ] in ``budget.py``); and above 1 the plan
+            checkpoints blocks one by one, since a multi-block segment cannot run under
+            FSDP (NOTE [ Plans under DDP and FSDP2 ] in ``_mechanism/engines.py``).
+        head: the loss head's decision, among the chunked options the tape measured
+            (``tape.head``: a Hugging Face causal LM given labels, or an
+            :class:`autoremat.LMHead`). ``None`` (default) or ``"keep"``: keep it
+            (gradients stay bitwise; a BudgetError says how far chunking would go);
+            ``"auto"``: the least-cost plan over keeping and chunking; ``"chunked"``: the
+            cheapest chunked option that fits; or an option's name such as
+            ``"chunked:32"`` (NOTE [ Choosing the head ]). A chunked head
+            never builds the full logits (``out.logits`` is ``None``) and changes the
+            loss and the projection's weight gradient by summation order only (NOTE
+            [ What a chunked head changes in numerics ]).
+
+    Returns:
+        A frozen :class:`Plan`. ``plan`` has no ``compile`` option: a tape measured
+        compiled (``profile(..., compile=True)``, ``tape.compiled``) already holds the
+        compiled step's figures, and its plans (``plan.compiled``) predict that step,
+        with every block compiled on its own (NOTE [ Profiling a compiled step ]).
+
+    Raises:
+        BudgetError: the budget cannot be read, or no plan of the strategy fits it;
+            the message and ``err.min_feasible_bytes`` give the smallest feasible budget.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(128,) * 4, batch_size=256)
+        >>> p = autoremat.plan(autoremat.profile(model, inputs), budget="75%")
+        >>> p.predicted_peak_bytes <= p.budget_bytes
+        True
+    """
+    if not isinstance(tape, Tape):
+        raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
+    name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards)
+    check_head(head)
+    check_flag("offload", offload)
+    dtype_name = _offload_dtype(offload_dtype, offload or name == "offload")
+    notes: tuple[str, ...] = ()
+    if offload and name != "offload" and not tape.offload and tape.device == "cpu":
+        # NOTE [ Offloading saved tensors ]: on a CPU the host is the device, and
+        # offloading frees nothing (tests/test_offload.py measures it), so no block would
+        # be offloaded: plan without it, and say so
+        offload = False
+        notes = ("offload=True on a CPU tape: the host is the device there, offloading "
+                 "frees nothing, so no block is offloaded",)
+    if (offload or name == "offload") and not tape.offload:
+        raise RematError("this tape was measured without offloaded blocks; profile with "
+                         "autoremat.profile(model, inputs, offload=True) to plan offload"
+                         + (" (a compiled step cannot offload)" if tape.compiled else ""))
+    budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer, shards)
+    if shards > 1:  # no multi-block segments under FSDP: no block joins its predecessor
+        tape = dataclasses.replace(tape, blocks=tuple(
+            dataclasses.replace(b, chained=False) for b in tape.blocks))
+    heads = head_choices(tape, head, name)
+    found = _best_over_heads(tape, heads, name, arg, strategy, budget_bytes, offload, head)
+    found = dataclasses.replace(found, shards=shards, offload_dtype=dtype_name)
+    return dataclasses.replace(found, notes=(*found.notes, *notes)) if notes else found
+
+
+def check_head(head: Any) -> None:
+    """Refuse a ``head=`` that no tape could offer, before any work: ``None``, "keep",
+    "auto", "chunked" or "chunked:N" with N >= 1."""
+    if head is None or head in ("keep", "auto", "chunked"):
+        return
+    if isinstance(head, str) and head.startswith("chunked:") and head[8:].isdigit() \
+            and int(head[8:]) >= 1:
+        return
+    raise RematError(f"head must be None, 'keep', 'auto', 'chunked' or 'chunked:N' (N chunks "
+                     f"of tokens, N >= 1), got {head!r}"
+                     + (did_you_mean(head, ["keep", "auto", "chunked"])
+                        if isinstance(head, str) else ""))
+
+
+def keeps_head(head: str | None) -> bool:
+    """Whether a ``head=`` argument keeps the loss head as the model computes it."""
+    return head is None or head == "keep"
+
+
+def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> list[Choice]:
+    """The loss-head choices a plan may take, in order of preference (NOTE [ Choosing
+    the head ]), from ``plan``'s ``head=`` argument (a name)."""
+    options = list(tape.head.options) if tape.head is not None else []
+    chunked = [Choice.head_from_key(name) for name in options]
+    if keeps_head(head):
+        return [KEEP]
+    if head == "auto":
+        return [KEEP, *chunked]
+    if head == "chunked" and options:
+        return chunked
+    if head in options:
+        return [Choice.head_from_key(head)]  # type: ignore[arg-type]
+    if not isinstance(head, str):
+        raise RematError(f"head must be a string such as 'keep' or 'chunked:32', got {head!r}")
+    have = ["keep", "auto", "chunked", *options]
+    why = (" (the tape measured no head options; see its notes for why)" if not options
+           else "")
+    raise RematError(f"unknown head {head!r}; this tape offers {have}{why}."
+                     + did_you_mean(head, have))
+
+
+# NOTE [ Choosing the head ]
+#     A chunked head changes the loss and the projection's weight gradient in the last
+#     bits (NOTE [ What a chunked head changes in numerics ]); everything else a plan does
+#     keeps gradients bitwise, which is autoremat's promise. So chunking is asked for:
+#     by default (``head=None``, as ``"keep"``) a plan keeps the head, and a budget that
+#     only a chunked head reaches is refused with a BudgetError that says so and gives
+#     that smallest budget too. ``head="auto"`` takes the least-cost plan over keeping
+#     and every chunked option (a chunked head is often far cheaper than recomputing
+#     blocks), ``head="chunked"`` the least-cost chunked one, ``"chunked:N"`` that one.
+
+
+def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
+                    offload: bool) -> BudgetError:
+    """``exc``, saying how far a chunked loss head would go where the tape measured one
+    and the plan was not allowed to chunk it."""
+    if not keeps_head(head) or tape.head is None or not tape.head.options:
+        return exc
+    chunked = _smallest(tape, offload, head_choices(tape, "auto")).peak_bytes
+    if exc.min_feasible_bytes is not None and chunked >= exc.min_feasible_bytes:
+        return exc
+    return BudgetError(
+        f"{exc} With the loss head computed in chunks of tokens (head='auto'; it changes "
+        f"the loss and the projection's weight gradient by summation order) the smallest "
+        f"feasible budget is {format_bytes(chunked)} ({chunked} bytes)",
+        min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy)
+
+
+def _best_over_heads(tape: Tape, heads: list[Choice], name: str, arg: str, strategy: str,
+                     budget_bytes: int | None, offload: bool, head: str | None) -> Plan:
+    """The least-cost plan of the strategy that fits, over the head decisions ``heads``
+    (NOTE [ Choosing the head ])."""
+    best: Plan | None = None
+    predicted = None
+    for head_choice in heads:
+        view = with_head(tape, head_choice)
+        try:
+            segments = STRATEGIES[name](view, budget_bytes, arg, offload)
+        except BudgetError as exc:
+            if len(heads) == 1:
+                raise _with_head_hint(exc, tape, head, offload) from None
+            continue
+        found = _with_head_fields(plan_of_segments(view, segments, strategy, budget_bytes),
+                                  tape, head_choice)
+        if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
+            predicted = found.predicted_peak_bytes if predicted is None else predicted
+            continue
+        if best is None or found.predicted_cost < best.predicted_cost:
+            best = found
+    if best is None:
+        try:
+            _raise_infeasible(tape, budget_bytes, strategy, predicted=predicted,
+                              offload=offload, heads=heads)
+        except BudgetError as exc:
+            raise _with_head_hint(exc, tape, head, offload) from None
+    assert best is not None  # _raise_infeasible raised
+    return best
+
+
+def _offload_dtype(value: str | torch.dtype | None, offloading: bool) -> str:
+    """The name of a compressed-offload dtype, checked; "" for none."""
+    if value is None:
+        return ""
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    if name not in _OFFLOAD_DTYPES:
+        raise RematError(f"offload_dtype must be one of {list(_OFFLOAD_DTYPES)} (or the "
+                         f"torch dtype), got {value!r}")
+    if not offloading:
+        raise RematError("offload_dtype= only matters when the plan offloads: pass "
+                         "offload=True (or strategy='offload') too")
+    return name

@@ -1,0 +1,1 @@
+"""Layer 4, profile: one instrumented training step becomes a Tape."""

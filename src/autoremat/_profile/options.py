@@ -1,0 +1,466 @@
+"""Which options a profile measures, and in how many steps.
+
+The patterns of whole-block modes (kept, checkpointed, offloaded) and their
+windows by pair of modes, the blocks that measure alike, the selective
+save-sets and keep-sets measured together, and the loss head's chunked
+options; each measured with the steps of ``runs.py``.
+
+NOTE [ Options measured together ]
+    A selective option's windows are a block's own: from its forward start to the next
+    block's, and from its output's gradient to its input's, in a step where the blocks
+    around it are checkpointed, whole or selective (each saves its own input, so no
+    boundary depends on which option a neighbour runs). So one step measures an option
+    on every block at once, a different option on each, and blocks that measure alike
+    share their figures: same class, parameters, input and output bytes, the same ops
+    (kinds, bytes, FLOPs, dataflow) and the same windows checkpointed (keyed as in a
+    selective step: after a checkpointed block, or for the first block after the kept
+    stem). Each class of alike blocks spreads its options over its members, so a stack
+    of identical layers takes ceil(options / layers) steps instead of one per option
+    (GPT-2's 11 options on 6 layers: 2). ``test_profile`` checks that the figures equal
+    those of one step per option.
+    Every run follows the training loop ``loop`` (NOTE [ Which loop a step models ] in
+    ``step.py``), so with ``"holds_output"`` each window sees the model's output alive
+    until backward has finished, and every prediction made from the tape includes it.
+    All runs go through ``preserved_state``: BatchNorm statistics, gradients and RNG
+    states are as they were when ``profile`` returns.
+
+NOTE [ Alternations shared by alike blocks ]
+    The two steps that alternate kept and checkpointed blocks exist to measure each
+    block after a neighbour of the other decision (keys (RECOMPUTE, KEEP) and (KEEP,
+    RECOMPUTE)); the first
+    measures them on every other block, the second on the rest. Blocks that measure
+    alike in the kept and the checkpointed steps (``_alike``: same class, parameters,
+    ops, input and output bytes, windows and releases) measure alike in these too, so
+    the second step is skipped when every block after the first has an alike block
+    after the first that the first alternation measured with each missing pair, and
+    takes that block's figures (``_by_pairs``). Block 0 neither gives nor takes: its
+    "previous block" is the stem, never a block of the chain. A stack of three or more
+    identical layers saves a step; ``test_profile`` checks the figures against the
+    second step's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+
+from autoremat._core.conditions import autocast_state
+from autoremat._core.decisions import Decision
+from autoremat._core.errors import internal_assert
+from autoremat._core.step import unique_storage_bytes
+from autoremat._measure.blocks import param_signature
+from autoremat._measure.flops import FlopCounter
+from autoremat._measure.ops import OpRecord, OpRecorder, OpStats
+from autoremat._measure.tape import (
+    WINDOW_DECISIONS,
+    HeadOption,
+    HeadProfile,
+    SelectiveProfile,
+    WindowKey,
+    WindowMemory,
+)
+from autoremat._mechanism.compiled import compiled_context, keep_keys
+from autoremat._mechanism.head import HeadSite, find_head, head_installed
+from autoremat._mechanism.offload import measure_host_bandwidth
+from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
+from autoremat._mechanism.wrap import ContextFn
+from autoremat._plan.costs import CostModel, head_cost
+from autoremat._plan.keepsets import KeepSet, keep_sets
+from autoremat._profile.runs import (
+    _checkpointed_flops,
+    _Contexts,
+    _flops,
+    _forward_window,
+    _marks,
+    _memory_run,
+    _MemoryRun,
+    _Pattern,
+    _recompute_flops,
+    _released_at_fwd_end,
+    _Setup,
+)
+
+__all__ = ["HEAD_CHUNKS"]
+
+
+# The chunk counts of the loss head measured as options (NOTE [ Measuring the head ]).
+HEAD_CHUNKS = (4, 32)
+
+
+def _patterns(n: int, offload: bool) -> list[_Pattern]:
+    """The memory runs of a profile, as the decision of each block: every block kept,
+    every one recomputed, then alternations so that each block is measured after a
+    neighbour of each other decision (``_by_pairs``); with ``offload``, the same for
+    offload and offload_input."""
+    def alternate(even: Decision, odd: Decision) -> _Pattern:
+        return tuple(even if i % 2 == 0 else odd for i in range(n))
+
+    keep, recompute = Decision.KEEP, Decision.RECOMPUTE
+    order = WINDOW_DECISIONS  # keep, recompute, offload, offload_input
+    pairs = [(recompute, keep), (keep, recompute)]
+    if offload:
+        pairs += [(a, b) for new in order[2:] for old in order[:order.index(new)]
+                  for a, b in ((new, old), (old, new))]
+    whole = order if offload else order[:2]
+    out = [(d,) * n for d in whole]
+    if n > 1:
+        out += [alternate(a, b) for a, b in pairs]
+    return out
+
+
+_T = TypeVar("_T")
+
+
+def _by_pairs(runs: dict[_Pattern, _MemoryRun], i: int,
+              value: Callable[[_Pattern, _MemoryRun, int], _T],
+              alike: Sequence[int] = (), local: bool = False) -> dict[WindowKey, _T]:
+    """``value(pattern, run, i)`` keyed by block ``i``'s (previous decision, own
+    decision), from the first run made with each pair (its windows and what else that
+    run measured); with ``alike`` (``_alike``), a pair no run made for block ``i > 0``
+    from the first block ``j > 0`` alike to it that has one: ``value(pattern, run, j)``
+    (NOTE [ Alternations shared by alike blocks ]); with ``local`` (``_pairs_local``),
+    (recompute, keep) and (keep, recompute) of a block ``i > 0`` no run made as its
+    (keep, keep) and (recompute, recompute) (NOTE [ Pairs that cannot differ ])."""
+    out: dict[WindowKey, _T] = {}
+    others = [j for j in range(1, len(alike)) if j != i and alike[j] == alike[i]] if i else []
+    for j in [i, *others]:
+        for pattern, run in runs.items():
+            key = (pattern[j - 1] if j > 0 else Decision.KEEP, pattern[j])
+            if key not in out:
+                out[key] = value(pattern, run, j)
+    if local and i > 0:
+        keep, recompute = Decision.KEEP, Decision.RECOMPUTE
+        for pair, same in (((recompute, keep), (keep, keep)),
+                           ((keep, recompute), (recompute, recompute))):
+            if pair not in out and same in out:
+                out[pair] = out[same]
+    return dict(sorted(out.items()))
+
+
+_Place = tuple[str, int]  # a window of a step: ("F" | "B", block), "pre", "post", "tail", "never"
+
+
+def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
+    """The window event ``k`` of ``run`` falls in (``None``: never freed)."""
+    marks = _marks(run.mem)
+    # bwd[i + 1] < k <= bwd[i]: block i's backward (NOTE [ Block boundaries in backward ])
+    bwd = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    ascending = bwd[::-1]
+
+    def place(event: int | None) -> _Place:
+        if event is None:
+            return ("never", 0)
+        block = _forward_window(run, event)
+        if block is not None:
+            return ("F", block)
+        if event <= run.bounds[0]:
+            return ("pre", 0)
+        if event <= bwd[n]:
+            return ("post", 0)
+        if event > bwd[0]:
+            return ("tail", 0)
+        return ("B", n - bisect.bisect_left(ascending, event))
+    return place
+
+
+def _pairs_local(runs: dict[_Pattern, _MemoryRun], n: int) -> bool:
+    """Whether no block's windows can depend on its predecessor's mode, read from the
+    kept and the checkpointed steps (NOTE [ Pairs that cannot differ ])."""
+    handed_on: list[list[list[int]]] = []  # per step, per block: bytes block i + 1 frees
+    freed_by_first: list[list[int]] = []  # per step: bytes from before the chain block 0 frees
+    for run in (runs[(Decision.KEEP,) * n], runs[(Decision.RECOMPUTE,) * n]):
+        place = _placer(run, n)
+        handed: list[list[int]] = [[] for _ in range(n)]
+        first: list[int] = []
+        for record in run.mem.records:
+            (born, i), died = place(record.born), place(record.died)
+            if died[0] in ("tail", "never"):
+                continue  # held by the caller until the end, whatever the modes
+            if born == "pre":
+                if died[0] in "FB" and died[1] > 0:
+                    return False
+                if died == ("B", 0):
+                    first.append(record.nbytes)
+            elif born == "F":
+                if died in (("F", i), ("B", i)) or (i == n - 1 and died[0] == "post"):
+                    continue
+                if i + 1 < n and died in (("F", i + 1), ("B", i + 1)):
+                    handed[i].append(record.nbytes)
+                    continue
+                return False
+            elif born == "B":
+                if died not in (("B", i), ("B", i - 1)):
+                    return False
+            elif born == "post" and died[0] in "FB" and died[1] < n - 1:
+                return False
+        handed_on.append([sorted(h) for h in handed])
+        freed_by_first.append(sorted(first))
+    return handed_on[0] == handed_on[1] and freed_by_first[0] == freed_by_first[1]
+
+
+def _pairs_missing(runs: dict[_Pattern, _MemoryRun], n: int, alike: Sequence[int],
+                   measured: int) -> bool:
+    """Whether some block ``i > 0`` has a pair of the ``measured`` whole-block
+    decisions that neither it nor an alike block ``j > 0`` was measured with."""
+    for i in range(1, n):
+        have = _by_pairs(runs, i, lambda _, run, k: None, alike)
+        if len(have) < measured ** 2:
+            return True
+    return False
+
+
+def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
+                    stage: Callable[[str], None] = lambda _: None,
+                    ) -> list[dict[str, SelectiveProfile]]:
+    """Each block's selective options (save-sets of op kinds, keep-sets by position),
+    measured in steps where every other block is checkpointed or selective, several
+    blocks' options in one step (NOTE [ Options measured together ]); block ``i`` takes
+    the figures measured on block ``alike[i]``. Recompute FLOPs are measured, as for
+    whole blocks: checkpoint's early stop skips the ops after the last one backward
+    needs."""
+    step, plain = setup.step, base.counter
+    ops = [plain.block_ops(name) for name in names]
+    options = _selective_options(names, [plain.block_stats(name) for name in names], ops,
+                                 setup.cost_model)
+    alike = base.alike
+    members: dict[int, list[int]] = {}
+    for i, like in enumerate(alike):
+        members.setdefault(like, []).append(i)
+        internal_assert(options[i].keys() == options[like].keys(),
+                        f"blocks {names[like]} and {names[i]} have the same ops but not the "
+                        "same selective options")
+    pending = {like: sorted(options[like]) for like in members}
+    measured: dict[tuple[int, str], tuple[WindowMemory, WindowMemory, int]] = {}
+    steps = max((len(keys) for keys in pending.values()), default=0)
+    while any(pending.values()):
+        stage(f"selective options {steps - max(len(k) for k in pending.values()) + 1}/{steps}")
+        chosen: dict[int, str] = {}  # block -> the option it runs in this step
+        for like, keys in pending.items():
+            for i in members[like]:
+                if keys:
+                    chosen[i] = keys.pop(0)
+        contexts = _Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
+                             {names[i]: options[i][key][1] for i, key in chosen.items()})
+        counter = FlopCounter() if setup.backend is None else None
+        run = _memory_run(step, names, (Decision.RECOMPUTE,) * len(names), contexts,
+                          rounding=setup.rounding, backend=setup.backend, counter=counter)
+        flops = _recompute_flops(counter, plain, names) if counter is not None else \
+            _checkpointed_flops(step, names, plain, contexts.eager)
+        for i, key in chosen.items():
+            measured[alike[i], key] = (run.fwd[i], run.bwd[i], flops[i])
+    out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
+    for i, block_options in enumerate(options):
+        for key in sorted(block_options):
+            fwd, bwd, flops_i = measured[alike[i], key]
+            out[i][key] = dataclasses.replace(block_options[key][2], fwd=fwd, bwd=bwd,
+                                              recompute_flops=flops_i)
+    return out
+
+
+_Option = tuple[ContextFn, Any, SelectiveProfile]  # eager context, compiled one, figures
+
+
+def _selective_options(names: list[str], op_stats: list[dict[str, OpStats]],
+                       block_ops: list[tuple[OpRecord, ...]],
+                       cost_model: CostModel) -> list[dict[str, _Option]]:
+    """Per block, its selective options keyed as the tape keys them: save-sets of op
+    kinds (NOTE [ Save-sets by op kind ]) and keep-sets by position, ``#1``, ``#2``, ...
+    (NOTE [ Dead ops ]), each with its contexts and static figures. Blocks with the same
+    ops share their keep-sets (one MILP per distinct block)."""
+    options: list[dict[str, _Option]] = [{} for _ in names]
+    for i, stats in enumerate(op_stats):
+        for save in save_sets(k for k, s in stats.items() if s.count):
+            redo = [s for k, s in stats.items() if k not in save]
+            options[i][save_set_name(save)] = (
+                selective_context(save), compiled_context(save),
+                _partial(sum(s.out_bytes for s in redo), sum(s.count for s in redo)))
+    solved: dict[tuple[OpRecord, ...], list[KeepSet]] = {}
+    for i, ops in enumerate(block_ops):
+        untimed = tuple(dataclasses.replace(o, ms=0.0) for o in ops)  # keep_sets reads no ms
+        if untimed not in solved:
+            solved[untimed] = keep_sets(ops, cost_model)
+        signature = op_signature(ops)
+        for k, found in enumerate(solved[untimed]):
+            rerun = [o for j, o in enumerate(ops)
+                     if j not in found.keep and j not in found.skip]
+            options[i][f"#{k + 1}"] = (
+                selective_context(keep_ops=found.keep, skip_ops=found.skip,
+                                  signature=signature),
+                compiled_context(keep=keep_keys(ops, found.keep)),
+                _partial(sum(o.out_bytes for o in rerun), len(rerun),
+                         found.keep, found.skip))
+    return options
+
+
+def _alike(model: nn.Module, names: list[str], runs: dict[_Pattern, _MemoryRun],
+           ops: list[tuple[OpRecord, ...]]) -> list[int]:
+    """Per block, the first block that measures as it does (itself if none): the same
+    class, parameters, input and output bytes and ops (``ms`` aside), and the same
+    figures in the kept and the checkpointed step (``runs``: those two at least).
+    NOTE [ Options measured together ], NOTE [ Alternations shared by alike blocks ]."""
+    n = len(names)
+    kept, ckpt = runs[(Decision.KEEP,) * n], runs[(Decision.RECOMPUTE,) * n]
+    # what the model made before the chain and releases when the forward returns is
+    # filed under block 0 but is not made by it: HF GPT-2's position ids made its first
+    # layer unlike the others, and its 11 selective options took 11 steps instead of 2
+    released = [_released_at_fwd_end(run, n, before_chain=False) for run in (kept, ckpt)]
+    first: dict[tuple[Any, ...], int] = {}
+    out = []
+    for i, name in enumerate(names):
+        module = model.get_submodule(name)
+        signature = (
+            type(module), param_signature(module),
+            kept.probe.input_bytes[i], kept.probe.output_bytes[i],
+            tuple(dataclasses.replace(o, ms=0.0) for o in ops[i]),
+            # block 0 checkpointed comes after the kept stem (KEEP, RECOMPUTE), any other
+            # after a checkpointed block (RECOMPUTE, RECOMPUTE), as in a selective step
+            kept.fwd[i], kept.bwd[i], ckpt.fwd[i], ckpt.bwd[i],
+            released[0][i], released[1][i],
+        )
+        out.append(first.setdefault(signature, i))
+    return out
+
+
+def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (),
+             skip: tuple[int, ...] = ()) -> SelectiveProfile:
+    """A selective option's static figures; the measured ones are filled in later."""
+    empty = WindowMemory(peak_bytes=0, delta_bytes=0)
+    return SelectiveProfile(fwd=empty, bwd=empty, recompute_flops=0,
+                            recompute_bytes=recompute_bytes, recompute_ops=recompute_ops,
+                            keep_ops=keep, skip_ops=skip)
+
+
+@dataclass(frozen=True)
+class _BaseRuns:
+    """The memory steps of whole-block decisions, and the FLOPs and ops counted in them."""
+
+    runs: dict[_Pattern, _MemoryRun]  # by the decision of each block (_patterns)
+    counter: OpRecorder  # the plain step's FLOPs by block, and its ops
+    recompute_flops: list[int]  # per block, checkpointed on its own
+    grad_bytes: int  # all gradients after the plain step
+    block_grad_bytes: list[int]  # per block
+    host_bandwidth: float  # bytes per second to host memory (0.0 without offload)
+    alike: list[int]  # per block, the first block that measures alike (_alike)
+    local: bool = False  # pairs read from the uniform steps (NOTE [ Pairs that cannot ... ])
+
+    @property
+    def plain(self) -> _MemoryRun:
+        return self.runs[(Decision.KEEP,) * len(self.recompute_flops)]
+
+
+def _base_runs(names: list[str], setup: _Setup,
+               stage: Callable[[str], None] = lambda _: None) -> _BaseRuns:
+    """One memory step per pattern of whole-block decisions (``_patterns``); eager, the plain
+    one also records FLOPs and ops, and the checkpointed one recompute FLOPs
+    (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them."""
+    n, backend = len(names), setup.backend
+    step, model = setup.step, setup.step.model
+    eager = backend is None
+    counter = OpRecorder()
+    ckpt_counter = FlopCounter() if eager else None
+    runs: dict[_Pattern, _MemoryRun] = {}
+    bandwidth = 0.0
+    alike: list[int] = []
+    local = False
+    patterns = _patterns(n, setup.offload)
+    kept, ckpt = (Decision.KEEP,) * n, (Decision.RECOMPUTE,) * n
+    for pattern in patterns:
+        if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
+            if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
+                counter = _flops(step, names)
+            alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
+            local = eager and not setup.offload and _pairs_local(runs, n)
+            if local:
+                break  # NOTE [ Pairs that cannot differ ]
+        if len(runs) >= 3 and not setup.offload and \
+                not _pairs_missing(runs, n, alike, 2):
+            break  # NOTE [ Alternations shared by alike blocks ]
+        stage(f"memory runs {len(runs) + 1}/{len(patterns)}")
+        runs[pattern] = _memory_run(step, names, pattern, rounding=setup.rounding,
+                                    backend=backend,
+                                    counter={kept: counter, ckpt: ckpt_counter}.get(pattern)
+                                    if eager else None)
+        if pattern == kept:  # the gradients the plain step left
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grad_bytes = unique_storage_bytes(grads)
+            block_grad_bytes = [
+                unique_storage_bytes([p.grad for p in model.get_submodule(name).parameters()
+                                      if p.grad is not None]) for name in names]
+            if setup.offload:
+                bandwidth = float(setup.host_bandwidth) \
+                    if setup.host_bandwidth is not None else measure_host_bandwidth(setup.ran_on)
+    for p in model.parameters():
+        p.grad = None
+    if len(alike) != n:  # a chain of one block
+        if not eager:
+            counter = _flops(step, names)
+        alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
+    recompute_flops = _recompute_flops(ckpt_counter, counter, names) \
+        if ckpt_counter is not None else \
+        _checkpointed_flops(step, names, counter)
+    return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
+                     grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
+                     host_bandwidth=bandwidth, alike=alike, local=local)
+
+
+# NOTE [ Measuring the head ]
+#     Each head option is one more memory step, every block kept, with the head chunked
+#     (``head_installed``): its ``post`` and ``tail`` windows are the head's. The block
+#     windows do not depend on the head (they are relative to their start), and neither
+#     does what a block's decision changes in ``post`` and ``tail`` (what the model releases
+#     when the forward returns: a level that differs by a constant from there on), so a
+#     plan with checkpointed blocks uses the option's windows moved by the difference
+#     the decisions make with the model's own head (``peak.with_head``), its peak by at
+#     least nothing: never below what it measures. Two chunk counts are measured
+#     (:data:`HEAD_CHUNKS`): few chunks cost least, many hold least; the transient of a
+#     chunk is proportional to its rows, so more options would add little.
+def _head_options(names: list[str], site: HeadSite,
+                  setup: _Setup) -> tuple[HeadProfile | None, str]:
+    """The head options of ``site``, measured (NOTE [ Measuring the head ]); or ``None``
+    and why, when the chunked head never ran in the step."""
+    model = setup.step.model
+    step = dataclasses.replace(setup.step, loss_fn=None)  # the chunked head takes the loss
+    weight = model.get_submodule(site.name).weight
+    weight_bytes = cast(torch.Tensor, weight).untyped_storage().nbytes()
+    options = {}
+    for chunks in HEAD_CHUNKS:
+        with head_installed(model, site, chunks) as install:
+            run = _memory_run(step, names, (Decision.KEEP,) * len(names), rounding=setup.rounding)
+        if install is None or install.calls != 1:
+            calls = 0 if install is None else install.calls
+            return None, (f"the loss head {site} took {calls} losses in one step, not one "
+                          f"(was it called without labels?): it stays as the model "
+                          f"computes it")
+        options[f"chunked:{chunks}"] = HeadOption(
+            chunks=chunks, post=run.post, tail=run.tail, step_peak_bytes=run.mem.peak_bytes,
+            cost=head_cost(chunks, weight_bytes, setup.cost_model))
+    for p in model.parameters():
+        p.grad = None
+    return HeadProfile(kind=site.kind, name=site.name, vocab=site.vocab,
+                       weight_bytes=weight_bytes, options=options), ""
+
+
+def _head(names: list[str], setup: _Setup, with_head: bool,
+          stage: Callable[[str], None]) -> tuple[HeadProfile | None, str]:
+    """The loss head's options, where the model has a head autoremat can chunk (NOTE
+    [ Which heads can be chunked ]); else ``None`` and why ("" when it has no head)."""
+    step = setup.step
+    site, why = find_head(step.model, step.inputs, step.loss_fn) if with_head else (None, "")
+    if site is not None and autocast_state():
+        return None, (f"a profile under autocast ({autocast_state()}) measures no loss-head "
+                      "options (the chunked head runs in the parameters' dtype): the head "
+                      "stays as the model computes it")
+    if site is not None and setup.backend is not None:
+        return None, ("a compiled profile measures no loss-head options (the head is "
+                      "outside the compiled blocks): the head stays as the model computes "
+                      "it; plan it from an eager profile")
+    if site is None:
+        return None, why
+    stage("loss head options")
+    return _head_options(names, site, setup)

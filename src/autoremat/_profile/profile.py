@@ -1,0 +1,397 @@
+"""``profile``: measure one training step block by block and return a :class:`Tape`.
+
+NOTE [ Three kinds of run ]
+    Per-op instrumentation slows a step, so no time is taken from an instrumented one:
+    * memory: four steps under ``track_memory`` (plain; every block checkpointed on its
+      own; and two that alternate kept and checkpointed blocks), with marks at block
+      boundaries. Windows between marks give what the planner composes (see
+      ``tape.py``), for each pair (previous block's decision, this block's): who
+      holds a boundary tensor depends on both its producer and its consumer. Memory
+      is exact and deterministic. Then the selective options, a few per step
+      (NOTE [ Options measured together ]).
+    * FLOPs: counted by block in the same steps (NOTE [ One pass for memory and FLOPs ]).
+    * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
+    Before them, one uninstrumented step finds the chain (and warms up: what a model
+    makes lazily on its first step is not measured as the step's), and one forward
+    without gradients finds the inputs held outside it.
+
+NOTE [ Pairs that cannot differ ]
+    A block's windows depend on its predecessor's mode only through tensors that both
+    can hold: a storage made in block ``i``'s forward and read by block ``i + 1`` (the
+    boundary) is freed in the backward of its last holder, ``i`` when ``i`` is kept and
+    saved it, else ``i + 1`` (kept: if it saved it; checkpointed: it holds its inputs),
+    else in ``i + 1``'s forward. When no block holds what it hands on (and nothing is
+    held across more than one boundary), every storage is freed where its own block's
+    decision says, whatever the neighbour's, so (recompute, keep) equals (keep, keep)
+    and (keep, recompute) equals (recompute, recompute): the alternating steps would
+    measure nothing new. ``_pairs_local`` reads that from the kept and the checkpointed
+    steps: per event, the window it falls in (``_placer``). A storage made in block
+    ``i``'s forward must die in block ``i``'s windows, in ``i + 1``'s, or at or after
+    the end (held by the caller); the bytes that die in ``i + 1``'s windows must be the
+    same in both steps (what ``i + 1`` takes, none of it held by ``i`` kept: held by
+    ``i``, it would die in ``i``'s backward in the kept step and in ``i + 1``'s in the
+    checkpointed one); a storage made before the chain may die in no block's windows but
+    block 0's, and the bytes block 0 frees in its backward must be the same in both
+    steps (what block 0 holds either way, so no later block is ever its last holder);
+    one made in a block's backward dies there, in the previous block's backward or
+    never. Then the alternating steps are skipped and the pairs taken from the uniform
+    steps (``_by_pairs(..., local=True)``); ``test_profile`` checks the figures against
+    the alternating steps'. Eager steps without offload only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat._core.conditions import float_dtypes, structure_of
+from autoremat._core.decisions import Decision
+from autoremat._core.errors import BlockError, RematError, check_flag, check_whole, did_you_mean
+from autoremat._core.step import (
+    Loop,
+    LossFn,
+    Step,
+    as_step,
+    describe_inputs,
+    flat_tensors,
+    parse_device,
+    preserved_state,
+    training_config,
+    unique_storage_bytes,
+)
+from autoremat._measure.blocks import (
+    BlockSpec,
+    discovery_notes,
+    other_repeated_blocks,
+    param_signature,
+    resolve_blocks,
+)
+from autoremat._measure.memory import Rounding, counted_bytes
+from autoremat._measure.tape import (
+    WINDOW_DECISIONS,
+    BlockProfile,
+    HeadProfile,
+    SelectiveProfile,
+    Tape,
+)
+from autoremat._mechanism.compiled import uncompiled
+from autoremat._mechanism.offload import OffloadStats
+from autoremat._mechanism.wrap import stashed_buffers
+from autoremat._plan.costs import cost_model_for
+from autoremat._profile.options import _base_runs, _BaseRuns, _by_pairs, _head, _selective_runs
+from autoremat._profile.runs import (
+    _Chain,
+    _chain,
+    _freed_in_forward,
+    _released_at_fwd_end,
+    _saved_by_block,
+    _Setup,
+    _step_as_run,
+    _Times,
+    _timings,
+    compile_settings,
+)
+
+__all__ = ["compile_backend", "profile"]
+
+
+def compile_backend(compile: bool | str) -> str | None:
+    """The Dynamo backend ``compile=`` names (``True``: Inductor), or ``None``."""
+    if compile is False:
+        return None
+    if compile is True:
+        return "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if not isinstance(compile, str) or compile not in known:
+        raise RematError(f"compile must be True, False or a torch.compile backend name "
+                         f"such as 'inductor' or 'aot_eager', got {compile!r}"
+                         + (did_you_mean(compile, known) if isinstance(compile, str) else ""))
+    return compile
+
+
+def _why_no_chain(model: nn.Module) -> str:
+    """Why discovery may have found no chain: a container holding one module more than
+    once (weights shared by reuse; such a block would run more than once per step), or
+    a list of layers holding a single one."""
+    for name, module in model.named_modules():
+        kids = [k for k in module._modules.values() if k is not None]
+        if len({id(k) for k in kids}) < len(kids):
+            return (f" ({name or 'the model'!r} holds one module more than once: a block "
+                    "reused at several positions runs more than once per step, and "
+                    "autoremat plans blocks that run once)")
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1:
+            return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
+                    "among two or more: build the model with more layers)")
+    return ""
+
+
+def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selective: bool,
+                   timing: bool, rounding: Rounding | None,
+                   device: str | torch.device | None, compile: bool | str, offload: bool,
+                   host_bandwidth: float | None, with_head: bool = True) -> _Setup:
+    """``profile``'s arguments checked (a mistake fails here, before any work; the step's
+    own values were checked when it was made)."""
+    backend = compile_backend(compile)
+    if offload and backend is not None:
+        raise RematError("profile(offload=True, compile=...) is not supported: offloaded "
+                         "blocks run saved-tensor hooks that torch.compile does not trace. "
+                         "Profile with one of them")
+    if host_bandwidth is not None and not offload:
+        raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
+                         "neither")
+    if host_bandwidth is not None and (not isinstance(host_bandwidth, (int, float))
+                                       or isinstance(host_bandwidth, bool)
+                                       or not host_bandwidth > 0):
+        raise RematError(f"host_bandwidth must be a positive number of bytes per second "
+                         f"(e.g. 25e9), got {host_bandwidth!r}")
+    step = dataclasses.replace(step, model=uncompiled(step.model))
+    model = step.model
+    check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
+    for flag, value in (("with_selective", with_selective), ("timing", timing),
+                        ("offload", offload), ("with_head", with_head)):
+        check_flag(flag, value)
+    if not torch.is_grad_enabled():
+        raise RematError("profile() was called with gradients disabled (under "
+                         "torch.no_grad() or torch.inference_mode()): it measures a training "
+                         "step, whose backward needs them; call it outside that block")
+    ran_on = step.device
+    on_meta = [t for t in flat_tensors(step.inputs) if t.device.type == "meta"]
+    if on_meta and ran_on.type != "meta":
+        raise RematError(f"the inputs are on meta and the model on {ran_on}: profile() runs "
+                         "a real step, which needs real inputs (build them on the model's "
+                         "device); to predict on meta tensors use autoremat.estimate(model, "
+                         "inputs)")
+    if device is None and ran_on.type == "meta":
+        raise RematError("profile() of a model on meta needs device=, the device the tape is "
+                         "for (its recompute costs and tape.device), e.g. device='cuda'; or "
+                         "use autoremat.estimate(), which gives it")
+    target = str(ran_on if device is None else parse_device(device))
+    # a device without rates fails before any work
+    cost_model = cost_model_for(target, compiled=backend is not None)
+    if rounding is None and ran_on.type == "meta":
+        rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
+    names = resolve_blocks(model, blocks)
+    if names == [""]:
+        raise BlockError(f"found no chain of blocks in {type(model).__name__}"
+                         f"{_why_no_chain(model)}: give blocks=[...] with the names of the "
+                         "layers to plan over")
+    scripted = [n for n in names if isinstance(model.get_submodule(n), torch.jit.ScriptModule)]
+    if scripted:
+        raise BlockError(f"block {scripted[0]!r} is a TorchScript module (torch.jit.script), "
+                         "which autoremat can neither measure nor checkpoint (it takes no "
+                         "hooks): plan the eager model, or leave the blocks unscripted")
+    return _Setup(step=step, backend=backend, ran_on=ran_on, target=target,
+                  cost_model=cost_model, rounding=rounding, offload=offload,
+                  host_bandwidth=host_bandwidth, names=names)
+
+
+def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list[str]:
+    """Notes on what the tape holds for: the model's mode, and the blocks left out."""
+    notes: list[str] = []
+    if not model.training:
+        # an eval() tape plans a train() step over its budget (dropout's masks are missing)
+        eval_note = (f"{type(model).__name__} was profiled in eval() mode (dropout off, "
+                     "BatchNorm on running statistics): its figures and plans hold for "
+                     "that mode; profile it in the mode you train in (model.train())")
+        notes.append(eval_note)
+        warnings.warn(f"autoremat: {eval_note}", UserWarning, stacklevel=3)
+    if discovered:
+        notes.extend(discovery_notes(model))
+        others = other_repeated_blocks(model, names)
+        if others:
+            notes.append(f"planning over the repeated blocks found; also smaller "
+                         f"repeated, not planned over: {', '.join(others)} (pass "
+                         "blocks=[...] with all of them, in the order they run)")
+    return notes
+
+
+def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
+          selective: list[dict[str, SelectiveProfile]], times: _Times, *,
+          notes: list[str], head: HeadProfile | None = None) -> Tape:
+    """The tape, from what the steps measured."""
+    names, runs, plain, counter = chain.names, base.runs, base.plain, base.counter
+    model, inputs = setup.step.model, setup.step.inputs
+    n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
+    measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
+    released = {pattern: _released_at_fwd_end(run, n) for pattern, run in runs.items()}
+    frees = _freed_in_forward(plain, n)
+    saved = _saved_by_block(plain)
+    offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
+                                   if setup.offload else OffloadStats() for name in names]
+                                  for d in (Decision.OFFLOAD, Decision.OFFLOAD_INPUT))
+    block_list = []
+    for i, name in enumerate(names):
+        module = model.get_submodule(name)
+        block_list.append(BlockProfile(
+            name=name, fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
+            fwd_flops=counter.by_label.get((name, "fwd"), 0),
+            bwd_flops=counter.by_label.get((name, "bwd"), 0),
+            recompute_flops=base.recompute_flops[i],
+            saved_bytes=sum(saved[i].values()),
+            saved_bytes_by_kind=dict(sorted(saved[i].items())),
+            input_bytes=plain.probe.input_bytes[i], output_bytes=plain.probe.output_bytes[i],
+            param_bytes=unique_storage_bytes(list(module.parameters())),
+            param_signature=param_signature(module),
+            grad_bytes=base.block_grad_bytes[i],
+            fwd=_by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
+            bwd=_by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
+            op_stats=counter.block_stats(name), ops=counter.block_ops(name),
+            selective=selective[i],
+            chained=i > 0 and plain.probe.chained[i],
+            offload_bytes=offload_stats[i].host_bytes,
+            offload_tensors=offload_stats[i].tensors,
+            offload_input_bytes=input_stats[i].host_bytes,
+            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
+            if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
+            fwd_end_release={key: v for key, v in _by_pairs(
+                runs, i, lambda pattern, _, k: released[pattern][k], base.alike,
+                base.local).items() if v},
+            fwd_frees=frees[i],
+            stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
+                            for buf in stashed_buffers([module])),
+        ))
+    params = list(model.parameters())
+    return Tape(
+        model=type(model).__name__, inputs=describe_inputs(inputs),
+        device=setup.target, training=model.training,
+        blocks=tuple(block_list),
+        step_peak_bytes=plain.mem.peak_bytes, peak_breakdown=plain.mem.breakdown,
+        ckpt_step_peak_bytes=runs[(Decision.RECOMPUTE,) * n].mem.peak_bytes,
+        param_bytes=unique_storage_bytes(params),
+        trainable_param_bytes=unique_storage_bytes([p for p in params if p.requires_grad]),
+        trainable_param_tensors=sum(p.requires_grad for p in params),
+        input_bytes=unique_storage_bytes(inputs),
+        buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        grad_bytes=base.grad_bytes,
+        pre=plain.pre, post={d: runs[(d,) * n].post for d in measured},
+        tail={d: runs[(d,) * n].tail for d in measured},
+        offload=setup.offload, host_bandwidth=base.host_bandwidth,
+        step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
+        step_ms=times.step_ms, loop=setup.step.loop, output_bytes=chain.output_bytes,
+        compiled=setup.backend or "", head=head, notes=tuple(notes),
+        autocast=chain.autocast, dtypes=float_dtypes(model), loss=chain.loss,
+        structure=structure_of(model, names),
+    )
+
+
+def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None = None,
+            blocks: BlockSpec = None, *, repeats: int = 3,
+            with_selective: bool = True, timing: bool = True,
+            rounding: Rounding | None = None, loop: Loop | None = None,
+            device: str | torch.device | None = None, compile: bool | str = False,
+            offload: bool = False, host_bandwidth: float | None = None,
+            with_head: bool = True,
+            progress: Callable[[str], None] | None = None) -> Tape:
+    """Measure one training step of ``model`` block by block.
+
+    Args:
+        model: the model, in the mode you train it in (dropout and BatchNorm active); or
+            an :class:`autoremat.Step`, which carries ``inputs``, ``loss_fn`` and
+            ``loop`` (then leave those out and pass the rest by keyword:
+            ``profile(step, blocks=...)``; the tape is the same).
+        inputs: a tensor, a tuple of positional args, or a dict of keyword args.
+        loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` when present,
+            else the sum of the first floating tensor in the output.
+        blocks: ``None`` to find the chain of repeated layers, a list of qualified
+            module names, or a predicate ``(name, module) -> bool``.
+        repeats: uninstrumented steps timed, at most (medians are reported): the
+            first step, which finds the blocks, counts as one when ``repeats >= 3``, and
+            timing stops once two steps in a row agree within 5%
+            (NOTE [ Timing repeats ]).
+        with_selective: also measure selective-recompute options (one more memory step
+            per distinct save-set), so that plans can use them.
+        timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
+            all times as 0.0 and says so in ``tape.notes``. On CUDA, times are taken
+            with CUDA events (see ``timing.py``).
+        rounding: how storage bytes are counted, as in :func:`autoremat.track_memory`:
+            by default by device (the CUDA caching allocator's blocks on a GPU);
+            ``"cuda"`` predicts a GPU's bytes from a step on ``meta``.
+        loop: the training loop to measure (recorded as ``tape.loop``; plans made from
+            the tape hold for it). ``"holds_output"`` (default, also for ``None``): the
+            output stays
+            referenced until backward has finished (``out = model(**batch);
+            out.loss.backward()``); a budget that holds for it also holds for a loop
+            that releases the output earlier. ``"loss_only"``: only the loss survives
+            the forward (``loss = model(**batch).loss``, or ``del out`` before
+            backward); tighter, but a loop that holds the output goes over it by up to
+            ``tape.output_bytes``.
+        device: the device the tape is for (``tape.device``), whose rates cost
+            recompute in plans made from it (``costs.py``). Default: the device the
+            model runs on. A model on ``meta`` runs nowhere, so it must be given
+            (:func:`autoremat.estimate` does); there ``rounding`` defaults to the given
+            device's. On a real device, giving another one costs its plans as if they
+            ran there (e.g. ``"cuda"`` for an accelerator autoremat has no rates for).
+        compile: measure the step as it runs under ``torch.compile`` (``True``: Inductor;
+            or a backend name such as ``"aot_eager"``): memory from the allocator's
+            reports and times with every block compiled on its own, each option lowered
+            as it runs compiled (NOTE [ Profiling a compiled step ]). Plans made from
+            the tape (``tape.compiled``) hold for the compiled step, checkpoint blocks
+            one by one (no multi-block segments) and run under both whole-model and
+            regional compilation. Slow on CPU: every option is compiled.
+        offload: also measure each block with its saved tensors offloaded to host
+            memory (five more memory steps), so that plans can offload
+            (``plan(..., offload=True)``; NOTE [ Offloading saved tensors ]). On a CPU
+            the host is the device: offloading frees nothing there, and plans keep
+            those blocks instead.
+        host_bandwidth: bytes per second of copies between the device and host memory,
+            which cost offload in plans. Default: measured on a GPU (pinned memory);
+            must be given for a model on ``meta``.
+        with_head: also measure the loss head computed over chunks of tokens (one more
+            memory step per option, :data:`HEAD_CHUNKS`), where the model has a head
+            autoremat can chunk: a Hugging Face ``*ForCausalLM`` given ``labels``, or an
+            :class:`autoremat.LMHead` (NOTE [ Which heads can be chunked ]). Plans may
+            then chunk it (``tape.head``); the tape's notes say why a head is not.
+        progress: called with the name of each stage as it starts (``"memory runs
+            2/4"``), for a progress display; default: nothing.
+
+    Returns:
+        A frozen :class:`~autoremat.Tape`. The model's buffers, gradients and the
+        RNG states are left as they were.
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(128,) * 4, batch_size=256)
+        >>> tape = autoremat.profile(model, inputs)
+        >>> [block.name for block in tape.blocks]
+        ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
+
+    Known limitations:
+        * A block that runs more than once per step (shared weights) is rejected.
+        * Times on a busy machine are noisy; planning uses FLOPs and bytes, not times.
+    """
+    step = as_step(model, inputs, loss_fn, loop, caller="profile", keyword="blocks")
+    setup = _checked_setup(step, blocks, repeats=repeats, with_selective=with_selective,
+                           timing=timing, rounding=rounding, device=device, compile=compile,
+                           offload=offload, host_bandwidth=host_bandwidth,
+                           with_head=with_head)
+    step = setup.step
+    stage = progress or (lambda _: None)
+    with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
+            compile_settings(setup.backend):
+        timed = timing and setup.ran_on.type != "meta"
+        stage("warm-up step")
+        chain = _chain(setup, in_order=blocks is not None,
+                       timed=timed and setup.backend is None)  # compiled: timed compiled
+        base = _base_runs(chain.names, setup, stage)
+        selective = _selective_runs(chain.names, base, setup, stage) \
+            if with_selective else [{} for _ in chain.names]
+        notes = _mode_notes(step.model, chain.names, discovered=blocks is None)
+        head, why = _head(chain.names, setup, with_head, stage)
+        if why:
+            notes.append(why)
+        if timed:
+            stage(f"timing {repeats} steps")
+            with _step_as_run(step.model, chain.names, [], None, setup.backend):
+                times = _timings(step, chain.names, repeats, first=chain.times)
+        else:
+            times = _Times.unmeasured(len(chain.names))
+            notes.append("times not measured (" + ("meta tensors" if setup.ran_on.type ==
+                                                   "meta" else "timing=False") + ")")
+    return _tape(setup, chain, base, selective, times, head=head,
+                 notes=notes + chain.notes + cache_notes + base.plain.mem.notes)

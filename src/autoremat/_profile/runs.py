@@ -1,0 +1,658 @@
+"""The instrumented steps of a profile.
+
+One step with marks at the block boundaries, measured for memory (and FLOPs
+in the same pass), for FLOPs alone, or timed; the first step, which finds the
+chain; and what the memory timeline of a step gives per block (windows,
+bytes saved, released, freed). Which steps a profile runs is ``options.py``'s;
+the Tape is built in ``profile.py`` (NOTE [ Three kinds of run ] there).
+
+NOTE [ One pass for memory and FLOPs ]
+    FLOPs and op records need no step of their own: the FLOP counter (an ``OpRecorder``
+    for the plain step, which also traces each block's ops and what autograd saves) is
+    a dispatch mode entered under the memory tracker's, so every op passes through both
+    (the tracker's first, then the counter's) and both see the same ops, labelled by the
+    same marks. The counter creates no storage and keeps none alive (weak references,
+    and saved-tensor hooks that hand back the tensor they get), so the memory figures are
+    those of a step without it; the ``ms`` of its op records then include the tracker's
+    overhead, which no plan reads. Recompute FLOPs are the backward FLOPs of the
+    checkpointed step (or of a selective step) less the plain step's, per block. A
+    compiled step is measured from the allocator, and its FLOPs and ops from eager steps
+    of their own (NOTE [ Profiling a compiled step ]).
+
+NOTE [ Profiling a compiled step ]
+    With ``compile=``, each memory and timing run compiles every block's forward on its
+    own (``compiled_forwards``: regional compilation, hooks at block boundaries left
+    outside the compiled code) over the checkpoint wrapper of that run, which lowers
+    each option as it runs compiled (NOTE [ Plans under torch.compile ]). Memory comes
+    from the allocator's reports (``track_allocations``; a dispatch mode would make
+    Dynamo run eagerly), after a first step that compiles. FLOPs and the op records
+    behind keep-sets come from eager steps: the ops are the same, only fused.
+    Whole-model compilation partitions the whole step at once, so its peak can differ
+    from the regional one predicted: measured on CPU (gpt2 zoo, 4 layers) from 0.26%
+    above to below the prediction with Inductor, up to 5.5% above with ``aot_eager``.
+    Only the regional prediction is tested (equal to the allocator's peak).
+
+NOTE [ Ops between blocks ]
+    Memory windows run from one block's start to the next one's, so what the parent
+    runs between two blocks (an encoder's final norm and the decoder's embedding, between
+    the two stacks of a T5) falls in the window of the block before: levels compose
+    either way. Op records and FLOPs must not take them in: a block's keep-set indexes
+    the ops of its own forward, and a selective block that finds other ops than its
+    tape's falls back to recomputing all of them. So each block's forward hook also marks
+    ``post:i``, and the FLOP counter files the ops after it under ``<outside>``.
+
+NOTE [ Boundaries held outside the chain ]
+    A segment of several blocks keeps its first input and drops the inner boundaries
+    (the peak model subtracts ``chain_bytes``), which frees them only when nothing else
+    holds them. A U-Net's parent keeps each encoder block's output in a list of skips
+    until the decoder reads it, and a parent that names every hidden state keeps them
+    all; the segment then frees nothing there. ``_held_boundaries`` finds such inputs in
+    one forward without gradients (nothing saved for backward, so only the model's own
+    references keep a tensor): the input of block ``i`` is held when it is still alive
+    once block ``i`` has returned. Those blocks get ``chain_bytes = 0``, so composed
+    segments over them are predicted as holding what they hold.
+
+NOTE [ Block boundaries in backward ]
+    A forward post-hook registers a tensor hook on the block's output; it fires when
+    that gradient is complete, which is when the block's backward starts. The block's
+    backward ends when the gradient of its input is ready: the previous block's mark, or
+    a hook on the first block's input (when it requires grad), or the end of backward.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import statistics
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from autoremat._core.conditions import autocast_state
+from autoremat._core.decisions import Decision
+from autoremat._core.errors import BlockError, internal_assert
+from autoremat._core.step import (
+    Step,
+    call_model,
+    check_no_cache,
+    default_loss,
+    describe_loss,
+    flat_tensors,
+    output_bytes,
+    unique_storage_bytes,
+)
+from autoremat._measure.flops import FlopCounter
+from autoremat._measure.measured import measure_step
+from autoremat._measure.memory import MemoryTracker, Rounding
+from autoremat._measure.ops import OpRecorder, op_kind
+from autoremat._measure.tape import WindowMemory
+from autoremat._measure.timing import Clock, clock_for
+from autoremat._mechanism.compiled import compiled_forwards
+from autoremat._mechanism.offload import BlockOffload, OffloadStats, offloading
+from autoremat._mechanism.wrap import ContextFn, checkpointed
+from autoremat._plan.costs import CostModel
+
+__all__ = ["compile_settings"]
+
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
+    for t in tree_flatten(obj)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            return t
+    return None
+
+
+@dataclass
+class _Probe:
+    """Hooks at block boundaries; calls ``on_mark(label)`` at each."""
+
+    names: list[str]
+    on_mark: Callable[[str], None]
+    calls: list[int] = field(default_factory=list)
+    input_bytes: list[int] = field(default_factory=list)
+    output_bytes: list[int] = field(default_factory=list)
+    chained: list[bool] = field(default_factory=list)
+    chain_bytes: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # block indices in the order they ran
+    _prev_outputs: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        self.calls = [0] * n
+        self.input_bytes = [0] * n
+        self.output_bytes = [0] * n
+        self.chained = [False] * n
+        self.chain_bytes = [0] * n
+
+    @contextmanager
+    def installed(self, model: nn.Module) -> Iterator[None]:
+        with ExitStack() as stack:
+            for i, name in enumerate(self.names):
+                module = model.get_submodule(name)
+                pre = module.register_forward_pre_hook(self._pre(i), with_kwargs=True)
+                # first among the forward hooks, so that its gradient hook (the block's
+                # backward starts) runs before an offloaded neighbour's prefetch, which
+                # then falls in this block's window (NOTE [ Offloading saved tensors ])
+                post = module.register_forward_hook(self._post(i), prepend=True)
+                stack.callback(pre.remove)
+                stack.callback(post.remove)
+            yield
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.calls[i] += 1
+            self.order.append(i)
+            self.on_mark(f"fwd:{i}")
+            tensors = flat_tensors((args, kwargs))
+            self.input_bytes[i] = unique_storage_bytes(tensors)
+            self.chained[i] = bool(tensors) and id(tensors[0]) in self._prev_outputs
+            if self.chained[i]:
+                self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
+            if i == 0:
+                first = _first_grad_tensor((args, kwargs))
+                if first is not None:
+                    first.register_hook(self._grad_mark("bwd:-1"))
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            tensors = flat_tensors(output)
+            self.output_bytes[i] = unique_storage_bytes(tensors)
+            self._prev_outputs = [id(t) for t in tensors]
+            out = _first_grad_tensor(tensors)
+            if out is not None:
+                out.register_hook(self._grad_mark(f"bwd:{i}"))
+            self.on_mark(f"post:{i}")  # NOTE [ Ops between blocks ]
+            if i == len(self.names) - 1:
+                self.on_mark("fwd_end")
+        return hook
+
+    def _grad_mark(self, label: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.on_mark(label)
+        return hook
+
+
+def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
+                in_order: bool = True) -> _Probe:
+    """One step with marks at the block boundaries. Every block must run once; with
+    ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``)."""
+    probe = _Probe(names, on_mark)
+    with probe.installed(step.model):
+        on_mark("start")
+        step.run(between=lambda: on_mark("backward"))
+        on_mark("end")
+    for name, calls in zip(names, probe.calls, strict=False):
+        if calls != 1:
+            raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
+                             f"over blocks that run once each (pass blocks=[...] to choose)")
+    if in_order and probe.order != sorted(probe.order):
+        ran = [names[i] for i in probe.order]
+        raise BlockError(f"the blocks ran in the order {ran}, not in the order given "
+                         f"({names}); autoremat plans over a chain: list the blocks in the "
+                         "order they run")
+    return probe
+
+
+def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
+                      marks: list[str]) -> tuple[list[str], list[str]]:
+    """The blocks found by discovery that a plan can use, in the order they ran, and
+    notes on what changed. Blocks that backward never runs through (frozen, with an input
+    that needs no gradient: the lower layers of a partial fine-tune) save nothing for
+    backward, so there is nothing to recompute in them: they leave the chain."""
+    notes = []
+    if order != sorted(order):
+        # a discovered chain goes in the order it runs (NOTE [ Stacks beside the chain ])
+        notes.append(f"the blocks found run in another order than they are defined; "
+                     f"planned in the order they run: {names[order[0]]}, ..., "
+                     f"{names[order[-1]]}")
+    no_backward = [names[i] for i in order if f"bwd:{i}" not in marks]
+    chain = [names[i] for i in order if f"bwd:{i}" in marks]
+    if no_backward and not chain:
+        raise BlockError(f"backward runs through none of the blocks found ({names[0]}, ..., "
+                         f"{names[-1]}): {_why_no_backward(model, no_backward)}")
+    if no_backward:
+        notes.append(f"backward never runs through {len(no_backward)} of the blocks found "
+                     f"({no_backward[0]}, ..., {no_backward[-1]}: frozen, with an input that "
+                     f"needs no gradient), so nothing in them is saved for backward; planned "
+                     f"over the {len(chain)} after them")
+    return chain, notes
+
+
+def _why_no_backward(model: nn.Module, names: list[str]) -> str:
+    """Why no gradient reached the output of the blocks ``names``, and what to do."""
+    frozen = all(not p.requires_grad for n in names
+                 for p in model.get_submodule(n).parameters())
+    if frozen:
+        return ("they have no trainable parameter and take no input that needs a gradient, "
+                "so backward never runs through them and there is nothing to recompute: "
+                "leave them out of blocks=[...] (list the blocks after them)")
+    return "autoremat plans over blocks whose output is part of the loss"
+
+
+def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bool]:
+    """Per block, whether its first input tensor outlives the block's call: held by the
+    model outside the chain (NOTE [ Boundaries held outside the chain ])."""
+    refs: list[weakref.ref[torch.Tensor] | None] = [None] * len(names)
+    held = [False] * len(names)
+
+    def check(i: int) -> None:
+        ref = refs[i]
+        held[i] = ref is not None and ref() is not None
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if i > 0:
+                check(i - 1)
+            tensors = flat_tensors((args, kwargs))
+            refs[i] = weakref.ref(tensors[0]) if tensors else None
+        return hook
+
+    with ExitStack() as stack, torch.no_grad():
+        for i, name in enumerate(names):
+            handle = model.get_submodule(name).register_forward_pre_hook(pre(i),
+                                                                         with_kwargs=True)
+            stack.callback(handle.remove)
+        output = call_model(model, inputs)
+        check(len(names) - 1)
+        del output
+    return held
+
+
+def _marks(mem: MemoryTracker) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for event, label in mem.marks:
+        found.setdefault(label, event)
+    return found
+
+
+def _window(mem: MemoryTracker, start: int, stop: int) -> WindowMemory:
+    base = mem.levels[start]
+    return WindowMemory(peak_bytes=mem.window_peak(start, stop) - base,
+                        delta_bytes=mem.levels[stop] - base)
+
+
+@dataclass
+class _MemoryRun:
+    mem: MemoryTracker
+    probe: _Probe
+    fwd: list[WindowMemory]
+    bwd: list[WindowMemory]
+    pre: WindowMemory
+    post: WindowMemory
+    tail: WindowMemory
+    bounds: list[int]  # forward window starts, then fwd_end
+    offloaded: dict[str, OffloadStats] = field(default_factory=dict)  # of the O blocks
+
+
+@dataclass(frozen=True)
+class _Contexts:
+    """The ``context_fn`` of each selective block: eager, and under compile."""
+
+    eager: dict[str, ContextFn] = field(default_factory=dict)
+    compiled: dict[str, Any] = field(default_factory=dict)
+
+
+@contextmanager
+def _step_as_run(model: nn.Module, names: list[str], chosen: list[str],
+                 contexts: _Contexts | None, backend: str | None,
+                 offloaded: Sequence[str] = (),
+                 inputs_offloaded: Sequence[str] = ()) -> Iterator[dict[str, BlockOffload]]:
+    """The ``chosen`` blocks checkpointed (selective ones with their contexts), the
+    ``offloaded`` ones offloaded, the ``inputs_offloaded`` ones checkpointed with their
+    input offloaded (yields the states of these two) and, with a ``backend``, every
+    block compiled on its own (NOTE [ Profiling a compiled step ])."""
+    contexts = contexts or _Contexts()
+    with checkpointed(model, chosen, contexts.eager, contexts.compiled), \
+            offloading(model, names, list(offloaded), inputs_offloaded) as states, \
+            ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(compiled_forwards(model, names, backend))
+        yield states
+
+
+@contextmanager
+def compile_settings(backend: str | None) -> Iterator[None]:
+    """Room for every option's compiled code: each block and option is traced apart, and
+    past Dynamo's recompile limit it would silently run eagerly and be measured so."""
+    if backend is None:
+        yield
+        return
+    with torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=65536):
+        yield
+
+
+def _memory_run(step: Step, names: list[str], decisions: _Pattern,
+                contexts: _Contexts | None = None, *,
+                rounding: Rounding | None, backend: str | None = None,
+                counter: FlopCounter | None = None) -> _MemoryRun:
+    """One step measured, block ``i`` under ``decisions[i]``: kept, recomputed (with its
+    context from ``contexts``, if any), offloaded, or recomputed with its input
+    offloaded. With a ``counter`` (eager only), the same step also counts FLOPs by block
+    (NOTE [ One pass for memory and FLOPs ])."""
+    internal_assert(len(decisions) == len(names),
+                    f"{len(decisions)} decisions for {len(names)} blocks")
+    internal_assert(counter is None or backend is None, "FLOPs are counted in eager steps only")
+    model = step.model
+    for p in model.parameters():
+        p.grad = None
+
+    def under(decision: Decision) -> list[str]:
+        return [n for n, d in zip(names, decisions, strict=True) if d is decision]
+
+    chosen, offloaded = under(Decision.RECOMPUTE), under(Decision.OFFLOAD)
+    inputs_offloaded = under(Decision.OFFLOAD_INPUT)
+    with _step_as_run(model, names, chosen, contexts, backend, offloaded,
+                      inputs_offloaded) as states:
+        # compiled: from the allocator's reports, after a step that compiles (compiling
+        # allocates too)
+        measured = measure_step(
+            step, memory="storages" if backend is None else "allocations", rounding=rounding,
+            counter=counter, isolated=False, warm_up=backend is not None,
+            on_mark=None if counter is None else lambda label: _label(counter, names, label),
+            run=lambda step, mark: _run_marked(step, names, mark))
+    mem, probe = measured.memory, measured.ran
+    internal_assert(mem is not None, "a memory run measures memory")
+    assert mem is not None  # for mypy: internal_assert raised otherwise
+    marks = _marks(mem)
+    n = len(names)
+    missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
+    if missing:
+        skipped = [names[int(m[4:])] for m in missing]
+        raise BlockError(f"no gradient reached the output of block(s) {skipped}: "
+                         f"{_why_no_backward(model, skipped)}")
+    bounds = [marks[f"fwd:{i}"] for i in range(n)] + [marks["fwd_end"]]
+    fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
+    bwd_marks = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    # bwd_marks[i + 1] starts block i's backward; bwd_marks[i] ends it.
+    bwd = [_window(mem, bwd_marks[i + 1], bwd_marks[i]) for i in range(n)]
+    return _MemoryRun(
+        mem=mem, probe=probe, fwd=fwd, bwd=bwd,
+        pre=_window(mem, 0, bounds[0]),
+        post=_window(mem, bounds[-1], bwd_marks[n]),
+        tail=_window(mem, bwd_marks[0], len(mem.levels) - 1),
+        bounds=bounds,
+        offloaded={name: state.group.stats for name, state in states.items()
+                   if state.group is not None},
+    )
+
+
+def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
+    """Bytes created in each block's forward window that are alive when backward starts."""
+    mem, bounds = run.mem, run.bounds
+    backward_at = _marks(mem)["backward"]
+    out: list[dict[str, int]] = [{} for _ in range(len(bounds) - 1)]
+    for r in mem.records:
+        if r.born > backward_at or (r.died is not None and r.died <= backward_at):
+            continue
+        for i in range(len(bounds) - 1):
+            if bounds[i] < r.born <= bounds[i + 1]:
+                kind = op_kind(r.op) if r.op != "allocation" else "compiled"
+                out[i][kind] = out[i].get(kind, 0) + r.nbytes
+                break
+    return out
+
+
+def _label(counter: FlopCounter, names: list[str], label: str) -> None:
+    """File the ops after mark ``label`` under the block whose forward or backward it
+    starts, and the rest under ``<outside>`` (NOTE [ Ops between blocks ])."""
+    kind, _, index = label.partition(":")
+    if kind in ("fwd", "bwd") and index != "-1":
+        counter.label = names[int(index)]
+    else:
+        counter.label = "<outside>"
+
+
+def _flops(step: Step, names: list[str]) -> OpRecorder:
+    """One step under an :class:`OpRecorder`: FLOPs by block and the ops of each."""
+    counter = OpRecorder()
+    measure_step(step, counter=counter, isolated=False,
+                 on_mark=lambda label: _label(counter, names, label),
+                 run=lambda step, mark: _run_marked(step, names, mark))
+    for p in step.model.parameters():
+        p.grad = None
+    return counter
+
+
+def _recompute_flops(counter: FlopCounter, plain: FlopCounter, names: list[str]) -> list[int]:
+    """Per block, the FLOPs its recompute ran in the step ``counter`` counted (blocks
+    checkpointed, or selective): backward FLOPs minus the plain step's. Measured, so
+    checkpoint's early stop (no re-run after the last op backward needs) and skipped
+    dead ops are included."""
+    return [counter.by_label.get((n, "bwd"), 0) - plain.by_label.get((n, "bwd"), 0)
+            for n in names]
+
+
+def _checkpointed_flops(step: Step, names: list[str], plain: FlopCounter,
+                        contexts: dict[str, ContextFn] | None = None) -> list[int]:
+    """:func:`_recompute_flops` of a step of its own with every block checkpointed (those
+    in ``contexts`` selective): for compiled profiles, whose memory steps count no FLOPs."""
+    counter = FlopCounter()
+    with checkpointed(step.model, names, contexts):
+        measure_step(step, counter=counter, isolated=False,
+                     on_mark=lambda label: _label(counter, names, label),
+                     run=lambda step, mark: _run_marked(step, names, mark))
+    for p in step.model.parameters():
+        p.grad = None
+    return _recompute_flops(counter, plain, names)
+
+
+@dataclass(frozen=True)
+class _Times:
+    """Medians of uninstrumented steps (0.0 where not measured)."""
+
+    fwd_ms: list[float]  # per block
+    bwd_ms: list[float]  # per block
+    step_ms: float
+
+    @staticmethod
+    def unmeasured(n: int) -> _Times:
+        return _Times([0.0] * n, [0.0] * n, 0.0)
+
+
+class _Stamps:
+    """Clock stamps at the block boundaries of one step, the first time each is reached;
+    an ``on_mark`` for :func:`_run_marked`."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.at: dict[str, Any] = {}
+
+    def __call__(self, label: str) -> None:
+        if label not in self.at:
+            self.at[label] = self.clock.stamp()
+
+    def times(self, n: int) -> _Times:
+        """The times of the step stamped (call after ``clock.sync()``)."""
+        at, elapsed = self.at, self.clock.elapsed_ms
+        fwd, bwd = [], []
+        for i in range(n):
+            nxt = at[f"fwd:{i + 1}"] if i + 1 < n else at["fwd_end"]
+            fwd.append(elapsed(at[f"fwd:{i}"], nxt))
+            end = at.get(f"bwd:{i - 1}", at["end"]) if i else at.get("bwd:-1", at["end"])
+            bwd.append(elapsed(at[f"bwd:{i}"], end))
+        return _Times(fwd, bwd, elapsed(at["start"], at["end"]))
+
+
+_AGREE = 0.05  # two step times this close (relative) end the timing (NOTE [ Timing repeats ])
+
+
+def _timings(step: Step, names: list[str], repeats: int, *,
+             first: _Times | None = None) -> _Times:
+    """Per-block forward and backward medians and the step's, from stamps at the block
+    boundaries: ``perf_counter`` on the CPU, CUDA events read after one synchronise at
+    the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``).
+    ``first``: the times of the step that found the chain, one of the ``repeats``
+    samples when there are three or more (NOTE [ Timing repeats ])."""
+    # NOTE [ Timing repeats ]
+    #     Times are medians of at most ``repeats`` uninstrumented steps. The step that
+    #     found the chain is one of them when ``repeats >= 3``: it may run slow (the
+    #     first step of a process allocates fresh memory; on a GPU, library handles),
+    #     and a median of three or more leaves one slow sample out. Steps stop early
+    #     once two in a row agree within 5%: their median is already what more steps of
+    #     a quiet machine would give, and on a noisy one they do not agree. No plan
+    #     reads times (they cost FLOPs and bytes), so this saves steps, not accuracy.
+    n = len(names)
+    samples = [first] if first is not None and repeats >= 3 else []
+    clock = clock_for(step.device)
+    while len(samples) < repeats:
+        if len(samples) >= 2 and \
+                abs(samples[-1].step_ms - samples[-2].step_ms) <= _AGREE * samples[-2].step_ms:
+            break
+        stamps = _Stamps(clock)
+        clock.sync()
+        _run_marked(step, names, stamps)
+        clock.sync()
+        samples.append(stamps.times(n))
+        for p in step.model.parameters():
+            p.grad = None
+    return _Times([statistics.median(s.fwd_ms[i] for s in samples) for i in range(n)],
+                  [statistics.median(s.bwd_ms[i] for s in samples) for i in range(n)],
+                  statistics.median(s.step_ms for s in samples))
+
+
+_Pattern = tuple[Decision, ...]  # one memory run: the decision of each block
+
+
+def _forward_window(run: _MemoryRun, event: int) -> int | None:
+    """The block in whose forward window ``event`` falls (``bounds[k] < event <=
+    bounds[k + 1]``), or ``None`` outside the blocks' forwards."""
+    after = bisect.bisect_left(run.bounds, event)
+    return after - 1 if 0 < after < len(run.bounds) else None
+
+
+def _released_at_fwd_end(run: _MemoryRun, n: int, before_chain: bool = True) -> list[int]:
+    """Per block, bytes made in the forward window of the block before it that die in
+    the post window (from the end of the last block's forward to its backward): what
+    the model held outside the chain and released when its forward returned
+    (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
+    was made before the first block's forward (``before_chain=False``: not that)."""
+    start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
+    out = [0] * n
+    for record in run.mem.records:
+        if record.backward or record.died is None or not start < record.died <= stop:
+            continue
+        made_in = _forward_window(run, record.born)
+        if made_in is not None and made_in < n - 1:
+            out[made_in + 1] += record.nbytes
+        elif before_chain and made_in is None and record.born <= run.bounds[0]:
+            out[0] += record.nbytes  # made before the first block (position ids)
+    return out
+
+
+def _freed_in_forward(run: _MemoryRun, n: int) -> list[int]:
+    """Per block, bytes of forward-made tensors born before its forward window that die
+    in it (its input, when nothing keeps it for backward)."""
+    out = [0] * n
+    for record in run.mem.records:
+        if record.backward or record.died is None:
+            continue
+        freed_in = _forward_window(run, record.died)
+        if freed_in is not None and record.born <= run.bounds[freed_in]:
+            out[freed_in] += record.nbytes
+    return out
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What ``profile``'s arguments come to once checked, before any step runs."""
+
+    step: Step  # the step the runs measure (of a compiled model's inner module)
+    backend: str | None  # torch.compile backend of the steps; None: eager
+    ran_on: torch.device  # where the steps run
+    target: str  # the device the tape is for (tape.device)
+    cost_model: CostModel  # the target's rates
+    rounding: Rounding | None
+    offload: bool
+    host_bandwidth: float | None
+    names: list[str]  # the blocks given or found, in the order defined
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """The blocks planned over, from a first step that measures nothing else."""
+
+    names: list[str]  # in the order they run
+    held_inputs: list[bool]  # NOTE [ Boundaries held outside the chain ]
+    output_bytes: int  # the model's output, less the loss (tape.output_bytes)
+    notes: list[str]  # what changed from the blocks found, and inputs held
+    times: _Times | None  # of that first step, when timed and the chain is what it stamped
+    loss: str = ""  # the loss it took, in words (conditions.describe_loss)
+    autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
+
+
+def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
+    """One uninstrumented step (it also warms up: lazy state is not measured later) that
+    finds the chain and the output's size, timed when ``timed``, and one forward without
+    gradients that finds the inputs held outside it. ``in_order``: the blocks were
+    given, and must run in that order."""
+    held: list[int] = []
+    step = setup.step
+    model, inputs = step.model, step.inputs
+    losses: list[tuple[str, str]] = []
+
+    def measure_output(output: Any) -> torch.Tensor:
+        check_no_cache(model, output)
+        loss = (step.loss_fn or default_loss)(output)
+        held.append(output_bytes(output, loss))
+        losses.append(describe_loss(output, step.loss_fn, inputs))
+        return loss
+
+    seen: list[str] = []
+    names = setup.names
+    clock = clock_for(setup.ran_on)
+    stamps = _Stamps(clock)
+
+    autocast: list[str] = []  # as the first block to run sees it (NOTE [ The conditions a
+    # step is measured under ]: a forward may enter autocast itself)
+
+    def mark(label: str) -> None:
+        if label.startswith("fwd:") and not autocast:
+            autocast.append(autocast_state())
+        seen.append(label)
+        if timed:
+            stamps(label)
+
+    clock.sync()
+    warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
+                       in_order=in_order)
+    clock.sync()
+    notes: list[str] = []
+    if not in_order:
+        names, notes = _discovered_chain(model, names, warm.order, seen)
+    # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
+    # the blocks it stamped, in the same order
+    stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))
+    times = stamps.times(len(names)) if timed and stamped else None
+    for p in model.parameters():
+        p.grad = None
+    held_inputs = _held_boundaries(model, inputs, names)
+    if any(held_inputs[1:]):
+        inner = [name for name, h in zip(names[1:], held_inputs[1:], strict=True) if h]
+        notes.append(
+            f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
+            f"the model outside the chain (skip connections, kept hidden states): a "
+            f"segment of several blocks does not free them, and plans count them held")
+    loss, kind = losses[0]
+    if kind:  # NOTE [ The conditions a step is measured under ]
+        why = (f"{type(model).__name__} returns logits and was profiled without loss_fn: "
+               f"the step measured takes {loss}, which holds less than the cross-entropy a "
+               "training loop takes (its softmax and gradient over the vocabulary); "
+               "profile with loss_fn=<the loop's loss>, or give the model labels"
+               if kind == "logits" else
+               f"{type(model).__name__} returns a batch of outputs, not a loss, and was "
+               f"profiled without loss_fn: the step measured takes {loss}, which holds "
+               "nothing of the loss a training loop takes (cross-entropy, MSE, ...), so a "
+               "plan made from it can go over its budget by what that loss holds; profile "
+               "with loss_fn=<the loop's loss>")
+        notes.append(why)
+        warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
+    return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
+                  times=times, loss=loss, autocast=autocast[0] if autocast else "")
