@@ -25,7 +25,7 @@ from autoremat import Decision, Plan, Tape, zoo
 from autoremat._apply import ShapeMismatchWarning
 from autoremat._core.decisions import Choice
 from autoremat._core.errors import BudgetError, PlanMismatchError, RematError
-from autoremat._mechanism.selective import is_keep_set
+from autoremat._core.saves import is_keep_set
 from autoremat._mechanism.wrap import is_wrapped
 from autoremat._plan.costs import cost_model_for, keep_set_cost
 from autoremat._plan.plan import plan_of_segments

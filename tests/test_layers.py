@@ -6,7 +6,8 @@ autoremat is built in layers, each a folder or file found by name. A module impo
 its own package and the layers below it, so a reader can learn the project bottom up:
 
     0  _core        errors, units, the training step, RNG, tables, ranks, the version, the
-                    chunked head's numerics, JSON and file helpers (``files.py``)
+                    chunked head's numerics, JSON and file helpers (``files.py``), the
+                    decision vocabulary and the names of saves (``saves.py``)
     1  _measure     the instruments: memory, allocations, timing, FLOPs, op records, block
                     discovery, optimizer state; and the Tape they produce
     2  _mechanism   checkpoint wrappers, segment hooks, selective modes (knows no Plan)
@@ -28,7 +29,9 @@ its own package and the layers below it, so a reader can learn the project botto
 
 Folder rules on top of the order (``FOLDER_RULES``): the instruments live in ``_measure``
 (a ``TorchDispatchMode`` that watches ops is an instrument), ``_measure`` knows nothing of
-checkpointing or planning, and nothing in ``_plan`` measures (it never imports ``_profile``).
+checkpointing or planning, and nothing in ``_plan`` measures or touches the mechanism (it
+never imports ``_profile`` or ``_mechanism``: the names of save-sets and keep-sets it reads
+and writes are plain strings, in ``_core/saves.py``).
 
 Every import of another autoremat module sits at the top of its file: no import inside a
 function, so none can be hiding a cycle.
@@ -301,8 +304,10 @@ FOLDER_RULES: list[tuple[str, tuple[str, ...], str]] = [
                          "autoremat._profile"), "the base knows no stage"),
     ("autoremat._measure", ("autoremat._mechanism", "autoremat._plan", "autoremat._profile"),
      "instruments know nothing of checkpointing or planning"),
-    ("autoremat._plan", ("autoremat._profile", "autoremat._apply", "autoremat._estimate"),
-     "planning is pure functions of a Tape: it never measures or applies"),
+    ("autoremat._plan", ("autoremat._mechanism", "autoremat._profile", "autoremat._apply",
+                         "autoremat._estimate"),
+     "planning is pure functions of a Tape: it never measures, wraps or applies (the names "
+     "of saves are in _core/saves.py)"),
 ]
 
 # Modules whose dispatch modes are not instruments, and what they are instead.
@@ -349,7 +354,7 @@ def test_the_pipeline_folders_hold_what_they_say() -> None:
         "autoremat._plan": {"costs", "keepsets", "peak", "chain", "budget", "plan",
                             "strategies"},
         "autoremat._profile": {"runs", "options", "profile"},
-        "autoremat._core": {"files"},
+        "autoremat._core": {"files", "decisions", "saves"},
     }
     for package, modules in expected.items():
         folder = SRC.parent / package.replace(".", "/")

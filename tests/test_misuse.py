@@ -43,9 +43,9 @@ from torch import nn
 import autoremat
 from autoremat import Decision, Plan, RematError, zoo
 from autoremat._core.decisions import RECOMPUTE, Choice
+from autoremat._core.saves import is_keep_set
 from autoremat._core.step import describe_inputs
 from autoremat._mechanism.offload import simulated_host
-from autoremat._mechanism.selective import is_keep_set
 from autoremat._mechanism.wrap import StatefulBlockWarning
 from autoremat._plan.plan import BlockDecision, plan_of_segments
 

@@ -17,13 +17,8 @@ from torch.utils.checkpoint import checkpoint
 import autoremat
 from autoremat import Decision, RematError, Tape, zoo
 from autoremat._core.decisions import Choice
-from autoremat._mechanism.selective import (
-    op_signature,
-    save_set_name,
-    save_set_of,
-    save_sets,
-    selective_context,
-)
+from autoremat._core.saves import op_signature, save_set_name, save_set_of, save_sets
+from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import ContextFn
 from autoremat._plan.peak import predict_peak
 
@@ -231,7 +226,7 @@ class _OddNet(torch.nn.Module):
 
 def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
     import autoremat
-    from autoremat._mechanism.selective import is_keep_set
+    from autoremat._core.saves import is_keep_set
     from autoremat._plan.plan import plan_of_segments
 
     torch.manual_seed(0)

@@ -37,13 +37,10 @@ from autoremat._core.conditions import autocast_state, float_dtypes, structure_o
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError, check_flag, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
+from autoremat._core.saves import parse_keep_keys
 from autoremat._core.step import cache_configs, describe_inputs, flat_tensors
 from autoremat._measure.blocks import param_signature
-from autoremat._mechanism.compiled import (
-    compiled_context,
-    compiled_parts,
-    parse_keep_keys,
-)
+from autoremat._mechanism.compiled import compiled_context, compiled_parts
 from autoremat._mechanism.engines import model_class_name, unwrapped
 from autoremat._mechanism.head import HeadInstall, HeadSite, install_head, uninstall_head
 from autoremat._mechanism.offload import offload

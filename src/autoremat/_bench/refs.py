@@ -72,7 +72,7 @@ _SAVE_PACKETS = tuple(
 
 
 # The same without bmm/baddbmm: the op kinds of autoremat's own Megatron policy
-# (selective.MEGATRON: matmul, attention, conv), which recomputes an attention core built
+# (MEGATRON in _core/saves.py: matmul, attention, conv), which recomputes an attention core built
 # from bmm and softmax. The compiled SAC row uses it.
 _SAVE_PACKETS_NO_BMM = tuple(p for p in _SAVE_PACKETS
                              if p not in (torch.ops.aten.bmm, torch.ops.aten.baddbmm))

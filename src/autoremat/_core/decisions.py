@@ -19,6 +19,13 @@ import enum
 from dataclasses import dataclass
 
 from autoremat._core.errors import RematError, did_you_mean, internal_assert
+from autoremat._core.saves import (
+    is_keep_set,
+    keep_set_name,
+    keep_set_number,
+    save_set_name,
+    save_set_of,
+)
 
 __all__ = ["BLOCK_DECISIONS", "KEEP", "OFFLOAD", "OFFLOAD_INPUT", "RECOMPUTE", "Choice", "Decision",
            "decision_of"]
@@ -132,8 +139,8 @@ class Choice:
         """The key of this option in a tape block's ``selective`` measurements: the kinds
         joined by ``+`` ("" for none), or ``#k`` for keep-set ``k``."""
         if self.keep_set:
-            return f"#{self.keep_set}"
-        return "+".join(sorted(self.save_ops))
+            return keep_set_name(self.keep_set)
+        return save_set_name(self.save_ops)
 
     @property
     def head_key(self) -> str:
@@ -165,9 +172,9 @@ class Choice:
     def selective_from_key(cls, key: str) -> Choice:
         """The selective choice a tape block's ``selective`` key names (the inverse of
         :attr:`selective_key`)."""
-        if key.startswith("#"):
-            return cls(Decision.SELECTIVE, keep_set=int(key[1:]))
-        return cls(Decision.SELECTIVE, save_ops=tuple(key.split("+")) if key else ())
+        if is_keep_set(key):
+            return cls(Decision.SELECTIVE, keep_set=keep_set_number(key))
+        return cls(Decision.SELECTIVE, save_ops=save_set_of(key))
 
 
 KEEP = Choice(Decision.KEEP)

@@ -14,7 +14,7 @@ NOTE [ Plans under torch.compile ]
     * ``recompute``: no ``context_fn`` (PyTorch's own policy: recompute what it can);
     * a save-set by op kind: a policy saving the outputs of those kinds;
     * a keep-set (op positions in the eager tape): a policy saving the k-th call of
-      each kept op, keyed by (op name, occurrence) (:func:`keep_keys`). The traced
+      each kept op, keyed by (op name, occurrence) (``keep_keys`` in ``_core/saves.py``). The traced
       graph can name ops differently from eager dispatch (``native_dropout`` for
       ``bernoulli_`` and ``div_``, ``_safe_softmax``...): an op the key names but
       the trace does not have is simply not saved. Dead ops need no stand-in: the
@@ -42,67 +42,22 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoremat._core.errors import RematError
-from autoremat._measure.ops import IGNORED_OPS, OpRecord, op_kind
+from autoremat._core.saves import KeepKey
+from autoremat._measure.ops import IGNORED_OPS, op_kind
 
 __all__ = [
     "compiled_context",
     "compiled_forwards",
     "compiled_parts",
-    "format_keep_keys",
     "is_compiling",
-    "keep_keys",
-    "parse_keep_keys",
     "refuse_under_compile",
     "uncompiled",
 ]
-
-KeepKey = tuple[str, int]  # (op overload name, its occurrence in the region: 0, 1, ...)
 
 
 def is_compiling() -> bool:
     """Whether Dynamo is tracing the caller (``torch.compiler.is_compiling``)."""
     return bool(torch.compiler.is_compiling())
-
-
-def keep_keys(ops: Sequence[OpRecord | str], keep: Iterable[int]) -> frozenset[KeepKey]:
-    """The (op name, occurrence) keys of the ops at positions ``keep`` of ``ops``.
-
-    Example:
-        >>> sorted(keep_keys(["aten.mm.default", "aten.relu.default", "aten.mm.default"],
-        ...                  [2]))
-        [('aten.mm.default', 1)]
-    """
-    names = [o.op if isinstance(o, OpRecord) else o for o in ops]
-    wanted = set(keep)
-    seen: Counter[str] = Counter()
-    out = set()
-    for position, name in enumerate(names):
-        if position in wanted:
-            out.add((name, seen[name]))
-        seen[name] += 1
-    return frozenset(out)
-
-
-def format_keep_keys(keys: Iterable[KeepKey]) -> tuple[str, ...]:
-    """Keys as plan-file strings, sorted: ``("aten.mm.default#1", ...)``."""
-    return tuple(f"{name}#{k}" for name, k in sorted(keys))
-
-
-def parse_keep_keys(texts: Iterable[str]) -> frozenset[KeepKey]:
-    """The inverse of :func:`format_keep_keys`; a malformed key raises ``RematError``.
-
-    Example:
-        >>> sorted(parse_keep_keys(["aten.mm.default#1"]))
-        [('aten.mm.default', 1)]
-    """
-    out = set()
-    for text in texts:
-        name, _, k = text.rpartition("#")
-        if not name or not k.isdigit():
-            raise RematError(f"a keep key is 'op#occurrence', e.g. 'aten.mm.default#0'; got "
-                             f"{text!r}")
-        out.add((name, int(k)))
-    return frozenset(out)
 
 
 def _contexts(save: frozenset[str], keep: frozenset[KeepKey]) -> Any:

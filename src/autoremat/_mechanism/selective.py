@@ -6,7 +6,8 @@ NOTE [ Save-sets by op kind ]
     (norms, activations, dropout, elementwise) worth recomputing. A *save-set* names the
     op kinds whose outputs stay saved (``op_kind`` in ``ops.py``). Views are never saved:
     they follow their base. The planner considers every non-empty subset of the compute
-    kinds a block has, and for blocks with dropout the empty set (``save_sets``).
+    kinds a block has, and for blocks with dropout the empty set (``save_sets`` in
+    ``_core/saves.py``, with the names of save-sets and keep-sets).
     Kinds are a rule of thumb: a kept matmul output is wasted if nothing backward needs
     is computed from it, and a cheap op's output can be worth keeping if it spares a
     chain of recompute. So the planner also considers *keep-sets*, op outputs chosen one
@@ -62,11 +63,9 @@ NOTE [ Dead ops ]
 from __future__ import annotations
 
 import functools
-import hashlib
-import itertools
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,16 +75,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoremat._core import rng
 from autoremat._core.errors import RematError
-from autoremat._measure.ops import IGNORED_OPS, OpRecord, is_random_op, op_kind
+from autoremat._core.saves import SAVEABLE_KINDS, op_signature
+from autoremat._measure.ops import IGNORED_OPS, is_random_op, op_kind
 from autoremat._mechanism.wrap import ContextFn
 
-__all__ = ["MEGATRON", "SAVEABLE_KINDS", "is_keep_set", "op_signature", "save_set_name",
-           "save_set_of", "save_sets", "selective_context"]
-
-SAVEABLE_KINDS = ("attention", "bmm", "conv", "matmul")  # compute-heavy: worth keeping
-# strategy="selective": Megatron-LM's policy. Save what has weights (linear, conv) and
-# fused attention kernels; recompute the attention core built from bmm/softmax/dropout.
-MEGATRON = ("attention", "conv", "matmul")
+__all__ = ["selective_context"]
 
 
 class _Kept:
@@ -169,7 +163,7 @@ class _KeepOutputs(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         kept = self.kept
-        if (kept.keep or kept.skip) and op_signature(kept.funcs) != kept.signature:
+        if (kept.keep or kept.skip) and op_signature(map(str, kept.funcs)) != kept.signature:
             _fall_back(kept)  # NOTE [ Dead ops ]
         for func, entries in kept.entries.items():
             if not _is_bernoulli(func):  # changed in place later in the region: recomputed
@@ -371,52 +365,3 @@ class _SelectiveContexts:
     def __call__(self) -> tuple[_KeepOutputs, _ReuseOutputs]:
         kept = _Kept(self.save, self.keep, self.skip, self.signature)
         return _KeepOutputs(kept), _ReuseOutputs(kept)
-
-
-def op_signature(ops: Sequence[Any]) -> str:
-    """A short hash of a region's op sequence (op overloads, their names, or tape
-    ``OpRecord``s): keep-sets index ops by position, so they apply only to the same ops.
-
-    Example:
-        >>> op_signature(["aten.mm.default", "aten.relu.default"])
-        '4ee845a0f4e35ffa'
-    """
-    names = [o.op if isinstance(o, OpRecord) else str(o) for o in ops]
-    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
-
-
-def is_keep_set(name: str) -> bool:
-    """Whether a tape's selective key names a keep-set by position ("#1", "#2", ...)
-    rather than a save-set of op kinds."""
-    return name.startswith("#")
-
-
-def save_sets(kinds_present: Iterable[str]) -> list[tuple[str, ...]]:
-    """The save-sets worth measuring for a block with these op kinds, largest first.
-
-    Every non-empty subset of the saveable kinds present, and, if the block draws random
-    numbers (``dropout``), the empty save-set: recompute every op but copy the kept
-    draws back, which costs less than whole-block recompute where drawing is slow (CPU).
-
-    Example:
-        >>> save_sets(["matmul", "bmm", "softmax", "dropout"])
-        [('bmm', 'matmul'), ('bmm',), ('matmul',), ()]
-    """
-    kinds = set(kinds_present)
-    present = sorted(kinds & set(SAVEABLE_KINDS))
-    out: list[tuple[str, ...]] = []
-    for size in range(len(present), 0, -1):
-        out.extend(itertools.combinations(present, size))
-    if "dropout" in kinds:
-        out.append(())
-    return out
-
-
-def save_set_name(save: Iterable[str]) -> str:
-    """The key of a save-set in a tape: kinds joined by ``+`` ("" for the empty set)."""
-    return "+".join(sorted(save))
-
-
-def save_set_of(name: str) -> tuple[str, ...]:
-    """The save-set a tape key names; the inverse of :func:`save_set_name`."""
-    return tuple(name.split("+")) if name else ()

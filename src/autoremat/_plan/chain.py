@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -71,6 +70,119 @@ _ORDER = (Decision.RECOMPUTE, Decision.KEEP, Decision.OFFLOAD, Decision.OFFLOAD_
 _RANK = {d: i for i, d in enumerate(_ORDER)}
 
 
+@dataclass(frozen=True)
+class _Moves:
+    """The segments that may start at a block after a block seen as a given decision,
+    and their figures as arrays, one entry per move, for the vectorised step of ``solve``."""
+
+    steps: list[tuple[int, Choice]]  # (stop, choice) of each move
+    stop: np.ndarray  # (moves,) the index the segment ends at
+    seen: np.ndarray  # (moves,) _RANK of what its last block is seen as by the next
+    fwd: np.ndarray  # (moves,) bytes: forward transient above F
+    hold: np.ndarray  # (moves,) bytes: what it adds to F until its backward
+    bwd: np.ndarray  # (moves,) bytes: backward peak above F (hold, suffix, transient)
+    cost: np.ndarray  # (moves,) the objective's cost (FLOP-equivalents)
+    first: np.ndarray  # (moves,) bytes: the fixed peak when it is the first segment
+
+
+@dataclass(frozen=True)
+class _Frontier:
+    """The Pareto frontier of (F, objective) at one state, one row per plan of the prefix,
+    with back-pointers to the row, move and state it was extended from."""
+
+    F: np.ndarray  # (rows,) bytes held when the next segment starts
+    cost: np.ndarray  # (rows,) cost of the prefix
+    peak: np.ndarray  # (rows,) bytes: the prefix's peak so far
+    prev: np.ndarray  # (rows,) row in the source state's frontier (-1 at the start)
+    move: np.ndarray  # (rows,) index into the source's _Moves.steps (-1 at the start)
+    from_index: np.ndarray  # (rows,) block index of the source state (-1 at the start)
+    from_seen: np.ndarray  # (rows,) _RANK of the source state's decision (-1 at the start)
+
+
+@dataclass(slots=True)
+class _Part:
+    """Rows bound for one target state from one source state: the per-row arrays of a
+    :class:`_Frontier` (views into one extension) and the source's scalars."""
+
+    F: np.ndarray
+    cost: np.ndarray
+    peak: np.ndarray
+    prev: np.ndarray
+    move: np.ndarray
+    from_index: int
+    from_seen: int
+
+
+def _all_moves(tape: Tape, options: ExtraOptions | None,
+               max_segment: int | None) -> list[dict[Decision, _Moves]]:
+    """``moves[i][prev]``: the choices from block ``i`` after a block seen as ``prev``."""
+    n = len(tape.blocks)
+    z = suffix_z(tape)
+    stops = _allowed_stops(tape, max_segment)
+    costs_of_blocks = block_costs(tape)
+    seen = tape.window_decisions  # what a block can be seen as by the next one
+    fixed = {d: fixed_peaks(tape, d) for d in seen}
+    moves: list[dict[Decision, _Moves]] = []
+    for i in range(n):
+        by_prev = {}
+        for prev in seen if i else (Decision.KEEP,):
+            here: list[tuple[int, Choice, SegmentCost]] = [
+                (i + 1, KEEP, segment_cost(tape, i, i + 1, KEEP, prev))]
+            runs = segment_runs(tape, i, stops[i][-1], prev, costs_of_blocks)
+            here += [(i + 1 + k, RECOMPUTE, c) for k, c in enumerate(runs)]
+            if options is not None:
+                here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
+                         for opt in options[i]]
+            by_prev[prev] = _Moves(
+                steps=[(m[0], m[1]) for m in here],
+                stop=np.array([m[0] for m in here]),
+                seen=np.array([_RANK[m[2].seen_as] for m in here]),
+                fwd=np.array([m[2].fwd_peak for m in here], dtype=np.int64),
+                hold=np.array([m[2].hold for m in here], dtype=np.int64),
+                bwd=np.array([m[2].hold + z[m[2].seen_as][m[0] - 1] + m[2].bwd_peak
+                              for m in here], dtype=np.int64),
+                cost=np.array([m[2].rank_cost for m in here], dtype=np.int64),
+                first=np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
+            )
+        moves.append(by_prev)
+    return moves
+
+
+def _start(tape: Tape) -> _Frontier:
+    """The one state before the first block: the stem's level and peak, seen as kept."""
+    none = np.array([-1])
+    return _Frontier(F=np.array([tape.pre.delta_bytes], dtype=np.int64),
+                     cost=np.array([0], dtype=np.int64),
+                     peak=np.array([tape.pre.peak_bytes], dtype=np.int64),
+                     prev=none, move=none, from_index=none, from_seen=none)
+
+
+def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float,
+            incoming: dict[tuple[int, Decision], list[_Part]]) -> None:
+    """Every row of ``cur`` (state ``(i, prev)``) by every move that fits ``budget``;
+    the rows that fit go to ``incoming``, grouped by target state."""
+    F = cur.F[:, None]  # (rows, 1) against (moves,)
+    peak = np.maximum(np.maximum(cur.peak[:, None], F + moves.fwd), F + moves.bwd)
+    if i == 0:
+        peak = np.maximum(peak, moves.first)
+    rows, cols = np.nonzero(peak <= budget)
+    if rows.size == 0:
+        return
+    targets = moves.stop[cols] * 256 + moves.seen[cols]  # (stop, seen), ordered
+    order = np.argsort(targets, kind="stable")
+    rows, cols, targets = rows[order], cols[order], targets[order]
+    F_new = cur.F[rows] + moves.hold[cols]
+    cost_new = cur.cost[rows] + moves.cost[cols]
+    peak_new = peak[rows, cols]
+    edges = [0, *(np.flatnonzero(np.diff(targets)) + 1).tolist(), len(targets)]
+    for a, b in itertools.pairwise(edges):  # one group per target state (views)
+        c0 = cols[a]
+        stop, as_seen = int(moves.stop[c0]), _ORDER[int(moves.seen[c0])]
+        incoming.setdefault((stop, as_seen), []).append(_Part(
+            F=F_new[a:b], cost=cost_new[a:b], peak=peak_new[a:b], prev=rows[a:b],
+            move=cols[a:b], from_index=i, from_seen=_RANK[prev]))
+
+
 def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
           options: ExtraOptions | None = None,
           max_segment: int | None = None) -> ChainSolution:
@@ -97,78 +209,21 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         # what a plan releases when the forward returns at the least any plan does
         # (NOTE [ Released when the forward returns ]), may not see
         return ChainSolution(keep_all, 0, kept_peak)
-    z = suffix_z(tape)
-    stops = _allowed_stops(tape, max_segment)
-    costs_of_blocks = block_costs(tape)
-    seen = tape.window_decisions  # what a block can be seen as by the next one
-    fixed = {d: fixed_peaks(tape, d) for d in seen}
-    # moves[i][prev]: the choices from block i after a block seen as prev, as a list of
-    # (stop, choice) and arrays of their figures for the vectorised step below.
-    moves: list[dict[Decision, tuple[list[tuple[int, Choice]], dict[str, np.ndarray]]]] = []
-    for i in range(n):
-        by_prev = {}
-        for prev in seen if i else (Decision.KEEP,):
-            here: list[tuple[int, Choice, SegmentCost]] = [
-                (i + 1, KEEP, segment_cost(tape, i, i + 1, KEEP, prev))]
-            runs = segment_runs(tape, i, stops[i][-1], prev, costs_of_blocks)
-            here += [(i + 1 + k, RECOMPUTE, c) for k, c in enumerate(runs)]
-            if options is not None:
-                here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
-                         for opt in options[i]]
-            figures = {
-                "stop": np.array([m[0] for m in here]),
-                "seen": np.array([_RANK[m[2].seen_as] for m in here]),
-                "fwd": np.array([m[2].fwd_peak for m in here], dtype=np.int64),
-                "hold": np.array([m[2].hold for m in here], dtype=np.int64),
-                "bwd": np.array([m[2].hold + z[m[2].seen_as][m[0] - 1] + m[2].bwd_peak
-                                 for m in here], dtype=np.int64),
-                "cost": np.array([m[2].rank_cost for m in here], dtype=np.int64),
-                "first": np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
-            }
-            by_prev[prev] = ([(m[0], m[1]) for m in here], figures)
-        moves.append(by_prev)
+    seen = tape.window_decisions
+    moves = _all_moves(tape, options, max_segment)
 
     # A state is (index, what the block before it is seen as); each holds a Pareto
     # frontier. NOTE [ Who frees a boundary tensor ]: a block's output is freed in the
     # backward of the last block that holds it, the producer (kept, saving its output)
     # or the consumer. So the leftovers after block j's backward depend on block j's own
     # decision (known when the segment is chosen), and the head's on the last block's.
-    frontier: dict[tuple[int, Decision], dict[str, np.ndarray]] = {
-        (0, Decision.KEEP): {"F": np.array([tape.pre.delta_bytes], dtype=np.int64),
-                             "cost": np.array([0], dtype=np.int64),
-                             "peak": np.array([tape.pre.peak_bytes], dtype=np.int64),
-                             "prev": np.array([-1]), "move": np.array([-1]),
-                             "from": np.array([-1]), "from_seen": np.array([-1])},
-    }
-    # per target state, parts: row arrays (_ROW_ARRAYS) plus the source state's scalars
-    incoming: dict[tuple[int, Decision], list[dict[str, Any]]] = {}
+    frontier: dict[tuple[int, Decision], _Frontier] = {(0, Decision.KEEP): _start(tape)}
+    incoming: dict[tuple[int, Decision], list[_Part]] = {}
     for i in range(n):
         for prev in seen:
             cur = frontier.get((i, prev))
-            if cur is None:
-                continue
-            fig = moves[i][prev][1]
-            F = cur["F"][:, None]  # (rows, 1) against (moves,)
-            peak = np.maximum(np.maximum(cur["peak"][:, None], F + fig["fwd"]), F + fig["bwd"])
-            if i == 0:
-                peak = np.maximum(peak, fig["first"])
-            rows, cols = np.nonzero(peak <= budget)
-            if rows.size == 0:
-                continue
-            targets = fig["stop"][cols] * 256 + fig["seen"][cols]  # (stop, seen), ordered
-            order = np.argsort(targets, kind="stable")
-            rows, cols, targets = rows[order], cols[order], targets[order]
-            F_new = cur["F"][rows] + fig["hold"][cols]
-            cost_new = cur["cost"][rows] + fig["cost"][cols]
-            peak_new = peak[rows, cols]
-            edges = [0, *(np.flatnonzero(np.diff(targets)) + 1).tolist(), len(targets)]
-            for a, b in itertools.pairwise(edges):  # one group per target state (views)
-                c0 = cols[a]
-                stop, as_seen = int(fig["stop"][c0]), _ORDER[int(fig["seen"][c0])]
-                incoming.setdefault((stop, as_seen), []).append({
-                    "F": F_new[a:b], "cost": cost_new[a:b], "peak": peak_new[a:b],
-                    "prev": rows[a:b], "move": cols[a:b], "from": i, "from_seen": _RANK[prev],
-                })
+            if cur is not None:
+                _extend(cur, moves[i][prev], i, prev, budget, incoming)
         for decision in seen:
             parts = incoming.pop((i + 1, decision), None)
             if parts:
@@ -179,9 +234,9 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         f = frontier.get((n, last))
         if f is None:
             continue
-        peak = np.maximum(f["peak"], f["F"] + post_window(tape, last).peak_bytes)
+        peak = np.maximum(f.peak, f.F + post_window(tape, last).peak_bytes)
         for found in np.nonzero(peak <= budget)[0]:
-            cost, top = int(f["cost"][found]), int(peak[found])
+            cost, top = int(f.cost[found]), int(peak[found])
             key = (cost, top) if objective == "cost" else (top, cost)
             finals.append((key, _RANK[last], int(found), cost, top))
     if not finals:
@@ -193,43 +248,55 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             "reached by strategy 'optimal'; use a budget of at least that, a smaller batch, "
             "or also offload/shard", min_feasible_bytes=least.peak_bytes, strategy="optimal")
     _, rank, chosen, result_cost, result_peak = min(finals)
+    segments = _backtrack(frontier, moves, (n, _ORDER[rank]), chosen)
+    return ChainSolution(segments, result_cost, result_peak)
+
+
+def _backtrack(frontier: dict[tuple[int, Decision], _Frontier],
+               moves: list[dict[Decision, _Moves]], state: tuple[int, Decision],
+               row: int) -> tuple[tuple[int, int, Choice], ...]:
+    """The segments of the plan that ends at ``row`` of ``state``, by its back-pointers."""
     segments: list[tuple[int, int, Choice]] = []
-    state, row = (n, _ORDER[rank]), chosen
     while state[0] > 0:
         f = frontier[state]
-        start, move = int(f["from"][row]), int(f["move"][row])
-        prev_seen = _ORDER[int(f["from_seen"][row])]
-        stop, choice = moves[start][prev_seen][0][move]
+        start, move = int(f.from_index[row]), int(f.move[row])
+        prev_seen = _ORDER[int(f.from_seen[row])]
+        stop, choice = moves[start][prev_seen].steps[move]
         internal_assert(stop == state[0], "back-pointer mismatch")
         segments.append((start, stop, choice))
-        row = int(f["prev"][row])
+        row = int(f.prev[row])
         state = (start, prev_seen)
     segments.reverse()
-    return ChainSolution(tuple(segments), result_cost, result_peak)
+    return tuple(segments)
 
 
-def _prune(parts: list[dict[str, Any]], objective: str) -> dict[str, np.ndarray]:
+def _prune(parts: list[_Part], objective: str) -> _Frontier:
     """Pareto frontier of (F, objective) over the candidate rows; deterministic order."""
-    sizes = [len(p["F"]) for p in parts]
-    cat = {k: np.concatenate([p[k] for p in parts]) for k in _ROW_ARRAYS}
-    for k in ("from", "from_seen"):  # one source state per part: expand to its rows
-        cat[k] = np.repeat(np.array([p[k] for p in parts]), sizes)
-    primary = cat["cost"] if objective == "cost" else cat["peak"]
-    secondary = cat["peak"] if objective == "cost" else cat["cost"]
+    sizes = [len(p.F) for p in parts]
+    F = np.concatenate([p.F for p in parts])
+    cost = np.concatenate([p.cost for p in parts])
+    peak = np.concatenate([p.peak for p in parts])
+    primary = cost if objective == "cost" else peak
+    secondary = peak if objective == "cost" else cost
     # Candidates arrive in a deterministic order (by source index), and the sort is
     # stable, so remaining ties go to the earliest segment boundary.
-    order = np.lexsort((secondary, primary, cat["F"]))
+    order = np.lexsort((secondary, primary, F))
     ranked = primary[order]
     # By F ascending, keep a row only if it beats every row of smaller (or equal) F.
     best_before = np.concatenate(([np.inf], np.minimum.accumulate(ranked)[:-1]))
     sel = order[ranked < best_before]
     if len(sel) > _MAX_FRONTIER:
-        sel = _thin(sel, cat["F"], primary)
-    return {k: v[sel] for k, v in cat.items()}
+        sel = _thin(sel, F, primary)
+    # one source state per part: expand its scalars to its rows, then select
+    return _Frontier(
+        F=F[sel], cost=cost[sel], peak=peak[sel],
+        prev=np.concatenate([p.prev for p in parts])[sel],
+        move=np.concatenate([p.move for p in parts])[sel],
+        from_index=np.repeat(np.array([p.from_index for p in parts]), sizes)[sel],
+        from_seen=np.repeat(np.array([p.from_seen for p in parts]), sizes)[sel])
 
 
 _MAX_FRONTIER = 128  # see NOTE [ Large frontiers ]
-_ROW_ARRAYS = ("F", "cost", "peak", "prev", "move")  # per-row arrays of a frontier part
 
 
 def _thin(sel: np.ndarray, F: np.ndarray, primary: np.ndarray) -> np.ndarray:

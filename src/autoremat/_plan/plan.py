@@ -29,12 +29,18 @@ from autoremat._core.files import (
     int_tuples,
     load_json,
 )
+from autoremat._core.saves import (
+    format_keep_keys,
+    is_keep_set,
+    keep_keys,
+    op_signature,
+    parse_keep_keys,
+    save_set_name,
+)
 from autoremat._core.step import Loop
 from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes
 from autoremat._measure.tape import Tape
-from autoremat._mechanism.compiled import format_keep_keys, keep_keys, parse_keep_keys
-from autoremat._mechanism.selective import is_keep_set, op_signature, save_set_name
 from autoremat._plan.peak import Segments, plan_costs, predict_peak, with_head
 
 __all__ = ["BlockDecision", "Plan", "UnsealedPlanWarning", "check_against_tape", "plan_seal"]
@@ -563,10 +569,11 @@ def _decision(tape: Tape, i: int, segment: int, choice: Choice) -> BlockDecision
         sel = block.selective[choice.selective_key]
         redo = sorted({o.kind for j, o in enumerate(block.ops) if not o.view
                        and j not in sel.keep_ops and j not in sel.skip_ops})
-        signature = op_signature(block.ops)
+        op_names = [o.op for o in block.ops]
+        signature = op_signature(op_names)
         return BlockDecision(block.name, kind, segment, (), tuple(redo), sel.keep_ops,
                              sel.skip_ops, signature,
-                             format_keep_keys(keep_keys(block.ops, sel.keep_ops)),
+                             format_keep_keys(keep_keys(op_names, sel.keep_ops)),
                              params=block.param_signature,
                              keep_seal=keep_set_seal(signature, sel.keep_ops, sel.skip_ops))
     save = choice.save_ops

@@ -16,10 +16,10 @@ import torch
 
 from autoremat._core.decisions import KEEP, OFFLOAD, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import BudgetError, RematError, check_flag, did_you_mean
+from autoremat._core.saves import MEGATRON, save_set_name
 from autoremat._core.units import format_bytes, parse_budget, parse_size
 from autoremat._measure.optimizers import resolve_optimizer
 from autoremat._measure.tape import Tape
-from autoremat._mechanism.selective import MEGATRON, save_set_name
 from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import Segments, selective_options, with_head

@@ -53,6 +53,7 @@ from torch import nn
 from autoremat._core.conditions import autocast_state
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import internal_assert
+from autoremat._core.saves import keep_keys, keep_set_name, op_signature, save_set_name, save_sets
 from autoremat._core.step import unique_storage_bytes
 from autoremat._measure.blocks import param_signature
 from autoremat._measure.flops import FlopCounter
@@ -65,10 +66,10 @@ from autoremat._measure.tape import (
     WindowKey,
     WindowMemory,
 )
-from autoremat._mechanism.compiled import compiled_context, keep_keys
+from autoremat._mechanism.compiled import compiled_context
 from autoremat._mechanism.head import HeadSite, find_head, head_installed
 from autoremat._mechanism.offload import measure_host_bandwidth
-from autoremat._mechanism.selective import op_signature, save_set_name, save_sets, selective_context
+from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import ContextFn
 from autoremat._plan.costs import CostModel, head_cost
 from autoremat._plan.keepsets import KeepSet, keep_sets
@@ -285,14 +286,15 @@ def _selective_options(names: list[str], op_stats: list[dict[str, OpStats]],
         untimed = tuple(dataclasses.replace(o, ms=0.0) for o in ops)  # keep_sets reads no ms
         if untimed not in solved:
             solved[untimed] = keep_sets(ops, cost_model)
-        signature = op_signature(ops)
+        op_names = [o.op for o in ops]
+        signature = op_signature(op_names)
         for k, found in enumerate(solved[untimed]):
             rerun = [o for j, o in enumerate(ops)
                      if j not in found.keep and j not in found.skip]
-            options[i][f"#{k + 1}"] = (
+            options[i][keep_set_name(k + 1)] = (
                 selective_context(keep_ops=found.keep, skip_ops=found.skip,
                                   signature=signature),
-                compiled_context(keep=keep_keys(ops, found.keep)),
+                compiled_context(keep=keep_keys(op_names, found.keep)),
                 _partial(sum(o.out_bytes for o in rerun), len(rerun),
                          found.keep, found.skip))
     return options

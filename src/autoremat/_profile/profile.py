@@ -372,9 +372,11 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
                            with_head=with_head)
     step = setup.step
     stage = progress or (lambda _: None)
+    timed = timing and setup.ran_on.type != "meta"
+    # the stages: arguments checked (above), the chain found by a warm-up step, the
+    # memory runs, the options (selective, head), timing; then the tape built from them
     with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
             compile_settings(setup.backend):
-        timed = timing and setup.ran_on.type != "meta"
         stage("warm-up step")
         chain = _chain(setup, in_order=blocks is not None,
                        timed=timed and setup.backend is None)  # compiled: timed compiled
@@ -383,15 +385,20 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
             if with_selective else [{} for _ in chain.names]
         notes = _mode_notes(step.model, chain.names, discovered=blocks is None)
         head, why = _head(chain.names, setup, with_head, stage)
-        if why:
-            notes.append(why)
-        if timed:
-            stage(f"timing {repeats} steps")
-            with _step_as_run(step.model, chain.names, [], None, setup.backend):
-                times = _timings(step, chain.names, repeats, first=chain.times)
-        else:
-            times = _Times.unmeasured(len(chain.names))
-            notes.append("times not measured (" + ("meta tensors" if setup.ran_on.type ==
-                                                   "meta" else "timing=False") + ")")
+        times, untimed = _timing(setup, chain, repeats, timed, stage)
+    notes += [why] if why else []
     return _tape(setup, chain, base, selective, times, head=head,
-                 notes=notes + chain.notes + cache_notes + base.plain.mem.notes)
+                 notes=notes + untimed + chain.notes + cache_notes + base.plain.mem.notes)
+
+
+def _timing(setup: _Setup, chain: _Chain, repeats: int, timed: bool,
+            stage: Callable[[str], None]) -> tuple[_Times, list[str]]:
+    """The timing stage: up to ``repeats`` uninstrumented steps (medians; the warm-up
+    step's times count as the first, NOTE [ Timing repeats ]), or zeros and a note that
+    says why none were taken."""
+    if not timed:
+        why = "meta tensors" if setup.ran_on.type == "meta" else "timing=False"
+        return _Times.unmeasured(len(chain.names)), [f"times not measured ({why})"]
+    stage(f"timing {repeats} steps")
+    with _step_as_run(setup.step.model, chain.names, [], None, setup.backend):
+        return _timings(setup.step, chain.names, repeats, first=chain.times), []
