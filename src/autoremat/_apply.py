@@ -310,7 +310,7 @@ def _check_conditions(model: nn.Module, plan: Plan) -> None:
             f"parent of its blocks holds); this one is of {here}: the blocks the plan does "
             "not name would run kept, beyond its prediction (a plan of a smaller model of "
             "the same class?). Profile and plan this model")
-    dtypes = float_dtypes(model)
+    dtypes = float_dtypes(model.parameters())
     if dtypes != plan.dtypes:
         raise PlanMismatchError(
             f"this plan was made for a {plan.model} whose parameters are {plan.dtypes}; "
@@ -414,13 +414,13 @@ def _check_step(state: _Applied) -> None:
     plan = state.plan
     if not plan.dtypes:
         return  # made from a tape that did not record them
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in state.probes
-                     if p.is_floating_point()})
-    if not set(dtypes) <= set(plan.dtypes.split(",")) and "dtypes" not in state.warned:
+    dtypes = float_dtypes(state.probes)  # some parameters, on the hot path
+    if dtypes and not set(dtypes.split(",")) <= set(plan.dtypes.split(",")) \
+            and "dtypes" not in state.warned:
         state.warned.add("dtypes")
         warnings.warn(
             f"autoremat: this plan was made for parameters of {plan.dtypes}; the model's "
-            f"are now {','.join(dtypes)} (cast after apply?): its memory prediction does not "
+            f"are now {dtypes} (cast after apply?): its memory prediction does not "
             f"hold; {_REDO}", StepMismatchWarning, stacklevel=6)
     if "structure" not in state.warned:
         grown = [f"{name or type(parent).__name__} holds {len(parent._modules)} modules, "

@@ -36,7 +36,7 @@ NOTE [ The conditions a step is measured under ]
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,9 +66,10 @@ def autocast_state() -> str:
                     for device in _autocast_devices())
 
 
-def float_dtypes(model: nn.Module) -> str:
-    """The floating dtypes of ``model``'s parameters, sorted, e.g. ``"float32"``."""
-    return ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+def float_dtypes(params: Iterable[torch.Tensor]) -> str:
+    """The floating dtypes of ``params`` (a model's ``parameters()``), sorted, e.g.
+    ``"float32"`` or ``"bfloat16,float32"``."""
+    return ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params
                             if p.is_floating_point()}))
 
 

@@ -275,7 +275,7 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
         step_ms=times.step_ms, loop=setup.step.loop, output_bytes=chain.output_bytes,
         compiled=setup.backend or "", head=head, notes=tuple(notes),
-        autocast=chain.autocast, dtypes=float_dtypes(model), loss=chain.loss,
+        autocast=chain.autocast, dtypes=float_dtypes(model.parameters()), loss=chain.loss,
         structure=structure_of(model, names),
     )
 
