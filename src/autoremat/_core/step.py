@@ -89,13 +89,20 @@ def flat_tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
-def default_loss(output: Any) -> torch.Tensor:
-    """``output.loss`` when present (and not None), else the sum of the first floating
-    tensor in the output."""
+def _own_loss(output: Any) -> torch.Tensor | None:
+    """The loss the model computed itself: ``output.loss`` (or ``output["loss"]``) when it
+    is a tensor, else ``None``."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` when present (and not None), else the sum of the first floating
+    tensor in the output."""
+    loss = _own_loss(output)
+    if loss is not None:
         return loss
     tensors = flat_tensors(output)
     for item in tensors:
@@ -118,10 +125,7 @@ def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, str]:
     conditions a step is measured under ] in ``conditions.py``)."""
     if loss_fn is not None:
         return f"loss_fn {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}", ""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
+    if _own_loss(output) is not None:
         return "output.loss", ""
     first = next((t for t in flat_tensors(output) if t.is_floating_point()), None)
     if first is None:
