@@ -387,3 +387,38 @@ def test_keep_sets_need_a_signature_and_cannot_also_skip_a_kept_op() -> None:
         selective_context(keep_ops=(1,))
     with pytest.raises(RematError, match=r"op positions \[1\] are both kept and skipped"):
         selective_context(keep_ops=(1,), skip_ops=(1,), signature="x")
+
+
+def test_kept_outputs_are_handed_back_as_fresh_aliases() -> None:
+    """Recompute hands back an alias of each kept output, so the recompute's graph is not
+    hung on the kept object (which lives to the end of the region's backward) and what
+    that graph saved is freed as backward goes: the tensors recompute made die before
+    the kept outputs do."""
+    from autoremat._measure.memory import track_memory
+    from autoremat._mechanism.selective import _KeepOutputs
+
+    torch.manual_seed(5)
+    fc1, fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+    seen: list[_KeepOutputs] = []
+
+    def contexts():  # type: ignore[no-untyped-def]
+        keep, reuse = selective_context(["matmul"])()
+        seen.append(keep)
+        return keep, reuse
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return fc2(torch.tanh(fc1(x)).exp())
+
+    x = torch.randn(32, 16, requires_grad=True)
+    with track_memory() as mem:
+        out = checkpoint(fn, x, use_reentrant=False, context_fn=contexts)
+        mem.mark("backward")
+        out.sum().backward()
+    kept = [e[0] for entries in seen[0].kept.entries.values() for e in entries if e is not None]
+    assert len(kept) == 2 and all(t.grad_fn is None for t in kept)
+    start = dict((label, event) for event, label in mem.marks)["backward"]
+    recomputed = [r for r in mem.records if r.born > start and r.op == "aten.tanh.default"]
+    assert len(recomputed) == 1 and recomputed[0].died is not None
+    # the recomputed tanh output is freed once exp's backward has run, before the end of
+    # the step (it used to live until the kept outputs went, when the frame was freed)
+    assert recomputed[0].died < len(mem.levels) - 2
