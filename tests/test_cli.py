@@ -140,7 +140,10 @@ def test_profile_reports_its_stages_in_order() -> None:
     assert 2 <= len(memory) <= n
     assert memory == [f"memory runs {k}/{n}" for k in range(1, len(memory) + 1)]
     selective = [s for s in stages if s.startswith("selective options")]
-    assert selective and selective[-1].endswith(f"{len(selective)}/{len(selective)}")
+    assert selective[0] == "selective options derived"  # then any measured, k/steps
+    measured = selective[1:]
+    assert measured == [f"selective options {k}/{len(measured)}"
+                        for k in range(1, len(measured) + 1)]
 
 
 def test_doctor_reports_its_stages() -> None:

@@ -350,10 +350,10 @@ def test_the_pipeline_folders_hold_what_they_say() -> None:
     ``profile`` in ``_profile`` and the file helpers in ``_core`` (NOTE [ Layers ])."""
     expected = {
         "autoremat._measure": {"memory", "allocations", "timing", "flops", "ops", "blocks",
-                               "optimizers", "tape"},
+                               "optimizers", "tape", "regions"},
         "autoremat._plan": {"costs", "keepsets", "peak", "chain", "budget", "plan",
                             "strategies"},
-        "autoremat._profile": {"runs", "options", "profile"},
+        "autoremat._profile": {"runs", "options", "profile", "derive"},
         "autoremat._core": {"files", "decisions", "saves"},
     }
     for package, modules in expected.items():

@@ -422,6 +422,7 @@ def test_options_measured_together_equal_one_step_per_option(
 
     monkeypatch.setattr(runs_module, "_run_marked", counted)
     monkeypatch.setattr(options_module, "_alike", seen)
+    _measured_only(monkeypatch)  # the steps that measure options, as when none is derived
     together = autoremat.profile(model, inputs, timing=False)
     steps_together = len(steps)
     steps.clear()
@@ -529,6 +530,7 @@ def test_hf_gpt2s_first_layer_measures_alike_despite_the_position_ids(
         return shared[-1]
 
     monkeypatch.setattr(profile_module, "_alike", seen)
+    _measured_only(monkeypatch)  # the steps that measure options, as when none is derived
     together = autoremat.profile(model, inputs, timing=False, with_head=False)
     monkeypatch.setattr(profile_module, "_alike",
                         lambda model, names, runs, ops: list(range(len(names))))
@@ -538,3 +540,87 @@ def test_hf_gpt2s_first_layer_measures_alike_despite_the_position_ids(
     assert together.blocks[0].fwd_end_release  # the position ids, released at the end
     assert all(b.selective for b in together.blocks)
     assert [b.selective for b in together.blocks] == [b.selective for b in apart.blocks]
+
+
+def _measured_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiles measure every selective option in a step, none derived."""
+    monkeypatch.setattr(importlib.import_module("autoremat._profile.options"), "_derived",
+                        lambda *args: None)
+
+
+def _odd() -> tuple[nn.Module, Any, Any]:
+    from test_selective import _OddNet  # in-place ops on kept outputs, rand_like, BatchNorm
+
+    torch.manual_seed(0)
+    return _OddNet(), {"x": torch.randn(16, 32), "y": torch.randint(0, 3, (16,))}, \
+        (lambda out: out)
+
+
+def _hf_case(kind: str) -> Callable[[], tuple[nn.Module, Any, Any]]:
+    def build() -> tuple[nn.Module, Any, Any]:
+        torch.manual_seed(0)
+        ids = torch.randint(0, _V, (_B, _T))
+        return _hf(kind).train(), {"input_ids": ids, "labels": ids}, None
+    return build
+
+
+def _zoo_case(name: str, **sizes: Any) -> Callable[[], tuple[nn.Module, Any, Any]]:
+    def build() -> tuple[nn.Module, Any, Any]:
+        model, inputs = zoo.build(name, **{**_SIZES[name], **sizes})
+        return model, inputs, None
+    return build
+
+
+@pytest.mark.parametrize("case", [
+    _zoo_case("gpt2"), _zoo_case("llama"), _zoo_case("mlp"), _zoo_case("resnet"), _odd,
+    _hf_case("gpt2"), _hf_case("llama"),
+], ids=["gpt2", "llama", "mlp", "resnet", "odd", "hf-gpt2", "hf-llama"])
+def test_selective_options_derived_from_the_checkpointed_step_equal_measured_ones(
+        case: Callable[[], tuple[nn.Module, Any, Any]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Selective windows from the checkpointed step ]: every option derived equals
+    # a step that runs it on its block alone, the other blocks checkpointed: its windows
+    # and recompute FLOPs. Options the tags cannot show (the odd net's kept outputs
+    # changed in place, ResNet's kept block outputs) are measured instead.
+    from autoremat._core.saves import is_keep_set, op_signature, save_set_of
+    from autoremat._core.step import Step
+    from autoremat._measure.flops import FlopCounter
+    from autoremat._mechanism.selective import selective_context
+    from autoremat._profile.runs import _Contexts, _memory_run
+
+    options_module = importlib.import_module("autoremat._profile.options")
+    model, inputs, loss_fn = case()
+    derived = options_module._derived
+    found: dict[tuple[int, str], bool] = {}
+
+    def spy(base: Any, i: int, key: str, *args: Any) -> Any:
+        out = derived(base, i, key, *args)
+        found[i, key] = out is not None
+        return out
+
+    monkeypatch.setattr(options_module, "_derived", spy)
+    tape = autoremat.profile(model, inputs, loss_fn=loss_fn, timing=False, with_head=False)
+    names, n = [b.name for b in tape.blocks], len(tape.blocks)
+    step = Step(model, inputs, loss_fn)
+    checked = 0
+    for (i, key), ok in sorted(found.items()):
+        if not ok:
+            continue
+        block = tape.blocks[i]
+        option = block.selective[key]
+        context = selective_context(keep_ops=option.keep_ops, skip_ops=option.skip_ops,
+                                    signature=op_signature([o.op for o in block.ops])) \
+            if is_keep_set(key) else selective_context(save_set_of(key))
+        counter = FlopCounter()
+        run = _memory_run(step, names, (Decision.RECOMPUTE,) * n,
+                          _Contexts({names[i]: context}), rounding=None, counter=counter)
+        for p in model.parameters():
+            p.grad = None
+        flops = counter.by_label.get((names[i], "bwd"), 0) - block.bwd_flops
+        assert (option.fwd, option.bwd, option.recompute_flops) == \
+            (run.fwd[i], run.bwd[i], flops), (i, key)
+        checked += 1
+    assert checked >= len(tape.blocks[-1].selective)
+    assert all(b.selective for b in tape.blocks)
+    if case is _odd:
+        assert not all(found.values())  # kept outputs changed in place: measured

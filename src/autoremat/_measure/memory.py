@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from autoremat._core.errors import RematError, did_you_mean
 
@@ -75,6 +75,7 @@ __all__ = [
     "MemoryTracker",
     "Rounding",
     "StorageRecord",
+    "active_tracker",
     "allocator_config_note",
     "counted_bytes",
     "cuda_block_bytes",
@@ -343,6 +344,16 @@ class _StorageAccountant(TorchDispatchMode):
             self._foreign.pop(key, None)
 
         return callback
+
+
+def active_tracker() -> MemoryTracker | None:
+    """The tracker of the innermost ``track_memory`` whose mode is on the dispatch mode
+    stack here (also in backward, which runs with the forward's modes), or ``None``: for
+    a dispatch mode below it that reads the timeline's event count as it runs."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _StorageAccountant):
+            return mode.tracker
+    return None
 
 
 @contextmanager

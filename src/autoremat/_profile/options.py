@@ -58,6 +58,7 @@ from autoremat._core.step import unique_storage_bytes
 from autoremat._measure.blocks import param_signature
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.ops import OpRecord, OpRecorder, OpStats
+from autoremat._measure.regions import RegionCall, RegionTagger
 from autoremat._measure.tape import (
     WINDOW_DECISIONS,
     HeadOption,
@@ -73,6 +74,7 @@ from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import ContextFn
 from autoremat._plan.costs import CostModel, head_cost
 from autoremat._plan.keepsets import KeepSet, keep_sets
+from autoremat._profile.derive import derive
 from autoremat._profile.runs import (
     _checkpointed_flops,
     _Contexts,
@@ -217,14 +219,17 @@ def _pairs_missing(runs: dict[_Pattern, _MemoryRun], n: int, alike: Sequence[int
 
 
 def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
-                    stage: Callable[[str], None] = lambda _: None,
+                    stage: Callable[[str], None] = lambda _: None, *,
+                    measure: Sequence[str] | None = None,
                     ) -> list[dict[str, SelectiveProfile]]:
     """Each block's selective options (save-sets of op kinds, keep-sets by position),
-    measured in steps where every other block is checkpointed or selective, several
-    blocks' options in one step (NOTE [ Options measured together ]); block ``i`` takes
-    the figures measured on block ``alike[i]``. Recompute FLOPs are measured, as for
-    whole blocks: checkpoint's early stop skips the ops after the last one backward
-    needs."""
+    derived from the checkpointed step where its tags allow (NOTE [ Selective windows
+    from the checkpointed step ]), else measured in steps where every other block is
+    checkpointed or selective, several blocks' options in one step (NOTE [ Options
+    measured together ]); block ``i`` takes the figures of block ``alike[i]``. Recompute
+    FLOPs are measured, as for whole blocks: checkpoint's early stop skips the ops after
+    the last one backward needs. ``measure``: the option keys to measure, none derived
+    (for tests: the others are left out)."""
     step, plain = setup.step, base.counter
     ops = [plain.block_ops(name) for name in names]
     options = _selective_options(names, [plain.block_stats(name) for name in names], ops,
@@ -236,8 +241,17 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
         internal_assert(options[i].keys() == options[like].keys(),
                         f"blocks {names[like]} and {names[i]} have the same ops but not the "
                         "same selective options")
-    pending = {like: sorted(options[like]) for like in members}
     measured: dict[tuple[int, str], tuple[WindowMemory, WindowMemory, int]] = {}
+    if measure is None and any(base.tags):  # NOTE [ Selective windows from the ...
+        stage("selective options derived")
+        for like in members:
+            for key in options[like]:
+                found = _derived(base, like, key, options[like][key][2], ops[like], setup)
+                if found is not None:
+                    measured[like, key] = found
+    pending = {like: sorted(k for k in options[like]
+                            if (like, k) not in measured and (measure is None or k in measure))
+               for like in members}
     steps = max((len(keys) for keys in pending.values()), default=0)
     while any(pending.values()):
         stage(f"selective options {steps - max(len(k) for k in pending.values()) + 1}/{steps}")
@@ -258,10 +272,29 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
     for i, block_options in enumerate(options):
         for key in sorted(block_options):
+            if (alike[i], key) not in measured:
+                continue  # left out: measure= names others
             fwd, bwd, flops_i = measured[alike[i], key]
             out[i][key] = dataclasses.replace(block_options[key][2], fwd=fwd, bwd=bwd,
                                               recompute_flops=flops_i)
     return out
+
+
+def _derived(base: _BaseRuns, i: int, key: str, option: SelectiveProfile,
+             ops: tuple[OpRecord, ...], setup: _Setup,
+             ) -> tuple[WindowMemory, WindowMemory, int] | None:
+    """Option ``key`` of block ``i`` derived from the checkpointed step, or ``None``
+    (NOTE [ Selective windows from the checkpointed step ])."""
+    tags = base.tags[i] if base.tags else None
+    if tags is None:
+        return None
+    n = len(base.recompute_flops)
+    run = base.runs[(Decision.RECOMPUTE,) * n]
+    marks = _marks(run.mem)
+    ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{k}"] for k in range(n)]
+    return derive(tags, ops, key, option,
+                  windows=((run.bounds[i], run.bounds[i + 1]), (ends[i + 1], ends[i])),
+                  recompute_flops=base.recompute_flops[i], rounding=setup.rounding)
 
 
 _Option = tuple[ContextFn, Any, SelectiveProfile]  # eager context, compiled one, figures
@@ -350,6 +383,9 @@ class _BaseRuns:
     host_bandwidth: float  # bytes per second to host memory (0.0 without offload)
     alike: list[int]  # per block, the first block that measures alike (_alike)
     local: bool = False  # pairs read from the uniform steps (NOTE [ Pairs that cannot ... ])
+    # per block, what the checkpointed step tagged (NOTE [ Selective windows from the
+    # checkpointed step ]); None: not tagged (compiled, offload, no selective options)
+    tags: list[RegionCall | None] = dataclasses.field(default_factory=list)
 
     @property
     def plain(self) -> _MemoryRun:
@@ -357,10 +393,14 @@ class _BaseRuns:
 
 
 def _base_runs(names: list[str], setup: _Setup,
-               stage: Callable[[str], None] = lambda _: None) -> _BaseRuns:
+               stage: Callable[[str], None] = lambda _: None, *,
+               tag: bool = False) -> _BaseRuns:
     """One memory step per pattern of whole-block decisions (``_patterns``); eager, the plain
     one also records FLOPs and ops, and the checkpointed one recompute FLOPs
-    (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them."""
+    (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them.
+    ``tag``: eager and without offload, the checkpointed step also tags each block's
+    ops, from which selective options are derived (NOTE [ Selective windows from the
+    checkpointed step ])."""
     n, backend = len(names), setup.backend
     step, model = setup.step, setup.step.model
     eager = backend is None
@@ -372,6 +412,8 @@ def _base_runs(names: list[str], setup: _Setup,
     local = False
     patterns = _patterns(n, setup.offload)
     kept, ckpt = (Decision.KEEP,) * n, (Decision.RECOMPUTE,) * n
+    taggers = {name: RegionTagger() for name in names} if tag and eager and not setup.offload \
+        else {}
     for pattern in patterns:
         if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
             if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
@@ -384,8 +426,10 @@ def _base_runs(names: list[str], setup: _Setup,
                 not _pairs_missing(runs, n, alike, 2):
             break  # NOTE [ Alternations shared by alike blocks ]
         stage(f"memory runs {len(runs) + 1}/{len(patterns)}")
-        runs[pattern] = _memory_run(step, names, pattern, rounding=setup.rounding,
-                                    backend=backend,
+        runs[pattern] = _memory_run(step, names, pattern,
+                                    _Contexts(dict[str, ContextFn](taggers))
+                                    if pattern == ckpt else None,
+                                    rounding=setup.rounding, backend=backend,
                                     counter={kept: counter, ckpt: ckpt_counter}.get(pattern)
                                     if eager else None)
         if pattern == kept:  # the gradients the plain step left
@@ -406,9 +450,11 @@ def _base_runs(names: list[str], setup: _Setup,
     recompute_flops = _recompute_flops(ckpt_counter, counter, names) \
         if ckpt_counter is not None else \
         _checkpointed_flops(step, names, counter)
+    tags = [taggers[name].calls[0] if name in taggers and len(taggers[name].calls) == 1
+            else None for name in names]
     return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
                      grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
-                     host_bandwidth=bandwidth, alike=alike, local=local)
+                     host_bandwidth=bandwidth, alike=alike, local=local, tags=tags)
 
 
 # NOTE [ Measuring the head ]

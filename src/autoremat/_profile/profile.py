@@ -380,7 +380,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
         stage("warm-up step")
         chain = _chain(setup, in_order=blocks is not None,
                        timed=timed and setup.backend is None)  # compiled: timed compiled
-        base = _base_runs(chain.names, setup, stage)
+        base = _base_runs(chain.names, setup, stage, tag=with_selective)
         selective = _selective_runs(chain.names, base, setup, stage) \
             if with_selective else [{} for _ in chain.names]
         notes = _mode_notes(step.model, chain.names, discovered=blocks is None)

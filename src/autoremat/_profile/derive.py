@@ -1,0 +1,132 @@
+"""Selective options derived from the checkpointed step instead of measured one step each.
+
+NOTE [ Selective windows from the checkpointed step ]
+    A selective block (``selective.py``) runs the ops a checkpointed one runs, in the
+    same order, in forward and in recompute. What differs, storage by storage:
+    * each output it keeps (the ops of its save-set's kinds, or a keep-set's positions)
+      lives from forward to the end of the region, when the checkpoint's frame is freed
+      in the block's backward (its ``_Kept`` goes with it), and never shorter than the
+      recomputed copy it stands in for;
+    * recompute makes no copy of a kept output (it hands back an alias of the kept one,
+      NOTE [ Our own selective contexts, and random bits ]);
+    * each Bernoulli draw is kept as one byte per element, from the draw to the frame's
+      end;
+    * a dead op's stand-in is an empty tensor of the bytes the op would have made.
+    Nothing else changes: the same storages are made and freed at the same points. So
+    the checkpointed memory step runs with a tagging context in every block
+    (``RegionTagger`` in ``_measure/regions.py``: which of the timeline's events each op
+    position made, in forward and in recompute, and the event at which the region's
+    frame was freed), and an option's
+    windows are that step's levels with those lifetimes changed (``derive``). Its
+    recompute FLOPs are the checkpointed block's less those of the kept and skipped ops
+    recompute ran (checkpoint's early stop is the same: the same tensors are saved).
+    Where a block's tags do not show what the option would do (a kept output changed in
+    place later, a keep-set position that cannot be kept or a skipped op that cannot be
+    stood in for, so that the mechanism turns keeping or skipping off; a recompute that
+    ran other ops; a frame not freed within the step), ``derive`` gives ``None`` and the
+    option is measured in a step of its own (NOTE [ Options measured together ]).
+    ``test_profile`` checks every derived option against a step that measures it with
+    the other blocks checkpointed.
+
+NOTE [ Kept outputs that outlive the forward ]
+    A kept output that outlives the block's forward in the checkpointed step is the
+    block's output (or held outside it): the next block holds it as its input, and keeping
+    it moves its free from the end of that block's backward to the end of this one's,
+    out of this block's windows. Such an option is measured, as before, in a step where
+    the other blocks run options of their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autoremat._core.saves import is_keep_set, save_set_of
+from autoremat._measure.memory import Rounding, counted_bytes
+from autoremat._measure.ops import OpRecord
+from autoremat._measure.regions import RegionCall
+from autoremat._measure.tape import SelectiveProfile, WindowMemory
+from autoremat._mechanism.selective import _op_info, can_stand_in
+
+__all__ = ["derive"]
+
+
+def _kept_positions(key: str, option: SelectiveProfile, tags: RegionCall) -> set[int] | None:
+    """The positions whose outputs option ``key`` keeps, or ``None`` where the mechanism
+    would turn keeping off (a keep-set position that cannot be kept)."""
+    if not is_keep_set(key):
+        save = set(save_set_of(key))
+        return {p for p, op in enumerate(tags.forward)
+                if not _op_info(op.func)[1] and _op_info(op.func)[0] in save}
+    if any(p >= len(tags.forward) or _op_info(tags.forward[p].func)[0] is None
+           for p in option.keep_ops):
+        return None
+    return set(option.keep_ops)
+
+
+def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: SelectiveProfile, *,
+           windows: tuple[tuple[int, int], tuple[int, int]], recompute_flops: int,
+           rounding: Rounding | None) -> tuple[WindowMemory, WindowMemory, int] | None:
+    """Option ``key`` of a block as the checkpointed step tagged it (``tags``; ``ops``:
+    the block's op records from the plain step; ``windows``: the block's forward and
+    backward windows in that step, as first and last events; ``recompute_flops``: the
+    checkpointed block's): its forward and backward windows and recompute FLOPs, or
+    ``None`` where they must be measured (NOTE [ Selective windows from the checkpointed
+    step ])."""
+    mem, forward, recompute = tags.mem, tags.forward, tags.recompute
+    if mem is None or tags.freed is None or len(forward) != len(ops) or \
+            any(str(op.func) != record.op for op, record in zip(forward, ops, strict=True)) \
+            or len(recompute) > len(forward) \
+            or any(r.func is not f.func for r, f in zip(recompute, forward, strict=False)):
+        return None
+    kept = _kept_positions(key, option, tags)
+    skipped = set(option.skip_ops)
+    if kept is None or any(
+            not can_stand_in(forward[p].func, returns_first=forward[p].returns_first,
+                             all_tensors=forward[p].all_tensors)
+            for p in skipped if p < len(forward)):
+        return None
+    if any(r.inplace and r.target in kept for r in ops):
+        return None  # changed in place after it was kept: neither kept nor skipping
+    if sum(r.flops for r in ops[:len(recompute)]) != recompute_flops:
+        return None  # recompute ran something else than forward's ops
+    born = {record.born: record for record in mem.records}
+    freed = tags.freed + 1  # the first event after the frame was freed
+    never = len(mem.levels)
+    changes: list[tuple[int, int, int]] = []  # +bytes over events [start, stop)
+    for p in sorted(kept):
+        made = [born[e] for e in range(forward[p].first, forward[p].stop) if e in born]
+        if len(made) != forward[p].storages:
+            return None  # it returned a storage it did not make: not modelled
+        again = [born[e] for e in range(recompute[p].first, recompute[p].stop)
+                 if e in born] if p < len(recompute) else []
+        if again and [r.nbytes for r in again] != [r.nbytes for r in made]:
+            return None
+        for k, record in enumerate(made):
+            died = never if record.died is None else record.died
+            if died > windows[0][1]:
+                return None  # it outlives the block's forward: NOTE [ Kept outputs ... ]
+            copy = again[k] if again else None
+            # no copy: recompute stopped before this op (checkpoint's early stop)
+            copy_died = 0 if copy is None else never if copy.died is None else copy.died
+            changes.append((died, max(died, copy_died, freed), record.nbytes))
+            if copy is not None:
+                changes.append((copy.born, copy_died, -copy.nbytes))
+    for position in forward:
+        if position.drawn:
+            if position.drawn_bool:
+                return None  # kept as the draw itself: not modelled
+            assert position.device is not None  # for mypy: set with drawn
+            changes.append((position.stop - 1, freed,
+                            counted_bytes(position.drawn, position.device, rounding)))
+    levels = np.asarray(mem.levels, dtype=np.int64)
+    out = []
+    for start, stop in windows:
+        level = levels[start:stop + 1].copy()
+        for a, z, nbytes in changes:
+            lo, hi = max(a, start), min(z, stop + 1)
+            if lo < hi:
+                level[lo - start:hi - start] += nbytes
+        out.append(WindowMemory(peak_bytes=int(level.max() - level[0]),
+                                delta_bytes=int(level[-1] - level[0])))
+    gone = (kept | skipped) & set(range(len(recompute)))
+    return out[0], out[1], recompute_flops - sum(ops[p].flops for p in gone)
