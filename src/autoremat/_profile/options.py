@@ -6,6 +6,8 @@ save-sets and keep-sets measured together, and the loss head's chunked
 options; each measured with the steps of ``runs.py``.
 
 NOTE [ Options measured together ]
+    Most selective options are derived from the checkpointed step (NOTE [ Selective
+    windows from the checkpointed step ] in ``derive.py``); the others are measured so.
     A selective option's windows are a block's own: from its forward start to the next
     block's, and from its output's gradient to its input's, in a step where the blocks
     around it are checkpointed, whole or selective (each saves its own input, so no

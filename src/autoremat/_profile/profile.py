@@ -7,8 +7,10 @@ NOTE [ Three kinds of run ]
       boundaries. Windows between marks give what the planner composes (see
       ``tape.py``), for each pair (previous block's decision, this block's): who
       holds a boundary tensor depends on both its producer and its consumer. Memory
-      is exact and deterministic. Then the selective options, a few per step
-      (NOTE [ Options measured together ]).
+      is exact and deterministic. The selective options are derived from the
+      checkpointed step (NOTE [ Selective windows from the checkpointed step ] in
+      ``derive.py``), and those it cannot show measured, a few per step (NOTE [ Options
+      measured together ]).
     * FLOPs: counted by block in the same steps (NOTE [ One pass for memory and FLOPs ]).
     * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
     Before them, one uninstrumented step finds the chain (and warms up: what a model
@@ -304,8 +306,10 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
             first step, which finds the blocks, counts as one when ``repeats >= 3``, and
             timing stops once two steps in a row agree within 5%
             (NOTE [ Timing repeats ]).
-        with_selective: also measure selective-recompute options (one more memory step
-            per distinct save-set), so that plans can use them.
+        with_selective: also measure selective-recompute options, so that plans can use
+            them: derived from the checkpointed memory step (NOTE [ Selective windows
+            from the checkpointed step ]), and those it cannot show measured, several
+            blocks' in one more memory step.
         timing: time uninstrumented steps; ``False`` (or a model on ``meta``) reports
             all times as 0.0 and says so in ``tape.notes``. On CUDA, times are taken
             with CUDA events (see ``timing.py``).
