@@ -8,6 +8,7 @@ on the zoo models (in a subprocess, see ``_os_peak_probe.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -436,3 +437,27 @@ def test_tracked_peak_agrees_with_the_os_high_water_mark() -> None:
             assert abs(rel) <= OS_TOLERANCE, (key, r)
     # the accounting does not depend on the convolution backend
     assert results["resnet"]["tracked_bytes"] == results["resnet-no-onednn"]["tracked_bytes"]
+
+
+def test_a_counter_run_through_the_tracker_sees_what_it_sees_as_a_mode_of_its_own() -> None:
+    # NOTE [ One mode for two instruments ]: measure_step calls the counter from the
+    # tracker's handler; the timeline, the FLOPs and the op records are those of the two
+    # entered as modes one inside the other
+    import autoremat
+    from autoremat._core.step import Step
+    from autoremat._measure.measured import measure_step
+    from autoremat._measure.ops import OpRecorder
+
+    model, inputs = autoremat.zoo.build("gpt2", n_layer=2, n_embd=32, n_head=2, batch_size=2,
+                                        seq_len=16, vocab_size=64)
+    step = Step(model, inputs)
+    through = OpRecorder()
+    one = measure_step(step, memory="storages", counter=through)
+    nested = OpRecorder()  # entered as a mode outside the tracker, as before
+    with nested, torch.autograd.graph.saved_tensors_hooks(nested.pack, nested.unpack):
+        two = measure_step(step, memory="storages")
+    assert one.memory is not None and two.memory is not None and through.total > 0
+    assert (one.memory.levels, one.memory.ops) == (two.memory.levels, two.memory.ops)
+    assert (through.by_label, through.total) == (nested.by_label, nested.total)
+    assert [dataclasses.replace(o, ms=0.0) for o in through.block_ops("<outside>")] == \
+        [dataclasses.replace(o, ms=0.0) for o in nested.block_ops("<outside>")]

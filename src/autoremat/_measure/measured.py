@@ -29,7 +29,7 @@ from autoremat._core.errors import internal_assert
 from autoremat._core.step import Step, preserved_state
 from autoremat._measure.allocations import track_allocations
 from autoremat._measure.flops import FlopCounter
-from autoremat._measure.memory import MemoryTracker, Rounding, track_allocator, track_memory
+from autoremat._measure.memory import MemoryTracker, Rounding, _tracked, track_allocator
 from autoremat._measure.ops import OpRecorder
 from autoremat._measure.timing import time_ms
 
@@ -112,13 +112,18 @@ def measure_step(step: Step, *, memory: Memory | None = None,
                 p.grad = None
         with ExitStack() as stack:
             peak = stack.enter_context(track_allocator(device)) if allocator else None
+            # with the storage tracker, the counter runs each op for it: one dispatch mode
+            # for both (NOTE [ One mode for two instruments ] in memory.py)
+            through = counter if memory == "storages" else None
             if counter is not None:
-                stack.enter_context(counter)
+                if through is None:
+                    stack.enter_context(counter)
                 if isinstance(counter, OpRecorder):  # it notes what autograd saves
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                         counter.pack, counter.unpack))
             mem = (None if memory is None
-                   else stack.enter_context(track_memory(rounding)) if memory == "storages"
+                   else stack.enter_context(_tracked(rounding, through))
+                   if memory == "storages"
                    else stack.enter_context(track_allocations(device)))
 
             def mark(label: str) -> None:
