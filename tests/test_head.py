@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
+import types
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import autoremat
 from autoremat import Decision
 from autoremat._core.head import HEAD_RTOL, linear_cross_entropy
 from autoremat._mechanism.head import find_head
+from autoremat._plan.costs import cost_model_for
 from autoremat._plan.strategies import smallest_feasible_bytes
 
 transformers = pytest.importorskip("transformers")
@@ -308,3 +311,59 @@ def test_a_chunked_head_compiles_without_a_graph_break():
     explained = torch._dynamo.explain(model)(**inputs)
     assert explained.graph_break_count == 0, explained.break_reasons
     autoremat.remove(model)
+
+
+# --- one head option measured, the others replayed --------------------------------------
+
+def _head_steps(monkeypatch) -> list[int]:
+    """Counts the memory steps ``_head_options`` runs."""
+    options = importlib.import_module("autoremat._profile.options")
+    steps: list[int] = []
+    run = options._memory_run
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(options, "_memory_run", counted)
+    return steps
+
+
+@pytest.mark.parametrize("case", ["hf-gpt2", "hf-llama", "zoo-gpt2"])
+def test_head_options_replayed_equal_measured_ones(case, monkeypatch):
+    # NOTE [ One head option measured, the others replayed ]: the options after the
+    # first are the first's step with the chunked forward's levels replaced by a replay;
+    # they equal a step of their own (post, tail, step peak), and cost no step
+    options = importlib.import_module("autoremat._profile.options")
+    if case == "zoo-gpt2":
+        model, inputs = autoremat.zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=64)
+    else:
+        model, inputs = _hf(case[3:], 4096)
+    site = find_head(model, inputs, None)[0]
+    assert site is not None
+    setup = types.SimpleNamespace(step=autoremat.Step(model, inputs), rounding=None,
+                                  cost_model=cost_model_for("cpu"))
+    names = [b.name for b in autoremat.profile(model, inputs, timing=False,
+                                               with_selective=False, with_head=False).blocks]
+    steps = _head_steps(monkeypatch)
+    replayed, _ = options._head_options(names, site, setup)
+    assert len(steps) == 1
+    monkeypatch.setattr(options, "_replayed", lambda *args: None)
+    measured, _ = options._head_options(names, site, setup)
+    assert len(steps) == 1 + len(options.HEAD_CHUNKS)
+    assert replayed is not None and replayed == measured
+
+
+def test_a_replay_unlike_the_measured_step_measures_the_others(monkeypatch):
+    options = importlib.import_module("autoremat._profile.options")
+    model, inputs = _hf("gpt2", 4096)
+    site = find_head(model, inputs, None)[0]
+    setup = types.SimpleNamespace(step=autoremat.Step(model, inputs), rounding=None,
+                                  cost_model=cost_model_for("cpu"))
+    names = [f"transformer.h.{i}" for i in range(3)]
+    replay = options._replay_levels
+    monkeypatch.setattr(options, "_replay_levels",
+                        lambda *args: [level + 1 for level in replay(*args)])
+    steps = _head_steps(monkeypatch)
+    head, _ = options._head_options(names, site, setup)
+    assert head is not None and len(steps) == len(options.HEAD_CHUNKS)

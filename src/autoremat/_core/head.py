@@ -34,6 +34,9 @@ NOTE [ What a chunked head changes in numerics ]
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,6 +58,39 @@ HEAD_RTOL: dict[torch.dtype, float] = {
 }
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    """What one call of the chunked head was given, enough to run the same call again on
+    stand-in values (its allocations depend on shapes, not values): NOTE [ One head option
+    measured, the others replayed ] in ``_profile/options.py``."""
+
+    hidden: tuple[tuple[int, ...], torch.dtype, torch.device, bool]  # shape, dtype, device, grad
+    weight: Tensor
+    bias: Tensor | None
+    labels: tuple[tuple[int, ...], torch.dtype]
+    denominator: tuple[torch.dtype, torch.device]
+    ignore_index: int
+    upcast: bool
+
+    def replay(self, chunks: int) -> Callable[[], Tensor]:
+        """The call over ``chunks`` chunks on stand-ins made now (zeros, labels 0): a
+        function that runs it and returns the loss (its graph holds the gradients)."""
+        shape, dtype, device, grad = self.hidden
+        hidden = torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
+        labels = torch.zeros(self.labels[0], dtype=self.labels[1], device=device)
+        denominator = torch.ones((), dtype=self.denominator[0], device=self.denominator[1])
+        return lambda: _ChunkedLinearCrossEntropy.apply(
+            hidden, self.weight, self.bias, labels, denominator, chunks, self.ignore_index,
+            self.upcast)
+
+
+# Told as each chunked forward starts ("start", what it was given) and ends ("end", None);
+# set by a profile that measures the head (NOTE [ One head option measured, the others
+# replayed ]); None: nobody listens.
+HEAD_WATCH: ContextVar[Callable[[str, HeadCall | None], None] | None] = \
+    ContextVar("autoremat_head_watch", default=None)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum_t CE(h_t W^T + b, y_t) / denominator`` over row chunks; NOTE [ A chunked head ]."""
 
@@ -62,6 +98,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None,
                 labels: Tensor, denominator: Tensor, chunks: int, ignore_index: int,
                 upcast: bool) -> Tensor:
+        watch = HEAD_WATCH.get()
+        if watch is not None:
+            watch("start", HeadCall(
+                hidden=(tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad),
+                weight=weight, bias=bias, labels=(tuple(labels.shape), labels.dtype),
+                denominator=(denominator.dtype, denominator.device),
+                ignore_index=ignore_index, upcast=upcast))
         n = hidden.shape[0]  # hidden (N, C), labels (N,)
         want = (hidden.requires_grad, weight.requires_grad,
                 bias is not None and bias.requires_grad)
@@ -105,7 +148,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32 if upcast else hidden.dtype,
                                 device=hidden.device)
         ctx.grads = (d_hidden, d_weight, d_bias) if any(want) else None
-        return total / denominator.to(total.dtype)
+        loss = total / denominator.to(total.dtype)
+        if watch is not None:
+            watch("end", None)
+        return loss
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

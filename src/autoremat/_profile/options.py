@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -55,10 +56,12 @@ from torch import nn
 from autoremat._core.conditions import autocast_state
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import internal_assert
+from autoremat._core.head import HEAD_WATCH, HeadCall
 from autoremat._core.saves import keep_keys, keep_set_name, op_signature, save_set_name, save_sets
 from autoremat._core.step import unique_storage_bytes
 from autoremat._measure.blocks import param_signature
 from autoremat._measure.flops import FlopCounter
+from autoremat._measure.memory import Rounding, active_tracker, track_memory
 from autoremat._measure.ops import OpRecord, OpRecorder, OpStats
 from autoremat._measure.regions import RegionCall, RegionTagger
 from autoremat._measure.tape import (
@@ -470,30 +473,122 @@ def _base_runs(names: list[str], setup: _Setup,
 #     least nothing: never below what it measures. Two chunk counts are measured
 #     (:data:`HEAD_CHUNKS`): few chunks cost least, many hold least; the transient of a
 #     chunk is proportional to its rows, so more options would add little.
+# NOTE [ One head option measured, the others replayed ]
+#     The chunk count changes nothing outside the chunked forward: before it and after it
+#     the step runs the same ops on the same shapes, and the forward leaves the same
+#     tensors behind (the loss and the two gradient buffers: NOTE [ A chunked head ]), so
+#     the level after it is the same. Only the levels inside it differ, and those depend
+#     on shapes, not values. So the first chunk count is measured in a step (the head
+#     tells a watcher where its forward starts and ends: ``HEAD_WATCH``), and each other
+#     one is that step with the forward's levels replaced by those of the same call run
+#     again on its own, on stand-ins of the same shapes (``HeadCall.replay``), under the
+#     tracker. The measured count is replayed too: where its replay's levels are not the
+#     step's exactly, or a replay does not end at the same level, the others are
+#     measured in steps of their own. ``test_head`` checks the replayed options against
+#     measured ones.
 def _head_options(names: list[str], site: HeadSite,
                   setup: _Setup) -> tuple[HeadProfile | None, str]:
-    """The head options of ``site``, measured (NOTE [ Measuring the head ]); or ``None``
-    and why, when the chunked head never ran in the step."""
+    """The head options of ``site`` (NOTE [ Measuring the head ], NOTE [ One head option
+    measured, the others replayed ]); or ``None`` and why, when the chunked head never
+    ran in the step."""
     model = setup.step.model
     step = dataclasses.replace(setup.step, loss_fn=None)  # the chunked head takes the loss
     weight = model.get_submodule(site.name).weight
     weight_bytes = cast(torch.Tensor, weight).untyped_storage().nbytes()
     options = {}
+    first: tuple[_MemoryRun, HeadCall, int] | None = None
     for chunks in HEAD_CHUNKS:
-        with head_installed(model, site, chunks) as install:
-            run = _memory_run(step, names, (Decision.KEEP,) * len(names), rounding=setup.rounding)
-        if install is None or install.calls != 1:
-            calls = 0 if install is None else install.calls
-            return None, (f"the loss head {site} took {calls} losses in one step, not one "
-                          f"(was it called without labels?): it stays as the model "
-                          f"computes it")
+        replayed = _replayed(first, chunks, setup.rounding) if first is not None else None
+        if replayed is not None:
+            post, tail, peak = replayed
+        else:
+            calls: list[HeadCall] = []
+            with head_installed(model, site, chunks) as install, _head_watched(calls):
+                run = _memory_run(step, names, (Decision.KEEP,) * len(names),
+                                  rounding=setup.rounding)
+            if install is None or install.calls != 1:
+                count = 0 if install is None else install.calls
+                return None, (f"the loss head {site} took {count} losses in one step, not "
+                              f"one (was it called without labels?): it stays as the model "
+                              f"computes it")
+            post, tail, peak = run.post, run.tail, run.mem.peak_bytes
+            if first is None and len(calls) == 1:
+                first = (run, calls[0], chunks)
         options[f"chunked:{chunks}"] = HeadOption(
-            chunks=chunks, post=run.post, tail=run.tail, step_peak_bytes=run.mem.peak_bytes,
+            chunks=chunks, post=post, tail=tail, step_peak_bytes=peak,
             cost=head_cost(chunks, weight_bytes, setup.cost_model))
     for p in model.parameters():
         p.grad = None
     return HeadProfile(kind=site.kind, name=site.name, vocab=site.vocab,
                        weight_bytes=weight_bytes, options=options), ""
+
+
+@contextmanager
+def _head_watched(calls: list[HeadCall]) -> Iterator[None]:
+    """Marks ``head:start`` and ``head:end`` on the tracker around each chunked forward,
+    and notes what it was given in ``calls``."""
+    def watch(phase: str, call: HeadCall | None) -> None:
+        tracker = active_tracker()
+        if tracker is not None:
+            tracker.mark(f"head:{phase}")
+        if call is not None:
+            calls.append(call)
+
+    token = HEAD_WATCH.set(watch)
+    try:
+        yield
+    finally:
+        HEAD_WATCH.reset(token)
+
+
+def _replay_levels(call: HeadCall, chunks: int, rounding: Rounding | None) -> list[int]:
+    """The levels of the chunked forward of ``call`` over ``chunks`` chunks, run on its
+    own under the tracker, from its start to its end as the head marks them (the first
+    level 0: before it)."""
+    run = call.replay(chunks)
+    with track_memory(rounding) as mem, _head_watched([]):
+        loss = run()
+    del loss
+    marks = _marks(mem)
+    return mem.levels[marks["head:start"]:marks["head:end"] + 1]
+
+
+def _replayed(first: tuple[_MemoryRun, HeadCall, int], chunks: int, rounding: Rounding | None,
+              ) -> tuple[WindowMemory, WindowMemory, int] | None:
+    """``post``, ``tail`` and the step peak of the head over ``chunks`` chunks, from the
+    step ``first`` measured with another count (NOTE [ One head option measured, the
+    others replayed ]); ``None`` where the replay does not match that step."""
+    run, call, measured_chunks = first
+    marks = _marks(run.mem)
+    if "head:start" not in marks or "head:end" not in marks:
+        return None
+    a, b = marks["head:start"], marks["head:end"]
+    levels = run.mem.levels
+    measured = [level - levels[a] for level in levels[a:b + 1]]
+    if _replay_levels(call, measured_chunks, rounding) != measured:
+        return None
+    inside = _replay_levels(call, chunks, rounding)
+    if inside[-1] != measured[-1]:
+        return None
+    new = levels[:a + 1] + [levels[a] + level for level in inside[1:]] + levels[b + 1:]
+    shift = (len(inside) - 1) - (b - a)
+
+    def at(event: int) -> int:
+        return event if event <= a else event + shift
+
+    n = len(run.bounds) - 1
+    ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{k}"] for k in range(n)]
+    start, stop = run.bounds[-1], ends[n]  # post: from the forward's end to the last
+    # block's backward (the head runs inside it)
+    if not start <= a < b < stop:
+        return None
+
+    def window(lo: int, hi: int) -> WindowMemory:
+        lo, hi = at(lo), at(hi)
+        return WindowMemory(peak_bytes=max(new[lo:hi + 1]) - new[lo],
+                            delta_bytes=new[hi] - new[lo])
+
+    return window(start, stop), window(ends[0], len(levels) - 1), max(new)
 
 
 def _head(names: list[str], setup: _Setup, with_head: bool,
