@@ -58,7 +58,7 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,6 +187,10 @@ class MemoryTracker:
     marks: list[tuple[int, str]] = field(default_factory=list)
     rounding: Rounding | None = None
     notes: list[str] = field(default_factory=list)
+    # told (op, args, output, its first event) after each op, while a checkpointed region
+    # whose ops are tagged runs (``regions.py``); None: nothing listens
+    region: Callable[[Any, tuple[Any, ...], Any, int], None] | None = field(
+        default=None, repr=False, compare=False)
     _peak_event: int = 0
     _closed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -277,6 +281,7 @@ class _StorageAccountant(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        first = len(self.tracker.levels)
         out = func(*args, **kwargs) if self.through is None else \
             self.through.__torch_dispatch__(func, types, args, kwargs)
         input_keys = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
@@ -286,6 +291,9 @@ class _StorageAccountant(TorchDispatchMode):
             name = self._names[func] = str(func)
         for t in _tensors_in(out):
             self._see(t.untyped_storage(), name, input_keys, in_backward)
+        region = self.tracker.region
+        if region is not None:  # the events this op made: first .. levels now
+            region(func, args, out, first)
         return out
 
     def _see(

@@ -1,9 +1,9 @@
 """What each op of a checkpointed region made on the memory timeline.
 
 An instrument for one memory step with every block checkpointed: a ``context_fn``
-(``RegionTagger``) whose modes, inside the region's forward and its recompute, note the
-events of the storage tracker below them that each op made, and the event at which the
-region's checkpoint frame was freed. ``_profile/derive.py`` derives selective options
+(``RegionTagger``) whose contexts, around the region's forward and its recompute, have
+the storage tracker tell them the events each op made, and which note the event at which
+the region's checkpoint frame was freed. ``_profile/derive.py`` derives selective options
 from it (NOTE [ Selective windows from the checkpointed step ] there).
 """
 
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoremat._measure.memory import MemoryTracker, active_tracker
@@ -50,38 +49,44 @@ class RegionCall:
     mem: MemoryTracker | None = None
 
 
-class _TagMode(TorchDispatchMode):
-    """Notes, for each op of the region (``IGNORED_OPS`` aside, as ``selective.py``
-    counts positions), the events the memory tracker below it made."""
+class _Region:
+    """Entered around a region's forward (or its recompute): while it is, the storage
+    tracker tells it each op the region runs (``MemoryTracker.region``), and it notes the
+    op's events in ``ops``, positions counted as ``selective.py`` counts them
+    (``IGNORED_OPS`` aside). No dispatch mode of its own: the tracker's sees every op."""
 
-    def __init__(self, tags: RegionCall, ops: list[OpEvents]) -> None:
-        super().__init__()
-        self.tags, self.ops = tags, ops
+    def __init__(self, call: RegionCall, ops: list[OpEvents]) -> None:
+        self.call, self.ops = call, ops
+        self.tracker: MemoryTracker | None = None
+        self.previous: Any = None
 
-    def __enter__(self) -> _TagMode:
-        if self.ops is self.tags.recompute:
-            self.ops.clear()  # NOTE [ Contexts a backward may enter again ]
-        return super().__enter__()
+    def __enter__(self) -> _Region:
+        tracker = self.tracker = active_tracker()
+        if tracker is not None:
+            if self.call.mem is None:
+                self.call.mem = tracker
+            if self.ops is self.call.recompute:
+                self.ops.clear()  # NOTE [ Contexts a backward may enter again ]
+            self.previous, tracker.region = tracker.region, self._note
+        return self
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        tags = self.tags
-        if tags.mem is None:
-            tags.mem = active_tracker()
-        first = len(tags.mem.levels) if tags.mem is not None else 0
-        out = func(*args, **(kwargs or {}))
-        if func in IGNORED_OPS or tags.mem is None:
-            return out
+    def __exit__(self, *exc: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.region = self.previous
+
+    def _note(self, func: Any, args: tuple[Any, ...], out: Any, first: int) -> None:
+        if func in IGNORED_OPS or self.tracker is None:
+            return
         leaves = tree_flatten(out)[0]
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        position = OpEvents(func=func, first=first, stop=len(tags.mem.levels),
+        position = OpEvents(func=func, first=first, stop=len(self.tracker.levels),
                             storages=len({t.untyped_storage()._cdata for t in tensors}),
                             returns_first=bool(args) and out is args[0],
-                            all_tensors=all(isinstance(t, torch.Tensor) for t in leaves))
+                            all_tensors=len(tensors) == len(leaves))
         if "bernoulli" in func.__name__ and isinstance(out, torch.Tensor):
             position.drawn, position.drawn_bool = out.numel(), out.dtype == torch.bool
             position.device = out.device
         self.ops.append(position)
-        return out
 
 
 class RegionTagger:
@@ -91,13 +96,13 @@ class RegionTagger:
     def __init__(self) -> None:
         self.calls: list[RegionCall] = []
 
-    def __call__(self) -> tuple[_TagMode, _TagMode]:
+    def __call__(self) -> tuple[_Region, _Region]:
         tags = RegionCall()
         self.calls.append(tags)
-        recompute = _TagMode(tags, tags.recompute)
+        recompute = _Region(tags, tags.recompute)
         # the frame holds the recompute context (as it holds selective's _Kept)
         weakref.finalize(recompute, _note_freed, tags)
-        return _TagMode(tags, tags.forward), recompute
+        return _Region(tags, tags.forward), recompute
 
 
 def _note_freed(tags: RegionCall) -> None:
