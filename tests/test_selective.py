@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -247,16 +248,22 @@ def test_odd_blocks_are_exact_and_predicted_under_every_save_set() -> None:
         assert report.recompute_flops == plan.predicted_recompute_flops, name
 
 
-def test_kept_outputs_changed_in_place_in_forward_are_freed_when_it_ends() -> None:
-    from autoremat._mechanism.selective import _KeepOutputs
-
-    lin = torch.nn.Linear(16, 16)
-    seen: list[_KeepOutputs] = []
+def _watched(save: list[str]) -> tuple[ContextFn, list[Any]]:
+    """A ``context_fn`` keeping the outputs of ``save``, and the forward modes it made
+    (their ``kept`` holds what each call kept)."""
+    seen: list[Any] = []
 
     def contexts():  # type: ignore[no-untyped-def]
-        keep, reuse = selective_context(["matmul"])()
+        keep, reuse = selective_context(save)()
         seen.append(keep)
         return keep, reuse
+
+    return contexts, seen
+
+
+def test_kept_outputs_changed_in_place_in_forward_are_freed_when_it_ends() -> None:
+    lin = torch.nn.Linear(16, 16)
+    contexts, seen = _watched(["matmul"])
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         a = lin(x)  # kept, then changed in place: its copy is stale
@@ -395,16 +402,10 @@ def test_kept_outputs_are_handed_back_as_fresh_aliases() -> None:
     that graph saved is freed as backward goes: the tensors recompute made die before
     the kept outputs do."""
     from autoremat._measure.memory import track_memory
-    from autoremat._mechanism.selective import _KeepOutputs
 
     torch.manual_seed(5)
     fc1, fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
-    seen: list[_KeepOutputs] = []
-
-    def contexts():  # type: ignore[no-untyped-def]
-        keep, reuse = selective_context(["matmul"])()
-        seen.append(keep)
-        return keep, reuse
+    contexts, seen = _watched(["matmul"])
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         return fc2(torch.tanh(fc1(x)).exp())

@@ -98,7 +98,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None,
                 labels: Tensor, denominator: Tensor, chunks: int, ignore_index: int,
                 upcast: bool) -> Tensor:
-        watch = HEAD_WATCH.get()
+        # (a profile measures the head eager only; Dynamo cannot trace a ContextVar)
+        watch = None if torch.compiler.is_compiling() else HEAD_WATCH.get()
         if watch is not None:
             watch("start", HeadCall(
                 hidden=(tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad),
