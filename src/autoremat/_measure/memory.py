@@ -284,13 +284,17 @@ class _StorageAccountant(TorchDispatchMode):
         first = len(self.tracker.levels)
         out = func(*args, **kwargs) if self.through is None else \
             self.through.__torch_dispatch__(func, types, args, kwargs)
-        input_keys = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
         in_backward = torch._C._current_graph_task_id() != -1
         name = self._names.get(func)
         if name is None:
             name = self._names[func] = str(func)
+        input_keys: set[int] | None = None  # the inputs' storages, read once one is needed
         for t in _tensors_in(out):
-            self._see(t.untyped_storage(), name, input_keys, in_backward)
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if input_keys is None and key not in self._live and key not in self._foreign:
+                input_keys = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
+            self._see(storage, name, input_keys or set(), in_backward)
         region = self.tracker.region
         if region is not None:  # the events this op made: first .. levels now
             region(func, args, out, first)
@@ -326,6 +330,8 @@ class _StorageAccountant(TorchDispatchMode):
 
     def _bytes(self, storage: torch.UntypedStorage) -> int:
         """What ``storage`` occupies: see NOTE [ CUDA allocator rounding ]."""
+        if self.tracker.rounding != "cuda" and not storage.is_cuda:
+            return storage.nbytes()  # exact: counted_bytes's own figure, without its checks
         rounding = self.tracker.rounding or \
             ("cuda" if storage.device.type == "cuda" else "exact")
         if rounding == "cuda" and not self._noted_cuda:  # the first CUDA-rounded storage
