@@ -271,3 +271,27 @@ def test_bench_on_cuda(tmp_path: Path) -> None:
     assert rows and all(r["peak_source"] == "allocator" for r in rows)
     for r in rows:
         assert _rel(r["tracker_peak_bytes"], r["peak_bytes"]) <= ALLOCATOR_TOLERANCE, r
+
+
+def test_selective_options_derived_on_cuda_equal_measured_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Selective windows from the checkpointed step ] on CUDA: storages counted in
+    # the allocator's blocks, dropout drawn by native_dropout (a random op whose RNG state
+    # is noted, not a kept Bernoulli draw)
+    from test_profile import check_derived_options
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", device=DEVICE, n_layer=3, n_embd=64, n_head=4,
+                              batch_size=2, seq_len=64)
+    found = check_derived_options(model, inputs, None, monkeypatch)
+    assert any(found.values())
+
+
+def test_head_options_replayed_on_cuda_equal_measured_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ One head option measured, the others replayed ] on CUDA
+    from test_head import check_replayed_head
+
+    torch.manual_seed(0)
+    model, inputs = zoo.build("gpt2", device=DEVICE, n_layer=2, batch_size=2, seq_len=64)
+    check_replayed_head(model, inputs, monkeypatch)

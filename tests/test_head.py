@@ -334,15 +334,22 @@ def test_head_options_replayed_equal_measured_ones(case, monkeypatch):
     # NOTE [ One head option measured, the others replayed ]: the options after the
     # first are the first's step with the chunked forward's levels replaced by a replay;
     # they equal a step of their own (post, tail, step peak), and cost no step
-    options = importlib.import_module("autoremat._profile.options")
     if case == "zoo-gpt2":
         model, inputs = autoremat.zoo.build("gpt2", n_layer=2, batch_size=2, seq_len=64)
     else:
         model, inputs = _hf(case[3:], 4096)
+    check_replayed_head(model, inputs, monkeypatch)
+
+
+def check_replayed_head(model, inputs, monkeypatch) -> None:
+    """The head options of ``model``, replayed and measured, are equal, and the replay
+    costs no step (also for ``test_gpu``)."""
+    options = importlib.import_module("autoremat._profile.options")
     site = find_head(model, inputs, None)[0]
     assert site is not None
+    device = next(model.parameters()).device.type
     setup = types.SimpleNamespace(step=autoremat.Step(model, inputs), rounding=None,
-                                  cost_model=cost_model_for("cpu"))
+                                  cost_model=cost_model_for(device))
     names = [b.name for b in autoremat.profile(model, inputs, timing=False,
                                                with_selective=False, with_head=False).blocks]
     steps = _head_steps(monkeypatch)

@@ -571,17 +571,12 @@ def _zoo_case(name: str, **sizes: Any) -> Callable[[], tuple[nn.Module, Any, Any
     return build
 
 
-@pytest.mark.parametrize("case", [
-    _zoo_case("gpt2"), _zoo_case("llama"), _zoo_case("mlp"), _zoo_case("resnet"), _odd,
-    _hf_case("gpt2"), _hf_case("llama"),
-], ids=["gpt2", "llama", "mlp", "resnet", "odd", "hf-gpt2", "hf-llama"])
-def test_selective_options_derived_from_the_checkpointed_step_equal_measured_ones(
-        case: Callable[[], tuple[nn.Module, Any, Any]],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE [ Selective windows from the checkpointed step ]: every option derived equals
-    # a step that runs it on its block alone, the other blocks checkpointed: its windows
-    # and recompute FLOPs. Options the tags cannot show (the odd net's kept outputs
-    # changed in place, ResNet's kept block outputs) are measured instead.
+def check_derived_options(model: nn.Module, inputs: Any, loss_fn: Any,
+                          monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, str], bool]:
+    """Profiles ``model`` and runs every selective option derived from the checkpointed
+    step alone on its block, the other blocks checkpointed: its windows and recompute
+    FLOPs must equal the derived ones. Returns which options were derived (also for
+    ``test_gpu``)."""
     from autoremat._core.saves import is_keep_set, op_signature, save_set_of
     from autoremat._core.step import Step
     from autoremat._measure.flops import FlopCounter
@@ -589,7 +584,6 @@ def test_selective_options_derived_from_the_checkpointed_step_equal_measured_one
     from autoremat._profile.runs import _Contexts, _memory_run
 
     options_module = importlib.import_module("autoremat._profile.options")
-    model, inputs, loss_fn = case()
     derived = options_module._derived
     found: dict[tuple[int, str], bool] = {}
 
@@ -622,5 +616,21 @@ def test_selective_options_derived_from_the_checkpointed_step_equal_measured_one
         checked += 1
     assert checked >= len(tape.blocks[-1].selective)
     assert all(b.selective for b in tape.blocks)
+    return found
+
+
+@pytest.mark.parametrize("case", [
+    _zoo_case("gpt2"), _zoo_case("llama"), _zoo_case("mlp"), _zoo_case("resnet"), _odd,
+    _hf_case("gpt2"), _hf_case("llama"),
+], ids=["gpt2", "llama", "mlp", "resnet", "odd", "hf-gpt2", "hf-llama"])
+def test_selective_options_derived_from_the_checkpointed_step_equal_measured_ones(
+        case: Callable[[], tuple[nn.Module, Any, Any]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Selective windows from the checkpointed step ]: every option derived equals
+    # a step that runs it on its block alone, the other blocks checkpointed: its windows
+    # and recompute FLOPs. Options the tags cannot show (the odd net's kept outputs
+    # changed in place, ResNet's kept block outputs) are measured instead.
+    model, inputs, loss_fn = case()
+    found = check_derived_options(model, inputs, loss_fn, monkeypatch)
     if case is _odd:
         assert not all(found.values())  # kept outputs changed in place: measured
