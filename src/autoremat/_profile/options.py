@@ -224,8 +224,7 @@ def _pairs_missing(runs: dict[_Pattern, _MemoryRun], n: int, alike: Sequence[int
 
 
 def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
-                    stage: Callable[[str], None] = lambda _: None, *,
-                    measure: Sequence[str] | None = None,
+                    stage: Callable[[str], None] = lambda _: None,
                     ) -> list[dict[str, SelectiveProfile]]:
     """Each block's selective options (save-sets of op kinds, keep-sets by position),
     derived from the checkpointed step where its tags allow (NOTE [ Selective windows
@@ -233,8 +232,7 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
     checkpointed or selective, several blocks' options in one step (NOTE [ Options
     measured together ]); block ``i`` takes the figures of block ``alike[i]``. Recompute
     FLOPs are measured, as for whole blocks: checkpoint's early stop skips the ops after
-    the last one backward needs. ``measure``: the option keys to measure, none derived
-    (for tests: the others are left out)."""
+    the last one backward needs."""
     step, plain = setup.step, base.counter
     ops = [plain.block_ops(name) for name in names]
     options = _selective_options(names, [plain.block_stats(name) for name in names], ops,
@@ -247,15 +245,14 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
                         f"blocks {names[like]} and {names[i]} have the same ops but not the "
                         "same selective options")
     measured: dict[tuple[int, str], tuple[WindowMemory, WindowMemory, int]] = {}
-    if measure is None and any(base.tags):  # NOTE [ Selective windows from the ...
+    if any(base.tags):  # NOTE [ Selective windows from the checkpointed step ]
         stage("selective options derived")
         for like in members:
             for key in options[like]:
                 found = _derived(base, like, key, options[like][key][2], ops[like], setup)
                 if found is not None:
                     measured[like, key] = found
-    pending = {like: sorted(k for k in options[like]
-                            if (like, k) not in measured and (measure is None or k in measure))
+    pending = {like: sorted(k for k in options[like] if (like, k) not in measured)
                for like in members}
     steps = max((len(keys) for keys in pending.values()), default=0)
     while any(pending.values()):
@@ -277,8 +274,6 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
     for i, block_options in enumerate(options):
         for key in sorted(block_options):
-            if (alike[i], key) not in measured:
-                continue  # left out: measure= names others
             fwd, bwd, flops_i = measured[alike[i], key]
             out[i][key] = dataclasses.replace(block_options[key][2], fwd=fwd, bwd=bwd,
                                               recompute_flops=flops_i)
