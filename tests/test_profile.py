@@ -564,6 +564,16 @@ def _hf_case(kind: str) -> Callable[[], tuple[nn.Module, Any, Any]]:
     return build
 
 
+def _t5() -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=_V, d_model=32, d_kv=16, d_ff=64, num_layers=3,
+                                   num_heads=2, decoder_start_token_id=0, pad_token_id=0,
+                                   use_cache=False)
+    inputs = {"input_ids": torch.randint(0, _V, (_B, _T)),
+              "labels": torch.randint(0, _V, (_B, _T))}
+    return transformers.T5ForConditionalGeneration(config).train(), inputs, None
+
+
 def _zoo_case(name: str, **sizes: Any) -> Callable[[], tuple[nn.Module, Any, Any]]:
     def build() -> tuple[nn.Module, Any, Any]:
         model, inputs = zoo.build(name, **{**_SIZES[name], **sizes})
@@ -621,8 +631,8 @@ def check_derived_options(model: nn.Module, inputs: Any, loss_fn: Any,
 
 @pytest.mark.parametrize("case", [
     _zoo_case("gpt2"), _zoo_case("llama"), _zoo_case("mlp"), _zoo_case("resnet"), _odd,
-    _hf_case("gpt2"), _hf_case("llama"),
-], ids=["gpt2", "llama", "mlp", "resnet", "odd", "hf-gpt2", "hf-llama"])
+    _hf_case("gpt2"), _hf_case("llama"), _hf_case("bert"), _t5,
+], ids=["gpt2", "llama", "mlp", "resnet", "odd", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5"])
 def test_selective_options_derived_from_the_checkpointed_step_equal_measured_ones(
         case: Callable[[], tuple[nn.Module, Any, Any]],
         monkeypatch: pytest.MonkeyPatch) -> None:
