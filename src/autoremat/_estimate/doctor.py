@@ -400,7 +400,7 @@ def doctor(model: nn.Module | Step, inputs: Any = None, *, memory: int | str = "
     options: dict[str, Any] = {"blocks": blocks, "device": device,
                                "dtype": dtype, "optimizer": optimizer,
                                "throughput_flops": throughput_flops}
-    # selective-recompute options cost a pass per save-set: measured only for a plan
+    # selective-recompute options can cost more passes: measured only for a plan
     stage = progress or (lambda _: None)
     est = estimate(step, selective=False, progress=progress, **options)
     label = target or est.model

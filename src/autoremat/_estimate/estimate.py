@@ -369,7 +369,8 @@ def estimate(
             or ``None`` for no optimizer state.
         throughput_flops: sustained FLOP/s of the device, to turn FLOPs into seconds.
         selective: also measure selective-recompute options, so that plans made from
-            this estimate can use them (one more pass per save-set; cheap on meta).
+            this estimate can use them (derived from the checkpointed pass where they
+            can be, else one more pass each; cheap on meta).
         top: how many of the largest live tensors to report.
         loop: the training loop to estimate, as for :func:`autoremat.profile`:
             ``"holds_output"`` (default, also for ``None``) keeps the model's output

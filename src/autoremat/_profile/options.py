@@ -458,8 +458,9 @@ def _base_runs(names: list[str], setup: _Setup,
 
 
 # NOTE [ Measuring the head ]
-#     Each head option is one more memory step, every block kept, with the head chunked
-#     (``head_installed``): its ``post`` and ``tail`` windows are the head's. The block
+#     Each head option is measured in a memory step, every block kept, with the head
+#     chunked (``head_installed``), or replayed from such a step (NOTE [ One head option
+#     measured, the others replayed ]): its ``post`` and ``tail`` windows are the head's. The block
 #     windows do not depend on the head (they are relative to their start), and neither
 #     does what a block's decision changes in ``post`` and ``tail`` (what the model releases
 #     when the forward returns: a level that differs by a constant from there on), so a

@@ -347,7 +347,9 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
             which cost offload in plans. Default: measured on a GPU (pinned memory);
             must be given for a model on ``meta``.
         with_head: also measure the loss head computed over chunks of tokens (one more
-            memory step per option, :data:`HEAD_CHUNKS`), where the model has a head
+            memory step for the first of :data:`HEAD_CHUNKS`, the others replayed from it:
+            NOTE [ One head option measured, the others replayed ]), where the model has a
+            head
             autoremat can chunk: a Hugging Face ``*ForCausalLM`` given ``labels``, or an
             :class:`autoremat.LMHead` (NOTE [ Which heads can be chunked ]). Plans may
             then chunk it (``tape.head``); the tape's notes say why a head is not.
