@@ -19,9 +19,9 @@ NOTE [ Selective windows from the checkpointed step ]
     frame was freed), and an option's windows are that step's levels with those
     lifetimes changed (``derive``). Its recompute FLOPs are the checkpointed block's less
     those of the kept and skipped ops recompute ran (checkpoint's early stop is the same:
-    the same tensors are saved). Measured on 16 models (the zoo's four, HF GPT-2, Llama,
+    the same tensors are saved). Checked on 15 models (the zoo's four, HF GPT-2, Llama,
     BERT, T5, OPT, Qwen2, Mistral, GPT-NeoX, Phi, ViT, an odd net with in-place ops and
-    ``rand_like``, and the zoo's gpt2 on meta for CUDA): every derived option equal to a
+    ``rand_like``) and on the zoo's gpt2 on meta for CUDA: every derived option equal to a
     step that runs it.
     Where a block's tags do not show what the option would do (a kept output changed in
     place later, a keep-set position that cannot be kept or a skipped op that cannot be
