@@ -156,9 +156,8 @@ _Place = tuple[str, int]  # a window of a step: ("F" | "B", block), "pre", "post
 
 def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
     """The window event ``k`` of ``run`` falls in (``None``: never freed)."""
-    marks = _marks(run.mem)
     # bwd[i + 1] < k <= bwd[i]: block i's backward (NOTE [ Block boundaries in backward ])
-    bwd = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    bwd = run.ends
     ascending = bwd[::-1]
 
     def place(event: int | None) -> _Place:
@@ -290,8 +289,7 @@ def _derived(base: _BaseRuns, i: int, key: str, option: SelectiveProfile,
         return None
     n = len(base.recompute_flops)
     run = base.runs[(Decision.RECOMPUTE,) * n]
-    marks = _marks(run.mem)
-    ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{k}"] for k in range(n)]
+    ends = run.ends
     return derive(tags, ops, key, option,
                   windows=((run.bounds[i], run.bounds[i + 1]), (ends[i + 1], ends[i])),
                   recompute_flops=base.recompute_flops[i], rounding=setup.rounding)
@@ -572,9 +570,8 @@ def _replayed(first: tuple[_MemoryRun, HeadCall, int], chunks: int, rounding: Ro
     def at(event: int) -> int:
         return event if event <= a else event + shift
 
-    n = len(run.bounds) - 1
-    ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{k}"] for k in range(n)]
-    start, stop = run.bounds[-1], ends[n]  # post: from the forward's end to the last
+    ends = run.ends
+    start, stop = run.bounds[-1], ends[-1]  # post: from the forward's end to the last
     # block's backward (the head runs inside it)
     if not start <= a < b < stop:
         return None

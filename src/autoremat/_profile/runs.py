@@ -289,6 +289,10 @@ class _MemoryRun:
     post: WindowMemory
     tail: WindowMemory
     bounds: list[int]  # forward window starts, then fwd_end
+    # backward marks: ends[i + 1] starts block i's backward, ends[i] ends it (ends[0]: the
+    # first block's input gradient, else the step's end); NOTE [ Block boundaries in
+    # backward ]
+    ends: list[int] = field(default_factory=list)
     offloaded: dict[str, OffloadStats] = field(default_factory=dict)  # of the O blocks
 
 
@@ -370,15 +374,14 @@ def _memory_run(step: Step, names: list[str], decisions: _Pattern,
                          f"{_why_no_backward(model, skipped)}")
     bounds = [marks[f"fwd:{i}"] for i in range(n)] + [marks["fwd_end"]]
     fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
-    bwd_marks = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
-    # bwd_marks[i + 1] starts block i's backward; bwd_marks[i] ends it.
-    bwd = [_window(mem, bwd_marks[i + 1], bwd_marks[i]) for i in range(n)]
+    ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    bwd = [_window(mem, ends[i + 1], ends[i]) for i in range(n)]
     return _MemoryRun(
         mem=mem, probe=probe, fwd=fwd, bwd=bwd,
         pre=_window(mem, 0, bounds[0]),
-        post=_window(mem, bounds[-1], bwd_marks[n]),
-        tail=_window(mem, bwd_marks[0], len(mem.levels) - 1),
-        bounds=bounds,
+        post=_window(mem, bounds[-1], ends[n]),
+        tail=_window(mem, ends[0], len(mem.levels) - 1),
+        bounds=bounds, ends=ends,
         offloaded={name: state.group.stats for name, state in states.items()
                    if state.group is not None},
     )
