@@ -47,7 +47,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -503,20 +503,34 @@ class TupleOut(Net):
         return logits.pow(2).mean(), logits
 
 
-class SharedBlock(nn.Module):
-    """One block module run at every position (weights shared by reuse)."""
+class _Stack(nn.Module):
+    """An input projection, then the blocks ``_chain`` gives, in order; returns the hidden
+    states. The cases below differ only in how they hold their blocks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Linear(W, W)
-        block = Block()
-        self.blocks = nn.ModuleList([block, block, block])
+
+    def _chain(self) -> Iterable[nn.Module]:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
-        for b in self.blocks:
+        for b in self._chain():
             h = b(h)
         return h
+
+
+class SharedBlock(_Stack):
+    """One block module run at every position (weights shared by reuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = Block()
+        self.blocks = nn.ModuleList([block, block, block])
+
+    def _chain(self) -> Iterable[nn.Module]:
+        return self.blocks
 
 
 class TiedBlocks(Net):
@@ -527,34 +541,26 @@ class TiedBlocks(Net):
         self.blocks[2].fc.weight = self.blocks[0].fc.weight
 
 
-class DictBlocks(nn.Module):
+class DictBlocks(_Stack):
     """Blocks in an nn.ModuleDict."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Linear(W, W)
         self.blocks = nn.ModuleDict({f"layer{i}": Block() for i in range(4)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for b in self.blocks.values():
-            h = b(h)
-        return h
+    def _chain(self) -> Iterable[nn.Module]:
+        return self.blocks.values()
 
 
-class ListBlocks(nn.Module):
+class ListBlocks(_Stack):
     """Blocks kept in a plain Python list: not registered as submodules."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Linear(W, W)
         self.layers = [Block() for _ in range(3)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for b in self.layers:
-            h = b(h)
-        return h
+    def _chain(self) -> Iterable[nn.Module]:
+        return self.layers
 
 
 class BNBlock(nn.Module):
