@@ -313,13 +313,6 @@ _API_CASES: list[tuple[Any, type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("call", "error", "fragment"), _API_CASES)
-def test_api_misuse_is_a_clear_error(call: Any, error: type[Exception], fragment: str) -> None:
-    with pytest.raises(error) as info:
-        call()
-    assert fragment in str(info.value)
-
-
 def test_frozen_lower_blocks_leave_a_discovered_chain() -> None:
     """A partial fine-tune (lower blocks frozen) plans over the blocks backward runs
     through, and says which it left out."""
@@ -651,8 +644,8 @@ _SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("call", "error", "fragment"), _SWEEP_CASES)
-def test_sweep_misuse_is_a_clear_error(call: Any, error: type[Exception], fragment: str) -> None:
+@pytest.mark.parametrize(("call", "error", "fragment"), _API_CASES + _SWEEP_CASES)
+def test_api_misuse_is_a_clear_error(call: Any, error: type[Exception], fragment: str) -> None:
     with pytest.raises(error) as info:
         call()
     assert fragment in str(info.value)
