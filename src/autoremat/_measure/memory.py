@@ -293,7 +293,7 @@ class _StorageAccountant(TorchDispatchMode):
             storage = t.untyped_storage()
             key = storage._cdata
             if input_keys is None and key not in self._live and key not in self._foreign:
-                input_keys = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
+                input_keys = {i.untyped_storage()._cdata for i in _tensors_in((args, kwargs))}
             self._see(storage, name, input_keys or set(), in_backward)
         region = self.tracker.region
         if region is not None:  # the events this op made: first .. levels now
