@@ -1,5 +1,14 @@
 """FLOP counting that also covers the CPU attention kernels.
 
+NOTE [ Grouped-query attention FLOPs ]
+    With grouped-query attention (``enable_gqa``; Llama, Mistral and Qwen configs with
+    fewer key/value heads than query heads) the attention kernels take key and value
+    with fewer heads. Before torch 2.13 ``sdpa_flop_count`` asserted equal heads and
+    raised inside every profile of such a model (seen on an H200 with torch 2.11, HF
+    Llama). Each query head attends over its group's keys, so the FLOPs are those of
+    key and value broadcast to the query's heads: the formulas get those shapes
+    (:func:`_broadcast_kv`), which is also what torch 2.13's own formula counts.
+
 NOTE [ CPU attention FLOPs ]
     ``torch.utils.flop_counter`` has formulas for the CUDA attention kernels but not for
     ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, and counts them as
@@ -24,18 +33,58 @@ aten = torch.ops.aten
 _RNG_HOPS = (run_with_rng_state, run_and_save_rng_state)  # NOTE [ Random ops in a ... ]
 
 
+def _shape(t: Any) -> Any:
+    return t.shape if isinstance(t, torch.Tensor) else t  # a tensor, or a shape already
+
+
 def _cpu_flash_fwd(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return int(_fc.sdpa_flop_count(query.shape, key.shape, value.shape))
+    return int(_fc.sdpa_flop_count(_shape(query), _shape(key), _shape(value)))
 
 
 def _cpu_flash_bwd(
     grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 ) -> int:
-    return int(_fc.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+    return int(_fc.sdpa_backward_flop_count(_shape(grad_out), _shape(query), _shape(key),
+                                            _shape(value)))
+
+
+# attention ops: (position of the query among the arguments, the heads' dimension);
+# key and value follow the query
+_ATTENTION: dict[str, tuple[int, int]] = {
+    **{name: (0, 1) for name in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")},
+    **{f"{name}_backward": (1, 1) for name in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")},
+    # (batch, sequence, heads, head size)
+    "_flash_attention_forward": (0, 2), "_efficient_attention_forward": (0, 2),
+    "_flash_attention_backward": (1, 2), "_efficient_attention_backward": (1, 2),
+}
+
+
+def _broadcast_kv(formula: Callable[..., int], at: int, dim: int) -> Callable[..., int]:
+    """``formula`` given key and value with the query's heads where they have fewer
+    (NOTE [ Grouped-query attention FLOPs ]); shapes, not tensors, are passed on."""
+    def counted(*args: Any, **kwargs: Any) -> int:
+        query, key, value = args[at:at + 3] if len(args) >= at + 3 else (None, None, None)
+        if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and \
+                isinstance(value, torch.Tensor) and query.dim() == key.dim() > dim:
+            heads, kv_heads = query.shape[dim], key.shape[dim]
+            if kv_heads != heads and kv_heads > 0 and heads % kv_heads == 0:
+                def wide(t: torch.Tensor) -> torch.Size:
+                    return torch.Size((*t.shape[:dim], heads, *t.shape[dim + 1:]))
+
+                args = (*args[:at + 1], wide(key), wide(value), *args[at + 3:])
+        return formula(*args, **kwargs)
+
+    return counted
 
 
 def flop_formulas() -> dict[Any, Callable[..., int]]:
-    """PyTorch's FLOP formulas (keyed by op packet) plus the CPU attention kernels."""
+    """PyTorch's FLOP formulas (keyed by op packet) plus the CPU attention kernels, the
+    attention ones counting grouped-query attention (NOTE [ Grouped-query attention
+    FLOPs ])."""
     formulas: dict[Any, Callable[..., int]] = {}
     for packet, formula in _fc.flop_registry.items():
         formulas[packet] = formula
@@ -46,6 +95,10 @@ def flop_formulas() -> dict[Any, Callable[..., int]]:
         packet = getattr(aten, name, None)
         if packet is not None and packet not in formulas:
             formulas[packet] = _raw(formula)
+    for name, (at, dim) in _ATTENTION.items():
+        packet = getattr(aten, name, None)
+        if packet is not None and packet in formulas:
+            formulas[packet] = _broadcast_kv(formulas[packet], at, dim)
     return formulas
 
 
