@@ -25,8 +25,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from autoremat import zoo
 from autoremat._core.errors import RematError
 from autoremat._core.step import run_step
+from autoremat._measure import memory as memory_module
 from autoremat._measure.memory import (
     CUDA_MIN_BLOCK_BYTES,
+    AllocatorPeak,
     MemoryTracker,
     allocator_config_note,
     counted_bytes,
@@ -394,6 +396,95 @@ def test_track_allocator_measures_nothing_off_cuda() -> None:
         kept = torch.empty(1000)
     assert alloc.peak_bytes is None and alloc.device == torch.device("cpu")
     del kept
+
+
+# --- memory a kernel holds inside an op (NOTE [ Memory a kernel allocates inside an op ])
+
+
+class InsideProbe:
+    """Stands in on the CPU for the CUDA allocator's probe: every matmul "held"
+    ``nbytes`` inside itself. It reads the op from the tracker's frame (a test's view)."""
+
+    def __init__(self, nbytes: int = 3 * CUDA_MIN_BLOCK_BYTES,
+                 ops: tuple[str, ...] = ("mm", "addmm", "bmm")) -> None:
+        self.nbytes, self.ops = nbytes, ops
+        self.seen: list[str] = []
+
+    def before(self) -> None:
+        pass
+
+    def after(self) -> int:
+        func = sys._getframe(1).f_locals["func"]
+        self.seen.append(func.__name__)
+        return self.nbytes if func._overloadpacket.__name__ in self.ops else 0
+
+    def close(self) -> None:
+        pass
+
+
+def inside_probe(monkeypatch: pytest.MonkeyPatch, nbytes: int = 3 * CUDA_MIN_BLOCK_BYTES,
+                 ops: tuple[str, ...] = ("mm", "addmm", "bmm")) -> InsideProbe:
+    """Every tracker made from now on reads ``InsideProbe`` (also for test_profile)."""
+    probe = InsideProbe(nbytes, ops)
+    monkeypatch.setattr(memory_module, "allocator_probe", lambda: probe)
+    return probe
+
+
+def _two_matmul_step() -> None:
+    torch.manual_seed(0)
+    w1 = torch.randn(64, 128, requires_grad=True)
+    w2 = torch.randn(128, 32, requires_grad=True)
+    ((torch.randn(16, 64) @ w1).relu() @ w2).sum().backward()
+
+
+def test_memory_held_inside_an_op_is_a_transient_at_its_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with track_memory() as plain:
+        _two_matmul_step()
+    probe = inside_probe(monkeypatch)
+    with track_memory() as mem:
+        _two_matmul_step()
+    inside = [r for r in mem.records if r.transient]
+    assert inside and len(inside) == sum(n.split(".")[0] in probe.ops for n in probe.seen)
+    for r in inside:  # up at the op's last event, down at the next
+        assert r.died == r.born + 1 and r.nbytes == probe.nbytes and r.op.startswith("aten.mm")
+        assert mem.levels[r.born] - mem.levels[r.born - 1] == probe.nbytes
+        assert mem.ops[r.born + 1] == "free"
+    assert {r.backward for r in inside} == {False, True}  # forward's and backward's matmuls
+    # without the transients' events, the timeline is the one without the probe
+    spikes = {e for r in inside for e in (r.born, r.born + 1)}
+    assert [lv for e, lv in enumerate(mem.levels) if e not in spikes] == plain.levels
+    def storages(m: MemoryTracker) -> list[tuple[int, str, bool]]:
+        return [(r.nbytes, r.op, r.backward) for r in m.records if not r.transient]
+
+    assert storages(mem) == storages(plain)
+    assert mem.peak_bytes == max(plain.peak_bytes, max(
+        mem.levels[r.born - 1] + r.nbytes for r in inside))
+    assert sum(mem.breakdown.values()) == mem.peak_bytes
+
+
+def test_no_probe_without_cuda() -> None:
+    # on a machine that never initialised CUDA the tracker reads no allocator
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is initialised in this process")
+    assert memory_module.allocator_probe() is None
+
+
+def test_a_peak_dropped_by_a_probe_reaches_every_open_allocator_block_of_its_device(
+        ) -> None:
+    outer = AllocatorPeak(torch.device("cuda", 0))
+    inner = AllocatorPeak(torch.device("cuda", 0))
+    other = AllocatorPeak(torch.device("cuda", 1))
+    monkey = [outer, inner, other]
+    saved = list(memory_module._OPEN_PEAKS)
+    memory_module._OPEN_PEAKS[:] = monkey
+    try:
+        memory_module._fold_peak(0, 5000)
+        memory_module._fold_peak(0, 3000)  # lower: the highest is kept
+        memory_module._fold_peak(1, 700)
+    finally:
+        memory_module._OPEN_PEAKS[:] = saved
+    assert (outer._folded, inner._folded, other._folded) == (5000, 5000, 700)
 
 
 # --- the operating system's view -----------------------------------------------------

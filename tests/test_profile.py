@@ -168,6 +168,57 @@ def test_mlp_block_flops_by_hand() -> None:
     assert tape.step_fwd_flops == sum(expected) + 2 * B * 96 * 10  # + the head
 
 
+
+def test_grouped_query_attention_flops_are_those_of_key_and_value_broadcast() -> None:
+    # NOTE [ Grouped-query attention FLOPs ]: 8 query heads over 2 key/value heads count
+    # as the same attention with key and value repeated to 8 heads, forward and backward
+    # (before torch 2.13 the formula raised on these shapes)
+    from autoremat._measure.flops import FlopCounter
+
+    def counted(kv_repeat: int) -> dict[tuple[str, str], int]:
+        torch.manual_seed(0)
+        q = torch.randn(2, 8, 16, 32, requires_grad=True)
+        k, v = (torch.randn(2, 2, 16, 32).repeat_interleave(kv_repeat, 1).requires_grad_()
+                for _ in range(2))
+        counter = FlopCounter()
+        with counter:
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, enable_gqa=True).sum().backward()
+        return counter.by_label
+
+    grouped, repeated = counted(1), counted(4)
+    assert grouped == repeated and grouped[("<outside>", "fwd")] == 2 * 2 * 2 * 8 * 16 * 16 * 32
+
+
+@pytest.mark.parametrize(("at", "dim"), [(0, 1), (1, 1), (0, 2), (1, 2)])
+def test_every_attention_formula_gets_key_and_value_with_the_query_heads(at: int,
+                                                                        dim: int) -> None:
+    from autoremat._measure.flops import _ATTENTION, _broadcast_kv, flop_formulas
+
+    assert (at, dim) in set(_ATTENTION.values())
+    seen: list[tuple[torch.Size, ...]] = []
+
+    def strict(*args: Any, out_val: Any = None) -> int:  # what torch 2.11's formula asserts
+        shapes = tuple(a if isinstance(a, torch.Size) else a.shape for a in args[at:at + 3])
+        assert shapes[0][dim] == shapes[1][dim] == shapes[2][dim], shapes
+        seen.append(shapes)
+        return 1
+
+    shape = [2, 4, 4, 4]
+    q = torch.empty(shape, device="meta")
+    shape[dim] = 2
+    k = v = torch.empty(shape, device="meta")
+    grad = torch.empty(q.shape, device="meta")
+    args = (q, k, v) if at == 0 else (grad, q, k, v)
+    assert _broadcast_kv(strict, at, dim)(*args, out_val=None) == 1
+    assert seen[0][1] == seen[0][2] == q.shape
+    # equal heads pass through untouched, tensors and all
+    _broadcast_kv(strict, at, dim)(*((q, q, q) if at == 0 else (grad, q, q, q)))
+    assert seen[1] == (q.shape,) * 3
+    formulas = flop_formulas()
+    wrapped = [name for name in _ATTENTION if getattr(torch.ops.aten, name, None) in formulas]
+    assert "_scaled_dot_product_efficient_attention" in wrapped
+
 # NOTE [ Do saved activations and gradients account for the peak? ]
 #     Measured at the zoo's default sizes, (sum of the blocks' saved bytes + gradient
 #     bytes) / step peak is: gpt2 0.977, llama 0.973, mlp 1.075, resnet 0.930 (gpt2 and
@@ -644,3 +695,18 @@ def test_selective_options_derived_from_the_checkpointed_step_equal_measured_one
     found = check_derived_options(model, inputs, loss_fn, monkeypatch)
     if case is _odd:
         assert not all(found.values())  # kept outputs changed in place: measured
+
+
+def test_derived_options_count_what_a_kernel_holds_inside_an_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Memory a kernel allocates inside an op ]: on CUDA every matmul's working
+    # memory is a transient on the timeline; an option that keeps a matmul's output
+    # no longer runs it in recompute, nor holds its working memory there. A probe that
+    # stands in for the allocator (4 MiB inside each forward matmul, addmm, more than the
+    # block's activations) makes those spikes the windows' peaks.
+    from test_memory import inside_probe
+
+    probe = inside_probe(monkeypatch, nbytes=4 << 20, ops=("addmm",))
+    model, inputs, loss_fn = _zoo_case("gpt2")()
+    found = check_derived_options(model, inputs, loss_fn, monkeypatch)
+    assert sum(found.values()) >= 4 and probe.seen

@@ -39,9 +39,11 @@ NOTE [ CUDA allocator rounding ]
       ``max_split_size_mb`` (blocks above it are never split) or ``expandable_segments``
       (splits differently; not verified): the tracker then says so in ``notes`` and
       warns, see :func:`allocator_config_note`;
-    * memory a kernel allocates inside one op (cuDNN workspaces, attention backward's
-      accumulators) and the cuBLAS workspace, allocated once per handle and stream on the
-      first matmul: run one step before measuring so that it is not in the rise.
+    * the cuBLAS workspace, allocated once per handle and stream on the first matmul:
+      run one step before measuring so that it is not in the rise;
+    * on ``meta`` (``estimate``), memory a CUDA kernel allocates and frees inside one
+      op: on a CUDA device the tracker reads it from the allocator (NOTE [ Memory a
+      kernel allocates inside an op ]).
 
 Known limitations:
     * Scratch memory a kernel allocates and frees inside one op (e.g. a matmul's packing
@@ -72,11 +74,13 @@ from autoremat._core.errors import RematError, did_you_mean
 __all__ = [
     "CUDA_MIN_BLOCK_BYTES",
     "AllocatorPeak",
+    "AllocatorProbe",
     "MemoryTracker",
     "Rounding",
     "StorageRecord",
     "active_tracker",
     "allocator_config_note",
+    "allocator_probe",
     "counted_bytes",
     "cuda_block_bytes",
     "os_peak_bytes",
@@ -161,6 +165,10 @@ class StorageRecord:
     born: int  # event index at which it was counted
     backward: bool  # created while autograd's engine was running (backward/recompute)
     died: int | None = None  # event index at which it was freed; None = alive at exit
+    # memory a kernel allocated and freed inside the op (the CUDA allocator's peak in
+    # the op above its end level; NOTE [ Memory a kernel allocates inside an op ]): born
+    # at the op's last event, dead at the next; no storage of the step
+    transient: bool = False
 
 
 @dataclass
@@ -239,6 +247,16 @@ class MemoryTracker:
         return list(enumerate(self.levels))
 
     # -- called by the dispatch mode and the finalizers -------------------------------
+    def _transient(self, nbytes: int, op: str, backward: bool) -> None:
+        """``nbytes`` an op allocated and freed inside itself: up and down again."""
+        with self._lock:
+            born = len(self.levels)
+            self.records.append(StorageRecord(nbytes=nbytes, op=op, born=born,
+                                              backward=backward, died=born + 1,
+                                              transient=True))
+            self._record(nbytes, op)
+            self._record(-nbytes, "free")
+
     def _record(self, delta: int, op: str) -> None:
         self.current_bytes += delta
         self.levels.append(self.current_bytes)
@@ -267,10 +285,12 @@ def _tensors_in(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch
 class _StorageAccountant(TorchDispatchMode):
     """Counts the storages ops create; see the module notes."""
 
-    def __init__(self, tracker: MemoryTracker, through: TorchDispatchMode | None = None) -> None:
+    def __init__(self, tracker: MemoryTracker, through: TorchDispatchMode | None = None,
+                 probe: AllocatorProbe | None = None) -> None:
         super().__init__()
         self.tracker = tracker
         self.through = through  # runs each op for us (NOTE [ One mode for two instruments ])
+        self.probe = probe  # the allocator's peak inside each op (CUDA)
         self._noted_cuda = False  # allocator settings checked (first CUDA-rounded storage)
         # key (StorageImpl address) -> record, for storages alive now.
         self._live: dict[int, StorageRecord] = {}
@@ -282,8 +302,12 @@ class _StorageAccountant(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         first = len(self.tracker.levels)
+        probe = self.probe
+        if probe is not None:
+            probe.before()
         out = func(*args, **kwargs) if self.through is None else \
             self.through.__torch_dispatch__(func, types, args, kwargs)
+        hidden = 0 if probe is None else probe.after()
         in_backward = torch._C._current_graph_task_id() != -1
         name = self._names.get(func)
         if name is None:
@@ -295,6 +319,8 @@ class _StorageAccountant(TorchDispatchMode):
             if input_keys is None and key not in self._live and key not in self._foreign:
                 input_keys = {i.untyped_storage()._cdata for i in _tensors_in((args, kwargs))}
             self._see(storage, name, input_keys or set(), in_backward)
+        if hidden > 0:
+            self.tracker._transient(hidden, name, in_backward)
         region = self.tracker.region
         if region is not None:  # the events this op made: first .. levels now
             region(func, args, out, first)
@@ -425,13 +451,16 @@ def _tracked(rounding: Rounding | None = None,
         raise RematError(f"rounding must be None, 'exact' or 'cuda', got {rounding!r}."
                          + did_you_mean(str(rounding), get_args(Rounding)))
     tracker = MemoryTracker(rounding=rounding)
-    mode = _StorageAccountant(tracker, through)
+    probe = allocator_probe()
+    mode = _StorageAccountant(tracker, through, probe)
     try:
         with mode:
             yield tracker
     finally:
         with tracker._lock:
             tracker._closed = True
+        if probe is not None:
+            probe.close()
 
 
 # --- the CUDA caching allocator's view -------------------------------------------------
@@ -443,6 +472,78 @@ class AllocatorPeak:
 
     device: torch.device
     peak_bytes: int | None = None  # rise of max_memory_allocated; None off CUDA
+    # the highest peak a probe read before it reset the statistics inside the block
+    # (NOTE [ Memory a kernel allocates inside an op ])
+    _folded: int = field(default=0, repr=False)
+
+
+_OPEN_PEAKS: list[AllocatorPeak] = []  # track_allocator blocks open now, outermost first
+_PEAKS_LOCK = threading.Lock()
+
+
+def _fold_peak(index: int, peak: int) -> None:
+    """A peak read on CUDA device ``index`` just before its statistics are reset: every
+    open :func:`track_allocator` on that device keeps the highest."""
+    with _PEAKS_LOCK:
+        for open_peak in _OPEN_PEAKS:
+            if open_peak.device.index == index and peak > open_peak._folded:
+                open_peak._folded = peak
+
+
+# NOTE [ Memory a kernel allocates inside an op ]
+#     Some CUDA kernels allocate working memory from the caching allocator and free it
+#     before the op returns: flash and memory-efficient attention's backward (fp32
+#     accumulators for dq), cuBLASLt's workspace, cuDNN's. The allocator counts it, a
+#     storage tracker cannot see it: on an H200 (gpu_exact.py, zoo gpt2 in bf16) the
+#     tracker's peaks were 9-16% below the allocator's and plans planned at their
+#     budgets went over them. So on CUDA the tracker reads the allocator around every op
+#     (:class:`AllocatorProbe`): statistics reset before the op, and after it the peak
+#     above the level the op ends at is what the op held inside itself. The tracker
+#     adds it as a transient record (up at the op's last event, down at the next), so
+#     that every window, option and plan built from the timeline counts it where the op
+#     runs, in forward and in recompute alike.
+#     Resetting the peak statistics would spoil a ``track_allocator`` around the
+#     tracker (verify measures both at once): the probe hands each peak it drops to the
+#     open ``track_allocator`` blocks first (``_fold_peak``), which take the highest.
+#     Code outside autoremat that reads ``max_memory_allocated`` across a tracked step
+#     sees only what happened since the step's last op.
+
+
+class AllocatorProbe:
+    """The CUDA caching allocator's peak inside each op, on device ``index`` (NOTE
+    [ Memory a kernel allocates inside an op ]). ``before()`` runs just before an op,
+    ``after()`` just after it and returns the bytes the op held above its end level."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self._fold_and_reset()
+
+    def _stats(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats_as_nested_dict(self.index)["allocated_bytes"]["all"]
+        return int(stats["current"]), int(stats["peak"])
+
+    def _fold_and_reset(self) -> int:
+        current, peak = self._stats()
+        _fold_peak(self.index, peak)
+        torch.cuda.reset_peak_memory_stats(self.index)
+        return max(0, peak - current)
+
+    def before(self) -> None:
+        self._fold_and_reset()  # what happened between ops is folded, not the op's
+
+    def after(self) -> int:
+        return self._fold_and_reset()
+
+    def close(self) -> None:
+        self._fold_and_reset()
+
+
+def allocator_probe() -> AllocatorProbe | None:
+    """A probe of the current CUDA device where this process has initialised CUDA,
+    else ``None`` (nothing on the device to read)."""
+    if not torch.cuda.is_initialized():
+        return None
+    return AllocatorProbe(torch.cuda.current_device())
 
 
 @contextmanager
@@ -461,12 +562,21 @@ def track_allocator(device: torch.device | str) -> Iterator[AllocatorPeak]:
     if result.device.type != "cuda":
         yield result
         return
+    if result.device.index is None:
+        result.device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.synchronize(result.device)
     torch.cuda.reset_peak_memory_stats(result.device)
     base = torch.cuda.memory_allocated(result.device)
-    yield result
+    with _PEAKS_LOCK:
+        _OPEN_PEAKS.append(result)
+    try:
+        yield result
+    finally:
+        with _PEAKS_LOCK:
+            _OPEN_PEAKS.remove(result)
     torch.cuda.synchronize(result.device)
-    result.peak_bytes = torch.cuda.max_memory_allocated(result.device) - base
+    peak = max(torch.cuda.max_memory_allocated(result.device), result._folded)
+    result.peak_bytes = peak - base
 
 
 # --- the operating system's view (CPU only) ------------------------------------------

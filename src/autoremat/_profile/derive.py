@@ -92,7 +92,10 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
         return None  # changed in place after it was kept: neither kept nor skipping
     if sum(r.flops for r in ops[:len(recompute)]) != recompute_flops:
         return None  # recompute ran something else than forward's ops
-    born = {record.born: record for record in mem.records}
+    born = {record.born: record for record in mem.records if not record.transient}
+    # what a kernel held inside an op (CUDA; NOTE [ Memory a kernel allocates inside an
+    # op ] in memory.py): gone from recompute with the op
+    inside = {record.born: record for record in mem.records if record.transient}
     freed = tags.freed + 1  # the first event after the frame was freed
     never = len(mem.levels)
     changes: list[tuple[int, int, int]] = []  # +bytes over events [start, stop)
@@ -114,6 +117,11 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
             changes.append((died, max(died, copy_died, freed), record.nbytes))
             if copy is not None:
                 changes.append((copy.born, copy_died, -copy.nbytes))
+    gone = (kept | skipped) & set(range(len(recompute)))  # ops recompute no longer runs
+    for p in sorted(gone):
+        for e in range(recompute[p].first, recompute[p].stop):
+            if e in inside:
+                changes.append((e, e + 1, -inside[e].nbytes))
     for position in forward:
         if position.drawn:
             if position.drawn_bool:
@@ -131,5 +139,4 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
                 level[lo - start:hi - start] += nbytes
         out.append(WindowMemory(peak_bytes=int(level.max() - level[0]),
                                 delta_bytes=int(level[-1] - level[0])))
-    gone = (kept | skipped) & set(range(len(recompute)))
     return out[0], out[1], recompute_flops - sum(ops[p].flops for p in gone)
