@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
     tape = autoremat.profile(model, inputs, repeats=args.profile_repeats)
     head_options = sorted(tape.head.options) if tape.head is not None else []
     log(f"profiled: plain peak {tape.step_peak_bytes:,}, head options {head_options}")
-    smallest = smallest_feasible_bytes(tape)
+    smallest = smallest_feasible_bytes(tape, head="auto")  # over every head choice
     hf_peak = peaks[BASELINE]
     specs: dict[str, Callable[[], autoremat.Plan]] = {
         "autoremat@hf-peak": lambda: autoremat.plan(tape, hf_peak, head="auto"),
