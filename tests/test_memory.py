@@ -28,6 +28,7 @@ from autoremat._core.step import run_step
 from autoremat._measure import memory as memory_module
 from autoremat._measure.memory import (
     CUDA_MIN_BLOCK_BYTES,
+    CUDA_SMALL_BYTES,
     AllocatorPeak,
     MemoryTracker,
     allocator_config_note,
@@ -413,10 +414,10 @@ class InsideProbe:
     def before(self) -> None:
         pass
 
-    def after(self) -> int:
+    def after(self) -> tuple[int, int]:
         func = sys._getframe(1).f_locals["func"]
         self.seen.append(func.__name__)
-        return self.nbytes if func._overloadpacket.__name__ in self.ops else 0
+        return (self.nbytes if func._overloadpacket.__name__ in self.ops else 0), 0
 
     def close(self) -> None:
         pass
@@ -461,6 +462,50 @@ def test_memory_held_inside_an_op_is_a_transient_at_its_end(
     assert mem.peak_bytes == max(plain.peak_bytes, max(
         mem.levels[r.born - 1] + r.nbytes for r in inside))
     assert sum(mem.breakdown.values()) == mem.peak_bytes
+
+
+class WholeBlockProbe(InsideProbe):
+    """Stands in for the allocator handing out large blocks whole: the level rises
+    ``extra`` more than the new storages' bytes when an op makes one over 1 MiB."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__(0, ())
+        self.extra = extra
+
+    def after(self) -> tuple[int, int]:
+        frame = sys._getframe(1).f_locals
+        out = [t for t in ([frame["out"]] if isinstance(frame["out"], torch.Tensor) else [])]
+        made = sum(t.untyped_storage().nbytes() for t in out)
+        large = made > CUDA_SMALL_BYTES and frame["func"]._overloadpacket.__name__ != "view"
+        return 0, made + (self.extra if large else 0)
+
+
+@pytest.mark.parametrize(("extra", "counted"), [(256 * 1024, True), (CUDA_SMALL_BYTES, True),
+                                                (CUDA_SMALL_BYTES + 512, False)])
+def test_a_large_block_handed_out_whole_is_counted_to_its_storage(
+        monkeypatch: pytest.MonkeyPatch, extra: int, counted: bool) -> None:
+    # NOTE [ Blocks the allocator does not split ]: up to 1 MiB more than the storage is
+    # its block's remainder, counted with it and given back with it; more is not a block's
+    def step() -> None:
+        x = torch.randn(1024, 512)  # 2 MiB
+        y = x * 2  # 2 MiB: large
+        z = y[:8] + 1  # small
+        del x, y, z
+
+    with track_memory() as plain:
+        step()
+    monkeypatch.setattr(memory_module, "allocator_probe", lambda: WholeBlockProbe(extra))
+    with track_memory() as mem:
+        step()
+    grown = [(a, b) for a, b in zip(plain.records, mem.records, strict=True)
+             if a.nbytes != b.nbytes]
+    if counted:
+        # randn and mul each made one large storage: each counts its whole block
+        assert [b.nbytes - a.nbytes for a, b in grown] == [extra, extra]
+        assert mem.peak_bytes == plain.peak_bytes + 2 * extra
+    else:
+        assert not grown and mem.levels == plain.levels
+    assert mem.current_bytes == 0  # the remainders went back with their storages
 
 
 def test_no_probe_without_cuda() -> None:
