@@ -19,7 +19,7 @@ from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.step import run_step, unique_storage_bytes
 from autoremat._estimate.doctor import build_hf_model
 from autoremat._estimate.estimate import Estimate, estimate
-from autoremat._estimate.fake import parse_dtype, sdpa_as_on, to_meta
+from autoremat._estimate.fake import dropout_as_on, parse_dtype, sdpa_as_on, to_meta
 from autoremat._estimate.tracked_step import meta_step_peak
 from autoremat._measure.blocks import resolve_blocks
 from autoremat._measure.flops import FlopCounter
@@ -194,6 +194,41 @@ def test_cuda_estimate_of_a_long_sequence_does_not_store_the_scores() -> None:
     scores = 8 * 1024 * 1024 * 2  # one layer's (heads, T, T) in bf16
     assert est.activations_by_block["layers.0"] < scores
     assert est.activations_by_kind["attention"] > 0
+
+
+
+@pytest.mark.parametrize(("target", "mask_bytes"), [("cuda", 1), ("cpu", 4)])
+def test_meta_dropout_keeps_the_mask_the_target_keeps(target: str, mask_bytes: int) -> None:
+    # NOTE [ Dropout on meta ]: CUDA runs native_dropout (a bool mask), the CPU the
+    # composite (a mask in the input's dtype); what backward keeps is the mask
+    x = torch.empty(64, 128, device="meta", requires_grad=True)
+    with dropout_as_on(target), autoremat.track_memory() as mem:
+        y = F.dropout(x, 0.1, training=True)
+        kept = [r.nbytes for r in mem.records if r.died is None]
+        y.sum().backward()
+    assert kept == [64 * 128 * 4, 64 * 128 * mask_bytes]  # the output, the mask
+    # off training, in place and p = 0 go to PyTorch's own dropout, as on the device
+    original = F.dropout
+    with dropout_as_on(target):
+        assert F.dropout(x, 0.1, training=False) is x
+        with autoremat.track_memory() as mem:
+            F.dropout(x.detach().clone(), 0.5, training=True, inplace=True)
+        assert [r.nbytes for r in mem.records][:2] == [64 * 128 * 4] * 2  # float mask
+    assert F.dropout is original
+
+
+def test_cuda_estimate_of_dropout_counts_bool_masks() -> None:
+    model, inputs = zoo.build("mlp", device="meta", batch_size=128)
+    cuda = estimate(model, inputs, device="cuda", selective=False)
+    model, inputs = zoo.build("mlp", device="meta", batch_size=128, dropout=0.0)
+    no_dropout = estimate(model, inputs, device="cuda", selective=False)
+    model, inputs = zoo.build("mlp", device="meta", batch_size=128)
+    as_cpu = meta_step_peak(model, inputs, device="cpu").peak_bytes
+    no_dropout_cpu = meta_step_peak(*zoo.build("mlp", device="meta", batch_size=128,
+                                               dropout=0.0), device="cpu").peak_bytes
+    # dropout after each block: its masks, bool for CUDA, float32 for the CPU
+    added_cuda = cuda.step_peak_bytes - no_dropout.step_peak_bytes
+    assert 0 < added_cuda < (as_cpu - no_dropout_cpu) / 2
 
 
 # --- exact byte counts ----------------------------------------------------------------------

@@ -7,6 +7,8 @@ The harness is ``benchmarks/gpu_exact.py`` (one command writes the full matrix t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -20,7 +22,11 @@ def _assert_all_ok(rows: list) -> None:  # type: ignore[type-arg]
     failed = [f"{r.model} {r.dtype} {r.plan}: {r.status}" for r in rows
               if not (r.status == "ok" or r.status.startswith("infeasible"))]
     assert not failed, "\n".join(failed)
-    assert sum(r.status == "ok" for r in rows) >= len(rows) - 1  # at most 30% infeasible
+    # only a budget below every plan's peak is refused: the plans without a budget and
+    # the one at the smallest feasible budget always run (at this size on an H200 up to
+    # three of the percentage budgets were below it: gradients are most of the step)
+    infeasible = {r.plan for r in rows if r.status.startswith("infeasible")}
+    assert all(re.fullmatch(r"optimal@\d+%", plan) for plan in infeasible), infeasible
 
 
 def test_harness_on_cpu_tiny() -> None:
