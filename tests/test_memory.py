@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -411,7 +412,10 @@ class InsideProbe:
         self.nbytes, self.ops = nbytes, ops
         self.seen: list[str] = []
 
-    def before(self) -> None:
+    def before(self, tracked: int) -> None:
+        pass
+
+    def settle(self, tracked: int) -> None:
         pass
 
     def after(self) -> tuple[int, int]:
@@ -513,6 +517,65 @@ def test_no_probe_without_cuda() -> None:
     if torch.cuda.is_initialized():
         pytest.skip("CUDA is initialised in this process")
     assert memory_module.allocator_probe() is None
+
+
+class FakeAllocator:
+    """The CUDA caching allocator's counters as ``torch.cuda`` reads them, on the CPU."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, level: int = 1000) -> None:
+        self.current = self.peak = level
+        for name, fn in (("synchronize", lambda *a: None), ("current_device", lambda: 0),
+                         ("reset_peak_memory_stats", self._reset),
+                         ("memory_allocated", lambda *a: self.current),
+                         ("max_memory_allocated", lambda *a: self.peak),
+                         ("memory_stats_as_nested_dict", lambda *a: {"allocated_bytes": {
+                             "all": {"current": self.current, "peak": self.peak}}})):
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def _reset(self, *args: Any) -> None:
+        self.peak = self.current
+
+    def alloc(self, n: int) -> None:
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def free(self, n: int) -> None:
+        self.current -= n
+
+
+def test_the_probe_reads_each_op_and_keeps_the_peaks_it_resets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Memory a kernel allocates inside an op ]: the probe resets the peak around
+    # every op; a track_allocator around it still gets the step's peak
+    fake = FakeAllocator(monkeypatch)
+    with track_allocator("cuda") as alloc:
+        probe = memory_module.AllocatorProbe(0)
+        probe.before(0)
+        fake.alloc(4096)  # the op's output ...
+        fake.alloc(70_000)  # ... and its working memory, freed before it returns
+        fake.free(70_000)
+        assert probe.after() == (70_000, 4096)  # held inside, the level's rise
+        probe.settle(4096)  # the tracker counted the output
+        probe.before(4096)
+        fake.alloc(2048)  # an op's output, freed after it: the tracker saw it go
+        assert probe.after() == (0, 2048)
+        probe.settle(4096 + 2048)
+        fake.free(2048)
+        probe.before(4096)
+        fake.alloc(512)
+        assert probe.after() == (0, 512)
+        probe.settle(4096 + 512)
+        fake.free(1000)  # a storage the tracker never counted, freed between ops
+        probe.before(4096 + 512)
+        fake.alloc(512)
+        assert probe.after() == (0, 512 - 1000)  # one op's rise too low; the read corrects
+        probe.settle(4096 + 1024)
+        probe.before(4096 + 1024)
+        fake.alloc(512)
+        assert probe.after() == (0, 512)
+        probe.close()
+    assert alloc.peak_bytes == 4096 + 70_000  # above the level at entry
+    assert alloc.device == torch.device("cuda", 0) and not memory_module._OPEN_PEAKS
 
 
 def test_a_peak_dropped_by_a_probe_reaches_every_open_allocator_block_of_its_device(

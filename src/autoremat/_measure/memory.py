@@ -309,7 +309,7 @@ class _StorageAccountant(TorchDispatchMode):
         first = len(self.tracker.levels)
         probe = self.probe
         if probe is not None:
-            probe.before()
+            probe.before(self.tracker.current_bytes)
         out = func(*args, **kwargs) if self.through is None else \
             self.through.__torch_dispatch__(func, types, args, kwargs)
         hidden, rise = (0, 0) if probe is None else probe.after()
@@ -329,6 +329,8 @@ class _StorageAccountant(TorchDispatchMode):
             self._whole_blocks(rise - (self.tracker.current_bytes - level), made, name)
         if hidden > 0:
             self.tracker._transient(hidden, name, in_backward)
+        if probe is not None:
+            probe.settle(self.tracker.current_bytes)
         region = self.tracker.region
         if region is not None:  # the events this op made: first .. levels now
             region(func, args, out, first)
@@ -554,27 +556,43 @@ def _fold_peak(index: int, peak: int) -> None:
 class AllocatorProbe:
     """The CUDA caching allocator around each op, on device ``index`` (NOTE [ Memory a
     kernel allocates inside an op ] and NOTE [ Blocks the allocator does not split ]).
-    ``before()`` runs just before an op; ``after()`` just after it returns the bytes the
-    op held above its end level, and the rise of the allocator's level over the op."""
+
+    ``before(tracked)`` runs just before an op, given the tracker's level then;
+    ``after()`` just after it returns the bytes the op held above its end level and the
+    rise of the allocator's level over the op; ``settle(tracked)`` gives the tracker's
+    level once it has counted the op. One read of the allocator per op: between ops
+    only storages are freed, which the tracker counts, so the level an op starts from is
+    the last one read less what the tracker saw freed since (a storage it never counted
+    makes that too high, and the next read corrects it)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self._start = self._fold_and_reset()[0]
+        self._level = self._start = self._fold_and_reset()  # the allocator's, last read
+        self._tracked = 0  # the tracker's level when the allocator's was last read
 
-    def _fold_and_reset(self) -> tuple[int, int]:
+    def _read(self) -> tuple[int, int]:
         stats = torch.cuda.memory_stats_as_nested_dict(self.index)["allocated_bytes"]["all"]
         current, peak = int(stats["current"]), int(stats["peak"])
         _fold_peak(self.index, peak)
-        torch.cuda.reset_peak_memory_stats(self.index)
         return current, peak
 
-    def before(self) -> None:
-        # what happened between ops is folded, not counted as the op's
-        self._start = self._fold_and_reset()[0]
+    def _fold_and_reset(self) -> int:
+        current, _ = self._read()
+        torch.cuda.reset_peak_memory_stats(self.index)
+        return current
+
+    def before(self, tracked: int) -> None:
+        self._start = self._level - (self._tracked - tracked)
+        # the peak since the last read is at most the level then, already kept
+        torch.cuda.reset_peak_memory_stats(self.index)
 
     def after(self) -> tuple[int, int]:
-        current, peak = self._fold_and_reset()
+        current, peak = self._read()
+        self._level = current
         return max(0, peak - current), current - self._start
+
+    def settle(self, tracked: int) -> None:
+        self._tracked = tracked
 
     def close(self) -> None:
         self._fold_and_reset()
