@@ -1,30 +1,36 @@
 """GPU evidence in one command: the project's GPU claims, run in priority order.
 
-Steps, each a subprocess with its own timeout, its stdout and stderr saved:
+Steps, each a subprocess with its own timeout, its stdout and stderr saved, in priority
+order; the first two check correctness and memory only and run at the same time:
 
 1. ``gpu-tests``: the ``gpu`` test tier, ``python -m pytest -q -m gpu`` (a JUnit XML
    report gives the counts). Without CUDA it is only collected: NOT RUN (no CUDA).
 2. ``exactness``: ``benchmarks/gpu_exact.py``, once per model: every plan's gradients
    ``torch.equal`` to the plain model's, ``verify`` ok, allocator peak <= budget,
    prediction within 0.5%.
-3. ``bench-compile``: ``autoremat bench --compile`` at GPT-2 small's shape (the README's
+3. ``head``: ``benchmarks/head.py``: the loss head's targets.
+4. ``offload``: ``benchmarks/offload.py``: its own targets (issue 17).
+5. ``profile-cost``: ``benchmarks/profile_cost.py --size gpu``: what ``profile`` and
+   ``auto`` cost in plain steps at GPT-2 small's shape. No target is set for it: its
+   figures are MEASURED, not judged.
+6. ``bench-compile``: ``autoremat bench --compile`` at GPT-2 small's shape (the README's
    command, compile fractions 1 and 0.5 only): at each compiled reference's measured
    peak, autoremat's compiled plan fits that budget and its step is no more than 2%
-   slower than the reference's (:data:`COMPILE_TIME_SLACK`).
-4. ``offload``: ``benchmarks/offload.py``: its own targets (issue 17).
-5. ``profile-cost``: ``benchmarks/profile_cost.py``: what ``profile`` and ``auto`` cost in
-   plain steps. No target is set for it: its figures are MEASURED, not judged.
+   slower than the reference's (:data:`COMPILE_TIME_SLACK`). Last: it takes longest.
 
-The steps run within ``--minutes`` (default 25): a step starts only if the time left is at
+The steps run within ``--minutes`` (default 12, what a session's 15 minutes of device
+time leave after the machine's start): a step starts only if the time left is at
 least its minimum (:class:`Step`), runs for at most its own cap or the time left, and a
 step that does not fit or runs out of time is reported as NOT RUN, with why. Everything is
 written to ``--out`` (default ``benchmarks/results/gpu_suite-<device>-<date>/``): one folder
 per step holding the benchmark's own result files, ``<step>.stdout.txt`` /
 ``<step>.stderr.txt``, and ``summary.md`` / ``summary.json``: one line per claim with the
 measured figure and PASS, FAIL, NOT RUN or MEASURED. Every file names the device
-(``torch.cuda.get_device_name``; the CPU's model name otherwise).
+(``torch.cuda.get_device_name``; the CPU's model name otherwise). On the first H200 run
+(2026-11-26) the steps took: gpu-tests and exactness together 139 s, head 51 s, offload
+69 s; bench-compile did not finish in 202 s.
 
-Run (on a GPU):  PYTHONPATH=src python benchmarks/gpu_suite.py --minutes 25
+Run (on a GPU):  PYTHONPATH=src python benchmarks/gpu_suite.py
 CPU dry run:     PYTHONPATH=src python benchmarks/gpu_suite.py --device cpu --size tiny --out /tmp/s
 The dry run runs every step at a tiny size on the CPU (the pytest tier is only collected):
 it checks the harness; its PASS lines say nothing about a GPU, and the summary says so.
@@ -96,6 +102,9 @@ class Step:
     parse: Callable[[Context, Path, int], list[Claim]]  # (context, folder, returncode)
     cap_s: dict[str, float]  # the most it may run, per size
     min_s: dict[str, float]  # skipped when less than this is left, per size
+    # checks only correctness and memory (no times): runs at the same time as the other
+    # such steps next to it (one GPU, separate processes; each its own allocator)
+    alongside: bool = False
 
 
 # --- 1. the gpu test tier --------------------------------------------------------------
@@ -378,67 +387,92 @@ def _cost_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     return out
 
 
-STEPS: tuple[Step, ...] = (
+STEPS: tuple[Step, ...] = (  # in priority order; the two correctness steps at once
     Step("gpu-tests", "the gpu test tier passes (pytest -m gpu)", _pytest_command,
-         _pytest_parse, {"gpu": 360, "tiny": 120}, {"gpu": 60, "tiny": 5}),
+         _pytest_parse, {"gpu": 360, "tiny": 120}, {"gpu": 60, "tiny": 5}, alongside=True),
     Step("exactness", "gpu_exact.py: every plan exact, fits, predicted within 0.5%",
-         _exact_command, _exact_parse, {"gpu": 360, "tiny": 180}, {"gpu": 60, "tiny": 5}),
+         _exact_command, _exact_parse, {"gpu": 360, "tiny": 180}, {"gpu": 60, "tiny": 5},
+         alongside=True),
+    Step("head", "the loss head's targets (benchmarks/head.py)", _head_command, _head_parse,
+         {"gpu": 420, "tiny": 150}, {"gpu": 60, "tiny": 5}),
+    Step("offload", "issue 17's targets (benchmarks/offload.py)", _offload_command,
+         _offload_parse, {"gpu": 300, "tiny": 180}, {"gpu": 90, "tiny": 5}),
+    Step("profile-cost", "cost of profile and auto, in plain steps (no target)",
+         _cost_command, _cost_parse, {"gpu": 240, "tiny": 120}, {"gpu": 60, "tiny": 5}),
     Step("bench-compile", "autoremat + compile at each compiled reference's peak: fits, "
          f"time <= x{COMPILE_TIME_SLACK}", _bench_command, _bench_parse,
          {"gpu": 540, "tiny": 150}, {"gpu": 180, "tiny": 5}),
-    Step("offload", "issue 17's targets (benchmarks/offload.py)", _offload_command,
-         _offload_parse, {"gpu": 300, "tiny": 180}, {"gpu": 90, "tiny": 5}),
-    Step("head", "the loss head's targets (benchmarks/head.py)", _head_command, _head_parse,
-         {"gpu": 420, "tiny": 150}, {"gpu": 120, "tiny": 5}),
-    Step("profile-cost", "cost of profile and auto, in plain steps (no target)",
-         _cost_command, _cost_parse, {"gpu": 240, "tiny": 120}, {"gpu": 60, "tiny": 5}),
 )
 
 
 # --- running ---------------------------------------------------------------------------
 
 
-def _run(argv: list[str], folder: Path, name: str, timeout_s: float,
-         header: str) -> tuple[int | None, float]:
-    """Run ``argv`` in its own process group, stdout/stderr to files headed by ``header``;
-    (returncode or None on a timeout, seconds)."""
+def _launch(argv: list[str], folder: Path, name: str, header: str) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own process group, stdout/stderr to files headed by
+    ``header``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    stdout, stderr = folder / f"{name}.stdout.txt", folder / f"{name}.stderr.txt"
-    start = time.perf_counter()
-    with stdout.open("w") as out, stderr.open("w") as err:
-        for f in (out, err):
-            f.write(header)
-            f.flush()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=ROOT, env=env,
+    files = []
+    for path in (folder / f"{name}.stdout.txt", folder / f"{name}.stderr.txt"):
+        f = path.open("w")
+        f.write(header)
+        f.flush()
+        files.append(f)
+    try:
+        return subprocess.Popen(argv, stdout=files[0], stderr=files[1], cwd=ROOT, env=env,
                                 start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the step and the subprocesses it started
-            proc.wait()
-            rc = None
-    return rc, time.perf_counter() - start
+    finally:
+        for f in files:
+            f.close()  # the child holds its own descriptors
+
+
+def _wait(proc: subprocess.Popen[bytes], until: float) -> int | None:
+    """The return code, or None after killing the step's process group at ``until``."""
+    try:
+        return proc.wait(timeout=max(0.0, until - time.perf_counter()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the step and the subprocesses it started
+        proc.wait()
+        return None
+
+
+def _groups(steps: Sequence[Step]) -> list[list[Step]]:
+    """``steps`` in order, the ``alongside`` ones next to each other together."""
+    out: list[list[Step]] = []
+    for step in steps:
+        if out and step.alongside and out[-1][-1].alongside:
+            out[-1].append(step)
+        else:
+            out.append([step])
+    return out
 
 
 def run_suite(ctx: Context, minutes: float, only: Sequence[str] | None = None,
               log: Callable[[str], None] = print) -> tuple[list[Claim], list[dict[str, Any]]]:
-    """Every step of :data:`STEPS` (or those named in ``only``) within ``minutes``."""
+    """Every step of :data:`STEPS` (or those named in ``only``) within ``minutes``; the
+    ``alongside`` steps next to each other at the same time."""
     deadline = time.perf_counter() + 60 * minutes - RESERVE_S
     claims: list[Claim] = []
     steps: list[dict[str, Any]] = []
+    selected = [s for s in STEPS if only is None or s.name in only]
     for step in STEPS:
-        folder = ctx.out / step.name
-        left = deadline - time.perf_counter()
-        record: dict[str, Any] = {"step": step.name, "seconds": 0.0, "returncode": None}
-        if only is not None and step.name not in only:
-            record["outcome"] = "not selected (--only)"
+        if step not in selected:
+            steps.append({"step": step.name, "seconds": 0.0, "returncode": None,
+                          "outcome": "not selected (--only)"})
             claims.append(Claim(step.name, step.what, "not selected (--only)", "NOT RUN"))
-        elif left < step.min_s[ctx.size]:
-            record["outcome"] = (f"skipped: {left:.0f} s of the {minutes:g} min left, needs "
-                                 f"at least {step.min_s[ctx.size]:.0f} s")
-            claims.append(Claim(step.name, step.what, record["outcome"], "NOT RUN"))
-        else:
+    for group in _groups(selected):
+        left = deadline - time.perf_counter()
+        running = []
+        for step in group:
+            record: dict[str, Any] = {"step": step.name, "seconds": 0.0, "returncode": None}
+            steps.append(record)
+            if left < step.min_s[ctx.size]:
+                record["outcome"] = (f"skipped: {left:.0f} s of the {minutes:g} min left, "
+                                     f"needs at least {step.min_s[ctx.size]:.0f} s")
+                claims.append(Claim(step.name, step.what, record["outcome"], "NOT RUN"))
+                continue
+            folder = ctx.out / step.name
             folder.mkdir(parents=True, exist_ok=True)
             argv = step.command(ctx, folder)
             timeout = min(step.cap_s[ctx.size], left)
@@ -447,25 +481,38 @@ def run_suite(ctx: Context, minutes: float, only: Sequence[str] | None = None,
                       f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
                       f"# {record['command']}\n")
             log(f"[{step.name}] running (at most {timeout:.0f} s): {record['command']}")
-            rc, seconds = _run(argv, folder, step.name, timeout, header)
+            start = time.perf_counter()
+            running.append((step, record, folder, start, start + timeout,
+                            _launch(argv, folder, step.name, header)))
+        for step, record, folder, start, until, proc in running:
+            rc = _wait(proc, until)
+            seconds = time.perf_counter() - start
             record.update(seconds=seconds, returncode=rc)
-            try:
-                got = step.parse(ctx, folder, rc if rc is not None else -9)
-            except Exception as exc:  # a result file cut short, or not in the shape read
-                got = [Claim(step.name, step.what, f"could not read its results: "
-                             f"{type(exc).__name__}: {exc}"[:300], "FAIL")]
-            if rc is None:  # timed out: what it wrote stands, nothing it did not finish passes
-                record["outcome"] = f"timed out after {seconds:.0f} s"
-                got = [dataclasses.replace(c, figure=f"{c.figure} (timed out)")
-                       if c.status == "NOT RUN" else c for c in got]
-                got.append(Claim(step.name, f"{step.name} finished within its time",
-                                 f"timed out after {seconds:.0f} s", "NOT RUN"))
-            else:
-                record["outcome"] = f"exit {rc} after {seconds:.0f} s"
-            claims.extend(got)
-            log(f"[{step.name}] {record['outcome']}: " + ", ".join(c.status for c in got))
-        steps.append(record)
+            claims.extend(_results(ctx, step, folder, rc, seconds, record, log))
+    order = {s.name: i for i, s in enumerate(STEPS)}
+    steps.sort(key=lambda r: order[r["step"]])
+    claims.sort(key=lambda c: order.get(c.step, len(order)))  # stable: a step's own order
     return claims, steps
+
+
+def _results(ctx: Context, step: Step, folder: Path, rc: int | None, seconds: float,
+             record: dict[str, Any], log: Callable[[str], None]) -> list[Claim]:
+    """A finished (or killed: ``rc`` None) step's claims; ``record`` gets its outcome."""
+    try:
+        got = step.parse(ctx, folder, rc if rc is not None else -9)
+    except Exception as exc:  # a result file cut short, or not in the shape read
+        got = [Claim(step.name, step.what, f"could not read its results: "
+                     f"{type(exc).__name__}: {exc}"[:300], "FAIL")]
+    if rc is None:  # timed out: what it wrote stands, nothing it did not finish passes
+        record["outcome"] = f"timed out after {seconds:.0f} s"
+        got = [dataclasses.replace(c, figure=f"{c.figure} (timed out)")
+               if c.status == "NOT RUN" else c for c in got]
+        got.append(Claim(step.name, f"{step.name} finished within its time",
+                         f"timed out after {seconds:.0f} s", "NOT RUN"))
+    else:
+        record["outcome"] = f"exit {rc} after {seconds:.0f} s"
+    log(f"[{step.name}] {record['outcome']}: " + ", ".join(c.status for c in got))
+    return got
 
 
 def summary_markdown(ctx: Context, claims: Sequence[Claim], steps: Sequence[dict[str, Any]],
@@ -506,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (dry run)")
     parser.add_argument("--size", choices=("gpu", "tiny"), default=None,
                         help="default: gpu on CUDA, tiny on the CPU")
-    parser.add_argument("--minutes", type=float, default=25.0, help="time budget (default 25)")
+    parser.add_argument("--minutes", type=float, default=12.0, help="time budget (default 12)")
     parser.add_argument("--only", default=None,
                         help=f"comma-separated steps to run, of {[s.name for s in STEPS]}")
     parser.add_argument("--out", default=None,

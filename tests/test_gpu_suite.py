@@ -161,3 +161,26 @@ def test_unreadable_results_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert steps[0]["returncode"] == 0
     assert [c.status for c in claims] == ["FAIL"]
     assert claims[0].figure.startswith("could not read its results: JSONDecodeError")
+
+
+def test_alongside_steps_run_at_the_same_time_and_the_others_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def stamped(name: str, alongside: bool) -> object:
+        code = ("import time, pathlib; a = time.time(); time.sleep(1.5); "
+                f"pathlib.Path({str(tmp_path / name)!r}, 'span').write_text("
+                "f'{a} {time.time()}')")
+        return suite.Step(name, name, lambda ctx, folder: [sys.executable, "-c", code],
+                          lambda ctx, folder, rc: [suite.Claim(name, name, f"exit {rc}",
+                                                               "MEASURED")],
+                          {"tiny": 60.0}, {"tiny": 0.0}, alongside=alongside)
+
+    monkeypatch.setattr(suite, "STEPS", (stamped("a", True), stamped("b", True),
+                                         stamped("c", False)))
+    claims, steps = suite.run_suite(suite.Context("cpu", "tiny", tmp_path, CPU), minutes=2,
+                                    log=lambda _: None)
+    span = {s: [float(x) for x in (tmp_path / s / "span").read_text().split()]
+            for s in "abc"}
+    assert span["a"][0] < span["b"][1] and span["b"][0] < span["a"][1]  # overlapping
+    assert span["c"][0] >= max(span["a"][1], span["b"][1])  # after both
+    assert [s["step"] for s in steps] == [c.step for c in claims] == ["a", "b", "c"]
+    assert all(s["returncode"] == 0 for s in steps)
