@@ -1,19 +1,22 @@
 """GPU evidence in one command: the project's GPU claims, run in priority order.
 
 Steps, each a subprocess with its own timeout, its stdout and stderr saved, in priority
-order; the first two check correctness and memory only and run at the same time:
+order; the first three check correctness and memory only and run at the same time:
 
 1. ``gpu-tests``: the ``gpu`` test tier, ``python -m pytest -q -m gpu`` (a JUnit XML
    report gives the counts). Without CUDA it is only collected: NOT RUN (no CUDA).
 2. ``exactness``: ``benchmarks/gpu_exact.py``, once per model: every plan's gradients
    ``torch.equal`` to the plain model's, ``verify`` ok, allocator peak <= budget,
    prediction within 0.5%.
-3. ``head``: ``benchmarks/head.py``: the loss head's targets.
-4. ``offload``: ``benchmarks/offload.py``: its own targets (issue 17).
-5. ``profile-cost``: ``benchmarks/profile_cost.py --size gpu``: what ``profile`` and
+3. ``allocator-gap``: ``benchmarks/allocator_gap.py`` (CUDA only): the allocator's step
+   peak against the prediction and the storage tracker, and the ops where they part.
+   MEASURED, not judged. Runs alongside the first two.
+4. ``head``: ``benchmarks/head.py``: the loss head's targets.
+5. ``offload``: ``benchmarks/offload.py``: its own targets (issue 17).
+6. ``profile-cost``: ``benchmarks/profile_cost.py --size gpu``: what ``profile`` and
    ``auto`` cost in plain steps at GPT-2 small's shape. No target is set for it: its
    figures are MEASURED, not judged.
-6. ``bench-compile``: ``autoremat bench --compile`` at GPT-2 small's shape (the README's
+7. ``bench-compile``: ``autoremat bench --compile`` at GPT-2 small's shape (the README's
    command, compile fractions 1 and 0.5 only): at each compiled reference's measured
    peak, autoremat's compiled plan fits that budget and its step is no more than 2%
    slower than the reference's (:data:`COMPILE_TIME_SLACK`). Last: it takes longest.
@@ -107,7 +110,7 @@ class Step:
     alongside: bool = False
 
 
-# --- 1. the gpu test tier --------------------------------------------------------------
+# --- the gpu test tier --------------------------------------------------------------
 
 
 def _pytest_command(ctx: Context, folder: Path) -> list[str]:
@@ -147,7 +150,7 @@ def _pytest_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     return [Claim("gpu-tests", claim, figure, "PASS" if passed else "NOT RUN")]
 
 
-# --- 2. exactness ----------------------------------------------------------------------
+# --- exactness ----------------------------------------------------------------------
 
 
 # gpu_exact.py writes its results when every model is done: run it once per model, each
@@ -202,7 +205,7 @@ def _exact_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     return out
 
 
-# --- 3. bench --compile ----------------------------------------------------------------
+# --- bench --compile ----------------------------------------------------------------
 
 # the README's command for GPT-2 small's shape on an H100, and a tiny CPU one
 _BENCH_ARGS = {
@@ -280,7 +283,7 @@ def _mib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
-# --- 4. offload ------------------------------------------------------------------------
+# --- offload ------------------------------------------------------------------------
 
 
 def _offload_command(ctx: Context, folder: Path) -> list[str]:
@@ -332,7 +335,35 @@ def _offload_figure(text: str, rows: dict[str, dict[str, Any]]) -> str:
            f" of {len(mine)} rows"
 
 
-# --- 5. the loss head ------------------------------------------------------------------
+# --- the allocator against the tracker ----------------------------------------------
+
+
+def _gap_command(ctx: Context, folder: Path) -> list[str]:
+    if not ctx.cuda:  # it reads the CUDA allocator: nothing to run elsewhere
+        return [sys.executable, "-c", "print('allocator_gap.py needs CUDA: not run')"]
+    return [sys.executable, str(BENCH / "allocator_gap.py"), "--models", "zoo-gpt2,hf-llama",
+            "--dtypes", "bf16,fp32", "--out", str(folder)]
+
+
+def _gap_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
+    what = "allocator_gap.py: the allocator's peak against the prediction and the tracker"
+    if not ctx.cuda:
+        return [Claim("allocator-gap", what, "NOT RUN (no CUDA)", "NOT RUN")]
+    files = sorted(folder.glob("allocator_gap_*.json"))
+    if not files:
+        return [Claim("allocator-gap", what, f"no results (exit {rc})", "NOT RUN")]
+    out = []
+    for r in json.loads(files[0].read_text())["rows"]:
+        error = (r["predicted"] - r["allocator"]) / r["allocator"]
+        out.append(Claim("allocator-gap", f"{r['model']} {r['dtype']} {r['plan']}: allocator "
+                         "against prediction (no target)",
+                         f"allocator {_mib(r['allocator'])}, predicted {error:+.2%}, tracked "
+                         f"{_mib(r['tracked'])}, storages only {_mib(r['storages_only'])}",
+                         "MEASURED"))
+    return out
+
+
+# --- the loss head ------------------------------------------------------------------
 
 
 def _head_command(ctx: Context, folder: Path) -> list[str]:
@@ -360,7 +391,7 @@ def _head_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     return out
 
 
-# --- 6. profile cost -------------------------------------------------------------------
+# --- profile cost -------------------------------------------------------------------
 
 
 def _cost_command(ctx: Context, folder: Path) -> list[str]:
@@ -393,6 +424,9 @@ STEPS: tuple[Step, ...] = (  # in priority order; the two correctness steps at o
     Step("exactness", "gpu_exact.py: every plan exact, fits, predicted within 0.5%",
          _exact_command, _exact_parse, {"gpu": 360, "tiny": 180}, {"gpu": 60, "tiny": 5},
          alongside=True),
+    Step("allocator-gap", "allocator_gap.py: the allocator's peak against the prediction "
+         "and the tracker", _gap_command, _gap_parse, {"gpu": 240, "tiny": 30},
+         {"gpu": 60, "tiny": 1}, alongside=True),
     Step("head", "the loss head's targets (benchmarks/head.py)", _head_command, _head_parse,
          {"gpu": 420, "tiny": 150}, {"gpu": 60, "tiny": 5}),
     Step("offload", "issue 17's targets (benchmarks/offload.py)", _offload_command,

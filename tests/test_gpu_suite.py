@@ -184,3 +184,15 @@ def test_alongside_steps_run_at_the_same_time_and_the_others_alone(
     assert span["c"][0] >= max(span["a"][1], span["b"][1])  # after both
     assert [s["step"] for s in steps] == [c.step for c in claims] == ["a", "b", "c"]
     assert all(s["returncode"] == 0 for s in steps)
+
+
+def test_allocator_gap_rows_are_measured_and_not_run_without_cuda(tmp_path: Path) -> None:
+    row = {"model": "zoo-gpt2", "dtype": "bf16", "plan": "full", "allocator": 200 << 20,
+           "predicted": 198 << 20, "tracked": 198 << 20, "storages_only": 180 << 20}
+    (tmp_path / "allocator_gap_test-gpu.json").write_text(json.dumps(
+        {"device": "Test GPU", "rows": [row, {**row, "plan": "none"}]}))
+    claims = suite._gap_parse(_ctx(tmp_path), tmp_path, 0)
+    assert [c.status for c in claims] == ["MEASURED", "MEASURED"]
+    assert claims[0].claim.startswith("zoo-gpt2 bf16 full") and "-1.00%" in claims[0].figure
+    off = suite._gap_parse(_ctx(tmp_path, "cpu"), tmp_path, 0)
+    assert [c.status for c in off] == ["NOT RUN"] and "no CUDA" in off[0].figure
