@@ -370,6 +370,8 @@ def test_a_misspelt_rounding_is_refused() -> None:
     ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,garbage_collection_threshold:0.6"},
      "max_split_size_mb:128"),
     ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "expandable_segments:True"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "backend:cudaMallocAsync"),
 ])
 def test_allocator_settings_that_change_blocks_are_named(environ: dict[str, str],
                                                          named: str | None) -> None:

@@ -98,7 +98,10 @@ CUDA_MIN_BLOCK_BYTES = 512  # kMinBlockSize of c10/cuda/CUDACachingAllocator.cpp
 CUDA_SMALL_BYTES = 1 << 20  # kSmallSize: larger requests come from the large pool
 
 # PYTORCH_CUDA_ALLOC_CONF settings that change the blocks the allocator hands out
-_UNMODELLED_SETTINGS = ("roundup_power2_divisions", "max_split_size_mb", "expandable_segments")
+# ("backend:cudaMallocAsync" replaces the caching allocator with CUDA's own: no 512-byte
+# blocks, and peak statistics of its own making)
+_UNMODELLED_SETTINGS = ("roundup_power2_divisions", "max_split_size_mb", "expandable_segments",
+                        "backend")
 
 
 def cuda_block_bytes(nbytes: int) -> int:
@@ -150,6 +153,8 @@ def allocator_config_note(environ: Mapping[str, str] | None = None) -> str | Non
                 continue
             if key == "expandable_segments" and value.strip().lower() != "true":
                 continue
+            if key == "backend" and value.strip() != "cudaMallocAsync":
+                continue  # "native": the caching allocator modelled here
             found.append(f"{var}={key}:{value.strip()}")
     if not found:
         return None
