@@ -317,8 +317,9 @@ class _StorageAccountant(TorchDispatchMode):
             probe.before(self.tracker.current_bytes)
         out = func(*args, **kwargs) if self.through is None else \
             self.through.__torch_dispatch__(func, types, args, kwargs)
-        hidden, rise = (0, 0) if probe is None else probe.after()
-        level, made = self.tracker.current_bytes, len(self.tracker.records)
+        if probe is not None:  # the allocator around the op, counted once its storages are
+            hidden, rise = probe.after()
+            level, made = self.tracker.current_bytes, len(self.tracker.records)
         in_backward = torch._C._current_graph_task_id() != -1
         name = self._names.get(func)
         if name is None:
@@ -330,11 +331,12 @@ class _StorageAccountant(TorchDispatchMode):
             if input_keys is None and key not in self._live and key not in self._foreign:
                 input_keys = {i.untyped_storage()._cdata for i in _tensors_in((args, kwargs))}
             self._see(storage, name, input_keys or set(), in_backward)
-        if rise > self.tracker.current_bytes - level > 0 and self.tracker.rounding != "exact":
-            self._whole_blocks(rise - (self.tracker.current_bytes - level), made, name)
-        if hidden > 0:
-            self.tracker._transient(hidden, name, in_backward)
         if probe is not None:
+            counted = self.tracker.current_bytes - level  # the blocks of the storages it made
+            if rise > counted > 0 and self.tracker.rounding != "exact":
+                self._whole_blocks(rise - counted, made, name)
+            if hidden > 0:
+                self.tracker._transient(hidden, name, in_backward)
             probe.settle(self.tracker.current_bytes)
         region = self.tracker.region
         if region is not None:  # the events this op made: first .. levels now
