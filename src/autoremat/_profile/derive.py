@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from autoremat._core.saves import is_keep_set, save_set_of
-from autoremat._measure.memory import Rounding, counted_bytes
+from autoremat._measure.memory import Rounding, StorageRecord, counted_bytes
 from autoremat._measure.ops import OpRecord
 from autoremat._measure.regions import RegionCall
 from autoremat._measure.tape import SelectiveProfile, WindowMemory
@@ -92,10 +92,12 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
         return None  # changed in place after it was kept: neither kept nor skipping
     if sum(r.flops for r in ops[:len(recompute)]) != recompute_flops:
         return None  # recompute ran something else than forward's ops
-    born = {record.born: record for record in mem.records if not record.transient}
+    born: dict[int, StorageRecord] = {}  # storages, by the event that made them
     # what a kernel held inside an op (CUDA; NOTE [ Memory a kernel allocates inside an
     # op ] in memory.py): gone from recompute with the op
-    inside = {record.born: record for record in mem.records if record.transient}
+    inside: dict[int, StorageRecord] = {}
+    for record in mem.records:
+        (inside if record.transient else born)[record.born] = record
     freed = tags.freed + 1  # the first event after the frame was freed
     never = len(mem.levels)
     changes: list[tuple[int, int, int]] = []  # +bytes over events [start, stop)
