@@ -46,20 +46,9 @@ import gpu_exact
 
 import autoremat
 from autoremat._bench.report import device_info
-from autoremat._core.step import preserved_state, run_step
+from autoremat._core.step import flat_tensors, preserved_state, run_step
 from autoremat._measure import memory
 from autoremat._measure.memory import cuda_block_bytes, track_allocator, track_memory
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
 
 
 @dataclasses.dataclass
@@ -81,14 +70,14 @@ class _PerOp(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        inputs = {t.untyped_storage().data_ptr() for t in flat_tensors((args, kwargs))}
         torch.cuda.reset_peak_memory_stats(self.index)
         before = torch.cuda.memory_allocated(self.index)
         out = func(*args, **kwargs)
         stats = torch.cuda.memory_stats_as_nested_dict(self.index)["allocated_bytes"]["all"]
         after, peak = int(stats["current"]), int(stats["peak"])
         made = {}
-        for t in _tensors(out):
+        for t in flat_tensors(out):
             storage = t.untyped_storage()
             if storage.data_ptr() not in inputs and storage.nbytes() and t.is_cuda:
                 made[storage.data_ptr()] = cuda_block_bytes(storage.nbytes())
