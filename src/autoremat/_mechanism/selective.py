@@ -190,14 +190,13 @@ def _note_skipped(kept: _Kept, position: int, func: Any, args: tuple[Any, ...],
     """Record what recompute returns in place of skipped op ``position``; an op that
     cannot be stood in for (a random one, a value Python reads, an in-place op that does
     not return its first argument) turns skipping off for this call."""
+    leaves, spec = tree_flatten(out)
     if not can_stand_in(func, returns_first=bool(args) and out is args[0],
-                        all_tensors=all(isinstance(t, torch.Tensor)
-                                        for t in tree_flatten(out)[0])):
+                        all_tensors=all(isinstance(t, torch.Tensor) for t in leaves)):
         kept.skip = frozenset()
         return
     if func._schema.is_mutable:
         return  # recompute returns its target (_placeholder)
-    leaves, spec = tree_flatten(out)
     kept.placeholders[position] = (spec, [(t.shape, t.stride(), t.dtype, t.device)
                                           for t in leaves])
 
