@@ -219,6 +219,46 @@ def test_every_attention_formula_gets_key_and_value_with_the_query_heads(at: int
     wrapped = [name for name in _ATTENTION if getattr(torch.ops.aten, name, None) in formulas]
     assert "_scaled_dot_product_efficient_attention" in wrapped
 
+def test_flop_counter_counts_what_torchs_flop_counter_counts() -> None:
+    # NOTE [ Shapes for the formulas ]: the formulas get shapes without pytree; the FLOPs
+    # are torch's own, op by op (convolutions, matmuls of every kind, forward and backward)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autoremat._measure.flops import FlopCounter
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+    lin = torch.nn.Linear(8 * 4 * 4, 16)
+    x = torch.randn(2, 3, 8, 8)
+    w = torch.randn(2, 16, 5, requires_grad=True)
+
+    def step() -> None:
+        h = lin(conv(x).relu().flatten(1))
+        (torch.bmm(h[:, None, :], w).sum() + torch.baddbmm(w, w, w.transpose(1, 2)[:, :5, :5]
+                                                         .transpose(1, 2)).sum()).backward()
+
+    ours = FlopCounter()
+    with ours:
+        step()
+    theirs = FlopCounterMode(display=False)
+    with theirs:
+        step()
+    assert ours.total == theirs.get_total_flops() > 0
+
+
+def test_shapes_for_the_formulas_are_pytrees_shapes() -> None:
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import get_shape
+
+    from autoremat._measure.flops import _shapes
+
+    t = torch.empty(2, 3)
+    for value in (t, (t, None, 3), [t, [t, 1.5]], {"a": t, "b": [t]}, torch.Size([4, 5]),
+                  torch.max(torch.ones(2, 2), 0), (), None, "mean"):
+        assert _shapes(value) == tree_map(get_shape, value), value
+    assert type(_shapes([t])) is list and type(_shapes(torch.Size([4]))) is torch.Size
+
+
 # NOTE [ Do saved activations and gradients account for the peak? ]
 #     Measured at the zoo's default sizes, (sum of the blocks' saved bytes + gradient
 #     bytes) / step peak is: gpt2 0.977, llama 0.973, mlp 1.075, resnet 0.930 (gpt2 and

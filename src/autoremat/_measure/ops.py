@@ -13,7 +13,8 @@ import torch
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import _tensors_in
 
-__all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind"]
+__all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind",
+           "result_leaves"]
 
 # Ops that checkpoint itself may dispatch a different number of times in forward and in
 # recompute (as SAC_IGNORED_OPS in torch/utils/checkpoint.py): never traced, counted or
@@ -119,13 +120,13 @@ class _OpInfo:
                        metadata_only=func._opname in _METADATA_ONLY, writes=writes)
 
 
-def _leaves(obj: Any, found: list[Any] | None = None) -> list[Any]:
+def result_leaves(obj: Any, found: list[Any] | None = None) -> list[Any]:
     """The leaves of an op's result (tensors, numbers, ``None``), in order:
     ``tree_flatten(out)[0]`` for what ATen ops return (tuples and lists of them)."""
     found = [] if found is None else found
     if isinstance(obj, (tuple, list)):
         for item in obj:
-            _leaves(item, found)
+            result_leaves(item, found)
     else:
         found.append(obj)
     return found
@@ -188,7 +189,7 @@ class OpRecorder(FlopCounter):
         created = 0
         name, random = info.name, info.random
         refs = []
-        flat_out = _leaves(out)
+        flat_out = result_leaves(out)
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from autoremat._measure.memory import MemoryTracker, active_tracker
-from autoremat._measure.ops import IGNORED_OPS
+from autoremat._measure.ops import IGNORED_OPS, result_leaves
 
 __all__ = ["OpEvents", "RegionCall", "RegionTagger"]
 
@@ -77,7 +76,7 @@ class _Region:
     def _note(self, func: Any, args: tuple[Any, ...], out: Any, first: int) -> None:
         if func in IGNORED_OPS or self.tracker is None:
             return
-        leaves = tree_flatten(out)[0]
+        leaves = result_leaves(out)  # the tracker's handler pays this on every op
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         position = OpEvents(func=func, first=first, stop=len(self.tracker.levels),
                             storages=len({t.untyped_storage()._cdata for t in tensors}),
