@@ -184,7 +184,10 @@ def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: 
     plain = statistics.median(times)
     calls: dict[str, float] = {}
     tapes: list[autoremat.Tape] = []
-    calls["profile"] = _seconds(lambda: tapes.append(autoremat.profile(model, inputs)))
+    stages: list[tuple[str, float]] = []  # each stage of the first profile and its start
+    calls["profile"] = _seconds(lambda: tapes.append(autoremat.profile(
+        model, inputs, progress=lambda s: stages.append((s, time.perf_counter())))))
+    ends = [t for _, t in stages[1:]] + [stages[0][1] + calls["profile"]] if stages else []
     calls["profile(with_selective=False)"] = _seconds(
         lambda: autoremat.profile(model, inputs, with_selective=False))
     fresh, fresh_inputs = build(size, device)
@@ -198,7 +201,13 @@ def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: 
     return {"model": name, "class": type(model).__name__, "blocks": len(tapes[0].blocks),
             "auto_outcome": outcome,
             "plain_step_s": plain, "plain_step_all_s": times,
-            "calls": {k: {"seconds": v, "plain_steps": v / plain} for k, v in calls.items()}}
+            "calls": {k: {"seconds": v, "plain_steps": v / plain} for k, v in calls.items()},
+            # where profile's time goes: each stage it reported (progress=) until the next,
+            # the last until it returned (the tape built); the checks before the first
+            # stage are left out
+            "profile_stages": [{"stage": name, "seconds": end - begin,
+                                "plain_steps": (end - begin) / plain}
+                               for (name, begin), end in zip(stages, ends, strict=True)]}
 
 
 def heldout_call(name: str, size: str, device: torch.device, budget: int | str,
@@ -273,6 +282,21 @@ def cost_markdown(payload: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['plain_step_s']:.3f} | " + " | ".join(cells) + " |")
     lines += [f"- {r['model']}: auto@60% raised {r['auto_outcome']}" for r in payload["rows"]
               if r["auto_outcome"] != "ok"]
+    lines += ["", "Where `profile`'s time goes: each stage it reports (`progress=`), in plain "
+              "steps, until the next stage starts (stages one model lacks are blank).", ""]
+    names: list[str] = []  # every row's stages, each row's in its order
+    for r in payload["rows"]:
+        at = 0
+        for st in r.get("profile_stages", ()):
+            if st["stage"] not in names:
+                names.insert(at, st["stage"])
+            at = names.index(st["stage"]) + 1
+    lines += ["| stage | " + " | ".join(r["model"] for r in payload["rows"]) + " |",
+              "|---|" + "---:|" * len(payload["rows"])]
+    for name in names:
+        cells = [next((f"{st['plain_steps']:.2f}" for st in r.get("profile_stages", ())
+                       if st["stage"] == name), "") for r in payload["rows"]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"Total wall time {payload['seconds']:.0f} s."]
     return "\n".join(lines) + "\n"
 

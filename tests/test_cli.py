@@ -139,6 +139,7 @@ def test_profile_reports_its_stages_in_order() -> None:
     n = int(memory[0].split("/")[1])  # at most: alike blocks can make the last ones needless
     assert 2 <= len(memory) <= n
     assert memory == [f"memory runs {k}/{n}" for k in range(1, len(memory) + 1)]
+    assert stages[stages.index("selective keep-sets") + 1] == "selective options derived"
     selective = [s for s in stages if s.startswith("selective options")]
     assert selective[0] == "selective options derived"  # then any measured, k/steps
     measured = selective[1:]

@@ -234,6 +234,7 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
     the last one backward needs."""
     step, plain = setup.step, base.counter
     ops = [plain.block_ops(name) for name in names]
+    stage("selective keep-sets")  # a MILP per cap and distinct block (keepsets.py)
     options = _selective_options(names, [plain.block_stats(name) for name in names], ops,
                                  setup.cost_model)
     alike = base.alike
