@@ -277,7 +277,7 @@ def cost_markdown(payload: dict[str, Any]) -> str:
              "| model | plain step s | " + " | ".join(calls) + " |",
              "|---|---:|" + "---:|" * len(calls)]
     for r in payload["rows"]:
-        cells = [f"{r['calls'][c]['seconds']:.2f} (x{r['calls'][c]['plain_steps']:.0f})"
+        cells = [f"{r['calls'][c]['seconds']:.2f} (x{r['calls'][c]['plain_steps']:.1f})"
                  for c in calls]
         lines.append(f"| {r['model']} | {r['plain_step_s']:.3f} | " + " | ".join(cells) + " |")
     lines += [f"- {r['model']}: auto@60% raised {r['auto_outcome']}" for r in payload["rows"]
@@ -382,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             rows.append(cost_row(name, MODELS[name], args.size, device, steps, args.warmup))
             r = rows[-1]
             print(f"  {name}: plain {r['plain_step_s']:.3f} s; " + ", ".join(
-                f"{k} {v['seconds']:.1f} s (x{v['plain_steps']:.0f})"
+                f"{k} {v['seconds']:.1f} s (x{v['plain_steps']:.1f})"
                 for k, v in r["calls"].items()), flush=True)
         payload = {**_header(args, device), "command": command, "steps": steps,
                    "warmup": args.warmup, "rows": rows, "seconds": time.perf_counter() - start}

@@ -304,7 +304,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
             module names, or a predicate ``(name, module) -> bool``.
         repeats: uninstrumented steps timed, at most (medians are reported): the
             first step, which finds the blocks, counts as one when ``repeats >= 3``, and
-            timing stops once two steps in a row agree within 5%
+            timing stops once two steps in a row agree within 10%
             (NOTE [ Timing repeats ]).
         with_selective: also measure selective-recompute options, so that plans can use
             them: derived from the checkpointed memory step (NOTE [ Selective windows
