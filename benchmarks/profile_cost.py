@@ -15,7 +15,9 @@ each as wall seconds and as a multiple of the plain step's median. ``--heldout``
 times a "held-out style check": ``auto`` on five small Hugging Face models (GPT-2, Llama,
 BERT, Qwen2, OPT) at three budgets each (90%, 60%, and 10% above the smallest feasible
 budget, which a first ``auto(..., budget=1)`` finds from its ``BudgetError``), each call on
-a fresh model, and reports every call's time and the total.
+a fresh model, and reports every call's time and the total. The calls of the cost table
+run cold (the keep-sets an earlier call solved forgotten first); those of the held-out
+check one after another in one process, as a user's sweep would, unless ``--cold``.
 
 Run:        OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py --tag before
             OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py --heldout \
@@ -46,6 +48,7 @@ import autoremat
 from autoremat._bench.report import device_info
 from autoremat._core.step import run_step
 from autoremat._measure.timing import time_ms
+from autoremat._plan import keepsets
 
 Builder = Callable[[str, torch.device], tuple[nn.Module, Any]]
 
@@ -176,6 +179,12 @@ def plain_step_s(model: nn.Module, inputs: Any, device: torch.device, steps: int
     return times
 
 
+def _cold() -> None:
+    """Forget the keep-sets solved so far (NOTE [ Keep-sets solved once per process ]), so
+    that the next call pays for its own, as the first call of a process does."""
+    keepsets._solved.cache_clear()
+
+
 def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: int,
              warmup: int) -> dict[str, Any]:
     """One model's row: the plain step and what each call costs, in seconds and steps."""
@@ -185,12 +194,14 @@ def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: 
     calls: dict[str, float] = {}
     tapes: list[autoremat.Tape] = []
     stages: list[tuple[str, float]] = []  # each stage of the first profile and its start
+    _cold()
     calls["profile"] = _seconds(lambda: tapes.append(autoremat.profile(
         model, inputs, progress=lambda s: stages.append((s, time.perf_counter())))))
     ends = [t for _, t in stages[1:]] + [stages[0][1] + calls["profile"]] if stages else []
     calls["profile(with_selective=False)"] = _seconds(
         lambda: autoremat.profile(model, inputs, with_selective=False))
     fresh, fresh_inputs = build(size, device)
+    _cold()
     outcome = "ok"
     start = time.perf_counter()
     try:
@@ -211,10 +222,13 @@ def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: 
 
 
 def heldout_call(name: str, size: str, device: torch.device, budget: int | str,
-                 label: str) -> dict[str, Any]:
+                 label: str, cold: bool = False) -> dict[str, Any]:
     """``auto`` on a fresh ``HELDOUT[name]`` at ``budget``, timed; a ``BudgetError`` is an
-    outcome (it names the smallest feasible budget), not a failure."""
+    outcome (it names the smallest feasible budget), not a failure. ``cold``: without the
+    keep-sets earlier calls solved."""
     model, inputs = HELDOUT[name](size, device)
+    if cold:
+        _cold()
     row: dict[str, Any] = {"model": name, "budget": label}
     start = time.perf_counter()
     try:
@@ -229,18 +243,18 @@ def heldout_call(name: str, size: str, device: torch.device, budget: int | str,
     return row
 
 
-def heldout_rows(size: str, device: torch.device,
-                 models: Sequence[str]) -> list[dict[str, Any]]:
+def heldout_rows(size: str, device: torch.device, models: Sequence[str],
+                 cold: bool = False) -> list[dict[str, Any]]:
     """Every ``auto`` call of the held-out style check, timed (see the module docstring)."""
     rows: list[dict[str, Any]] = []
     for name in models:
-        mine = [heldout_call(name, size, device, "90%", "90%"),
-                heldout_call(name, size, device, "60%", "60%"),
-                heldout_call(name, size, device, 1, "1 B (finds the minimum)")]
+        mine = [heldout_call(name, size, device, "90%", "90%", cold),
+                heldout_call(name, size, device, "60%", "60%", cold),
+                heldout_call(name, size, device, 1, "1 B (finds the minimum)", cold)]
         smallest = mine[-1].get("min_feasible_bytes")
         if smallest:
             mine.append(heldout_call(name, size, device, int(MIN_SLACK * smallest),
-                                     f"min x{MIN_SLACK:g}"))
+                                     f"min x{MIN_SLACK:g}", cold))
         rows += mine
         print(f"  {name}: " + ", ".join(f"{r['budget']} {r['seconds']:.1f} s" for r in mine),
               flush=True)
@@ -273,7 +287,8 @@ def cost_markdown(payload: dict[str, Any]) -> str:
              "Each call in wall seconds and (in brackets) as a multiple of the model's plain "
              "step (forward + loss + backward, median of "
              f"{payload['steps']} after {payload['warmup']} warm-up). `auto@60%` runs on a "
-             "fresh copy of the model.", "",
+             "fresh copy of the model. Each call is cold: the keep-sets an earlier call "
+             "solved are forgotten first (NOTE [ Keep-sets solved once per process ]).", "",
              "| model | plain step s | " + " | ".join(calls) + " |",
              "|---|---:|" + "---:|" * len(calls)]
     for r in payload["rows"]:
@@ -309,7 +324,12 @@ def heldout_markdown(payload: dict[str, Any]) -> str:
              f"{payload['load_average_at_start']}, at the end {payload['load_average']}.", "",
              "Every call is `autoremat.auto(model, inputs, budget)` on a freshly built model; "
              "`1 B` fails with the `BudgetError` that names the smallest feasible budget, "
-             f"and the third budget is {MIN_SLACK:g} x that.", "",
+             f"and the third budget is {MIN_SLACK:g} x that. " + (
+                 "Every call is cold: the keep-sets earlier calls solved are forgotten first "
+                 "(`--cold`), as in a process of its own." if payload.get("cold") else
+                 "The calls run one after another in one process, as a user's sweep would: "
+                 "a call gets the keep-sets an earlier call on the same shapes solved (NOTE "
+                 "[ Keep-sets solved once per process ]); `--cold` forgets them first."), "",
              "| model | budget | seconds | outcome | predicted peak | recomputed blocks |",
              "|---|---|---:|---|---:|---:|"]
     for r in payload["rows"]:
@@ -343,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--heldout", action="store_true",
                         help="time the held-out style check instead (auto, 5 HF models, "
                              "3 budgets)")
+    parser.add_argument("--cold", action="store_true",
+                        help="--heldout: every call without the keep-sets earlier calls "
+                             "solved (as in a process of its own)")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed plain steps (default 7; 3 at --size tiny)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -351,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--tag", default="", help="added to the file names, e.g. 'before'")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
+    if args.cold and not args.heldout:
+        parser.error("--cold is for --heldout (every call of the cost table runs cold)")
     if args.heldout and args.size not in _HELDOUT_SIZES:
         parser.error(f"--heldout runs at --size {' or '.join(_HELDOUT_SIZES)}, not "
                      f"{args.size!r}")
@@ -365,17 +390,19 @@ def main(argv: Sequence[str] | None = None) -> Path:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     command = "python benchmarks/profile_cost.py" + (" --heldout" if args.heldout else "") \
+        + (" --cold" if args.cold else "") \
         + f" --size {args.size} --models {','.join(models)} --threads {args.threads}" \
         + ("" if args.heldout else f" --steps {steps} --warmup {args.warmup}")
     start = time.perf_counter()
     suffix = f"_{args.tag}" if args.tag else ""
     if args.heldout:
-        rows = heldout_rows(args.size, device, models)
+        rows = heldout_rows(args.size, device, models, args.cold)
         payload = {**_header(args, device), "command": command, "rows": rows,
+                   "cold": args.cold,
                    "total_s": sum(r["seconds"] for r in rows),
                    "seconds": time.perf_counter() - start}
-        md = _write(Path(args.out), f"profile_cost_heldout{suffix}", payload,
-                    heldout_markdown(payload))
+        stem = "profile_cost_heldout" + ("_cold" if args.cold else "") + suffix
+        md = _write(Path(args.out), stem, payload, heldout_markdown(payload))
     else:
         rows = []
         for name in models:

@@ -13,6 +13,7 @@ Everything runs on hand-built ``OpRecord`` tuples (no model, no profiling):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -283,6 +284,36 @@ def test_no_nodes_and_bad_arguments() -> None:
     with pytest.raises(RematError, match="has target 3"):
         keep_sets([_op("aten.relu.default", out=4),
                    _op("aten.add_.Tensor", inplace=True, target=3)], MODEL)
+
+
+def test_a_block_is_solved_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Keep-sets solved once per process ]: the same ops (times aside), rates and
+    # fractions get the sets solved the first time, in a new list; anything else differing
+    # is solved again, and a malformed tape raises every time
+    from autoremat._plan import keepsets
+
+    keepsets._solved.cache_clear()
+    solves: list[int] = []
+    milp = keepsets._milp
+    monkeypatch.setattr(keepsets, "_milp", lambda *a: solves.append(1) or milp(*a))
+    ops = [_op("aten.addmm.default", out=100, flops=10_007, kept=100),
+           _op("aten.gelu.default", out=100, flops=803, kept=100, inputs=(0,)),
+           _op("aten.addmm.default", out=50, flops=5_009, kept=0, inputs=(1,))]
+    first = keep_sets(ops, MODEL, (0.5, 1.0))
+    assert len(solves) == 4 and first
+    timed = [dataclasses.replace(r, ms=1.5 + i) for i, r in enumerate(ops)]
+    again = keep_sets(timed, MODEL, [0.5, 1.0])
+    assert again == first and again is not first and len(solves) == 4
+    again.clear()
+    assert keep_sets(ops, MODEL, (0.5, 1.0)) == first  # the caller's list was its own
+    keep_sets(ops, dataclasses.replace(MODEL, flops_per_op=11.0), (0.5, 1.0))
+    keep_sets(ops, MODEL, (0.5,))
+    keep_sets([*ops[:2], dataclasses.replace(ops[2], flops=5_010)], MODEL, (0.5, 1.0))
+    assert len(solves) == 4 + 4 + 2 + 4
+    bad = [*ops, _op("aten.relu.default", out=4, inputs=(5,))]
+    for _ in range(2):
+        with pytest.raises(RematError, match=r"op 3 \(aten.relu.default\) lists inputs \[5\]"):
+            keep_sets(bad, MODEL, (0.5, 1.0))
 
 
 def test_alias_ops_are_never_kept() -> None:

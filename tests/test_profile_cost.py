@@ -80,6 +80,22 @@ def test_heldout_tiny(tmp_path: Path) -> None:
     assert rows[3]["predicted_peak_bytes"] <= rows[3]["budget_bytes"]
     assert all(r["seconds"] > 0 for r in rows)
     assert payload["total_s"] == pytest.approx(sum(r["seconds"] for r in rows))
+    assert payload["cold"] is False and "as a user's sweep would" in \
+        (tmp_path / "profile_cost_heldout.md").read_text()
+    # --cold: every call forgets the keep-sets solved before it; its own file
+    cost.main(["--heldout", "--cold", "--size", "tiny", "--models", "opt", "--out",
+               str(tmp_path)])
+    cold = json.loads((tmp_path / "profile_cost_heldout_cold.json").read_text())
+    assert cold["cold"] is True and "--cold" in cold["command"]
+    assert [r["outcome"] for r in cold["rows"]] == [r["outcome"] for r in rows]
+    assert [r.get("predicted_peak_bytes") for r in cold["rows"]] == \
+        [r.get("predicted_peak_bytes") for r in rows]  # the same plans, solved again
+
+
+def test_cold_is_for_the_heldout_check(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cost.main(["--cold"])
+    assert "--cold is for --heldout" in capsys.readouterr().err
 
 
 def test_unknown_model_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

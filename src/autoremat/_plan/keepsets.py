@@ -46,6 +46,7 @@ NOTE [ Keep-sets by MILP ]
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -267,7 +268,10 @@ def keep_sets(ops: Sequence[OpRecord], model: CostModel,
 
     Returns:
         The distinct keep-sets, by ``kept_bytes`` ascending (so cost descending); ``[]``
-        if the block creates no storage (nothing to keep or skip).
+        if the block creates no storage (nothing to keep or skip). A block with the same
+        ops (times aside) under the same rates and fractions is solved once per process
+        (NOTE [ Keep-sets solved once per process ]): a later call gets a new list of the
+        same sets.
 
     Raises:
         RematError: a fraction is negative or not finite, or the tape is malformed.
@@ -294,13 +298,27 @@ def keep_sets(ops: Sequence[OpRecord], model: CostModel,
         if not (math.isfinite(f) and f >= 0):
             raise RematError(f"keep_sets: fractions must be finite and >= 0, got {f!r}; pass "
                              f"fractions of the block's kept bytes, e.g. (0.1, 0.2, 0.3)")
+    # NOTE [ Keep-sets solved once per process ]
+    #     The sets depend on nothing but the ops (their times aside), the rates and the
+    #     fractions, and HiGHS takes 5-15 ms a solve, two solves a cap: on the zoo's
+    #     llama the 14 solves were 2 of the 10 plain steps a profile costs. A profile of
+    #     the same shapes again (``auto`` after ``profile``, ``auto`` at several budgets,
+    #     a fresh copy of the model) gets the sets solved the first time. The answer is
+    #     the same; a malformed tape still raises, since a failed parse is not kept.
+    untimed = tuple(dataclasses.replace(r, ms=0.0) if r.ms else r for r in ops)
+    return list(_solved(untimed, model, tuple(float(f) for f in fractions)))
+
+
+@functools.lru_cache(maxsize=64)  # NOTE [ Keep-sets solved once per process ]
+def _solved(ops: tuple[OpRecord, ...], model: CostModel,
+            fractions: tuple[float, ...]) -> tuple[KeepSet, ...]:
     g = _parse(ops, model)
     if not g.nodes:
-        return []
+        return ()
     total = sum(r.kept_bytes for r in ops if _needed(r))
     found: dict[tuple[tuple[int, ...], tuple[int, ...]], KeepSet] = {}
     for f in fractions:
         cap = math.floor(f * total)  # kept bytes are whole: the same sets as f * total
         s = _keep_set(g, *_solve(g, cap, len(ops)), cap)
         found.setdefault((s.keep, s.skip), s)
-    return sorted(found.values(), key=lambda s: (s.kept_bytes, -s.cost, s.keep, s.skip))
+    return tuple(sorted(found.values(), key=lambda s: (s.kept_bytes, -s.cost, s.keep, s.skip)))

@@ -78,7 +78,7 @@ from autoremat._mechanism.offload import measure_host_bandwidth
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import ContextFn
 from autoremat._plan.costs import CostModel, head_cost
-from autoremat._plan.keepsets import KeepSet, keep_sets
+from autoremat._plan.keepsets import keep_sets
 from autoremat._profile.derive import derive
 from autoremat._profile.runs import (
     _checkpointed_flops,
@@ -313,14 +313,11 @@ def _selective_options(names: list[str], op_stats: list[dict[str, OpStats]],
             options[i][save_set_name(save)] = (
                 selective_context(save), compiled_context(save),
                 _partial(sum(s.out_bytes for s in redo), sum(s.count for s in redo)))
-    solved: dict[tuple[OpRecord, ...], list[KeepSet]] = {}
     for i, ops in enumerate(block_ops):
-        untimed = tuple(dataclasses.replace(o, ms=0.0) for o in ops)  # keep_sets reads no ms
-        if untimed not in solved:
-            solved[untimed] = keep_sets(ops, cost_model)
         op_names = [o.op for o in ops]
         signature = op_signature(op_names)
-        for k, found in enumerate(solved[untimed]):
+        # alike blocks' sets are solved once (NOTE [ Keep-sets solved once per process ])
+        for k, found in enumerate(keep_sets(ops, cost_model)):
             rerun = [o for j, o in enumerate(ops)
                      if j not in found.keep and j not in found.skip]
             options[i][keep_set_name(k + 1)] = (
