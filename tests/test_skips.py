@@ -33,6 +33,72 @@ def test_inputs_held_in_the_parents_list_are_found() -> None:
     assert tape.blocks[-1].chain_bytes > 0  # the head's input: the last up block's output
 
 
+def _forwards(model: torch.nn.Module) -> list[bool]:
+    """Records, for every forward of ``model``, whether gradients were on."""
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.is_grad_enabled()))
+    return seen
+
+
+@pytest.mark.parametrize(("name", "blocks"), [("unet", _unet.BLOCKS), ("unet", None),
+                                              ("gpt2", None), ("resnet", None)])
+def test_the_warm_up_step_finds_held_inputs_as_a_forward_without_gradients_does(
+        name: str, blocks: list[str] | None) -> None:
+    # NOTE [ Boundaries held outside the chain ]: with autograd's saved tensors packed as
+    # detached aliases, the step with gradients tells held inputs apart; without them,
+    # every input a first op saves would look held
+    from autoremat._profile import runs
+
+    model, inputs = _unet.build(batch=2, size=8, width=4) if name == "unet" else \
+        autoremat.zoo.build(name, batch_size=2)
+    seen = _forwards(model)
+    tape = autoremat.profile(model, inputs, blocks=blocks, repeats=1, timing=False,
+                             with_selective=False, with_head=False)
+    assert False not in seen  # no forward without gradients: the warm-up step told
+    names = [b.name for b in tape.blocks]
+    found = [b.chained and b.chain_bytes == 0 for b in tape.blocks]
+    expected = runs._held_boundaries(model, inputs, names)
+    assert found[1:] == [e and b.chained for e, b in zip(expected[1:], tape.blocks[1:],
+                                                         strict=True)]
+    assert any(expected) == (name in ("unet", "resnet"))  # the check has teeth both ways
+
+
+def test_held_inputs_fall_back_to_a_forward_without_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # where the warm-up step cannot tell (here: told it cannot), the forward without
+    # gradients does, and says the same
+    from autoremat._profile import runs
+
+    monkeypatch.setattr(runs._HeldInputs, "held", lambda self, chain: None)
+    model, inputs = _unet.build(batch=2, size=8, width=4)
+    seen = _forwards(model)
+    tape = autoremat.profile(model, inputs, blocks=_unet.BLOCKS, repeats=1, timing=False,
+                             with_selective=False)
+    assert seen.count(False) == 1
+    held = [b.name for b in tape.blocks if b.chained and b.chain_bytes == 0]
+    assert held == ["downs.0", "downs.1", "downs.2"]
+
+
+def test_a_block_between_the_chains_blocks_leaves_the_verdict_to_the_fallback() -> None:
+    from autoremat._profile.runs import _HeldInputs
+
+    seen = _HeldInputs(["a", "b", "c"])
+    seen._last = 0
+    seen._refs[0] = None
+    seen._check_last(1)  # a, then b, then c, then the forward returned
+    seen._refs[1] = None
+    seen._last = 1
+    seen._check_last(2)
+    seen._refs[2] = None
+    seen._last = 2
+    seen.returned()
+    assert seen.held(["a", "b", "c"]) == [False, False, False]
+    assert seen.held(["b", "c"]) == [False, False]
+    assert seen.held(["a", "c"]) is None  # b ran between them
+    assert seen.held(["a", "b"]) is None  # c ran after the chain's last
+    assert seen.held(["a", "d"]) is None  # not installed over
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", ["75%", "50%"])
 def test_a_unet_plans_at_75_and_50_percent(listed: tuple, budget: str) -> None:

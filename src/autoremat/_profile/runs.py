@@ -46,11 +46,17 @@ NOTE [ Boundaries held outside the chain ]
     (the peak model subtracts ``chain_bytes``), which frees them only when nothing else
     holds them. A U-Net's parent keeps each encoder block's output in a list of skips
     until the decoder reads it, and a parent that names every hidden state keeps them
-    all; the segment then frees nothing there. ``_held_boundaries`` finds such inputs in
-    one forward without gradients (nothing saved for backward, so only the model's own
-    references keep a tensor): the input of block ``i`` is held when it is still alive
-    once block ``i`` has returned. Those blocks get ``chain_bytes = 0``, so composed
-    segments over them are predicted as holding what they hold.
+    all; the segment then frees nothing there. The input of block ``i`` is held when it
+    is still alive once block ``i`` has returned (checked when the next block starts,
+    and for the last one when the forward has returned). Those blocks get
+    ``chain_bytes = 0``, so composed segments over them are predicted as holding what
+    they hold. Autograd's saved tensors would keep every such input alive (the Python
+    object of a tensor autograd saved lives as long as the saved tensor), so the check
+    runs in the warm-up step with every saved tensor packed as a detached alias
+    (``_HeldInputs``: the same storage, another object): then only the model's own
+    references keep an input's object. Where that step cannot tell (a compiled step; a
+    chain with blocks found between its blocks that it leaves out), one forward without
+    gradients does (``_held_boundaries``), where nothing is saved at all.
 
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
@@ -235,6 +241,74 @@ def _why_no_backward(model: nn.Module, names: list[str]) -> str:
                 "so backward never runs through them and there is nothing to recompute: "
                 "leave them out of blocks=[...] (list the blocks after them)")
     return "autoremat plans over blocks whose output is part of the loss"
+
+
+class _HeldInputs:
+    """Which blocks' inputs outlive their call, seen in a step with gradients (NOTE
+    [ Boundaries held outside the chain ]): install it around the step and call
+    :meth:`returned` once the model's forward has returned."""
+
+    _END = -1  # "next" of the block that ran last
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self._refs: dict[int, weakref.ref[torch.Tensor] | None] = {}
+        self._alive: dict[int, bool] = {}
+        self._next: dict[int, int] = {}  # block -> the block that started after it
+        self._last: int | None = None
+
+    def _check_last(self, following: int) -> None:
+        last = self._last
+        if last is not None:
+            ref = self._refs.get(last)
+            self._alive[last] = ref is not None and ref() is not None
+            self._next[last] = following
+
+    @contextmanager
+    def installed(self, model: nn.Module) -> Iterator[None]:
+        def pre(i: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+                self._check_last(i)
+                tensors = flat_tensors((args, kwargs))
+                self._refs[i] = weakref.ref(tensors[0]) if tensors else None
+                self._last = i
+            return hook
+
+        with ExitStack() as stack:
+            for i, name in enumerate(self.names):
+                handle = model.get_submodule(name).register_forward_pre_hook(
+                    pre(i), with_kwargs=True)
+                stack.callback(handle.remove)
+            # autograd keeps what it saves as a detached alias: the same storage, not the
+            # input's Python object, whose life then shows the model's references alone
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_detached, _same))
+            yield
+
+    def returned(self) -> None:
+        """The model's forward has returned: check the block that ran last."""
+        self._check_last(self._END)
+        self._last = None
+
+    def held(self, chain: list[str]) -> list[bool] | None:
+        """Per block of ``chain`` (some of the blocks installed over, in the order they
+        ran), whether its input was held; ``None`` where the step cannot tell: a block
+        ran between two of the chain's, or after its last, or a block did not run."""
+        index = {name: i for i, name in enumerate(self.names)}
+        if any(name not in index for name in chain):
+            return None
+        ids = [index[name] for name in chain]
+        following = [*ids[1:], self._END]
+        if any(self._next.get(i) != f for i, f in zip(ids, following, strict=True)):
+            return None
+        return [self._alive[i] for i in ids]
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bool]:
@@ -596,15 +670,21 @@ class _Chain:
 
 def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     """One uninstrumented step (it also warms up: lazy state is not measured later) that
-    finds the chain and the output's size, timed when ``timed``, and one forward without
-    gradients that finds the inputs held outside it. ``in_order``: the blocks were
-    given, and must run in that order."""
+    finds the chain, the output's size and the inputs held outside the chain (NOTE
+    [ Boundaries held outside the chain ]; where it cannot tell, one forward without
+    gradients does), timed when ``timed``. ``in_order``: the blocks were given, and
+    must run in that order."""
     held: list[int] = []
     step = setup.step
     model, inputs = step.model, step.inputs
     losses: list[tuple[str, str]] = []
 
+    held_inputs_seen = _HeldInputs(setup.names)  # NOTE [ Boundaries held outside ... ]
+    eager = setup.backend is None
+
     def measure_output(output: Any) -> torch.Tensor:
+        if eager:
+            held_inputs_seen.returned()
         check_no_cache(model, output)
         loss = (step.loss_fn or default_loss)(output)
         held.append(output_bytes(output, loss))
@@ -627,8 +707,9 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
             stamps(label)
 
     clock.sync()
-    warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
-                       in_order=in_order)
+    with held_inputs_seen.installed(model) if eager else ExitStack():
+        warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
+                           in_order=in_order)
     clock.sync()
     notes: list[str] = []
     if not in_order:
@@ -639,7 +720,9 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     times = stamps.times(len(names)) if timed and stamped else None
     for p in model.parameters():
         p.grad = None
-    held_inputs = _held_boundaries(model, inputs, names)
+    held_inputs = held_inputs_seen.held(names) if eager else None
+    if held_inputs is None:
+        held_inputs = _held_boundaries(model, inputs, names)
     if any(held_inputs[1:]):
         inner = [name for name, h in zip(names[1:], held_inputs[1:], strict=True) if h]
         notes.append(
