@@ -19,6 +19,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -295,7 +296,11 @@ def test_a_block_is_solved_once_per_process(monkeypatch: pytest.MonkeyPatch) -> 
     keepsets._solved.cache_clear()
     solves: list[int] = []
     milp = keepsets._milp
-    monkeypatch.setattr(keepsets, "_milp", lambda *a: solves.append(1) or milp(*a))
+    def counted(*args: Any) -> Any:
+        solves.append(1)
+        return milp(*args)
+
+    monkeypatch.setattr(keepsets, "_milp", counted)
     ops = [_op("aten.addmm.default", out=100, flops=10_007, kept=100),
            _op("aten.gelu.default", out=100, flops=803, kept=100, inputs=(0,)),
            _op("aten.addmm.default", out=50, flops=5_009, kept=0, inputs=(1,))]
@@ -314,6 +319,33 @@ def test_a_block_is_solved_once_per_process(monkeypatch: pytest.MonkeyPatch) -> 
     for _ in range(2):
         with pytest.raises(RematError, match=r"op 3 \(aten.relu.default\) lists inputs \[5\]"):
             keep_sets(bad, MODEL, (0.5, 1.0))
+
+
+def test_highs_gets_its_options_and_the_caller_no_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ HiGHS's options ]: the heuristic switched off reaches HiGHS, and scipy's
+    # warning that it passes the option on verbatim is not the caller's
+    import warnings
+
+    from autoremat._plan import keepsets
+
+    keepsets._solved.cache_clear()
+    seen: list[dict[str, object]] = []
+    milp = keepsets.milp
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(dict(kwargs["options"]))  # type: ignore[call-overload]
+        return milp(*args, **kwargs)
+
+    monkeypatch.setattr(keepsets, "milp", spy)
+    ops = [_op("aten.addmm.default", out=100, flops=10_011, kept=100),
+           _op("aten.gelu.default", out=100, flops=811, kept=100, inputs=(0,))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = keep_sets(ops, MODEL, (0.5,))
+    assert found and seen and all(
+        o["mip_heuristic_run_feasibility_jump"] is False and o["mip_rel_gap"] == 0.0
+        for o in seen)
 
 
 def test_alias_ops_are_never_kept() -> None:

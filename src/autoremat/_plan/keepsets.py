@@ -41,7 +41,8 @@ NOTE [ Keep-sets by MILP ]
 
     Running every node is always feasible (all constraints hold, nothing is kept), so a
     failed solve is a bug, never an impossible budget: the cap-0 keep-set always exists.
-    HiGHS takes about 10 ms per solve on a 300-op block (two solves per cap).
+    HiGHS takes 5-15 ms per solve of a model's block (two solves per cap; NOTE
+    [ HiGHS's options ]).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -215,14 +217,31 @@ def _solve(g: _Graph, cap: int, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     return x[keep], x[run]
 
 
+# NOTE [ HiGHS's options ]
+#     ``mip_rel_gap=0``: solved to optimality (HiGHS's absolute gap, 1e-6 of the objective
+#     scaled to [0, n], still holds: random blocks of 20-120 nodes solved twice with
+#     different heuristics differed in cost by 1e-8 relative, never on a model's block).
+#     ``mip_heuristic_run_feasibility_jump=False``: that primal heuristic runs before every
+#     root LP and found nothing the LP's rounding did not on these small problems; off, the
+#     14 solves of the zoo llama's block took 117 ms instead of 164 (200-node random
+#     blocks: 113-129 ms instead of 137-175). It changes HiGHS's path, not what it proves:
+#     on every model's block profiled in the benchmarks (zoo, HF, held-out) the sets were
+#     the same, save two tiny ones that picked another set of the same cost and bytes.
+#     scipy's ``milp`` documents five options and passes the others to HiGHS verbatim
+#     with a warning, which is expected here and not shown; a HiGHS without the option
+#     ignores it (scipy warns that too).
+_HIGHS_OPTIONS = {"mip_rel_gap": 0.0, "disp": False, "mip_heuristic_run_feasibility_jump": False}
+
+
 def _milp(c: np.ndarray, lower: np.ndarray, upper: np.ndarray,
           constraints: list[LinearConstraint], cap: int, n_ops: int) -> np.ndarray:
     # HiGHS prints nothing with disp=False, except its internal trace, which its C++ writes
     # to stdout on some blocks ("HighsMipSolverData::transformNewIntegerFeasibleSolution
     # tmpSolver.run();"): the user would read it among the results, so both fds are shut
-    with quiet_fds(1, 2):
+    with quiet_fds(1, 2), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unrecognized options detected")
         res = milp(c, integrality=np.ones_like(c), bounds=Bounds(lower, upper),
-                   constraints=constraints, options={"mip_rel_gap": 0.0, "disp": False})
+                   constraints=constraints, options=dict(_HIGHS_OPTIONS))
     if not res.success or res.x is None:
         raise RematError(
             f"HiGHS found no keep-set for a block of {n_ops} ops within {cap} bytes "
