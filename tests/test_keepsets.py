@@ -343,9 +343,37 @@ def test_highs_gets_its_options_and_the_caller_no_warning(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         found = keep_sets(ops, MODEL, (0.5,))
-    assert found and seen and all(
+    assert found and len(seen) == 2 and all(
         o["mip_heuristic_run_feasibility_jump"] is False and o["mip_rel_gap"] == 0.0
         for o in seen)
+    # the second solve is bounded by the first's kept bytes (scaled to the largest node's)
+    assert "objective_bound" not in seen[0]
+    assert seen[1]["objective_bound"] == pytest.approx(found[0].kept_bytes / 100, rel=1e-5)
+
+
+def test_a_bounded_solve_that_finds_nothing_is_run_again_without_the_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from scipy.optimize import OptimizeResult
+
+    from autoremat._plan import keepsets
+
+    ops = [_op("aten.addmm.default", out=100, flops=10_013, kept=100),
+           _op("aten.gelu.default", out=100, flops=813, kept=100, inputs=(0,))]
+    keepsets._solved.cache_clear()
+    expected = keep_sets(ops, MODEL, (0.5, 1.0))
+    milp = keepsets.milp
+    bounded: list[float] = []
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        if "objective_bound" in kwargs["options"]:
+            bounded.append(kwargs["options"]["objective_bound"])
+            return OptimizeResult(success=False, status=4, x=None,
+                                  message="objective bound reached")
+        return milp(*args, **kwargs)
+
+    monkeypatch.setattr(keepsets, "milp", refusing)
+    keepsets._solved.cache_clear()
+    assert keep_sets(ops, MODEL, (0.5, 1.0)) == expected and len(bounded) == 2
 
 
 def test_alias_ops_are_never_kept() -> None:
