@@ -41,7 +41,7 @@ NOTE [ Keep-sets by MILP ]
 
     Running every node is always feasible (all constraints hold, nothing is kept), so a
     failed solve is a bug, never an impossible budget: the cap-0 keep-set always exists.
-    HiGHS takes 5-15 ms per solve of a model's block (two solves per cap; NOTE
+    HiGHS takes 2-25 ms per solve of a model's block (two solves per cap; NOTE
     [ HiGHS's options ]).
 """
 
@@ -334,8 +334,8 @@ def keep_sets(ops: Sequence[OpRecord], model: CostModel,
                              f"fractions of the block's kept bytes, e.g. (0.1, 0.2, 0.3)")
     # NOTE [ Keep-sets solved once per process ]
     #     The sets depend on nothing but the ops (their times aside), the rates and the
-    #     fractions, and HiGHS takes 5-15 ms a solve, two solves a cap: on the zoo's
-    #     llama the 14 solves were 2 of the 10 plain steps a profile costs. A profile of
+    #     fractions, and HiGHS takes 2-25 ms a solve, two solves a cap: on the zoo's
+    #     llama the 14 solves are 1 of the 9 plain steps a profile costs. A profile of
     #     the same shapes again (``auto`` after ``profile``, ``auto`` at several budgets,
     #     a fresh copy of the model) gets the sets solved the first time. The answer is
     #     the same; a malformed tape still raises, since a failed parse is not kept.
