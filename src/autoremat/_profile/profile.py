@@ -14,8 +14,8 @@ NOTE [ Three kinds of run ]
     * FLOPs: counted by block in the same steps (NOTE [ One pass for memory and FLOPs ]).
     * time: ``repeats`` steps with nothing but hooks at block boundaries; medians.
     Before them, one uninstrumented step finds the chain (and warms up: what a model
-    makes lazily on its first step is not measured as the step's), and one forward
-    without gradients finds the inputs held outside it.
+    makes lazily on its first step is not measured as the step's) and the inputs held
+    outside it (NOTE [ Boundaries held outside the chain ] in ``runs.py``).
 
 NOTE [ Pairs that cannot differ ]
     A block's windows depend on its predecessor's mode only through tensors that both
