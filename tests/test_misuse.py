@@ -32,6 +32,7 @@ import io
 import pickle
 import random
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -528,3 +529,47 @@ def test_a_batch_given_another_way_is_not_taken_for_another_shape() -> None:
             model(torch.randn(3, 16))  # evaluation on another batch: nothing to hold
     with pytest.warns(autoremat.ShapeMismatchWarning, match=r"now runs on \(3, 16\)"):
         model(torch.randn(3, 16)).backward()
+
+
+class _HooksOff(torch.nn.Module):
+    """A block that turns saved-tensor hooks off in its forward (or, ``broken``, one whose
+    step fails whatever the hooks)."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.broken = broken
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.broken:
+            raise RuntimeError("the block's own bug")
+        with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this block"):
+            return torch.relu(self.linear(x))
+
+
+def test_a_model_that_turns_saved_tensor_hooks_off_is_refused_naming_why() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_HooksOff() for _ in range(3)])
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(autoremat.RematError,
+                       match=r"(?s)Sequential's step fails under saved-tensor hooks \(no hooks "
+                             r"in this block\), and runs without them.*disable_saved_tensors"
+                             r"_hooks.*non-reentrant") as info:
+        autoremat.profile(model, x, loss_fn=lambda out: out.sum())
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert all(p.grad is None for p in model.parameters())  # the retry left nothing
+
+
+def test_a_step_that_fails_without_the_hooks_too_raises_its_own_error() -> None:
+    # raised as it is, with the retry's failure noted on it (Python 3.11+)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _HooksOff(broken=True))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError) as info:
+        autoremat.profile(model, x, loss_fn=lambda out: out.sum(), blocks=["0", "1"])
+    assert str(info.value) == "the block's own bug"
+    assert not isinstance(info.value, autoremat.RematError)
+    notes = getattr(info.value, "__notes__", [])
+    assert sys.version_info < (3, 11) or notes[-1] == (
+        "autoremat: without saved-tensor hooks the step failed too: "
+        "RuntimeError(\"the block's own bug\")")

@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_flatten
 
 from autoremat._core.conditions import autocast_state
 from autoremat._core.decisions import Decision
-from autoremat._core.errors import BlockError, internal_assert
+from autoremat._core.errors import BlockError, RematError, internal_assert
 from autoremat._core.step import (
     Step,
     call_model,
@@ -309,6 +309,25 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _fails_for_the_hooks(step: Step, names: list[str], exc: RuntimeError) -> bool:
+    """Whether ``step``, which raised ``exc`` with saved-tensor hooks on, runs without
+    them; if it fails again, that failure is noted on ``exc``, which is the one raised."""
+    try:
+        _run_marked(step, names, lambda _: None, in_order=False)
+    except Exception as again:  # noted on the error raised, not dropped
+        note = f"autoremat: without saved-tensor hooks the step failed too: {again!r}"
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+
+        if add_note is not None:
+            add_note(note)
+        else:
+            warnings.warn(note, RuntimeWarning, stacklevel=4)
+        return False
+    finally:
+        for p in step.model.parameters():
+            p.grad = None
+    return True
 
 
 def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bool]:
@@ -707,9 +726,21 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
             stamps(label)
 
     clock.sync()
-    with held_inputs_seen.installed(model) if eager else ExitStack():
-        warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
-                           in_order=in_order)
+    try:
+        with held_inputs_seen.installed(model) if eager else ExitStack():
+            warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
+                               in_order=in_order)
+    except RuntimeError as exc:
+        if eager and _fails_for_the_hooks(step, names, exc):
+            raise RematError(
+                f"{type(model).__name__}'s step fails under saved-tensor hooks ({exc}), and "
+                "runs without them: the model turns them off in its forward "
+                "(torch.autograd.graph.disable_saved_tensors_hooks), or rejects them. "
+                "Checkpointing keeps what it saves through such hooks "
+                "(torch.utils.checkpoint, non-reentrant), and autoremat measures through "
+                "them: let the blocks run with them (leave the hooks on in the forward) to "
+                "profile and plan this model") from exc
+        raise
     clock.sync()
     notes: list[str] = []
     if not in_order:
