@@ -573,3 +573,29 @@ def test_a_step_that_fails_without_the_hooks_too_raises_its_own_error() -> None:
     assert sys.version_info < (3, 11) or notes[-1] == (
         "autoremat: without saved-tensor hooks the step failed too: "
         "RuntimeError(\"the block's own bug\")")
+
+
+def test_a_failure_that_does_not_come_back_is_not_blamed_on_the_hooks() -> None:
+    # a block that fails once (as running out of memory once would): the step runs when
+    # tried again, with the hooks and without, so the first error is raised as it was
+    class Once(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.failed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("failed once")
+            return self.linear(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Once())
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError) as info:
+        autoremat.profile(model, x, loss_fn=lambda out: out.sum(), blocks=["0", "1"])
+    assert str(info.value) == "failed once"
+    assert not isinstance(info.value, autoremat.RematError)
+    assert sys.version_info < (3, 11) or info.value.__notes__[-1] == (
+        "autoremat: the step ran when tried again, with saved-tensor hooks and without")

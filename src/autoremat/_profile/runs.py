@@ -313,21 +313,36 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 def _fails_for_the_hooks(step: Step, names: list[str], exc: RuntimeError) -> bool:
     """Whether ``step``, which raised ``exc`` with saved-tensor hooks on, runs without
-    them; if it fails again, that failure is noted on ``exc``, which is the one raised."""
-    try:
-        _run_marked(step, names, lambda _: None, in_order=False)
-    except Exception as again:  # noted on the error raised, not dropped
-        note = f"autoremat: without saved-tensor hooks the step failed too: {again!r}"
+    them and fails with them again, alike (not a failure that comes and goes, such as
+    running out of memory once). A failure of the retries is noted on ``exc``, which is
+    the error raised then."""
+    def note(text: str) -> None:
         add_note = getattr(exc, "add_note", None)  # Python 3.11+
         if add_note is not None:
-            add_note(note)
+            add_note(text)
         else:
-            warnings.warn(note, RuntimeWarning, stacklevel=4)
+            warnings.warn(text, RuntimeWarning, stacklevel=5)
+
+    try:
+        try:
+            _run_marked(step, names, lambda _: None, in_order=False)
+        except Exception as again:  # noted on the error raised, not dropped
+            note(f"autoremat: without saved-tensor hooks the step failed too: {again!r}")
+            return False
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(_detached, _same):
+                _run_marked(step, names, lambda _: None, in_order=False)
+        except RuntimeError as again:
+            if type(again) is type(exc) and str(again) == str(exc):
+                return True
+            note(f"autoremat: the step ran without saved-tensor hooks, and with them again "
+                 f"failed otherwise: {again!r}")
+            return False
+        note("autoremat: the step ran when tried again, with saved-tensor hooks and without")
         return False
     finally:
         for p in step.model.parameters():
             p.grad = None
-    return True
 
 
 def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bool]:
