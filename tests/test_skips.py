@@ -6,6 +6,7 @@ BatchNorm statistics equal to the plain model's, and its estimate within 3%
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import _unet
 import pytest
@@ -69,12 +70,18 @@ def test_held_inputs_fall_back_to_a_forward_without_gradients(
     # gradients does, and says the same
     from autoremat._profile import runs
 
-    monkeypatch.setattr(runs._HeldInputs, "held", lambda self, chain: None)
+    real, calls = runs._HeldInputs.held, []
+
+    def held(self: Any, chain: list[str]) -> list[bool] | None:
+        calls.append(chain)  # the warm-up step's answer is withheld; the fallback's not
+        return None if len(calls) == 1 else real(self, chain)
+
+    monkeypatch.setattr(runs._HeldInputs, "held", held)
     model, inputs = _unet.build(batch=2, size=8, width=4)
     seen = _forwards(model)
     tape = autoremat.profile(model, inputs, blocks=_unet.BLOCKS, repeats=1, timing=False,
                              with_selective=False)
-    assert seen.count(False) == 1
+    assert seen.count(False) == 1 and len(calls) == 2
     held = [b.name for b in tape.blocks if b.chained and b.chain_bytes == 0]
     assert held == ["downs.0", "downs.1", "downs.2"]
 

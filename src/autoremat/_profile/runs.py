@@ -347,30 +347,17 @@ def _fails_for_the_hooks(step: Step, names: list[str], exc: RuntimeError) -> boo
 
 def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bool]:
     """Per block, whether its first input tensor outlives the block's call: held by the
-    model outside the chain (NOTE [ Boundaries held outside the chain ])."""
-    refs: list[weakref.ref[torch.Tensor] | None] = [None] * len(names)
-    held = [False] * len(names)
-
-    def check(i: int) -> None:
-        ref = refs[i]
-        held[i] = ref is not None and ref() is not None
-
-    def pre(i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if i > 0:
-                check(i - 1)
-            tensors = flat_tensors((args, kwargs))
-            refs[i] = weakref.ref(tensors[0]) if tensors else None
-        return hook
-
-    with ExitStack() as stack, torch.no_grad():
-        for i, name in enumerate(names):
-            handle = model.get_submodule(name).register_forward_pre_hook(pre(i),
-                                                                         with_kwargs=True)
-            stack.callback(handle.remove)
+    model outside the chain, seen in one forward without gradients (NOTE [ Boundaries
+    held outside the chain ])."""
+    seen = _HeldInputs(names)
+    with seen.installed(model), torch.no_grad():
         output = call_model(model, inputs)
-        check(len(names) - 1)
+        seen.returned()
         del output
+    held = seen.held(names)
+    internal_assert(held is not None, f"the blocks {names} did not each run once, in order, "
+                                      "in a forward without gradients")
+    assert held is not None  # for mypy: internal_assert raised otherwise
     return held
 
 
