@@ -33,19 +33,14 @@ aten = torch.ops.aten
 _RNG_HOPS = (run_with_rng_state, run_and_save_rng_state)  # NOTE [ Random ops in a ... ]
 
 
-def _shape(t: Any) -> Any:
-    return t.shape if isinstance(t, torch.Tensor) else t  # a tensor, or a shape already
-
-
 def _cpu_flash_fwd(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return int(_fc.sdpa_flop_count(_shape(query), _shape(key), _shape(value)))
+    return int(_fc.sdpa_flop_count(query, key, value))  # over shapes (_over_shapes)
 
 
 def _cpu_flash_bwd(
     grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 ) -> int:
-    return int(_fc.sdpa_backward_flop_count(_shape(grad_out), _shape(query), _shape(key),
-                                            _shape(value)))
+    return int(_fc.sdpa_backward_flop_count(grad_out, query, key, value))
 
 
 # attention ops: (position of the query among the arguments, the heads' dimension);
@@ -95,7 +90,7 @@ def flop_formulas() -> dict[Any, Callable[..., int]]:
     ):
         packet = getattr(aten, name, None)
         if packet is not None and packet not in formulas:
-            formulas[packet] = _raw(formula)
+            formulas[packet] = _over_shapes(formula)
     for name, (at, dim) in _ATTENTION.items():
         packet = getattr(aten, name, None)
         if packet is not None and packet in formulas:
@@ -130,13 +125,6 @@ def _over_shapes(formula: Callable[..., int]) -> Callable[..., int]:
     """A formula over shapes, given the op's tensors (NOTE [ Shapes for the formulas ])."""
     def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
         return formula(*_shapes(args), out_shape=_shapes(out_val), **_shapes(kwargs))
-
-    return counted
-
-
-def _raw(formula: Callable[..., int]) -> Callable[..., int]:
-    def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-        return formula(*args, **kwargs)
 
     return counted
 
