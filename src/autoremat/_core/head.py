@@ -15,21 +15,47 @@ NOTE [ A chunked head ]
     Backward hands the two buffers over, scaled by the loss's incoming gradient.
 
 NOTE [ What a chunked head changes in numerics ]
-    Per chunk, the logits, the (upcast) log-softmax and its gradient are the same ops on
-    the same rows as the plain head's, and the incoming gradient of each token's loss is
-    the same float (``1/N``: the plain mean divides by the count ``N``; the chunked sum is
-    divided by the same ``N``). What differs is only the order of summation:
-    * the loss: one sum over all tokens in the plain kernel, a sum of per-chunk sums here;
-    * the weight (and bias) gradient: one matmul over all tokens in the plain head, an
-      accumulation of one matmul per chunk here (in the weight's dtype: in bf16 each
-      chunk's partial sum is rounded once);
-    * the hidden states' gradient: the same rows through the same matmul, but a BLAS may
-      choose another kernel for a matmul of fewer rows (on this CPU: bitwise equal at
-      hundreds of rows per chunk, not at 4), and then every gradient below the head
-      differs in the last bits too.
-    With one chunk every figure is the plain head's, bit for bit (a test checks it).
-    ``tests/test_head.py`` measures the rest and bounds it; ``verify`` judges a chunked
-    head with those bounds (:data:`HEAD_RTOL`).
+    The loss is the plain head's ops on the same rows (the logits, the log-softmax in
+    float32 where the head upcasts, ``nll_loss``), so with one chunk it is the plain
+    loss bit for bit; over several it is a sum of per-chunk sums. The gradients are the
+    same mathematics in another order (NOTE [ The softmax gradient in place ]): each
+    row's ``1/N`` is applied to the (n_c x C) products rather than to the (n_c x V)
+    softmax, and the weight (and bias) gradient is accumulated over chunks in float32
+    (NOTE [ The weight gradient in float32 ]). So no gradient is the plain head's bit
+    for bit, not even with one chunk; all differ in the last bits, and every gradient
+    below the head with them. Measured in ``tests/test_head.py`` (CPU, 1024 tokens):
+    float32, relative to max |g|, at most 2e-6 for any chunk count; bfloat16, 7.5e-3
+    against the plain head, whose own error against float64 is 5.3e-3 while the chunked
+    head's is 3.9e-3 (hidden states) and 2.6e-3 (weight) at 1 to 128 chunks: the chunked
+    head is the closer of the two to exact arithmetic, and does not drift with the chunk
+    count. ``verify`` judges a chunked head with :data:`HEAD_RTOL`.
+
+NOTE [ The softmax gradient in place ]
+    The plain head's backward makes four passes over each (rows x V) tensor after the
+    logits: ``log_softmax``, a dense ``nll_loss_backward`` (zeros, then one value per
+    row), ``_log_softmax_backward_data`` (``d - exp(logp) * sum(d)``, a new tensor) and,
+    where it upcasts, the copy back to the weight's dtype. Here the log-softmax is taken
+    in place over the (upcast) logits, ``exp_`` turns it into the softmax in place, and
+    one ``scatter_add_`` of -1 per counted row makes it ``softmax - one_hot``, the
+    gradient of each row's loss, unscaled: two passes instead of four, one buffer
+    instead of three. Each row's scale (``1/N``, 0 for an ignored row) is applied to
+    the small products: ``d_hidden = g * (d_logits @ W)`` and
+    ``d_weight += d_logits.T @ (g * h)``, in float32 before any rounding to a 16-bit
+    dtype (a 16-bit ``1/N`` would scale every gradient by the same rounding error).
+
+NOTE [ The weight gradient in float32 ]
+    With a 16-bit weight, adding each chunk's part of the weight gradient into a 16-bit
+    buffer rounds the running sum once per chunk: the error grows with the chunk count
+    (bfloat16, 1024 tokens: 5.3e-3 of max |g| from float64 with one chunk, 8.6e-3 with
+    128; on the project's H200 run ``chunked:32`` of a 1B Llama exceeded the 2e-2
+    bound). So the sum is kept in a float32 buffer, rounded to the weight's dtype once
+    at the end. On CUDA each chunk's product takes 16-bit operands and adds into the
+    float32 buffer in the same matmul (``addmm`` with ``out_dtype``; where a build lacks
+    it, the chunk's part is rounded once to 16 bits and added: a (V x C) temporary); on
+    the CPU, whose 16-bit matmuls are emulated and several times slower, the product runs
+    in float32 from the float32 softmax. The buffer costs (V x C) x 2 bytes more than a
+    16-bit one while the head runs, which the profile measures with the rest of each head
+    option.
 """
 
 from __future__ import annotations
@@ -37,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +85,43 @@ HEAD_RTOL: dict[torch.dtype, float] = {
 
 
 @dataclass(frozen=True)
+class LogitOp:
+    """One elementwise op a model applies to its logits between the projection and the
+    loss (NOTE [ Logit transforms ]): ``mul`` / ``div`` by ``operand``, ``tanh``, or
+    ``float`` (an upcast)."""
+
+    name: Literal["mul", "div", "tanh", "float"]
+    operand: float = 1.0
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.name == "mul":
+            return x * self.operand
+        if self.name == "div":
+            return x / self.operand
+        if self.name == "tanh":
+            return torch.tanh(x)
+        return x.float()
+
+    def __str__(self) -> str:
+        return {"mul": f"* {self.operand:g}", "div": f"/ {self.operand:g}",
+                "tanh": "tanh", "float": ".float()"}[self.name]
+
+
+def _transformed(logits: Tensor, ops: tuple[LogitOp, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """``ops`` applied to one chunk's ``logits`` as the model applies them, with the local
+    graph to take their backward: ``(z, x, z)`` where ``x`` is the detached input that
+    requires grad (with no ops: ``(logits, logits, logits)``)."""
+    if not ops:
+        return logits, logits, logits
+    x = logits.detach().requires_grad_()
+    with torch.enable_grad():
+        z = x
+        for op in ops:
+            z = op(z)
+    return z.detach(), x, z
+
+
+@dataclass(frozen=True)
 class HeadCall:
     """What one call of the chunked head was given, enough to run the same call again on
     stand-in values (its allocations depend on shapes, not values): NOTE [ One head option
@@ -71,6 +134,7 @@ class HeadCall:
     denominator: tuple[torch.dtype, torch.device]
     ignore_index: int
     upcast: bool
+    ops: tuple[LogitOp, ...] = ()
 
     def replay(self, chunks: int) -> Callable[[], Tensor]:
         """The call over ``chunks`` chunks on stand-ins made now (zeros, labels 0): a
@@ -81,7 +145,7 @@ class HeadCall:
         denominator = torch.ones((), dtype=self.denominator[0], device=self.denominator[1])
         return lambda: _ChunkedLinearCrossEntropy.apply(
             hidden, self.weight, self.bias, labels, denominator, chunks, self.ignore_index,
-            self.upcast)
+            self.upcast, self.ops)
 
 
 # Told as each chunked forward starts ("start", what it was given) and ends ("end", None);
@@ -91,13 +155,54 @@ HEAD_WATCH: ContextVar[Callable[[str, HeadCall | None], None] | None] = \
     ContextVar("autoremat_head_watch", default=None)
 
 
+def _accumulates_wide(weight: Tensor) -> bool:
+    """Whether the projection's weight gradient is accumulated over chunks in float32
+    (NOTE [ The weight gradient in float32 ])."""
+    return weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def _float32_matmul(device: torch.device) -> bool:
+    """Whether a 16-bit head's weight gradient is multiplied in float32 on ``device``:
+    on the CPU, whose 16-bit matmuls are emulated and several times slower (NOTE [ The
+    weight gradient in float32 ])."""
+    return device.type == "cpu"
+
+
+def _has_kernel(op: str, device: torch.device) -> bool:
+    """Whether ``op`` has a kernel for ``device``'s backend (a mixed-precision matmul that
+    a build or a device may lack)."""
+    key = {"cuda": "CUDA", "meta": "Meta", "xpu": "XPU"}.get(device.type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+
+
+def _accumulate(d_weight: Tensor, d_logits: Tensor, d_low: Tensor, h: Tensor, g: Tensor,
+                first: bool) -> None:
+    """``d_weight += d_logits.T @ (g * h)`` (``=`` for the ``first`` chunk): one chunk's
+    part of the weight gradient (``d_logits`` (n_c, V) unscaled, in float32 where the
+    head upcasts, ``d_low`` the same in the weight's dtype; ``g`` (n_c, 1) float32, each
+    row's scale), in ``d_weight``'s dtype (NOTE [ The weight gradient in float32 ])."""
+    if d_weight.dtype == h.dtype:  # (V, n_c) @ (n_c, C), into the weight's own dtype
+        a, b = d_low.t(), (h * g).to(h.dtype)
+    elif _float32_matmul(h.device):
+        a, b = d_logits.t().float(), h.float() * g
+    elif _has_kernel("aten::addmm.dtype_out", h.device):  # 16-bit products, summed in float32
+        torch.ops.aten.addmm.dtype_out(d_weight, d_low.t(), (h * g).to(h.dtype),
+                                       torch.float32, beta=0 if first else 1, out=d_weight)
+        return
+    else:  # one rounding of the chunk's part to the weight's dtype, none across chunks
+        part = torch.mm(d_low.t(), (h * g).to(h.dtype))
+        d_weight.copy_(part) if first else d_weight.add_(part)
+        return
+    torch.mm(a, b, out=d_weight) if first else d_weight.addmm_(a, b)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum_t CE(h_t W^T + b, y_t) / denominator`` over row chunks; NOTE [ A chunked head ]."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None,
                 labels: Tensor, denominator: Tensor, chunks: int, ignore_index: int,
-                upcast: bool) -> Tensor:
+                upcast: bool, ops: tuple[LogitOp, ...] = ()) -> Tensor:
         # (a profile measures the head eager only; Dynamo cannot trace a ContextVar)
         watch = None if torch.compiler.is_compiling() else HEAD_WATCH.get()
         if watch is not None:
@@ -105,49 +210,63 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 hidden=(tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad),
                 weight=weight, bias=bias, labels=(tuple(labels.shape), labels.dtype),
                 denominator=(denominator.dtype, denominator.device),
-                ignore_index=ignore_index, upcast=upcast))
+                ignore_index=ignore_index, upcast=upcast, ops=ops))
         n = hidden.shape[0]  # hidden (N, C), labels (N,)
         want = (hidden.requires_grad, weight.requires_grad,
                 bias is not None and bias.requires_grad)
         scale = torch.ones((), dtype=torch.float32, device=hidden.device) / denominator
+        wide = _accumulates_wide(weight)  # NOTE [ The weight gradient in float32 ]
         d_hidden = torch.empty_like(hidden) if want[0] else None  # (N, C)
-        d_weight = torch.empty_like(weight) if want[1] else None  # (V, C)
-        d_bias = torch.zeros_like(bias) if want[2] and bias is not None else None
+        d_weight = torch.empty_like(weight, dtype=torch.float32 if wide else weight.dtype) \
+            if want[1] else None  # (V, C), written by the first chunk
+        d_bias = torch.zeros_like(bias, dtype=torch.float32) \
+            if want[2] and bias is not None else None  # (V,)
         total: Tensor | None = None
         size = -(-n // chunks)  # rows per chunk, rounded up
-        for first, start in enumerate(range(0, n, size)):
+        for start in range(0, n, size):
+            first = start == 0
             rows = slice(start, min(start + size, n))
             h, y = hidden[rows], labels[rows]  # (n_c, C), (n_c,)
             logits = F.linear(h, weight, bias)  # (n_c, V)
-            source = logits.float() if upcast else logits
-            # the ops autograd runs for cross_entropy(source, y, reduction="sum") and its
-            # backward, called directly: the same floats, and no autograd inside a forward
-            # (which torch.compile would have to leave)
-            logp = torch.log_softmax(source, -1)
-            part, counted = torch.ops.aten.nll_loss_forward(logp, y, None, 2, ignore_index)
+            z, x, graph = _transformed(logits, ops)  # NOTE [ Logit transforms ]
+            source = z.float() if upcast else z
+            if ops and source is z:  # the ops' graph may hold z: the log-softmax needs its own
+                source = z.clone()
+            # log-softmax in place (the same kernel, the same floats as out of place)
+            logp = torch._log_softmax(source, -1, False, out=source)
+            part, _ = torch.ops.aten.nll_loss_forward(logp, y, None, 2, ignore_index)
             total = part if total is None else total + part
             if not any(want):
                 continue
-            d_logp = torch.ops.aten.nll_loss_backward(scale.to(logp.dtype), logp, y, None, 2,
-                                                      ignore_index, counted)
-            d_logits = torch.ops.aten._log_softmax_backward_data(d_logp, logp, -1,
-                                                                 source.dtype)
-            del logp, d_logp, source
-            d_logits = d_logits.to(logits.dtype)  # the backward of .float()
+            # NOTE [ The softmax gradient in place ]
+            counted_rows = y != ignore_index  # (n_c,)
+            g = (counted_rows.float() * scale).unsqueeze(1)  # (n_c, 1): each row's gradient
+            d_logits = logp.exp_()  # the softmax, over the log-softmax's buffer
+            ones = counted_rows.to(d_logits.dtype).unsqueeze(1)  # (n_c, 1) 1 counted, 0 not
+            d_logits.scatter_add_(1, torch.where(counted_rows, y, 0).unsqueeze(1),
+                                  ones.neg())  # softmax - one-hot: each row's, unscaled
+            del logp, source, z
+            if ops:  # back through the model's ops, unscaled as the rest
+                d_logits, = torch.autograd.grad(graph, x, d_logits.to(graph.dtype))
+            del x, graph
+            d_low = d_logits.to(logits.dtype)  # the backward of .float() (itself if not)
             del logits
-            if d_hidden is not None:
-                torch.mm(d_logits, weight, out=d_hidden[rows])  # (n_c, V) @ (V, C)
-            if d_weight is not None:
-                if first == 0:
-                    torch.mm(d_logits.t(), h, out=d_weight)  # (V, n_c) @ (n_c, C)
-                else:
-                    d_weight.addmm_(d_logits.t(), h)
-            if d_bias is not None:
-                d_bias += d_logits.sum(0)
-            del d_logits
+            if d_hidden is not None:  # (n_c, V) @ (V, C), each row then scaled by its g
+                torch.mul(torch.mm(d_low, weight), g, out=d_hidden[rows])
+            if d_weight is not None:  # (V, n_c) @ (n_c, C), the rows of h scaled by g
+                _accumulate(d_weight, d_logits, d_low, h, g, first)
+            if d_bias is not None:  # the sum of the counted rows, scaled at the end
+                d_bias += torch.mv(d_logits.t(), ones.squeeze(1))
+            # nothing of a chunk outlives it: the forward ends at the same level for any
+            # chunk count (NOTE [ One head option measured, the others replayed ])
+            del d_logits, d_low, g, ones, counted_rows
         if total is None:  # no rows: the plain mean of nothing is nan, as here
             total = torch.zeros((), dtype=torch.float32 if upcast else hidden.dtype,
                                 device=hidden.device)
+        if wide and d_weight is not None:
+            d_weight = d_weight.to(weight.dtype)
+        if d_bias is not None and bias is not None:
+            d_bias = (d_bias * scale).to(bias.dtype)
         ctx.grads = (d_hidden, d_weight, d_bias) if any(want) else None
         loss = total / denominator.to(total.dtype)
         if watch is not None:
@@ -166,14 +285,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 "with head='keep' (autoremat.plan(tape, ..., head='keep'))")
         ctx.grads = None  # handed over once: the engine may then take them as .grad
         out = [g.mul_(grad.to(g.dtype)) if g is not None else None for g in grads]
-        return (*out, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                          bias: Tensor | None = None, chunks: int = 1,
                          ignore_index: int = -100,
                          num_items_in_batch: Tensor | int | None = None,
-                         upcast: bool = False) -> Tensor:
+                         upcast: bool = False, ops: tuple[LogitOp, ...] = ()) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, computed over
     ``chunks`` chunks of tokens so that only one chunk's logits exist at a time.
 
@@ -185,6 +304,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         num_items_in_batch: the loss is the sum over counted tokens divided by this
             (Hugging Face's gradient accumulation); ``None``: the mean over counted tokens.
         upcast: compute the log-softmax in float32 (as Hugging Face's loss does).
+        ops: elementwise ops the model applies to the logits before the loss, in order
+            (a soft-cap is ``(LogitOp("div", c), LogitOp("tanh"), LogitOp("mul", c))``):
+            applied to each chunk's logits (NOTE [ Logit transforms ]).
 
     Returns:
         The scalar loss; its backward hands over gradients computed in forward
@@ -208,7 +330,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=flat.device).float()
     loss: Tensor = _ChunkedLinearCrossEntropy.apply(
-        flat, weight, bias, targets, denominator, chunks, ignore_index, upcast)
+        flat, weight, bias, targets, denominator, chunks, ignore_index, upcast, tuple(ops))
     return loss
 
 

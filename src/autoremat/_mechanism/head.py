@@ -11,9 +11,11 @@ NOTE [ Which heads can be chunked ]
       chunked loss of them; the output's ``logits`` is ``None``. In a forward without
       gradients (evaluation, generation) the head runs as the model's own and returns
       the logits: nothing is saved for backward there, and metrics read them. A model
-      that changes the logits between ``lm_head`` and its loss (Gemma's soft-capping,
-      Cohere's logit scale) is found by its config, or at the latest by the loss seeing
-      another tensor than ``lm_head`` returned, and refused;
+      whose config names a transform of the logits between ``lm_head`` and its loss
+      (Gemma's soft-cap, Cohere's logit scale, Granite's logit scaling) has it followed
+      (NOTE [ Logit transforms ]); any other change of the logits (one no config names,
+      a slice, a view) is found by the loss seeing another tensor than ``lm_head``
+      returned, and refused;
     * a model of one's own with one :class:`autoremat.LMHead` called with labels.
     Anything else (a ``loss_fn`` of the caller's, which reads the logits; no labels; a
     head of another shape) keeps its head as it is, and the tape says why.
@@ -31,14 +33,26 @@ import torch
 from torch import Tensor, nn
 
 from autoremat._core.errors import RematError
-from autoremat._core.head import LMHead, linear_cross_entropy
+from autoremat._core.head import LMHead, LogitOp, linear_cross_entropy
 
 __all__ = ["HeadInstall", "HeadSite", "find_head", "head_installed", "install_head",
            "uninstall_head"]
 
-# The config fields of Hugging Face models that transform the logits before the loss.
+# The config fields of Hugging Face models that transform the logits before the loss
+# (NOTE [ Logit transforms ]).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
                      "output_multiplier_scale")
+
+
+def logit_transform(model: nn.Module) -> str:
+    """The config field (``"key=value"``) by which ``model`` transforms its logits before
+    the loss, ``""`` where none does."""
+    config = getattr(model, "config", None)
+    for key in _LOGIT_TRANSFORMS:
+        value = getattr(config, key, None)
+        if value not in (None, 1, 1.0):
+            return f"{key}={value!r}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -96,11 +110,6 @@ def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
         # takes its own cross-entropy of lm_head's output (plus BART's logit bias)
         return (f"{what} is an encoder-decoder, whose forward takes its own loss of "
                 f"lm_head's output, not Hugging Face's causal-LM loss")
-    for key in _LOGIT_TRANSFORMS:
-        value = getattr(config, key, None)
-        if value not in (None, 1, 1.0):
-            return (f"{what} transforms its logits before the loss (config.{key}="
-                    f"{value!r}), which the chunked head does not do")
     loss = getattr(model.loss_function, "__name__", "")
     if loss != "ForCausalLMLoss":
         return (f"{what}'s loss is {loss or type(model.loss_function).__name__}, not "
@@ -110,27 +119,111 @@ def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
     return ""
 
 
+# NOTE [ Logit transforms ]
+#     Some models change the logits between ``lm_head`` and the loss: Gemma 2 and 3
+#     soft-cap them (``/ c``, ``tanh``, ``* c``), Cohere multiplies them by a scale,
+#     Granite divides them (their configs name it: :data:`_LOGIT_TRANSFORMS`). Under a
+#     chunked head ``lm_head`` returns the hidden states, so for such a model it returns
+#     them as a :class:`_TracedLogits`: the same tensor, which records the elementwise ops
+#     the model applies to it (a Python scalar times or over it, ``tanh``, ``float``)
+#     instead of running them, and the loss runs the same ops, in the same order and
+#     dtype, on each chunk's logits, taking their backward through a local graph
+#     (``_core/head.py``). Anything else done to it (a slice, a view, a reduction, an op
+#     with a tensor) marks it: the loss then refuses the step, naming the op, rather than
+#     compute a loss of something the logits were not. Models whose config names no
+#     transform get the plain tensor back, which ``torch.compile`` traces as any other.
+class _TracedLogits(Tensor):
+    """The hidden states ``lm_head`` passed on, standing for the logits of a model that
+    transforms them (NOTE [ Logit transforms ])."""
+
+    _root: Tensor  # the hidden states
+    _ops: tuple[LogitOp, ...]
+    _state: dict[str, str]  # "escaped": the first op that was not a logit transform
+
+    @staticmethod
+    def of(root: Tensor, ops: tuple[LogitOp, ...], state: dict[str, str]) -> _TracedLogits:
+        out = root.as_subclass(_TracedLogits)
+        out._root, out._ops, out._state = root, ops, state
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        traced = args[0] if args and isinstance(args[0], _TracedLogits) else None
+        op = _logit_op(func, args, kwargs) if traced is not None else None
+        if traced is not None and op is not None:
+            return _TracedLogits.of(traced._root, (*traced._ops, op), traced._state)
+        name = _function_name(func)
+        if name not in _METADATA:
+            for arg in (*args, *kwargs.values()):
+                if isinstance(arg, _TracedLogits):
+                    arg._state.setdefault("escaped", name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+# what reading a traced tensor may do without changing anything the loss sees
+_METADATA = frozenset({"shape", "size", "dtype", "device", "dim", "ndim", "requires_grad",
+                       "is_floating_point", "grad_fn", "is_leaf", "layout", "__repr__",
+                       "__format__", "numel"})
+
+
+def _function_name(func: Any) -> str:
+    name = str(getattr(func, "__name__", func))
+    if name in ("__get__", "__set__"):  # a property: its own name
+        name = str(getattr(getattr(func, "__self__", None), "__name__", name))
+    return name
+
+
+def _logit_op(func: Any, args: Any, kwargs: Any) -> LogitOp | None:
+    """The :class:`LogitOp` ``func(*args, **kwargs)`` applies to its first argument, or
+    ``None`` where it is not one."""
+    name = _function_name(func)
+    number = len(args) == 2 and isinstance(args[1], (int, float)) \
+        and not isinstance(args[1], bool) and not kwargs
+    if name in ("__mul__", "__rmul__", "mul") and number:
+        return LogitOp("mul", float(args[1]))
+    if name in ("__truediv__", "div") and number:
+        return LogitOp("div", float(args[1]))
+    if name == "tanh" and len(args) == 1 and not kwargs:
+        return LogitOp("tanh")
+    if name == "float" and len(args) == 1 and not kwargs:
+        return LogitOp("float")
+    return None
+
+
 class _PassHidden:
     """``lm_head.forward`` under a chunked head: with gradients enabled (a training step)
-    the hidden states, unchanged, for the chunked loss; without (evaluation, generation)
-    the logits, as the plain layer computes them."""
+    the hidden states, unchanged (as a :class:`_TracedLogits` where the model transforms
+    its logits: ``traced``), for the chunked loss; without (evaluation, generation) the
+    logits, as the plain layer computes them."""
 
-    def __init__(self, lm_head: nn.Linear) -> None:
+    def __init__(self, lm_head: nn.Linear, traced: bool = False) -> None:
         self.lm_head = lm_head
+        self.traced = traced
         self.last: Any = None  # weakref to the hidden states passed on last
+        self.state: dict[str, str] = {}  # of the _TracedLogits passed on last
 
     def __call__(self, hidden: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             self.last = None
             return nn.Linear.forward(self.lm_head, hidden)
         self.last = weakref.ref(hidden)
-        return hidden
+        self.state = {}
+        return _TracedLogits.of(hidden, (), self.state) if self.traced else hidden
 
     def returned(self, tensor: Any) -> bool:
-        return self.last is not None and self.last() is tensor
+        """Whether ``tensor`` is what this passed on last (or the ops traced on it)."""
+        if self.last is None:
+            return False
+        if isinstance(tensor, _TracedLogits):
+            tensor = tensor._root
+        return self.last() is tensor
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"lm_head": self.lm_head, "last": None}  # a weakref does not pickle
+        return {"lm_head": self.lm_head, "traced": self.traced, "last": None,  # no weakref
+                "state": {}}
 
 
 class _ChunkedCausalLMLoss:
@@ -149,11 +242,22 @@ class _ChunkedCausalLMLoss:
         if self.passed.last is None:  # the plain layer ran: logits, not hidden states
             return self.own(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        escaped = self.passed.state.get("escaped")
+        if escaped is not None:  # NOTE [ Logit transforms ]
+            raise RematError(
+                f"the model ran {escaped!r} on its logits before taking its loss, which a "
+                f"chunked loss head cannot follow (it follows a number times or over the "
+                f"logits, tanh, and an upcast): plan with head='keep' "
+                f"(autoremat.plan(tape, ..., head='keep'))")
         if not self.passed.returned(logits):
             raise RematError(
                 "the model changed what lm_head returned before taking its loss (a "
-                "soft-cap, a scale, a slice), which a chunked loss head cannot follow: "
-                "plan with head='keep' (autoremat.plan(tape, ..., head='keep'))")
+                "soft-cap or a scale its config does not name, a slice), which a chunked "
+                "loss head cannot follow: plan with head='keep' (autoremat.plan(tape, ..., "
+                "head='keep'))")
+        ops: tuple[LogitOp, ...] = ()
+        if isinstance(logits, _TracedLogits):
+            ops, logits = logits._ops, logits._root
         if shift_labels is None:  # as ForCausalLMLoss: tokens < n predict n
             padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
             shift_labels = padded[..., 1:]
@@ -161,7 +265,7 @@ class _ChunkedCausalLMLoss:
         return linear_cross_entropy(
             logits, self.lm_head.weight, shift_labels.to(logits.device),
             bias=self.lm_head.bias, chunks=self.chunks, ignore_index=ignore_index,
-            num_items_in_batch=num_items_in_batch, upcast=True)
+            num_items_in_batch=num_items_in_batch, upcast=True, ops=ops)
 
 
 class _DropLogits:
@@ -222,7 +326,7 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int) -> HeadInstall:
     if why:
         raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
     linear = cast(nn.Linear, module)
-    passed = _PassHidden(linear)
+    passed = _PassHidden(linear, traced=bool(logit_transform(model)))
     own = model.loss_function
     module.forward = passed  # type: ignore[method-assign]
     # the model's loss_function property returns _loss_function when one is set

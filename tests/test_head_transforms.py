@@ -1,0 +1,134 @@
+"""Heads whose model transforms the logits before the loss (Gemma 2's soft-cap, Cohere's
+logit scale, Granite's logit scaling), chunked by following the model's own ops (NOTE
+[ Logit transforms ] in ``_mechanism/head.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoremat
+from autoremat import RematError
+from autoremat._core.head import HEAD_RTOL, LogitOp, linear_cross_entropy
+from autoremat._mechanism import head as mechanism
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 3000
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _build(kind: str):
+    torch.manual_seed(0)
+    common = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB}
+    if kind == "gemma2":  # logits / 3, tanh, * 3
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, head_dim=16, final_logit_softcapping=3.0))
+    elif kind == "cohere":  # logits * 0.25
+        model = transformers.CohereForCausalLM(transformers.CohereConfig(
+            **common, logit_scale=0.25))
+    else:  # logits / 4
+        model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+            **common, logits_scaling=4.0))
+    model.config.use_cache = False
+    ids = torch.randint(0, VOCAB, (2, 32))
+    labels = ids.clone()
+    labels[1, :5] = -100
+    return model.train(), {"input_ids": ids, "labels": labels}
+
+
+def _step(model, inputs):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with autoremat.track_memory() as mem:
+        out = model(**inputs)
+        out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads, mem.peak_bytes
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+def test_a_transformed_head_is_chunked_with_the_models_own_ops(kind):
+    model, inputs = _build(kind)
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    assert tape.head is not None and "chunked:4" in tape.head.options
+    plain, plain_grads, _ = _step(model, inputs)
+    plan = autoremat.plan(tape, strategy="none", head="chunked:4")
+    autoremat.apply(model, plan)
+    out, grads, peak = _step(model, inputs)
+    assert out.logits is None  # the full logits are never built
+    assert peak <= plan.predicted_peak_bytes
+    assert _rel(out.loss, plain.loss) <= HEAD_RTOL[torch.float32]
+    assert set(grads) == set(plain_grads)
+    assert max(_rel(grads[n], plain_grads[n]) for n in grads) <= HEAD_RTOL[torch.float32]
+    assert autoremat.verify(model, inputs, plan, repeats=1).ok
+    with torch.no_grad():  # evaluation: the model's own head and transform
+        assert model(**inputs).logits.shape[-1] == VOCAB
+    autoremat.remove(model)
+
+
+def test_leaving_the_transform_out_is_far_outside_the_bound(monkeypatch):
+    # the test above can fail: the same plan without the soft-cap's ops
+    model, inputs = _build("gemma2")
+    model.config.final_logit_softcapping = 0.05  # a cap that changes these small logits
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    plain, plain_grads, _ = _step(model, inputs)
+    autoremat.apply(model, autoremat.plan(tape, strategy="none", head="chunked:4"))
+    monkeypatch.setattr(mechanism, "_logit_op", lambda *args: None)  # every op escapes ...
+    with pytest.raises(RematError, match="tanh"):  # ... and is refused, naming it
+        _step(model, inputs)
+    monkeypatch.undo()
+    monkeypatch.setattr(LogitOp, "__call__", lambda self, x: x)  # the ops do nothing
+    out, grads, _ = _step(model, inputs)
+    assert _rel(out.loss, plain.loss) > 100 * HEAD_RTOL[torch.float32]
+    assert max(_rel(grads[n], plain_grads[n]) for n in grads) > 100 * HEAD_RTOL[torch.float32]
+    autoremat.remove(model)
+
+
+@pytest.mark.parametrize(("dtype", "upcast"), [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("ops", [
+    (LogitOp("div", 30.0), LogitOp("tanh"), LogitOp("mul", 30.0)),
+    (LogitOp("mul", 0.0625),),
+    (LogitOp("float"), LogitOp("div", 5.0), LogitOp("tanh"))], ids=str)
+def test_logit_ops_per_chunk_within_the_bound(ops, dtype, upcast):
+    torch.manual_seed(0)
+    h = torch.randn(300, 32).to(dtype).requires_grad_()
+    w = (torch.randn(VOCAB, 32) * 0.5).to(dtype).requires_grad_()
+    y = torch.randint(0, VOCAB, (300,))
+    y[::7] = -100
+    z = F.linear(h, w)
+    for op in ops:
+        z = op(z)
+    plain = F.cross_entropy(z.float() if upcast else z, y)
+    plain.backward()
+    gh, gw = h.grad, w.grad
+    h.grad = w.grad = None
+    for chunks in (1, 4, 16):
+        loss = linear_cross_entropy(h, w, y, chunks=chunks, upcast=upcast, ops=ops)
+        loss.backward()
+        if chunks == 1:
+            assert torch.equal(loss, plain)  # the model's ops, in its order and dtype
+        assert _rel(loss, plain) <= HEAD_RTOL[torch.float32]
+        assert _rel(h.grad, gh) <= HEAD_RTOL[dtype] and _rel(w.grad, gw) <= HEAD_RTOL[dtype]
+        h.grad = w.grad = None
+
+
+def test_traced_logits_record_transforms_and_mark_anything_else():
+    hidden = torch.randn(2, 3, 8)
+    traced = mechanism._TracedLogits.of(hidden, (), {})
+    capped = torch.tanh(traced / 30.0) * 30.0
+    assert isinstance(capped, mechanism._TracedLogits) and capped._root is hidden
+    assert [str(op) for op in capped._ops] == ["/ 30", "tanh", "* 30"]
+    assert capped.shape == hidden.shape and capped._state == {}  # metadata: nothing marked
+    sliced = capped[:, :-1]
+    assert not isinstance(sliced, mechanism._TracedLogits)
+    assert capped._state == {"escaped": "__getitem__"}
+    other = mechanism._TracedLogits.of(hidden, (), {})
+    _ = other * torch.ones(8)  # times a tensor: not a logit transform
+    assert other._state["escaped"] in ("mul", "__mul__")
