@@ -21,7 +21,16 @@ NOTE [ What a chunked head changes in numerics ]
     same mathematics in another order (NOTE [ The softmax gradient in place ]): each
     row's ``1/N`` is applied to the (n_c x C) products rather than to the (n_c x V)
     softmax, and the weight (and bias) gradient is accumulated over chunks in float32
-    (NOTE [ The weight gradient in float32 ]). So no gradient is the plain head's bit
+    (NOTE [ One buffer for every chunk ]
+    Each chunk's logits are written into one (rows x V) buffer made before the first
+    chunk (and its upcast into one float32 buffer), not into tensors made per chunk:
+    they hold the same bytes at the same time, but a CPU hands a freed block of that
+    size back to the system and faults it in again, page by page, for the next chunk
+    (20 ms of a 60 ms matmul at 256 x 50257 in float32). The log-softmax, the softmax
+    and its gradient are taken in place in the wider buffer; the gradient's copy back to
+    the weight's dtype overwrites the logits, which are no longer needed by then.
+
+NOTE [ The weight gradient in float32 ]). So no gradient is the plain head's bit
     for bit, not even with one chunk; all differ in the last bits, and every gradient
     below the head with them. Measured in ``tests/test_head.py`` (CPU, 1024 tokens):
     float32, relative to max |g|, at most 2e-6 for any chunk count; bfloat16, 7.5e-3
@@ -147,6 +156,31 @@ class HeadCall:
             hidden, self.weight, self.bias, labels, denominator, chunks, self.ignore_index,
             self.upcast, self.ops)
 
+    def replay_step(self, chunks: int | None) -> Callable[[], object]:
+        """Forward and backward of the call over ``chunks`` chunks on stand-ins, or with
+        ``chunks=None`` of the plain head a model computes (the logits, the model's ops,
+        the upcast, ``cross_entropy``): a function that runs it, its gradients taken with
+        ``torch.autograd.grad`` (nothing lands in ``.grad``)."""
+        shape, dtype, device, grad = self.hidden
+        hidden = torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
+        labels = torch.zeros(self.labels[0], dtype=self.labels[1], device=device)
+        denominator = torch.ones((), dtype=self.denominator[0], device=self.denominator[1])
+        wrt = [t for t in (hidden, self.weight, self.bias) if t is not None and t.requires_grad]
+
+        def loss() -> Tensor:
+            if chunks is not None:
+                out: Tensor = _ChunkedLinearCrossEntropy.apply(
+                    hidden, self.weight, self.bias, labels, denominator, chunks,
+                    self.ignore_index, self.upcast, self.ops)
+                return out
+            z = F.linear(hidden, self.weight, self.bias)
+            for op in self.ops:
+                z = op(z)
+            return F.cross_entropy(z.float() if self.upcast else z, labels,
+                                   ignore_index=self.ignore_index, reduction="sum") / denominator
+
+        return lambda: torch.autograd.grad(loss(), wrt) if wrt else loss()
+
 
 # Told as each chunked forward starts ("start", what it was given) and ends ("end", None);
 # set by a profile that measures the head (NOTE [ One head option measured, the others
@@ -223,15 +257,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if want[2] and bias is not None else None  # (V,)
         total: Tensor | None = None
         size = -(-n // chunks)  # rows per chunk, rounded up
+        # NOTE [ One buffer for every chunk ]
+        vocab = weight.shape[0]
+        wide_dtype = torch.float32 if upcast else weight.dtype
+        logits_buf = hidden.new_empty((min(size, n), vocab), dtype=weight.dtype)
+        wide_buf = logits_buf if wide_dtype == weight.dtype else \
+            hidden.new_empty((min(size, n), vocab), dtype=wide_dtype)
         for start in range(0, n, size):
             first = start == 0
             rows = slice(start, min(start + size, n))
             h, y = hidden[rows], labels[rows]  # (n_c, C), (n_c,)
-            logits = F.linear(h, weight, bias)  # (n_c, V)
+            logits = logits_buf[:h.shape[0]]  # (n_c, V), as F.linear computes them
+            if bias is None:
+                torch.mm(h, weight.t(), out=logits)
+            else:
+                torch.addmm(bias, h, weight.t(), out=logits)
             z, x, graph = _transformed(logits, ops)  # NOTE [ Logit transforms ]
-            source = z.float() if upcast else z
-            if ops and source is z:  # the ops' graph may hold z: the log-softmax needs its own
-                source = z.clone()
+            if not ops and wide_buf is logits_buf:
+                source = logits
+            else:  # the upcast (or the ops' result, which their graph may hold)
+                source = wide_buf[:h.shape[0]].copy_(z)
             # log-softmax in place (the same kernel, the same floats as out of place)
             logp = torch._log_softmax(source, -1, False, out=source)
             part, _ = torch.ops.aten.nll_loss_forward(logp, y, None, 2, ignore_index)
@@ -249,7 +294,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if ops:  # back through the model's ops, unscaled as the rest
                 d_logits, = torch.autograd.grad(graph, x, d_logits.to(graph.dtype))
             del x, graph
-            d_low = d_logits.to(logits.dtype)  # the backward of .float() (itself if not)
+            d_low = d_logits if d_logits.dtype == logits.dtype else \
+                logits.copy_(d_logits)  # the backward of the upcast, over the logits
             del logits
             if d_hidden is not None:  # (n_c, V) @ (V, C), each row then scaled by its g
                 torch.mul(torch.mm(d_low, weight), g, out=d_hidden[rows])
@@ -260,6 +306,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # nothing of a chunk outlives it: the forward ends at the same level for any
             # chunk count (NOTE [ One head option measured, the others replayed ])
             del d_logits, d_low, g, ones, counted_rows
+        del logits_buf, wide_buf
         if total is None:  # no rows: the plain mean of nothing is nan, as here
             total = torch.zeros((), dtype=torch.float32 if upcast else hidden.dtype,
                                 device=hidden.device)

@@ -146,7 +146,10 @@ class HeadOption:
     post: WindowMemory  # as ``Tape.post[Decision.KEEP]``, with this head
     tail: WindowMemory  # as ``Tape.tail[Decision.KEEP]``, with this head
     step_peak_bytes: int  # the step with every block kept and this head
-    cost: int  # what chunking costs the planner, in FLOP-equivalents (costs.head_cost)
+    # what chunking costs the planner over the plain head, in FLOP-equivalents: measured
+    # (NOTE [ What a head option costs ] in _profile/options.py), or costs.head_cost;
+    # negative where the chunked head is the faster
+    cost: int
 
 
 @dataclass(frozen=True)

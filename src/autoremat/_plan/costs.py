@@ -141,15 +141,17 @@ def offload_cost(nbytes: int, tensors: int, fwd_flops: int, bwd_flops: int,
     return int(hooks + exposed * model.flops_per_second)
 
 
-# ops a chunked head adds per chunk over the plain head: slicing, the local autograd of
-# the chunk's cross-entropy, the two matmuls written into their buffers
+# ops a chunked head adds per chunk over the plain head: slicing, the matmuls into their
+# buffers, the log-softmax, softmax and gradient in place, the scaled products
 _HEAD_OPS_PER_CHUNK = 12
 
 
-def head_cost(chunks: int, weight_bytes: int, model: CostModel) -> int:
-    """FLOP-equivalents a chunked loss head costs over the plain one (NOTE [ A chunked
-    head ] in ``_core/head.py``): the same FLOPs, but a few more ops per chunk, and from
-    the second chunk on the weight gradient is read and written once more per chunk (it
-    is accumulated)."""
+def head_cost(chunks: int, weight_bytes: int, model: CostModel, logits_bytes: int = 0) -> int:
+    """FLOP-equivalents a chunked loss head costs over the plain one where it could not be
+    timed (NOTE [ What a head option costs ] in ``_profile/options.py``): the same FLOPs,
+    a few more ops per chunk, the weight gradient read once more per chunk after the first
+    (it is accumulated), and two passes fewer over the float32 logits (``logits_bytes``:
+    NOTE [ The softmax gradient in place ] in ``_core/head.py``)."""
     return int(chunks * _HEAD_OPS_PER_CHUNK * model.flops_per_op
-               + (chunks - 1) * 2 * weight_bytes * model.flops_per_byte)
+               + (chunks - 1) * weight_bytes * model.flops_per_byte
+               - 2 * logits_bytes * model.flops_per_byte)

@@ -94,7 +94,8 @@ class Plan:
     budget_bytes: int | None  # the step-peak budget it was made for (None: no budget)
     predicted_peak_bytes: int  # predicted step peak with the plan
     predicted_recompute_flops: int  # extra forward FLOPs from recomputation
-    predicted_cost: int  # the planner's objective: FLOP-equivalents (see costs.py)
+    predicted_cost: int  # the planner's objective: FLOP-equivalents (see costs.py); below 0
+    # where a chunked head saves more than the plan's recompute costs
     unplanned_peak_bytes: int  # measured step peak without checkpointing
     step_flops: int  # FLOPs of the plain step (forward + backward)
     model: str  # class name of the model it was made for
@@ -230,8 +231,9 @@ class Plan:
         if "head" in data:
             data["head"] = _head_field(data["head"])
         loaded: Plan = build_dataclass(cls, data, "plan")
+        _expect(loaded.predicted_cost, int, "plan.predicted_cost")  # < 0: a faster head
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
-                    "step_flops", "predicted_cost", "predicted_host_bytes"):
+                    "step_flops", "predicted_host_bytes"):
             _expect(getattr(loaded, key), int, f"plan.{key}")
             if getattr(loaded, key) < 0:
                 raise SchemaError(f"plan.{key} must be >= 0, got {getattr(loaded, key)}")

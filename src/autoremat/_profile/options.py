@@ -62,6 +62,7 @@ from autoremat._core.step import unique_storage_bytes
 from autoremat._measure.blocks import param_signature
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import Rounding, active_tracker, track_memory
+from autoremat._measure.timing import time_ms
 from autoremat._measure.ops import OpRecord, OpRecorder, OpStats
 from autoremat._measure.regions import RegionCall, RegionTagger
 from autoremat._measure.tape import (
@@ -506,13 +507,40 @@ def _head_options(names: list[str], site: HeadSite,
             post, tail, peak = run.post, run.tail, run.mem.peak_bytes
             if first is None and len(calls) == 1:
                 first = (run, calls[0], chunks)
+        tokens = first[1].hidden[0][0] if first is not None else 0
         options[f"chunked:{chunks}"] = HeadOption(
             chunks=chunks, post=post, tail=tail, step_peak_bytes=peak,
-            cost=head_cost(chunks, weight_bytes, setup.cost_model))
+            cost=head_cost(chunks, weight_bytes, setup.cost_model, tokens * site.vocab * 4))
     for p in model.parameters():
         p.grad = None
+    if first is not None and first[1].hidden[2].type in ("cpu", "cuda"):
+        costs = _head_costs(first[1], HEAD_CHUNKS, setup.cost_model)
+        options = {k: dataclasses.replace(o, cost=costs[o.chunks]) for k, o in options.items()}
     return HeadProfile(kind=site.kind, name=site.name, vocab=site.vocab,
                        weight_bytes=weight_bytes, options=options), ""
+
+
+# NOTE [ What a head option costs ]
+#     A chunked head is not only smaller than the plain one, it can be faster (it makes
+#     fewer passes over the logits: NOTE [ The softmax gradient in place ]), or slower
+#     (many small chunks use a matmul poorly). So each option's cost is measured, as the
+#     plain head's: the head's forward and backward alone, replayed on stand-ins of the
+#     step's shapes (``HeadCall.replay_step``), each timed once after the memory replays
+#     warmed them (the plain head after one untimed run), in the plain step's units:
+#     ``(option ms - plain ms) x the device's matmul rate``, negative where the option is
+#     faster. A plan with ``head="auto"`` may then chunk the head where memory is not
+#     short. Where nothing could be replayed (a meta step) ``costs.head_cost`` models it.
+def _head_costs(call: HeadCall, counts: Sequence[int], model: CostModel) -> dict[int, int]:
+    """Each chunk count's cost over the plain head (NOTE [ What a head option costs ])."""
+    device = call.hidden[2]
+    plain = call.replay_step(None)
+    plain()  # a warm-up: the chunked calls ran in the memory replays
+    ms = {None: time_ms(plain, device)}
+    del plain
+    for chunks in counts:
+        ms[chunks] = time_ms(call.replay_step(chunks), device)
+    base = ms[None]
+    return {c: int((ms[c] - base) / 1e3 * model.flops_per_second) for c in counts}
 
 
 @contextmanager
