@@ -433,7 +433,7 @@ def test_a_replay_unlike_the_measured_step_measures_the_others(monkeypatch):
 
 def test_head_costs_are_the_timed_difference_to_the_plain_head(monkeypatch):
     options = importlib.import_module("autoremat._profile.options")
-    model, inputs = _hf("gpt2", 4096)
+    model, _ = _hf("gpt2", 4096)
     calls = []
     with options._head_watched(calls), autoremat.track_memory():
         linear_cross_entropy(torch.randn(50, 64), model.lm_head.weight,

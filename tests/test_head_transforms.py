@@ -1,6 +1,9 @@
-"""Heads whose model transforms the logits before the loss (Gemma 2's soft-cap, Cohere's
-logit scale, Granite's logit scaling), chunked by following the model's own ops (NOTE
-[ Logit transforms ] in ``_mechanism/head.py``)."""
+"""Heads beyond the causal LM's plain one: models that transform the logits before the
+loss (Gemma 2's soft-cap, Cohere's logit scale, Granite's logit scaling, BART's logit
+bias), and models that take ``cross_entropy`` of their output layer in their own forward
+(BERT's masked-LM head, T5's and BART's decoders), chunked by following the model's own
+ops (NOTE [ Logit transforms ], NOTE [ Which heads can be chunked ] in
+``_mechanism/head.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import autoremat
 from autoremat import RematError
 from autoremat._core.head import HEAD_RTOL, LogitOp, linear_cross_entropy
 from autoremat._mechanism import head as mechanism
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,3 +136,76 @@ def test_traced_logits_record_transforms_and_mark_anything_else():
     other = mechanism._TracedLogits.of(hidden, (), {})
     _ = other * torch.ones(8)  # times a tensor: not a logit transform
     assert other._state["escaped"] in ("mul", "__mul__")
+
+
+# --- heads whose cross_entropy the model's forward takes (kind "ce") --------------------------
+
+def _build_ce(kind: str):
+    torch.manual_seed(0)
+    if kind == "bert-mlm":  # every 5th token masked, the rest ignored
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, max_position_embeddings=64))
+        ids = torch.randint(0, VOCAB, (2, 32))
+        labels = torch.full_like(ids, -100)
+        labels[:, ::5] = ids[:, ::5]
+        model.config.use_cache = False
+        return model.train(), {"input_ids": ids, "labels": labels}
+    if kind == "t5":
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+            num_decoder_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+    else:  # bart, with a logit bias that is not zero: followed per chunk
+        model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+            vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+            decoder_ffn_dim=128, max_position_embeddings=64))
+        model.final_logits_bias.normal_()
+    for config in (model.config, getattr(model.get_decoder(), "config", model.config)):
+        config.use_cache = False
+    ids = torch.randint(0, VOCAB, (2, 32))
+    labels = torch.randint(0, VOCAB, (2, 16))
+    labels[0, -3:] = -100
+    return model.train(), {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("kind", ["bert-mlm", "t5", "bart"])
+def test_a_cross_entropy_in_the_forward_is_chunked(kind):
+    model, inputs = _build_ce(kind)
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    assert tape.head is not None and tape.head.kind == "ce"
+    assert tape.head.name == next(n for n, m in model.named_modules()
+                                  if m is model.get_output_embeddings())
+    keep = smallest_feasible_bytes(tape)
+    assert smallest_feasible_bytes(tape, head="auto") < keep  # the head was the floor
+    plain, plain_grads, _ = _step(model, inputs)
+    plan = autoremat.plan(tape, strategy="none", head="chunked:4")
+    autoremat.apply(model, plan)
+    out, grads, peak = _step(model, inputs)
+    assert out.logits is None and peak <= plan.predicted_peak_bytes
+    assert _rel(out.loss, plain.loss) <= HEAD_RTOL[torch.float32]
+    largest = max(float(g.abs().max()) for g in plain_grads.values())
+    for name, g in plain_grads.items():  # NOTE [ Gradients that cancel ] in _verify.py
+        scale = max(float(g.abs().max()), 1e-3 * largest)
+        assert float((grads[name] - g).abs().max()) <= HEAD_RTOL[torch.float32] * scale, name
+    assert autoremat.verify(model, inputs, plan, repeats=1).ok
+    with torch.no_grad():
+        assert model(**inputs).logits.shape[-1] == VOCAB
+    autoremat.remove(model)
+    assert "forward" not in vars(model.get_output_embeddings())
+
+
+def test_a_cross_entropy_the_head_does_not_compute_is_refused():
+    layer = torch.nn.Linear(8, 50)
+    install = mechanism.HeadInstall(mechanism.HeadSite("ce", "x", 50), 2, layer, layer, [])
+    traced = mechanism._TracedLogits.of(torch.randn(6, 8), (), {
+        "vocab": 50, "ce": mechanism._ChunkedCrossEntropy(layer, 2, install)})
+    target = torch.randint(0, 50, (6,))
+    assert torch.allclose(F.cross_entropy(traced.view(-1, 50), target),
+                          F.cross_entropy(layer(traced._root), target))
+    assert install.calls == 1
+    with pytest.raises(RematError, match=r"label_smoothing=0\.1"):
+        F.cross_entropy(traced, target, label_smoothing=0.1)
+    with pytest.raises(RematError, match="not as rows"):
+        F.cross_entropy(mechanism._TracedLogits.of(torch.randn(2, 3, 8), (), traced._state),
+                        target.view(2, 3))

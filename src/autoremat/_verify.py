@@ -335,12 +335,27 @@ def _head_params(model: nn.Module, plan: Plan) -> set[str]:
     return {name for name, _ in model.named_parameters()}
 
 
+# NOTE [ Gradients that cancel ]
+#     Some parameters' gradients are zero in exact arithmetic and only rounding noise in
+#     floats: an attention key's bias (softmax does not change when one score is added to
+#     a whole row) shows 1e-11 of the model's largest gradient. Relative to its own
+#     maximum, any change of summation order below the head moves such a gradient by 100%,
+#     though by 1e-11 of the step's gradients. So a chunked head's gradients are judged
+#     relative to the larger of their own maximum and ``_CANCELLED`` times the largest
+#     gradient of the step: a gradient a thousand times smaller than the largest one is
+#     judged on that scale. A wrong head (a wrong normaliser, a missing transform) moves
+#     the large gradients too, and still fails.
+_CANCELLED = 1e-3
+
+
 def _judge_head(plain: Grads, planned: Grads, names: set[str]) -> tuple[float | None, float]:
     """Largest ``max |diff| / max |plain|`` over the head's gradients, and the bound of
-    their dtype (:data:`HEAD_RTOL`)."""
+    their dtype (:data:`HEAD_RTOL`); NOTE [ Gradients that cancel ]."""
     if not names:
         return None, 0.0
     worst, bound = 0.0, math.inf
+    largest = max((float(g.double().abs().max()) for n in names
+                   if (g := plain.get(n)) is not None and g.numel()), default=0.0)
     for name in names:
         x, y = plain.get(name), planned.get(name)
         if x is None or y is None or x.shape != y.shape:
@@ -348,7 +363,7 @@ def _judge_head(plain: Grads, planned: Grads, names: set[str]) -> tuple[float | 
                 return math.inf, HEAD_RTOL.get(torch.float32, 0.0)
             continue
         bound = min(bound, HEAD_RTOL.get(x.dtype, HEAD_RTOL[torch.float32]))
-        scale = float(x.double().abs().max()) or 1.0
+        scale = max(float(x.double().abs().max()), _CANCELLED * largest) or 1.0
         diff = float((x.double() - y.double()).abs().max()) / scale
         worst = math.nan if math.isnan(diff) else max(worst, diff)
     return worst, bound

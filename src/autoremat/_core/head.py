@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -97,12 +97,15 @@ HEAD_RTOL: dict[torch.dtype, float] = {
 class LogitOp:
     """One elementwise op a model applies to its logits between the projection and the
     loss (NOTE [ Logit transforms ]): ``mul`` / ``div`` by ``operand``, ``tanh``, or
-    ``float`` (an upcast)."""
+    ``float`` (an upcast), ``add`` a bias over the vocabulary (``tensor``)."""
 
-    name: Literal["mul", "div", "tanh", "float"]
+    name: Literal["mul", "div", "add", "tanh", "float"]
     operand: float = 1.0
+    tensor: Tensor | None = field(default=None, compare=False)  # "add": a (V,) bias
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.name == "add" and self.tensor is not None:
+            return x + self.tensor.to(x.device)
         if self.name == "mul":
             return x * self.operand
         if self.name == "div":
@@ -112,7 +115,7 @@ class LogitOp:
         return x.float()
 
     def __str__(self) -> str:
-        return {"mul": f"* {self.operand:g}", "div": f"/ {self.operand:g}",
+        return {"mul": f"* {self.operand:g}", "div": f"/ {self.operand:g}", "add": "+ bias",
                 "tanh": "tanh", "float": ".float()"}[self.name]
 
 
@@ -259,7 +262,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         size = -(-n // chunks)  # rows per chunk, rounded up
         # NOTE [ One buffer for every chunk ]
         vocab = weight.shape[0]
-        wide_dtype = torch.float32 if upcast else weight.dtype
+        wide_dtype = torch.float32 if upcast or any(op.name == "float" for op in ops) \
+            else weight.dtype
         logits_buf = hidden.new_empty((min(size, n), vocab), dtype=weight.dtype)
         wide_buf = logits_buf if wide_dtype == weight.dtype else \
             hidden.new_empty((min(size, n), vocab), dtype=wide_dtype)

@@ -157,7 +157,8 @@ class HeadProfile:
     """The model's loss head and the options measured for it (NOTE [ Which heads can be
     chunked ] in ``_mechanism/head.py``)."""
 
-    kind: str  # "hf": a Hugging Face causal LM's lm_head and loss; "module": an LMHead
+    kind: str  # "hf": a Hugging Face causal LM's lm_head and loss; "ce": an output layer
+    # whose cross_entropy the model's forward takes; "module": an LMHead
     name: str  # qualified name of that module
     vocab: int  # its output features
     weight_bytes: int  # its weight, which the chunked head's gradient accumulates into
@@ -445,8 +446,8 @@ def _head(data: Any) -> HeadProfile:
     raw["options"] = options
     head = build_dataclass(HeadProfile, raw, "tape.head")
     _check_types(head, "tape.head")
-    if head.kind not in ("hf", "module"):
-        raise SchemaError(f"tape.head.kind must be 'hf' or 'module', got {head.kind!r}")
+    if head.kind not in ("hf", "ce", "module"):
+        raise SchemaError(f"tape.head.kind must be 'hf', 'ce' or 'module', got {head.kind!r}")
     return head  # type: ignore[no-any-return]
 
 

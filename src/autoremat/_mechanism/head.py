@@ -16,6 +16,13 @@ NOTE [ Which heads can be chunked ]
       (NOTE [ Logit transforms ]); any other change of the logits (one no config names,
       a slice, a view) is found by the loss seeing another tensor than ``lm_head``
       returned, and refused;
+    * a Hugging Face model given ``labels`` that takes ``cross_entropy`` of its output
+      layer's result in its own forward (``*ForMaskedLM`` such as BERT's,
+      ``*ForConditionalGeneration`` such as T5's and BART's, Whisper's): kind "ce", the
+      layer ``get_output_embeddings()`` names. Chunked, that layer returns the hidden
+      states as a :class:`_TracedLogits`, and the ``cross_entropy`` the model calls on
+      it (after flattening it to rows, adding a bias such as BART's
+      ``final_logits_bias``) runs as the chunked head (NOTE [ Logit transforms ]);
     * a model of one's own with one :class:`autoremat.LMHead` called with labels.
     Anything else (a ``loss_fn`` of the caller's, which reads the logits; no labels; a
     head of another shape) keeps its head as it is, and the tape says why.
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoremat._core.errors import RematError
@@ -57,22 +65,26 @@ def logit_transform(model: nn.Module) -> str:
 
 @dataclass(frozen=True)
 class HeadSite:
-    """Where a model's loss head is: ``kind`` "hf" (``name`` is the ``lm_head``) or
+    """Where a model's loss head is: ``kind`` "hf" (``name`` is the ``lm_head``), "ce"
+    (``name`` is the output layer whose ``cross_entropy`` the model's forward takes) or
     "module" (``name`` is the :class:`~autoremat.LMHead`)."""
 
-    kind: Literal["hf", "module"]
+    kind: Literal["hf", "ce", "module"]
     name: str
     vocab: int
 
     def __str__(self) -> str:
-        return f"{self.name} ({'Hugging Face causal-LM loss' if self.kind == 'hf' else 'LMHead'})"
+        what = {"hf": "Hugging Face causal-LM loss", "ce": "cross-entropy in the forward",
+                "module": "LMHead"}[self.kind]
+        return f"{self.name} ({what})"
 
 
 def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | None, str]:
     """The model's chunkable head, or ``None`` and the reason (``""``: no LM head at all)."""
     heads = [(name, m) for name, m in model.named_modules() if isinstance(m, LMHead)]
     lm_head = getattr(model, "lm_head", None)
-    if not heads and lm_head is None:
+    output = _output_layer(model)
+    if not heads and lm_head is None and output is None:
         return None, ""
     if loss_fn is not None:
         return None, ("the loss is the caller's loss_fn, which reads the logits: the "
@@ -84,12 +96,55 @@ def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | N
     if heads:
         name, head = heads[0]
         return HeadSite("module", name, head.out_features), ""
-    if not hasattr(model, "loss_function") or not hasattr(model, "config"):
+    if not hasattr(model, "config"):
         return None, ""  # some other model's lm_head: nothing says what its loss is
-    why = _hf_unsupported(model, lm_head, inputs)
-    if why or lm_head is None:
-        return None, why + "; the loss head stays as the model computes it"
-    return HeadSite("hf", "lm_head", int(lm_head.out_features)), ""
+    why = ""
+    if lm_head is not None and hasattr(model, "loss_function"):
+        why = _hf_unsupported(model, lm_head, inputs)
+        if not why:
+            return HeadSite("hf", "lm_head", int(lm_head.out_features)), ""
+    # NOTE [ Which heads can be chunked ]: kind "ce", where the causal-LM loss is not
+    # the model's (whether its forward takes cross_entropy of the layer shows in the step)
+    if output is not None and (not why or why.startswith(_NOT_CAUSAL)):
+        name, layer = output
+        why = _ce_unsupported(model, layer, inputs)
+        if not why:
+            return HeadSite("ce", name, cast(nn.Linear, layer).out_features), ""
+    if not why:
+        return None, ""
+    return None, why + "; the loss head stays as the model computes it"
+
+
+def _output_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The name and module of a Hugging Face model's output layer
+    (``get_output_embeddings()``), if it has one among its modules."""
+    getter = getattr(model, "get_output_embeddings", None)
+    if getter is None or not hasattr(model, "config"):
+        return None
+    layer = getter()
+    if not isinstance(layer, nn.Module):
+        return None
+    return next(((name, m) for name, m in model.named_modules() if m is layer), None)
+
+
+def _ce_unsupported(model: nn.Module, layer: nn.Module, inputs: Any) -> str:
+    """Why a Hugging Face model's output layer cannot be chunked as a "ce" head ("" if
+    it can; whether its forward takes ``cross_entropy`` of it shows in the step)."""
+    what = type(model).__name__
+    if not (isinstance(inputs, Mapping) and isinstance(inputs.get("labels"), Tensor)):
+        return (f"{what} gets no labels, so it computes no loss of its own: give labels "
+                f"in the inputs to let the plan chunk its loss head")
+    if type(layer) is not nn.Linear:
+        return (f"{what}'s output layer is a {type(layer).__name__}, not a plain nn.Linear "
+                f"(an adapter, a quantised layer): the chunked head runs nn.Linear's "
+                f"weight itself")
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        return f"{what}'s output layer has hooks, which the chunked head would bypass"
+    return ""
+
+
+_NOT_CAUSAL = "not the causal-LM loss: "  # how a refusal of the "hf" kind starts where
+# the model may take its own cross_entropy (kind "ce")
 
 
 def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
@@ -108,12 +163,13 @@ def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
     if getattr(config, "is_encoder_decoder", False):
         # T5's and BART's loss_function resolves to ForCausalLMLoss, but their forward
         # takes its own cross-entropy of lm_head's output (plus BART's logit bias)
-        return (f"{what} is an encoder-decoder, whose forward takes its own loss of "
-                f"lm_head's output, not Hugging Face's causal-LM loss")
+        return (f"{_NOT_CAUSAL}{what} is an encoder-decoder, whose forward takes its own "
+                f"loss of lm_head's output, not Hugging Face's causal-LM loss")
     loss = getattr(model.loss_function, "__name__", "")
     if loss != "ForCausalLMLoss":
-        return (f"{what}'s loss is {loss or type(model.loss_function).__name__}, not "
-                f"Hugging Face's causal-LM loss (ForCausalLMLoss)")
+        return (f"{_NOT_CAUSAL}{what}'s loss is "
+                f"{loss or type(model.loss_function).__name__}, not Hugging Face's "
+                f"causal-LM loss (ForCausalLMLoss)")
     if "_loss_function" in vars(model):
         return f"{what} has a loss_function of its own set"
     return ""
@@ -138,10 +194,13 @@ class _TracedLogits(Tensor):
 
     _root: Tensor  # the hidden states
     _ops: tuple[LogitOp, ...]
-    _state: dict[str, str]  # "escaped": the first op that was not a logit transform
+    # shared by every tensor traced from one call: "escaped", the first op that was not a
+    # logit transform; "vocab", the layer's output features; "ce", the chunked
+    # cross-entropy of a "ce" head (None elsewhere)
+    _state: dict[str, Any]
 
     @staticmethod
-    def of(root: Tensor, ops: tuple[LogitOp, ...], state: dict[str, str]) -> _TracedLogits:
+    def of(root: Tensor, ops: tuple[LogitOp, ...], state: dict[str, Any]) -> _TracedLogits:
         out = root.as_subclass(_TracedLogits)
         out._root, out._ops, out._state = root, ops, state
         return out
@@ -151,9 +210,16 @@ class _TracedLogits(Tensor):
                            ) -> Any:
         kwargs = kwargs or {}
         traced = args[0] if args and isinstance(args[0], _TracedLogits) else None
-        op = _logit_op(func, args, kwargs) if traced is not None else None
-        if traced is not None and op is not None:
-            return _TracedLogits.of(traced._root, (*traced._ops, op), traced._state)
+        if traced is not None:
+            op = _logit_op(func, args, kwargs)
+            if op is not None:
+                return _TracedLogits.of(traced._root, (*traced._ops, op), traced._state)
+            rows = _as_rows(func, args, kwargs, traced)
+            if rows is not None:
+                return _TracedLogits.of(rows, traced._ops, traced._state)
+            ce = traced._state.get("ce")
+            if ce is not None and func is F.cross_entropy and not traced._state.get("escaped"):
+                return ce(traced, *args[1:], **kwargs)
         name = _function_name(func)
         if name not in _METADATA:
             for arg in (*args, *kwargs.values()):
@@ -161,6 +227,23 @@ class _TracedLogits(Tensor):
                     arg._state.setdefault("escaped", name)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _as_rows(func: Any, args: Any, kwargs: Any, traced: _TracedLogits) -> Tensor | None:
+    """The hidden states as rows, where ``func`` flattens the logits to rows of the
+    vocabulary (``logits.view(-1, V)``, ``reshape``; a model may write its size as the
+    layer's or as ``logits.size(-1)``, which a traced tensor answers with the hidden
+    states' width); else ``None``."""
+    if _function_name(func) not in ("view", "reshape") or kwargs:
+        return None
+    shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    root = traced._root
+    width = root.shape[-1]
+    if len(shape) != 2 or shape[1] not in (width, traced._state.get("vocab")):
+        return None
+    if shape[0] not in (-1, root.numel() // width):
+        return None
+    return root.reshape(-1, width)
 
 
 # what reading a traced tensor may do without changing anything the loss sees
@@ -186,6 +269,11 @@ def _logit_op(func: Any, args: Any, kwargs: Any) -> LogitOp | None:
         return LogitOp("mul", float(args[1]))
     if name in ("__truediv__", "div") and number:
         return LogitOp("div", float(args[1]))
+    if name in ("__add__", "__radd__", "add") and len(args) == 2 and not kwargs \
+            and isinstance(args[1], Tensor) and not isinstance(args[1], _TracedLogits) \
+            and args[1].numel() == args[0]._state.get("vocab") and args[1].shape[-1] == \
+            args[1].numel():  # a bias over the vocabulary (BART's final_logits_bias)
+        return LogitOp("add", tensor=args[1].reshape(-1))
     if name == "tanh" and len(args) == 1 and not kwargs:
         return LogitOp("tanh")
     if name == "float" and len(args) == 1 and not kwargs:
@@ -199,18 +287,19 @@ class _PassHidden:
     its logits: ``traced``), for the chunked loss; without (evaluation, generation) the
     logits, as the plain layer computes them."""
 
-    def __init__(self, lm_head: nn.Linear, traced: bool = False) -> None:
+    def __init__(self, lm_head: nn.Linear, traced: bool = False, ce: Any = None) -> None:
         self.lm_head = lm_head
-        self.traced = traced
+        self.traced = traced or ce is not None
+        self.ce = ce  # a "ce" head's chunked cross-entropy (_ChunkedCrossEntropy)
         self.last: Any = None  # weakref to the hidden states passed on last
-        self.state: dict[str, str] = {}  # of the _TracedLogits passed on last
+        self.state: dict[str, Any] = {}  # of the _TracedLogits passed on last
 
     def __call__(self, hidden: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             self.last = None
             return nn.Linear.forward(self.lm_head, hidden)
         self.last = weakref.ref(hidden)
-        self.state = {}
+        self.state = {"vocab": self.lm_head.out_features, "ce": self.ce}
         return _TracedLogits.of(hidden, (), self.state) if self.traced else hidden
 
     def returned(self, tensor: Any) -> bool:
@@ -222,8 +311,8 @@ class _PassHidden:
         return self.last() is tensor
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"lm_head": self.lm_head, "traced": self.traced, "last": None,  # no weakref
-                "state": {}}
+        return {"lm_head": self.lm_head, "traced": self.traced, "ce": self.ce,
+                "last": None, "state": {}}  # a weakref does not pickle
 
 
 class _ChunkedCausalLMLoss:
@@ -268,6 +357,37 @@ class _ChunkedCausalLMLoss:
             num_items_in_batch=num_items_in_batch, upcast=True, ops=ops)
 
 
+class _ChunkedCrossEntropy:
+    """The ``cross_entropy`` a "ce" head's model takes of its output layer's result in
+    its own forward, over ``chunks`` chunks of tokens (NOTE [ Which heads can be
+    chunked ])."""
+
+    def __init__(self, layer: nn.Linear, chunks: int, install: HeadInstall) -> None:
+        self.layer, self.chunks, self.install = layer, chunks, install
+
+    def __call__(self, logits: _TracedLogits, target: Tensor, weight: Tensor | None = None,
+                 size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
+                 reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+        odd = [f"{k}={v!r}" for k, v, plain in (
+            ("weight", weight, None), ("size_average", size_average, None),
+            ("reduce", reduce, None), ("label_smoothing", label_smoothing, 0.0))
+            if v is not plain and v != plain]
+        if reduction not in ("mean", "sum"):
+            odd.append(f"reduction={reduction!r}")
+        rows = logits._root
+        if odd or rows.dim() != 2 or tuple(target.shape) != tuple(rows.shape[:1]):
+            raise RematError(
+                f"the model takes cross_entropy of its loss head's logits "
+                f"{'with ' + ', '.join(odd) if odd else 'not as rows of tokens'}, which a "
+                f"chunked loss head does not compute: plan with head='keep' "
+                f"(autoremat.plan(tape, ..., head='keep'))")
+        self.install.calls += 1
+        return linear_cross_entropy(
+            rows, self.layer.weight, target.to(rows.device), bias=self.layer.bias,
+            chunks=self.chunks, ignore_index=ignore_index,
+            num_items_in_batch=1 if reduction == "sum" else None, ops=logits._ops)
+
+
 class _DropLogits:
     """Forward hook of the model under a chunked head: its output's ``logits`` (the
     hidden states ``lm_head`` passed on) becomes ``None``."""
@@ -281,6 +401,14 @@ class _DropLogits:
         elif isinstance(output, tuple):
             output = tuple(None if self.passed.returned(t) else t for t in output)
         self.passed.last = None
+        escaped = self.passed.state.get("escaped")
+        if escaped is not None:  # NOTE [ Logit transforms ]
+            raise RematError(
+                f"the model ran {escaped!r} on the output of {type(module).__name__}'s "
+                f"loss head in a training step, which a chunked loss head cannot follow "
+                f"(it follows a number times or over the logits, a bias, tanh, an upcast, "
+                f"flattening to rows and cross_entropy): plan with head='keep' "
+                f"(autoremat.plan(tape, ..., head='keep'))")
         return output
 
 
@@ -321,6 +449,15 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int) -> HeadInstall:
         module.chunks = chunks
         install.handles.append(module.register_forward_pre_hook(
             _CountLabelled(install), with_kwargs=True))
+        return install
+    if site.kind == "ce":
+        why = _ce_unsupported(model, module, {"labels": torch.empty(0)})
+        if why:
+            raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
+        layer = cast(nn.Linear, module)
+        passed = _PassHidden(layer, ce=_ChunkedCrossEntropy(layer, chunks, install))
+        module.forward = passed  # type: ignore[method-assign]
+        install.handles.append(model.register_forward_hook(_DropLogits(passed)))
         return install
     why = _hf_unsupported(model, module, {"labels": torch.empty(0)})
     if why:

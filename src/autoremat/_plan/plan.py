@@ -318,9 +318,9 @@ def _check_head(plan: Plan) -> None:
     """A loaded plan's chunked head is at a named site."""
     chunked = plan.head.decision is Decision.CHUNKED
     site_kind, _, name = plan.head_site.partition(":")
-    if chunked and (site_kind not in ("hf", "module") or not name):
-        raise SchemaError(f"plan.head_site must be 'hf:<name>' or 'module:<name>' for a "
-                          f"chunked head, got {plan.head_site!r}")
+    if chunked and (site_kind not in ("hf", "ce", "module") or not name):
+        raise SchemaError(f"plan.head_site must be 'hf:<name>', 'ce:<name>' or "
+                          f"'module:<name>' for a chunked head, got {plan.head_site!r}")
 
 
 def _expect(value: Any, kind: type, where: str) -> None:

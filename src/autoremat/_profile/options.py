@@ -62,7 +62,6 @@ from autoremat._core.step import unique_storage_bytes
 from autoremat._measure.blocks import param_signature
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import Rounding, active_tracker, track_memory
-from autoremat._measure.timing import time_ms
 from autoremat._measure.ops import OpRecord, OpRecorder, OpStats
 from autoremat._measure.regions import RegionCall, RegionTagger
 from autoremat._measure.tape import (
@@ -73,6 +72,7 @@ from autoremat._measure.tape import (
     WindowKey,
     WindowMemory,
 )
+from autoremat._measure.timing import time_ms
 from autoremat._mechanism.compiled import compiled_context
 from autoremat._mechanism.head import HeadSite, find_head, head_installed
 from autoremat._mechanism.offload import measure_host_bandwidth
@@ -535,11 +535,9 @@ def _head_costs(call: HeadCall, counts: Sequence[int], model: CostModel) -> dict
     device = call.hidden[2]
     plain = call.replay_step(None)
     plain()  # a warm-up: the chunked calls ran in the memory replays
-    ms = {None: time_ms(plain, device)}
+    base = time_ms(plain, device)
     del plain
-    for chunks in counts:
-        ms[chunks] = time_ms(call.replay_step(chunks), device)
-    base = ms[None]
+    ms = {chunks: time_ms(call.replay_step(chunks), device) for chunks in counts}
     return {c: int((ms[c] - base) / 1e3 * model.flops_per_second) for c in counts}
 
 
