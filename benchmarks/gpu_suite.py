@@ -11,7 +11,12 @@ order; the first three check correctness and memory only and run at the same tim
 3. ``allocator-gap``: ``benchmarks/allocator_gap.py`` (CUDA only): the allocator's step
    peak against the prediction and the storage tracker, and the ops where they part.
    MEASURED, not judged. Runs alongside the first two.
-4. ``head``: ``benchmarks/head.py``: the loss head's targets.
+4. ``head-kernels``: ``benchmarks/head_kernels.py``: the loss head alone, autoremat's
+   chunked head against torch's ``linear_cross_entropy``, Liger and CCE where installed.
+   ``head``: ``benchmarks/head.py``: the loss head's targets, whole steps, with each
+   installed peer kernel alone and with HF's checkpointing. Liger and CCE are not on the
+   GPU machine: carry their wheels (``liger-kernel``, ``cut-cross-entropy``, pure Python;
+   the device tool's README says how) and put them on ``PYTHONPATH`` first.
 5. ``offload``: ``benchmarks/offload.py``: its own targets (issue 17).
 6. ``profile-cost``: ``benchmarks/profile_cost.py --size gpu``: what ``profile`` and
    ``auto`` cost in plain steps at GPT-2 small's shape. No target is set for it: its
@@ -391,6 +396,31 @@ def _head_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     return out
 
 
+def _kernels_command(ctx: Context, folder: Path) -> list[str]:
+    argv = [sys.executable, str(BENCH / "head_kernels.py"), "--device", ctx.device,
+            "--out", str(folder)]
+    if ctx.size == "tiny":
+        argv += ["--size", "tiny", "--rounds", "1"]
+    return argv
+
+
+def _kernels_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
+    files = sorted(folder.glob("head_kernels_*.json"))
+    if not files:
+        return [Claim("head-kernels", "the loss head alone (benchmarks/head_kernels.py)",
+                      f"no results (exit {rc})", "NOT RUN")]
+    out = []
+    for line in json.loads(files[0].read_text())["targets"]:
+        found = re.match(r"- (.*): (x[0-9.]+)(?:, (PASS|FAIL))?$", line)
+        if not found:
+            out.append(Claim("head-kernels", line, "unreadable target line", "FAIL"))
+            continue
+        text, figure, verdict = found.groups()
+        status: Status = verdict or "MEASURED"  # type: ignore[assignment]
+        out.append(Claim("head-kernels", text.strip(), figure, status))
+    return out
+
+
 # --- profile cost -------------------------------------------------------------------
 
 
@@ -427,6 +457,8 @@ STEPS: tuple[Step, ...] = (  # in priority order; the two correctness steps at o
     Step("allocator-gap", "allocator_gap.py: the allocator's peak against the prediction "
          "and the tracker", _gap_command, _gap_parse, {"gpu": 240, "tiny": 30},
          {"gpu": 60, "tiny": 1}, alongside=True),
+    Step("head-kernels", "the loss head alone against torch's, Liger's and CCE's kernels",
+         _kernels_command, _kernels_parse, {"gpu": 120, "tiny": 60}, {"gpu": 30, "tiny": 5}),
     Step("head", "the loss head's targets (benchmarks/head.py)", _head_command, _head_parse,
          {"gpu": 420, "tiny": 150}, {"gpu": 60, "tiny": 5}),
     Step("offload", "issue 17's targets (benchmarks/offload.py)", _offload_command,

@@ -64,11 +64,13 @@ from torch import nn
 import autoremat
 from autoremat._bench.refs import hf_toggle
 from autoremat._bench.report import device_info
+from autoremat._core.decisions import Choice
 from autoremat._core.errors import RematError
-from autoremat._core.head import HEAD_RTOL
+from autoremat._core.head import HEAD_RTOL, backend_unavailable
 from autoremat._core.step import preserved_state, run_step
 from autoremat._measure.memory import track_allocator, track_memory
 from autoremat._measure.timing import time_ms
+from autoremat._mechanism.head import find_head, install_head, uninstall_head
 from autoremat._plan.strategies import smallest_feasible_bytes
 
 ROWS = ("plain", "hf-per-block", "autoremat@hf-peak", "autoremat@0.75x-hf-peak",
@@ -79,6 +81,8 @@ PEAK_TARGET = 0.75  # GPU target: autoremat's peak <= 0.75 x per-block checkpoin
 TIME_TARGET = 1.04  # ... at no more than +4% of its time
 MIN_TARGET = 0.25  # CPU gpt2 target: the smallest feasible plan below 25% of plain
 CHUNKED_TARGET = 1.02  # a chunked head with every block kept: at most plain's time x this
+PEER_TARGET = 1.02  # at a peer's peak (and at the minimum): at most the fastest peer's x this
+HF_PEAK_TARGET = 0.90  # at per-block checkpointing's peak: at most its time x this
 
 SIZES: dict[str, dict[str, Any]] = {
     "gpt2": {"arch": "gpt2", "layers": 6, "hidden": 256, "heads": 4, "vocab": 50257,
@@ -147,6 +151,30 @@ class Row:
 
 def _nothing() -> None:
     return None
+
+
+# the peers' kernels, by backend, and the head option each runs as (NOTE [ Head backends ])
+PEERS = {"torch": "torch:4", "liger": "liger", "cce": "cce"}
+
+
+def _peer(model: nn.Module, site: Any, backend: str,
+          hf: tuple[Callable[[], object], Callable[[], object]] | None = None) -> Variant:
+    """The model's head computed by ``backend``'s kernel (what a user of that library
+    runs: no autoremat plan), with HF's per-block checkpointing where ``hf`` is given."""
+    chunks = Choice.head_from_key(PEERS[backend]).chunks
+    installed: list[Any] = []
+
+    def install() -> None:
+        if hf is not None:
+            hf[0]()
+        installed.append(install_head(model, site, chunks, backend))
+
+    def uninstall() -> None:
+        uninstall_head(installed.pop())
+        if hf is not None:
+            hf[1]()
+    name = f"peer:{backend}" if hf is None else f"{BASELINE}+{backend}"
+    return Variant(name, install, uninstall)
 
 
 def _step(model: nn.Module, variant: Variant, seed: int, body: Callable[[], Any]) -> Any:
@@ -241,8 +269,19 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         raise RematError("transformers' model has no gradient_checkpointing_enable")
     variants: dict[str, Variant] = {"plain": Variant("plain", _nothing, _nothing),
                                     BASELINE: Variant(BASELINE, *hf)}
-    rows: dict[str, Row] = {name: Row(name) for name in ROWS}
+    site = find_head(model, inputs, None)[0]
+    peers = [k for k in PEERS if site is not None
+             and not backend_unavailable(k, device, bias=model.get_submodule(
+                 site.name).bias is not None)]
+    for peer in peers:  # the kernel alone, and with HF's checkpointing
+        variants[f"peer:{peer}"] = _peer(model, site, peer)
+        variants[f"{BASELINE}+{peer}"] = _peer(model, site, peer, hf)
+    order = [*ROWS[:2], *variants.keys() - set(ROWS), *ROWS[2:],
+             *(f"autoremat@{peer}-peak" for peer in peers)]
+    rows: dict[str, Row] = {name: Row(name) for name in dict.fromkeys(order)}
     rows["plain"].head = rows[BASELINE].head = "hf"
+    for peer in peers:
+        rows[f"peer:{peer}"].head = rows[f"{BASELINE}+{peer}"].head = PEERS[peer]
 
     # Reference peaks first: row 2's peak is row 3's budget. One unmeasured step each
     # first, so that one-time allocations (cuBLAS's workspace) are not in the peak.
@@ -252,7 +291,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         peaks[name] = measure_peak(model, inputs, variant, device, seed)
     log("reference peaks " + ", ".join(f"{k} {v:,}" for k, v in peaks.items()))
 
-    tape = autoremat.profile(model, inputs, repeats=args.profile_repeats)
+    kernels = ["autoremat", *peers]  # the planner may take any of them
+    tape = autoremat.profile(model, inputs, repeats=args.profile_repeats, with_head=kernels)
     head_options = sorted(tape.head.options) if tape.head is not None else []
     log(f"profiled: plain peak {tape.step_peak_bytes:,}, head options {head_options}")
     smallest = smallest_feasible_bytes(tape, head="auto")  # over every head choice
@@ -269,6 +309,9 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         "autoremat-full+chunked:32": lambda: autoremat.plan(tape, None, "full",
                                                             head="chunked:32"),
         "autoremat@min": lambda: autoremat.plan(tape, smallest, head="auto"),
+        **{f"autoremat@{peer}-peak": functools.partial(
+            lambda key: autoremat.plan(tape, peaks[key], head="auto"), f"peer:{peer}")
+           for peer in peers},
     }
     plans: dict[str, autoremat.Plan] = {}
     for name, make in specs.items():
@@ -330,7 +373,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         r.logits_none = mine.logits_none
         r.loss_abs_diff = abs(mine.loss - ref.loss)
         r.grads_equal, r.max_grad_rel_diff = compare(mine.grads, ref.grads)
-        chunked = r.head.startswith("chunked")
+        chunked = r.head not in ("", "hf", "keep")  # any kernel that skips the logits
         # a kept head: torch.equal (on CUDA without deterministic algorithms, kernels
         # differ from themselves: not judged); a chunked one: within HEAD_RTOL
         bound = HEAD_RTOL.get(dtype, 0.0) if chunked else 0.0
@@ -368,7 +411,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
              "param_bytes": tape.param_bytes, "tape_notes": list(tape.notes),
              "verify_min": verdict, "deterministic": deterministic,
              "head_rtol": HEAD_RTOL.get(dtype), "seconds": time.perf_counter() - start}
-    return [rows[k] for k in ROWS], facts
+    return list(rows.values()), facts
 
 
 def targets(rows: Sequence[Row], gpu: bool) -> list[str]:
@@ -380,6 +423,35 @@ def targets(rows: Sequence[Row], gpu: bool) -> list[str]:
     def verdict(cond: bool | None) -> str:
         return "n/a" if cond is None else ("PASS" if cond else "FAIL")
     lines = []
+    peers = [r for r in rows if r.name.startswith("peer:") or r.name.startswith(f"{BASELINE}+")]
+    for r in rows:  # NOTE [ Head backends ]: at each peer's peak, the best a user could run
+        if not (r.name.startswith("autoremat@") and r.name.endswith("-peak")
+                and r.name[10:-5] in PEERS):
+            continue
+        at = [p for p in peers if p.measured_peak_bytes is not None and r.budget_bytes
+              and p.measured_peak_bytes <= r.budget_bytes and p.time_ms]
+        best = min(at, key=lambda p: p.time_ms or 0.0, default=None)
+        if r.time_ms is None or best is None or best.time_ms is None:
+            lines.append(f"- {r.name}: fits and no slower than the fastest peer at that "
+                         f"memory +{100 * (PEER_TARGET - 1):.0f}%: n/a ({r.status})")
+            continue
+        ratio = r.time_ms / best.time_ms
+        lines.append(f"- {r.name}: fits ({r.fits}) and no slower than the fastest peer at "
+                     f"that memory ({best.name}) +{100 * (PEER_TARGET - 1):.0f}%: "
+                     f"x{ratio:.3f}, {verdict(bool(r.fits) and ratio <= PEER_TARGET)}")
+    with_hf = [p for p in peers if p.name.startswith(f"{BASELINE}+") and p.time_ms]
+    fastest = min(with_hf, key=lambda p: p.time_ms or 0.0, default=None)
+    if fastest is not None and fastest.time_ms and low.time_ms:
+        ratio = low.time_ms / fastest.time_ms
+        lines.append(f"- autoremat@min no slower than {fastest.name} "
+                     f"+{100 * (PEER_TARGET - 1):.0f}%: x{ratio:.3f}, "
+                     f"{verdict(ratio <= PEER_TARGET)}")
+    at_hf = by["autoremat@hf-peak"]
+    if at_hf.time_ms and base.time_ms:
+        ratio = at_hf.time_ms / base.time_ms
+        lines.append(f"- autoremat@hf-peak at least {100 * (1 - HF_PEAK_TARGET):.0f}% faster "
+                     f"than per-block checkpointing: x{ratio:.3f}, "
+                     f"{verdict(ratio <= HF_PEAK_TARGET)}")
     kept = by["autoremat-keep+chunked"]
     if kept.time_ms and plain.time_ms and kept.recomputed == 0:
         ratio = kept.time_ms / plain.time_ms

@@ -10,6 +10,7 @@ a second or two; their tapes come from the session's ``zoo_tapes``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import warnings
 from collections.abc import Callable
@@ -253,6 +254,42 @@ def test_other_input_shapes_warn_once_and_still_give_equal_gradients(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShapeMismatchWarning)  # apply() again: warns again
         assert_same_step(model, longer, plan)
+
+
+def test_a_batch_within_the_planned_one_is_silent(tapes: Callable[[str], Tape]) -> None:
+    # NOTE [ Smaller batches are within the plan ]: the last, smaller batch, padding to
+    # each batch's longest sequence; the warning that must still come: larger in any
+    # dimension (another dtype or set of tensors: test_within_reads_the_planned_signature)
+    model, inputs = build("gpt2")
+    autoremat.apply(model, make_plan(tapes("gpt2"), "sqrt"))
+    within = [{k: v[:1] for k, v in inputs.items()},  # (1, 64): a smaller batch
+              {k: v[:, :40] for k, v in inputs.items()},  # (2, 40): shorter sequences
+              {k: v[:1, :17] for k, v in inputs.items()}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShapeMismatchWarning)
+        for batch in within:
+            step(model, batch)
+    wider = {k: torch.cat([v, v]) for k, v in inputs.items()}  # (4, 64)
+    with pytest.warns(ShapeMismatchWarning):
+        step(model, wider)
+    autoremat.remove(model)
+
+
+def test_within_reads_the_planned_signature() -> None:
+    within = importlib.import_module("autoremat._apply")._within
+    planned = "input_ids: (4, 128) int64, labels: (4, 128) int64"
+    ids = torch.zeros(2, 100, dtype=torch.long)
+    assert within(planned, {"input_ids": ids, "labels": ids})
+    assert within(planned, {"input_ids": ids, "labels": ids, "use_cache": False})
+    assert not within(planned, {"input_ids": ids, "labels": ids, "use_cache": True})
+    assert not within(planned, {"input_ids": ids})  # a tensor the plan had is missing
+    assert not within(planned, {"input_ids": ids, "labels": ids, "mask": ids})
+    assert not within(planned, {"input_ids": torch.zeros(2, 129, dtype=torch.long),
+                                "labels": ids})
+    assert within("(8, 16) float32", torch.zeros(3, 16))
+    assert not within("(8, 16) float32", torch.zeros(3, 16, 1))
+    assert not within("(8, 16) float32", torch.zeros(3, 16, dtype=torch.float64))
+    assert within("(8, 16) float32, (8,) int64", (torch.zeros(8, 16), torch.zeros(5).long()))
 
 
 # --- awkward models --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import json
 import re
 import warnings
 import weakref
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -284,7 +285,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 runner.install()
                 state.runners.append(runner)
         if site is not None and plan.head_chunks is not None:
-            state.head = install_head(model, site, plan.head_chunks)
+            state.head = install_head(model, site, plan.head_chunks, plan.head.backend)
         _watch_blocks(model, plan, modules, state)
         state.handles.append(model.register_forward_pre_hook(
             functools.partial(_shape_check, state), with_kwargs=True))
@@ -485,8 +486,7 @@ def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> 
     state.calls = [0] * len(state.blocks)
     signature = describe_inputs(inputs)
     if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
-            and _unnamed(describe_inputs(_without_scalars(inputs))) != _unnamed(
-                state.plan.inputs):
+            and not _within(state.plan.inputs, _without_scalars(inputs)):
         state.warned.add(signature)
         warnings.warn(
             f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
@@ -519,6 +519,57 @@ def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:
                       "the model now trains (train() mode: dropout and BatchNorm save more); "
                       "its memory prediction does not hold: profile and plan in train() "
                       "mode.", PlanMismatchWarning, stacklevel=3)
+
+
+# NOTE [ Smaller batches are within the plan ]
+#     A plan's prediction is for the batch it was profiled on; the step's memory grows
+#     with each dimension of its inputs (batch, sequence, image size), so a batch no
+#     larger in any of them, of the same tensors and dtypes, is within it: the last,
+#     smaller batch of an epoch, or the batches of a loop that pads each to its longest
+#     sequence (Hugging Face's DataCollatorWithPadding), which a plan for the longest
+#     length covers. So only a batch larger in some dimension, another set of tensors,
+#     or another dtype is warned about; a keyword that turns something off (``False``,
+#     ``None``: ``use_cache=False``) adds nothing to hold and is no reason either.
+_ENTRY = re.compile(r"(?:(?P<name>\w+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)|"
+                    r"(?P<type>\w+))(?:, |$)")
+
+
+def _within(planned: str, inputs: Any) -> bool:
+    """Whether ``inputs`` are within the batch the plan's signature ``planned``
+    describes (NOTE [ Smaller batches are within the plan ]); matched by keyword where
+    both name theirs, else by position."""
+    entries = []
+    for m in _ENTRY.finditer(planned):
+        shape = None if m["shape"] is None else \
+            tuple(int(d) for d in m["shape"].replace(",", " ").split())
+        entries.append((m["name"], shape, m["dtype"] or m["type"]))
+    items = list(inputs.items()) if isinstance(inputs, Mapping) else \
+        list(enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+    items = [(k, v) for k, v in items if not (v is None or v is False)]  # turns off
+    names = [name for name, _, _ in entries]
+    if isinstance(inputs, Mapping) and all(names):
+        by_name = dict(zip(names, entries, strict=True))
+        pairs = [(by_name.get(k), v) for k, v in items]
+        missing = set(names) - {k for k, _ in items}
+        if any(by_name[n][1] is not None for n in missing):  # a tensor it had is gone
+            return False
+    elif len(items) != len(entries):
+        return False
+    else:
+        pairs = list(zip(entries, (v for _, v in items), strict=True))
+    for entry, value in pairs:
+        if entry is None:
+            return False  # a tensor or a setting the plan did not have
+        _, shape, kind = entry
+        if not isinstance(value, torch.Tensor):
+            if shape is not None or kind != type(value).__name__:
+                return False
+            continue
+        if shape is None or kind != str(value.dtype).removeprefix("torch.") \
+                or len(shape) != value.dim() \
+                or any(n > p for n, p in zip(value.shape, shape, strict=True)):
+            return False
+    return True
 
 
 def _without_scalars(inputs: Any) -> Any:

@@ -27,8 +27,18 @@ from autoremat._core.saves import (
     save_set_of,
 )
 
-__all__ = ["BLOCK_DECISIONS", "KEEP", "OFFLOAD", "OFFLOAD_INPUT", "RECOMPUTE", "Choice", "Decision",
-           "decision_of"]
+__all__ = [
+    "BLOCK_DECISIONS",
+    "HEAD_BACKENDS",
+    "KEEP",
+    "OFFLOAD",
+    "OFFLOAD_INPUT",
+    "RECOMPUTE",
+    "Choice",
+    "Decision",
+    "decision_of",
+    "is_head_key",
+]
 
 
 class Decision(str, enum.Enum):
@@ -69,6 +79,12 @@ class Decision(str, enum.Enum):
         return Decision.RECOMPUTE if self is Decision.SELECTIVE else self
 
 
+# who computes a chunked loss head: autoremat ("", NOTE [ A chunked head ]), torch's
+# linear_cross_entropy with chunking options, Liger-Kernel's and cut-cross-entropy's
+# fused kernels (NOTE [ Head backends ] in _core/head.py)
+HEAD_BACKENDS = frozenset({"", "torch", "liger", "cce"})
+_SELF_CHUNKING = ("liger", "cce")  # their kernels choose their own chunks: no count
+
 # the decisions a block of the chain can take (CHUNKED is the loss head's)
 BLOCK_DECISIONS = tuple(d for d in Decision if d is not Decision.CHUNKED)
 
@@ -106,8 +122,9 @@ class Choice:
     :attr:`Decision.CHUNKED` only.
 
     Example:
-        >>> Choice.selective_from_key("#2")
-        Choice(decision=<Decision.SELECTIVE: 'selective'>, save_ops=(), keep_set=2, chunks=0)
+        >>> choice = Choice.selective_from_key("#2")
+        >>> choice.decision, choice.keep_set, choice.save_ops
+        (<Decision.SELECTIVE: 'selective'>, 2, ())
         >>> Choice.selective_from_key("bmm+matmul").selective_key
         'bmm+matmul'
     """
@@ -116,6 +133,7 @@ class Choice:
     save_ops: tuple[str, ...] = ()  # selective by kind: kinds whose outputs stay saved
     keep_set: int = 0  # selective by position: the tape's keep-set number; 0: by kind
     chunks: int = 0  # chunked head: chunks of tokens
+    backend: str = ""  # chunked head: whose kernel ("" autoremat's own; HEAD_BACKENDS)
 
     def __post_init__(self) -> None:
         selective = self.decision is Decision.SELECTIVE
@@ -130,6 +148,9 @@ class Choice:
             raise RematError(f"a selective choice saves by kind (save_ops) or by position "
                              f"(keep_set), not both: got {self.save_ops!r} and keep-set "
                              f"{self.keep_set}")
+        if self.backend not in HEAD_BACKENDS or (self.backend and not self.chunks):
+            raise RematError(f"a chunked head's backend is one of {sorted(HEAD_BACKENDS)}, "
+                             f"got {self.backend!r}")
         if (self.chunks != 0) != (self.decision is Decision.CHUNKED) or self.chunks < 0:
             raise RematError(f"chunks (>= 1) belongs to the chunked head only, got "
                              f"{self.decision.value} with chunks {self.chunks!r}")
@@ -145,28 +166,30 @@ class Choice:
     @property
     def head_key(self) -> str:
         """The name of a loss-head choice, as ``plan(head=...)``, files and a tape's
-        ``head.options`` write it: "keep", or "chunked:N"."""
+        ``head.options`` write it: "keep", "chunked:N" (autoremat's own head over N chunks
+        of tokens), "torch:N" (torch's ``linear_cross_entropy`` over N), or "liger" /
+        "cce" (those libraries' kernels, which chunk by themselves)."""
         if self.decision is Decision.CHUNKED:
-            return f"chunked:{self.chunks}"
+            if self.backend in _SELF_CHUNKING:
+                return self.backend
+            return f"{self.backend or 'chunked'}:{self.chunks}"
         internal_assert(self.decision is Decision.KEEP,
                         f"a loss head is kept or chunked, not {self.decision.value}")
         return "keep"
 
     @classmethod
     def head_from_key(cls, key: str) -> Choice:
-        """The loss-head choice ``key`` names ("keep" or "chunked:N", N >= 1; the inverse
-        of :attr:`head_key`).
+        """The loss-head choice ``key`` names ("keep", "chunked:N" or "torch:N" with
+        N >= 1, "liger", "cce"; the inverse of :attr:`head_key`).
 
         Raises:
             RematError: ``key`` names no head choice.
         """
-        kind, _, count = key.partition(":") if isinstance(key, str) else ("", "", "")
-        if key == "keep":
-            return cls(Decision.KEEP)
-        if kind == "chunked" and count.isdigit() and int(count) >= 1:
-            return cls(Decision.CHUNKED, chunks=int(count))
-        raise RematError(f"a loss head is 'keep' or 'chunked:N' (N chunks of tokens, N >= 1), "
-                         f"got {key!r}")
+        choice = _head_choice(key)
+        if choice is not None:
+            return choice
+        raise RematError(f"a loss head is 'keep', 'chunked:N' or 'torch:N' (N chunks of "
+                         f"tokens, N >= 1), 'liger' or 'cce', got {key!r}")
 
     @classmethod
     def selective_from_key(cls, key: str) -> Choice:
@@ -175,6 +198,27 @@ class Choice:
         if is_keep_set(key):
             return cls(Decision.SELECTIVE, keep_set=keep_set_number(key))
         return cls(Decision.SELECTIVE, save_ops=save_set_of(key))
+
+
+def _head_choice(key: object) -> Choice | None:
+    """The loss-head choice ``key`` names, or ``None`` (:meth:`Choice.head_from_key`)."""
+    if not isinstance(key, str):
+        return None
+    kind, _, count = key.partition(":")
+    if key == "keep":
+        return Choice(Decision.KEEP)
+    if key in _SELF_CHUNKING:
+        return Choice(Decision.CHUNKED, chunks=1, backend=key)
+    if kind in ("chunked", "torch") and count.isdigit() and int(count) >= 1:
+        return Choice(Decision.CHUNKED, chunks=int(count),
+                      backend="" if kind == "chunked" else kind)
+    return None
+
+
+def is_head_key(key: object) -> bool:
+    """Whether ``key`` names a loss-head choice ("keep", "chunked:N", "torch:N", "liger",
+    "cce")."""
+    return _head_choice(key) is not None
 
 
 KEEP = Choice(Decision.KEEP)

@@ -69,6 +69,8 @@ NOTE [ The weight gradient in float32 ]
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -147,19 +149,21 @@ class HeadCall:
     ignore_index: int
     upcast: bool
     ops: tuple[LogitOp, ...] = ()
+    backend: str = ""  # NOTE [ Head backends ]
 
-    def replay(self, chunks: int) -> Callable[[], Tensor]:
+    def replay(self, chunks: int, backend: str | None = None) -> Callable[[], Tensor]:
         """The call over ``chunks`` chunks on stand-ins made now (zeros, labels 0): a
-        function that runs it and returns the loss (its graph holds the gradients)."""
+        function that runs it and returns the loss (its graph holds the gradients), by
+        ``backend`` (default: the call's own)."""
         shape, dtype, device, grad = self.hidden
         hidden = torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
         labels = torch.zeros(self.labels[0], dtype=self.labels[1], device=device)
         denominator = torch.ones((), dtype=self.denominator[0], device=self.denominator[1])
-        return lambda: _ChunkedLinearCrossEntropy.apply(
-            hidden, self.weight, self.bias, labels, denominator, chunks, self.ignore_index,
-            self.upcast, self.ops)
+        who = self.backend if backend is None else backend
+        return lambda: _head_loss(who, hidden, self.weight, self.bias, labels, denominator,
+                                  chunks, self.ignore_index, self.upcast, self.ops)
 
-    def replay_step(self, chunks: int | None) -> Callable[[], object]:
+    def replay_step(self, chunks: int | None, backend: str = "") -> Callable[[], object]:
         """Forward and backward of the call over ``chunks`` chunks on stand-ins, or with
         ``chunks=None`` of the plain head a model computes (the logits, the model's ops,
         the upcast, ``cross_entropy``): a function that runs it, its gradients taken with
@@ -172,10 +176,8 @@ class HeadCall:
 
         def loss() -> Tensor:
             if chunks is not None:
-                out: Tensor = _ChunkedLinearCrossEntropy.apply(
-                    hidden, self.weight, self.bias, labels, denominator, chunks,
-                    self.ignore_index, self.upcast, self.ops)
-                return out
+                return _head_loss(backend, hidden, self.weight, self.bias, labels,
+                                  denominator, chunks, self.ignore_index, self.upcast, self.ops)
             z = F.linear(hidden, self.weight, self.bias)
             for op in self.ops:
                 z = op(z)
@@ -343,7 +345,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                          bias: Tensor | None = None, chunks: int = 1,
                          ignore_index: int = -100,
                          num_items_in_batch: Tensor | int | None = None,
-                         upcast: bool = False, ops: tuple[LogitOp, ...] = ()) -> Tensor:
+                         upcast: bool = False, ops: tuple[LogitOp, ...] = (),
+                         backend: str = "") -> Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, computed over
     ``chunks`` chunks of tokens so that only one chunk's logits exist at a time.
 
@@ -358,6 +361,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         ops: elementwise ops the model applies to the logits before the loss, in order
             (a soft-cap is ``(LogitOp("div", c), LogitOp("tanh"), LogitOp("mul", c))``):
             applied to each chunk's logits (NOTE [ Logit transforms ]).
+        backend: whose kernel computes it: ``""`` autoremat's own, ``"torch"``,
+            ``"liger"`` or ``"cce"`` (NOTE [ Head backends ]).
 
     Returns:
         The scalar loss; its backward hands over gradients computed in forward
@@ -380,9 +385,101 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
         denominator = (targets != ignore_index).sum().float()
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=flat.device).float()
-    loss: Tensor = _ChunkedLinearCrossEntropy.apply(
-        flat, weight, bias, targets, denominator, chunks, ignore_index, upcast, tuple(ops))
+    return _head_loss(backend, flat, weight, bias, targets, denominator, chunks,
+                      ignore_index, upcast, tuple(ops))
+
+
+# NOTE [ Head backends ]
+#     Besides autoremat's own chunked head, three kernels compute a linear layer and its
+#     cross-entropy without the full logits: torch's ``F.linear_cross_entropy`` with
+#     ``LinearCrossEntropyOptions`` (torch 2.13; ``batch_chunk_size`` from the chunk
+#     count, its own accumulation policy for the device), Liger-Kernel's
+#     ``LigerFusedLinearCrossEntropyLoss`` and cut-cross-entropy's
+#     ``linear_cross_entropy`` (gradient filtering off: ``filter_eps=None``, since it
+#     drops small gradients), the last two on CUDA only. Each takes the sum over counted
+#     tokens, divided here by the same denominator as autoremat's, so the loss means the
+#     same; none follows a model's logit transform or autoremat's ``upcast`` to the
+#     letter (their own accumulation dtypes instead), which ``verify``'s bound judges. A
+#     backend is measured in the profile like a chunk count (NOTE [ What a head option
+#     costs ] in ``_profile/options.py``) and chosen only by a plan's cost.
+HEAD_BACKEND_NAMES = {"": "autoremat", "torch": "torch", "liger": "liger-kernel",
+                      "cce": "cut-cross-entropy"}
+
+
+def backend_unavailable(backend: str, device: torch.device, *, bias: bool = False,
+                        ops: tuple[LogitOp, ...] = ()) -> str:
+    """Why ``backend`` cannot compute a loss head on ``device`` ("" where it can; NOTE
+    [ Head backends ])."""
+    if backend == "":
+        return ""
+    name = HEAD_BACKEND_NAMES.get(backend)
+    if name is None:
+        return f"no head backend {backend!r} (one of {sorted(HEAD_BACKEND_NAMES.values())})"
+    if ops:
+        return (f"{name} does not apply the model's logit transform "
+                f"({', '.join(map(str, ops))})")
+    if backend == "torch":
+        if getattr(torch.nn, "LinearCrossEntropyOptions", None) is None:
+            return f"torch {torch.__version__} has no LinearCrossEntropyOptions (2.13 has)"
+        return ""
+    module = "liger_kernel" if backend == "liger" else "cut_cross_entropy"
+    if importlib.util.find_spec(module) is None:
+        return f"{name} is not installed (pip install {name})"
+    if device.type != "cuda":
+        return f"{name}'s kernels run on CUDA, not {device.type}"
+    if backend == "cce" and bias:
+        return f"{name} takes no bias of the output layer"
+    return ""
+
+
+def _head_loss(backend: str, flat: Tensor, weight: Tensor, bias: Tensor | None,
+               targets: Tensor, denominator: Tensor, chunks: int, ignore_index: int,
+               upcast: bool, ops: tuple[LogitOp, ...]) -> Tensor:
+    """The loss of ``flat`` (N, C) through ``weight`` against ``targets`` by ``backend``
+    (NOTE [ Head backends ]): its gradients taken as its kernel takes them."""
+    if backend == "":
+        loss: Tensor = _ChunkedLinearCrossEntropy.apply(
+            flat, weight, bias, targets, denominator, chunks, ignore_index, upcast, ops)
+        return loss
+    why = backend_unavailable(backend, flat.device, bias=bias is not None, ops=ops)
+    if why:
+        raise RematError(f"the loss head's backend {backend!r} cannot run here: {why}; "
+                         f"profile and plan on this machine")
+    watch = None if torch.compiler.is_compiling() else HEAD_WATCH.get()
+    if watch is not None:
+        watch("start", HeadCall(
+            hidden=(tuple(flat.shape), flat.dtype, flat.device, flat.requires_grad),
+            weight=weight, bias=bias, labels=(tuple(targets.shape), targets.dtype),
+            denominator=(denominator.dtype, denominator.device), ignore_index=ignore_index,
+            upcast=upcast, ops=ops, backend=backend))
+    total = _backend_sum(backend, flat, weight, bias, targets, chunks, ignore_index)
+    loss = total / denominator.to(total.dtype)
+    if watch is not None:
+        watch("end", None)
     return loss
+
+
+def _backend_sum(backend: str, flat: Tensor, weight: Tensor, bias: Tensor | None,
+                 targets: Tensor, chunks: int, ignore_index: int) -> Tensor:
+    """The summed cross-entropy by another library's kernel (NOTE [ Head backends ])."""
+    wide = torch.float32 if flat.dtype in (torch.bfloat16, torch.float16) else None
+    if backend == "torch":
+        options = torch.nn.LinearCrossEntropyOptions(  # type: ignore[attr-defined]
+            chunking_method=None, batch_chunk_size=max(1, -(-flat.shape[0] // chunks)))
+        out: Tensor = F.linear_cross_entropy(  # type: ignore[attr-defined]
+            flat, weight, targets, linear_bias=bias, reduction="sum",
+            ignore_index=ignore_index, options=options)
+        return out
+    if backend == "liger":
+        liger = importlib.import_module("liger_kernel.transformers")
+        loss = liger.LigerFusedLinearCrossEntropyLoss(
+            ignore_index=ignore_index, reduction="sum", accum_dtype=wide)
+        out = loss(weight, flat, targets, bias)
+        return out
+    cce = importlib.import_module("cut_cross_entropy")
+    out = cce.linear_cross_entropy(flat, weight, targets, ignore_index=ignore_index,
+                                   reduction="sum", filter_eps=None)
+    return out
 
 
 class LMHead(nn.Linear):
@@ -417,6 +514,7 @@ class LMHead(nn.Linear):
         self.ignore_index = ignore_index
         self.upcast = upcast
         self.chunks: int | None = None  # set by a plan with a chunked head
+        self.backend = ""  # and whose kernel runs it (NOTE [ Head backends ])
 
     def forward(self, hidden: Tensor,  # type: ignore[override]
                 labels: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
@@ -427,7 +525,7 @@ class LMHead(nn.Linear):
                 hidden, labels = hidden[..., :-1, :], labels[..., 1:]
             return None, linear_cross_entropy(
                 hidden, self.weight, labels, bias=self.bias, chunks=self.chunks,
-                ignore_index=self.ignore_index, upcast=self.upcast)
+                ignore_index=self.ignore_index, upcast=self.upcast, backend=self.backend)
         logits = super().forward(hidden)  # (..., T, V)
         source = logits.float() if self.upcast else logits
         if self.shift:  # position t predicts label t + 1: all but the last position

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoremat._core.conditions import conditions_line
-from autoremat._core.decisions import Decision
+from autoremat._core.decisions import Choice, Decision, is_head_key
 from autoremat._core.errors import RematError, SchemaError, did_you_mean
 from autoremat._core.files import (
     SCHEMA_VERSION,
@@ -142,7 +142,7 @@ class HeadOption:
     """The step with its loss head computed over ``chunks`` chunks of tokens (NOTE [ A
     chunked head ] in ``_core/head.py``), measured with every block kept."""
 
-    chunks: int
+    chunks: int  # chunks of tokens (1 for a kernel that chunks by itself)
     post: WindowMemory  # as ``Tape.post[Decision.KEEP]``, with this head
     tail: WindowMemory  # as ``Tape.tail[Decision.KEEP]``, with this head
     step_peak_bytes: int  # the step with every block kept and this head
@@ -150,6 +150,7 @@ class HeadOption:
     # (NOTE [ What a head option costs ] in _profile/options.py), or costs.head_cost;
     # negative where the chunked head is the faster
     cost: int
+    backend: str = ""  # whose kernel: "" autoremat's own (NOTE [ Head backends ])
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,8 @@ class HeadProfile:
     name: str  # qualified name of that module
     vocab: int  # its output features
     weight_bytes: int  # its weight, which the chunked head's gradient accumulates into
-    # by decision name ("chunked:4"); "keep" (the head as the model computes it) is the
-    # tape's own post and tail
+    # by decision name ("chunked:4", "torch:4", "liger"); "keep" (the head as the model
+    # computes it) is the tape's own post and tail
     options: dict[str, HeadOption] = field(default_factory=dict)
 
 
@@ -439,9 +440,12 @@ def _head(data: Any) -> HeadProfile:
             v[key] = _window(v.get(key), f"{where}.{key}")
         option = build_dataclass(HeadOption, v, where)
         _check_types(option, where)
-        if not str(k).startswith("chunked:") or option.chunks < 1:
-            raise SchemaError(f"{where}: a head option is 'chunked:N' with chunks >= 1, got "
-                              f"{k!r} with chunks {option.chunks!r}")
+        if not is_head_key(k) or k == "keep" or option.chunks < 1 \
+                or Choice.head_from_key(k) != Choice(Decision.CHUNKED, chunks=option.chunks,
+                                                     backend=option.backend):
+            raise SchemaError(f"{where}: a head option is 'chunked:N' or 'torch:N' with "
+                              f"chunks N >= 1, 'liger' or 'cce', got {k!r} with chunks "
+                              f"{option.chunks!r} and backend {option.backend!r}")
         options[str(k)] = option
     raw["options"] = options
     head = build_dataclass(HeadProfile, raw, "tape.head")

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoremat._core.errors import RematError
-from autoremat._core.head import LMHead, LogitOp, linear_cross_entropy
+from autoremat._core.head import LMHead, LogitOp, backend_unavailable, linear_cross_entropy
 
 __all__ = ["HeadInstall", "HeadSite", "find_head", "head_installed", "install_head",
            "uninstall_head"]
@@ -354,7 +354,8 @@ class _ChunkedCausalLMLoss:
         return linear_cross_entropy(
             logits, self.lm_head.weight, shift_labels.to(logits.device),
             bias=self.lm_head.bias, chunks=self.chunks, ignore_index=ignore_index,
-            num_items_in_batch=num_items_in_batch, upcast=True, ops=ops)
+            num_items_in_batch=num_items_in_batch, upcast=True, ops=ops,
+            backend=self.install.backend)
 
 
 class _ChunkedCrossEntropy:
@@ -385,7 +386,8 @@ class _ChunkedCrossEntropy:
         return linear_cross_entropy(
             rows, self.layer.weight, target.to(rows.device), bias=self.layer.bias,
             chunks=self.chunks, ignore_index=ignore_index,
-            num_items_in_batch=1 if reduction == "sum" else None, ops=logits._ops)
+            num_items_in_batch=1 if reduction == "sum" else None, ops=logits._ops,
+            backend=self.install.backend)
 
 
 class _DropLogits:
@@ -435,18 +437,28 @@ class HeadInstall:
     module: nn.Module  # its lm_head, or its LMHead
     handles: list[Any]
     calls: int = 0
+    backend: str = ""  # whose kernel (NOTE [ Head backends ] in _core/head.py)
 
 
-def install_head(model: nn.Module, site: HeadSite, chunks: int) -> HeadInstall:
-    """Run the head at ``site`` over ``chunks`` chunks of tokens (NOTE [ Which heads can
-    be chunked ])."""
+def install_head(model: nn.Module, site: HeadSite, chunks: int,
+                 backend: str = "") -> HeadInstall:
+    """Run the head at ``site`` over ``chunks`` chunks of tokens, by ``backend``'s kernel
+    (NOTE [ Which heads can be chunked ], NOTE [ Head backends ])."""
     module = model.get_submodule(site.name)
-    install = HeadInstall(site, chunks, model, module, [])
+    weight = getattr(module, "weight", None)
+    if backend and isinstance(weight, Tensor):
+        why = backend_unavailable(backend, weight.device,
+                                  bias=getattr(module, "bias", None) is not None)
+        if why:
+            raise RematError(f"the plan computes the loss head with {backend!r}, which "
+                             f"cannot run here: {why}; plan on this machine (its profile "
+                             f"measures the kernels it can run)")
+    install = HeadInstall(site, chunks, model, module, [], backend=backend)
     if site.kind == "module":
         if not isinstance(module, LMHead):
             raise RematError(f"{site.name!r} is a {type(module).__name__}, not the LMHead "
                              f"the plan chunks; was the model changed since it was planned?")
-        module.chunks = chunks
+        module.chunks, module.backend = chunks, backend
         install.handles.append(module.register_forward_pre_hook(
             _CountLabelled(install), with_kwargs=True))
         return install
@@ -477,20 +489,20 @@ def uninstall_head(install: HeadInstall) -> None:
     for handle in install.handles:
         handle.remove()
     if install.site.kind == "module":
-        install.module.chunks = None  # type: ignore[assignment]
+        install.module.chunks, install.module.backend = None, ""  # type: ignore[assignment]
         return
     vars(install.module).pop("forward", None)
     vars(install.owner).pop("_loss_function", None)
 
 
 @contextmanager
-def head_installed(model: nn.Module, site: HeadSite | None,
-                   chunks: int | None) -> Iterator[HeadInstall | None]:
+def head_installed(model: nn.Module, site: HeadSite | None, chunks: int | None,
+                   backend: str = "") -> Iterator[HeadInstall | None]:
     """:func:`install_head` for the block (nothing when ``site`` or ``chunks`` is None)."""
     if site is None or chunks is None:
         yield None
         return
-    install = install_head(model, site, chunks)
+    install = install_head(model, site, chunks, backend)
     try:
         yield install
     finally:

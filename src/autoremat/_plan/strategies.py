@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autoremat._core.decisions import KEEP, OFFLOAD, RECOMPUTE, Choice, Decision
+from autoremat._core.decisions import KEEP, OFFLOAD, RECOMPUTE, Choice, Decision, is_head_key
 from autoremat._core.errors import BudgetError, RematError, check_flag, did_you_mean
 from autoremat._core.saves import MEGATRON, save_set_name
 from autoremat._core.units import format_bytes, parse_budget, parse_size
@@ -267,15 +267,15 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
 
 def check_head(head: Any) -> None:
     """Refuse a ``head=`` that no tape could offer, before any work: ``None``, "keep",
-    "auto", "chunked" or "chunked:N" with N >= 1."""
+    "auto", "chunked", or an option's name ("chunked:N", "torch:N", "liger", "cce")."""
     if head is None or head in ("keep", "auto", "chunked"):
         return
-    if isinstance(head, str) and head.startswith("chunked:") and head[8:].isdigit() \
-            and int(head[8:]) >= 1:
+    if is_head_key(head):
         return
-    raise RematError(f"head must be None, 'keep', 'auto', 'chunked' or 'chunked:N' (N chunks "
-                     f"of tokens, N >= 1), got {head!r}"
-                     + (did_you_mean(head, ["keep", "auto", "chunked"])
+    raise RematError(f"head must be None, 'keep', 'auto', 'chunked', or an option's name: "
+                     f"'chunked:N' (autoremat's head over N chunks of tokens, N >= 1), "
+                     f"'torch:N', 'liger' or 'cce', got {head!r}"
+                     + (did_you_mean(head, ["keep", "auto", "chunked", "liger", "cce"])
                         if isinstance(head, str) else ""))
 
 

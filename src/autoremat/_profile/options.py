@@ -54,9 +54,9 @@ import torch
 from torch import nn
 
 from autoremat._core.conditions import autocast_state
-from autoremat._core.decisions import Decision
-from autoremat._core.errors import internal_assert
-from autoremat._core.head import HEAD_WATCH, HeadCall
+from autoremat._core.decisions import Choice, Decision
+from autoremat._core.errors import RematError, internal_assert
+from autoremat._core.head import HEAD_WATCH, HeadCall, backend_unavailable
 from autoremat._core.saves import keep_keys, keep_set_name, op_signature, save_set_name, save_sets
 from autoremat._core.step import unique_storage_bytes
 from autoremat._measure.blocks import param_signature
@@ -479,24 +479,27 @@ def _base_runs(names: list[str], setup: _Setup,
 #     step's exactly, or a replay does not end at the same level, the others are
 #     measured in steps of their own. ``test_head`` checks the replayed options against
 #     measured ones.
-def _head_options(names: list[str], site: HeadSite,
-                  setup: _Setup) -> tuple[HeadProfile | None, str]:
-    """The head options of ``site`` (NOTE [ Measuring the head ], NOTE [ One head option
-    measured, the others replayed ]); or ``None`` and why, when the chunked head never
-    ran in the step."""
+def _head_options(names: list[str], site: HeadSite, setup: _Setup,
+                  backends: Sequence[str] = ("",)) -> tuple[HeadProfile | None, str]:
+    """The head options of ``site`` by ``backends`` (NOTE [ Measuring the head ], NOTE
+    [ One head option measured, the others replayed ], NOTE [ Head backends ]); or
+    ``None`` and why, when the chunked head never ran in the step."""
     model = setup.step.model
     step = dataclasses.replace(setup.step, loss_fn=None)  # the chunked head takes the loss
     weight = model.get_submodule(site.name).weight
     weight_bytes = cast(torch.Tensor, weight).untyped_storage().nbytes()
     options = {}
     first: tuple[_MemoryRun, HeadCall, int] | None = None
-    for chunks in HEAD_CHUNKS:
-        replayed = _replayed(first, chunks, setup.rounding) if first is not None else None
+    for choice in head_options_of(backends):
+        chunks, backend = choice.chunks, choice.backend
+        replayed = _replayed(first, chunks, setup.rounding, backend) \
+            if first is not None else None
         if replayed is not None:
             post, tail, peak = replayed
         else:
             calls: list[HeadCall] = []
-            with head_installed(model, site, chunks) as install, _head_watched(calls):
+            with head_installed(model, site, chunks, backend) as install, \
+                    _head_watched(calls):
                 run = _memory_run(step, names, (Decision.KEEP,) * len(names),
                                   rounding=setup.rounding)
             if install is None or install.calls != 1:
@@ -505,19 +508,30 @@ def _head_options(names: list[str], site: HeadSite,
                               f"one (was it called without labels?): it stays as the model "
                               f"computes it")
             post, tail, peak = run.post, run.tail, run.mem.peak_bytes
-            if first is None and len(calls) == 1:
+            if first is None and len(calls) == 1 and not backend:
                 first = (run, calls[0], chunks)
         tokens = first[1].hidden[0][0] if first is not None else 0
-        options[f"chunked:{chunks}"] = HeadOption(
-            chunks=chunks, post=post, tail=tail, step_peak_bytes=peak,
+        options[choice.head_key] = HeadOption(
+            chunks=chunks, post=post, tail=tail, step_peak_bytes=peak, backend=backend,
             cost=head_cost(chunks, weight_bytes, setup.cost_model, tokens * site.vocab * 4))
     for p in model.parameters():
         p.grad = None
     if first is not None and first[1].hidden[2].type in ("cpu", "cuda"):
-        costs = _head_costs(first[1], HEAD_CHUNKS, setup.cost_model)
-        options = {k: dataclasses.replace(o, cost=costs[o.chunks]) for k, o in options.items()}
+        costs = _head_costs(first[1], list(options.values()), setup.cost_model)
+        options = {k: dataclasses.replace(o, cost=costs[k]) for k, o in options.items()}
     return HeadProfile(kind=site.kind, name=site.name, vocab=site.vocab,
                        weight_bytes=weight_bytes, options=options), ""
+
+
+def head_options_of(backends: Sequence[str]) -> list[Choice]:
+    """The head options a profile measures for ``backends`` (NOTE [ Head backends ]):
+    :data:`HEAD_CHUNKS` for autoremat's own head ("") and torch's, one for a kernel that
+    chunks by itself."""
+    found = []
+    for backend in backends:
+        counts = HEAD_CHUNKS if backend in ("", "torch") else (1,)
+        found += [Choice(Decision.CHUNKED, chunks=c, backend=backend) for c in counts]
+    return found
 
 
 # NOTE [ What a head option costs ]
@@ -530,15 +544,24 @@ def _head_options(names: list[str], site: HeadSite,
 #     ``(option ms - plain ms) x the device's matmul rate``, negative where the option is
 #     faster. A plan with ``head="auto"`` may then chunk the head where memory is not
 #     short. Where nothing could be replayed (a meta step) ``costs.head_cost`` models it.
-def _head_costs(call: HeadCall, counts: Sequence[int], model: CostModel) -> dict[int, int]:
-    """Each chunk count's cost over the plain head (NOTE [ What a head option costs ])."""
+def _head_costs(call: HeadCall, options: Sequence[HeadOption],
+                model: CostModel) -> dict[str, int]:
+    """Each option's cost over the plain head, by its name (NOTE [ What a head option
+    costs ])."""
     device = call.hidden[2]
     plain = call.replay_step(None)
     plain()  # a warm-up: the chunked calls ran in the memory replays
     base = time_ms(plain, device)
     del plain
-    ms = {chunks: time_ms(call.replay_step(chunks), device) for chunks in counts}
-    return {c: int((ms[c] - base) / 1e3 * model.flops_per_second) for c in counts}
+    costs = {}
+    for option in options:
+        replay = call.replay_step(option.chunks, option.backend)
+        if option.backend:
+            replay()  # a warm-up: a backend measured in a step of its own is cold here
+        ms = time_ms(replay, device)
+        key = Choice(Decision.CHUNKED, chunks=option.chunks, backend=option.backend).head_key
+        costs[key] = int((ms - base) / 1e3 * model.flops_per_second)
+    return costs
 
 
 @contextmanager
@@ -559,11 +582,12 @@ def _head_watched(calls: list[HeadCall]) -> Iterator[None]:
         HEAD_WATCH.reset(token)
 
 
-def _replay_levels(call: HeadCall, chunks: int, rounding: Rounding | None) -> list[int]:
-    """The levels of the chunked forward of ``call`` over ``chunks`` chunks, run on its
-    own under the tracker, from its start to its end as the head marks them (the first
-    level 0: before it)."""
-    run = call.replay(chunks)
+def _replay_levels(call: HeadCall, chunks: int, rounding: Rounding | None,
+                   backend: str = "") -> list[int]:
+    """The levels of the chunked forward of ``call`` over ``chunks`` chunks by
+    ``backend``, run on its own under the tracker, from its start to its end as the head
+    marks them (the first level 0: before it)."""
+    run = call.replay(chunks, backend)
     with track_memory(rounding) as mem, _head_watched([]):
         loss = run()
     del loss
@@ -572,7 +596,7 @@ def _replay_levels(call: HeadCall, chunks: int, rounding: Rounding | None) -> li
 
 
 def _replayed(first: tuple[_MemoryRun, HeadCall, int], chunks: int, rounding: Rounding | None,
-              ) -> tuple[WindowMemory, WindowMemory, int] | None:
+              backend: str = "") -> tuple[WindowMemory, WindowMemory, int] | None:
     """``post``, ``tail`` and the step peak of the head over ``chunks`` chunks, from the
     step ``first`` measured with another count (NOTE [ One head option measured, the
     others replayed ]); ``None`` where the replay does not match that step."""
@@ -585,7 +609,7 @@ def _replayed(first: tuple[_MemoryRun, HeadCall, int], chunks: int, rounding: Ro
     measured = [level - levels[a] for level in levels[a:b + 1]]
     if _replay_levels(call, measured_chunks, rounding) != measured:
         return None
-    inside = _replay_levels(call, chunks, rounding)
+    inside = _replay_levels(call, chunks, rounding, backend)
     if inside[-1] != measured[-1]:
         return None
     new = levels[:a + 1] + [levels[a] + level for level in inside[1:]] + levels[b + 1:]
@@ -608,7 +632,7 @@ def _replayed(first: tuple[_MemoryRun, HeadCall, int], chunks: int, rounding: Ro
     return window(start, stop), window(ends[0], len(levels) - 1), max(new)
 
 
-def _head(names: list[str], setup: _Setup, with_head: bool,
+def _head(names: list[str], setup: _Setup, with_head: bool | Sequence[str],
           stage: Callable[[str], None]) -> tuple[HeadProfile | None, str]:
     """The loss head's options, where the model has a head autoremat can chunk (NOTE
     [ Which heads can be chunked ]); else ``None`` and why ("" when it has no head)."""
@@ -625,4 +649,34 @@ def _head(names: list[str], setup: _Setup, with_head: bool,
     if site is None:
         return None, why
     stage("loss head options")
-    return _head_options(names, site, setup)
+    asked = with_head is not True
+    kernels = ("autoremat", "torch", "liger", "cce") if with_head is True \
+        else tuple(cast(Sequence[str], with_head))
+    bias = getattr(step.model.get_submodule(site.name), "bias", None) is not None
+    backends, skipped = [], []
+    for kernel in kernels:
+        backend = "" if kernel == "autoremat" else kernel
+        unavailable = backend_unavailable(backend, setup.ran_on, bias=bias)
+        if not unavailable and backend == "torch" and not asked \
+                and setup.ran_on.type != "cuda":  # slower than autoremat's own on a CPU
+            unavailable = "not measured by default on a CPU (benchmarks/head_kernels.py)"
+        if unavailable:
+            skipped.append(f"{kernel}: {unavailable}")
+        else:
+            backends.append(backend)
+    if not backends:
+        return None, f"no loss-head kernel could be measured: {'; '.join(skipped)}"
+    head, why = _head_options(names, site, setup, backends)
+    if asked and skipped:
+        why = "; ".join([*([why] if why else []),
+                         f"loss-head kernels not measured: {'; '.join(skipped)}"])
+    return head, why
+
+
+def check_head_backends(with_head: object) -> None:
+    """Refuse a ``with_head=`` list naming a kernel autoremat does not know."""
+    known = ("autoremat", "torch", "liger", "cce")
+    if isinstance(with_head, str) or not isinstance(with_head, Sequence) or not with_head \
+            or any(name not in known for name in with_head):
+        raise RematError(f"with_head must be True, False or a list of loss-head kernels "
+                         f"from {list(known)}, got {with_head!r}")

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -85,7 +85,14 @@ from autoremat._mechanism.compiled import uncompiled
 from autoremat._mechanism.offload import OffloadStats
 from autoremat._mechanism.wrap import stashed_buffers
 from autoremat._plan.costs import cost_model_for
-from autoremat._profile.options import _base_runs, _BaseRuns, _by_pairs, _head, _selective_runs
+from autoremat._profile.options import (
+    _base_runs,
+    _BaseRuns,
+    _by_pairs,
+    _head,
+    _selective_runs,
+    check_head_backends,
+)
 from autoremat._profile.runs import (
     _Chain,
     _chain,
@@ -136,7 +143,8 @@ def _why_no_chain(model: nn.Module) -> str:
 def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selective: bool,
                    timing: bool, rounding: Rounding | None,
                    device: str | torch.device | None, compile: bool | str, offload: bool,
-                   host_bandwidth: float | None, with_head: bool = True) -> _Setup:
+                   host_bandwidth: float | None,
+                   with_head: bool | Sequence[str] = True) -> _Setup:
     """``profile``'s arguments checked (a mistake fails here, before any work; the step's
     own values were checked when it was made)."""
     backend = compile_backend(compile)
@@ -156,8 +164,10 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
     model = step.model
     check_whole("repeats", repeats, 1, "the uninstrumented steps timed")
     for flag, value in (("with_selective", with_selective), ("timing", timing),
-                        ("offload", offload), ("with_head", with_head)):
+                        ("offload", offload)):
         check_flag(flag, value)
+    if not isinstance(with_head, bool):
+        check_head_backends(with_head)
     if not torch.is_grad_enabled():
         raise RematError("profile() was called with gradients disabled (under "
                          "torch.no_grad() or torch.inference_mode()): it measures a training "
@@ -288,7 +298,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
             rounding: Rounding | None = None, loop: Loop | None = None,
             device: str | torch.device | None = None, compile: bool | str = False,
             offload: bool = False, host_bandwidth: float | None = None,
-            with_head: bool = True,
+            with_head: bool | Sequence[str] = True,
             progress: Callable[[str], None] | None = None) -> Tape:
     """Measure one training step of ``model`` block by block.
 
@@ -348,11 +358,15 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
             must be given for a model on ``meta``.
         with_head: also measure the loss head computed over chunks of tokens (one more
             memory step for the first of :data:`HEAD_CHUNKS`, the others replayed from it:
-            NOTE [ One head option measured, the others replayed ]), where the model has a
-            head
-            autoremat can chunk: a Hugging Face ``*ForCausalLM`` given ``labels``, or an
+            NOTE [ One head option measured, the others replayed ]; each option timed
+            against the plain head: NOTE [ What a head option costs ]), where the model
+            has a head autoremat can chunk: a Hugging Face ``*ForCausalLM``,
+            ``*ForMaskedLM`` or ``*ForConditionalGeneration`` given ``labels``, or an
             :class:`autoremat.LMHead` (NOTE [ Which heads can be chunked ]). Plans may
-            then chunk it (``tape.head``); the tape's notes say why a head is not.
+            then chunk it (``tape.head``); the tape's notes say why a head is not. True
+            measures autoremat's own head, and on CUDA the other kernels installed; a
+            list names the kernels to measure: ``"autoremat"``, ``"torch"`` (torch's
+            ``linear_cross_entropy``), ``"liger"``, ``"cce"`` (NOTE [ Head backends ]).
         progress: called with the name of each stage as it starts (``"memory runs
             2/4"``), for a progress display; default: nothing.
 
