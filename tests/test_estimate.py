@@ -561,3 +561,51 @@ def test_grouped_matmul_on_meta_allocates_what_the_cpu_kernel_does(
         fake = storages(*(t.detach().to("meta").requires_grad_(t.requires_grad)
                           for t in (a, b, offs)))
     assert fake == real
+
+
+class _MakesCpuTensors(nn.Module):
+    """A block whose forward makes tensors without naming a device (on a real device: the
+    CPU), as positional code and masks often do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(0.5)  # a 0-d CPU tensor
+        pos = torch.arange(x.shape[1]).to(x.device)  # made on the CPU, moved
+        mask = torch.ones(x.shape[0], x.shape[1], 1)  # on the CPU, beside x
+        return (x + self.lin(x) * scale + pos.float().unsqueeze(-1) * 0) * mask
+
+
+def test_a_forward_that_makes_tensors_on_the_cpu_is_estimated() -> None:
+    # NOTE [ Tensors a forward makes on the CPU ]: it was refused as "reads tensor values"
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_MakesCpuTensors(64) for _ in range(4)])
+    x = torch.randn(8, 32, 64)
+    tape = autoremat.profile(model, x, timing=False)
+    est = autoremat.estimate(model, x, device="cpu")
+    assert abs(est.step_peak_bytes - tape.step_peak_bytes) <= 0.01 * tape.step_peak_bytes
+    est = autoremat.estimate(model, x, budget=tape.step_peak_bytes, strategy="full",
+                             device="cpu")  # every block recomputed, on meta too
+    assert est.plan is not None and est.plan.recompute_blocks == 4
+
+
+def test_blocks_that_run_in_another_order_than_defined_are_estimated() -> None:
+    # CLIP runs its vision tower, then its text tower: defined the other way round
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "vocab_size": 100,
+                     "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "image_size": 32, "patch_size": 8})
+    model = transformers.CLIPModel(config).train()
+    inputs = {"input_ids": torch.randint(0, 100, (4, 16)),
+              "pixel_values": torch.randn(4, 3, 32, 32), "return_loss": True}
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    est = autoremat.estimate(model, inputs, device="cpu")
+    assert [b.name for b in est.tape.blocks] == [b.name for b in tape.blocks]
+    assert tape.blocks[0].name.startswith("vision_model")
+    assert abs(est.step_peak_bytes - tape.step_peak_bytes) <= 0.01 * tape.step_peak_bytes

@@ -460,3 +460,16 @@ def test_a_faster_chunked_head_is_chosen_where_memory_is_not_short():
     assert plan.head.head_key == name and plan.recompute_blocks == 0
     assert plan.predicted_cost < 0 and autoremat.Plan.from_json(plan.to_json()) == plan
     assert autoremat.plan(tape).head.decision is Decision.KEEP  # chunking is asked for
+
+
+def test_auto_that_kept_the_head_says_chunking_it_would_reach_further():
+    # issue 36: auto and the Trainer callback keep the head unless asked; their
+    # BudgetError says the head could be chunked, where the model has such a head
+    model, inputs = _hf("gpt2", 4096)
+    with pytest.raises(autoremat.BudgetError, match=r"head='auto'") as caught:
+        autoremat.auto(model, inputs, budget=100_000)
+    assert caught.value.min_feasible_bytes is not None and "lm_head" in str(caught.value)
+    zoo_model, zoo_inputs = autoremat.zoo.build("mlp", widths=(16,) * 3, batch_size=4)
+    with pytest.raises(autoremat.BudgetError) as caught:  # no head: no such sentence
+        autoremat.auto(zoo_model, zoo_inputs, budget=16)
+    assert "head='auto'" not in str(caught.value)

@@ -143,6 +143,41 @@ def test_trainer_with_the_callback_trains_as_without_it(
     assert moved == [], f"parameters differ from the run without the callback: {moved[:3]}"
 
 
+class _MeasuredTrainer(transformers.Trainer):
+    """A Trainer that measures the step peak of each of its training steps (forward,
+    loss and backward, as ``training_step`` runs them)."""
+
+    peaks: list[int]
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with autoremat.track_memory() as mem:
+            out = super().training_step(*args, **kwargs)
+        self.peaks = [*getattr(self, "peaks", []), mem.peak_bytes]
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_callbacks_plan_holds_in_the_trainers_own_steps(kind: str,
+                                                            tmp_path: pathlib.Path) -> None:
+    # the plan is for the loop the Trainer runs (it drops the output before backward:
+    # loss_only), so the prediction is what its training steps measure, head kept
+    model = _model(kind, use_cache=False)
+    callback = AutorematCallback(budget="75%")
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=BATCH,
+        report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = _MeasuredTrainer(model=model, args=arguments, train_dataset=_Tokens(),
+                               callbacks=[callback])
+    trainer.train()
+    plan = callback.plan
+    assert plan is not None and plan.loop == "loss_only" and plan.head.decision is Decision.KEEP
+    assert len(trainer.peaks) == 2
+    for peak in trainer.peaks:
+        assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes, \
+            (peak, plan.predicted_peak_bytes)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_trainer_with_a_chunked_head_trains_within_its_bound(

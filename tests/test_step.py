@@ -35,8 +35,11 @@ def _logits_sum(out: Any) -> torch.Tensor:
 
 
 def _untimed(tape: autoremat.Tape) -> autoremat.Tape:
-    """``tape`` without the times of single ops, which differ from run to run."""
-    return dataclasses.replace(tape, blocks=tuple(dataclasses.replace(
+    """``tape`` without the times of single ops and the timed costs of head options,
+    which differ from run to run."""
+    head = tape.head if tape.head is None else dataclasses.replace(tape.head, options={
+        k: dataclasses.replace(o, cost=0) for k, o in tape.head.options.items()})
+    return dataclasses.replace(tape, head=head, blocks=tuple(dataclasses.replace(
         block, ops=tuple(dataclasses.replace(op, ms=0.0) for op in block.ops),
         op_stats={kind: dataclasses.replace(stats, ms=0.0)
                   for kind, stats in block.op_stats.items()}) for block in tape.blocks))

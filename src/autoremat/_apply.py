@@ -39,7 +39,7 @@ from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError, check_flag, did_you_mean
 from autoremat._core.ranks import gather_texts, rank_and_size
 from autoremat._core.saves import parse_keep_keys
-from autoremat._core.step import cache_configs, describe_inputs, flat_tensors
+from autoremat._core.step import cache_configs, describe_inputs, flat_tensors, layer_drops
 from autoremat._measure.blocks import param_signature
 from autoremat._mechanism.compiled import compiled_context, compiled_parts
 from autoremat._mechanism.engines import model_class_name, unwrapped
@@ -221,6 +221,14 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         if stop > start + 1:
             names = [b.name for b in plan.blocks[start:stop]]
             refuse_under_fsdp(names, [modules[name] for name in names])
+    drops = layer_drops(model)
+    if joined and drops:  # NOTE [ Random layer skipping ] in _core/step.py
+        raise RematError(
+            f"this plan checkpoints multi-block segments (from {plan.blocks[joined[0]].name}), "
+            f"and the model skips layers at random in training ({drops[0][1]}="
+            f"{drops[0][2]!r}): a segment's recompute would not replay the skips between "
+            f"its blocks. Plan from a profile of this model (it joins no blocks then), or "
+            f"set {drops[0][1]} to 0")
     if compiled and joined:
         raise RematError(
             f"this plan checkpoints multi-block segments (from {plan.blocks[joined[0]].name}), "

@@ -17,6 +17,7 @@ from autoremat._core.units import format_bytes
 from autoremat._measure.blocks import BlockSpec
 from autoremat._measure.measured import measure_step
 from autoremat._mechanism.compiled import compiled_forwards, uncompiled
+from autoremat._mechanism.head import find_head
 from autoremat._plan.plan import Plan
 from autoremat._plan.strategies import check_head, check_plan_args, keeps_head, plan
 from autoremat._profile.profile import compile_backend, profile
@@ -90,8 +91,11 @@ def auto(model: nn.Module | Step, inputs: Any = None,
     # chunk the head
     tape = profile(step, blocks=blocks, compile=backend or False, offload=offload, timing=False,
                    with_head=not keeps_head(head))
-    chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
-                  offload=offload, head=head)
+    try:
+        chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
+                      offload=offload, head=head)
+    except BudgetError as exc:
+        raise _with_head_hint(exc, step, head) from None
     apply(model, chosen, check_ranks=False)
     if chosen.budget_bytes is None:
         return chosen
@@ -135,6 +139,21 @@ def auto(model: nn.Module | Step, inputs: Any = None,
 
 
 _AUTO_ATTEMPTS = 3  # plans auto() measures before giving up (NOTE [ auto measures ... ])
+
+
+def _with_head_hint(exc: BudgetError, step: Step, head: str | None) -> BudgetError:
+    """``exc``, saying that the model's loss head could be chunked where ``auto`` kept it
+    without measuring that (``plan`` on a tape that measured it says how far it goes)."""
+    if not keeps_head(head) or "loss head" in str(exc):
+        return exc
+    site, _ = find_head(step.model, step.inputs, step.loss_fn)
+    if site is None:
+        return exc
+    return BudgetError(
+        f"{exc}. The model's loss head {site} was kept (head=None): computed in chunks of "
+        f"tokens it often needs far less; auto(..., head='auto') measures and plans that "
+        f"(AutorematCallback(head='auto') under the Trainer)",
+        min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy)
 
 
 def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:

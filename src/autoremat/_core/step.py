@@ -23,10 +23,26 @@ from autoremat._core.conditions import loop_autocast
 from autoremat._core.errors import LoopError, RematError, did_you_mean
 
 __all__ = [
-    "LOOPS", "Loop", "Step", "as_step", "cache_configs", "caches_off", "call_model",
-    "check_loop", "check_no_cache", "default_loss", "describe_inputs", "describe_loss",
-    "device_of", "flat_tensors", "output_bytes", "preserved_state", "run_step",
-    "training_config", "unique_storage_bytes",
+    "LOOPS",
+    "Loop",
+    "Step",
+    "as_step",
+    "cache_configs",
+    "caches_off",
+    "call_model",
+    "check_loop",
+    "check_no_cache",
+    "default_loss",
+    "describe_inputs",
+    "describe_loss",
+    "device_of",
+    "flat_tensors",
+    "layer_drops",
+    "output_bytes",
+    "preserved_state",
+    "run_step",
+    "training_config",
+    "unique_storage_bytes",
 ]
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -400,8 +416,62 @@ def training_config(model: nn.Module) -> Iterator[list[str]]:
     if configs:
         notes.append("config.use_cache was turned off while training (a KV cache is "
                      "useless in training and breaks recomputation)")
-    with caches_off(configs):
+    with caches_off(configs), every_layer_runs(model) as dropped:
+        if dropped:
+            notes.append(f"layers skipped at random in training ({', '.join(dropped)}) ran "
+                         f"every one while measuring: the plan holds for the step where "
+                         f"none is skipped, and a skipped layer holds nothing")
         yield notes
+
+
+# the attributes by which Hugging Face models skip layers at random in training (LayerDrop:
+# Wav2Vec2 and HuBERT read the config's at each step, BART and Whisper copy it to their
+# encoder and decoder modules): NOTE [ Random layer skipping ]
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def layer_drops(model: nn.Module) -> list[tuple[Any, str, Any]]:
+    """Where ``model`` (in training mode) skips layers at random: ``(owner, attribute,
+    probability)`` for each config or module attribute of :data:`_LAYERDROP` above 0."""
+    found: list[tuple[Any, str, Any]] = []
+    seen: set[int] = set()
+    if not model.training:
+        return found
+    for module in model.modules():
+        for owner in (module, getattr(module, "config", None)):
+            if owner is None or id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            for key in _LAYERDROP:
+                value = getattr(owner, key, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and value > 0:
+                    found.append((owner, key, value))
+    return found
+
+
+# NOTE [ Random layer skipping ]
+#     Wav2Vec2, HuBERT, Whisper, BART and others skip each layer at random in training
+#     (LayerDrop: ``config.layerdrop``, ``encoder_layerdrop``, ...). A step where a layer is
+#     skipped runs fewer blocks and holds less, so the step where every layer runs is the
+#     largest: ``profile`` (and ``estimate``, ``verify``) measure that one, with the
+#     skipping off and restored after (the tape's notes say so), and a plan for it holds
+#     on every step. In training a skipped block is simply not called; each block's own
+#     checkpoint is unaffected. A segment of several blocks is not: the skip is decided
+#     between its blocks, by a random draw its recompute would not replay, so a model
+#     that skips layers gets no multi-block segments (its blocks are not chained).
+@contextmanager
+def every_layer_runs(model: nn.Module) -> Iterator[list[str]]:
+    """Turn random layer skipping off while measuring, restored on exit (NOTE [ Random
+    layer skipping ]); yields what it turned off (``"layerdrop=0.1"``)."""
+    saved = layer_drops(model)
+    try:
+        for owner, key, _ in saved:
+            setattr(owner, key, 0.0)
+        yield sorted({f"{key}={value!r}" for _, key, value in saved})
+    finally:
+        for owner, key, value in saved:
+            setattr(owner, key, value)
 
 
 @contextmanager

@@ -430,16 +430,18 @@ def estimate(
     given = step.inputs  # the caller's batch: its attention masks have values
     model, inputs = to_meta(step.model, step.inputs, cast)
     step = dataclasses.replace(step, model=model, inputs=inputs)
-    names = resolve_blocks(model, blocks)
+    resolve_blocks(model, blocks)  # a wrong name fails before any work
     stage = progress or (lambda _: None)
     try:
         with preserved_state(model), step_as_on(target_type, model, inputs, given) as hf_notes:
             # the tape is for the target (its costs, tape.device), not for meta
-            tape = profile(step, blocks=names, repeats=1,
+            # blocks as given: found ones are put in the order they run, as profile does
+            tape = profile(step, blocks=blocks, repeats=1,
                            with_selective=selective, rounding=rounding,
                            device=target, offload=offload,
                            host_bandwidth=(host_bandwidth or DEFAULT_HOST_BANDWIDTH)
                            if offload else None, progress=progress)
+            names = [b.name for b in tape.blocks]
             stage("tracked steps: what is live at the peak")
             plain = _tracked_step(step, names, checkpoint_all=False, rounding=rounding)
             ckpt = _tracked_step(step, names, checkpoint_all=True, rounding=rounding)

@@ -571,6 +571,13 @@ def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
             f"sequences: {exc}). Estimate it with attn_implementation='sdpa' (whose masks "
             f"estimate runs on meta), or with the batch's attention_mask given on the CPU, "
             f"or measure it with autoremat.profile on a real device")
+    if "is not on the expected device meta" in str(exc) or "on the same device" in str(exc):
+        return RematError(
+            f"{what} cannot run on fake (meta) tensors: {exc}. Its forward puts a tensor "
+            f"on the CPU beside the model's (made by a function other than torch's "
+            f"factories, which an estimate makes on meta: torch.from_numpy, .cpu(), a "
+            f"buffer kept on the CPU): make it on the input's device (device=x.device), "
+            f"or measure the model with autoremat.profile on a real device")
     return RematError(
         f"{what} cannot run on fake (meta) tensors: {exc}. Its forward reads tensor values "
         f"(.item(), a Python if on a tensor, shapes that depend on values such as "
@@ -594,4 +601,37 @@ def step_as_on(device: str | torch.device, model: nn.Module, inputs: Any,
         stack.enter_context(dropout_as_on(device))
         stack.enter_context(grouped_mm_on_meta())
         stack.enter_context(_hf_attention_on_meta(model, inputs, given))
+        stack.enter_context(_CpuFactoriesOnMeta())
         yield notes
+
+
+# NOTE [ Tensors a forward makes on the CPU ]
+#     A forward may make a tensor without naming a device (``torch.arange(T)`` for
+#     positions, ``torch.tensor(scale)``, a mask from ``torch.ones``): on a real device
+#     that is the CPU, and the model moves it (``.to(x.device)``) or torch treats a 0-d
+#     one as a scalar. On meta it stays a CPU tensor beside meta ones, and the step fails
+#     ("Tensor on device cpu is not on the expected device meta"). While an estimate runs,
+#     torch's factory functions called without a device, or for the CPU, make meta
+#     tensors: the same shapes and dtypes, which is all the estimate reads. A forward that
+#     reads such a tensor's values still cannot run on meta, and says so.
+_FACTORIES = frozenset({"arange", "scalar_tensor", "ones", "zeros", "empty", "full", "rand",
+                        "randn", "randint", "linspace", "eye", "empty_strided"})
+
+
+class _CpuFactoriesOnMeta(TorchDispatchMode):
+    """Factory ops for the CPU make meta tensors, and a tensor ``torch.tensor`` made on
+    the CPU is moved to meta (NOTE [ Tensors a forward makes on the CPU ]). A dispatch
+    mode, so that it also holds in a checkpoint's recompute in backward."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        name = func.overloadpacket.__name__
+        if name in _FACTORIES and (kwargs.get("device") is None
+                                   or torch.device(kwargs["device"]).type == "cpu"):
+            kwargs["device"] = torch.device("meta")
+        out = func(*args, **kwargs)
+        if name == "lift_fresh" and isinstance(out, torch.Tensor) \
+                and out.device.type == "cpu":
+            return out.to("meta")
+        return out

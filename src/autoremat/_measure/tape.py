@@ -440,7 +440,8 @@ def _head(data: Any) -> HeadProfile:
             v[key] = _window(v.get(key), f"{where}.{key}")
         option = build_dataclass(HeadOption, v, where)
         _check_types(option, where)
-        if not is_head_key(k) or k == "keep" or option.chunks < 1 \
+        if not is_head_key(k) or Choice.head_from_key(k).decision is not Decision.CHUNKED \
+                or option.chunks < 1 \
                 or Choice.head_from_key(k) != Choice(Decision.CHUNKED, chunks=option.chunks,
                                                      backend=option.backend):
             raise SchemaError(f"{where}: a head option is 'chunked:N' or 'torch:N' with "

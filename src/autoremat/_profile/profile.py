@@ -61,6 +61,7 @@ from autoremat._core.step import (
     as_step,
     describe_inputs,
     flat_tensors,
+    layer_drops,
     parse_device,
     preserved_state,
     training_config,
@@ -229,6 +230,7 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
     """The tape, from what the steps measured."""
     names, runs, plain, counter = chain.names, base.runs, base.plain, base.counter
     model, inputs = setup.step.model, setup.step.inputs
+    skips = bool(layer_drops(model))  # NOTE [ Random layer skipping ]: no segments
     n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
     measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
     released = {pattern: _released_at_fwd_end(run, n) for pattern, run in runs.items()}
@@ -255,7 +257,7 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
             bwd=_by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
             selective=selective[i],
-            chained=i > 0 and plain.probe.chained[i],
+            chained=i > 0 and plain.probe.chained[i] and not skips,
             offload_bytes=offload_stats[i].host_bytes,
             offload_tensors=offload_stats[i].tensors,
             offload_input_bytes=input_stats[i].host_bytes,

@@ -1,0 +1,69 @@
+"""Models that skip layers at random in training (LayerDrop), planned for the step where
+every layer runs (NOTE [ Random layer skipping ] in ``_core/step.py``)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import autoremat
+from autoremat import RematError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _wav2vec2(layerdrop: float = 0.3):
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
+        vocab_size=20, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        layerdrop=layerdrop, mask_time_prob=0.0)
+    model = transformers.Wav2Vec2ForCTC(config).train()
+    return model, {"input_values": torch.randn(2, 4000),
+                   "labels": torch.randint(1, 20, (2, 20))}
+
+
+def _grads(model, inputs, seed):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    model(**inputs).loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_a_model_that_skips_layers_is_planned_for_every_layer():
+    model, inputs = _wav2vec2()
+    tape = autoremat.profile(model, inputs, timing=False)
+    assert len(tape.blocks) == 4  # every layer ran once (it was refused: "ran 0 times")
+    assert any("layerdrop=0.3" in note for note in tape.notes)
+    assert model.config.layerdrop == 0.3  # restored
+    assert not any(b.chained for b in tape.blocks)  # no multi-block segments
+    plan = autoremat.auto(model, inputs, budget="60%")
+    assert autoremat.verify(model, inputs, plan, repeats=1).ok  # the step with every layer
+    plain = copy.deepcopy(model)
+    autoremat.remove(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a skipped block is no reason to warn
+        for seed in range(6):  # layers skipped at random: the same ones in both
+            ours, theirs = _grads(model, inputs, seed), _grads(plain, inputs, seed)
+            assert all((a is None and b is None) or torch.equal(a, b)
+                       for a, b in zip(ours, theirs, strict=True)), seed
+
+
+def test_segments_are_refused_where_layers_are_skipped():
+    # a tape that joins blocks (made without LayerDrop) applied to a model with it: the
+    # skips between a segment's blocks would not be replayed by its recompute
+    model, inputs = _wav2vec2(layerdrop=0.0)
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    assert all(b.chained for b in tape.blocks[1:])
+    plan = autoremat.plan(tape, strategy="sqrt")
+    assert any(stop > start + 1 for start, stop, _ in plan.segments)
+    model.config.layerdrop = 0.2
+    with pytest.raises(RematError, match=r"skips layers at random.*layerdrop=0\.2"):
+        autoremat.apply(model, plan)
+    model.config.layerdrop = 0.0
+    autoremat.apply(model, plan)  # without it, the segments run
+    autoremat.remove(model)
