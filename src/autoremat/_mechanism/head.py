@@ -130,16 +130,21 @@ def _output_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
 def _ce_unsupported(model: nn.Module, layer: nn.Module, inputs: Any) -> str:
     """Why a Hugging Face model's output layer cannot be chunked as a "ce" head ("" if
     it can; whether its forward takes ``cross_entropy`` of it shows in the step)."""
+    return _layer_unsupported(model, layer, inputs, f"{type(model).__name__}'s output layer")
+
+
+def _layer_unsupported(model: nn.Module, layer: Any, inputs: Any, where: str) -> str:
+    """Why the layer ``where`` names cannot be a chunked head's projection, given the
+    step's ``inputs`` ("" if it can)."""
     what = type(model).__name__
     if not (isinstance(inputs, Mapping) and isinstance(inputs.get("labels"), Tensor)):
         return (f"{what} gets no labels, so it computes no loss of its own: give labels "
                 f"in the inputs to let the plan chunk its loss head")
     if type(layer) is not nn.Linear:
-        return (f"{what}'s output layer is a {type(layer).__name__}, not a plain nn.Linear "
-                f"(an adapter, a quantised layer): the chunked head runs nn.Linear's "
-                f"weight itself")
+        return (f"{where} is a {type(layer).__name__}, not a plain nn.Linear (an adapter, "
+                f"a quantised layer): the chunked head runs nn.Linear's weight itself")
     if layer._forward_hooks or layer._forward_pre_hooks:
-        return f"{what}'s output layer has hooks, which the chunked head would bypass"
+        return f"{where} has hooks, which the chunked head would bypass"
     return ""
 
 
@@ -150,15 +155,9 @@ _NOT_CAUSAL = "not the causal-LM loss: "  # how a refusal of the "hf" kind start
 def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
     """Why a Hugging Face model's head cannot be chunked ("" if it can)."""
     what = type(model).__name__
-    if not (isinstance(inputs, Mapping) and isinstance(inputs.get("labels"), Tensor)):
-        return (f"{what} gets no labels, so it computes no loss of its own: give labels "
-                f"in the inputs to let the plan chunk its loss head")
-    if type(lm_head) is not nn.Linear:
-        return (f"{what}.lm_head is a {type(lm_head).__name__}, not a plain nn.Linear "
-                f"(an adapter, a quantised layer): the chunked head runs nn.Linear's "
-                f"weight itself")
-    if lm_head._forward_hooks or lm_head._forward_pre_hooks:
-        return f"{what}.lm_head has hooks, which the chunked head would bypass"
+    why = _layer_unsupported(model, lm_head, inputs, f"{what}.lm_head")
+    if why:
+        return why
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         # T5's and BART's loss_function resolves to ForCausalLMLoss, but their forward
