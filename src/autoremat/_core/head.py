@@ -269,6 +269,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         logits_buf = hidden.new_empty((min(size, n), vocab), dtype=weight.dtype)
         wide_buf = logits_buf if wide_dtype == weight.dtype else \
             hidden.new_empty((min(size, n), vocab), dtype=wide_dtype)
+        if any(want):  # NOTE [ The softmax gradient in place ], for every row at once
+            counted_all = labels != ignore_index  # (N,)
+            g_all = (counted_all.float() * scale).unsqueeze(1)  # (N, 1): each row's gradient
+            minus_all = counted_all.to(wide_dtype).neg().unsqueeze(1)  # (N, 1): -1 or 0
+            target_all = torch.where(counted_all, labels, 0).unsqueeze(1)  # (N, 1)
+            del counted_all
         for start in range(0, n, size):
             first = start == 0
             rows = slice(start, min(start + size, n))
@@ -290,12 +296,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if not any(want):
                 continue
             # NOTE [ The softmax gradient in place ]
-            counted_rows = y != ignore_index  # (n_c,)
-            g = (counted_rows.float() * scale).unsqueeze(1)  # (n_c, 1): each row's gradient
+            g, minus = g_all[rows], minus_all[rows]  # (n_c, 1) each
             d_logits = logp.exp_()  # the softmax, over the log-softmax's buffer
-            ones = counted_rows.to(d_logits.dtype).unsqueeze(1)  # (n_c, 1) 1 counted, 0 not
-            d_logits.scatter_add_(1, torch.where(counted_rows, y, 0).unsqueeze(1),
-                                  ones.neg())  # softmax - one-hot: each row's, unscaled
+            d_logits.scatter_add_(1, target_all[rows], minus)  # softmax - one-hot, unscaled
             del logp, source, z
             if ops:  # back through the model's ops, unscaled as the rest
                 d_logits, = torch.autograd.grad(graph, x, d_logits.to(graph.dtype))
@@ -308,11 +311,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if d_weight is not None:  # (V, n_c) @ (n_c, C), the rows of h scaled by g
                 _accumulate(d_weight, d_logits, d_low, h, g, first)
             if d_bias is not None:  # the sum of the counted rows, scaled at the end
-                d_bias += torch.mv(d_logits.t(), ones.squeeze(1))
+                d_bias -= torch.mv(d_logits.t(), minus.squeeze(1))
             # nothing of a chunk outlives it: the forward ends at the same level for any
             # chunk count (NOTE [ One head option measured, the others replayed ])
-            del d_logits, d_low, g, ones, counted_rows
+            del d_logits, d_low, g, minus
         del logits_buf, wide_buf
+        if any(want):
+            del g_all, minus_all, target_all
         if total is None:  # no rows: the plain mean of nothing is nan, as here
             total = torch.zeros((), dtype=torch.float32 if upcast else hidden.dtype,
                                 device=hidden.device)
