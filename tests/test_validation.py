@@ -701,3 +701,17 @@ def test_a_factory_that_raises_is_one_line_naming_where(
     monkeypatch.delitem(sys.modules, "autoremat_broken", raising=False)
     monkeypatch.setattr(autoremat._cli, "profile", _refuse)
     _assert_one_line_error(argv, fragment, capsys)
+
+
+def test_numpy_integers_are_integers() -> None:
+    # issue 36: a budget, a count or an optimizer's bytes computed with numpy
+    np = pytest.importorskip("numpy")
+    model, inputs = autoremat.zoo.build("mlp", widths=(16,) * 3, batch_size=4)
+    tape = autoremat.profile(model, inputs, timing=False, repeats=np.int64(2))
+    plan = autoremat.plan(tape, np.int64(tape.step_peak_bytes))
+    assert plan.budget_bytes == tape.step_peak_bytes and type(plan.budget_bytes) is int
+    assert autoremat.plan(tape, max_memory=np.int64(10**9),
+                          optimizer=np.int32(1000)).budget_bytes is not None
+    for flag in (np.bool_(True), True):  # a bool is no count of bytes
+        with pytest.raises(autoremat.BudgetError, match="must be bytes"):
+            autoremat.plan(tape, flag)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Iterable
 
 __all__ = ["BlockError", "BudgetError", "DeterminismError", "InternalError", "LoopError",
@@ -59,18 +60,33 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def whole(value: object) -> int | None:
+    """``value`` as an ``int`` where it is an integer of any integer type (Python's,
+    numpy's: anything ``numbers.Integral``), ``None`` otherwise; a bool is not one.
+
+    Example:
+        >>> import numpy as np
+        >>> whole(np.int64(3)), whole(3.0), whole(True)
+        (3, None, None)
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
+        return None
+    return int(value) if isinstance(value, numbers.Integral) else None
+
+
 def check_whole(name: str, value: object, minimum: int, meaning: str,
                 error: type[RematError] = RematError) -> int:
-    """Return ``value`` if it is an int (not a bool) of at least ``minimum``, else raise
-    ``error`` naming it, its meaning and the value given.
+    """Return ``value`` as an int if it is an integer (not a bool; numpy's are) of at
+    least ``minimum``, else raise ``error`` naming it, its meaning and the value given.
 
     Example:
         >>> check_whole("repeats", 3, 1, "the steps timed")
         3
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    n = whole(value)
+    if n is None or n < minimum:
         raise error(f"{name} must be a whole number >= {minimum} ({meaning}), got {value!r}")
-    return value
+    return n
 
 
 def check_flag(name: str, value: object) -> bool:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+from typing import cast
 
-from autoremat._core.errors import BudgetError
+from autoremat._core.errors import BudgetError, whole
 
 __all__ = ["format_bytes", "format_flops", "parse_budget", "parse_size"]
 
@@ -25,8 +26,10 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
         >>> parse_size("1.5KiB")
         1536
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
         raise BudgetError(f"{what} must be bytes or a size string like '6GiB', got {value!r}")
+    if whole(value) is not None:  # numpy's integers too
+        value = cast(int, whole(value))
     if isinstance(value, (int, float)):
         if not math.isfinite(value):
             raise BudgetError(f"{what} must be a finite number of bytes, got {value!r}")

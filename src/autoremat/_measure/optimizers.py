@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from autoremat._core.errors import BudgetError, RematError, did_you_mean
+from autoremat._core.errors import BudgetError, RematError, did_you_mean, whole
 from autoremat._core.step import unique_storage_bytes
 from autoremat._core.units import parse_size
 from autoremat._measure.memory import track_memory
@@ -88,11 +88,11 @@ def resolve_optimizer(optimizer: str | int | None) -> OptimizerSpec | int | None
     known = ", ".join(OPTIMIZERS)
     if optimizer is None:
         return None
-    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, str)):
+    if whole(optimizer) is None and not isinstance(optimizer, str):
         raise BudgetError(f"optimizer must be a name ({known}) or a number of bytes, got "
                           f"{optimizer!r}")
-    if isinstance(optimizer, int):
-        return parse_size(optimizer, what="optimizer state")
+    if not isinstance(optimizer, str):  # numpy's integers too
+        return parse_size(cast(int, whole(optimizer)), what="optimizer state")
     key = optimizer.strip().lower()
     if key in OPTIMIZERS:
         return OPTIMIZERS[key]
