@@ -441,9 +441,10 @@ def test_head_costs_are_the_timed_difference_to_the_plain_head(monkeypatch):
     times = iter([10.0, 7.0, 12.0])  # the plain head, then chunks 4 and 32
     monkeypatch.setattr(options, "time_ms", lambda fn, device: next(times))
     rate = cost_model_for("cpu").flops_per_second
-    costs = options._head_costs(calls[0], [types.SimpleNamespace(chunks=4, backend=""),
-                                           types.SimpleNamespace(chunks=32, backend="")],
-                                cost_model_for("cpu"))
+    costs = options._head_costs(
+        calls[0], {"chunked:4": types.SimpleNamespace(chunks=4, backend=""),
+                   "chunked:32": types.SimpleNamespace(chunks=32, backend="")},
+        cost_model_for("cpu"))
     assert costs == {"chunked:4": int(-3e-3 * rate), "chunked:32": int(2e-3 * rate)}
 
 

@@ -21,16 +21,7 @@ NOTE [ What a chunked head changes in numerics ]
     same mathematics in another order (NOTE [ The softmax gradient in place ]): each
     row's ``1/N`` is applied to the (n_c x C) products rather than to the (n_c x V)
     softmax, and the weight (and bias) gradient is accumulated over chunks in float32
-    (NOTE [ One buffer for every chunk ]
-    Each chunk's logits are written into one (rows x V) buffer made before the first
-    chunk (and its upcast into one float32 buffer), not into tensors made per chunk:
-    they hold the same bytes at the same time, but a CPU hands a freed block of that
-    size back to the system and faults it in again, page by page, for the next chunk
-    (20 ms of a 60 ms matmul at 256 x 50257 in float32). The log-softmax, the softmax
-    and its gradient are taken in place in the wider buffer; the gradient's copy back to
-    the weight's dtype overwrites the logits, which are no longer needed by then.
-
-NOTE [ The weight gradient in float32 ]). So no gradient is the plain head's bit
+    (NOTE [ The weight gradient in float32 ]). So no gradient is the plain head's bit
     for bit, not even with one chunk; all differ in the last bits, and every gradient
     below the head with them. Measured in ``tests/test_head.py`` (CPU, 1024 tokens):
     float32, relative to max |g|, at most 2e-6 for any chunk count; bfloat16, 7.5e-3
@@ -51,6 +42,15 @@ NOTE [ The softmax gradient in place ]
     the small products: ``d_hidden = g * (d_logits @ W)`` and
     ``d_weight += d_logits.T @ (g * h)``, in float32 before any rounding to a 16-bit
     dtype (a 16-bit ``1/N`` would scale every gradient by the same rounding error).
+
+NOTE [ One buffer for every chunk ]
+    Each chunk's logits are written into one (rows x V) buffer made before the first
+    chunk (and its upcast into one float32 buffer), not into tensors made per chunk:
+    they hold the same bytes at the same time, but a CPU hands a freed block of that
+    size back to the system and faults it in again, page by page, for the next chunk
+    (20 ms of a 60 ms matmul at 256 x 50257 in float32). The log-softmax, the softmax
+    and its gradient are taken in place in the wider buffer; the gradient's copy back to
+    the weight's dtype overwrites the logits, which are no longer needed by then.
 
 NOTE [ The weight gradient in float32 ]
     With a 16-bit weight, adding each chunk's part of the weight gradient into a 16-bit
@@ -151,14 +151,31 @@ class HeadCall:
     ops: tuple[LogitOp, ...] = ()
     backend: str = ""  # NOTE [ Head backends ]
 
-    def replay(self, chunks: int, backend: str | None = None) -> Callable[[], Tensor]:
-        """The call over ``chunks`` chunks on stand-ins made now (zeros, labels 0): a
-        function that runs it and returns the loss (its graph holds the gradients), by
-        ``backend`` (default: the call's own)."""
+    @staticmethod
+    def of(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+           denominator: Tensor, ignore_index: int, upcast: bool, ops: tuple[LogitOp, ...],
+           backend: str) -> HeadCall:
+        """What a call given these arguments was given."""
+        return HeadCall(
+            hidden=(tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad),
+            weight=weight, bias=bias, labels=(tuple(labels.shape), labels.dtype),
+            denominator=(denominator.dtype, denominator.device), ignore_index=ignore_index,
+            upcast=upcast, ops=ops, backend=backend)
+
+    def _stand_ins(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Hidden states (zeros), labels (0) and a denominator (1) of the call's shapes,
+        dtypes and devices, made now."""
         shape, dtype, device, grad = self.hidden
         hidden = torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
         labels = torch.zeros(self.labels[0], dtype=self.labels[1], device=device)
         denominator = torch.ones((), dtype=self.denominator[0], device=self.denominator[1])
+        return hidden, labels, denominator
+
+    def replay(self, chunks: int, backend: str | None = None) -> Callable[[], Tensor]:
+        """The call over ``chunks`` chunks on stand-ins made now (zeros, labels 0): a
+        function that runs it and returns the loss (its graph holds the gradients), by
+        ``backend`` (default: the call's own)."""
+        hidden, labels, denominator = self._stand_ins()
         who = self.backend if backend is None else backend
         return lambda: _head_loss(who, hidden, self.weight, self.bias, labels, denominator,
                                   chunks, self.ignore_index, self.upcast, self.ops)
@@ -168,10 +185,7 @@ class HeadCall:
         ``chunks=None`` of the plain head a model computes (the logits, the model's ops,
         the upcast, ``cross_entropy``): a function that runs it, its gradients taken with
         ``torch.autograd.grad`` (nothing lands in ``.grad``)."""
-        shape, dtype, device, grad = self.hidden
-        hidden = torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
-        labels = torch.zeros(self.labels[0], dtype=self.labels[1], device=device)
-        denominator = torch.ones((), dtype=self.denominator[0], device=self.denominator[1])
+        hidden, labels, denominator = self._stand_ins()
         wrt = [t for t in (hidden, self.weight, self.bias) if t is not None and t.requires_grad]
 
         def loss() -> Tensor:
@@ -245,11 +259,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # (a profile measures the head eager only; Dynamo cannot trace a ContextVar)
         watch = None if torch.compiler.is_compiling() else HEAD_WATCH.get()
         if watch is not None:
-            watch("start", HeadCall(
-                hidden=(tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad),
-                weight=weight, bias=bias, labels=(tuple(labels.shape), labels.dtype),
-                denominator=(denominator.dtype, denominator.device),
-                ignore_index=ignore_index, upcast=upcast, ops=ops))
+            watch("start", HeadCall.of(hidden, weight, bias, labels, denominator,
+                                       ignore_index, upcast, ops, ""))
         n = hidden.shape[0]  # hidden (N, C), labels (N,)
         want = (hidden.requires_grad, weight.requires_grad,
                 bias is not None and bias.requires_grad)
@@ -409,6 +420,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
 #     costs ] in ``_profile/options.py``) and chosen only by a plan's cost.
 HEAD_BACKEND_NAMES = {"": "autoremat", "torch": "torch", "liger": "liger-kernel",
                       "cce": "cut-cross-entropy"}
+# the kernels by the names ``profile(..., with_head=[...])`` takes, and their backends
+HEAD_KERNELS = {"autoremat": "", "torch": "torch", "liger": "liger", "cce": "cce"}
 
 
 def backend_unavailable(backend: str, device: torch.device, *, bias: bool = False,
@@ -452,11 +465,8 @@ def _head_loss(backend: str, flat: Tensor, weight: Tensor, bias: Tensor | None,
                          f"profile and plan on this machine")
     watch = None if torch.compiler.is_compiling() else HEAD_WATCH.get()
     if watch is not None:
-        watch("start", HeadCall(
-            hidden=(tuple(flat.shape), flat.dtype, flat.device, flat.requires_grad),
-            weight=weight, bias=bias, labels=(tuple(targets.shape), targets.dtype),
-            denominator=(denominator.dtype, denominator.device), ignore_index=ignore_index,
-            upcast=upcast, ops=ops, backend=backend))
+        watch("start", HeadCall.of(flat, weight, bias, targets, denominator, ignore_index,
+                                   upcast, ops, backend))
     total = _backend_sum(backend, flat, weight, bias, targets, chunks, ignore_index)
     loss = total / denominator.to(total.dtype)
     if watch is not None:

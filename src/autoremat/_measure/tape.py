@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoremat._core.conditions import conditions_line
-from autoremat._core.decisions import Choice, Decision, is_head_key
+from autoremat._core.decisions import HEAD_BACKENDS, Choice, Decision, is_head_key
 from autoremat._core.errors import RematError, SchemaError, did_you_mean
 from autoremat._core.files import (
     SCHEMA_VERSION,
@@ -440,8 +440,7 @@ def _head(data: Any) -> HeadProfile:
             v[key] = _window(v.get(key), f"{where}.{key}")
         option = build_dataclass(HeadOption, v, where)
         _check_types(option, where)
-        if not is_head_key(k) or Choice.head_from_key(k).decision is not Decision.CHUNKED \
-                or option.chunks < 1 \
+        if option.chunks < 1 or option.backend not in HEAD_BACKENDS or not is_head_key(k) \
                 or Choice.head_from_key(k) != Choice(Decision.CHUNKED, chunks=option.chunks,
                                                      backend=option.backend):
             raise SchemaError(f"{where}: a head option is 'chunked:N' or 'torch:N' with "

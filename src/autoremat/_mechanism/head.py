@@ -280,6 +280,15 @@ def _logit_op(func: Any, args: Any, kwargs: Any) -> LogitOp | None:
     return None
 
 
+def _escaped(op: str, where: str) -> RematError:
+    """The error for a model that ran ``op``, no logit transform, on ``where``."""
+    return RematError(
+        f"the model ran {op!r} on {where}, which a chunked loss head cannot follow (it "
+        f"follows a number times or over the logits, a bias, tanh, an upcast, flattening "
+        f"to rows and cross_entropy): plan with head='keep' (autoremat.plan(tape, ..., "
+        f"head='keep'))")
+
+
 class _PassHidden:
     """``lm_head.forward`` under a chunked head: with gradients enabled (a training step)
     the hidden states, unchanged (as a :class:`_TracedLogits` where the model transforms
@@ -332,11 +341,7 @@ class _ChunkedCausalLMLoss:
                             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         escaped = self.passed.state.get("escaped")
         if escaped is not None:  # NOTE [ Logit transforms ]
-            raise RematError(
-                f"the model ran {escaped!r} on its logits before taking its loss, which a "
-                f"chunked loss head cannot follow (it follows a number times or over the "
-                f"logits, tanh, and an upcast): plan with head='keep' "
-                f"(autoremat.plan(tape, ..., head='keep'))")
+            raise _escaped(escaped, "its logits before taking its loss")
         if not self.passed.returned(logits):
             raise RematError(
                 "the model changed what lm_head returned before taking its loss (a "
@@ -404,12 +409,8 @@ class _DropLogits:
         self.passed.last = None
         escaped = self.passed.state.get("escaped")
         if escaped is not None:  # NOTE [ Logit transforms ]
-            raise RematError(
-                f"the model ran {escaped!r} on the output of {type(module).__name__}'s "
-                f"loss head in a training step, which a chunked loss head cannot follow "
-                f"(it follows a number times or over the logits, a bias, tanh, an upcast, "
-                f"flattening to rows and cross_entropy): plan with head='keep' "
-                f"(autoremat.plan(tape, ..., head='keep'))")
+            raise _escaped(escaped, f"the output of {type(module).__name__}'s loss head "
+                                    f"in a training step")
         return output
 
 

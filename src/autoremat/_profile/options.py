@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -56,7 +56,7 @@ from torch import nn
 from autoremat._core.conditions import autocast_state
 from autoremat._core.decisions import Choice, Decision
 from autoremat._core.errors import RematError, internal_assert
-from autoremat._core.head import HEAD_WATCH, HeadCall, backend_unavailable
+from autoremat._core.head import HEAD_KERNELS, HEAD_WATCH, HeadCall, backend_unavailable
 from autoremat._core.saves import keep_keys, keep_set_name, op_signature, save_set_name, save_sets
 from autoremat._core.step import unique_storage_bytes
 from autoremat._measure.blocks import param_signature
@@ -517,7 +517,7 @@ def _head_options(names: list[str], site: HeadSite, setup: _Setup,
     for p in model.parameters():
         p.grad = None
     if first is not None and first[1].hidden[2].type in ("cpu", "cuda"):
-        costs = _head_costs(first[1], list(options.values()), setup.cost_model)
+        costs = _head_costs(first[1], options, setup.cost_model)
         options = {k: dataclasses.replace(o, cost=costs[k]) for k, o in options.items()}
     return HeadProfile(kind=site.kind, name=site.name, vocab=site.vocab,
                        weight_bytes=weight_bytes, options=options), ""
@@ -544,7 +544,7 @@ def head_options_of(backends: Sequence[str]) -> list[Choice]:
 #     ``(option ms - plain ms) x the device's matmul rate``, negative where the option is
 #     faster. A plan with ``head="auto"`` may then chunk the head where memory is not
 #     short. Where nothing could be replayed (a meta step) ``costs.head_cost`` models it.
-def _head_costs(call: HeadCall, options: Sequence[HeadOption],
+def _head_costs(call: HeadCall, options: Mapping[str, HeadOption],
                 model: CostModel) -> dict[str, int]:
     """Each option's cost over the plain head, by its name (NOTE [ What a head option
     costs ])."""
@@ -554,12 +554,11 @@ def _head_costs(call: HeadCall, options: Sequence[HeadOption],
     base = time_ms(plain, device)
     del plain
     costs = {}
-    for option in options:
+    for key, option in options.items():
         replay = call.replay_step(option.chunks, option.backend)
         if option.backend:
             replay()  # a warm-up: a backend measured in a step of its own is cold here
         ms = time_ms(replay, device)
-        key = Choice(Decision.CHUNKED, chunks=option.chunks, backend=option.backend).head_key
         costs[key] = int((ms - base) / 1e3 * model.flops_per_second)
     return costs
 
@@ -650,12 +649,12 @@ def _head(names: list[str], setup: _Setup, with_head: bool | Sequence[str],
         return None, why
     stage("loss head options")
     asked = with_head is not True
-    kernels = ("autoremat", "torch", "liger", "cce") if with_head is True \
+    kernels = tuple(HEAD_KERNELS) if with_head is True \
         else tuple(cast(Sequence[str], with_head))
     bias = getattr(step.model.get_submodule(site.name), "bias", None) is not None
     backends, skipped = [], []
     for kernel in kernels:
-        backend = "" if kernel == "autoremat" else kernel
+        backend = HEAD_KERNELS[kernel]
         unavailable = backend_unavailable(backend, setup.ran_on, bias=bias)
         if not unavailable and backend == "torch" and not asked \
                 and setup.ran_on.type != "cuda":  # slower than autoremat's own on a CPU
@@ -675,8 +674,8 @@ def _head(names: list[str], setup: _Setup, with_head: bool | Sequence[str],
 
 def check_head_backends(with_head: object) -> None:
     """Refuse a ``with_head=`` list naming a kernel autoremat does not know."""
-    known = ("autoremat", "torch", "liger", "cce")
+    known = list(HEAD_KERNELS)
     if isinstance(with_head, str) or not isinstance(with_head, Sequence) or not with_head \
             or any(name not in known for name in with_head):
         raise RematError(f"with_head must be True, False or a list of loss-head kernels "
-                         f"from {list(known)}, got {with_head!r}")
+                         f"from {known}, got {with_head!r}")
