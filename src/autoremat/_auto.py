@@ -120,10 +120,9 @@ def auto(model: nn.Module | Step, inputs: Any = None,
         try:
             retry = plan(tape, target, strategy, offload=offload, head=head)
         except BudgetError as exc:
-            raise BudgetError(
+            raise exc.with_message(
                 f"the plan for {format_bytes(limit)} measured {format_bytes(peak)}; a plan "
-                f"for {format_bytes(target)} to make up for it does not exist: {exc}",
-                min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy) from exc
+                f"for {format_bytes(target)} to make up for it does not exist: {exc}") from exc
         note = (f"planned for {format_bytes(target)} so that the measured step fits "
                 f"{format_bytes(limit)} (a plan for {format_bytes(limit)} measured "
                 f"{format_bytes(peak)}: the peak model missed tensors held outside the "
@@ -149,11 +148,10 @@ def _with_head_hint(exc: BudgetError, step: Step, head: str | None) -> BudgetErr
     site, _ = find_head(step.model, step.inputs, step.loss_fn)
     if site is None:
         return exc
-    return BudgetError(
+    return exc.with_message(
         f"{exc}. The model's loss head {site} was kept (head=None): computed in chunks of "
         f"tokens it often needs far less; auto(..., head='auto') measures and plans that "
-        f"(AutorematCallback(head='auto') under the Trainer)",
-        min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy)
+        f"(AutorematCallback(head='auto') under the Trainer)")
 
 
 def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:

@@ -30,6 +30,11 @@ class BudgetError(RematError):
         self.min_feasible_bytes = min_feasible_bytes
         self.strategy = strategy
 
+    def with_message(self, message: str) -> BudgetError:
+        """The same error (its smallest feasible budget and strategy) told as ``message``."""
+        return BudgetError(message, min_feasible_bytes=self.min_feasible_bytes,
+                           strategy=self.strategy)
+
 
 class BlockError(RematError):
     """The blocks to checkpoint could not be found or were named wrongly."""

@@ -326,11 +326,10 @@ def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
     chunked = _smallest(tape, offload, head_choices(tape, "auto")).peak_bytes
     if exc.min_feasible_bytes is not None and chunked >= exc.min_feasible_bytes:
         return exc
-    return BudgetError(
+    return exc.with_message(
         f"{exc} With the loss head computed in chunks of tokens (head='auto'; it changes "
         f"the loss and the projection's weight gradient by summation order) the smallest "
-        f"feasible budget is {format_bytes(chunked)} ({chunked} bytes)",
-        min_feasible_bytes=exc.min_feasible_bytes, strategy=exc.strategy)
+        f"feasible budget is {format_bytes(chunked)} ({chunked} bytes)")
 
 
 def _best_over_heads(tape: Tape, heads: list[Choice], name: str, arg: str, strategy: str,
