@@ -51,7 +51,6 @@ import datetime
 import functools
 import gc
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -63,7 +62,7 @@ from torch import nn
 
 import autoremat
 from autoremat._bench.refs import hf_toggle
-from autoremat._bench.report import device_info
+from autoremat._bench.report import device_info, device_slug
 from autoremat._core.decisions import Choice
 from autoremat._core.errors import RematError
 from autoremat._core.head import HEAD_RTOL, backend_unavailable
@@ -549,10 +548,6 @@ def _markdown(rows: Sequence[Row], facts: dict[str, Any], meta: dict[str, Any],
     return "\n".join(lines) + "\n"
 
 
-def _slug(device: torch.device) -> str:
-    name = device_info(device)["device_name"]
-    return re.sub(r"[^a-z0-9]+", "-", f"{device.type}-{name}".lower()).strip("-")
-
 
 def main(argv: Sequence[str] | None = None) -> Path:
     """Run the benchmark; returns the path of the Markdown report."""
@@ -590,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "threads": torch.get_num_threads(), "command": command,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    stem = f"head_{_slug(device)}" + ("" if args.size == default_size else f"_{args.size}")
+    stem = f"head_{device_slug(device)}" + ("" if args.size == default_size else f"_{args.size}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = out / f"{stem}.md"

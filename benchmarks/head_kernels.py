@@ -39,9 +39,7 @@ import dataclasses
 import datetime
 import gc
 import importlib
-import json
 import os
-import re
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,7 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autoremat._bench.report import device_info
+from autoremat._bench.report import device_info, device_slug
+from autoremat._core.files import dump_json
 from autoremat._core.head import linear_cross_entropy as autoremat_head
 from autoremat._measure.memory import track_allocator, track_memory
 from autoremat._measure.timing import time_ms
@@ -251,10 +250,6 @@ def _markdown(rows: Sequence[Row], facts: dict[str, Any], meta: dict[str, Any]) 
     return "\n".join(lines) + "\n"
 
 
-def _slug(device: torch.device) -> str:
-    name = device_info(device)["device_name"]
-    return re.sub(r"[^a-z0-9]+", "-", f"{device.type}-{name}".lower()).strip("-")
-
 
 def main(argv: Sequence[str] | None = None) -> Path:
     """Run the benchmark; returns the path of the Markdown report."""
@@ -285,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "peak_how": ("the rise of torch.cuda.max_memory_allocated()"
                          if device.type == "cuda" else "the storage tracker"),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    stem = f"head_kernels_{_slug(device)}" + ("" if args.size == default_size
+    stem = f"head_kernels_{device_slug(device)}" + ("" if args.size == default_size
                                               else f"_{args.size}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -293,9 +288,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     md.write_text(_markdown(rows, facts, meta))
     payload = {"schema_version": 1, **meta, "size": args.size, "facts": facts,
                "targets": verdicts(rows), "rows": [dataclasses.asdict(r) for r in rows]}
-    tmp = out / f".{stem}.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, out / f"{stem}.json")
+    dump_json(payload, out / f"{stem}.json")  # written atomically
     print(md.read_text())
     return md
 

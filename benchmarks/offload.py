@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +49,7 @@ from torch import nn
 import autoremat
 from autoremat import Decision
 from autoremat._bench.refs import hf_toggle
-from autoremat._bench.report import device_info
+from autoremat._bench.report import device_info, device_slug
 from autoremat._core.errors import RematError
 from autoremat._core.step import preserved_state, run_step
 from autoremat._measure.memory import MemoryTracker, track_allocator, track_memory
@@ -424,10 +423,6 @@ def _markdown(rows: Sequence[Row], where: list[str], facts: dict[str, Any], devi
     return "\n".join(lines) + "\n"
 
 
-def _slug(device: torch.device) -> str:
-    name = device_info(device)["device_name"]
-    return re.sub(r"[^a-z0-9]+", "-", f"{device.type}-{name}".lower()).strip("-")
-
 
 @contextlib.contextmanager
 def _host(simulate: bool) -> Iterator[None]:
@@ -466,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     with _host(args.simulate_host):
         rows, where, facts = run(args)
     name = device_info(device)["device_name"]
-    stem = f"offload_{_slug(device)}" + ("" if args.size == "gpu" else f"_{args.size}") \
+    stem = f"offload_{device_slug(device)}" + ("" if args.size == "gpu" else f"_{args.size}") \
         + ("_simulated" if args.simulate_host else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -221,8 +221,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         if stop > start + 1:
             names = [b.name for b in plan.blocks[start:stop]]
             refuse_under_fsdp(names, [modules[name] for name in names])
-    drops = layer_drops(model)
-    if joined and drops:  # NOTE [ Random layer skipping ] in _core/step.py
+    drops = layer_drops(model) if joined else []
+    if drops:  # NOTE [ Random layer skipping ] in _core/step.py
         raise RematError(
             f"this plan checkpoints multi-block segments (from {plan.blocks[joined[0]].name}), "
             f"and the model skips layers at random in training ({drops[0][1]}="

@@ -354,8 +354,9 @@ def _judge_head(plain: Grads, planned: Grads, names: set[str]) -> tuple[float | 
     if not names:
         return None, 0.0
     worst, bound = 0.0, math.inf
-    largest = max((float(g.double().abs().max()) for n in names
-                   if (g := plain.get(n)) is not None and g.numel()), default=0.0)
+    own = {n: float(g.double().abs().max()) for n in names
+           if (g := plain.get(n)) is not None and g.numel()}  # each gradient's max |x|
+    largest = max(own.values(), default=0.0)
     for name in names:
         x, y = plain.get(name), planned.get(name)
         if x is None or y is None or x.shape != y.shape:
@@ -363,7 +364,8 @@ def _judge_head(plain: Grads, planned: Grads, names: set[str]) -> tuple[float | 
                 return math.inf, HEAD_RTOL.get(torch.float32, 0.0)
             continue
         bound = min(bound, HEAD_RTOL.get(x.dtype, HEAD_RTOL[torch.float32]))
-        scale = max(float(x.double().abs().max()), _CANCELLED * largest) or 1.0
+        mine = own[name] if name in own else float(x.double().abs().max())
+        scale = max(mine, _CANCELLED * largest) or 1.0
         diff = float((x.double() - y.double()).abs().max()) / scale
         worst = math.nan if math.isnan(diff) else max(worst, diff)
     return worst, bound

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import re
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -39,8 +40,8 @@ from autoremat._core.files import write_atomic
 from autoremat._core.units import format_bytes
 from autoremat._core.version import __version__
 
-__all__ = ["SCHEMA_VERSION", "device_info", "headline", "machine_info", "rich_table",
-           "write_results"]
+__all__ = ["SCHEMA_VERSION", "device_info", "device_slug", "headline", "machine_info",
+           "rich_table", "write_results"]
 
 SCHEMA_VERSION = 1  # of results.json
 
@@ -230,6 +231,14 @@ def device_info(device: torch.device | str) -> dict[str, Any]:
     else:
         name = str(machine_info()["cpu"])
     return {"device": str(device), "device_name": name}
+
+
+def device_slug(device: torch.device | str) -> str:
+    """``device``'s type and name as a file-name part: ``"cuda-nvidia-h200"``,
+    ``"cpu-intel-r-xeon-r-processor-2-50ghz"`` (the benchmarks' result files)."""
+    device = torch.device(device)
+    name = device_info(device)["device_name"]
+    return re.sub(r"[^a-z0-9]+", "-", f"{device.type}-{name}".lower()).strip("-")
 
 
 def _suffix(device: str) -> str:

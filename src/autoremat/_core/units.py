@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-from typing import cast
 
 from autoremat._core.errors import BudgetError, whole
 
@@ -26,10 +25,11 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
         >>> parse_size("1.5KiB")
         1536
     """
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool):
         raise BudgetError(f"{what} must be bytes or a size string like '6GiB', got {value!r}")
-    if whole(value) is not None:  # numpy's integers too
-        value = cast(int, whole(value))
+    count = whole(value)  # numpy's integers too
+    if count is not None:
+        value = count
     if isinstance(value, (int, float)):
         if not math.isfinite(value):
             raise BudgetError(f"{what} must be a finite number of bytes, got {value!r}")
