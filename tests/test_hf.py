@@ -316,4 +316,4 @@ def test_the_callback_checks_its_arguments() -> None:
         AutorematCallback()
     with pytest.raises(RematError, match="loss_fn must be a function"):
         AutorematCallback(budget="50%", loss_fn="loss")
-    assert AutorematCallback(strategy="full").budget is None
+    assert AutorematCallback(strategy="full").planning.budget is None

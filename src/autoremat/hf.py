@@ -46,12 +46,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -59,12 +57,12 @@ from torch.utils.data import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from autoremat._apply import remove
-from autoremat._auto import auto
-from autoremat._core.errors import BudgetError, RematError
-from autoremat._core.step import Loop, LossFn, check_loop, check_loss_fn
+from autoremat._callbacks import PlanArgs, forked_rngs, log_plan, refuse_hf_checkpointing
+from autoremat._core.errors import RematError
+from autoremat._core.step import Loop, LossFn, Step
 from autoremat._measure.blocks import BlockSpec
 from autoremat._plan.plan import Plan
-from autoremat._plan.strategies import check_head, check_plan_args
+from autoremat._plan.strategies import keeps_head
 
 __all__ = ["AutorematCallback"]
 
@@ -120,23 +118,13 @@ class AutorematCallback(TrainerCallback):
                  max_memory: int | str | None = None, optimizer: str | int | None = None,
                  blocks: BlockSpec = None, loss_fn: LossFn | None = None,
                  loop: Loop = "loss_only", head: str | None = None) -> None:
-        check_plan_args(budget, strategy, max_memory, optimizer)  # before any training
-        check_head(head)
-        check_loss_fn(loss_fn)
-        if budget is None and max_memory is None and strategy == "optimal":
-            raise BudgetError("AutorematCallback with neither budget= nor max_memory= would "
-                              "keep every block and change nothing: give a budget (e.g. "
-                              "budget='60%') or max_memory=, or a strategy such as 'full'")
-        self.budget = budget
-        self.strategy = strategy
-        self.max_memory = max_memory
-        self.optimizer = optimizer
-        self.blocks = blocks
-        self.loss_fn = loss_fn
-        self.loop = check_loop(loop)
-        self.head = head
+        # checked here, before any training
+        self.planning = PlanArgs(budget, strategy, max_memory, optimizer, blocks, loss_fn,
+                                 loop, head)
         self.plan: Plan | None = None
+        self.loss: str = ""  # which loss the profiled step took (NOTE [ Which loss ... ])
         self._model: nn.Module | None = None  # the model the plan is applied to
+        self._guard: Any = None  # the first step's check (NOTE [ Which loss the Trainer ...
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -150,25 +138,155 @@ class AutorematCallback(TrainerCallback):
             raise RematError("AutorematCallback.on_train_begin needs the model and the "
                              "train dataloader, which the Trainer passes; call it from a "
                              "Trainer (or pass model= and train_dataloader=)")
-        _check_model(model)
+        refuse_hf_checkpointing(model, "AutorematCallback")
+        loss = _trainer_loss(model, args, self.planning.loss_fn, self.planning.head)
         batch = _batch_like_the_first(train_dataloader, args)
-        was_training = model.training
-        model.train()  # a model from from_pretrained is in eval mode until the first step
-        try:
-            self.plan = auto(model, batch, self.budget, self.strategy, loss_fn=self.loss_fn,
-                             blocks=self.blocks, max_memory=self.max_memory,
-                             optimizer=self.optimizer, loop=self.loop, head=self.head)
-        finally:
-            model.train(was_training)
+        if isinstance(batch, Mapping):
+            batch = {**batch, **loss.inputs}
+        step = Step(model, batch, loss.loss_fn, self.planning.loop or "loss_only")
+        self.plan = self.planning.plan(step, head=loss.head)
+        self.loss = loss.what
         self._model = model
+        if isinstance(batch, Mapping):
+            self._guard = model.register_forward_pre_hook(
+                _FirstStep(self, sorted(batch)), with_kwargs=True)
         if state.is_local_process_zero:
-            _log.info("autoremat plan for this training run:\n%s", self.plan)
+            _log.info("autoremat: the loss of the step profiled: %s", loss.what)
+            log_plan(_log, self.plan, "Trainer")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if self._model is not None:
             remove(self._model)
             self._model = None
+
+
+# NOTE [ Which loss the Trainer takes ]
+#     The plan holds for the step profiled, so the callback profiles the loss the Trainer
+#     takes, which is not always the model's own:
+#     * the plain ``Trainer``: ``output.loss``, the model's loss of the labels; its loss head
+#       may be planned (``head=``).
+#     * TRL's ``SFTTrainer`` (``trl >= 1.16``) patches the model's forward with its own fused
+#       LM head (``add_fused_lm_head``) and calls ``model(**batch, fused_lm_head=True)``:
+#       the backbone, then log-probabilities of the labels over tiles of tokens, never
+#       the full logits; its token-accuracy and entropy metrics come out of the same
+#       kernel. The callback profiles that call. The model's ``lm_head`` is not called
+#       there (the kernel reads its weight), so the head is TRL's and is not planned:
+#       ``head="auto"`` keeps it, an explicit chunked head is refused. With
+#       ``use_liger_kernel=True`` TRL applies Liger's layer kernels (profiled as they run)
+#       and turns Liger's fused cross-entropy off, so the loss is still TRL's head.
+#     * ``label_smoothing_factor > 0``: the Trainer (and SFTTrainer) take the loss of the
+#       logits outside the model, and SFTTrainer runs a second, no-grad forward for its
+#       metrics before backward; the callback refuses it rather than plan another step.
+#     * ``compute_loss_func=`` (Trainer or SFTTrainer): the loss is the user's function of
+#       the logits, and the model is called without labels. No callback event shows it,
+#       so the callback checks the first training step's forward: a call with other
+#       keyword arguments than the profiled batch's (no labels, no ``fused_lm_head``) is
+#       refused before that forward runs, naming the way to plan it by hand.
+
+
+@dataclass(frozen=True)
+class _TrainerLoss:
+    """The loss a Trainer takes, as the callback profiles it (NOTE [ Which loss the
+    Trainer takes ])."""
+
+    what: str  # in words, for the log
+    inputs: dict[str, Any] = field(default_factory=dict)  # keyword arguments added
+    loss_fn: LossFn | None = None  # None: output.loss
+    head: str | None = None  # the head= to plan with
+
+
+class _TRLFusedLoss:
+    """``output.loss`` of SFTTrainer's fused LM head, under a name that the tape's and the
+    plan's loss line shows (``describe_loss`` reads ``__qualname__``)."""
+
+    def __init__(self) -> None:
+        self.__qualname__ = "TRL's fused LM head (model(**batch, fused_lm_head=True))"
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        return output.loss  # type: ignore[no-any-return]
+
+
+def _trainer_loss(model: nn.Module, args: TrainingArguments, loss_fn: LossFn | None,
+                  head: str | None) -> _TrainerLoss:
+    """Which loss the Trainer training ``model`` takes (NOTE [ Which loss the Trainer
+    takes ]); refuses what the callback cannot profile."""
+    smoothing = getattr(args, "label_smoothing_factor", 0) or 0
+    if smoothing and getattr(args, "loss_type", "nll") == "nll":
+        raise RematError(
+            f"label_smoothing_factor={smoothing}: the Trainer takes its label-smoothed loss "
+            "of the logits outside the model (SFTTrainer also runs a second forward for its "
+            "metrics before backward), a step AutorematCallback does not profile (NOTE [ "
+            "Which loss the Trainer takes ] in autoremat/hf.py). Set label_smoothing_factor=0, "
+            "or plan by hand before trainer.train(): autoremat.auto(model, batch, "
+            "budget=..., loss_fn=<your smoothed loss of the output>, loop='loss_only')")
+    fused = next((name for name, m in model.named_modules() if _trl_fused(m)), None)
+    if fused is None:
+        return _TrainerLoss("the model's own loss (output.loss)" if loss_fn is None else
+                            f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)}",
+                            loss_fn=loss_fn, head=head)
+    if not keeps_head(head) and head != "auto":
+        raise RematError(
+            f"head={head!r}: SFTTrainer computes the loss with TRL's own fused LM head, which "
+            "never builds the logits and does not call the model's lm_head, so there is no "
+            "head for autoremat to chunk (NOTE [ Which loss the Trainer takes ] in "
+            "autoremat/hf.py). Leave head= out (or 'auto', which keeps TRL's head)")
+    liger = (" with Liger's layer kernels (use_liger_kernel=True; its fused cross-entropy "
+             "off)" if getattr(args, "use_liger_kernel", False) else "")
+    kind = getattr(args, "loss_type", "nll")
+    return _TrainerLoss(
+        f"TRL's fused LM head ({kind} of the labels' log-probabilities in tiles of tokens, "
+        f"no full logits; token accuracy and entropy from the same kernel){liger}; the "
+        "model's loss head is TRL's and is not planned",
+        inputs={"fused_lm_head": True, "use_cache": False},
+        loss_fn=loss_fn or _TRLFusedLoss(), head=None)
+
+
+def _trl_fused(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is TRL's fused LM head (``add_fused_lm_head`` sets an
+    instance ``forward``, which Accelerate's mixed precision may wrap again)."""
+    func = getattr(vars(module).get("forward"), "__func__", None)
+    for _ in range(8):  # the wrappers' chain: functools.wraps sets __wrapped__
+        code = getattr(func, "__code__", None)
+        if code is not None and code.co_name == "_fused_forward" and \
+                "trl" in code.co_filename.replace("\\", "/").split("/"):
+            return True
+        func = getattr(func, "__wrapped__", None)
+        if func is None:
+            return False
+    return False
+
+
+class _FirstStep:
+    """Forward pre-hook of the model for the first training step: a forward with
+    gradients whose keyword arguments are not the profiled batch's is refused before it
+    runs (NOTE [ Which loss the Trainer takes ]); then the hook removes itself."""
+
+    def __init__(self, callback: AutorematCallback, keys: list[str]) -> None:
+        self.callback = callback
+        self.keys = keys
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self.callback._guard is not None:
+            self.callback._guard.remove()
+            self.callback._guard = None
+        missing = [key for key in self.keys if key not in kwargs]
+        if missing:
+            raise RematError(
+                f"the Trainer's first training step calls {type(module).__name__} without "
+                f"{', '.join(missing)}, which the step AutorematCallback profiled had "
+                f"(it took {self.callback.loss}): the Trainer takes its loss another way "
+                "(a compute_loss_func= of the logits, a compute_loss of its own), so the "
+                "plan's figures do not hold for its steps (NOTE [ Which loss the Trainer "
+                "takes ] in autoremat/hf.py). Plan by hand before trainer.train(): "
+                "autoremat.auto(model, batch, budget=..., loss_fn=<your loss of the output>, "
+                "loop='loss_only'), or give the callback loss_fn= for a Trainer subclass "
+                "whose compute_loss calls the model with the batch")
 
 
 def _check_args(args: TrainingArguments) -> None:
@@ -189,23 +307,12 @@ def _check_args(args: TrainingArguments) -> None:
             "autoremat.apply(model, plan) on every rank before trainer.train()")
 
 
-def _check_model(model: nn.Module) -> None:
-    on = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing",
-                                                               False) is True]
-    if on:
-        raise RematError(
-            f"the model already has Hugging Face gradient checkpointing on ({len(on)} "
-            f"modules, e.g. {on[0] or type(model).__name__!r}); AutorematCallback would "
-            "plan on top of it (NOTE [ One checkpointing at a time ] in autoremat/hf.py). "
-            "Call model.gradient_checkpointing_disable() and let the callback plan")
-
-
 def _batch_like_the_first(dataloader: Any, args: TrainingArguments) -> Any:
     """The dataset's first ``batch_size`` examples through the dataloader's collate
     function, on ``args.device`` (NOTE [ Which batch the callback profiles ])."""
     size = getattr(dataloader, "batch_size", None) or args.per_device_train_batch_size
     dataset = dataloader.dataset
-    with _forked_rngs():
+    with forked_rngs():
         if isinstance(dataset, IterableDataset):
             examples = list(itertools.islice(iter(dataset), size))
         else:
@@ -216,16 +323,3 @@ def _batch_like_the_first(dataloader: Any, args: TrainingArguments) -> Any:
         batch = dataloader.collate_fn(examples)
     return tree_map(lambda x: x.to(args.device) if isinstance(x, torch.Tensor) else x,
                     dict(batch) if isinstance(batch, Mapping) else batch)  # BatchEncoding
-
-
-@contextmanager
-def _forked_rngs() -> Iterator[None]:
-    """Python's, NumPy's and torch's random states are as before on exit."""
-    py_state, np_state = random.getstate(), np.random.get_state()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
-        try:
-            yield
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
