@@ -28,15 +28,25 @@ from autoremat._plan.plan import Plan
 from autoremat._plan.strategies import check_head, check_plan_args
 from autoremat._profile.profile import compile_backend
 
-__all__ = ["PlanArgs", "forked_rngs", "log_plan", "refuse_hf_checkpointing", "require_extra"]
+__all__ = ["MissingExtraError", "PlanArgs", "forked_rngs", "log_plan", "refuse_hf_checkpointing",
+           "require_extra"]
+
+
+class MissingExtraError(RematError, ImportError):
+    """An optional dependency an integration needs is not installed (an ``ImportError``
+    too, raised when the integration's module is imported)."""
 
 
 def require_extra(module: str, extra: str, what: str) -> None:
-    """Raise ``ImportError`` (naming the pip command) when ``module`` is missing, before
-    ``what`` imports it: ``pip install 'autoremat[extra]'``."""
+    """Raise :class:`MissingExtraError`, naming the pip command, when ``module`` is
+    missing, before ``what`` imports it and before any work.
+
+    Example:
+        >>> require_extra("math", "hf", "autoremat.hf")
+    """
     if importlib.util.find_spec(module) is None:
-        raise ImportError(f"{what} needs {module}, which is not installed here: pip "
-                          f"install 'autoremat[{extra}]' (or pip install {module})")
+        raise MissingExtraError(f"{what} needs {module}, which is not installed here: pip "
+                                f"install 'autoremat[{extra}]' (or pip install {module})")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,11 @@ NOTE [ One checkpointing at a time ]
 
 from __future__ import annotations
 
+from autoremat._callbacks import require_extra
+
+require_extra("transformers", "hf", "autoremat.hf")
+
+# ruff: noqa: E402  (the imports need transformers, checked above)
 import itertools
 import logging
 from collections.abc import Mapping
