@@ -150,6 +150,8 @@ class AutorematCallback(TrainerCallback):
             batch = {**batch, **loss.inputs}
         step = Step(model, batch, loss.loss_fn, self.planning.loop or "loss_only")
         self.plan = self.planning.plan(step, head=loss.head)
+        if isinstance(loss.loss_fn, _TRLFusedLoss):
+            loss.loss_fn.taken = None
         self.loss = loss.what
         self._model = model
         if isinstance(batch, Mapping):
@@ -205,14 +207,22 @@ class _TrainerLoss:
 
 
 class _TRLFusedLoss:
-    """``output.loss`` of SFTTrainer's fused LM head, under a name that the tape's and the
-    plan's loss line shows (``describe_loss`` reads ``__qualname__``)."""
+    """The loss SFTTrainer takes from its fused LM head's output, as its training step
+    holds it, under a name that the tape's and the plan's loss line shows
+    (``describe_loss`` reads ``__qualname__``)."""
 
     def __init__(self) -> None:
         self.__qualname__ = "TRL's fused LM head (model(**batch, fused_lm_head=True))"
+        self.taken: torch.Tensor | None = None
 
     def __call__(self, output: Any) -> torch.Tensor:
-        return output.loss  # type: ignore[no-any-return]
+        # SFTTrainer.compute_loss's own reduction of the head's per-token log-probabilities
+        per_token_loss = -output.log_probs  # zero on ignored positions
+        loss = per_token_loss.sum() / output.label_mask.sum().clamp(min=1)
+        # Trainer.training_step holds that loss while Accelerator.backward runs backward
+        # from a copy divided by its accumulation steps: two scalars through backward
+        self.taken = loss
+        return loss / 1
 
 
 def _trainer_loss(model: nn.Module, args: TrainingArguments, loss_fn: LossFn | None,

@@ -151,7 +151,7 @@ class AutorematCallback(lightning.pytorch.Callback):
         _check_fit(trainer, pl_module, self.planning.compile)
         refuse_hf_checkpointing(pl_module, "AutorematCallback")
         context = trainer.precision_plugin.train_step_context
-        runner = LightningStep(pl_module)
+        runner = LightningStep(pl_module, trainer.accumulate_grad_batches)
         inputs = runner.inputs_of(batch, batch_idx)
         planning = self.planning
         if isinstance(planning.blocks, (list, tuple)):  # named from the LightningModule
@@ -159,10 +159,9 @@ class AutorematCallback(lightning.pytorch.Callback):
                 planning, blocks=[f"module.{name}" for name in planning.blocks])
         with _logging_off(pl_module), context():
             loop = planning.loop or _loop_of(runner, inputs)
-            closure = _ClosureLoss(trainer.accumulate_grad_batches)
-            step = Step(runner, inputs, closure, loop)
+            step = Step(runner, inputs, None, loop)
             self.plan = planning.plan(step, head=planning.head)
-            closure.result = None
+            runner.result = None
         self._runner = runner
         runner.route()
         log_plan(_log, self.plan, "Lightning fit")
@@ -187,9 +186,12 @@ class LightningStep(nn.Module):
     ``step(*batch)`` for a tuple or list, ``step(batch)`` otherwise. The module is its
     child ``module``: the plan names blocks ``module.<name in the LightningModule>``."""
 
-    def __init__(self, module: lightning.LightningModule) -> None:
+    def __init__(self, module: lightning.LightningModule, accumulate: int = 1) -> None:
         super().__init__()
         self.module = module
+        self.accumulate = accumulate  # Lightning divides the loss by it
+        self.result: Any = None  # the last measured step's ClosureResult, held as Lightning
+        self.returned_dict = False  # whether training_step returned a dict (last call)
         ctx = module._compiler_ctx  # trainer.fit(torch.compile(module))
         self._run = ctx["original_training_step"] if ctx else module.training_step
         self._compiled_run = module.training_step  # what Lightning calls
@@ -214,8 +216,16 @@ class LightningStep(nn.Module):
             batch = self._batch_type(args)
         else:
             batch = args[0]
-        run = self._compiled_run if self._routed else self._run
-        return run(batch, self._batch_idx) if self._takes_idx else run(batch)
+        if self._routed:  # Lightning's own call: it takes the loss from what returns
+            run = self._compiled_run
+            return run(batch, self._batch_idx) if self._takes_idx else run(batch)
+        output = self._run(batch, self._batch_idx) if self._takes_idx else self._run(batch)
+        # measured: the loss as Lightning's closure makes it (NOTE [ The step Lightning
+        # runs ]), under "loss" for the step's default loss
+        _loss_of(output)  # refuses an output without a loss
+        self.returned_dict = isinstance(output, Mapping)
+        self.result = ClosureResult.from_training_step_output(output, self.accumulate)
+        return {**self.result.extra, "loss": self.result.closure_loss}
 
     def route(self) -> None:
         """Lightning's calls of ``training_step`` go through this module from now on."""
@@ -269,25 +279,9 @@ def _loop_of(runner: LightningStep, inputs: Any) -> Loop:
     """The loop Lightning runs for this ``training_step`` (NOTE [ The step Lightning
     runs ]), from one forward without gradients."""
     with preserved_state(runner, inputs), torch.no_grad():
-        output = call_model(runner, inputs)
-    _loss_of(output)
-    return "holds_output" if isinstance(output, Mapping) else "loss_only"
-
-
-class _ClosureLoss:
-    """The loss Lightning's closure takes from ``training_step``'s output, made as it makes
-    it (``ClosureResult.from_training_step_output``: the loss over the gradient
-    accumulation steps, and a detached copy the closure keeps through backward)."""
-
-    def __init__(self, accumulate: int) -> None:
-        self.accumulate = accumulate
-        self.result: Any = None  # the last step's ClosureResult, held as Lightning holds it
-        self.__qualname__ = "training_step (Lightning's closure loss)"
-
-    def __call__(self, output: Any) -> torch.Tensor:
-        _loss_of(output)  # refuses an output without a loss
-        self.result = ClosureResult.from_training_step_output(output, self.accumulate)
-        return cast(torch.Tensor, self.result.closure_loss)
+        call_model(runner, inputs)
+    runner.result = None
+    return "holds_output" if runner.returned_dict else "loss_only"
 
 
 def _loss_of(output: Any) -> torch.Tensor:
