@@ -3,7 +3,8 @@
 ``assert_same_step`` runs both from the same RNG state and BatchNorm statistics and
 asserts ``torch.equal`` on the loss and on every gradient (independently of ``verify``);
 ``snapshot`` records what ``apply`` installs and ``remove`` must take away again. Shared by
-test_apply.py and test_auto.py.
+test_apply.py and test_auto.py. ``Tokens`` is the token data set the training-framework
+tests (test_hf.py, test_lightning.py) train on.
 """
 
 from __future__ import annotations
@@ -95,3 +96,16 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
         "params": [(n, id(p)) for n, p in model.named_parameters()],
         "training": [m.training for m in model.modules()],
     }
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Eight sequences of ``seq`` token ids below ``vocab`` (seed 2), each its own label."""
+
+    def __init__(self, vocab: int = 128, seq: int = 16) -> None:
+        self.ids = torch.randint(3, vocab, (8, seq), generator=torch.Generator().manual_seed(2))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}

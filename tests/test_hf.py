@@ -25,7 +25,7 @@ from autoremat import BudgetError, Choice, Decision, RematError
 from autoremat._measure.blocks import discover_blocks
 from autoremat.hf import AutorematCallback
 
-from _steps import assert_same_step, recomputing
+from _steps import Tokens, assert_same_step, recomputing
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 
@@ -76,19 +76,6 @@ def _batch(seed: int = 1) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.flip(1).clone()}
 
 
-class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Eight sequences of ``SEQ`` token ids, each its own label."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(3, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(2))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
-
-
 def _masking_collator(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Masked-language-model batches: 15% of the tokens, drawn from torch's RNG, become
     token 1 and are the only ones with a label."""
@@ -108,7 +95,7 @@ def _train(kind: str, out: pathlib.Path, callbacks: list[Any],
         output_dir=str(out), max_steps=2, per_device_train_batch_size=BATCH, report_to=[],
         use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True, **args)
     trainer = transformers.Trainer(
-        model=model, args=arguments, train_dataset=_Tokens(), callbacks=callbacks,
+        model=model, args=arguments, train_dataset=Tokens(), callbacks=callbacks,
         data_collator=_masking_collator if kind == "bert" else None)
     trainer.train()
     return model, trainer
@@ -167,7 +154,7 @@ def test_the_callbacks_plan_holds_in_the_trainers_own_steps(kind: str,
     arguments = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=BATCH,
         report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
-    trainer = _MeasuredTrainer(model=model, args=arguments, train_dataset=_Tokens(),
+    trainer = _MeasuredTrainer(model=model, args=arguments, train_dataset=Tokens(),
                                callbacks=[callback])
     trainer.train()
     plan = callback.plan
@@ -222,7 +209,7 @@ def test_trainer_checkpointing_is_refused_when_the_trainer_is_built(
     arguments = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[],
                                                use_cpu=True, **{flag: True})
     with pytest.raises(RematError) as info:
-        transformers.Trainer(model=_model("gpt2"), args=arguments, train_dataset=_Tokens(),
+        transformers.Trainer(model=_model("gpt2"), args=arguments, train_dataset=Tokens(),
                              callbacks=[AutorematCallback(budget="75%")])
     message = str(info.value)
     assert "=True" in message and "=False" in message and "checkpoints every layer" in message
@@ -235,7 +222,7 @@ def test_a_model_with_hf_checkpointing_on_is_refused_when_training_begins(
     (enable or model.gradient_checkpointing_enable)()
     arguments = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1,
                                                report_to=[], use_cpu=True, disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Tokens(),
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=Tokens(),
                                    callbacks=[AutorematCallback(budget="75%")])
     with pytest.raises(RematError, match="gradient_checkpointing_disable"):
         trainer.train()

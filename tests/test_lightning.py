@@ -25,7 +25,7 @@ from autoremat import Choice, Decision, RematError
 from autoremat._callbacks import MissingExtraError, require_extra
 from autoremat.lightning import AutorematCallback
 
-from _steps import recomputing, snapshot
+from _steps import Tokens, recomputing, snapshot
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 
@@ -65,17 +65,6 @@ class _Module(lightning.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self) -> None:
-        self.ids = torch.randint(3, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(2))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
 class _Measure(lightning.Callback):
@@ -129,7 +118,7 @@ def _fit(module: lightning.LightningModule, callbacks: list[Any], precision: str
         max_steps=steps, accelerator="cpu", devices=1, logger=logger, precision=precision,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks)
-    trainer.fit(module, torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH, shuffle=True))
+    trainer.fit(module, torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, shuffle=True))
     return trainer
 
 

@@ -7,9 +7,11 @@ Three lines turn it on::
     trainer.train()
 
 When training begins, the callback profiles one training step of the model on a batch
-made like the Trainer's first, plans for the budget, applies the plan (the same
-``profile``/``plan``/``apply``, measured and corrected, as :func:`autoremat.auto`), and
-logs the plan on the ``autoremat.hf`` logger. When training ends it removes the plan.
+made like the Trainer's first, with the loss the Trainer takes (TRL's ``SFTTrainer``
+takes its own: NOTE [ Which loss the Trainer takes ]), plans for the budget, applies the
+plan (the same ``profile``/``plan``/``apply``, measured and corrected, as
+:func:`autoremat.auto`), and logs the plan on the ``autoremat.hf`` logger. When training
+ends it removes the plan.
 
 This module imports ``transformers`` (``pip install 'autoremat[hf]'``); ``import
 autoremat`` does not.
@@ -97,11 +99,18 @@ class AutorematCallback(TrainerCallback):
     Attributes:
         plan: the plan applied when training began (``None`` before); it stays here
             after training ends and the plan is removed.
+        loss: which loss the profiled step took, in words (NOTE [ Which loss the
+            Trainer takes ]).
+        planning: the planning arguments, checked at construction.
 
     Raises:
-        RematError: at construction, a malformed budget, strategy or loop; when the
-            Trainer is built or training begins, Hugging Face gradient checkpointing is
-            on (NOTE [ One checkpointing at a time ]), or the run has several processes.
+        RematError: at construction, a malformed budget, strategy, loop or head; when
+            the Trainer is built or training begins, Hugging Face gradient checkpointing
+            is on (NOTE [ One checkpointing at a time ]), or the run has several
+            processes; when training begins, a loss the callback does not profile
+            (label smoothing, a chunked head where TRL takes the loss); at the first
+            step's forward, a call without the profiled batch's arguments
+            (``compute_loss_func=``).
         BudgetError: when training begins, no plan fits the budget (it says the smallest
             that does).
 

@@ -119,8 +119,8 @@ class AutorematCallback(lightning.pytorch.Callback):
 
     Example:
         >>> from autoremat.lightning import AutorematCallback
-        >>> callback = AutorematCallback(budget="60%")
-        >>> callback.plan is None
+        >>> callback = AutorematCallback(budget="6GiB", head="auto")
+        >>> callback.planning.loop is None  # from what training_step returns
         True
 
     Known limitations:
