@@ -253,9 +253,10 @@ def test_plans_differing_only_in_a_keep_set_are_measured_apart(tiny_tape) -> Non
 def test_compile_rows_plan_autoremat_at_each_compiled_reference(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """compile_rows without subprocesses: canned worker figures, an eager tape standing in
-    for the compiled one. autoremat is planned at each compiled reference's allocator peak
-    (CPU), below the lowest and at the smallest budget; a failed reference gives an error
-    row and no plan; identical plans run once."""
+    for the compiled one. autoremat is fitted at each compiled reference's allocator peak
+    (CPU), below the lowest and at the smallest budget, by measuring the model compiled
+    whole (aot_eager, in this process); a failed reference gives an error row and no plan;
+    identical plans run once."""
     import autoremat._bench.compiled as compiled
     from autoremat import profile
 
@@ -272,7 +273,7 @@ def test_compile_rows_plan_autoremat_at_each_compiled_reference(
         if variant["kind"] == "sac":
             raise RematError("torch.compile subprocess failed (exit 1): boom")
         if variant["kind"] == "plan":
-            peak = Plan.from_json(variant["plan"]).predicted_peak_bytes
+            peak = Plan.from_json(variant["plan"]).compiled_peak_bytes
         else:
             peak = peaks[variant["kind"]]
         return {"eager_ms": [10.0], "compiled_ms": [12.0], "eager_cpu_ms": [10.0],

@@ -14,24 +14,26 @@ figures as JSON; :func:`compile_rows` turns them into rows, led by one ``no chec
   Megatron policy (save mm/addmm/attention/conv outputs, recompute the rest: the op
   kinds of autoremat's ``MEGATRON``), both with the whole model compiled, as a user
   would write them (``refs.py``);
-* ``autoremat + torch.compile``: plans at the peaks those rows measured.
+* ``autoremat + torch.compile``: plans fitted to the peaks those rows measured.
 
 NOTE [ autoremat's compiled rows ]
-    autoremat plans from a tape measured compiled (``profile(..., compile=backend)``,
-    in the bench's own process), whose figures are for regional compilation: each block
-    compiled on its own. So the worker applies the plan and compiles each block
-    (``block.compile(backend=...)``), the step the plan predicts, rather than the whole
-    model: under whole-model compile the peak can differ a little either way (NOTE [
-    Profiling a compiled step ]). The budgets are the peaks the compiled references
-    measured, one below the lowest of them (``_BELOW``) and the smallest feasible one;
+    autoremat profiles the step compiled (``profile(..., compile=backend)``, in the bench's
+    own process) and fits a plan for each budget by measuring the model compiled whole,
+    as users compile it (``fit_compiled``, NOTE [ Compiled plans are fitted by
+    measurement ] in _auto.py; one measurement per distinct plan over all budgets). The
+    worker then applies that plan and compiles the whole model (``torch.compile``), the
+    step the fit measured. The budgets are the peaks the compiled references measured,
+    one below the lowest of them (``_BELOW``) and the least any plan measured ("min");
     identical plans run once. Budgets are in the bytes plans are made in: on CUDA the
     allocator's (``max_memory_allocated``, the rows' peaks); on CPU the OS figure also
     holds what the allocator does not see (pages, the process's own growth: 5-7% more
     on a 2-layer gpt2), so the worker also measures each step from the allocator's
     reports (``track_allocations``, ``allocations_peak_bytes``), and budgets and the
-    "fits" column use that figure, the one the prediction is exact for. Each variant
+    "fits" column use that figure, the one the fit measures. The "predicted" column of
+    these rows is the peak the fit measured (``plan.compiled_peak_bytes``). Each variant
     builds its own copy of the target (same seed, same weights) so that the eager plain
-    step it is compared with keeps running the untouched model.
+    step it is compared with keeps running the untouched model. Inductor's
+    ``fallback_random`` is on for the fit as in the worker.
 
 NOTE [ Measuring torch.compile ]
     A Python dispatch mode (the memory tracker, the FLOP counter) makes Dynamo run
@@ -71,9 +73,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
 
-from autoremat._apply import apply
+from autoremat._apply import apply, remove
+from autoremat._auto import fit_compiled
 from autoremat._bench.measure import (
     build_target,
     describe_plan,
@@ -95,7 +99,15 @@ from autoremat._bench.rows import (
 )
 from autoremat._core.errors import BudgetError, RematError
 from autoremat._core.files import write_atomic
-from autoremat._core.step import Loop, call_model, default_loss, preserved_state, run_step
+from autoremat._core.step import (
+    Loop,
+    Step,
+    as_step,
+    call_model,
+    default_loss,
+    preserved_state,
+    run_step,
+)
 from autoremat._core.units import format_bytes, parse_budget
 from autoremat._measure.allocations import track_allocations
 from autoremat._measure.flops import FlopCounter
@@ -103,7 +115,6 @@ from autoremat._measure.memory import os_peak_bytes, reset_os_peak, track_alloca
 from autoremat._measure.tape import Tape
 from autoremat._measure.timing import time_ms
 from autoremat._plan.plan import Plan
-from autoremat._plan.strategies import plan, smallest_feasible_bytes
 from autoremat._profile.profile import profile
 from autoremat._profile.runs import compile_settings
 from autoremat._verify import max_grad_diff
@@ -120,9 +131,10 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
     ``settings.compile_fractions`` (``None``: 1.0 and one per budget, :func:`_fraction`),
     then every block of ``names`` under ``torch.utils.checkpoint`` and under the Megatron
     SAC policy, each with the whole model compiled. Then autoremat: ``model`` profiled
-    compiled in this process, planned at each reference's measured peak, below the
-    lowest of them and at the smallest feasible budget, each plan measured with every
-    block compiled on its own (NOTE [ autoremat's compiled rows ]). All compile with
+    compiled in this process, its plans fitted to each reference's measured peak, below
+    the lowest of them and to the least any plan measures, by measuring the model
+    compiled whole, then each run with the whole model compiled (NOTE [ autoremat's
+    compiled rows ]). All compile with
     ``settings.compile_backend``. ``plain_peak`` is the in-process plain step's peak (the
     tracker's; the allocator's on CUDA), for the ratio in the baseline row's note. A failed
     subprocess gives an ``error`` row, not an exception. ``progress`` and ``grow`` as in
@@ -144,50 +156,72 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
         runner.row(method, label, variant)
     rows = runner.rows
     progress(0, f"{target}: profiling compiled ({s.compile_backend}) for autoremat's plans")
-    try:
-        tape: Tape | None = profile(model, inputs, compile=s.compile_backend, loop=s.loop,
-                                    timing=False)
-        failed = ""
-    except Exception as exc:  # reported in the table; the reference rows stand
-        tape, failed = None, f"compiled profile failed: {type(exc).__name__}: {first_line(exc)}"
-    progress(1, "")
-    measured = [r for r in rows if r.method in COMPILED_REFERENCES and r.status == "ok"
-                and r.peak_bytes is not None]
-    budgets: list[tuple[str, int | None]] = [
-        (f"peak of {r.method}" + (f" {r.budget.split()[0]}" if r.budget != "-" else ""),
-         _budget_peak(r)) for r in measured]
-    if measured:
-        lowest = min(_budget_peak(r) or 0 for r in measured)
-        budgets.append(("below the references", int(_BELOW * lowest)))
-    budgets.append(("min", smallest_feasible_bytes(tape) if tape is not None else None))
-    by_plan: dict[tuple[Any, ...], tuple[str, BenchRow]] = {}
-    for label, budget in budgets:
-        if tape is None or budget is None:
-            rows.append(BenchRow(AUTO_COMPILE, label, "error", note=failed))
-            continue
+    step = as_step(model, inputs, None, s.loop, caller="bench", keyword="budget")
+    with inductor_config.patch(fallback_random=True):  # as the worker compiles
         try:
-            chosen = plan(tape, budget, "optimal")
-        except BudgetError as exc:
-            rows.append(BenchRow(
-                AUTO_COMPILE, label, "infeasible", budget_bytes=budget,
-                note=f"below the smallest feasible budget, "
-                     f"{format_bytes(exc.min_feasible_bytes or 0)}"))
-            continue
-        key = plan_key(chosen)
-        if key in by_plan:  # the same plan: measured once
-            first, row = by_plan[key]
-            rows.append(dataclasses.replace(
-                row, budget=label, budget_bytes=chosen.budget_bytes,
-                predicted_peak_bytes=chosen.predicted_peak_bytes,
-                note=f"same plan as {first}" + _over(_budget_peak(row), chosen.budget_bytes)))
-            continue
-        grow(1)
-        row = runner.row(AUTO_COMPILE, label, {"kind": "plan", "plan": chosen.to_json()},
-                         plan_note=describe_plan(chosen) + "; each block compiled on its own",
-                         budget_bytes=chosen.budget_bytes,
-                         predicted_peak_bytes=chosen.predicted_peak_bytes)
-        by_plan[key] = (label, row)
+            tape: Tape | None = profile(step, compile=s.compile_backend, timing=False)
+            failed = ""
+        except Exception as exc:  # reported in the table; the reference rows stand
+            tape, failed = None, f"compiled profile failed: {type(exc).__name__}: {first_line(exc)}"
+        progress(1, "")
+        measured = [r for r in rows if r.method in COMPILED_REFERENCES and r.status == "ok"
+                    and r.peak_bytes is not None]
+        budgets: list[tuple[str, int | None]] = [
+            (f"peak of {r.method}" + (f" {r.budget.split()[0]}" if r.budget != "-" else ""),
+             _budget_peak(r)) for r in measured]
+        if measured:
+            lowest = min(_budget_peak(r) or 0 for r in measured)
+            budgets.append(("below the references", int(_BELOW * lowest)))
+        budgets.append(("min", 0))
+        peaks: dict[tuple[Any, ...], int] = {}  # measured once for every budget
+        by_plan: dict[tuple[Any, ...], tuple[str, BenchRow]] = {}
+        for label, budget in budgets:
+            if tape is None or budget is None:
+                rows.append(BenchRow(AUTO_COMPILE, label, "error", note=failed))
+                continue
+            grow(1)
+            progress(0, f"{target}: autoremat + torch.compile at {label}: plans measured "
+                        f"compiled whole")
+            try:
+                chosen = _fitted(step, tape, budget, s.compile_backend, peaks)
+            except BudgetError as exc:
+                rows.append(BenchRow(
+                    AUTO_COMPILE, label, "infeasible", budget_bytes=budget,
+                    note=f"every plan measured over it compiled whole; the smallest "
+                         f"{format_bytes(exc.min_feasible_bytes or 0)}"))
+                progress(1, "")
+                continue
+            finally:
+                remove(model)
+            progress(1, "")
+            key = plan_key(chosen)
+            if key in by_plan:  # the same plan: timed once
+                first, row = by_plan[key]
+                rows.append(dataclasses.replace(
+                    row, budget=label, budget_bytes=chosen.budget_bytes,
+                    predicted_peak_bytes=chosen.compiled_peak_bytes,
+                    note=f"same plan as {first}" + _over(_budget_peak(row),
+                                                         chosen.budget_bytes)))
+                continue
+            grow(1)
+            row = runner.row(AUTO_COMPILE, label, {"kind": "plan", "plan": chosen.to_json()},
+                             plan_note=describe_plan(chosen) + "; the model compiled whole",
+                             budget_bytes=chosen.budget_bytes,
+                             predicted_peak_bytes=chosen.compiled_peak_bytes)
+            by_plan[key] = (label, row)
     return rows
+
+
+def _fitted(step: Step, tape: Tape, budget: int, backend: str,
+            peaks: dict[tuple[Any, ...], int]) -> Plan:
+    """autoremat's compiled plan for ``budget`` (0: its smallest), measured compiled
+    whole (NOTE [ Compiled plans are fitted by measurement ] in _auto.py)."""
+    if budget == 0:
+        try:
+            return fit_compiled(step, tape, 0, backend, peaks=peaks)
+        except BudgetError as exc:
+            budget = exc.min_feasible_bytes or 0
+    return fit_compiled(step, tape, budget, backend, peaks=peaks)
 
 
 # "below the references": autoremat planned for this fraction of the lowest peak any
@@ -357,9 +391,7 @@ def _compiled_variant(variant: dict[str, Any], spec: dict[str, Any], model: nn.M
     if variant["kind"] == "plan":  # NOTE [ autoremat's compiled rows ]
         chosen = Plan.from_json(variant["plan"])
         apply(owner, chosen)
-        for block in chosen.blocks:
-            owner.get_submodule(block.name).compile(backend=backend)
-        return owner, owner
+        return torch.compile(owner, backend=backend), owner  # type: ignore[return-value]
     modules = [owner.get_submodule(n) for n in variant["blocks"]]
     install, _ = per_block(modules) if variant["kind"] == "block" else \
         sac_per_block(modules, save_bmm=False)

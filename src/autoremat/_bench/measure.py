@@ -24,7 +24,7 @@ from autoremat._core.errors import RematError
 from autoremat._core.step import Step
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
-from autoremat._plan.plan import Plan
+from autoremat._plan.plan import Plan, plan_key
 from autoremat._targets import load_target
 
 __all__ = ["DTYPES", "BenchMeasure", "bench_measure", "build_target", "describe_plan", "first_line",
@@ -135,13 +135,6 @@ def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (at most 200 characters), for a table note."""
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
-
-
-def plan_key(chosen: Plan) -> tuple[Any, ...]:
-    """What a plan runs: equal keys are the same plan (measured once). Keep-sets count:
-    two plans that differ only in which op outputs a block keeps are different plans."""
-    return tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
-                  tuple(b.skip_ops)) for b in chosen.blocks)
 
 
 def describe_plan(chosen: Plan) -> str:

@@ -290,11 +290,12 @@ def _markdown(results: list[ModelResult], command: str, machine: dict[str, Any],
         "(non-reentrant) and `torch.compile + SAC per block` (Megatron policy: save "
         "mm/addmm/attention/conv outputs) with the whole model compiled, and `autoremat + "
         "torch.compile`: plans from a compiled profile (`profile(..., compile=backend)`) "
-        "at each of those rows' measured peaks, below the lowest and at the smallest "
-        "feasible budget, run with each block compiled on its own (what the plan "
-        "predicts). On CPU their note also gives the peak from the allocator's own "
-        "reports (JSON `allocations_peak_bytes`), the figure the prediction is exact for; "
-        "autoremat's compiled budgets and their **fits** use it.",
+        "fitted to each of those rows' measured peaks, below the lowest and to the least "
+        "any plan measures, by measuring the model compiled whole (`auto(..., "
+        "compile=...)`'s fit), and run with the whole model compiled; their **predicted** "
+        "is the peak the fit measured. On CPU their note also gives the peak from the "
+        "allocator's own reports (JSON `allocations_peak_bytes`), the figure the fit "
+        "measures; autoremat's compiled budgets and their **fits** use it.",
         "",
     ]
     for res in results:

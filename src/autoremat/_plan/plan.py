@@ -43,7 +43,8 @@ from autoremat._core.units import format_bytes
 from autoremat._measure.tape import Tape
 from autoremat._plan.peak import Segments, plan_costs, predict_peak, with_head
 
-__all__ = ["BlockDecision", "Plan", "UnsealedPlanWarning", "check_against_tape", "plan_seal"]
+__all__ = ["BlockDecision", "Plan", "UnsealedPlanWarning", "check_against_tape", "plan_key",
+           "plan_seal"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,10 @@ class Plan:
     # The torch.compile backend of the step its tape measured ("": eager), which its
     # predictions hold for (NOTE [ Profiling a compiled step ] in _profile/runs.py).
     compiled: str = ""
+    # The step's peak compiled whole (``torch.compile(model)``) with this plan applied, as
+    # ``auto`` measured it (the allocator's; NOTE [ Compiled plans are fitted by
+    # measurement ] in _auto.py), which its budget rests on; None: not measured.
+    compiled_peak_bytes: int | None = None
     # Bytes the offloaded blocks copy to host memory in one step (their tape's figures,
     # uncompressed).
     predicted_host_bytes: int = 0
@@ -249,9 +254,17 @@ class Plan:
         _expect(loaded.shards, int, "plan.shards")
         if loaded.shards < 1:
             raise SchemaError(f"plan.shards must be >= 1, got {loaded.shards}")
+        if loaded.compiled_peak_bytes is not None:
+            _expect(loaded.compiled_peak_bytes, int, "plan.compiled_peak_bytes")
         if loaded.budget_bytes is not None:
             _expect(loaded.budget_bytes, int, "plan.budget_bytes")
-            if loaded.predicted_peak_bytes > loaded.budget_bytes:
+            if loaded.compiled_peak_bytes is not None:
+                if loaded.compiled_peak_bytes > loaded.budget_bytes:
+                    raise SchemaError(
+                        f"plan.compiled_peak_bytes ({loaded.compiled_peak_bytes}) is above "
+                        f"plan.budget_bytes ({loaded.budget_bytes}), which no plan autoremat "
+                        f"makes states: the file was edited. {_REPLAN}")
+            elif loaded.predicted_peak_bytes > loaded.budget_bytes:
                 raise SchemaError(
                     f"plan.predicted_peak_bytes ({loaded.predicted_peak_bytes}) is above "
                     f"plan.budget_bytes ({loaded.budget_bytes}), which no plan autoremat "
@@ -290,6 +303,8 @@ class Plan:
                 f"{self.predicted_recompute_flops / 1e9:.3f} GFLOPs = "
                 f"{100 * self.recompute_overhead:.1f}% of the step; loop {self.loop}"
                 + (f"; for the step compiled ({self.compiled})" if self.compiled else "")
+                + (f"; compiled whole it measured {format_bytes(self.compiled_peak_bytes)}"
+                   if self.compiled_peak_bytes is not None else "")
                 + (f"; {self.offload_blocks} block(s) offload "
                    f"{format_bytes(self.predicted_host_bytes)} to host memory"
                    if self.offload_blocks else "")
@@ -303,6 +318,13 @@ class Plan:
                          f"gradient summed chunk by chunk"])
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return head + render_table(["block", "decision"], rows) + notes
+
+
+def plan_key(chosen: Plan) -> tuple[Any, ...]:
+    """What a plan runs: equal keys are the same plan (measured once). Keep-sets count:
+    two plans that differ only in which op outputs a block keeps are different plans."""
+    return tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
+                  tuple(b.skip_ops)) for b in chosen.blocks)
 
 
 def _head_field(value: Any) -> Choice:

@@ -26,13 +26,15 @@ from autoremat._plan.peak import Segments, selective_options, with_head
 from autoremat._plan.plan import _OFFLOAD_DTYPES, Plan, _with_head_fields, plan_of_segments
 
 __all__ = [
-    "STRATEGIES", "check_head", "check_plan_args", "head_choices", "keeps_head", "plan",
-    "smallest_feasible_bytes",
+    "STRATEGIES", "budget_bytes_of", "check_head", "check_plan_args", "head_choices",
+    "keeps_head", "plan", "smallest_feasible_bytes",
 ]
 
 
-def _budget_bytes(tape: Tape, budget: int | float | str | None, max_memory: Any,
-                  optimizer: str | int | None, shards: int = 1) -> int | None:
+def budget_bytes_of(tape: Tape, budget: int | float | str | None, max_memory: Any = None,
+                    optimizer: str | int | None = None, shards: int = 1) -> int | None:
+    """The step-peak budget in bytes that ``budget`` and ``max_memory`` set on ``tape``
+    (the smaller of the two), or ``None`` without either."""
     limits = []
     if budget is not None:
         limits.append(parse_budget(budget, tape.step_peak_bytes))
@@ -255,7 +257,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         raise RematError("this tape was measured without offloaded blocks; profile with "
                          "autoremat.profile(model, inputs, offload=True) to plan offload"
                          + (" (a compiled step cannot offload)" if tape.compiled else ""))
-    budget_bytes = _budget_bytes(tape, budget, max_memory, optimizer, shards)
+    budget_bytes = budget_bytes_of(tape, budget, max_memory, optimizer, shards)
     if shards > 1:  # no multi-block segments under FSDP: no block joins its predecessor
         tape = dataclasses.replace(tape, blocks=tuple(
             dataclasses.replace(b, chained=False) for b in tape.blocks))
