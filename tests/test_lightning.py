@@ -182,6 +182,48 @@ def test_a_chunked_head_of_a_zoo_model_is_planned_under_lightning() -> None:
     assert module.model.lm_head.chunks is None  # removed
 
 
+class _Pairs(lightning.LightningModule):
+    """A zoo MLP on ``[x, y]`` batches (the default collate's list), with a
+    ``training_step`` that takes no ``batch_idx``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model, self.data = autoremat.zoo.build("mlp", widths=(64,) * 6, batch_size=256)
+
+    def training_step(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return self.model(x, y).loss  # type: ignore[no-any-return]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_list_batch_and_a_training_step_without_batch_idx() -> None:
+    def fit(callbacks: list[Any]) -> _Pairs:
+        module = _Pairs()
+        data = torch.utils.data.TensorDataset(*(t.repeat(2, *[1] * (t.dim() - 1))
+                                                for t in module.data))
+        torch.manual_seed(1)
+        lightning.Trainer(max_steps=2, accelerator="cpu", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=callbacks).fit(
+            module, torch.utils.data.DataLoader(data, batch_size=256))
+        return module
+    plain, measured = _Measure(), _Measure()
+    fit([plain])
+    callback = AutorematCallback(budget="60%")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoremat.ShapeMismatchWarning)
+        fit([callback, measured])
+    plan = callback.plan
+    assert plan is not None and recomputing(plan) and plan.loop == "loss_only"
+    assert plan.inputs.startswith("(256, ")  # the list's tensors, by position
+    for ours, theirs in zip(measured.grads, plain.grads, strict=True):
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)  # type: ignore[arg-type]
+    assert all(peak <= plan.predicted_peak_bytes for peak in measured.peaks)
+
+
 class _Manual(_Module):
     def __init__(self) -> None:
         super().__init__("gpt2")

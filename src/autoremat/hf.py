@@ -136,9 +136,9 @@ class AutorematCallback(TrainerCallback):
         self.planning = PlanArgs(budget, strategy, max_memory, optimizer, blocks, loss_fn,
                                  loop, head)
         self.plan: Plan | None = None
-        self.loss: str = ""  # which loss the profiled step took (NOTE [ Which loss ... ])
+        self.loss: str = ""  # which loss the profiled step took, in words
         self._model: nn.Module | None = None  # the model the plan is applied to
-        self._guard: Any = None  # the first step's check (NOTE [ Which loss the Trainer ...
+        self._guard: Any = None  # the hook that checks the first step's forward
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:

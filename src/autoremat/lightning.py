@@ -77,7 +77,7 @@ from autoremat._apply import remove
 from autoremat._callbacks import PlanArgs, log_plan, refuse_hf_checkpointing
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
-from autoremat._core.step import Loop, Step, call_model, preserved_state
+from autoremat._core.step import Loop, Step, preserved_state
 from autoremat._measure.blocks import BlockSpec
 from autoremat._plan.plan import Plan
 
@@ -138,16 +138,19 @@ class AutorematCallback(lightning.pytorch.Callback):
                                  loop, head, compile)
         self.plan: Plan | None = None
         self._runner: LightningStep | None = None  # the module the plan is applied to
+        self._pending = False  # a fit has started and not planned yet
 
     def on_fit_start(self, trainer: lightning.Trainer,
                      pl_module: lightning.LightningModule) -> None:
         _check_fit(trainer, pl_module, self.planning.compile)
+        self._pending = True  # each fit plans on its first batch
 
     def on_train_batch_start(self, trainer: lightning.Trainer,
                              pl_module: lightning.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._runner is not None or self.plan is not None:
-            return  # planned on the first batch
+        if not self._pending:
+            return  # planned on this fit's first batch
+        self._pending = False
         _check_fit(trainer, pl_module, self.planning.compile)
         refuse_hf_checkpointing(pl_module, "AutorematCallback")
         context = trainer.precision_plugin.train_step_context
@@ -170,6 +173,7 @@ class AutorematCallback(lightning.pytorch.Callback):
 
     def teardown(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule,
                  stage: str) -> None:
+        self._pending = False
         if self._runner is not None:
             self._runner.unroute()
             remove(self._runner)
@@ -197,22 +201,32 @@ class LightningStep(nn.Module):
         self._compiled_run = module.training_step  # what Lightning calls
         self._takes_idx = is_param_in_hook_signature(self._run, "batch_idx", min_args=2)
         self._batch_type: type = dict
+        self._spread = "keywords"  # how a batch goes in: "keywords", "positions", "one"
         self._batch_idx = 0
         self._routed = False
+        self._own: dict[str, Any] = {}  # the module's own instance training_step, if any
 
     def inputs_of(self, batch: Any, batch_idx: int) -> Any:
-        """The inputs to call this module with for ``training_step(batch, batch_idx)``."""
+        """The inputs to call this module with for ``training_step(batch, batch_idx)``:
+        a dict of keyword arguments, a tuple of positional ones, or the batch alone."""
         self._batch_type, self._batch_idx = type(batch), batch_idx
-        if type(batch) is dict:
+        if type(batch) is dict and all(isinstance(key, str) for key in batch):
+            self._spread = "keywords"
             return batch
-        if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
+        if type(batch) in (tuple, list):
+            self._spread = "positions"
             return tuple(batch)
-        return batch
+        self._spread = "one"
+        return (batch,)
+
+    def call(self, inputs: Any) -> Any:
+        """This module called with ``inputs`` (from :meth:`inputs_of`)."""
+        return self(**inputs) if self._spread == "keywords" else self(*inputs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
+        if self._spread == "keywords":
             batch: Any = dict(kwargs)
-        elif self._batch_type in (tuple, list):
+        elif self._spread == "positions":
             batch = self._batch_type(args)
         else:
             batch = args[0]
@@ -230,24 +244,21 @@ class LightningStep(nn.Module):
     def route(self) -> None:
         """Lightning's calls of ``training_step`` go through this module from now on."""
         self._routed = True
+        self._own = {key: value for key, value in vars(self.module).items()
+                     if key == "training_step"}  # torch.compile's, under Lightning
         vars(self.module)["training_step"] = self._step
 
     def unroute(self) -> None:
         """Undo :meth:`route` (the module's own ``training_step`` again)."""
+        if self._routed and vars(self.module).get("training_step") == self._step:
+            del vars(self.module)["training_step"]
+            vars(self.module).update(self._own)
         self._routed = False
-        if vars(self.module).get("training_step") == self._step:
-            if self.module._compiler_ctx:
-                vars(self.module)["training_step"] = self._compiled_run
-            else:
-                del vars(self.module)["training_step"]
 
     def _step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         if len(args) > 1 or kwargs:  # a dataloader_idx and the like: not a step it knows
             return self._compiled_run(batch, *args, **kwargs)
-        inputs = self.inputs_of(batch, args[0] if args else 0)
-        if isinstance(inputs, dict):
-            return self(**inputs)
-        return self(*inputs) if isinstance(inputs, tuple) else self(inputs)
+        return self.call(self.inputs_of(batch, args[0] if args else 0))
 
 
 def _check_fit(trainer: lightning.Trainer, pl_module: lightning.LightningModule,
@@ -279,7 +290,7 @@ def _loop_of(runner: LightningStep, inputs: Any) -> Loop:
     """The loop Lightning runs for this ``training_step`` (NOTE [ The step Lightning
     runs ]), from one forward without gradients."""
     with preserved_state(runner, inputs), torch.no_grad():
-        call_model(runner, inputs)
+        runner.call(inputs)
     runner.result = None
     return "holds_output" if runner.returned_dict else "loss_only"
 
