@@ -249,6 +249,23 @@ def test_a_module_fitted_compiled_needs_compile() -> None:
         _fit(torch.compile(module), [AutorematCallback(budget="75%")])
 
 
+@pytest.mark.slow  # about 30 s: auto compiles the step whole for each plan it measures
+def test_a_module_fitted_compiled_is_planned_for_the_compiled_step() -> None:
+    plain = _Measure()
+    _fit(torch.compile(_Module("gpt2"), backend="aot_eager"), [plain])
+    module, measured = _Module("gpt2"), _Measure()
+    callback = AutorematCallback(budget="90%", compile="aot_eager")
+    trainer = _fit(torch.compile(module, backend="aot_eager"), [callback, measured])
+    plan = callback.plan
+    assert trainer.global_step == 2
+    assert plan is not None and recomputing(plan) and plan.compiled == "aot_eager"
+    for ours, theirs in zip(measured.grads, plain.grads, strict=True):
+        differ = [n for n in theirs if not torch.equal(ours[n], theirs[n])]  # type: ignore[arg-type]
+        assert differ == [], differ[:3]
+    # Lightning's compiled training_step is the module's own again after the fit
+    assert getattr(vars(module).get("training_step"), "__wrapped__", None) is not None
+
+
 def test_a_model_with_hf_checkpointing_on_is_refused() -> None:
     module = _Module("gpt2")
     module.model.gradient_checkpointing_enable()

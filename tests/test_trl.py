@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import types
 from typing import Any
 
 import datasets
@@ -93,7 +94,8 @@ def _train(kind: str, out: pathlib.Path, callbacks: list[Any], **options: Any) -
 def test_sft_with_the_callback_has_the_plain_gradients_within_its_prediction(
         kind: str, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
     plain = _train(kind, tmp_path / "plain", [])
-    callback = AutorematCallback(budget="95%")  # TRL's head: much of a tiny model's step
+    # TRL's head is much of a tiny model's step; head="auto" leaves it to TRL
+    callback = AutorematCallback(budget="95%", head="auto" if kind == "gpt2" else None)
     with caplog.at_level(logging.INFO, logger="autoremat.hf"):
         trainer = _train(kind, tmp_path / "planned", [callback])
     plan = callback.plan
@@ -159,3 +161,20 @@ def test_sfts_default_checkpointing_is_refused_when_the_trainer_is_built(
     with pytest.raises(RematError, match="checkpoints every layer"):
         trl.SFTTrainer(model=_model("llama"), args=args, train_dataset=_data(),
                        processing_class=_tokenizer(), callbacks=[AutorematCallback(budget="95%")])
+
+
+def test_liger_kernels_are_named_and_the_loss_stays_trls() -> None:
+    # use_liger_kernel=True: TRL keeps Liger's layer kernels and turns its fused
+    # cross-entropy off, so the loss is still TRL's fused head (Liger is not installed
+    # here: the detection is checked on the arguments the callback reads)
+    from autoremat.hf import _trainer_loss
+
+    model = _model("llama")
+    trl.trainer.utils.add_fused_lm_head(model)
+    args = types.SimpleNamespace(label_smoothing_factor=0.0, loss_type="nll",
+                                 use_liger_kernel=True)
+    loss = _trainer_loss(model, args, None, "auto")  # type: ignore[arg-type]
+    assert "TRL's fused LM head" in loss.what and "Liger's layer kernels" in loss.what
+    assert loss.inputs == {"fused_lm_head": True, "use_cache": False} and loss.head is None
+    plain = _trainer_loss(_model("llama"), args, None, "auto")  # type: ignore[arg-type]
+    assert plain.what == "the model's own loss (output.loss)" and plain.head == "auto"
