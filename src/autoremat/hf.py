@@ -164,8 +164,8 @@ class AutorematCallback(TrainerCallback):
         self.loss = loss.what
         self._model = model
         if isinstance(batch, Mapping):
-            self._guard = model.register_forward_pre_hook(
-                _FirstStep(self, sorted(batch)), with_kwargs=True)
+            self._guard = model.register_forward_pre_hook(  # before the plan's own checks
+                _FirstStep(self, sorted(batch)), with_kwargs=True, prepend=True)
         if state.is_local_process_zero:
             _log.info("autoremat: the loss of the step profiled: %s", loss.what)
             log_plan(_log, self.plan, "Trainer")
