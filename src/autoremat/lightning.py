@@ -28,8 +28,11 @@ NOTE [ The step Lightning runs ]
     The loop follows what ``training_step`` returns (NOTE [ Which loop a step models ] in
     ``_core/step.py``): ``"loss_only"`` for a tensor, ``"holds_output"`` for a dict; one
     forward without gradients finds out which, before the profile. While the callback
-    measures, ``self.log`` and ``self.log_dict`` do nothing: the profile's steps are not
-    training steps, and their values would be mixed into the first step's metrics.
+    measures, ``self.log`` and ``self.log_dict`` log nothing: the profile's steps are not
+    training steps, and their values would be mixed into the first step's metrics. Each
+    keeps a copy of the tensor it is given instead, as Lightning's results hold one until
+    the next step (a scalar a call: measured, the step's peak held it, 4 bytes over the
+    prediction, before they did).
 
 NOTE [ Every training step through one module ]
     The plan is applied to the :class:`LightningStep` module, and until teardown the
