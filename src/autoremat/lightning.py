@@ -52,8 +52,9 @@ NOTE [ What the Lightning callback refuses ]
     * ``trainer.fit(torch.compile(module))`` without ``compile=`` here: the profile would
       measure the step eagerly and the plan would not hold compiled. With
       ``compile=True`` (or the backend's name) the profile measures the step compiled
-      block by block, from the module's uncompiled ``training_step``, and the plan
-      checkpoints blocks one by one, as for ``autoremat.auto(..., compile=...)``.
+      from the module's uncompiled ``training_step``, as ``autoremat.auto(...,
+      compile=...)`` measures a model (the step compiled whole: Lightning's compiled
+      ``training_step``).
     * Hugging Face gradient checkpointing already on in the module's model.
 """
 
