@@ -160,8 +160,11 @@ def test_the_callbacks_plan_holds_in_the_trainers_own_steps(kind: str,
     plan = callback.plan
     assert plan is not None and plan.loop == "loss_only" and plan.head.decision is Decision.KEEP
     assert len(trainer.peaks) == 2
+    # the loss held as training_step holds it (NOTE [ Which loss the Trainer takes ]):
+    # at most the prediction, to the byte
+    assert "held as Trainer.training_step holds it" in plan.loss
     for peak in trainer.peaks:
-        assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes, \
+        assert 0.99 * plan.predicted_peak_bytes <= peak <= plan.predicted_peak_bytes, \
             (peak, plan.predicted_peak_bytes)
 
 

@@ -159,7 +159,7 @@ class AutorematCallback(TrainerCallback):
             batch = {**batch, **loss.inputs}
         step = Step(model, batch, loss.loss_fn, self.planning.loop or "loss_only")
         self.plan = self.planning.plan(step, head=loss.head)
-        if isinstance(loss.loss_fn, _TRLFusedLoss):
+        if isinstance(loss.loss_fn, _HeldLoss):
             loss.loss_fn.taken = None
         self.loss = loss.what
         self._model = model
@@ -184,7 +184,10 @@ class AutorematCallback(TrainerCallback):
 #     The plan holds for the step profiled, so the callback profiles the loss the Trainer
 #     takes, which is not always the model's own:
 #     * the plain ``Trainer``: ``output.loss``, the model's loss of the labels; its loss head
-#       may be planned (``head=``).
+#       may be planned (``head=``). Where the head is kept, the loss is held as
+#       ``training_step`` holds it (``_HeldLoss``: the loss, and ``Accelerator.backward``'s
+#       divided copy), so that the prediction is the step's peak to the byte; a planned
+#       head needs the model's own loss, which leaves out that one scalar (4 bytes).
 #     * TRL's ``SFTTrainer`` (``trl >= 1.16``) patches the model's forward with its own fused
 #       LM head (``add_fused_lm_head``) and calls ``model(**batch, fused_lm_head=True)``:
 #       the backbone, then log-probabilities of the labels over tiles of tokens, never
@@ -215,23 +218,27 @@ class _TrainerLoss:
     head: str | None = None  # the head= to plan with
 
 
-class _TRLFusedLoss:
-    """The loss SFTTrainer takes from its fused LM head's output, as its training step
-    holds it, under a name that the tape's and the plan's loss line shows
-    (``describe_loss`` reads ``__qualname__``)."""
+class _HeldLoss:
+    """The loss a Trainer takes from the model's output, as its training step holds it:
+    ``Trainer.training_step`` keeps the loss while ``Accelerator.backward`` runs backward
+    from a copy divided by its accumulation steps, two scalars through backward (one
+    scalar, 4 bytes, over the prediction when profiled as a plain ``loss.backward()``).
+    ``name`` is what the tape's and the plan's loss line shows (``describe_loss`` reads
+    ``__qualname__``)."""
 
-    def __init__(self) -> None:
-        self.__qualname__ = "TRL's fused LM head (model(**batch, fused_lm_head=True))"
+    def __init__(self, name: str, fused: bool) -> None:
+        self.__qualname__ = name
+        self.fused = fused  # TRL's fused head's output: SFTTrainer's own reduction
         self.taken: torch.Tensor | None = None
 
     def __call__(self, output: Any) -> torch.Tensor:
-        # SFTTrainer.compute_loss's own reduction of the head's per-token log-probabilities
-        per_token_loss = -output.log_probs  # zero on ignored positions
-        loss = per_token_loss.sum() / output.label_mask.sum().clamp(min=1)
-        # Trainer.training_step holds that loss while Accelerator.backward runs backward
-        # from a copy divided by its accumulation steps: two scalars through backward
+        if self.fused:  # SFTTrainer.compute_loss's reduction of the per-token log-probs
+            per_token_loss = -output.log_probs  # zero on ignored positions
+            loss = per_token_loss.sum() / output.label_mask.sum().clamp(min=1)
+        else:
+            loss = output.loss
         self.taken = loss
-        return loss / 1
+        return loss / 1  # type: ignore[no-any-return]
 
 
 def _trainer_loss(model: nn.Module, args: TrainingArguments, loss_fn: LossFn | None,
@@ -249,9 +256,14 @@ def _trainer_loss(model: nn.Module, args: TrainingArguments, loss_fn: LossFn | N
             "budget=..., loss_fn=<your smoothed loss of the output>, loop='loss_only')")
     fused = next((name for name, m in model.named_modules() if _trl_fused(m)), None)
     if fused is None:
-        return _TrainerLoss("the model's own loss (output.loss)" if loss_fn is None else
-                            f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)}",
-                            loss_fn=loss_fn, head=head)
+        if loss_fn is not None:
+            return _TrainerLoss(f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)}",
+                                loss_fn=loss_fn, head=head)
+        # a loss_fn keeps the head as the model computes it: held as the Trainer holds
+        # it only where the head is kept anyway
+        held = _HeldLoss("output.loss (held as Trainer.training_step holds it)", fused=False)
+        return _TrainerLoss("the model's own loss (output.loss)",
+                            loss_fn=held if keeps_head(head) else None, head=head)
     if not keeps_head(head) and head != "auto":
         raise RematError(
             f"head={head!r}: SFTTrainer computes the loss with TRL's own fused LM head, which "
@@ -266,7 +278,9 @@ def _trainer_loss(model: nn.Module, args: TrainingArguments, loss_fn: LossFn | N
         f"no full logits; token accuracy and entropy from the same kernel){liger}; the "
         "model's loss head is TRL's and is not planned",
         inputs={"fused_lm_head": True, "use_cache": False},
-        loss_fn=loss_fn or _TRLFusedLoss(), head=None)
+        loss_fn=loss_fn or _HeldLoss(
+            "TRL's fused LM head (model(**batch, fused_lm_head=True))", fused=True),
+        head=None)
 
 
 def _trl_fused(module: nn.Module) -> bool:
