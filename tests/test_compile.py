@@ -282,6 +282,74 @@ def test_a_compiled_fit_goes_below_the_tapes_smallest_plan_or_says_what_it_measu
         assert plan.budget_bytes < floor
 
 
+def _on_compiles_budget(model: nn.Module, inputs: Any, fraction: float = 0.5) -> Plan:
+    """A plan keeping every block that rests on compile's own budget at ``fraction``."""
+    keep = autoremat.plan(autoremat.profile(model, inputs, timing=False,
+                                            with_selective=False), None, "none")
+    return dataclasses.replace(keep, compiled="inductor", compile_memory_budget=fraction)
+
+
+@pytest.mark.slow
+def test_compiles_own_budget_is_exact_with_the_random_draws_saved() -> None:
+    """Compile's activation_memory_budget recomputes dropout in backward with new draws
+    (pytorch#190758); through compile_model, which saves the draws, a plan on it gives
+    the compiled plain step's gradients, lowers what the step holds, and without the
+    pass the same budget is wrong by far more: the test can fail."""
+    model, inputs = zoo.build("gpt2", n_layer=2, n_embd=64, n_head=2, batch_size=2,
+                              seq_len=32)
+    _, eager = _step(model, model, inputs)
+    plain = torch.compile(model)
+    _, compiled_plain = _step(plain, model, inputs)
+    floor = _max_diff(eager, compiled_plain)
+    plain_peak = _compiled_whole_peak(model, inputs, "holds_output", "inductor")
+    autoremat.apply(model, _on_compiles_budget(model, inputs))
+    budgeted = autoremat.compile_model(model)
+    _, grads = _step(budgeted, model, inputs)
+    assert _max_diff(eager, grads) <= 4 * floor, (floor, _max_diff(eager, grads))
+    for p in model.parameters():
+        p.grad = None
+    with track_allocations() as mem:
+        run_step(budgeted, inputs, None)  # type: ignore[arg-type]
+    assert mem.peak_bytes < plain_peak
+    autoremat.remove(model)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        _, redrawn = _step(torch.compile(model), model, inputs)
+    assert _max_diff(eager, redrawn) > 100 * max(floor, 1e-7)
+
+
+def test_a_plan_on_compiles_budget_runs_only_through_compile_model() -> None:
+    """Eagerly, or compiled without compile's budget, such a plan would be over its
+    budget: both are refused, naming compile_model; other backends are refused too."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 1))
+    inputs = torch.randn(4, 8)
+    autoremat.apply(model, _on_compiles_budget(model, inputs))
+    with pytest.raises(RematError, match=r"run eagerly.*autoremat\.compile_model"):
+        model(inputs)
+    with pytest.raises(RematError, match=r"compiled without it.*autoremat\.compile_model"):
+        torch.compile(model, backend="aot_eager")(inputs)
+    with pytest.raises(RematError, match=r"backend='aot_eager' has no such pass"):
+        autoremat.compile_model(model, backend="aot_eager")
+    with pytest.raises(RematError, match="already"):
+        autoremat.compile_model(torch.compile(model))
+    autoremat.remove(model)
+    model(inputs)  # removed: eager again
+
+
+def test_a_plan_file_on_compiles_budget_must_keep_every_block() -> None:
+    model, inputs = zoo.build("mlp", widths=(32,) * 4, batch_size=8)
+    plan = _on_compiles_budget(model, inputs)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "compile_model" in str(plan)
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    recomputes = dataclasses.replace(autoremat.plan(tape, None, "full"), compiled="inductor",
+                                     compile_memory_budget=0.5)
+    for bad in (recomputes, dataclasses.replace(plan, compiled=""),
+                dataclasses.replace(plan, compile_memory_budget=1.5)):
+        with pytest.raises(SchemaError, match="compile_memory_budget"):
+            Plan.from_json(bad.to_json())
+
+
 def test_a_plan_file_with_a_compiled_peak_over_its_budget_is_refused() -> None:
     model, inputs = zoo.build("mlp", widths=(32,) * 4, batch_size=8)
     plan = autoremat.plan(autoremat.profile(model, inputs, repeats=1), budget="90%")

@@ -19,6 +19,7 @@ from autoremat._apply import (
     StepMismatchWarning,
     applied_plan,
     apply,
+    compile_model,
     remove,
 )
 from autoremat._auto import auto
@@ -73,6 +74,7 @@ __all__ = [
     "applied_plan",
     "apply",
     "auto",
+    "compile_model",
     "distributed",
     "doctor",
     "estimate",

@@ -41,7 +41,14 @@ from autoremat._core.ranks import gather_texts, rank_and_size
 from autoremat._core.saves import parse_keep_keys
 from autoremat._core.step import cache_configs, describe_inputs, flat_tensors, layer_drops
 from autoremat._measure.blocks import param_signature
-from autoremat._mechanism.compiled import compiled_context, compiled_parts
+from autoremat._mechanism.compiled import (
+    budgeted_inductor,
+    compile_budget,
+    compile_budget_hook,
+    compiled_context,
+    compiled_parts,
+    uncompiled,
+)
 from autoremat._mechanism.engines import model_class_name, unwrapped
 from autoremat._mechanism.head import HeadInstall, HeadSite, install_head, uninstall_head
 from autoremat._mechanism.offload import offload
@@ -51,7 +58,7 @@ from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
 from autoremat._plan.plan import Plan
 
 __all__ = ["PlanMismatchWarning", "ShapeMismatchWarning", "StepMismatchWarning", "applied_plan",
-           "apply", "remove"]
+           "apply", "compile_model", "remove"]
 
 _ATTR = "_autoremat_applied"
 
@@ -145,6 +152,54 @@ def applied_plan(model: nn.Module) -> Plan | None:
         raise RematError(f"applied_plan() needs an nn.Module, got {type(model).__name__}")
     state = unwrapped(model)[0].__dict__.get(_ATTR)
     return state.plan if state is not None else None
+
+
+def compile_model(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """``torch.compile(model, **kwargs)``, compiled as the plan applied to ``model`` was
+    measured: with the plan's backend by default (``plan.compiled``), and, for a plan
+    that rests on compile's own memory budget (``plan.compile_memory_budget``), with
+    that budget and random draws saved while each graph compiles (NOTE [ Compile's own
+    memory budget, exact ] in ``_mechanism/compiled.py``). Without such a plan it is
+    ``torch.compile`` itself.
+
+    Raises:
+        RematError: ``model`` is compiled already, or a plan that rests on compile's
+            budget is given a backend other than Inductor (whose pass saves the draws).
+
+    Example:
+        >>> import autoremat
+        >>> model, inputs = autoremat.zoo.build("mlp", widths=(8, 8), batch_size=2)
+        >>> compiled = autoremat.compile_model(model)  # no plan: torch.compile(model)
+        >>> compiled._orig_mod is model
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise RematError(f"compile_model() needs an nn.Module, got {type(model).__name__}")
+    if uncompiled(model) is not model:
+        raise RematError("compile_model() was given a model that torch.compile already "
+                         "wraps; give it the model itself (compiled._orig_mod)")
+    plan = applied_plan(model)
+    if plan is not None and plan.compiled:
+        kwargs.setdefault("backend", plan.compiled)
+    fraction = plan.compile_memory_budget if plan is not None else None
+    if fraction is not None and kwargs.get("backend", "inductor") != "inductor":
+        raise RematError(f"the plan applied rests on compile's own memory budget, which "
+                         f"autoremat makes exact with an Inductor pass; backend="
+                         f"{kwargs['backend']!r} has no such pass: compile with Inductor "
+                         f"(the default), or plan again")
+    if fraction is None:
+        return torch.compile(model, **kwargs)  # type: ignore[return-value]
+    kwargs["backend"] = budgeted_inductor(fraction)
+    compiled: nn.Module = torch.compile(model, **kwargs)  # type: ignore[assignment]
+    forward = compiled.forward
+
+    @functools.wraps(forward)
+    def budgeted(*args: Any, **kw: Any) -> Any:
+        with compile_budget(fraction):  # read while Dynamo traces and Inductor compiles
+            return forward(*args, **kw)
+
+    compiled.forward = budgeted  # type: ignore[method-assign]
+    return compiled
 
 
 def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
@@ -295,6 +350,9 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         if site is not None and plan.head_chunks is not None:
             state.head = install_head(model, site, plan.head_chunks, plan.head.backend)
         _watch_blocks(model, plan, modules, state)
+        if plan.compile_memory_budget is not None:
+            state.handles.append(model.register_forward_pre_hook(
+                compile_budget_hook(plan.compile_memory_budget)))
         state.handles.append(model.register_forward_pre_hook(
             functools.partial(_shape_check, state), with_kwargs=True))
         state.handles.append(model.register_forward_hook(

@@ -6,12 +6,13 @@ The one place that composes the stages; each of them stays usable on its own.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoremat._apply import apply, remove
+from autoremat._apply import apply, compile_model, remove
 from autoremat._core.errors import BudgetError, check_flag
 from autoremat._core.step import Loop, LossFn, Step, as_step
 from autoremat._core.units import format_bytes
@@ -153,13 +154,13 @@ _AUTO_ATTEMPTS = 3  # plans auto() measures before giving up (NOTE [ auto measur
 
 
 def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
-                 peaks: dict[tuple[Any, ...], int] | None = None) -> Plan:
+                 peaks: dict[Any, tuple[int, float]] | None = None) -> Plan:
     """The fastest plan found whose step, compiled whole (``torch.compile(model)`` with
     ``backend``), measures at most ``limit`` bytes; applied to ``step.model``, with
     ``plan.compiled_peak_bytes`` the peak measured (NOTE [ Compiled plans are fitted by
-    measurement ]). ``tape`` is the step's compiled profile; ``peaks`` holds the peaks
-    measured so far by :func:`~autoremat._plan.plan.plan_key` (shared between calls for
-    one step, so that no plan is compiled and measured twice).
+    measurement ]). ``tape`` is the step's compiled profile; ``peaks`` holds the peaks and
+    times measured so far, by plan (shared between calls for one step, so that no plan is
+    compiled and measured twice).
 
     Raises:
         BudgetError: even the smallest plans measure over ``limit``; its
@@ -181,66 +182,80 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
     #     2. else the tape's error on that step calibrates the planning budget: plan at
     #        limit - (measured - predicted); a plan over the limit lowers the planning
     #        budget by its overshoot below its own prediction, until one fits (at most
-    #        _FIT_ATTEMPTS plans);
-    #     3. one that fits with room to spare is followed by one plan for the room left
-    #        (a faster plan, kept if it fits too);
-    #     4. below the tape's smallest plan, every block recomputed (a plain checkpoint
-    #        per block, which compile's partitioner trims best) and the tape's smallest
-    #        plan are measured; the one that fits with the least predicted cost is taken.
+    #        _FIT_ATTEMPTS plans); one that fits is followed by one plan for the room it
+    #        leaves (kept too if it fits);
+    #     3. with Inductor, compile's own memory budget, made exact (NOTE [ Compile's
+    #        own memory budget, exact ] in _mechanism/compiled.py), at 0.5, then 0.75
+    #        after a fit or 0.25 and 0 after an overrun: where it fits it is often the
+    #        fastest, since its recompute is fused into the backward;
+    #     4. if nothing fits yet, every block recomputed (a plain checkpoint per block,
+    #        which compile's partitioner trims best) and the tape's smallest plan.
     #
-    #     Each measurement compiles the model again (seconds on a GPU, 10-40 s on a CPU
-    #     for the small models of the tests), so plans already measured are not measured
-    #     again. The measured peak is the plan's compiled_peak_bytes; its predicted
-    #     figures stay the tape's.
+    #     Of the candidates that fit, the fastest measured (median of _FIT_TIMED steps)
+    #     is applied. Each measurement compiles the model again (seconds on a GPU, 5-40 s
+    #     on a CPU for the small models of the tests), so no plan is measured twice. The
+    #     measured peak is the plan's compiled_peak_bytes; its predicted figures stay the
+    #     tape's.
     model = step.model
     peaks = {} if peaks is None else peaks
 
-    def measured(candidate: Plan) -> int:
+    def measured(candidate: Plan) -> tuple[int, float]:
         key = plan_key(candidate)
         if key not in peaks:
             apply(model, candidate, check_ranks=False)
             try:
-                peaks[key] = _compiled_whole_peak(step, candidate, backend)
+                peaks[key] = _compiled_whole(step, candidate, backend)
             finally:
                 remove(model)
         return peaks[key]
 
     def fitted(candidate: Plan, how: str) -> Plan:
-        peak = measured(candidate)
+        peak, ms = measured(candidate)
         chosen = dataclasses.replace(
             candidate, budget_bytes=limit, compiled_peak_bytes=peak, strategy="optimal",
             notes=(*candidate.notes, f"chosen by measuring the step compiled whole "
                                      f"(torch.compile(model), {backend}): {how}; it measured "
                                      f"{format_bytes(peak)} for a budget of "
-                                     f"{format_bytes(limit)}"))
+                                     f"{format_bytes(limit)}, {ms:.1f} ms a step"))
         apply(model, chosen, check_ranks=False)
         return chosen
 
     keep = plan(tape, None, "none")
-    if measured(keep) <= limit:
+    if measured(keep)[0] <= limit:
         return fitted(keep, "every block kept fits")
+    found: dict[str, Plan] = {}  # what fits, by how it was found
     floor = smallest_feasible_bytes(tape)
-    target = limit - (measured(keep) - keep.predicted_peak_bytes)
+    target = limit - (measured(keep)[0] - keep.predicted_peak_bytes)
     for _ in range(_FIT_ATTEMPTS):
         if target < floor:
             break
         candidate = plan(tape, target)
-        peak = measured(candidate)
+        peak = measured(candidate)[0]
         if peak > limit:
             target = min(target, candidate.predicted_peak_bytes) - (peak - limit)
             continue
-        room = limit - peak
-        if room > 0 and len(peaks) <= _FIT_ATTEMPTS:
-            faster = plan(tape, target + room)
-            if faster.predicted_cost < candidate.predicted_cost and measured(faster) <= limit:
-                return fitted(faster, f"planned for {format_bytes(target + room)}")
-        return fitted(candidate, f"planned for {format_bytes(target)}")
-    smallest = [plan(tape, None, "full"), plan(tape, floor)]
-    fits = [p for p in smallest if measured(p) <= limit]
-    if fits:
-        return fitted(min(fits, key=lambda p: p.predicted_cost),
-                      "the least costly of the smallest plans that fits")
-    least = min(measured(p) for p in smallest)
+        found[f"planned for {format_bytes(target)}"] = candidate
+        room = plan(tape, target + limit - peak)
+        if room.predicted_cost < candidate.predicted_cost and measured(room)[0] <= limit:
+            found[f"planned for {format_bytes(target + limit - peak)}"] = room
+        break
+    if backend == "inductor":  # NOTE [ Compile's own memory budget, exact ]
+        fraction: float | None = 0.5
+        while fraction is not None:
+            candidate = dataclasses.replace(keep, compile_memory_budget=fraction)
+            fits = measured(candidate)[0] <= limit
+            if fits:
+                found[f"compile's activation_memory_budget={fraction:g}"] = candidate
+            fraction = _next_fraction(fraction, fits)
+    if not found:
+        for how, candidate in (("every block recomputed", plan(tape, None, "full")),
+                               ("the tape's smallest plan", plan(tape, floor))):
+            if measured(candidate)[0] <= limit:
+                found[how] = candidate
+    if found:
+        how = min(found, key=lambda h: measured(found[h])[1])
+        return fitted(found[how], f"the fastest of {len(found)} that fit: {how}")
+    least = min(peak for peak, _ in peaks.values())
     raise BudgetError(
         f"no plan measures within the budget of {format_bytes(limit)} with the model "
         f"compiled whole ({backend}): the smallest measured {format_bytes(least)} "
@@ -248,23 +263,35 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
         f"eager step", min_feasible_bytes=least, strategy="optimal")
 
 
+def _next_fraction(fraction: float, fits: bool) -> float | None:
+    """The next of compile's budgets to try after ``fraction`` (0.5 first): 0.75 after a
+    fit, to find a faster one; 0.25 then 0 after an overrun; ``None``: done."""
+    if fits:
+        return 0.75 if fraction == 0.5 else None
+    return {0.5: 0.25, 0.25: 0.0}.get(fraction)
+
+
 _FIT_ATTEMPTS = 3  # plans fit_compiled measures below the plain step (NOTE above)
 
 
-def _compiled_whole_peak(step: Step, applied: Plan, backend: str) -> int:
-    """The step peak with ``applied`` applied and the model compiled whole: the rise of
-    the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would make
-    Dynamo run the step eagerly), after a first step that compiles."""
-    compiled: nn.Module = torch.compile(  # type: ignore[assignment]
-        uncompiled(step.model), backend=backend)
+def _compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]:
+    """The step peak with ``applied`` applied and the model compiled whole
+    (``compile_model``), and its median time over ``_FIT_TIMED`` steps: the peak is the
+    rise of the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would
+    make Dynamo run the step eagerly), after a first step that compiles."""
+    compiled = compile_model(uncompiled(step.model), backend=backend)
     run = dataclasses.replace(step, model=compiled, loop=applied.loop)
     on_cuda = torch.device(step.device).type == "cuda"
     with compile_settings(backend):
         found = measure_step(run, memory=None if on_cuda else "allocations",
                              allocator=on_cuda, warm_up=True)
-    if found.allocator_peak_bytes is not None:
-        return found.allocator_peak_bytes
-    return found.peak_bytes
+        times = [measure_step(run, timed=True).wall_ms or 0.0 for _ in range(_FIT_TIMED)]
+    peak = found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
+        else found.peak_bytes
+    return peak, statistics.median(times)
+
+
+_FIT_TIMED = 5  # timed steps of each plan fit_compiled measures
 
 
 def _with_head_hint(exc: BudgetError, step: Step, head: str | None) -> BudgetError:
@@ -286,6 +313,6 @@ def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:
     allocator's peak of the step compiled whole (NOTE [ Compiled plans are fitted by
     measurement ])."""
     if backend is not None:
-        return _compiled_whole_peak(step, applied, backend)
+        return _compiled_whole(step, applied, backend)[0]
     step = dataclasses.replace(step, loop=applied.loop)
     return measure_step(step, memory="storages").peak_bytes

@@ -76,7 +76,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from autoremat._apply import apply, remove
+from autoremat._apply import apply, compile_model, remove
 from autoremat._auto import fit_compiled
 from autoremat._bench.measure import (
     build_target,
@@ -173,7 +173,7 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
             lowest = min(_budget_peak(r) or 0 for r in measured)
             budgets.append(("below the references", int(_BELOW * lowest)))
         budgets.append(("min", 0))
-        peaks: dict[tuple[Any, ...], int] = {}  # measured once for every budget
+        peaks: dict[Any, tuple[int, float]] = {}  # measured once for every budget
         by_plan: dict[tuple[Any, ...], tuple[str, BenchRow]] = {}
         for label, budget in budgets:
             if tape is None or budget is None:
@@ -213,7 +213,7 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
 
 
 def _fitted(step: Step, tape: Tape, budget: int, backend: str,
-            peaks: dict[tuple[Any, ...], int]) -> Plan:
+            peaks: dict[Any, tuple[int, float]]) -> Plan:
     """autoremat's compiled plan for ``budget`` (0: its smallest), measured compiled
     whole (NOTE [ Compiled plans are fitted by measurement ] in _auto.py)."""
     if budget == 0:
@@ -391,7 +391,7 @@ def _compiled_variant(variant: dict[str, Any], spec: dict[str, Any], model: nn.M
     if variant["kind"] == "plan":  # NOTE [ autoremat's compiled rows ]
         chosen = Plan.from_json(variant["plan"])
         apply(owner, chosen)
-        return torch.compile(owner, backend=backend), owner  # type: ignore[return-value]
+        return compile_model(owner, backend=backend), owner
     modules = [owner.get_submodule(n) for n in variant["blocks"]]
     install, _ = per_block(modules) if variant["kind"] == "block" else \
         sac_per_block(modules, save_bmm=False)

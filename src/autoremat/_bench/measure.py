@@ -147,6 +147,8 @@ def describe_plan(chosen: Plan) -> str:
         if decision is Decision.SELECTIVE:
             what += "(sel)"
         parts.append(what)
+    budget = (f" under compile's activation_memory_budget={chosen.compile_memory_budget:g}, "
+              f"random draws saved" if chosen.compile_memory_budget is not None else "")
     if not parts:
-        return "keeps every block"
-    return "recomputes blocks " + ", ".join(parts)
+        return "keeps every block" + budget
+    return "recomputes blocks " + ", ".join(parts) + budget

@@ -111,6 +111,11 @@ class Plan:
     # ``auto`` measured it (the allocator's; NOTE [ Compiled plans are fitted by
     # measurement ] in _auto.py), which its budget rests on; None: not measured.
     compiled_peak_bytes: int | None = None
+    # torch.compile's own activation_memory_budget the plan rests on, with random draws
+    # saved (NOTE [ Compile's own memory budget, exact ] in _mechanism/compiled.py): the
+    # plan keeps every block and the model runs through autoremat.compile_model. None:
+    # compile's default.
+    compile_memory_budget: float | None = None
     # Bytes the offloaded blocks copy to host memory in one step (their tape's figures,
     # uncompressed).
     predicted_host_bytes: int = 0
@@ -256,6 +261,16 @@ class Plan:
             raise SchemaError(f"plan.shards must be >= 1, got {loaded.shards}")
         if loaded.compiled_peak_bytes is not None:
             _expect(loaded.compiled_peak_bytes, int, "plan.compiled_peak_bytes")
+        if loaded.compile_memory_budget is not None:
+            fraction = loaded.compile_memory_budget
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                    or not 0 <= fraction < 1 or not loaded.compiled \
+                    or loaded.recompute_blocks or loaded.offload_blocks:
+                raise SchemaError(
+                    f"plan.compile_memory_budget must be a number in [0, 1) on a compiled "
+                    f"plan that keeps every block, got {fraction!r} (compiled "
+                    f"{loaded.compiled!r}, {loaded.recompute_blocks} block(s) recomputed). "
+                    f"{_REPLAN}")
         if loaded.budget_bytes is not None:
             _expect(loaded.budget_bytes, int, "plan.budget_bytes")
             if loaded.compiled_peak_bytes is not None:
@@ -305,6 +320,9 @@ class Plan:
                 + (f"; for the step compiled ({self.compiled})" if self.compiled else "")
                 + (f"; compiled whole it measured {format_bytes(self.compiled_peak_bytes)}"
                    if self.compiled_peak_bytes is not None else "")
+                + (f" under compile's activation_memory_budget={self.compile_memory_budget:g} "
+                   f"(run it through autoremat.compile_model)"
+                   if self.compile_memory_budget is not None else "")
                 + (f"; {self.offload_blocks} block(s) offload "
                    f"{format_bytes(self.predicted_host_bytes)} to host memory"
                    if self.offload_blocks else "")
@@ -322,9 +340,11 @@ class Plan:
 
 def plan_key(chosen: Plan) -> tuple[Any, ...]:
     """What a plan runs: equal keys are the same plan (measured once). Keep-sets count:
-    two plans that differ only in which op outputs a block keeps are different plans."""
-    return tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
-                  tuple(b.skip_ops)) for b in chosen.blocks)
+    two plans that differ only in which op outputs a block keeps are different plans; so
+    do compile's own memory budget and the loss head."""
+    return (tuple((b.decision, b.segment, tuple(b.save_ops), tuple(b.keep_ops),
+                   tuple(b.skip_ops)) for b in chosen.blocks),
+            chosen.compile_memory_budget, chosen.head)
 
 
 def _head_field(value: Any) -> Choice:
