@@ -238,7 +238,17 @@ def _ref_label(row: dict[str, Any]) -> str:
 
 
 def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
-    from autoremat._bench.rows import AUTO_COMPILE, COMPILED_REFERENCES
+    return compile_claims(folder, rc)
+
+
+def compile_claims(folder: Path, rc: int) -> list[Claim]:
+    """The claims of issue 34 on the results of one ``autoremat bench --compile`` run in
+    ``folder`` (``rc``: its exit code): at each compiled reference's measured peak,
+    autoremat's compiled plan fits that budget and takes at most
+    :data:`COMPILE_TIME_SLACK` times the reference's time; its smallest compiled plan is
+    at or below ``torch.compile + checkpoint per block``'s peak. Also used by
+    ``benchmarks/compiled.py`` on the CPU."""
+    from autoremat._bench.rows import AUTO_COMPILE, COMPILE_BLOCK, COMPILED_REFERENCES
 
     files = sorted(folder.glob("results*.json"))
     if not files:
@@ -261,8 +271,7 @@ def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
                     "no autoremat row" if row is None else f"autoremat row {row['status']}"
                 out.append(Claim("bench-compile", claim, why + _note(ref, row), "NOT RUN"))
                 continue
-            peak = row["allocations_peak_bytes"] if row["allocations_peak_bytes"] is not None \
-                else row["peak_bytes"]
+            peak = _row_peak(row)
             fits = peak is not None and row["budget_bytes"] is not None \
                 and peak <= row["budget_bytes"]
             mt, rt = row["time_ratio"], ref["time_ratio"]
@@ -270,6 +279,19 @@ def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
             figure = (f"peak {_mib(peak)} vs budget {_mib(row['budget_bytes'])}; time "
                       f"x{mt or 0:.3f} vs the reference's x{rt or 0:.3f}")
             out.append(Claim("bench-compile", claim, figure, "PASS" if fits and fast else "FAIL"))
+        block = next((r for r in rows if r["method"] == COMPILE_BLOCK and r["status"] == "ok"),
+                     None)
+        least = mine.get("min")
+        claim = (f"{model['target']}: autoremat's smallest compiled plan at or below "
+                 f"{COMPILE_BLOCK}'s peak")
+        if block is None or least is None or least["status"] != "ok":
+            out.append(Claim("bench-compile", claim, "no reference or no smallest plan",
+                             "NOT RUN"))
+        else:
+            ref_peak, peak = _row_peak(block), _row_peak(least)
+            ok = ref_peak is not None and peak is not None and peak <= ref_peak
+            out.append(Claim("bench-compile", claim, f"{_mib(peak)} vs {_mib(ref_peak)}",
+                             "PASS" if ok else "FAIL"))
     if not out:
         out.append(Claim("bench-compile", "compiled rows measured", f"none (exit {rc})",
                          "NOT RUN"))
@@ -277,6 +299,14 @@ def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
         out.append(Claim("bench-compile", "bench finished", f"exit {rc}, complete="
                          f"{payload.get('complete')}", "FAIL"))
     return out
+
+
+def _row_peak(row: dict[str, Any]) -> int | None:
+    """A compiled row's peak in the bytes budgets are in: the allocator's reports on CPU
+    (``allocations_peak_bytes``), else the row's own (the allocator's on CUDA)."""
+    found: int | None = row["allocations_peak_bytes"] if row["allocations_peak_bytes"] \
+        is not None else row["peak_bytes"]
+    return found
 
 
 def _note(ref: dict[str, Any], row: dict[str, Any] | None) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -312,3 +314,33 @@ def test_copies_of_one_run_of_layers_are_blocks_but_a_stage_of_blocks_is_flatten
     assert discover_blocks(pairs) == ["0", "1", "2"]  # checkpointing one Linear saves nothing
     stages = nn.ModuleList(nn.Sequential(Layer(), Layer()) for _ in range(2))
     assert discover_blocks(stages) == ["0.0", "0.1", "1.0", "1.1"]  # residual-style blocks
+
+
+class SelfCheckpointed(nn.Module):
+    """Blocks the model checkpoints itself with torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool, n: int = 4) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.layers = nn.ModuleList([Layer() for _ in range(n)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize(("reentrant", "said"), [
+    (False, r"ran again in backward: the model checkpoints them itself"),
+    (True, r"ran with gradients off .* reentrant torch\.utils\.checkpoint"),
+])
+def test_a_model_that_checkpoints_its_blocks_itself_is_told_so(reentrant: bool,
+                                                                said: str) -> None:
+    import autoremat
+
+    model = SelfCheckpointed(reentrant)
+    with pytest.warns(UserWarning) if reentrant else contextlib.nullcontext(), \
+            pytest.raises(BlockError, match=said) as caught:
+        autoremat.profile(model, torch.randn(4, 8), timing=False)
+    assert "gradient_checkpointing_disable" in str(caught.value)

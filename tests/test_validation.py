@@ -144,6 +144,8 @@ def test_doctor_refuses_a_batch_or_length_below_one(argv: list[str],
     ({"top": 2.5}, "top must be a whole number >= 0"),
     ({"throughput_flops": 0.0}, "throughput_flops must be a positive number"),
     ({"throughput_flops": float("nan")}, "throughput_flops must be a positive number"),
+    ({"dtype": torch.int8}, r"dtype must be a floating dtype .*got torch\.int8"),
+    ({"dtype": "int8"}, "unknown dtype 'int8'"),
 ])
 def test_estimate_checks_its_arguments(kwargs: dict[str, Any], fragment: str) -> None:
     model, inputs = _mlp()

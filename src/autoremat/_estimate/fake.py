@@ -71,7 +71,14 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
         >>> parse_dtype("bf16")
         torch.bfloat16
     """
-    if value is None or isinstance(value, torch.dtype):
+    if value is None:
+        return value
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
+            raise RematError(f"dtype must be a floating dtype (the floating parameters, "
+                             f"buffers and inputs are cast to it; integer inputs such as "
+                             f"token ids keep theirs), got {value}. Use one of: "
+                             f"{', '.join(_DTYPES)}")
         return value
     key = str(value).strip().lower().removeprefix("torch.")
     if key not in _DTYPES:

@@ -127,6 +127,8 @@ class _Probe:
     chained: list[bool] = field(default_factory=list)
     chain_bytes: list[int] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # block indices in the order they ran
+    in_backward: list[int] = field(default_factory=list)  # calls made while backward ran
+    grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
     _prev_outputs: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -136,6 +138,8 @@ class _Probe:
         self.output_bytes = [0] * n
         self.chained = [False] * n
         self.chain_bytes = [0] * n
+        self.in_backward = [0] * n
+        self.grad_off = [False] * n
 
     @contextmanager
     def installed(self, model: nn.Module) -> Iterator[None]:
@@ -154,6 +158,10 @@ class _Probe:
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.calls[i] += 1
+            if torch._C._current_graph_task_id() != -1:  # a recompute in backward
+                self.in_backward[i] += 1
+                return
+            self.grad_off[i] |= not torch.is_grad_enabled()
             self.order.append(i)
             self.on_mark(f"fwd:{i}")
             tensors = flat_tensors((args, kwargs))
@@ -195,6 +203,13 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
         on_mark("start")
         step.run(between=lambda: on_mark("backward"))
         on_mark("end")
+    again = [name for name, n in zip(names, probe.in_backward, strict=True) if n]
+    if again:
+        raise BlockError(
+            f"block(s) {again[:3]}{' ...' if len(again) > 3 else ''} ran again in backward: "
+            f"the model checkpoints them itself ({_OWN_CHECKPOINTING}), and autoremat's plan "
+            f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
+            f"and let the plan decide what to recompute")
     for name, calls in zip(names, probe.calls, strict=False):
         if calls != 1:
             raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
@@ -207,8 +222,14 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
     return probe
 
 
+# what a model's own checkpointing looks like to the probe, and how to turn it off
+_OWN_CHECKPOINTING = ("torch.utils.checkpoint in its forward, or Hugging Face's "
+                      "gradient checkpointing: model.gradient_checkpointing_disable()")
+
+
 def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
-                      marks: list[str]) -> tuple[list[str], list[str]]:
+                      marks: list[str], grad_off: list[bool] | None = None
+                      ) -> tuple[list[str], list[str]]:
     """The blocks found by discovery that a plan can use, in the order they ran, and
     notes on what changed. Blocks that backward never runs through (frozen, with an input
     that needs no gradient: the lower layers of a partial fine-tune) save nothing for
@@ -222,8 +243,9 @@ def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
     no_backward = [names[i] for i in order if f"bwd:{i}" not in marks]
     chain = [names[i] for i in order if f"bwd:{i}" in marks]
     if no_backward and not chain:
+        off = grad_off is not None and all(grad_off[i] for i in order)
         raise BlockError(f"backward runs through none of the blocks found ({names[0]}, ..., "
-                         f"{names[-1]}): {_why_no_backward(model, no_backward)}")
+                         f"{names[-1]}): {_why_no_backward(model, no_backward, off)}")
     if no_backward:
         notes.append(f"backward never runs through {len(no_backward)} of the blocks found "
                      f"({no_backward[0]}, ..., {no_backward[-1]}: frozen, with an input that "
@@ -232,8 +254,14 @@ def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
     return chain, notes
 
 
-def _why_no_backward(model: nn.Module, names: list[str]) -> str:
-    """Why no gradient reached the output of the blocks ``names``, and what to do."""
+def _why_no_backward(model: nn.Module, names: list[str], grad_off: bool = False) -> str:
+    """Why no gradient reached the output of the blocks ``names``, and what to do
+    (``grad_off``: they ran with gradients off, as a reentrant checkpoint runs them)."""
+    if grad_off and torch.is_grad_enabled():
+        return (f"they ran with gradients off while the step had them on, as a reentrant "
+                f"torch.utils.checkpoint runs them: the model checkpoints them itself "
+                f"({_OWN_CHECKPOINTING}). Turn that off and let autoremat's plan decide "
+                f"what to recompute")
     frozen = all(not p.requires_grad for n in names
                  for p in model.get_submodule(n).parameters())
     if frozen:
@@ -745,7 +773,7 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     clock.sync()
     notes: list[str] = []
     if not in_order:
-        names, notes = _discovered_chain(model, names, warm.order, seen)
+        names, notes = _discovered_chain(model, names, warm.order, seen, warm.grad_off)
     # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
     # the blocks it stamped, in the same order
     stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))

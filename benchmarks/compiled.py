@@ -1,0 +1,101 @@
+"""Compiled plans against compile's own options, at a short and a long step (issue 34).
+
+Runs ``autoremat bench <target> --compile --budgets min --compile-fractions 1,0.5`` for
+zoo ``gpt2``, zoo ``llama`` and Hugging Face GPT-2 (``autoremat.zoo:hf_gpt2``), each at
+two shapes, one thread:
+
+* ``short``: ``n_layer=4,n_embd=128,n_head=4,seq_len=64,batch_size=2`` (steps of a few
+  tens of ms, where per-step overhead shows, as on a GPU);
+* ``long``: ``n_layer=4,n_embd=256,n_head=4,seq_len=256,batch_size=8``.
+
+Every row of a run is measured in one bench process and its compile subprocesses, each
+against an eager plain step interleaved with it (``docs/bench.md``). The summary checks,
+per run, the claims of ``gpu_suite.compile_claims``: at each compiled reference's
+measured peak (``torch.compile`` at ``activation_memory_budget`` 1 and 0.5, and with a
+checkpoint or the Megatron SAC policy per block), autoremat's compiled plan measures at
+most that peak (the allocator's reports) and takes at most x1.02 the reference's time;
+its smallest compiled plan is at or below ``torch.compile + checkpoint per block``'s peak.
+
+Run:     PYTHONPATH=src python benchmarks/compiled.py            # CPU, about 30 minutes
+Subset:  PYTHONPATH=src python benchmarks/compiled.py --targets gpt2 --shapes short
+Writes ``benchmarks/results/compiled_<device>/<target>-<shape>/`` (bench's own files) and
+``benchmarks/results/compiled_<device>/summary.md`` / ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpu_suite import COMPILE_TIME_SLACK, compile_claims
+
+from autoremat._bench.report import device_info, device_slug
+from autoremat._core.files import dump_json
+
+TARGETS = {"gpt2": "gpt2", "llama": "llama", "hf-gpt2": "autoremat.zoo:hf_gpt2"}
+SHAPES = {
+    "short": "n_layer=4,n_embd=128,n_head=4,seq_len=64,batch_size=2",
+    "long": "n_layer=4,n_embd=256,n_head=4,seq_len=256,batch_size=8",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"comma-separated, of {', '.join(TARGETS)}")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    targets, shapes = args.targets.split(","), args.shapes.split(",")
+    unknown = [t for t in targets if t not in TARGETS] + [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown target or shape {unknown}: targets {list(TARGETS)}, shapes "
+                     f"{list(SHAPES)}")
+    out = args.out or Path(__file__).parent / "results" / f"compiled_{device_slug('cpu')}"
+    claims, runs = [], []
+    for target in targets:
+        for shape in shapes:
+            folder = out / f"{target}-{shape}"
+            command = [sys.executable, "-m", "autoremat", "bench", TARGETS[target],
+                       "--compile", "--budgets", "min", "--compile-fractions", "1,0.5",
+                       "--set", SHAPES[shape], "--out", str(folder)]
+            print(f"{target} {shape}: {' '.join(command[2:])}", flush=True)
+            start = time.perf_counter()
+            rc = subprocess.run(command, check=False, capture_output=True, text=True).returncode
+            runs.append({"target": target, "shape": shape, "exit": rc,
+                         "seconds": round(time.perf_counter() - start, 1)})
+            for claim in compile_claims(folder, rc):
+                claims.append(dict(dataclasses.asdict(claim), shape=shape))
+                print(f"  {claim.status}: {claim.claim}: {claim.figure}", flush=True)
+    _write(out, runs, claims)
+    return 0 if all(c["status"] == "PASS" for c in claims) else 1
+
+
+def _write(out: Path, runs: list[dict[str, object]], claims: list[dict[str, str]]) -> None:
+    passed = sum(c["status"] == "PASS" for c in claims)
+    lines = [
+        "# Compiled plans against compile's own options (benchmarks/compiled.py)", "",
+        f"Date: {datetime.date.today()}  ",
+        f"Machine: {device_info('cpu')['device_name']}, one torch thread  ",
+        f"Time slack: x{COMPILE_TIME_SLACK} the reference's time ratio to its own eager "
+        f"plain step. {passed} of {len(claims)} claims pass.", "",
+        "Each run's table: `<target>-<shape>/results.md`.", "",
+        "| shape | claim | figure | status |", "|---|---|---|---|",
+        *[f"| {c['shape']} | {c['claim']} | {c['figure']} | {c['status']} |" for c in claims],
+        "", "| target | shape | exit | seconds |", "|---|---|---:|---:|",
+        *[f"| {r['target']} | {r['shape']} | {r['exit']} | {r['seconds']} |" for r in runs], "",
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text("\n".join(lines))
+    dump_json({"runs": runs, "claims": claims}, out / "summary.json")
+    print(f"wrote {out / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
