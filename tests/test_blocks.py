@@ -344,3 +344,34 @@ def test_a_model_that_checkpoints_its_blocks_itself_is_told_so(reentrant: bool,
             pytest.raises(BlockError, match=said) as caught:
         autoremat.profile(model, torch.randn(4, 8), timing=False)
     assert "gradient_checkpointing_disable" in str(caught.value)
+
+
+class ReturnsNothing(nn.Module):
+    """A block that keeps its result on itself and returns None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out: torch.Tensor | None = None
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        self.out = self.fc(x)
+
+
+def test_blocks_that_return_nothing_are_told_so() -> None:
+    import autoremat
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([ReturnsNothing() for _ in range(3)])
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            for layer in self.layers:
+                layer(x)
+                x = layer.out
+            return x.sum()
+
+    with pytest.raises(BlockError, match=r"they return no tensor \(None"):
+        autoremat.profile(Model(), torch.randn(4, 8), timing=False,
+                          blocks=[f"layers.{i}" for i in range(3)])

@@ -206,3 +206,16 @@ def test_unknown_option_message_without_close_match_lists_valid_options() -> Non
         zoo.build("mlp", zzz=1)
     assert "Did you mean" not in str(info.value)
     assert "d_in, widths, n_classes, norm_every, dropout, batch_size" in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "option"), [
+    ("gpt2", {"n_layer": 0}), ("llama", {"n_head": -2}), ("mlp", {"widths": (64, 0)}),
+    ("gpt2", {"batch_size": 0}),
+])
+def test_a_count_or_size_below_one_is_refused_before_building(name: str,
+                                                              option: dict[str, object]) -> None:
+    """n_layer=0 used to build a model with no blocks, refused later as 'found no chain'."""
+    key = next(iter(option))
+    with pytest.raises(RematError, match=rf"option {key}=.* must be a (tuple of )?whole "
+                                         rf"numbers? >= 1"):
+        zoo.build(name, **option)

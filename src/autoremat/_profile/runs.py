@@ -227,14 +227,13 @@ _OWN_CHECKPOINTING = ("torch.utils.checkpoint in its forward, or Hugging Face's 
                       "gradient checkpointing: model.gradient_checkpointing_disable()")
 
 
-def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
-                      marks: list[str], grad_off: list[bool] | None = None
-                      ) -> tuple[list[str], list[str]]:
+def _discovered_chain(model: nn.Module, names: list[str], probe: _Probe,
+                      marks: list[str]) -> tuple[list[str], list[str]]:
     """The blocks found by discovery that a plan can use, in the order they ran, and
     notes on what changed. Blocks that backward never runs through (frozen, with an input
     that needs no gradient: the lower layers of a partial fine-tune) save nothing for
     backward, so there is nothing to recompute in them: they leave the chain."""
-    notes = []
+    notes, order = [], probe.order
     if order != sorted(order):
         # a discovered chain goes in the order it runs (NOTE [ Stacks beside the chain ])
         notes.append(f"the blocks found run in another order than they are defined; "
@@ -243,9 +242,8 @@ def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
     no_backward = [names[i] for i in order if f"bwd:{i}" not in marks]
     chain = [names[i] for i in order if f"bwd:{i}" in marks]
     if no_backward and not chain:
-        off = grad_off is not None and all(grad_off[i] for i in order)
         raise BlockError(f"backward runs through none of the blocks found ({names[0]}, ..., "
-                         f"{names[-1]}): {_why_no_backward(model, no_backward, off)}")
+                         f"{names[-1]}): {_why_no_backward(model, no_backward, probe)}")
     if no_backward:
         notes.append(f"backward never runs through {len(no_backward)} of the blocks found "
                      f"({no_backward[0]}, ..., {no_backward[-1]}: frozen, with an input that "
@@ -254,10 +252,16 @@ def _discovered_chain(model: nn.Module, names: list[str], order: list[int],
     return chain, notes
 
 
-def _why_no_backward(model: nn.Module, names: list[str], grad_off: bool = False) -> str:
-    """Why no gradient reached the output of the blocks ``names``, and what to do
-    (``grad_off``: they ran with gradients off, as a reentrant checkpoint runs them)."""
-    if grad_off and torch.is_grad_enabled():
+def _why_no_backward(model: nn.Module, names: list[str], probe: _Probe) -> str:
+    """Why no gradient reached the output of the blocks ``names`` (as ``probe`` saw them
+    run), and what to do."""
+    ran = [probe.names.index(n) for n in names]
+    if all(probe.output_bytes[i] == 0 for i in ran):
+        return ("they return no tensor (None, or only other values): autoremat plans over "
+                "blocks whose output carries the computation, since checkpointing a block "
+                "saves its inputs and recomputes what it returns. Pass blocks=[...] naming "
+                "modules that return their result")
+    if all(probe.grad_off[i] for i in ran) and torch.is_grad_enabled():
         return (f"they ran with gradients off while the step had them on, as a reentrant "
                 f"torch.utils.checkpoint runs them: the model checkpoints them itself "
                 f"({_OWN_CHECKPOINTING}). Turn that off and let autoremat's plan decide "
@@ -494,7 +498,7 @@ def _memory_run(step: Step, names: list[str], decisions: _Pattern,
     if missing:
         skipped = [names[int(m[4:])] for m in missing]
         raise BlockError(f"no gradient reached the output of block(s) {skipped}: "
-                         f"{_why_no_backward(model, skipped)}")
+                         f"{_why_no_backward(model, skipped, probe)}")
     bounds = [marks[f"fwd:{i}"] for i in range(n)] + [marks["fwd_end"]]
     fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
     ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
@@ -773,7 +777,7 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     clock.sync()
     notes: list[str] = []
     if not in_order:
-        names, notes = _discovered_chain(model, names, warm.order, seen, warm.grad_off)
+        names, notes = _discovered_chain(model, names, warm, seen)
     # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
     # the blocks it stamped, in the same order
     stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))

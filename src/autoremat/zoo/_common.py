@@ -54,8 +54,13 @@ def split_overrides(
         )
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
     for key, value in overrides.items():
-        _check_option(model, key, value, defaults.get(key, data_defaults.get(key)),
-                      positive=key in data_defaults)
+        default = defaults.get(key, data_defaults.get(key))
+        # a count or size (layers, heads, widths, the batch): a model with none of it has
+        # no block to plan over, or no tensor at all
+        _check_option(model, key, value, default,
+                      positive=key in data_defaults or (isinstance(default, int)
+                                                        and not isinstance(default, bool)
+                                                        and default >= 1))
     config = config_cls(**{k: v for k, v in overrides.items() if k in config_fields})
     data = {k: overrides.get(k, default) for k, default in data_defaults.items()}
     return config, data
@@ -63,7 +68,7 @@ def split_overrides(
 
 def _check_option(model: str, key: str, value: Any, default: Any, *, positive: bool) -> None:
     """Refuse an option whose type differs from its default's (``batch_size='abc'``), or a
-    batch option below 1, before anything is built."""
+    count or size below 1 (``positive``: ``n_layer=0``), before anything is built."""
     def whole(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
@@ -75,8 +80,8 @@ def _check_option(model: str, key: str, value: Any, default: Any, *, positive: b
     elif isinstance(default, float):
         ok, kind = whole(value) or isinstance(value, float), "a number"
     elif isinstance(default, tuple):
-        ok, kind = isinstance(value, (tuple, list)) and all(whole(v) for v in value), \
-            "a tuple of whole numbers"
+        ok, kind = isinstance(value, (tuple, list)) and all(
+            whole(v) and v >= 1 for v in value), "a tuple of whole numbers >= 1"
     else:
         ok, kind = True, ""
     if not ok:
