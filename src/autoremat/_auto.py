@@ -309,10 +309,16 @@ def _with_head_hint(exc: BudgetError, step: Step, head: str | None) -> BudgetErr
 
 
 def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:
-    """The step peak with ``applied`` applied: tracked eagerly, or with ``backend`` the
+    """The step peak with ``applied`` applied: eagerly the allocator's on CUDA (the rise
+    of ``max_memory_allocated``), the storage tracker's elsewhere; with ``backend`` the
     allocator's peak of the step compiled whole (NOTE [ Compiled plans are fitted by
     measurement ])."""
     if backend is not None:
         return _compiled_whole(step, applied, backend)[0]
+    # on CUDA the caching allocator is the truth (docs/design.md): its rounding and the
+    # blocks it hands out can put a step over a prediction made from storages, and the
+    # retry below then plans for a budget smaller by that overrun
     step = dataclasses.replace(step, loop=applied.loop)
-    return measure_step(step, memory="storages").peak_bytes
+    found = measure_step(step, memory="storages", allocator=True)
+    return found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
+        else found.peak_bytes
