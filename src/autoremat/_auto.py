@@ -179,15 +179,16 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
     #     times as will do:
     #
     #     1. every block kept: if it fits, nothing is recomputed (compile's own plan);
-    #     2. else the tape's error on that step calibrates the planning budget: plan at
+    #     2. with Inductor, compile's own memory budget, made exact (NOTE [ Compile's
+    #        own memory budget, exact ] in _mechanism/compiled.py), at 0.5, then 0.75
+    #        after a fit or 0.25 and 0 after an overrun: where it fits it is often the
+    #        fastest, since its recompute is fused into the backward; one that fits
+    #        within _AS_FAST of step 1's time ends the search;
+    #     3. the tape's error on step 1 calibrates the planning budget: plan at
     #        limit - (measured - predicted); a plan over the limit lowers the planning
     #        budget by its overshoot below its own prediction, until one fits (at most
     #        _FIT_ATTEMPTS plans); one that fits is followed by one plan for the room it
     #        leaves (kept too if it fits);
-    #     3. with Inductor, compile's own memory budget, made exact (NOTE [ Compile's
-    #        own memory budget, exact ] in _mechanism/compiled.py), at 0.5, then 0.75
-    #        after a fit or 0.25 and 0 after an overrun: where it fits it is often the
-    #        fastest, since its recompute is fused into the backward;
     #     4. if nothing fits yet, every block recomputed (a plain checkpoint per block,
     #        which compile's partitioner trims best) and the tape's smallest plan.
     #
@@ -224,6 +225,17 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
     if measured(keep)[0] <= limit:
         return fitted(keep, "every block kept fits")
     found: dict[str, Plan] = {}  # what fits, by how it was found
+    if backend == "inductor":  # NOTE [ Compile's own memory budget, exact ]
+        fraction: float | None = 0.5
+        while fraction is not None:
+            candidate = dataclasses.replace(keep, compile_memory_budget=fraction)
+            fits = measured(candidate)[0] <= limit
+            if fits:
+                found[f"compile's activation_memory_budget={fraction:g}"] = candidate
+            fraction = _next_fraction(fraction, fits)
+    quick = [h for h in found if measured(found[h])[1] <= _AS_FAST * measured(keep)[1]]
+    if quick:  # as fast as keeping every block: no plan can do better
+        return fitted(found[quick[0]], f"{quick[0]}, as fast as every block kept")
     floor = smallest_feasible_bytes(tape)
     target = limit - (measured(keep)[0] - keep.predicted_peak_bytes)
     for _ in range(_FIT_ATTEMPTS):
@@ -239,14 +251,6 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
         if room.predicted_cost < candidate.predicted_cost and measured(room)[0] <= limit:
             found[f"planned for {format_bytes(target + limit - peak)}"] = room
         break
-    if backend == "inductor":  # NOTE [ Compile's own memory budget, exact ]
-        fraction: float | None = 0.5
-        while fraction is not None:
-            candidate = dataclasses.replace(keep, compile_memory_budget=fraction)
-            fits = measured(candidate)[0] <= limit
-            if fits:
-                found[f"compile's activation_memory_budget={fraction:g}"] = candidate
-            fraction = _next_fraction(fraction, fits)
     if not found:
         for how, candidate in (("every block recomputed", plan(tape, None, "full")),
                                ("the tape's smallest plan", plan(tape, floor))):
@@ -272,6 +276,7 @@ def _next_fraction(fraction: float, fits: bool) -> float | None:
 
 
 _FIT_ATTEMPTS = 3  # plans fit_compiled measures below the plain step (NOTE above)
+_AS_FAST = 1.01  # a fitting candidate within 1% of every block kept's time ends the search
 
 
 def _compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]:
