@@ -877,6 +877,60 @@ def _models() -> list[Case]:
         expect(abs(est.step_peak_bytes - tape.step_peak_bytes) <= 0.01 * tape.step_peak_bytes,
                f"estimate {est.step_peak_bytes} B, profile {tape.step_peak_bytes} B")
     add("estimate equals profile with BatchNorm blocks", estimate_bn)
+
+    class OwnCheckpoint(Net):
+        """Blocks the model checkpoints itself (issue 36)."""
+
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.reentrant = reentrant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for block in self.blocks:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+            return self.head(h)
+
+    add("profile a model that checkpoints its blocks itself (non-reentrant)",
+        lambda: quick_profile(OwnCheckpoint(False), x()), "ran again in backward",
+        "checkpoints them itself", "gradient_checkpointing_disable")
+
+    def own_reentrant() -> None:
+        model = OwnCheckpoint(True)
+        model.embed.requires_grad_(False)  # the blocks' input then needs no gradient
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # checkpoint's own "None of the inputs ..."
+            quick_profile(model, x())
+
+    add("profile a model that checkpoints its blocks itself (reentrant, frozen input)",
+        own_reentrant, "reentrant torch.utils.checkpoint", "checkpoints them itself")
+
+    class Stores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(W, W)
+            self.out: torch.Tensor | None = None
+
+        def forward(self, h: torch.Tensor) -> None:
+            self.out = self.fc(h)
+
+    class StoresNet(Net):
+        def __init__(self) -> None:
+            super().__init__(block=Stores)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for block in self.blocks:
+                block(h)
+                h = block.out
+            return self.head(h)
+
+    add("profile blocks that return None (their result kept on the module)",
+        lambda: quick_profile(StoresNet(), x(), blocks=[f"blocks.{i}" for i in range(4)]),
+        "return no tensor", "blocks=[...]")
+    add("estimate(..., dtype=torch.int8)",
+        lambda: autoremat.estimate(Net(), x(), device="cpu", dtype=torch.int8),
+        "floating dtype", "torch.int8")
     return c
 
 
@@ -1609,6 +1663,10 @@ def _zoo_cases() -> list[Case]:
         expect(torch.equal(loss, want) or (loss.isnan() and want.isnan()),
                f"LMHead loss {loss} vs cross_entropy {want}")
     add("LMHead with every label ignored", lm_head)
+    add("zoo.build('gpt2', n_layer=0) (no blocks)", lambda: zoo.build("gpt2", n_layer=0),
+        "n_layer=0", ">= 1", quick=True)
+    add("zoo.build('mlp', widths=(64, 0))", lambda: zoo.build("mlp", widths=(64, 0)),
+        "widths", ">= 1", quick=True)
     return c
 
 
