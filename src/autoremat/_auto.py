@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from autoremat._apply import apply, compile_model, remove
+from autoremat._core.decisions import Choice, Decision
 from autoremat._core.errors import BudgetError, check_flag
+from autoremat._core.saves import is_keep_set, save_set_of
 from autoremat._core.step import Loop, LossFn, Step, as_step
 from autoremat._core.units import format_bytes
 from autoremat._measure.blocks import BlockSpec
@@ -21,7 +23,7 @@ from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import Tape
 from autoremat._mechanism.compiled import uncompiled
 from autoremat._mechanism.head import find_head
-from autoremat._plan.plan import Plan, plan_key
+from autoremat._plan.plan import Plan, plan_key, plan_of_segments
 from autoremat._plan.strategies import (
     budget_bytes_of,
     check_head,
@@ -189,7 +191,10 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
     #        budget by its overshoot below its own prediction, until one fits (at most
     #        _FIT_ATTEMPTS plans); one that fits is followed by one plan for the room it
     #        leaves (kept too if it fits);
-    #     4. if nothing fits yet, every block recomputed (a plain checkpoint per block,
+    #     4. every block selective under one save-set of op kinds the tape offers for all
+    #        (matmul outputs saved, the rest recomputed: the SAC policies users write per
+    #        block under compile, which the partitioner fuses into the backward);
+    #     5. if nothing fits yet, every block recomputed (a plain checkpoint per block,
     #        which compile's partitioner trims best) and the tape's smallest plan.
     #
     #     Of the candidates that fit, the fastest measured (median of _FIT_TIMED steps)
@@ -251,6 +256,9 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
         if room.predicted_cost < candidate.predicted_cost and measured(room)[0] <= limit:
             found[f"planned for {format_bytes(target + limit - peak)}"] = room
         break
+    for key, candidate in _uniform_save_sets(tape):
+        if measured(candidate)[0] <= limit:
+            found[f"every block saving the outputs of {key}"] = candidate
     if not found:
         for how, candidate in (("every block recomputed", plan(tape, None, "full")),
                                ("the tape's smallest plan", plan(tape, floor))):
@@ -265,6 +273,19 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
         f"compiled whole ({backend}): the smallest measured {format_bytes(least)} "
         f"({least} bytes); give a budget of at least that, a smaller batch, or plan the "
         f"eager step", min_feasible_bytes=least, strategy="optimal")
+
+
+def _uniform_save_sets(tape: Tape) -> list[tuple[str, Plan]]:
+    """Plans with every block selective under one save-set of op kinds (``matmul``,
+    ``bmm+matmul``, ...) that every block offers: the SAC policies users apply per block
+    under compile, whose partitioner then recomputes the rest fused into the backward."""
+    keys = [set(k for k in b.selective if k and not is_keep_set(k)) for b in tape.blocks]
+    common = sorted(set.intersection(*keys)) if keys else []
+    n = len(tape.blocks)
+    return [(key, plan_of_segments(tape, [(i, i + 1, Choice(Decision.SELECTIVE,
+                                                            save_ops=save_set_of(key)))
+                                          for i in range(n)], "optimal"))
+            for key in common]
 
 
 def _next_fraction(fraction: float, fits: bool) -> float | None:

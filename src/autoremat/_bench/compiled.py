@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import nn
 
@@ -152,8 +153,8 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
                    (COMPILE_SAC, "-", {"kind": "sac", "blocks": names})]
     grow(len(references) + 1)
     runner = _Runner(target, s, plain_peak, progress)
-    for method, label, variant in references:
-        runner.row(method, label, variant)
+    ran = [(runner.row(method, label, variant), variant)
+           for method, label, variant in references]
     rows = runner.rows
     progress(0, f"{target}: profiling compiled ({s.compile_backend}) for autoremat's plans")
     step = as_step(model, inputs, None, s.loop, caller="bench", keyword="budget")
@@ -164,18 +165,18 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
         except Exception as exc:  # reported in the table; the reference rows stand
             tape, failed = None, f"compiled profile failed: {type(exc).__name__}: {first_line(exc)}"
         progress(1, "")
-        measured = [r for r in rows if r.method in COMPILED_REFERENCES and r.status == "ok"
-                    and r.peak_bytes is not None]
-        budgets: list[tuple[str, int | None]] = [
+        measured = [(r, variant) for r, variant in ran if r.method in COMPILED_REFERENCES
+                    and r.status == "ok" and r.peak_bytes is not None]
+        budgets: list[tuple[str, int | None, dict[str, Any] | None]] = [
             (f"peak of {r.method}" + (f" {r.budget.split()[0]}" if r.budget != "-" else ""),
-             _budget_peak(r)) for r in measured]
+             _budget_peak(r), variant) for r, variant in measured]
         if measured:
-            lowest = min(_budget_peak(r) or 0 for r in measured)
-            budgets.append(("below the references", int(_BELOW * lowest)))
-        budgets.append(("min", 0))
+            lowest = min(_budget_peak(r) or 0 for r, _ in measured)
+            budgets.append(("below the references", int(_BELOW * lowest), None))
+        budgets.append(("min", 0, None))
         peaks: dict[Any, tuple[int, float]] = {}  # measured once for every budget
         by_plan: dict[tuple[Any, ...], tuple[str, BenchRow]] = {}
-        for label, budget in budgets:
+        for label, budget, versus in budgets:
             if tape is None or budget is None:
                 rows.append(BenchRow(AUTO_COMPILE, label, "error", note=failed))
                 continue
@@ -194,8 +195,8 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
             finally:
                 remove(model)
             progress(1, "")
-            key = plan_key(chosen)
-            if key in by_plan:  # the same plan: timed once
+            key = (plan_key(chosen), json.dumps(versus, sort_keys=True))
+            if key in by_plan:  # the same plan against the same reference: timed once
                 first, row = by_plan[key]
                 rows.append(dataclasses.replace(
                     row, budget=label, budget_bytes=chosen.budget_bytes,
@@ -204,7 +205,10 @@ def compile_rows(target: str, settings: Settings, model: nn.Module, inputs: Any,
                                                          chosen.budget_bytes)))
                 continue
             grow(1)
-            row = runner.row(AUTO_COMPILE, label, {"kind": "plan", "plan": chosen.to_json()},
+            spec: dict[str, Any] = {"kind": "plan", "plan": chosen.to_json()}
+            if versus is not None:  # timed against it, interleaved (NOTE [ Measuring ... ])
+                spec["versus"] = versus
+            row = runner.row(AUTO_COMPILE, label, spec,
                              plan_note=describe_plan(chosen) + "; the model compiled whole",
                              budget_bytes=chosen.budget_bytes,
                              predicted_peak_bytes=chosen.compiled_peak_bytes)
@@ -305,7 +309,12 @@ class _Runner:
             if eager_cpu else None,
             max_grad_diff=0.0 if res["grads_equal"] else res["max_grad_diff"],
             grads_equal=res["grads_equal"], relative_grad_diff=relative,
-            allocations_peak_bytes=res.get("compiled_alloc_peak_bytes"), note=note)
+            allocations_peak_bytes=res.get("compiled_alloc_peak_bytes"), note=note,
+            versus_ratio=med / statistics.median(res["versus_ms"]) if res.get("versus_ms")
+            else None)
+        if row.versus_ratio is not None:
+            note += (f"; x{row.versus_ratio:.3f} the time of the reference whose peak is "
+                     f"its budget, interleaved with it in this process")
         row = dataclasses.replace(row, note=note + _over(_budget_peak(row), budget_bytes))
         self.rows.append(row)
         self.progress(1, "")
@@ -408,9 +417,6 @@ def compile_worker(spec_text: str) -> int:
     "plan": <plan JSON>}`` (an autoremat plan); an older spec's ``"fraction"`` alone
     means the first.
     """
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
     spec = json.loads(spec_text)
     variant = spec.get("variant") or {"kind": "fraction", "fraction": spec["fraction"]}
     backend = spec.get("backend", "inductor")
@@ -424,8 +430,20 @@ def compile_worker(spec_text: str) -> int:
     rng = torch.get_rng_state()
     with compile_settings(backend):
         compiled, owner = _compiled_variant(variant, spec, model, backend, device)
+        versus = None
+        if "versus" in variant:  # a reference on a copy of its own, compiled under its
+            #                      own budget at its first step (which compiles)
+            ref = variant["versus"]
+            copy, _ = build_target(spec["target"], spec["overrides"], device,
+                                   spec.get("dtype", "float32"))
+            with functorch_config.patch(activation_memory_budget=float(
+                    ref.get("fraction", 1.0))):
+                runner, ref_owner = _compiled_variant(ref, spec, copy, backend, device)
+                with preserved_state(ref_owner):
+                    run_step(runner, inputs, None, loop=loop)
+            versus = (runner, ref_owner)
         result = _measure_pair(model, compiled, owner, inputs, rng, loop, device,
-                               int(spec["repeats"]))
+                               int(spec["repeats"]), versus)
     write_atomic(Path(spec["out"]), json.dumps({"variant": variant, **result}))
     return 0
 
@@ -435,9 +453,13 @@ Grads = dict[str, torch.Tensor | None]
 
 def _measure_pair(model: nn.Module, compiled: nn.Module, owner: nn.Module, inputs: Any,
                   rng: torch.Tensor, loop: Loop, device: torch.device,
-                  repeats: int) -> dict[str, Any]:
+                  repeats: int, versus: tuple[nn.Module, nn.Module] | None = None
+                  ) -> dict[str, Any]:
     """The eager plain step of ``model`` and the compiled step (``compiled``, gradients on
-    ``owner``), interleaved: times, peaks, gradients and FLOPs (the module note)."""
+    ``owner``), interleaved: times, peaks, gradients and FLOPs (the module note). With
+    ``versus`` (a compiled reference and its owner), its steps are timed in the same
+    rounds (``versus_ms``): step times of two processes differ with the machine's load
+    more than the rows do."""
 
     def step(module: nn.Module, params: nn.Module) -> tuple[float, float, int, Grads]:
         with preserved_state(params):
@@ -456,13 +478,16 @@ def _measure_pair(model: nn.Module, compiled: nn.Module, owner: nn.Module, input
     start = time.perf_counter()
     step(compiled, owner)  # compiles forward and backward
     compile_s = time.perf_counter() - start
+    runs = {"eager": (model, model), "compiled": (compiled, owner)}
+    if versus is not None:
+        runs["versus"] = versus
+    kinds = list(runs)
     figures: dict[str, dict[str, list[float]]] = {
-        kind: {"ms": [], "cpu_ms": [], "peak": []} for kind in ("eager", "compiled")}
+        kind: {"ms": [], "cpu_ms": [], "peak": []} for kind in kinds}
     grads: dict[str, Grads] = {}
     for r in range(repeats + 1):  # round 0 is a warm-up
-        for kind in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
-            ms, cpu, peak, grads[kind] = step(*((model, model) if kind == "eager"
-                                                else (compiled, owner)))
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotated each round
+            ms, cpu, peak, grads[kind] = step(*runs[kind])
             if r:
                 for key, value in (("ms", ms), ("cpu_ms", cpu), ("peak", peak)):
                     figures[kind][key].append(value)
@@ -487,6 +512,7 @@ def _measure_pair(model: nn.Module, compiled: nn.Module, owner: nn.Module, input
         "max_abs_grad": largest_grad(grads["eager"]),
         "eager_step_flops": eager_fwd + eager_bwd, "eager_bwd_flops": eager_bwd,
         "compiled_bwd_flops": compiled_bwd,
+        "versus_ms": figures["versus"]["ms"] if versus is not None else None,
     }
 
 

@@ -66,6 +66,8 @@ class BenchRow:
     #                                        allocator's: the cross-check
     allocations_peak_bytes: int | None = None  # compiled rows on CPU: the peak from the
     #                     allocator's reports (track_allocations), beside the OS figure
+    versus_ratio: float | None = None  # autoremat's compiled rows: median step time over
+    #   the median of the reference whose peak is the budget, interleaved in one process
 
     @property
     def grads_rounding_only(self) -> bool:
