@@ -16,10 +16,11 @@ checkpoint or the Megatron SAC policy per block), autoremat's compiled plan meas
 most that peak (the allocator's reports) and takes at most x1.02 the reference's time;
 its smallest compiled plan is at or below ``torch.compile + checkpoint per block``'s peak.
 
-Run:     PYTHONPATH=src python benchmarks/compiled.py            # CPU, about 30 minutes
+Run:     PYTHONPATH=src python benchmarks/compiled.py            # CPU, about an hour
 Subset:  PYTHONPATH=src python benchmarks/compiled.py --targets gpt2 --shapes short
 Writes ``benchmarks/results/compiled_<device>/<target>-<shape>/`` (bench's own files) and
-``benchmarks/results/compiled_<device>/summary.md`` / ``summary.json``.
+``benchmarks/results/compiled_<device>/summary.md`` / ``summary.json`` (rewritten after
+each run, so a sweep cut short still leaves its summary).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--repeats", type=int, default=11,
+                        help="timed rounds of each row (bench's --repeats; default 11: "
+                             "rows of identical steps then differ by under 2%%)")
     args = parser.parse_args(argv)
     targets, shapes = args.targets.split(","), args.shapes.split(",")
     unknown = [t for t in targets if t not in TARGETS] + [s for s in shapes if s not in SHAPES]
@@ -59,12 +63,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{list(SHAPES)}")
     out = args.out or Path(__file__).parent / "results" / f"compiled_{device_slug('cpu')}"
     claims, runs = [], []
-    for target in targets:
-        for shape in shapes:
+    for shape in shapes:  # every target's short step first
+        for target in targets:
             folder = out / f"{target}-{shape}"
             command = [sys.executable, "-m", "autoremat", "bench", TARGETS[target],
                        "--compile", "--budgets", "min", "--compile-fractions", "1,0.5",
-                       "--set", SHAPES[shape], "--out", str(folder)]
+                       "--set", SHAPES[shape], "--repeats", str(args.repeats),
+                       "--out", str(folder)]
             print(f"{target} {shape}: {' '.join(command[2:])}", flush=True)
             start = time.perf_counter()
             rc = subprocess.run(command, check=False, capture_output=True, text=True).returncode
@@ -73,16 +78,18 @@ def main(argv: list[str] | None = None) -> int:
             for claim in compile_claims(folder, rc):
                 claims.append(dict(dataclasses.asdict(claim), shape=shape))
                 print(f"  {claim.status}: {claim.claim}: {claim.figure}", flush=True)
-    _write(out, runs, claims)
+            _write(out, runs, claims, args.repeats)  # after each run: a partial sweep counts
     return 0 if all(c["status"] == "PASS" for c in claims) else 1
 
 
-def _write(out: Path, runs: list[dict[str, object]], claims: list[dict[str, str]]) -> None:
+def _write(out: Path, runs: list[dict[str, object]], claims: list[dict[str, str]],
+           repeats: int) -> None:
     passed = sum(c["status"] == "PASS" for c in claims)
     lines = [
         "# Compiled plans against compile's own options (benchmarks/compiled.py)", "",
         f"Date: {datetime.date.today()}  ",
-        f"Machine: {device_info('cpu')['device_name']}, one torch thread  ",
+        f"Machine: {device_info('cpu')['device_name']}, one torch thread; {repeats} timed "
+        f"rounds per row  ",
         f"Time slack: x{COMPILE_TIME_SLACK} the reference's time ratio to its own eager "
         f"plain step. {passed} of {len(claims)} claims pass.", "",
         "Each run's table: `<target>-<shape>/results.md`.", "",
