@@ -21,7 +21,7 @@ from autoremat._core.units import format_bytes
 from autoremat._measure.blocks import BlockSpec
 from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import Tape
-from autoremat._mechanism.compiled import uncompiled
+from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.head import find_head
 from autoremat._plan.plan import Plan, plan_key, plan_of_segments
 from autoremat._plan.strategies import (
@@ -305,13 +305,18 @@ def _compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float
     (``compile_model``), and its median time over ``_FIT_TIMED`` steps: the peak is the
     rise of the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would
     make Dynamo run the step eagerly), after a first step that compiles."""
-    compiled = compile_model(uncompiled(step.model), backend=backend)
+    inner = uncompiled(step.model)
+    compiled = compile_model(inner, backend=backend)
     run = dataclasses.replace(step, model=compiled, loop=applied.loop)
     on_cuda = torch.device(step.device).type == "cuda"
-    with compile_settings(backend):
-        found = measure_step(run, memory=None if on_cuda else "allocations",
-                             allocator=on_cuda, warm_up=True)
-        times = [measure_step(run, timed=True).wall_ms or 0.0 for _ in range(_FIT_TIMED)]
+    try:
+        with compile_settings(backend):
+            found = measure_step(run, memory=None if on_cuda else "allocations",
+                                 allocator=on_cuda, warm_up=True)
+            times = [measure_step(run, timed=True).wall_ms or 0.0
+                     for _ in range(_FIT_TIMED)]
+    finally:
+        forget_compiled(inner)  # the user's compile starts afresh (forget_compiled)
     peak = found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
         else found.peak_bytes
     return peak, statistics.median(times)

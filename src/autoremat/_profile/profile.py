@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -82,7 +83,7 @@ from autoremat._measure.tape import (
     SelectiveProfile,
     Tape,
 )
-from autoremat._mechanism.compiled import uncompiled
+from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.offload import OffloadStats
 from autoremat._mechanism.wrap import stashed_buffers
 from autoremat._plan.costs import cost_model_for
@@ -398,7 +399,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
     # the stages: arguments checked (above), the chain found by a warm-up step, the
     # memory runs, the options (selective, head), timing; then the tape built from them
     with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
-            compile_settings(setup.backend):
+            compile_settings(setup.backend), _forgetting(step.model, setup.backend):
         stage("warm-up step")
         chain = _chain(setup, in_order=blocks is not None,
                        timed=timed and setup.backend is None)  # compiled: timed compiled
@@ -411,6 +412,18 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
     notes += [why] if why else []
     return _tape(setup, chain, base, selective, times, head=head,
                  notes=notes + untimed + chain.notes + cache_notes + base.plain.mem.notes)
+
+
+@contextmanager
+def _forgetting(model: nn.Module, backend: str | None) -> Iterator[None]:
+    """A compiled profile compiles every block once per option: afterwards Dynamo forgets
+    that code, so that the user's own compile is not past its recompile limit
+    (``forget_compiled``)."""
+    try:
+        yield
+    finally:
+        if backend is not None:
+            forget_compiled(model)
 
 
 def _timing(setup: _Setup, chain: _Chain, repeats: int, timed: bool,
