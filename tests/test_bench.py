@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autoremat import Decision, Plan, RematError, zoo
-from autoremat._bench.measure import build_target, plan_key
+from autoremat._bench.measure import build_target
 from autoremat._bench.refs import sequential_chain
 from autoremat._bench.report import (
     SCHEMA_VERSION,
@@ -37,6 +37,7 @@ from autoremat._bench.rows import (
 )
 from autoremat._cli.bench import bench_main
 from autoremat._measure.blocks import resolve_blocks
+from autoremat._plan.plan import plan_key
 
 # Small enough for a few seconds a step on a busy 2-core machine, large enough that
 # activations dominate the step so that "50%" is a feasible budget. Larger than

@@ -75,17 +75,26 @@ def test_compile_claims_read_from_bench_rows(tmp_path: Path) -> None:
     def mine(budget: str, peak: int, ratio: float) -> BenchRow:
         return BenchRow(AUTO_COMPILE, budget, "ok", peak_bytes=peak, budget_bytes=1000,
                         time_ratio=ratio, peak_source="allocator")
+    interleaved = dataclasses.replace(mine("peak of torch.compile 0.8", 990, 1.5),
+                                      versus_ratio=1.01)  # judged by the paired time
     rows = [ref(COMPILE, "1 (no budget)"), mine("peak of torch.compile 1", 990, 1.019),
             ref(COMPILE_BLOCK, "-"), mine(f"peak of {COMPILE_BLOCK}", 990, 1.03),  # slow
             ref(COMPILE, "0.5"), mine("peak of torch.compile 0.5", 1001, 0.9),  # over
-            ref(COMPILE_SAC, "-", "error")]
+            ref(COMPILE_SAC, "-", "error"), ref(COMPILE, "0.8"), interleaved,
+            mine("min", 999, 1.4)]  # the smallest plan: at or below per-block's peak
     payload = {"complete": True, "models": [{"target": "gpt2",
                                              "rows": [dataclasses.asdict(r) for r in rows]}]}
     (tmp_path / "results_cuda.json").write_text(json.dumps(payload))
     claims = suite._bench_parse(_ctx(tmp_path), tmp_path, 0)
-    assert [c.status for c in claims] == ["PASS", "FAIL", "FAIL", "NOT RUN"]
+    assert [c.status for c in claims] == ["PASS", "FAIL", "FAIL", "NOT RUN", "PASS", "PASS"]
     assert "x1.019 vs the reference's x1.000" in claims[0].figure
     assert "reference error" in claims[3].figure
+    assert "x1.010 the reference's, interleaved in one process" in claims[4].figure
+    assert "smallest compiled plan" in claims[5].claim and claims[5].figure.startswith("0.0")
+    rows[-1] = mine("min", 1001, 1.0)  # above per-block's peak
+    payload["models"][0]["rows"] = [dataclasses.asdict(r) for r in rows]
+    (tmp_path / "results_cuda.json").write_text(json.dumps(payload))
+    assert suite._bench_parse(_ctx(tmp_path), tmp_path, 0)[-1].status == "FAIL"
     assert suite._bench_parse(_ctx(tmp_path), tmp_path / "nothing", 1)[0].status == "NOT RUN"
 
 

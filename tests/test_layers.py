@@ -62,8 +62,10 @@ LAYERS: dict[str, int] = {
     "autoremat._verify": 6,
     "autoremat._auto": 7,
     "autoremat._bench": 8,
+    "autoremat._callbacks": 8,
     "autoremat._cli": 9,
     "autoremat.hf": 9,
+    "autoremat.lightning": 9,
     "autoremat.__main__": 10,
     "autoremat": 10,
 }
@@ -168,9 +170,10 @@ def test_no_import_cycles() -> None:
 
 
 def test_internal_modules_are_private() -> None:
-    """Only ``autoremat``, ``autoremat.zoo``, ``autoremat.hf`` and
+    """Only ``autoremat``, ``autoremat.zoo``, ``autoremat.hf``, ``autoremat.lightning`` and
     ``autoremat.distributed`` are public; everything else is ``_private``."""
-    public = {"autoremat", "autoremat.zoo", "autoremat.hf", "autoremat.distributed"}
+    public = {"autoremat", "autoremat.zoo", "autoremat.hf", "autoremat.lightning",
+              "autoremat.distributed"}
     exposed = [m for m in _graph() if m not in public
                and not any(part.startswith("_") for part in m.split(".")[1:])]
     assert not exposed, f"modules with a public path: {exposed}"
@@ -201,10 +204,11 @@ def test_modules_export_only_what_they_define() -> None:
 
 
 def test_autoremat_does_not_import_the_optional_hf_module() -> None:
-    """``autoremat.hf`` imports transformers, an optional extra: ``import autoremat`` must
-    work without it, so the package's ``__init__`` never imports ``autoremat.hf``."""
+    """``autoremat.hf`` and ``autoremat.lightning`` import optional extras (transformers,
+    lightning): ``import autoremat`` must work without them, so the package's
+    ``__init__`` imports neither."""
     imported = {target for target, _, _ in _imports(SRC / "__init__.py")}
-    assert "autoremat.hf" not in imported
+    assert not {"autoremat.hf", "autoremat.lightning"} & imported
 
 
 # --- one decision vocabulary -----------------------------------------------------------------

@@ -73,7 +73,6 @@ from autoremat._bench.measure import (
     describe_plan,
     first_line,
     largest_grad,
-    plan_key,
     ratio_range,
     time_step,
 )
@@ -95,7 +94,7 @@ from autoremat._core.step import Step, describe_inputs
 from autoremat._core.units import format_bytes, parse_budget
 from autoremat._measure.blocks import resolve_blocks
 from autoremat._measure.tape import Tape
-from autoremat._plan.plan import Plan
+from autoremat._plan.plan import Plan, plan_key
 from autoremat._plan.strategies import plan, smallest_feasible_bytes
 from autoremat._profile.profile import profile
 from autoremat._verify import NOISE_MULTIPLE, max_grad_diff

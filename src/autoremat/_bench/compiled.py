@@ -84,7 +84,6 @@ from autoremat._bench.measure import (
     describe_plan,
     first_line,
     largest_grad,
-    plan_key,
     ratio_range,
 )
 from autoremat._bench.refs import per_block, sac_per_block
@@ -115,7 +114,7 @@ from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import os_peak_bytes, reset_os_peak, track_allocator
 from autoremat._measure.tape import Tape
 from autoremat._measure.timing import time_ms
-from autoremat._plan.plan import Plan
+from autoremat._plan.plan import Plan, plan_key
 from autoremat._profile.profile import profile
 from autoremat._profile.runs import compile_settings
 from autoremat._verify import max_grad_diff

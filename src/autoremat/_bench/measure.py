@@ -24,11 +24,11 @@ from autoremat._core.errors import RematError
 from autoremat._core.step import Step
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
-from autoremat._plan.plan import Plan, plan_key
+from autoremat._plan.plan import Plan
 from autoremat._targets import load_target
 
 __all__ = ["DTYPES", "BenchMeasure", "bench_measure", "build_target", "describe_plan", "first_line",
-           "largest_grad", "plan_key", "ratio_range", "resolve_device", "time_step"]
+           "largest_grad", "ratio_range", "resolve_device", "time_step"]
 
 
 def resolve_device(text: str) -> torch.device:
