@@ -204,8 +204,10 @@ def _save_random_draws(graph: torch.fx.Graph) -> None:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+@functools.cache
 def _random_draws_pass() -> Any:
-    """The pass as Inductor's cache wants it: a ``CustomGraphPass`` with a ``uuid``."""
+    """The pass as Inductor's cache wants it: a ``CustomGraphPass`` with a ``uuid`` (one,
+    made on first use)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class SaveRandomDraws(CustomGraphPass):

@@ -227,13 +227,13 @@ _OWN_CHECKPOINTING = ("torch.utils.checkpoint in its forward, or Hugging Face's 
                       "gradient checkpointing: model.gradient_checkpointing_disable()")
 
 
-def _discovered_chain(model: nn.Module, names: list[str], probe: _Probe,
+def _discovered_chain(model: nn.Module, probe: _Probe,
                       marks: list[str]) -> tuple[list[str], list[str]]:
     """The blocks found by discovery that a plan can use, in the order they ran, and
     notes on what changed. Blocks that backward never runs through (frozen, with an input
     that needs no gradient: the lower layers of a partial fine-tune) save nothing for
     backward, so there is nothing to recompute in them: they leave the chain."""
-    notes, order = [], probe.order
+    names, notes, order = probe.names, [], probe.order
     if order != sorted(order):
         # a discovered chain goes in the order it runs (NOTE [ Stacks beside the chain ])
         notes.append(f"the blocks found run in another order than they are defined; "
@@ -777,7 +777,7 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
     clock.sync()
     notes: list[str] = []
     if not in_order:
-        names, notes = _discovered_chain(model, names, warm, seen)
+        names, notes = _discovered_chain(model, warm, seen)
     # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
     # the blocks it stamped, in the same order
     stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))
