@@ -931,6 +931,30 @@ def _models() -> list[Case]:
     add("estimate(..., dtype=torch.int8)",
         lambda: autoremat.estimate(Net(), x(), device="cpu", dtype=torch.int8),
         "floating dtype", "torch.int8")
+
+    class DepthNet(Net):
+        def forward(self, x: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+            h = self.embed(x)
+            for block in self.blocks[:depth]:
+                h = block(h)
+            return self.head(h)
+
+    def depth_step(strategy: str, profiled: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = DepthNet(6)
+        plain = copy.deepcopy(model)
+        inputs = x()
+        tape = quick_profile(model, {"x": inputs, **profiled}, loss_fn=default_loss)
+        autoremat.apply(model, autoremat.plan(tape, None, strategy))
+        same_grads(step(plain, {"x": inputs, "depth": 3})[0],
+                   step(model, {"x": inputs, "depth": 3})[0])
+
+    add("train with a keyword that skips the last block of a planned segment",
+        lambda: depth_step("sqrt", {"depth": 6}), "did not run", "arguments the loop passes")
+    add("train with a keyword that skips blocks planned one by one",
+        lambda: depth_step("full", {"depth": 6}))
+    add("train with a keyword the profile did not pass",
+        lambda: depth_step("full", {}), "depth=3", "did not pass")
     return c
 
 

@@ -292,6 +292,20 @@ def test_within_reads_the_planned_signature() -> None:
     assert within("(8, 16) float32, (8,) int64", (torch.zeros(8, 16), torch.zeros(5).long()))
 
 
+def test_a_setting_the_profile_did_not_pass_is_named_as_such() -> None:
+    # a keyword that is no tensor (output_attentions=True, a depth) may change what the
+    # step holds either way: the warning names it, not "the shapes", which are within
+    added = importlib.import_module("autoremat._apply")._added_settings
+    planned = "input_ids: (4, 128) int64, labels: (4, 128) int64"
+    ids = torch.zeros(2, 100, dtype=torch.long)
+    assert added(planned, {"input_ids": ids, "labels": ids, "output_attentions": True,
+                           "use_cache": False}) == ["output_attentions=True"]
+    assert added(planned, {"input_ids": ids, "labels": ids}) == []
+    assert added(planned, {"input_ids": ids, "labels": ids, "mask": ids}) == []  # a tensor
+    wider = torch.zeros(8, 128, dtype=torch.long)  # larger: the shapes' warning, not this
+    assert added(planned, {"input_ids": wider, "labels": wider, "depth": 3}) == []
+
+
 # --- awkward models --------------------------------------------------------------------------
 
 

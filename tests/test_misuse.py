@@ -600,3 +600,68 @@ def test_a_failure_that_does_not_come_back_is_not_blamed_on_the_hooks() -> None:
     assert not isinstance(info.value, autoremat.RematError)
     assert sys.version_info < (3, 11) or info.value.__notes__[-1] == (
         "autoremat: the step ran when tried again, with saved-tensor hooks and without")
+
+
+# --- a keyword that changes which blocks run -----------------------------------------------
+
+
+class _Depth(nn.Module):
+    """Six blocks; ``depth=`` runs the first ``depth`` of them, ``twice=`` runs one again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Body(16) for _ in range(6))
+
+    def forward(self, x: torch.Tensor, depth: int = 6, twice: int | None = None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks[:depth]):
+            x = block(x)
+            if i == twice:
+                x = self.blocks[0](x)
+        return x.pow(2).mean()
+
+
+def _depth_step(model: nn.Module, x: torch.Tensor, **kwargs: int) -> list[torch.Tensor | None]:
+    _zero(model)
+    torch.manual_seed(0)
+    model(x, **kwargs).backward()
+    grads = _grads(model)
+    _zero(model)
+    return grads
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"depth": 3}, r"segment blocks\.2\.\.blocks\.3 began in this forward, but its block "
+                   r"'blocks\.3' did not run \(3 of the plan's 6 blocks did not: blocks\.3, "
+                   r"blocks\.4, blocks\.5\)"),
+    ({"twice": 0}, r"segment blocks\.0\.\.blocks\.1 started again before its last block, "
+                   r"'blocks\.1', ran"),
+], ids=["skips", "again"])
+def test_a_keyword_that_changes_the_blocks_of_a_segment_is_named(
+        kwargs: dict[str, int], message: str) -> None:
+    # both ended in backward's "ran other ops when it was recomputed", or in "started
+    # again before its last block ran" with no word of why
+    torch.manual_seed(0)
+    model, x = _Depth(), torch.randn(4, 16)
+    tape = autoremat.profile(model, x, timing=False)
+    plan = plan_of_segments(tape, [(0, 2, RECOMPUTE), (2, 4, RECOMPUTE), (4, 6, RECOMPUTE)],
+                            "test")
+    autoremat.apply(model, plan)
+    with pytest.raises(autoremat.PlanMismatchError, match=message) as info:
+        model(x, **kwargs).backward()
+    assert "Profile the step with the arguments the loop passes" in str(info.value)
+    before = _depth_step(model, x)  # the next step runs as planned
+    autoremat.remove(model)
+    _assert_equal(_depth_step(model, x), before)
+
+
+def test_a_keyword_that_skips_blocks_planned_one_by_one_is_exact_and_silent() -> None:
+    # the correct-use twin: blocks that stand alone may be skipped
+    torch.manual_seed(0)
+    model, x = _Depth(), torch.randn(4, 16)
+    tape = autoremat.profile(model, x, timing=False)
+    plain = _depth_step(model, x, depth=3)
+    autoremat.apply(model, autoremat.plan(tape, strategy="full"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _depth_step(model, x, depth=3)
+    _assert_equal(plain, got)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -52,7 +53,7 @@ from autoremat._mechanism.compiled import (
 from autoremat._mechanism.engines import model_class_name, unwrapped
 from autoremat._mechanism.head import HeadInstall, HeadSite, install_head, uninstall_head
 from autoremat._mechanism.offload import offload
-from autoremat._mechanism.segments import SegmentRunner, refuse_under_fsdp
+from autoremat._mechanism.segments import SEGMENT_ADVICE, SegmentRunner, refuse_under_fsdp
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
 from autoremat._plan.plan import Plan
@@ -554,10 +555,35 @@ def _shape_check(state: _Applied, module: nn.Module, args: Any, kwargs: Any) -> 
     if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
             and not _within(state.plan.inputs, _without_scalars(inputs)):
         state.warned.add(signature)
+        added = _added_settings(state.plan.inputs, inputs)
+        if added:
+            warnings.warn(
+                f"autoremat: the model now runs with {', '.join(added)}, which the step "
+                f"profiled did not pass (it ran on {state.plan.inputs}). A setting can "
+                f"change what the step holds (output_attentions=True holds every "
+                f"attention map), and the plan's prediction is for the step without it: "
+                f"profile and plan with the arguments the loop passes (autoremat.auto).",
+                ShapeMismatchWarning, stacklevel=2)
+            return
         warnings.warn(
             f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
             f"runs on {signature}. Its memory prediction no longer holds: re-plan "
             f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
+
+
+def _added_settings(planned: str, inputs: Any) -> list[str]:
+    """The keywords, neither tensors nor turned off, that ``inputs`` add to a batch
+    otherwise within the plan's (NOTE [ Smaller batches are within the plan ]): the
+    step they change is one the plan did not measure, which may hold more or less."""
+    if not isinstance(inputs, Mapping):
+        return []
+    known = {m["name"] for m in _ENTRY.finditer(planned)}
+    added = {k: v for k, v in inputs.items() if k not in known
+             and not isinstance(v, torch.Tensor) and v is not None and v is not False}
+    rest = {k: v for k, v in inputs.items() if k not in added}
+    if not added or not _within(planned, _without_scalars(rest)):
+        return []
+    return [f"{k}={v!r}" if isinstance(v, (bool, int, float, str)) else k for k, v in added.items()]
 
 
 def _unnamed(signature: str) -> str:
@@ -595,7 +621,10 @@ def _check_setting(module: nn.Module, inputs: Any, state: _Applied) -> None:
 #     sequence (Hugging Face's DataCollatorWithPadding), which a plan for the longest
 #     length covers. So only a batch larger in some dimension, another set of tensors,
 #     or another dtype is warned about; a keyword that turns something off (``False``,
-#     ``None``: ``use_cache=False``) adds nothing to hold and is no reason either.
+#     ``None``: ``use_cache=False``) adds nothing to hold and is no reason either. A
+#     keyword that is no tensor and that the profile did not pass (``depth=3``,
+#     ``output_attentions=True``) makes a step the plan did not measure, which may hold
+#     more or less: the warning names that keyword, not the shapes (``_added_settings``).
 _ENTRY = re.compile(r"(?:(?P<name>\w+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)|"
                     r"(?P<type>\w+))(?:, |$)")
 
@@ -648,9 +677,23 @@ def _without_scalars(inputs: Any) -> Any:
 
 
 def _close_segments(state: _Applied, module: nn.Module, args: Any, output: Any) -> None:
+    unfinished = [(runner, runner.waiting_for()) for runner in state.runners
+                  if runner.waiting_for() is not None]
     for runner in state.runners:
         runner.abort()  # no-op after a normal forward; closes frames after an error
     calls, state.calls = state.calls, None
+    if unfinished and sys.exc_info()[0] is None:  # the forward ended, not raised
+        runner, name = unfinished[0]
+        skipped = [] if calls is None else [
+            block.name for block, n in zip(state.plan.blocks, calls, strict=True) if n == 0]
+        raise PlanMismatchError(
+            f"segment {runner.names[0]}..{runner.names[-1]} began in this forward, but "
+            f"its block {name!r} did not run"
+            + (f" ({len(skipped)} of the plan's {len(calls or [])} blocks did not: "
+               f"{', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})"
+               if skipped else "")
+            + f"; the plan was profiled on a step that runs every block once (an argument "
+            f"that changes which blocks run?). {SEGMENT_ADVICE}")
     if calls is not None:  # a forward with gradients
         _watch_backward(state, output)
     again = [] if calls is None else [

@@ -71,6 +71,13 @@ def refuse_under_fsdp(names: list[str], modules: list[nn.Module]) -> None:
             "by one, and broadcast that plan")
 
 
+SEGMENT_ADVICE = (
+    "A segment is recomputed as one run from its first block to its last, so its blocks "
+    "must run once each, in order. Profile the step with the arguments the loop passes "
+    "(autoremat.auto(model, inputs, ...) with the same keywords), or plan a step whose "
+    "blocks it changes with strategy='full' or 'every:K', whose blocks stand alone")
+
+
 @dataclass
 class SegmentRunner:
     """Hooks that make ``modules`` (consecutive blocks) one checkpointed segment.
@@ -113,8 +120,14 @@ class SegmentRunner:
             handle.remove()
         self._handles = []
 
+    def waiting_for(self) -> str | None:
+        """The block an open frame waits for (``None``: no frame open): set between the
+        segment's first block and its last in a forward with gradients."""
+        return None if self._gen is None else self.names[len(self._calls)]
+
     def abort(self) -> None:
-        """Close an open frame (the forward raised between the first and last block)."""
+        """Close an open frame (the forward raised, or ended, between the first and last
+        block)."""
         gen, self._gen = self._gen, None
         self._calls, self._prev_out, self._inputs, self._versions = [], [], [], []
         if gen is not None:
@@ -130,8 +143,11 @@ class SegmentRunner:
         if i == 0:
             if self._gen is not None:
                 self.abort()
-                raise RematError(f"segment {self.names[0]}..{self.names[-1]} started "
-                                 f"again before its last block ran")
+                raise PlanMismatchError(
+                    f"segment {self.names[0]}..{self.names[-1]} started again before its "
+                    f"last block, {self.names[-1]!r}, ran: this forward runs the blocks in "
+                    f"another order, or skips some, than the step the plan was profiled "
+                    f"on (an argument that changes which blocks run?). {SEGMENT_ADVICE}")
             refuse_under_func_transforms(self._label)
             calls = [_Call(module, args, kwargs)]
             self._calls = calls  # this step's calls; the frame replays exactly these
