@@ -367,13 +367,13 @@ def _head_steps(monkeypatch) -> list[int]:
     """Counts the memory steps ``_head_options`` runs."""
     options = importlib.import_module("autoremat._profile.options")
     steps: list[int] = []
-    run = options._memory_run
+    run = options.memory_run
 
     def counted(*args, **kwargs):
         steps.append(1)
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(options, "_memory_run", counted)
+    monkeypatch.setattr(options, "memory_run", counted)
     return steps
 
 

@@ -682,7 +682,7 @@ def check_derived_options(model: nn.Module, inputs: Any, loss_fn: Any,
     from autoremat._core.step import Step
     from autoremat._measure.flops import FlopCounter
     from autoremat._mechanism.selective import selective_context
-    from autoremat._profile.runs import _Contexts, _memory_run
+    from autoremat._profile.runs import Contexts, memory_run
 
     options_module = importlib.import_module("autoremat._profile.options")
     derived = options_module._derived
@@ -707,8 +707,8 @@ def check_derived_options(model: nn.Module, inputs: Any, loss_fn: Any,
                                     signature=op_signature([o.op for o in block.ops])) \
             if is_keep_set(key) else selective_context(save_set_of(key))
         counter = FlopCounter()
-        run = _memory_run(step, names, (Decision.RECOMPUTE,) * n,
-                          _Contexts({names[i]: context}), rounding=None, counter=counter)
+        run = memory_run(step, names, (Decision.RECOMPUTE,) * n,
+                          Contexts({names[i]: context}), rounding=None, counter=counter)
         for p in model.parameters():
             p.grad = None
         flops = counter.by_label.get((names[i], "bwd"), 0) - block.bwd_flops

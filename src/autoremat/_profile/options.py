@@ -35,7 +35,7 @@ NOTE [ Alternations shared by alike blocks ]
     ops, input and output bytes, windows and releases) measure alike in these too, so
     the second step is skipped when every block after the first has an alike block
     after the first that the first alternation measured with each missing pair, and
-    takes that block's figures (``_by_pairs``). Block 0 neither gives nor takes: its
+    takes that block's figures (``by_pairs``). Block 0 neither gives nor takes: its
     "previous block" is the stem, never a block of the chain. A stack of three or more
     identical layers saves a step; ``test_profile`` checks the figures against the
     second step's.
@@ -82,17 +82,17 @@ from autoremat._plan.costs import CostModel, head_cost
 from autoremat._plan.keepsets import keep_sets
 from autoremat._profile.derive import derive
 from autoremat._profile.runs import (
-    _checkpointed_flops,
-    _Contexts,
-    _flops,
-    _forward_window,
-    _marks,
-    _memory_run,
-    _MemoryRun,
-    _Pattern,
-    _recompute_flops,
-    _released_at_fwd_end,
-    _Setup,
+    Contexts,
+    MemoryRun,
+    Pattern,
+    Setup,
+    checkpointed_flops,
+    first_marks,
+    forward_window,
+    memory_run,
+    recompute_flops_by_block,
+    recorded_step,
+    released_at_fwd_end,
 )
 
 __all__ = ["HEAD_CHUNKS"]
@@ -102,12 +102,12 @@ __all__ = ["HEAD_CHUNKS"]
 HEAD_CHUNKS = (4, 32)
 
 
-def _patterns(n: int, offload: bool) -> list[_Pattern]:
+def _patterns(n: int, offload: bool) -> list[Pattern]:
     """The memory runs of a profile, as the decision of each block: every block kept,
     every one recomputed, then alternations so that each block is measured after a
-    neighbour of each other decision (``_by_pairs``); with ``offload``, the same for
+    neighbour of each other decision (``by_pairs``); with ``offload``, the same for
     offload and offload_input."""
-    def alternate(even: Decision, odd: Decision) -> _Pattern:
+    def alternate(even: Decision, odd: Decision) -> Pattern:
         return tuple(even if i % 2 == 0 else odd for i in range(n))
 
     keep, recompute = Decision.KEEP, Decision.RECOMPUTE
@@ -126,8 +126,8 @@ def _patterns(n: int, offload: bool) -> list[_Pattern]:
 _T = TypeVar("_T")
 
 
-def _by_pairs(runs: dict[_Pattern, _MemoryRun], i: int,
-              value: Callable[[_Pattern, _MemoryRun, int], _T],
+def by_pairs(runs: dict[Pattern, MemoryRun], i: int,
+              value: Callable[[Pattern, MemoryRun, int], _T],
               alike: Sequence[int] = (), local: bool = False) -> dict[WindowKey, _T]:
     """``value(pattern, run, i)`` keyed by block ``i``'s (previous decision, own
     decision), from the first run made with each pair (its windows and what else that
@@ -155,7 +155,7 @@ def _by_pairs(runs: dict[_Pattern, _MemoryRun], i: int,
 _Place = tuple[str, int]  # a window of a step: ("F" | "B", block), "pre", "post", "tail", "never"
 
 
-def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
+def _placer(run: MemoryRun, n: int) -> Callable[[int | None], _Place]:
     """The window event ``k`` of ``run`` falls in (``None``: never freed)."""
     # bwd[i + 1] < k <= bwd[i]: block i's backward (NOTE [ Block boundaries in backward ])
     bwd = run.ends
@@ -164,7 +164,7 @@ def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
     def place(event: int | None) -> _Place:
         if event is None:
             return ("never", 0)
-        block = _forward_window(run, event)
+        block = forward_window(run, event)
         if block is not None:
             return ("F", block)
         if event <= run.bounds[0]:
@@ -177,7 +177,7 @@ def _placer(run: _MemoryRun, n: int) -> Callable[[int | None], _Place]:
     return place
 
 
-def _pairs_local(runs: dict[_Pattern, _MemoryRun], n: int) -> bool:
+def _pairs_local(runs: dict[Pattern, MemoryRun], n: int) -> bool:
     """Whether no block's windows can depend on its predecessor's mode, read from the
     kept and the checkpointed steps (NOTE [ Pairs that cannot differ ])."""
     handed_on: list[list[list[int]]] = []  # per step, per block: bytes block i + 1 frees
@@ -212,18 +212,18 @@ def _pairs_local(runs: dict[_Pattern, _MemoryRun], n: int) -> bool:
     return handed_on[0] == handed_on[1] and freed_by_first[0] == freed_by_first[1]
 
 
-def _pairs_missing(runs: dict[_Pattern, _MemoryRun], n: int, alike: Sequence[int],
+def _pairs_missing(runs: dict[Pattern, MemoryRun], n: int, alike: Sequence[int],
                    measured: int) -> bool:
     """Whether some block ``i > 0`` has a pair of the ``measured`` whole-block
     decisions that neither it nor an alike block ``j > 0`` was measured with."""
     for i in range(1, n):
-        have = _by_pairs(runs, i, lambda _, run, k: None, alike)
+        have = by_pairs(runs, i, lambda _, run, k: None, alike)
         if len(have) < measured ** 2:
             return True
     return False
 
 
-def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
+def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
                     stage: Callable[[str], None] = lambda _: None,
                     ) -> list[dict[str, SelectiveProfile]]:
     """Each block's selective options (save-sets of op kinds, keep-sets by position),
@@ -263,13 +263,13 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
             for i in members[like]:
                 if keys:
                     chosen[i] = keys.pop(0)
-        contexts = _Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
+        contexts = Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
                              {names[i]: options[i][key][1] for i, key in chosen.items()})
         counter = FlopCounter() if setup.backend is None else None
-        run = _memory_run(step, names, (Decision.RECOMPUTE,) * len(names), contexts,
+        run = memory_run(step, names, (Decision.RECOMPUTE,) * len(names), contexts,
                           rounding=setup.rounding, backend=setup.backend, counter=counter)
-        flops = _recompute_flops(counter, plain, names) if counter is not None else \
-            _checkpointed_flops(step, names, plain, contexts.eager)
+        flops = recompute_flops_by_block(counter, plain, names) if counter is not None else \
+            checkpointed_flops(step, names, plain, contexts.eager)
         for i, key in chosen.items():
             measured[alike[i], key] = (run.fwd[i], run.bwd[i], flops[i])
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
@@ -281,8 +281,8 @@ def _selective_runs(names: list[str], base: _BaseRuns, setup: _Setup,
     return out
 
 
-def _derived(base: _BaseRuns, i: int, key: str, option: SelectiveProfile,
-             ops: tuple[OpRecord, ...], setup: _Setup,
+def _derived(base: BaseRuns, i: int, key: str, option: SelectiveProfile,
+             ops: tuple[OpRecord, ...], setup: Setup,
              ) -> tuple[WindowMemory, WindowMemory, int] | None:
     """Option ``key`` of block ``i`` derived from the checkpointed step, or ``None``
     (NOTE [ Selective windows from the checkpointed step ])."""
@@ -330,7 +330,7 @@ def _selective_options(names: list[str], op_stats: list[dict[str, OpStats]],
     return options
 
 
-def _alike(model: nn.Module, names: list[str], runs: dict[_Pattern, _MemoryRun],
+def _alike(model: nn.Module, names: list[str], runs: dict[Pattern, MemoryRun],
            ops: list[tuple[OpRecord, ...]]) -> list[int]:
     """Per block, the first block that measures as it does (itself if none): the same
     class, parameters, input and output bytes and ops (``ms`` aside), and the same
@@ -341,7 +341,7 @@ def _alike(model: nn.Module, names: list[str], runs: dict[_Pattern, _MemoryRun],
     # what the model made before the chain and releases when the forward returns is
     # filed under block 0 but is not made by it: HF GPT-2's position ids made its first
     # layer unlike the others, and its 11 selective options took 11 steps instead of 2
-    released = [_released_at_fwd_end(run, n, before_chain=False) for run in (kept, ckpt)]
+    released = [released_at_fwd_end(run, n, before_chain=False) for run in (kept, ckpt)]
     first: dict[tuple[Any, ...], int] = {}
     out = []
     for i, name in enumerate(names):
@@ -369,10 +369,10 @@ def _partial(recompute_bytes: int, recompute_ops: int, keep: tuple[int, ...] = (
 
 
 @dataclass(frozen=True)
-class _BaseRuns:
+class BaseRuns:
     """The memory steps of whole-block decisions, and the FLOPs and ops counted in them."""
 
-    runs: dict[_Pattern, _MemoryRun]  # by the decision of each block (_patterns)
+    runs: dict[Pattern, MemoryRun]  # by the decision of each block (_patterns)
     counter: OpRecorder  # the plain step's FLOPs by block, and its ops
     recompute_flops: list[int]  # per block, checkpointed on its own
     grad_bytes: int  # all gradients after the plain step
@@ -385,13 +385,13 @@ class _BaseRuns:
     tags: list[RegionCall | None] = dataclasses.field(default_factory=list)
 
     @property
-    def plain(self) -> _MemoryRun:
+    def plain(self) -> MemoryRun:
         return self.runs[(Decision.KEEP,) * len(self.recompute_flops)]
 
 
-def _base_runs(names: list[str], setup: _Setup,
+def base_runs(names: list[str], setup: Setup,
                stage: Callable[[str], None] = lambda _: None, *,
-               tag: bool = False) -> _BaseRuns:
+               tag: bool = False) -> BaseRuns:
     """One memory step per pattern of whole-block decisions (``_patterns``); eager, the plain
     one also records FLOPs and ops, and the checkpointed one recompute FLOPs
     (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them.
@@ -403,7 +403,7 @@ def _base_runs(names: list[str], setup: _Setup,
     eager = backend is None
     counter = OpRecorder()
     ckpt_counter = FlopCounter() if eager else None
-    runs: dict[_Pattern, _MemoryRun] = {}
+    runs: dict[Pattern, MemoryRun] = {}
     bandwidth = 0.0
     alike: list[int] = []
     local = False
@@ -414,7 +414,7 @@ def _base_runs(names: list[str], setup: _Setup,
     for pattern in patterns:
         if len(runs) == 2:  # kept and checkpointed: which blocks measure alike
             if not eager:  # NOTE [ Profiling a compiled step ]: FLOPs and ops from eager
-                counter = _flops(step, names)
+                counter = recorded_step(step, names)
             alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
             local = eager and not setup.offload and _pairs_local(runs, n)
             if local:
@@ -423,8 +423,8 @@ def _base_runs(names: list[str], setup: _Setup,
                 not _pairs_missing(runs, n, alike, 2):
             break  # NOTE [ Alternations shared by alike blocks ]
         stage(f"memory runs {len(runs) + 1}/{len(patterns)}")
-        runs[pattern] = _memory_run(step, names, pattern,
-                                    _Contexts(dict[str, ContextFn](taggers))
+        runs[pattern] = memory_run(step, names, pattern,
+                                    Contexts(dict[str, ContextFn](taggers))
                                     if pattern == ckpt else None,
                                     rounding=setup.rounding, backend=backend,
                                     counter={kept: counter, ckpt: ckpt_counter}.get(pattern)
@@ -442,14 +442,14 @@ def _base_runs(names: list[str], setup: _Setup,
         p.grad = None
     if len(alike) != n:  # a chain of one block
         if not eager:
-            counter = _flops(step, names)
+            counter = recorded_step(step, names)
         alike = _alike(model, names, runs, [counter.block_ops(name) for name in names])
-    recompute_flops = _recompute_flops(ckpt_counter, counter, names) \
+    recompute_flops = recompute_flops_by_block(ckpt_counter, counter, names) \
         if ckpt_counter is not None else \
-        _checkpointed_flops(step, names, counter)
+        checkpointed_flops(step, names, counter)
     tags = [taggers[name].calls[0] if name in taggers and len(taggers[name].calls) == 1
             else None for name in names]
-    return _BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
+    return BaseRuns(runs=runs, counter=counter, recompute_flops=recompute_flops,
                      grad_bytes=grad_bytes, block_grad_bytes=block_grad_bytes,
                      host_bandwidth=bandwidth, alike=alike, local=local, tags=tags)
 
@@ -479,7 +479,7 @@ def _base_runs(names: list[str], setup: _Setup,
 #     step's exactly, or a replay does not end at the same level, the others are
 #     measured in steps of their own. ``test_head`` checks the replayed options against
 #     measured ones.
-def _head_options(names: list[str], site: HeadSite, setup: _Setup,
+def _head_options(names: list[str], site: HeadSite, setup: Setup,
                   backends: Sequence[str] = ("",)) -> tuple[HeadProfile | None, str]:
     """The head options of ``site`` by ``backends`` (NOTE [ Measuring the head ], NOTE
     [ One head option measured, the others replayed ], NOTE [ Head backends ]); or
@@ -489,7 +489,7 @@ def _head_options(names: list[str], site: HeadSite, setup: _Setup,
     weight = model.get_submodule(site.name).weight
     weight_bytes = cast(torch.Tensor, weight).untyped_storage().nbytes()
     options = {}
-    first: tuple[_MemoryRun, HeadCall, int] | None = None
+    first: tuple[MemoryRun, HeadCall, int] | None = None
     for choice in head_options_of(backends):
         chunks, backend = choice.chunks, choice.backend
         replayed = _replayed(first, chunks, setup.rounding, backend) \
@@ -500,7 +500,7 @@ def _head_options(names: list[str], site: HeadSite, setup: _Setup,
             calls: list[HeadCall] = []
             with head_installed(model, site, chunks, backend) as install, \
                     _head_watched(calls):
-                run = _memory_run(step, names, (Decision.KEEP,) * len(names),
+                run = memory_run(step, names, (Decision.KEEP,) * len(names),
                                   rounding=setup.rounding)
             if install is None or install.calls != 1:
                 count = 0 if install is None else install.calls
@@ -590,17 +590,17 @@ def _replay_levels(call: HeadCall, chunks: int, rounding: Rounding | None,
     with track_memory(rounding) as mem, _head_watched([]):
         loss = run()
     del loss
-    marks = _marks(mem)
+    marks = first_marks(mem)
     return mem.levels[marks["head:start"]:marks["head:end"] + 1]
 
 
-def _replayed(first: tuple[_MemoryRun, HeadCall, int], chunks: int, rounding: Rounding | None,
+def _replayed(first: tuple[MemoryRun, HeadCall, int], chunks: int, rounding: Rounding | None,
               backend: str = "") -> tuple[WindowMemory, WindowMemory, int] | None:
     """``post``, ``tail`` and the step peak of the head over ``chunks`` chunks, from the
     step ``first`` measured with another count (NOTE [ One head option measured, the
     others replayed ]); ``None`` where the replay does not match that step."""
     run, call, measured_chunks = first
-    marks = _marks(run.mem)
+    marks = first_marks(run.mem)
     if "head:start" not in marks or "head:end" not in marks:
         return None
     a, b = marks["head:start"], marks["head:end"]
@@ -631,7 +631,7 @@ def _replayed(first: tuple[_MemoryRun, HeadCall, int], chunks: int, rounding: Ro
     return window(start, stop), window(ends[0], len(levels) - 1), max(new)
 
 
-def _head(names: list[str], setup: _Setup, with_head: bool | Sequence[str],
+def profile_head(names: list[str], setup: Setup, with_head: bool | Sequence[str],
           stage: Callable[[str], None]) -> tuple[HeadProfile | None, str]:
     """The loss head's options, where the model has a head autoremat can chunk (NOTE
     [ Which heads can be chunked ]); else ``None`` and why ("" when it has no head)."""

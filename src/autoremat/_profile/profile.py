@@ -37,7 +37,7 @@ NOTE [ Pairs that cannot differ ]
     steps (what block 0 holds either way, so no later block is ever its last holder);
     one made in a block's backward dies there, in the previous block's backward or
     never. Then the alternating steps are skipped and the pairs taken from the uniform
-    steps (``_by_pairs(..., local=True)``); ``test_profile`` checks the figures against
+    steps (``by_pairs(..., local=True)``); ``test_profile`` checks the figures against
     the alternating steps'. Eager steps without offload only.
 """
 
@@ -88,24 +88,24 @@ from autoremat._mechanism.offload import OffloadStats
 from autoremat._mechanism.wrap import stashed_buffers
 from autoremat._plan.costs import cost_model_for
 from autoremat._profile.options import (
-    _base_runs,
-    _BaseRuns,
-    _by_pairs,
-    _head,
-    _selective_runs,
+    BaseRuns,
+    base_runs,
+    by_pairs,
     check_head_backends,
+    profile_head,
+    selective_runs,
 )
 from autoremat._profile.runs import (
-    _Chain,
-    _chain,
-    _freed_in_forward,
-    _released_at_fwd_end,
-    _saved_by_block,
-    _Setup,
-    _step_as_run,
-    _Times,
-    _timings,
+    BlockTimes,
+    Chain,
+    Setup,
     compile_settings,
+    find_chain,
+    freed_in_forward,
+    released_at_fwd_end,
+    saved_by_block,
+    step_as_run,
+    timings,
 )
 
 __all__ = ["compile_backend", "profile"]
@@ -146,7 +146,7 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
                    timing: bool, rounding: Rounding | None,
                    device: str | torch.device | None, compile: bool | str, offload: bool,
                    host_bandwidth: float | None,
-                   with_head: bool | Sequence[str] = True) -> _Setup:
+                   with_head: bool | Sequence[str] = True) -> Setup:
     """``profile``'s arguments checked (a mistake fails here, before any work; the step's
     own values were checked when it was made)."""
     backend = compile_backend(compile)
@@ -200,7 +200,7 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
         raise BlockError(f"block {scripted[0]!r} is a TorchScript module (torch.jit.script), "
                          "which autoremat can neither measure nor checkpoint (it takes no "
                          "hooks): plan the eager model, or leave the blocks unscripted")
-    return _Setup(step=step, backend=backend, ran_on=ran_on, target=target,
+    return Setup(step=step, backend=backend, ran_on=ran_on, target=target,
                   cost_model=cost_model, rounding=rounding, offload=offload,
                   host_bandwidth=host_bandwidth, names=names)
 
@@ -225,8 +225,8 @@ def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list
     return notes
 
 
-def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
-          selective: list[dict[str, SelectiveProfile]], times: _Times, *,
+def _tape(setup: Setup, chain: Chain, base: BaseRuns,
+          selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
     """The tape, from what the steps measured."""
     names, runs, plain, counter = chain.names, base.runs, base.plain, base.counter
@@ -234,9 +234,9 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
     skips = bool(layer_drops(model))  # NOTE [ Random layer skipping ]: no segments
     n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
     measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
-    released = {pattern: _released_at_fwd_end(run, n) for pattern, run in runs.items()}
-    frees = _freed_in_forward(plain, n)
-    saved = _saved_by_block(plain)
+    released = {pattern: released_at_fwd_end(run, n) for pattern, run in runs.items()}
+    frees = freed_in_forward(plain, n)
+    saved = saved_by_block(plain)
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
                                    if setup.offload else OffloadStats() for name in names]
                                   for d in (Decision.OFFLOAD, Decision.OFFLOAD_INPUT))
@@ -254,8 +254,8 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
             param_bytes=unique_storage_bytes(list(module.parameters())),
             param_signature=param_signature(module),
             grad_bytes=base.block_grad_bytes[i],
-            fwd=_by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
-            bwd=_by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
+            fwd=by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
+            bwd=by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
             selective=selective[i],
             chained=i > 0 and plain.probe.chained[i] and not skips,
@@ -264,7 +264,7 @@ def _tape(setup: _Setup, chain: _Chain, base: _BaseRuns,
             offload_input_bytes=input_stats[i].host_bytes,
             chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
             if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
-            fwd_end_release={key: v for key, v in _by_pairs(
+            fwd_end_release={key: v for key, v in by_pairs(
                 runs, i, lambda pattern, _, k: released[pattern][k], base.alike,
                 base.local).items() if v},
             fwd_frees=frees[i],
@@ -401,13 +401,13 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
     with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
             compile_settings(setup.backend), _forgetting(step.model, setup.backend):
         stage("warm-up step")
-        chain = _chain(setup, in_order=blocks is not None,
+        chain = find_chain(setup, in_order=blocks is not None,
                        timed=timed and setup.backend is None)  # compiled: timed compiled
-        base = _base_runs(chain.names, setup, stage, tag=with_selective)
-        selective = _selective_runs(chain.names, base, setup, stage) \
+        base = base_runs(chain.names, setup, stage, tag=with_selective)
+        selective = selective_runs(chain.names, base, setup, stage) \
             if with_selective else [{} for _ in chain.names]
         notes = _mode_notes(step.model, chain.names, discovered=blocks is None)
-        head, why = _head(chain.names, setup, with_head, stage)
+        head, why = profile_head(chain.names, setup, with_head, stage)
         times, untimed = _timing(setup, chain, repeats, timed, stage)
     notes += [why] if why else []
     return _tape(setup, chain, base, selective, times, head=head,
@@ -426,14 +426,14 @@ def _forgetting(model: nn.Module, backend: str | None) -> Iterator[None]:
             forget_compiled(model)
 
 
-def _timing(setup: _Setup, chain: _Chain, repeats: int, timed: bool,
-            stage: Callable[[str], None]) -> tuple[_Times, list[str]]:
+def _timing(setup: Setup, chain: Chain, repeats: int, timed: bool,
+            stage: Callable[[str], None]) -> tuple[BlockTimes, list[str]]:
     """The timing stage: up to ``repeats`` uninstrumented steps (medians; the warm-up
     step's times count as the first, NOTE [ Timing repeats ]), or zeros and a note that
     says why none were taken."""
     if not timed:
         why = "meta tensors" if setup.ran_on.type == "meta" else "timing=False"
-        return _Times.unmeasured(len(chain.names)), [f"times not measured ({why})"]
+        return BlockTimes.unmeasured(len(chain.names)), [f"times not measured ({why})"]
     stage(f"timing {repeats} steps")
-    with _step_as_run(setup.step.model, chain.names, [], None, setup.backend):
-        return _timings(setup.step, chain.names, repeats, first=chain.times), []
+    with step_as_run(setup.step.model, chain.names, [], None, setup.backend):
+        return timings(setup.step, chain.names, repeats, first=chain.times), []

@@ -393,7 +393,7 @@ def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bo
     return held
 
 
-def _marks(mem: MemoryTracker) -> dict[str, int]:
+def first_marks(mem: MemoryTracker) -> dict[str, int]:
     found: dict[str, int] = {}
     for event, label in mem.marks:
         found.setdefault(label, event)
@@ -407,7 +407,7 @@ def _window(mem: MemoryTracker, start: int, stop: int) -> WindowMemory:
 
 
 @dataclass
-class _MemoryRun:
+class MemoryRun:
     mem: MemoryTracker
     probe: _Probe
     fwd: list[WindowMemory]
@@ -424,7 +424,7 @@ class _MemoryRun:
 
 
 @dataclass(frozen=True)
-class _Contexts:
+class Contexts:
     """The ``context_fn`` of each selective block: eager, and under compile."""
 
     eager: dict[str, ContextFn] = field(default_factory=dict)
@@ -432,15 +432,15 @@ class _Contexts:
 
 
 @contextmanager
-def _step_as_run(model: nn.Module, names: list[str], chosen: list[str],
-                 contexts: _Contexts | None, backend: str | None,
+def step_as_run(model: nn.Module, names: list[str], chosen: list[str],
+                 contexts: Contexts | None, backend: str | None,
                  offloaded: Sequence[str] = (),
                  inputs_offloaded: Sequence[str] = ()) -> Iterator[dict[str, BlockOffload]]:
     """The ``chosen`` blocks checkpointed (selective ones with their contexts), the
     ``offloaded`` ones offloaded, the ``inputs_offloaded`` ones checkpointed with their
     input offloaded (yields the states of these two) and, with a ``backend``, every
     block compiled on its own (NOTE [ Profiling a compiled step ])."""
-    contexts = contexts or _Contexts()
+    contexts = contexts or Contexts()
     with checkpointed(model, chosen, contexts.eager, contexts.compiled), \
             offloading(model, names, list(offloaded), inputs_offloaded) as states, \
             ExitStack() as stack:
@@ -460,10 +460,10 @@ def compile_settings(backend: str | None) -> Iterator[None]:
         yield
 
 
-def _memory_run(step: Step, names: list[str], decisions: _Pattern,
-                contexts: _Contexts | None = None, *,
+def memory_run(step: Step, names: list[str], decisions: Pattern,
+                contexts: Contexts | None = None, *,
                 rounding: Rounding | None, backend: str | None = None,
-                counter: FlopCounter | None = None) -> _MemoryRun:
+                counter: FlopCounter | None = None) -> MemoryRun:
     """One step measured, block ``i`` under ``decisions[i]``: kept, recomputed (with its
     context from ``contexts``, if any), offloaded, or recomputed with its input
     offloaded. With a ``counter`` (eager only), the same step also counts FLOPs by block
@@ -480,7 +480,7 @@ def _memory_run(step: Step, names: list[str], decisions: _Pattern,
 
     chosen, offloaded = under(Decision.RECOMPUTE), under(Decision.OFFLOAD)
     inputs_offloaded = under(Decision.OFFLOAD_INPUT)
-    with _step_as_run(model, names, chosen, contexts, backend, offloaded,
+    with step_as_run(model, names, chosen, contexts, backend, offloaded,
                       inputs_offloaded) as states:
         # compiled: from the allocator's reports, after a step that compiles (compiling
         # allocates too)
@@ -492,7 +492,7 @@ def _memory_run(step: Step, names: list[str], decisions: _Pattern,
     mem, probe = measured.memory, measured.ran
     internal_assert(mem is not None, "a memory run measures memory")
     assert mem is not None  # for mypy: internal_assert raised otherwise
-    marks = _marks(mem)
+    marks = first_marks(mem)
     n = len(names)
     missing = [f"bwd:{i}" for i in range(n) if f"bwd:{i}" not in marks]
     if missing:
@@ -503,7 +503,7 @@ def _memory_run(step: Step, names: list[str], decisions: _Pattern,
     fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
     ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
     bwd = [_window(mem, ends[i + 1], ends[i]) for i in range(n)]
-    return _MemoryRun(
+    return MemoryRun(
         mem=mem, probe=probe, fwd=fwd, bwd=bwd,
         pre=_window(mem, 0, bounds[0]),
         post=_window(mem, bounds[-1], ends[n]),
@@ -514,10 +514,10 @@ def _memory_run(step: Step, names: list[str], decisions: _Pattern,
     )
 
 
-def _saved_by_block(run: _MemoryRun) -> list[dict[str, int]]:
+def saved_by_block(run: MemoryRun) -> list[dict[str, int]]:
     """Bytes created in each block's forward window that are alive when backward starts."""
     mem, bounds = run.mem, run.bounds
-    backward_at = _marks(mem)["backward"]
+    backward_at = first_marks(mem)["backward"]
     out: list[dict[str, int]] = [{} for _ in range(len(bounds) - 1)]
     for r in mem.records:
         if r.born > backward_at or (r.died is not None and r.died <= backward_at):
@@ -540,7 +540,7 @@ def _label(counter: FlopCounter, names: list[str], label: str) -> None:
         counter.label = "<outside>"
 
 
-def _flops(step: Step, names: list[str]) -> OpRecorder:
+def recorded_step(step: Step, names: list[str]) -> OpRecorder:
     """One step under an :class:`OpRecorder`: FLOPs by block and the ops of each."""
     counter = OpRecorder()
     measure_step(step, counter=counter, isolated=False,
@@ -551,7 +551,8 @@ def _flops(step: Step, names: list[str]) -> OpRecorder:
     return counter
 
 
-def _recompute_flops(counter: FlopCounter, plain: FlopCounter, names: list[str]) -> list[int]:
+def recompute_flops_by_block(counter: FlopCounter, plain: FlopCounter,
+                             names: list[str]) -> list[int]:
     """Per block, the FLOPs its recompute ran in the step ``counter`` counted (blocks
     checkpointed, or selective): backward FLOPs minus the plain step's. Measured, so
     checkpoint's early stop (no re-run after the last op backward needs) and skipped
@@ -560,9 +561,9 @@ def _recompute_flops(counter: FlopCounter, plain: FlopCounter, names: list[str])
             for n in names]
 
 
-def _checkpointed_flops(step: Step, names: list[str], plain: FlopCounter,
+def checkpointed_flops(step: Step, names: list[str], plain: FlopCounter,
                         contexts: dict[str, ContextFn] | None = None) -> list[int]:
-    """:func:`_recompute_flops` of a step of its own with every block checkpointed (those
+    """:func:`recompute_flops_by_block` of a step of its own with every block checkpointed (those
     in ``contexts`` selective): for compiled profiles, whose memory steps count no FLOPs."""
     counter = FlopCounter()
     with checkpointed(step.model, names, contexts):
@@ -571,11 +572,11 @@ def _checkpointed_flops(step: Step, names: list[str], plain: FlopCounter,
                      run=lambda step, mark: _run_marked(step, names, mark))
     for p in step.model.parameters():
         p.grad = None
-    return _recompute_flops(counter, plain, names)
+    return recompute_flops_by_block(counter, plain, names)
 
 
 @dataclass(frozen=True)
-class _Times:
+class BlockTimes:
     """Medians of uninstrumented steps (0.0 where not measured)."""
 
     fwd_ms: list[float]  # per block
@@ -583,8 +584,8 @@ class _Times:
     step_ms: float
 
     @staticmethod
-    def unmeasured(n: int) -> _Times:
-        return _Times([0.0] * n, [0.0] * n, 0.0)
+    def unmeasured(n: int) -> BlockTimes:
+        return BlockTimes([0.0] * n, [0.0] * n, 0.0)
 
 
 class _Stamps:
@@ -599,7 +600,7 @@ class _Stamps:
         if label not in self.at:
             self.at[label] = self.clock.stamp()
 
-    def times(self, n: int) -> _Times:
+    def times(self, n: int) -> BlockTimes:
         """The times of the step stamped (call after ``clock.sync()``)."""
         at, elapsed = self.at, self.clock.elapsed_ms
         fwd, bwd = [], []
@@ -608,14 +609,14 @@ class _Stamps:
             fwd.append(elapsed(at[f"fwd:{i}"], nxt))
             end = at.get(f"bwd:{i - 1}", at["end"]) if i else at.get("bwd:-1", at["end"])
             bwd.append(elapsed(at[f"bwd:{i}"], end))
-        return _Times(fwd, bwd, elapsed(at["start"], at["end"]))
+        return BlockTimes(fwd, bwd, elapsed(at["start"], at["end"]))
 
 
 _AGREE = 0.10  # two step times this close (relative) end the timing (NOTE [ Timing repeats ])
 
 
-def _timings(step: Step, names: list[str], repeats: int, *,
-             first: _Times | None = None) -> _Times:
+def timings(step: Step, names: list[str], repeats: int, *,
+             first: BlockTimes | None = None) -> BlockTimes:
     """Per-block forward and backward medians and the step's, from stamps at the block
     boundaries: ``perf_counter`` on the CPU, CUDA events read after one synchronise at
     the end of each step on a GPU (NOTE [ CUDA-synchronised times ] in ``timing.py``).
@@ -646,33 +647,33 @@ def _timings(step: Step, names: list[str], repeats: int, *,
         samples.append(stamps.times(n))
         for p in step.model.parameters():
             p.grad = None
-    return _Times([statistics.median(s.fwd_ms[i] for s in samples) for i in range(n)],
+    return BlockTimes([statistics.median(s.fwd_ms[i] for s in samples) for i in range(n)],
                   [statistics.median(s.bwd_ms[i] for s in samples) for i in range(n)],
                   statistics.median(s.step_ms for s in samples))
 
 
-_Pattern = tuple[Decision, ...]  # one memory run: the decision of each block
+Pattern = tuple[Decision, ...]  # one memory run: the decision of each block
 
 
-def _forward_window(run: _MemoryRun, event: int) -> int | None:
+def forward_window(run: MemoryRun, event: int) -> int | None:
     """The block in whose forward window ``event`` falls (``bounds[k] < event <=
     bounds[k + 1]``), or ``None`` outside the blocks' forwards."""
     after = bisect.bisect_left(run.bounds, event)
     return after - 1 if 0 < after < len(run.bounds) else None
 
 
-def _released_at_fwd_end(run: _MemoryRun, n: int, before_chain: bool = True) -> list[int]:
+def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> list[int]:
     """Per block, bytes made in the forward window of the block before it that die in
     the post window (from the end of the last block's forward to its backward): what
     the model held outside the chain and released when its forward returned
     (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
     was made before the first block's forward (``before_chain=False``: not that)."""
-    start, stop = run.bounds[-1], _marks(run.mem)[f"bwd:{n - 1}"]
+    start, stop = run.bounds[-1], first_marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
     for record in run.mem.records:
         if record.backward or record.died is None or not start < record.died <= stop:
             continue
-        made_in = _forward_window(run, record.born)
+        made_in = forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
             out[made_in + 1] += record.nbytes
         elif before_chain and made_in is None and record.born <= run.bounds[0]:
@@ -680,21 +681,21 @@ def _released_at_fwd_end(run: _MemoryRun, n: int, before_chain: bool = True) -> 
     return out
 
 
-def _freed_in_forward(run: _MemoryRun, n: int) -> list[int]:
+def freed_in_forward(run: MemoryRun, n: int) -> list[int]:
     """Per block, bytes of forward-made tensors born before its forward window that die
     in it (its input, when nothing keeps it for backward)."""
     out = [0] * n
     for record in run.mem.records:
         if record.backward or record.died is None:
             continue
-        freed_in = _forward_window(run, record.died)
+        freed_in = forward_window(run, record.died)
         if freed_in is not None and record.born <= run.bounds[freed_in]:
             out[freed_in] += record.nbytes
     return out
 
 
 @dataclass(frozen=True)
-class _Setup:
+class Setup:
     """What ``profile``'s arguments come to once checked, before any step runs."""
 
     step: Step  # the step the runs measure (of a compiled model's inner module)
@@ -709,19 +710,19 @@ class _Setup:
 
 
 @dataclass(frozen=True)
-class _Chain:
+class Chain:
     """The blocks planned over, from a first step that measures nothing else."""
 
     names: list[str]  # in the order they run
     held_inputs: list[bool]  # NOTE [ Boundaries held outside the chain ]
     output_bytes: int  # the model's output, less the loss (tape.output_bytes)
     notes: list[str]  # what changed from the blocks found, and inputs held
-    times: _Times | None  # of that first step, when timed and the chain is what it stamped
+    times: BlockTimes | None  # of that first step, when timed and the chain is what it stamped
     loss: str = ""  # the loss it took, in words (conditions.describe_loss)
     autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
 
 
-def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
+def find_chain(setup: Setup, *, in_order: bool, timed: bool) -> Chain:
     """One uninstrumented step (it also warms up: lazy state is not measured later) that
     finds the chain, the output's size and the inputs held outside the chain (NOTE
     [ Boundaries held outside the chain ]; where it cannot tell, one forward without
@@ -807,5 +808,5 @@ def _chain(setup: _Setup, *, in_order: bool, timed: bool) -> _Chain:
                "with loss_fn=<the loop's loss>")
         notes.append(why)
         warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
-    return _Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
+    return Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
                   times=times, loss=loss, autocast=autocast[0] if autocast else "")
