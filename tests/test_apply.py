@@ -23,10 +23,10 @@ from torch import nn
 
 import autoremat
 from autoremat import Decision, Plan, Tape, zoo
-from autoremat._apply import ShapeMismatchWarning
 from autoremat._core.decisions import Choice
 from autoremat._core.errors import BudgetError, PlanMismatchError, RematError
 from autoremat._core.saves import is_keep_set
+from autoremat._guards import ShapeMismatchWarning
 from autoremat._mechanism.wrap import is_wrapped
 from autoremat._plan.costs import cost_model_for, keep_set_cost
 from autoremat._plan.plan import plan_of_segments
@@ -276,7 +276,7 @@ def test_a_batch_within_the_planned_one_is_silent(tapes: Callable[[str], Tape]) 
 
 
 def test_within_reads_the_planned_signature() -> None:
-    within = importlib.import_module("autoremat._apply")._within
+    within = importlib.import_module("autoremat._guards")._within
     planned = "input_ids: (4, 128) int64, labels: (4, 128) int64"
     ids = torch.zeros(2, 100, dtype=torch.long)
     assert within(planned, {"input_ids": ids, "labels": ids})
@@ -295,7 +295,7 @@ def test_within_reads_the_planned_signature() -> None:
 def test_a_setting_the_profile_did_not_pass_is_named_as_such() -> None:
     # a keyword that is no tensor (output_attentions=True, a depth) may change what the
     # step holds either way: the warning names it, not "the shapes", which are within
-    added = importlib.import_module("autoremat._apply")._added_settings
+    added = importlib.import_module("autoremat._guards")._added_settings
     planned = "input_ids: (4, 128) int64, labels: (4, 128) int64"
     ids = torch.zeros(2, 100, dtype=torch.long)
     assert added(planned, {"input_ids": ids, "labels": ids, "output_attentions": True,

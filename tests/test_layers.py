@@ -16,6 +16,7 @@ its own package and the layers below it, so a reader can learn the project botto
                     solvers, the Plan (``plan.py``) and the strategies that choose one
     4  _profile     one instrumented step -> Tape: the runs, the options measured, profile()
        _targets     "zoo name or module:function" -> (model, inputs), key=value parsing
+       _guards      what an applied plan checks while the model trains (apply's hooks)
     5  _apply       Plan -> wrapped model (apply, remove)
        _estimate    fake-tensor measurement, optimizer state, doctor
        distributed  broadcast_plan (public: ``autoremat.distributed``)
@@ -56,6 +57,7 @@ LAYERS: dict[str, int] = {
     "autoremat._plan": 3,
     "autoremat._targets": 4,
     "autoremat._profile": 4,
+    "autoremat._guards": 4,
     "autoremat._apply": 5,
     "autoremat._estimate": 5,
     "autoremat.distributed": 5,

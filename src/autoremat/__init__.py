@@ -13,15 +13,7 @@ Example:
 """
 
 from autoremat import distributed, zoo
-from autoremat._apply import (
-    PlanMismatchWarning,
-    ShapeMismatchWarning,
-    StepMismatchWarning,
-    applied_plan,
-    apply,
-    compile_model,
-    remove,
-)
+from autoremat._apply import applied_plan, apply, compile_model, remove
 from autoremat._auto import auto
 from autoremat._core.decisions import Choice, Decision
 from autoremat._core.errors import (
@@ -38,6 +30,7 @@ from autoremat._core.step import Loop, Step
 from autoremat._core.version import __version__
 from autoremat._estimate.doctor import Prescription, Remedy, doctor
 from autoremat._estimate.estimate import Estimate, estimate
+from autoremat._guards import PlanMismatchWarning, ShapeMismatchWarning, StepMismatchWarning
 from autoremat._measure.memory import MemoryTracker, track_memory
 from autoremat._measure.tape import BlockProfile, Tape
 from autoremat._plan.plan import BlockDecision, Plan

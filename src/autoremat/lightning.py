@@ -39,7 +39,7 @@ NOTE [ Every training step through one module ]
     LightningModule's ``training_step`` is routed through it (an instance attribute, taken
     away at teardown): the checks a plan makes at each forward with gradients (a batch of
     another shape, another autocast, blocks changed; NOTE [ What a plan is checked
-    against ] in ``_apply.py``) see every training step, as they see a plain model's
+    against ] in ``_guards.py``) see every training step, as they see a plain model's
     forward. A dict batch goes in by keyword and a tuple by position, so that those
     checks read its tensors' shapes.
 

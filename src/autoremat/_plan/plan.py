@@ -125,7 +125,7 @@ class Plan:
     # The ranks FSDP shards parameters, gradients and optimizer state over, which
     # max_memory counted (NOTE [ Sharded over N ranks ] in budget.py); 1: unsharded.
     shards: int = 1
-    # What else it was made for (NOTE [ What a plan is checked against ] in _apply.py):
+    # What else it was made for (NOTE [ What a plan is checked against ] in _guards.py):
     # the device its tape measured or targeted ("": saved before this field existed),
     # and the model's mode then (model.training).
     device: str = ""

@@ -1,0 +1,404 @@
+"""What an applied plan checks while the model trains: the forward's hooks that refuse or
+warn where the step runs differs from the one the plan was made for (NOTE [ What a plan
+is checked against ]), and the state ``apply`` keeps on the model for them and for
+``remove``. ``apply`` (``_apply.py``) installs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat._core.conditions import autocast_state, float_dtypes
+from autoremat._core.decisions import Decision
+from autoremat._core.errors import PlanMismatchError, RematError
+from autoremat._core.step import describe_inputs, flat_tensors
+from autoremat._mechanism.head import HeadInstall
+from autoremat._mechanism.segments import SEGMENT_ADVICE, SegmentRunner
+from autoremat._plan.plan import Plan
+
+__all__ = ["Applied", "PlanMismatchWarning", "ShapeMismatchWarning", "StepMismatchWarning",
+           "close_segments", "shape_check", "watch_blocks"]
+
+
+class PlanMismatchWarning(UserWarning):
+    """A model runs in another setting than its plan was made for (NOTE [ What a plan is
+    checked against ]): the plan still runs, but its memory figures may not hold."""
+
+
+class ShapeMismatchWarning(PlanMismatchWarning):
+    """A model runs on inputs of another shape than its plan was made for."""
+
+
+class StepMismatchWarning(PlanMismatchWarning):
+    """A model trains under other conditions than its plan's tape measured: another
+    autocast, parameters cast to another dtype, blocks appended or replaced, or a block
+    run more than once per forward (NOTE [ The conditions a step is measured under ] in
+    ``_core/conditions.py``)."""
+
+
+# NOTE [ What a plan is checked against ]
+#     A plan records what it was made for; apply() and the model's forward compare, per
+#     field, and refuse where running would be wrong or meaningless, warn where the plan
+#     still runs correctly but its figures may not hold:
+#     * model class, block names, each block's parameters (names, shapes, dtypes): a
+#       mismatch is refused at apply() (PlanMismatchError): a wider or cast model's
+#       memory is not what the plan describes, and a keep-set indexes another block's ops;
+#     * input shapes and dtypes: warned at the first forward on other ones
+#       (ShapeMismatchWarning; a training loop's last, smaller batch is common);
+#     * device type (cpu / cuda / ...): warned at a forward with gradients enabled on
+#       another device than the tape's (PlanMismatchWarning): costs and allocator
+#       rounding differ;
+#     * train/eval mode: warned when a plan profiled in eval() mode runs a model in
+#       train() mode with gradients enabled (dropout and BatchNorm then save more: 35%
+#       over budget was seen). The other way round holds less and is not warned about;
+#       nor is any forward without gradients (evaluation), where nothing is recomputed;
+#     * the conditions of the step (NOTE [ The conditions a step is measured under ] in
+#       _core/conditions.py): the blocks' parents holding another number of modules and
+#       the parameters' floating dtypes are refused at apply(); at a forward with
+#       gradients, another autocast (refused for a plan whose chunked head cannot run
+#       under it), another dtype, a block appended or replaced since apply(), and, when
+#       the forward returns, a block that ran more than once are warned about once each
+#       (StepMismatchWarning);
+#     * forwards before one backward: a forward with gradients while the graph of the
+#       last one is still alive and its backward has not reached the model's output (two
+#       views through the model, then one loss: a siamese or contrastive loss, a
+#       discriminator on real and fake) holds the activations of both, where the plan was
+#       measured for one: warned once (StepMismatchWarning). A graph freed without a
+#       backward (a forward with gradients whose output was dropped) is not counted: the
+#       hooks that mark it go with it. Not checked inside a compiled forward (whole-model
+#       torch.compile traces the model's hooks, and dynamo reads no grad_fn).
+
+
+@dataclass
+class Applied:
+    plan: Plan
+    wrapped: list[nn.Module] = field(default_factory=list)
+    runners: list[SegmentRunner] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+    warned: set[str] = field(default_factory=set)
+    cache_restore: list[tuple[Any, bool]] = field(default_factory=list)  # configs whose
+    # use_cache we turned off, and their values (NOTE [ Every stack has its own config ])
+    head: HeadInstall | None = None  # the chunked loss head, when the plan chunks it
+    # the planned blocks as (parent, key, block), the parents' sizes, some parameters
+    # whose dtypes stand for the model's, and each block's calls in the forward now
+    # running (None: no forward with gradients running) (NOTE [ What a plan is checked
+    # against ])
+    blocks: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
+    parents: list[tuple[str, nn.Module, int]] = field(default_factory=list)
+    probes: list[nn.Parameter] = field(default_factory=list)
+    calls: list[int] | None = None
+    # the last forward with gradients, until its backward starts or its graph is freed
+    # (NOTE [ What a plan is checked against ]: forwards before one backward)
+    pending: weakref.ref[_Forward] | None = None
+
+
+class _Forward:
+    """One forward with gradients: referenced only by the hooks on its output's graph
+    nodes, so it lives as long as that graph, and marked when backward reaches it."""
+
+    backward_ran = False
+
+
+def _backward_reached(forward: _Forward, *grads: Any) -> None:
+    forward.backward_ran = True
+
+
+def watch_blocks(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
+                  state: Applied) -> None:
+    """Note what the forward checks (NOTE [ What a plan is checked against ]): where each
+    planned block sits, its parents' sizes, parameters that stand for the model's
+    dtypes; and count each block's calls in a forward."""
+    for block in plan.blocks:
+        parent, _, key = block.name.rpartition(".")
+        state.blocks.append((modules[parent], key, modules[block.name]))
+    for parent in dict.fromkeys(block.name.rpartition(".")[0] for block in plan.blocks):
+        state.parents.append((parent, modules[parent], len(modules[parent]._modules)))
+    inside = {id(p) for _, _, module in state.blocks for p in module.parameters()}
+    state.probes = [p for p in model.parameters() if id(p) not in inside][:16] + [
+        p for _, _, module in state.blocks for p in list(module.parameters())[:1]]
+    for i, (_, _, module) in enumerate(state.blocks):
+        state.handles.append(module.register_forward_pre_hook(
+            functools.partial(_count_call, state, i)))
+
+
+def _count_call(state: Applied, i: int, module: nn.Module, args: Any) -> None:
+    if state.calls is None:
+        return  # no forward with gradients running (or a recompute, in backward)
+    if not any(state.calls):  # the first block of this forward
+        _check_autocast(state)
+    state.calls[i] += 1
+
+
+def _check_autocast(state: Applied) -> None:
+    """At the first block of a forward with gradients, the autocast its blocks run under
+    (a forward may enter autocast itself: Accelerate's mixed precision wraps it) against
+    the one the plan's tape measured (NOTE [ What a plan is checked against ])."""
+    plan = state.plan
+    here = autocast_state()
+    if not plan.dtypes or here == plan.autocast:
+        return
+    if plan.head.decision is Decision.CHUNKED and here:
+        raise RematError(
+            f"this plan computes the loss head in chunks ({plan.head.head_key}), which cannot run "
+            f"under autocast ({here}); its tape was measured without. Re-plan under the "
+            "loop's autocast (the head then stays as the model computes it)")
+    if "autocast" not in state.warned:
+        state.warned.add("autocast")
+        warnings.warn(
+            "autoremat: this plan was profiled "
+            + (f"under autocast {plan.autocast}" if plan.autocast else "without autocast")
+            + ", and the model now runs "
+            + (f"under autocast {here}" if here else "without autocast")
+            + f": the step saves tensors of other dtypes (and autocast's weight casts), so "
+            f"its memory prediction does not hold; {_REDO}", StepMismatchWarning,
+            stacklevel=5)
+
+
+_REDO = ("profile and plan the model as the loop runs it (autoremat.auto(model, inputs, "
+         "budget=...) inside the loop's autocast, after any cast or change)")
+
+
+def _check_pending(state: Applied) -> None:
+    """At a forward with gradients: whether the last one's graph still waits for its
+    backward (NOTE [ What a plan is checked against ])."""
+    if torch.compiler.is_compiling():
+        return  # inside a compiled forward: its graph nodes are not the eager ones
+    last = state.pending() if state.pending is not None else None
+    state.pending = None
+    if last is None or last.backward_ran or "forwards" in state.warned:
+        return
+    state.warned.add("forwards")
+    warnings.warn(
+        "autoremat: the model runs a second forward with gradients before the backward of "
+        "the first (two views through the model, then one loss?): both forwards' "
+        "activations are held together, and the plan was measured for one forward per "
+        "backward, so its memory prediction does not hold (up to twice the activations). "
+        "Run the views as one batch (torch.cat) and profile that step, or plan for half "
+        "the memory you have", StepMismatchWarning, stacklevel=4)
+
+
+def _watch_backward(state: Applied, output: Any) -> None:
+    """Mark the end of a forward with gradients: hooks on its output's graph nodes mark
+    when backward reaches them (NOTE [ What a plan is checked against ])."""
+    if torch.compiler.is_compiling():
+        return  # not checked under torch.compile (NOTE [ What a plan is checked against ])
+    nodes = {id(t.grad_fn): t.grad_fn for t in flat_tensors(output) if t.grad_fn is not None}
+    if not nodes:
+        return
+    forward = _Forward()
+    for node in nodes.values():
+        node.register_prehook(functools.partial(_backward_reached, forward))
+    state.pending = weakref.ref(forward)
+
+
+def _check_step(state: Applied) -> None:
+    """At a forward with gradients: warn once per kind when the parameters' dtypes or the
+    blocks differ from the step the plan's tape measured (NOTE [ What a plan is checked
+    against ])."""
+    plan = state.plan
+    if not plan.dtypes:
+        return  # made from a tape that did not record them
+    dtypes = float_dtypes(state.probes)  # some parameters, on the hot path
+    if dtypes and not set(dtypes.split(",")) <= set(plan.dtypes.split(",")) \
+            and "dtypes" not in state.warned:
+        state.warned.add("dtypes")
+        warnings.warn(
+            f"autoremat: this plan was made for parameters of {plan.dtypes}; the model's "
+            f"are now {dtypes} (cast after apply?): its memory prediction does not "
+            f"hold; {_REDO}", StepMismatchWarning, stacklevel=6)
+    if "structure" not in state.warned:
+        grown = [f"{name or type(parent).__name__} holds {len(parent._modules)} modules, "
+                 f"not {count}" for name, parent, count in state.parents
+                 if len(parent._modules) != count]
+        replaced = [block.name for block, (parent, key, module) in
+                    zip(plan.blocks, state.blocks, strict=True)
+                    if parent._modules.get(key) is not module]
+        if grown or replaced:
+            state.warned.add("structure")
+            what = "; ".join(grown + ([f"{', '.join(replaced[:3])} replaced since apply() "
+                                       "(the module there now runs kept)"] if replaced else []))
+            warnings.warn(
+                f"autoremat: the model's blocks changed since apply(): {what}. Its memory "
+                f"prediction does not hold; {_REDO}", StepMismatchWarning, stacklevel=6)
+
+
+def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """The model's forward pre-hook (bound to ``state`` with ``functools.partial``, so
+    that a copy of the model checks against the copy's state)."""
+    inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
+                                                      not kwargs else args)
+    state.calls = None
+    if not torch.is_grad_enabled():
+        return  # evaluation: nothing is recomputed, and no prediction to hold
+    _check_setting(module, inputs, state)
+    _check_step(state)
+    _check_pending(state)
+    state.calls = [0] * len(state.blocks)
+    signature = describe_inputs(inputs)
+    if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
+            and not _within(state.plan.inputs, _without_scalars(inputs)):
+        state.warned.add(signature)
+        added = _added_settings(state.plan.inputs, inputs)
+        if added:
+            warnings.warn(
+                f"autoremat: the model now runs with {', '.join(added)}, which the step "
+                f"profiled did not pass (it ran on {state.plan.inputs}). A setting can "
+                f"change what the step holds (output_attentions=True holds every "
+                f"attention map), and the plan's prediction is for the step without it: "
+                f"profile and plan with the arguments the loop passes (autoremat.auto).",
+                ShapeMismatchWarning, stacklevel=2)
+            return
+        warnings.warn(
+            f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
+            f"runs on {signature}. Its memory prediction no longer holds: re-plan "
+            f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
+
+
+def _added_settings(planned: str, inputs: Any) -> list[str]:
+    """The keywords, neither tensors nor turned off, that ``inputs`` add to a batch
+    otherwise within the plan's (NOTE [ Smaller batches are within the plan ]): the
+    step they change is one the plan did not measure, which may hold more or less."""
+    if not isinstance(inputs, Mapping):
+        return []
+    known = {m["name"] for m in _ENTRY.finditer(planned)}
+    added = {k: v for k, v in inputs.items() if k not in known
+             and not isinstance(v, torch.Tensor) and v is not None and v is not False}
+    rest = {k: v for k, v in inputs.items() if k not in added}
+    if not added or not _within(planned, _without_scalars(rest)):
+        return []
+    return [f"{k}={v!r}" if isinstance(v, (bool, int, float, str)) else k for k, v in added.items()]
+
+
+def _unnamed(signature: str) -> str:
+    """An inputs signature less its keyword names: ``"ids: (4, 16) int64"`` and
+    ``"(4, 16) int64"`` are one batch, given by keyword or by position."""
+    return re.sub(r"(^|, )\w+: ", r"\1", signature)
+
+
+def _check_setting(module: nn.Module, inputs: Any, state: Applied) -> None:
+    """Warn once per kind when the device type or the mode differs from the plan's
+    (NOTE [ What a plan is checked against ])."""
+    plan = state.plan
+    tensors = flat_tensors(inputs) or list(module.parameters())[:1]
+    here = tensors[0].device.type if tensors else None
+    there = torch.device(plan.device).type if plan.device else None
+    if here and there and here != there and "device" not in state.warned:
+        state.warned.add("device")
+        warnings.warn(f"autoremat: this plan was made for {plan.device}; the model now runs "
+                      f"on {here}. Its memory prediction and costs were figured for "
+                      f"{plan.device}: re-plan on this device.", PlanMismatchWarning,
+                      stacklevel=3)
+    if module.training and not plan.training and "mode" not in state.warned:
+        state.warned.add("mode")
+        warnings.warn("autoremat: this plan was profiled with the model in eval() mode and "
+                      "the model now trains (train() mode: dropout and BatchNorm save more); "
+                      "its memory prediction does not hold: profile and plan in train() "
+                      "mode.", PlanMismatchWarning, stacklevel=3)
+
+
+# NOTE [ Smaller batches are within the plan ]
+#     A plan's prediction is for the batch it was profiled on; the step's memory grows
+#     with each dimension of its inputs (batch, sequence, image size), so a batch no
+#     larger in any of them, of the same tensors and dtypes, is within it: the last,
+#     smaller batch of an epoch, or the batches of a loop that pads each to its longest
+#     sequence (Hugging Face's DataCollatorWithPadding), which a plan for the longest
+#     length covers. So only a batch larger in some dimension, another set of tensors,
+#     or another dtype is warned about; a keyword that turns something off (``False``,
+#     ``None``: ``use_cache=False``) adds nothing to hold and is no reason either. A
+#     keyword that is no tensor and that the profile did not pass (``depth=3``,
+#     ``output_attentions=True``) makes a step the plan did not measure, which may hold
+#     more or less: the warning names that keyword, not the shapes (``_added_settings``).
+_ENTRY = re.compile(r"(?:(?P<name>\w+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)|"
+                    r"(?P<type>\w+))(?:, |$)")
+
+
+def _within(planned: str, inputs: Any) -> bool:
+    """Whether ``inputs`` are within the batch the plan's signature ``planned``
+    describes (NOTE [ Smaller batches are within the plan ]); matched by keyword where
+    both name theirs, else by position."""
+    entries = []
+    for m in _ENTRY.finditer(planned):
+        shape = None if m["shape"] is None else \
+            tuple(int(d) for d in m["shape"].replace(",", " ").split())
+        entries.append((m["name"], shape, m["dtype"] or m["type"]))
+    items = list(inputs.items()) if isinstance(inputs, Mapping) else \
+        list(enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+    items = [(k, v) for k, v in items if not (v is None or v is False)]  # turns off
+    names = [name for name, _, _ in entries]
+    if isinstance(inputs, Mapping) and all(names):
+        by_name = dict(zip(names, entries, strict=True))
+        pairs = [(by_name.get(k), v) for k, v in items]
+        missing = set(names) - {k for k, _ in items}
+        if any(by_name[n][1] is not None for n in missing):  # a tensor it had is gone
+            return False
+    elif len(items) != len(entries):
+        return False
+    else:
+        pairs = list(zip(entries, (v for _, v in items), strict=True))
+    for entry, value in pairs:
+        if entry is None:
+            return False  # a tensor or a setting the plan did not have
+        _, shape, kind = entry
+        if not isinstance(value, torch.Tensor):
+            if shape is not None or kind != type(value).__name__:
+                return False
+            continue
+        if shape is None or kind != str(value.dtype).removeprefix("torch.") \
+                or len(shape) != value.dim() \
+                or any(n > p for n, p in zip(value.shape, shape, strict=True)):
+            return False
+    return True
+
+
+def _without_scalars(inputs: Any) -> Any:
+    """Keyword inputs less 0-d tensors: a scalar that a training loop adds to the call
+    (the Hugging Face Trainer's ``num_items_in_batch``) changes no shape the plan's
+    memory depends on, so it is no reason to warn."""
+    if not isinstance(inputs, dict):
+        return inputs
+    return {k: v for k, v in inputs.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)}
+
+
+def close_segments(state: Applied, module: nn.Module, args: Any, output: Any) -> None:
+    unfinished = [(runner, runner.waiting_for()) for runner in state.runners
+                  if runner.waiting_for() is not None]
+    for runner in state.runners:
+        runner.abort()  # no-op after a normal forward; closes frames after an error
+    calls, state.calls = state.calls, None
+    if unfinished and sys.exc_info()[0] is None:  # the forward ended, not raised
+        runner, name = unfinished[0]
+        skipped = [] if calls is None else [
+            block.name for block, n in zip(state.plan.blocks, calls, strict=True) if n == 0]
+        raise PlanMismatchError(
+            f"segment {runner.names[0]}..{runner.names[-1]} began in this forward, but "
+            f"its block {name!r} did not run"
+            + (f" ({len(skipped)} of the plan's {len(calls or [])} blocks did not: "
+               f"{', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''})"
+               if skipped else "")
+            + f"; the plan was profiled on a step that runs every block once (an argument "
+            f"that changes which blocks run?). {SEGMENT_ADVICE}")
+    if calls is not None:  # a forward with gradients
+        _watch_backward(state, output)
+    again = [] if calls is None else [
+        (block.name, n) for block, n in zip(state.plan.blocks, calls, strict=True) if n > 1]
+    if again and "calls" not in state.warned:
+        state.warned.add("calls")
+        warnings.warn(
+            f"autoremat: block {again[0][0]!r} ran {again[0][1]} times in one forward"
+            + (f" (and {len(again) - 1} more blocks)" if len(again) > 1 else "")
+            + "; its plan was profiled with each block running once (every run saves, or "
+            "recomputes, its tensors again), so its memory prediction does not hold. "
+            "Profile the step as the loop runs it, with the same arguments (a block that "
+            "runs more than once per step cannot be planned: pass blocks=[...] to plan over "
+            "its parts)", StepMismatchWarning, stacklevel=5)
+
