@@ -368,6 +368,9 @@ _MALFORMED_UNCHECKED = [  # fields Plan.from_json does not validate yet (see the
     ("bool", lambda d: d.__setitem__("predicted_peak_bytes", True),
      "plan.predicted_peak_bytes"),
     ("notes", lambda d: d.__setitem__("notes", 5), "plan.notes"),
+    ("head_site", lambda d: d.__setitem__("head_site", "lm_head"), "plan.head_site"),
+    ("head_site kind", lambda d: d.__setitem__("head_site", "tpu:lm_head"), "plan.head_site"),
+    ("head_site type", lambda d: d.__setitem__("head_site", 3), "plan.head_site"),
 ]
 
 

@@ -342,12 +342,14 @@ def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSit
     """Where the plan's chunked head runs (``None``: the plan keeps the head)."""
     if plan.head.decision is Decision.KEEP:
         return None
-    kind, _, name = plan.head_site.partition(":")
-    module = modules.get(name)
-    if module is None or not isinstance(getattr(module, "out_features", None), int):
-        raise PlanMismatchError(f"the plan chunks the loss head at {name!r}, which {model} "
-                                f"does not have as a linear layer; profile and plan this model")
-    return HeadSite(kind, name, module.out_features)  # type: ignore[arg-type]
+    site = plan.head_site
+    module = None if site is None else modules.get(site.name)
+    vocab = getattr(module, "out_features", None)
+    if site is None or not isinstance(vocab, int):
+        raise PlanMismatchError(f"the plan chunks the loss head at {site and site.name!r}, "
+                                f"which {model} does not have as a linear layer; profile and "
+                                f"plan this model")
+    return HeadSite(site.kind, site.name, vocab)
 
 
 def _undo(state: Applied) -> None:

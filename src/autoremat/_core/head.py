@@ -201,6 +201,33 @@ class HeadCall:
         return lambda: torch.autograd.grad(loss(), wrt) if wrt else loss()
 
 
+HeadKind = Literal["hf", "ce", "module"]
+HEAD_KINDS: tuple[HeadKind, ...] = ("hf", "ce", "module")
+
+
+@dataclass(frozen=True)
+class HeadAt:
+    """Where a model's loss head is, as a plan records it: ``kind`` "hf" (``name`` is a
+    Hugging Face causal LM's ``lm_head``), "ce" (the output layer whose
+    ``cross_entropy`` the model's forward takes) or "module" (an :class:`LMHead`).
+    Plan files write it ``"kind:name"`` (:meth:`parse` reads that back)."""
+
+    kind: HeadKind
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> HeadAt:
+        """``"kind:name"`` back into a site; a ``RematError`` saying what is wrong."""
+        kind, _, name = text.partition(":") if isinstance(text, str) else ("", "", "")
+        if kind not in HEAD_KINDS or not name:
+            raise RematError(f"a head site is 'hf:<name>', 'ce:<name>' or 'module:<name>', "
+                             f"got {text!r}")
+        return cls(kind, name)  # type: ignore[arg-type]
+
+
 # Told as each chunked forward starts ("start", what it was given) and ends ("end", None);
 # set by a profile that measures the head (NOTE [ One head option measured, the others
 # replayed ]); None: nobody listens.

@@ -31,6 +31,7 @@ from autoremat._core.files import (
     int_tuples,
     load_json,
 )
+from autoremat._core.head import HEAD_KINDS
 from autoremat._core.step import Loop
 from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes, format_flops
@@ -450,7 +451,7 @@ def _head(data: Any) -> HeadProfile:
     raw["options"] = options
     head = build_dataclass(HeadProfile, raw, "tape.head")
     _check_types(head, "tape.head")
-    if head.kind not in ("hf", "ce", "module"):
+    if head.kind not in HEAD_KINDS:
         raise SchemaError(f"tape.head.kind must be 'hf', 'ce' or 'module', got {head.kind!r}")
     return head  # type: ignore[no-any-return]
 

@@ -34,14 +34,20 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoremat._core.errors import RematError
-from autoremat._core.head import LMHead, LogitOp, backend_unavailable, linear_cross_entropy
+from autoremat._core.head import (
+    HeadKind,
+    LMHead,
+    LogitOp,
+    backend_unavailable,
+    linear_cross_entropy,
+)
 
 __all__ = ["HeadInstall", "HeadSite", "find_head", "head_installed", "install_head",
            "uninstall_head"]
@@ -69,7 +75,7 @@ class HeadSite:
     (``name`` is the output layer whose ``cross_entropy`` the model's forward takes) or
     "module" (``name`` is the :class:`~autoremat.LMHead`)."""
 
-    kind: Literal["hf", "ce", "module"]
+    kind: HeadKind
     name: str
     vocab: int
 

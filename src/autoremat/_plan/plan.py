@@ -16,7 +16,7 @@ import json
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from autoremat._core.conditions import conditions_line
 from autoremat._core.decisions import BLOCK_DECISIONS, KEEP, Choice, Decision, decision_of
@@ -29,6 +29,7 @@ from autoremat._core.files import (
     int_tuples,
     load_json,
 )
+from autoremat._core.head import HeadAt, HeadKind
 from autoremat._core.saves import (
     format_keep_keys,
     is_keep_set,
@@ -140,9 +141,9 @@ class Plan:
     structure: str = ""
     # The loss head: kept (as the model computes it) or chunked over N chunks of tokens
     # (NOTE [ A chunked head ] in _core/head.py; files write "keep" or "chunked:N"), and
-    # where it is ("hf:lm_head" or "module:<name>"; "" without a head option).
+    # where it is (files write "hf:lm_head", "module:<name>"; None: the head is kept).
     head: Choice = KEEP
-    head_site: str = ""
+    head_site: HeadAt | None = None
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -184,6 +185,7 @@ class Plan:
         for block in data["blocks"]:
             block["decision"] = block["decision"].value
         data["head"] = self.head.head_key
+        data["head_site"] = "" if self.head_site is None else str(self.head_site)
         return data
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
@@ -240,6 +242,7 @@ class Plan:
         data["notes"] = _strings(data.get("notes", []), "plan.notes")
         if "head" in data:
             data["head"] = _head_field(data["head"])
+        data["head_site"] = _head_site_field(data.get("head_site", ""))
         loaded: Plan = build_dataclass(cls, data, "plan")
         _expect(loaded.predicted_cost, int, "plan.predicted_cost")  # < 0: a faster head
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
@@ -250,8 +253,8 @@ class Plan:
         if loaded.offload_dtype not in ("", *_OFFLOAD_DTYPES):
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
-        for key in ("strategy", "model", "inputs", "compiled", "device", "head_site",
-                    "autocast", "dtypes", "loss", "structure"):
+        for key in ("strategy", "model", "inputs", "compiled", "device", "autocast",
+                    "dtypes", "loss", "structure"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         _check_head(loaded)
         _expect(loaded.training, bool, "plan.training")
@@ -330,7 +333,7 @@ class Plan:
                    else "")
                 + "\n" + conditions_line(self.loss, self.autocast, self.dtypes))
         if self.head.decision is Decision.CHUNKED:
-            rows.append([f"{self.head_site.partition(':')[2]} (loss head)",
+            rows.append([f"{self.head_site.name if self.head_site else '?'} (loss head)",
                          f"chunked: {self.head_chunks} chunks of tokens, the full logits never "
                          f"built (out.logits is None); loss and the projection's weight "
                          f"gradient summed chunk by chunk"])
@@ -356,13 +359,21 @@ def _head_field(value: Any) -> Choice:
                           f"{value!r}") from None
 
 
+def _head_site_field(value: Any) -> HeadAt | None:
+    """A plan file's head site: "" (no head option) or "kind:name"."""
+    if value == "":
+        return None
+    try:
+        return HeadAt.parse(value)
+    except RematError as exc:
+        raise SchemaError(f"plan.head_site: {exc}") from None
+
+
 def _check_head(plan: Plan) -> None:
     """A loaded plan's chunked head is at a named site."""
-    chunked = plan.head.decision is Decision.CHUNKED
-    site_kind, _, name = plan.head_site.partition(":")
-    if chunked and (site_kind not in ("hf", "ce", "module") or not name):
-        raise SchemaError(f"plan.head_site must be 'hf:<name>', 'ce:<name>' or "
-                          f"'module:<name>' for a chunked head, got {plan.head_site!r}")
+    if plan.head.decision is Decision.CHUNKED and plan.head_site is None:
+        raise SchemaError("plan.head_site must be 'hf:<name>', 'ce:<name>' or "
+                          "'module:<name>' for a chunked head, got ''")
 
 
 def _expect(value: Any, kind: type, where: str) -> None:
@@ -630,7 +641,8 @@ def _with_head_fields(found: Plan, tape: Tape, head: Choice) -> Plan:
     if head.decision is Decision.KEEP or tape.head is None:
         return found
     option = tape.head.options[head.head_key]
-    return dataclasses.replace(found, head=head, head_site=f"{tape.head.kind}:{tape.head.name}",
+    site = HeadAt(cast(HeadKind, tape.head.kind), tape.head.name)
+    return dataclasses.replace(found, head=head, head_site=site,
                                predicted_cost=found.predicted_cost + option.cost)
 
 
