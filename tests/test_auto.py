@@ -16,6 +16,7 @@ from torch import nn
 import autoremat
 from autoremat import zoo
 from autoremat._core.errors import BudgetError
+from autoremat._core.units import format_bytes
 from autoremat._plan.strategies import smallest_feasible_bytes
 
 from _steps import assert_same_step, recomputing, snapshot
@@ -47,6 +48,37 @@ def test_auto_with_an_impossible_budget_leaves_the_model_alone() -> None:
     assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes > 1000
     assert autoremat.applied_plan(model) is None
     assert snapshot(model) == before
+
+
+@pytest.mark.slow
+def test_auto_with_the_head_kept_says_what_a_chunked_head_reaches() -> None:
+    # every route to a plan tells the same truth about the head: plan() on a tape that
+    # measured the head said how far it goes; auto() (and the callbacks through it), which
+    # measures no head option when the head is kept, said only that it "often needs less"
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=4096, n_positions=128, bos_token_id=0,
+        eos_token_id=0)).train()
+    ids = torch.randint(0, 4096, (4, 128))
+    inputs = {"input_ids": ids, "labels": ids}
+    tape = autoremat.profile(model, inputs, timing=False, with_head=True)
+    with pytest.raises(BudgetError) as floor:
+        autoremat.plan(tape, 1000, head="auto")
+    chunked_min = floor.value.min_feasible_bytes
+    kept_min = smallest_feasible_bytes(tape)
+    assert chunked_min is not None and chunked_min < kept_min
+    between = (chunked_min + kept_min) // 2
+    with pytest.raises(BudgetError) as fits:
+        autoremat.auto(model, inputs, budget=between)
+    text = str(fits.value)
+    assert "was kept (head=None); computed in chunks of tokens (chunked:" in text
+    assert "a plan fits this budget" in text and "head='auto'" in text
+    assert autoremat.applied_plan(model) is None
+    with pytest.raises(BudgetError) as below:
+        autoremat.auto(model, inputs, budget=chunked_min // 2)
+    assert f"the smallest feasible budget is {format_bytes(chunked_min)} ({chunked_min} " \
+        "bytes)" in str(below.value)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,7 +111,13 @@ def auto(model: nn.Module | Step, inputs: Any = None,
         chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
                       offload=offload, head=head)
     except BudgetError as exc:
-        raise _with_head_hint(exc, step, head) from None
+        if not keeps_head(head):
+            raise
+        raise _with_head_hint(exc, step, lambda: plan(
+            profile(step, blocks=blocks, compile=backend or False, offload=offload,
+                    timing=False, with_head=True),
+            budget, strategy, max_memory=max_memory, optimizer=optimizer, offload=offload,
+            head="auto")) from None
     apply(model, chosen, check_ranks=False)
     if chosen.budget_bytes is None:
         return chosen
@@ -325,18 +332,33 @@ def _compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float
 _FIT_TIMED = 5  # timed steps of each plan fit_compiled measures
 
 
-def _with_head_hint(exc: BudgetError, step: Step, head: str | None) -> BudgetError:
-    """``exc``, saying that the model's loss head could be chunked where ``auto`` kept it
-    without measuring that (``plan`` on a tape that measured it says how far it goes)."""
-    if not keeps_head(head) or "loss head" in str(exc):
-        return exc
+def _with_head_hint(exc: BudgetError, step: Step, chunked: Callable[[], Plan]) -> BudgetError:
+    """``exc`` (no plan fits with the loss head kept), saying what the model's head would
+    reach computed in chunks, as ``plan`` says it on a tape that measured the head: the
+    head's options are measured only now (``chunked`` profiles and plans them), since
+    ``auto`` skips them when the head is kept."""
     site, _ = find_head(step.model, step.inputs, step.loss_fn)
-    if site is None:
+    if site is None or "loss head" in str(exc):
         return exc
+    changes = ("it changes the loss and the projection's weight gradient by summation "
+               "order; auto(..., head='auto'), or AutorematCallback(head='auto') under the "
+               "Trainer")
+    try:
+        fits = chunked()
+    except BudgetError as again:
+        if again.min_feasible_bytes is None or (exc.min_feasible_bytes is not None
+                                                and again.min_feasible_bytes
+                                                >= exc.min_feasible_bytes):
+            return exc
+        return exc.with_message(
+            f"{exc}. The model's loss head {site} was kept (head=None); computed in chunks "
+            f"of tokens, the smallest feasible budget is "
+            f"{format_bytes(again.min_feasible_bytes)} ({again.min_feasible_bytes} bytes) "
+            f"({changes})")
     return exc.with_message(
-        f"{exc}. The model's loss head {site} was kept (head=None): computed in chunks of "
-        f"tokens it often needs far less; auto(..., head='auto') measures and plans that "
-        f"(AutorematCallback(head='auto') under the Trainer)")
+        f"{exc}. The model's loss head {site} was kept (head=None); computed in chunks of "
+        f"tokens ({fits.head.head_key}) a plan fits this budget, predicted "
+        f"{format_bytes(fits.predicted_peak_bytes)} ({changes})")
 
 
 def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:

@@ -329,9 +329,10 @@ def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
     if exc.min_feasible_bytes is not None and chunked >= exc.min_feasible_bytes:
         return exc
     return exc.with_message(
-        f"{exc} With the loss head computed in chunks of tokens (head='auto'; it changes "
-        f"the loss and the projection's weight gradient by summation order) the smallest "
-        f"feasible budget is {format_bytes(chunked)} ({chunked} bytes)")
+        f"{str(exc).rstrip('.')}. With the loss head computed in chunks of tokens "
+        f"(head='auto'; it changes the loss and the projection's weight gradient by "
+        f"summation order) the smallest feasible budget is {format_bytes(chunked)} "
+        f"({chunked} bytes)")
 
 
 def _best_over_heads(tape: Tape, heads: list[Choice], name: str, arg: str, strategy: str,
