@@ -6,6 +6,7 @@ import importlib
 import itertools
 import random
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,9 @@ import autoremat
 from autoremat import Decision, Tape, zoo
 from autoremat._core.errors import BlockError, RematError
 from autoremat._core.step import run_step
+from autoremat._measure import memory as memory_module
 from autoremat._measure.blocks import discover_blocks
+from autoremat._measure.memory import CUDA_SMALL_BYTES
 from autoremat._measure.tape import WindowMemory
 from autoremat._mechanism.wrap import is_wrapped
 
@@ -750,3 +753,32 @@ def test_derived_options_count_what_a_kernel_holds_inside_an_op(
     model, inputs, loss_fn = _zoo_case("gpt2")()
     found = check_derived_options(model, inputs, loss_fn, monkeypatch)
     assert sum(found.values()) >= 4 and probe.seen
+
+
+def test_options_are_derived_where_forward_and_recompute_meet_other_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Blocks the allocator does not split ]: on CUDA which cached block a large
+    # output meets depends on the steps before, so an op's forward output and its
+    # recompute's copy can count other remainders. A probe that stands in for that (every
+    # forward output over 1 MiB handed a block 256 KiB larger, recompute's exact) must
+    # leave the options derived (they were all measured, one step each, on an H200), and
+    # each derived option equal to a step that runs it under the same stand-in.
+    from test_memory import WholeBlockProbe
+
+    class ForwardOnly(WholeBlockProbe):
+        def after(self) -> tuple[int, int]:
+            frame = sys._getframe(1).f_locals  # the tracker's, as WholeBlockProbe reads it
+            out = frame["out"] if isinstance(frame["out"], torch.Tensor) else None
+            made = 0 if out is None else out.untyped_storage().nbytes()
+            large = made > CUDA_SMALL_BYTES and frame["func"]._overloadpacket.__name__ \
+                != "view" and torch._C._current_graph_task_id() == -1  # not in backward
+            self.large += large
+            return 0, made + (self.extra if large else 0)
+
+    probe = ForwardOnly(256 * 1024)
+    probe.large = 0
+    monkeypatch.setattr(memory_module, "allocator_probe", lambda: probe)
+    model, inputs, loss_fn = _zoo_case("gpt2", n_layer=2, n_embd=256, n_head=4, seq_len=256,
+                                       batch_size=4)()
+    found = check_derived_options(model, inputs, loss_fn, monkeypatch)
+    assert probe.large > 0 and found and all(found.values()), found
