@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -481,12 +482,13 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     Saves and restores: buffers (BatchNorm statistics), the ``.grad`` of parameters and
     of the input tensors that are leaves requiring grad (an input whose gradient the user
     wants must not collect the measurement steps'), the Python, CPU and CUDA random
-    states. Gradients are ``None`` inside.
+    states, and numpy's global one (models draw from it: Wav2Vec2's SpecAugment masks).
+    Gradients are ``None`` inside.
     """
     buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
     leaves = [t for t in flat_tensors(inputs) if t.is_leaf and t.requires_grad]
     grads = [(p, p.grad) for p in (*model.parameters(), *leaves)]
-    py_state = random.getstate()
+    py_state, np_state = random.getstate(), np.random.get_state()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
         try:
@@ -500,6 +502,7 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
             for p, g in grads:
                 p.grad = g
             random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 def device_of(model: nn.Module, inputs: Any = None) -> torch.device:

@@ -110,8 +110,11 @@ def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | N
         if not why:
             return HeadSite("hf", "lm_head", int(lm_head.out_features)), ""
     # NOTE [ Which heads can be chunked ]: kind "ce", where the causal-LM loss is not
-    # the model's (whether its forward takes cross_entropy of the layer shows in the step)
-    if output is not None and (not why or why.startswith(_NOT_CAUSAL)):
+    # the model's (whether its forward takes cross_entropy of the layer shows in the step),
+    # or where lm_head is a module around the output layer (RoBERTa's RobertaLMHead:
+    # dense, norm, then the decoder get_output_embeddings() names)
+    if output is not None and (not why or why.startswith(_NOT_CAUSAL)
+                               or output[1] is not lm_head):
         name, layer = output
         why = _ce_unsupported(model, layer, inputs)
         if not why:
