@@ -15,12 +15,16 @@ measured peak (``torch.compile`` at ``activation_memory_budget`` 1 and 0.5, and 
 checkpoint or the Megatron SAC policy per block), autoremat's compiled plan measures at
 most that peak (the allocator's reports) and takes at most x1.02 the reference's time;
 its smallest compiled plan is at or below ``torch.compile + checkpoint per block``'s peak.
+Against a reference whose gradients are not exact (compile re-drawing dropout in backward,
+pytorch#190758) a slower plan is reported, not judged: no exact peer runs at its peak.
 
 Run:     PYTHONPATH=src python benchmarks/compiled.py            # CPU, about an hour
 Subset:  PYTHONPATH=src python benchmarks/compiled.py --targets gpt2 --shapes short
+Again:   PYTHONPATH=src python benchmarks/compiled.py --judge-only   # re-judge, run nothing
 Writes ``benchmarks/results/compiled_<device>/<target>-<shape>/`` (bench's own files) and
 ``benchmarks/results/compiled_<device>/summary.md`` / ``summary.json`` (rewritten after
-each run, so a sweep cut short still leaves its summary).
+each run, so a sweep cut short still leaves its summary; a sweep of some runs keeps the
+others).
 """
 
 from __future__ import annotations
@@ -56,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=11,
                         help="timed rounds of each row (bench's --repeats; default 11: "
                              "rows of identical steps then differ by under 2%%)")
+    parser.add_argument("--judge-only", action="store_true",
+                        help="run nothing: judge the runs already in --out again and "
+                             "rewrite the summary")
     args = parser.parse_args(argv)
     targets, shapes = args.targets.split(","), args.shapes.split(",")
+    if args.judge_only:
+        targets, shapes = [], []
     unknown = [t for t in targets if t not in TARGETS] + [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"unknown target or shape {unknown}: targets {list(TARGETS)}, shapes "
@@ -80,36 +89,39 @@ def main(argv: list[str] | None = None) -> int:
                 claims.append(dict(dataclasses.asdict(claim), shape=shape))
                 print(f"  {claim.status}: {claim.claim}: {claim.figure}", flush=True)
             _write(out, runs, claims, args.repeats)  # after each run: a partial sweep counts
-    return 0 if all(c["status"] == "PASS" for c in claims) else 1
+    if args.judge_only:
+        _write(out, runs, claims, args.repeats)
+    return 0 if all(c["status"] in ("PASS", "MEASURED") for c in claims) else 1
 
 
 def _earlier(out: Path, targets: list[str], shapes: list[str],
              ) -> tuple[list[dict[str, str]], list[dict[str, object]]]:
-    """The claims and runs of an earlier sweep into ``out`` that this one does not run
-    again (its summary then covers both; a run's own table stays in its folder)."""
+    """The runs of an earlier sweep into ``out`` that this one does not run again, and
+    their claims, judged again from their results (the summary then covers both)."""
     path = out / "summary.json"
     if not path.exists():
         return [], []
-    data = json.loads(path.read_text())
     again = {(t, s) for t in targets for s in shapes}
-    runs = [r for r in data["runs"] if (r["target"], r["shape"]) not in again]
-    kept = {(r["target"], r["shape"]) for r in runs}
-    claims = [c for c in data["claims"] if any(
-        shape == c["shape"] and c["claim"].startswith(f"{TARGETS[target]}: ")
-        for target, shape in kept)]
+    runs = [r for r in json.loads(path.read_text())["runs"]
+            if (r["target"], r["shape"]) not in again]
+    claims = [dict(dataclasses.asdict(claim), shape=r["shape"]) for r in runs
+              for claim in compile_claims(out / f"{r['target']}-{r['shape']}", r["exit"])]
     return claims, runs
 
 
 def _write(out: Path, runs: list[dict[str, object]], claims: list[dict[str, str]],
            repeats: int) -> None:
     passed = sum(c["status"] == "PASS" for c in claims)
+    unjudged = sum(c["status"] == "MEASURED" for c in claims)
     lines = [
         "# Compiled plans against compile's own options (benchmarks/compiled.py)", "",
         f"Date: {datetime.date.today()}  ",
         f"Machine: {device_info('cpu')['device_name']}, one torch thread; {repeats} timed "
         f"rounds per row  ",
         f"Time slack: x{COMPILE_TIME_SLACK} the reference's time, the two timed "
-        f"interleaved in one process. {passed} of {len(claims)} claims pass.", "",
+        f"interleaved in one process. {passed} of {len(claims)} claims pass"
+        + (f"; {unjudged} not judged (the reference's gradients are not exact)"
+           if unjudged else "") + ".", "",
         "Each run's table: `<target>-<shape>/results.md`.", "",
         "| shape | claim | figure | status |", "|---|---|---|---|",
         *[f"| {c['shape']} | {c['claim']} | {c['figure']} | {c['status']} |" for c in claims],

@@ -241,13 +241,21 @@ def _bench_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
     return compile_claims(folder, rc)
 
 
+# A compiled reference whose gradients differ from the plain step's by more than this
+# share of the largest gradient is not exact (fused kernels' own rounding is ~1e-6):
+# autoremat's row at its peak is reported, not judged against it.
+INEXACT_REFERENCE = 1e-3
+
+
 def compile_claims(folder: Path, rc: int) -> list[Claim]:
     """The claims of issue 34 on the results of one ``autoremat bench --compile`` run in
     ``folder`` (``rc``: its exit code): at each compiled reference's measured peak,
     autoremat's compiled plan fits that budget and takes at most
     :data:`COMPILE_TIME_SLACK` times the reference's time; its smallest compiled plan is
-    at or below ``torch.compile + checkpoint per block``'s peak. Also used by
-    ``benchmarks/compiled.py`` on the CPU."""
+    at or below ``torch.compile + checkpoint per block``'s peak. Against a reference
+    whose gradients are not exact (:data:`INEXACT_REFERENCE`) a plan that fits and is as
+    fast passes; one that is not is reported, MEASURED, not judged (no exact peer runs at
+    that peak). Also used by ``benchmarks/compiled.py`` on the CPU."""
     from autoremat._bench.rows import AUTO_COMPILE, COMPILE_BLOCK, COMPILED_REFERENCES
 
     files = sorted(folder.glob("results*.json"))
@@ -286,6 +294,16 @@ def compile_claims(folder: Path, rc: int) -> list[Claim]:
                 fast = mt is not None and rt is not None and mt <= COMPILE_TIME_SLACK * rt
                 figure = (f"peak {_mib(peak)} vs budget {_mib(row['budget_bytes'])}; time "
                           f"x{mt or 0:.3f} vs the reference's x{rt or 0:.3f}")
+            relative = ref.get("relative_grad_diff")
+            if relative is not None and relative > INEXACT_REFERENCE and not (fits and fast):
+                # its peak rests on wrong gradients (compile re-drawing dropout in
+                # backward, pytorch#190758): an exact plan slower than it loses to no
+                # exact peer, so it is reported, not judged (one that beats it passes)
+                out.append(Claim("bench-compile", claim, figure + (
+                    f"; not judged: the reference's gradients are off by {relative:.2g} of "
+                    f"the largest (its peak rests on re-drawing dropout in backward, "
+                    f"pytorch#190758); autoremat's row is exact"), "MEASURED"))
+                continue
             out.append(Claim("bench-compile", claim, figure, "PASS" if fits and fast else "FAIL"))
         block = next((r for r in rows if r["method"] == COMPILE_BLOCK and r["status"] == "ok"),
                      None)

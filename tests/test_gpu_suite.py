@@ -96,6 +96,22 @@ def test_compile_claims_read_from_bench_rows(tmp_path: Path) -> None:
     (tmp_path / "results_cuda.json").write_text(json.dumps(payload))
     assert suite._bench_parse(_ctx(tmp_path), tmp_path, 0)[-1].status == "FAIL"
     assert suite._bench_parse(_ctx(tmp_path), tmp_path / "nothing", 1)[0].status == "NOT RUN"
+    # a reference whose peak rests on re-drawing dropout in backward is not judged
+    rows[4] = dataclasses.replace(ref(COMPILE, "0.5"), relative_grad_diff=0.67)
+    payload["models"][0]["rows"] = [dataclasses.asdict(r) for r in rows]
+    (tmp_path / "results_cuda.json").write_text(json.dumps(payload))
+    inexact = suite._bench_parse(_ctx(tmp_path), tmp_path, 0)[2]
+    assert inexact.status == "MEASURED" and "off by 0.67 of the largest" in inexact.figure
+    rows[4] = dataclasses.replace(ref(COMPILE, "0.5"), relative_grad_diff=4.9e-7)  # rounding
+    payload["models"][0]["rows"] = [dataclasses.asdict(r) for r in rows]
+    (tmp_path / "results_cuda.json").write_text(json.dumps(payload))
+    assert suite._bench_parse(_ctx(tmp_path), tmp_path, 0)[2].status == "FAIL"  # over budget
+    # one that fits and is as fast passes against an inexact reference too
+    rows[4:6] = [dataclasses.replace(ref(COMPILE, "0.5"), relative_grad_diff=0.67),
+                 mine("peak of torch.compile 0.5", 990, 1.0)]
+    payload["models"][0]["rows"] = [dataclasses.asdict(r) for r in rows]
+    (tmp_path / "results_cuda.json").write_text(json.dumps(payload))
+    assert suite._bench_parse(_ctx(tmp_path), tmp_path, 0)[2].status == "PASS"
 
 
 def test_exactness_claims_read_from_gpu_exact_rows(tmp_path: Path) -> None:
