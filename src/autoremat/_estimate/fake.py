@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -588,8 +589,19 @@ def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
     return RematError(
         f"{what} cannot run on fake (meta) tensors: {exc}. Its forward reads tensor values "
         f"(.item(), a Python if on a tensor, shapes that depend on values such as "
-        f"nonzero's), which fake tensors do not have: measure it with autoremat.profile on "
-        f"a real device, or make the forward independent of the values")
+        f"nonzero's){_where_read(exc)}, which fake tensors do not have: measure it with "
+        f"autoremat.profile on a real device, or make the forward independent of the values")
+
+
+def _where_read(exc: BaseException) -> str:
+    """`` at <file>:<line>: <code>``: the model's own line (the last frame outside torch
+    and autoremat) where ``exc`` came from, or "" where there is none."""
+    skip = (os.sep + "torch" + os.sep, os.sep + "autoremat" + os.sep)
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not any(part in frame.filename for part in skip):
+            code = f": {frame.line.strip()}" if frame.line else ""
+            return f" at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
+    return ""
 
 
 @contextmanager
