@@ -665,3 +665,77 @@ def test_a_keyword_that_skips_blocks_planned_one_by_one_is_exact_and_silent() ->
         warnings.simplefilter("error")
         got = _depth_step(model, x, depth=3)
     _assert_equal(plain, got)
+
+
+# --- every warning class has a correct-use twin that stays silent ---------------------------
+
+
+def _warning_classes() -> set[type[Warning]]:
+    """Every warning class autoremat defines (found by walking its modules)."""
+    import importlib
+    import pkgutil
+
+    found: set[type[Warning]] = set()
+    for info in pkgutil.walk_packages(autoremat.__path__, "autoremat."):
+        if info.name.startswith(("autoremat.hf", "autoremat.lightning", "autoremat._cli")):
+            continue  # optional extras and the command line define no warning class
+        module = importlib.import_module(info.name)
+        found |= {obj for obj in vars(module).values() if isinstance(obj, type)
+                  and issubclass(obj, Warning) and obj.__module__.startswith("autoremat")}
+    return found
+
+
+def _guards_twin() -> None:
+    # PlanMismatchWarning (device, mode), ShapeMismatchWarning, StepMismatchWarning
+    # (autocast, dtypes, structure, calls, forwards before one backward): a loop that runs
+    # the model as profiled, with a smaller last batch and evaluation between steps, under
+    # the autocast it was profiled in
+    model, inputs = zoo.build("gpt2", **SMALL["gpt2"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    autoremat.apply(model, autoremat.plan(tape, strategy="full"))
+    smaller = {k: v[:1, :8] for k, v in inputs.items()}
+    for batch in (inputs, smaller, inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = call(model, batch)
+        out.loss.backward()
+        model.eval()
+        with torch.no_grad():
+            call(model, inputs)
+        model.train()
+
+
+def _stateful_twin() -> None:
+    # StatefulBlockWarning: BatchNorm's running statistics are the buffers a block may change
+    model, inputs = zoo.build("resnet", **SMALL["resnet"])
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    autoremat.apply(model, autoremat.plan(tape, strategy="full"))
+    call(model, inputs).loss.backward()
+
+
+def _unsealed_twin() -> None:
+    # UnsealedPlanWarning: a plan file autoremat wrote loads sealed
+    model, inputs = zoo.build("mlp", **SMALL["mlp"])
+    plan = autoremat.plan(autoremat.profile(model, inputs, timing=False), strategy="full")
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+_TWINS: dict[str, Callable[[], None]] = {
+    "PlanMismatchWarning": _guards_twin, "ShapeMismatchWarning": _guards_twin,
+    "StepMismatchWarning": _guards_twin, "StatefulBlockWarning": _stateful_twin,
+    "UnsealedPlanWarning": _unsealed_twin,
+}
+
+
+def test_every_warning_class_has_a_twin() -> None:
+    assert {cls.__name__ for cls in _warning_classes()} == set(_TWINS)
+
+
+@pytest.mark.parametrize("name", sorted(set(_TWINS)))
+def test_the_correct_use_twin_of_each_warning_stays_silent(name: str) -> None:
+    cls = next(c for c in _warning_classes() if c.__name__ == name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _TWINS[name]()
+    assert not [w for w in caught if issubclass(w.category, cls)], \
+        [str(w.message)[:200] for w in caught]
