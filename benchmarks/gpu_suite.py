@@ -36,7 +36,8 @@ per step holding the benchmark's own result files, ``<step>.stdout.txt`` /
 measured figure and PASS, FAIL, NOT RUN or MEASURED. Every file names the device
 (``torch.cuda.get_device_name``; the CPU's model name otherwise). On the first H200 run
 (2026-11-26) the steps took: gpu-tests and exactness together 139 s, head 51 s, offload
-69 s; bench-compile did not finish in 202 s.
+69 s; bench-compile did not finish in 202 s. The CPU dry run's bench-compile takes 114-150 s
+(2026-11-28, plans fitted by measuring the model compiled whole).
 
 Run (on a GPU):  PYTHONPATH=src python benchmarks/gpu_suite.py
 CPU dry run:     PYTHONPATH=src python benchmarks/gpu_suite.py --device cpu --size tiny --out /tmp/s
@@ -523,7 +524,7 @@ STEPS: tuple[Step, ...] = (  # in priority order; the two correctness steps at o
          _cost_command, _cost_parse, {"gpu": 240, "tiny": 120}, {"gpu": 60, "tiny": 5}),
     Step("bench-compile", "autoremat + compile at each compiled reference's peak: fits, "
          f"time <= x{COMPILE_TIME_SLACK}", _bench_command, _bench_parse,
-         {"gpu": 540, "tiny": 150}, {"gpu": 180, "tiny": 5}),
+         {"gpu": 540, "tiny": 300}, {"gpu": 180, "tiny": 5}),  # tiny: 114-150 s on 2 cores
 )
 
 
