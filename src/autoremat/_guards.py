@@ -75,8 +75,12 @@ class StepMismatchWarning(PlanMismatchWarning):
 #       discriminator on real and fake) holds the activations of both, where the plan was
 #       measured for one: warned once (StepMismatchWarning). A graph freed without a
 #       backward (a forward with gradients whose output was dropped) is not counted: the
-#       hooks that mark it go with it. Not checked inside a compiled forward (whole-model
-#       torch.compile traces the model's hooks, and dynamo reads no grad_fn).
+#       hooks that mark it go with it.
+#     None of these is checked inside a compiled forward: whole-model torch.compile
+#     traces the model's hooks into every step (Dynamo replays their Python side effects
+#     after each graph: on zoo llama at 4 x 256, seq 256, batch 8, the step with the
+#     checks measured x1.031 the plain compiled one, without them x0.986), and Dynamo
+#     guards the shapes and dtypes itself, compiling again when they change.
 
 
 @dataclass
@@ -235,6 +239,8 @@ def _check_step(state: Applied) -> None:
 def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> None:
     """The model's forward pre-hook (bound to ``state`` with ``functools.partial``, so
     that a copy of the model checks against the copy's state)."""
+    if torch.compiler.is_compiling():
+        return  # NOTE [ What a plan is checked against ]: not inside a compiled forward
     inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
                                                       not kwargs else args)
     state.calls = None
