@@ -102,22 +102,24 @@ def auto(model: nn.Module | Step, inputs: Any = None,
     # plans read FLOPs and bytes, never the tape's times: no uninstrumented steps timed
     # the loss head's options cost a memory step each: measured only when the plan may
     # chunk the head
-    tape = profile(step, blocks=blocks, compile=backend or False, offload=offload, timing=False,
-                   with_head=not keeps_head(head))
+    def planned(tape: Tape, head: str | None) -> Plan:
+        return plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
+                    offload=offload, head=head)
+
+    def profiled(with_head: bool) -> Tape:
+        return profile(step, blocks=blocks, compile=backend or False, offload=offload,
+                       timing=False, with_head=with_head)
+
+    tape = profiled(not keeps_head(head))
     limit = budget_bytes_of(tape, budget, max_memory, optimizer)
     if backend is not None and limit is not None and strategy == "optimal":
         return fit_compiled(step, tape, limit, backend)
     try:
-        chosen = plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
-                      offload=offload, head=head)
+        chosen = planned(tape, head)
     except BudgetError as exc:
         if not keeps_head(head):
             raise
-        raise _with_head_hint(exc, step, lambda: plan(
-            profile(step, blocks=blocks, compile=backend or False, offload=offload,
-                    timing=False, with_head=True),
-            budget, strategy, max_memory=max_memory, optimizer=optimizer, offload=offload,
-            head="auto")) from None
+        raise _with_head_hint(exc, step, lambda: planned(profiled(True), "auto")) from None
     apply(model, chosen, check_ranks=False)
     if chosen.budget_bytes is None:
         return chosen

@@ -174,9 +174,8 @@ _REDO = ("profile and plan the model as the loop runs it (autoremat.auto(model, 
 
 def _check_pending(state: Applied) -> None:
     """At a forward with gradients: whether the last one's graph still waits for its
-    backward (NOTE [ What a plan is checked against ])."""
-    if torch.compiler.is_compiling():
-        return  # inside a compiled forward: its graph nodes are not the eager ones
+    backward (NOTE [ What a plan is checked against ]); never inside a compiled forward,
+    where ``shape_check`` returns first."""
     last = state.pending() if state.pending is not None else None
     state.pending = None
     if last is None or last.backward_ran or "forwards" in state.warned:
@@ -376,8 +375,8 @@ def _without_scalars(inputs: Any) -> Any:
 
 
 def close_segments(state: Applied, module: nn.Module, args: Any, output: Any) -> None:
-    unfinished = [(runner, runner.waiting_for()) for runner in state.runners
-                  if runner.waiting_for() is not None]
+    waiting = [(runner, runner.waiting_for()) for runner in state.runners]
+    unfinished = [(runner, name) for runner, name in waiting if name is not None]
     for runner in state.runners:
         runner.abort()  # no-op after a normal forward; closes frames after an error
     calls, state.calls = state.calls, None
