@@ -7,14 +7,18 @@ counters, so the same ``max_memory`` gave two budgets.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import autoremat
 from autoremat import zoo
-from autoremat._core.errors import BudgetError
+from autoremat._core.errors import BudgetError, SchemaError
 from autoremat._core.step import unique_storage_bytes
+from autoremat._core.units import format_bytes
 from autoremat._estimate.estimate import estimate
 from autoremat._plan.budget import IterationMemory, iteration_memory, step_budget_bytes
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 WIDTHS = (64, 256, 256, 64)  # a batch of 512 x 64 fp32 = 128 KiB, counted in no step peak
 
@@ -80,3 +84,96 @@ def test_a_tape_without_the_batch_size_cannot_take_max_memory() -> None:
         iteration_memory(old, None)
     # a step budget still works
     assert autoremat.plan(old, budget="100%").budget_bytes == tape.step_peak_bytes
+
+
+# --- NOTE [ The margin kept for the CUDA allocator ] -----------------------------------
+
+
+def _cuda_tape() -> autoremat.Tape:
+    """A tape for a CUDA device, estimated on ``meta``: its blocks in CUDA's 512-byte
+    blocks, as a tape measured there."""
+    model, inputs = zoo.build("gpt2", device="meta", n_layer=4, n_embd=64, n_head=4,
+                              seq_len=32, batch_size=2)
+    tape = estimate(model, inputs, device="cuda", selective=False).tape
+    assert tape is not None and tape.device == "cuda"
+    return tape
+
+
+def test_a_cuda_tape_is_planned_under_the_budget_less_the_margin() -> None:
+    tape = _cuda_tape()
+    peak, least = tape.step_peak_bytes, smallest_feasible_bytes(tape)
+    for budget in (peak, (peak + least) // 2, least):
+        kept = autoremat.plan(tape, budget)
+        room = budget * 100 // 103  # floor(budget / 1.03)
+        assert kept.budget_bytes == budget and kept.margin_bytes == budget - room > 0
+        assert kept.predicted_peak_bytes <= room
+        assert f"{format_bytes(kept.margin_bytes)} of it kept as margin" in str(kept)
+        tight = autoremat.plan(tape, budget, margin=0)
+        assert tight.margin_bytes == 0 and tight.predicted_peak_bytes <= budget
+        assert tight.predicted_cost <= kept.predicted_cost
+    # at the plain step's own peak, without the margin every block is kept; with it not
+    assert autoremat.plan(tape, peak, margin=0).recompute_blocks == 0
+    assert autoremat.plan(tape, peak).recompute_blocks > 0
+
+
+def test_the_smallest_feasible_budget_holds_the_margin() -> None:
+    tape = _cuda_tape()
+    least, bare = smallest_feasible_bytes(tape), smallest_feasible_bytes(tape, margin=0)
+    assert least == -(-bare * 103 // 100)  # ceil(peak * 1.03)
+    assert autoremat.plan(tape, least).predicted_peak_bytes == bare
+    with pytest.raises(BudgetError, match=r"less the 3\.0% of it kept as margin") as info:
+        autoremat.plan(tape, least - 1)
+    assert info.value.min_feasible_bytes == least
+    assert f"({least} bytes)" in str(info.value)
+    # a fixed strategy is refused on the same terms
+    full = autoremat.plan(tape, None, "full").predicted_peak_bytes
+    with pytest.raises(BudgetError, match="no 'full' plan fits") as info:
+        autoremat.plan(tape, full, "full")
+    assert info.value.min_feasible_bytes == least
+    assert autoremat.plan(tape, full, "full", margin=0).predicted_peak_bytes == full
+
+
+def test_a_cpu_tape_keeps_no_margin_unless_asked() -> None:
+    model, inputs = zoo.build("mlp", device="meta", widths=WIDTHS, batch_size=512)
+    tape = estimate(model, inputs, device="cpu", selective=False).tape
+    assert tape is not None
+    budget = tape.step_peak_bytes
+    assert autoremat.plan(tape, budget).margin_bytes == 0
+    assert smallest_feasible_bytes(tape) == smallest_feasible_bytes(tape, margin=0)
+    asked = autoremat.plan(tape, budget, margin=0.25)
+    assert asked.margin_bytes == budget - budget * 4 // 5
+    assert asked.predicted_peak_bytes <= budget * 4 // 5
+    assert autoremat.plan(tape, None, "full", margin=0.25).margin_bytes == 0  # no budget
+
+
+@pytest.mark.parametrize("bad", [-0.01, 1, 1.5, "3%", True, float("nan")])
+def test_a_margin_outside_0_to_1_is_refused(bad: object) -> None:
+    tape = _cuda_tape()
+    with pytest.raises(BudgetError, match=r"margin must be a number in \[0, 1\)"):
+        autoremat.plan(tape, "50%", margin=bad)  # type: ignore[arg-type]
+    model, inputs = zoo.build("mlp", widths=(16, 16), batch_size=4)
+    with pytest.raises(BudgetError, match="margin must be"):  # before any work
+        autoremat.auto(model, inputs, budget="50%", margin=bad)  # type: ignore[arg-type]
+
+
+def test_auto_keeps_the_margin_it_is_given() -> None:
+    model, inputs = zoo.build("mlp", widths=WIDTHS, batch_size=512)
+    chosen = autoremat.auto(model, inputs, budget="95%", margin=0.1)
+    assert chosen.budget_bytes is not None and chosen.margin_bytes > 0
+    assert chosen.predicted_peak_bytes + chosen.margin_bytes <= chosen.budget_bytes
+    autoremat.remove(model)
+
+
+def test_a_plan_file_keeps_its_margin_and_refuses_one_edited_over_the_budget() -> None:
+    tape = _cuda_tape()
+    kept = autoremat.plan(tape, smallest_feasible_bytes(tape))
+    again = autoremat.Plan.from_json(kept.to_json(), tape=tape)
+    assert again == kept and again.margin_bytes > 0
+    data = json.loads(kept.to_json())
+    data["margin_bytes"] = data["budget_bytes"]
+    with pytest.raises(SchemaError, match=r"plus plan\.margin_bytes"):
+        autoremat.Plan.from_json(json.dumps(data))
+    bare = json.loads(autoremat.plan(tape, None, "full").to_json())
+    bare["margin_bytes"] = 1
+    with pytest.raises(SchemaError, match="plan without a budget"):
+        autoremat.Plan.from_json(json.dumps(bare))

@@ -24,6 +24,7 @@ from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import Tape
 from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.head import find_head
+from autoremat._plan.budget import margin_for
 from autoremat._plan.plan import Plan, plan_key, plan_of_segments
 from autoremat._plan.strategies import (
     budget_bytes_of,
@@ -45,7 +46,7 @@ def auto(model: nn.Module | Step, inputs: Any = None,
          max_memory: int | str | None = None, optimizer: str | int | None = None,
          loop: Loop | None = None,
          compile: bool | str = False, offload: bool = False,
-         head: str | None = None) -> Plan:
+         head: str | None = None, margin: float | None = None) -> Plan:
     """Profile, plan and apply in one call; returns the plan applied.
 
     With a budget, ``auto`` then measures one step with the plan applied and, if the
@@ -76,6 +77,9 @@ def auto(model: nn.Module | Step, inputs: Any = None,
             a CPU the host is the device, so nothing is offloaded there.
         head: the loss head's decision, as for :func:`autoremat.plan` (``None``: keep it;
             ``"auto"``: chunk it where that is cheaper).
+        margin: the share of the budget kept for the CUDA allocator's blocks, as for
+            :func:`autoremat.plan` (``None``: 3% on CUDA, 0 elsewhere). A plan fitted for
+            the step compiled whole (``compile=``) is judged by its measured peak alone.
 
     Raises:
         RematError: ``compile`` names no backend (before any work).
@@ -91,6 +95,7 @@ def auto(model: nn.Module | Step, inputs: Any = None,
     step = as_step(model, inputs, loss_fn, loop, caller="auto", keyword="budget")
     check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
     check_head(head)
+    margin_for("", margin)  # the value, before any work
     backend = compile_backend(compile)
     model = step.model
     remove(model)
@@ -104,7 +109,7 @@ def auto(model: nn.Module | Step, inputs: Any = None,
     # chunk the head
     def planned(tape: Tape, head: str | None) -> Plan:
         return plan(tape, budget, strategy, max_memory=max_memory, optimizer=optimizer,
-                    offload=offload, head=head)
+                    offload=offload, head=head, margin=margin)
 
     def profiled(with_head: bool) -> Tape:
         return profile(step, blocks=blocks, compile=backend or False, offload=offload,
@@ -142,7 +147,7 @@ def auto(model: nn.Module | Step, inputs: Any = None,
             break
         target = min(target - (peak - limit), limit - (peak - chosen.predicted_peak_bytes))
         try:
-            retry = plan(tape, target, strategy, offload=offload, head=head)
+            retry = plan(tape, target, strategy, offload=offload, head=head, margin=margin)
         except BudgetError as exc:
             raise exc.with_message(
                 f"the plan for {format_bytes(limit)} measured {format_bytes(peak)}; a plan "
@@ -250,18 +255,19 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
     quick = [h for h in found if measured(found[h])[1] <= _AS_FAST * measured(keep)[1]]
     if quick:  # as fast as keeping every block: no plan can do better
         return fitted(found[quick[0]], f"{quick[0]}, as fast as every block kept")
-    floor = smallest_feasible_bytes(tape)
+    # the measured peak is the judge here: plans are asked for predictions, no margin
+    floor = smallest_feasible_bytes(tape, margin=0)
     target = limit - (measured(keep)[0] - keep.predicted_peak_bytes)
     for _ in range(_FIT_ATTEMPTS):
         if target < floor:
             break
-        candidate = plan(tape, target)
+        candidate = plan(tape, target, margin=0)
         peak = measured(candidate)[0]
         if peak > limit:
             target = min(target, candidate.predicted_peak_bytes) - (peak - limit)
             continue
         found[f"planned for {format_bytes(target)}"] = candidate
-        room = plan(tape, target + limit - peak)
+        room = plan(tape, target + limit - peak, margin=0)
         if room.predicted_cost < candidate.predicted_cost and measured(room)[0] <= limit:
             found[f"planned for {format_bytes(target + limit - peak)}"] = room
         break
@@ -270,7 +276,7 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
             found[f"every block saving the outputs of {key}"] = candidate
     if not found:
         for how, candidate in (("every block recomputed", plan(tape, None, "full")),
-                               ("the tape's smallest plan", plan(tape, floor))):
+                               ("the tape's smallest plan", plan(tape, floor, margin=0))):
             if measured(candidate)[0] <= limit:
                 found[how] = candidate
     if found:

@@ -52,15 +52,67 @@ NOTE [ Sharded over N ranks ]
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from autoremat._core.errors import BudgetError, check_whole
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._measure.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._measure.tape import Tape
 
-__all__ = ["IterationMemory", "check_shards", "fsdp_param_bytes", "iteration_memory",
-           "optimizer_state_bytes", "step_budget_bytes"]
+__all__ = ["CUDA_MARGIN", "IterationMemory", "budget_for", "check_shards", "fsdp_param_bytes",
+           "iteration_memory", "margin_for", "optimizer_state_bytes", "room_bytes",
+           "step_budget_bytes"]
+
+# The share of a CUDA budget a plan leaves for the allocator's whole blocks (NOTE [ The
+# margin kept for the CUDA allocator ]): above the largest excess measured (2.33%).
+CUDA_MARGIN = 0.03
+
+
+def margin_for(device: str, margin: float | None = None) -> Fraction:
+    """The margin a plan for a tape on ``device`` keeps: ``margin`` if given (a share of
+    the budget's planned room, 0 <= margin < 1), else ``CUDA_MARGIN`` on a CUDA device
+    and 0 elsewhere (NOTE [ The margin kept for the CUDA allocator ]).
+
+    Raises:
+        BudgetError: ``margin`` is not a number in [0, 1).
+
+    Example:
+        >>> margin_for("cuda"), margin_for("cuda:1", 0), margin_for("cpu")
+        (Fraction(3, 100), Fraction(0, 1), Fraction(0, 1))
+    """
+    if margin is None:
+        on_cuda = device.split(":")[0] == "cuda"
+        return Fraction(str(CUDA_MARGIN)) if on_cuda else Fraction(0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
+            or not 0 <= margin < 1:
+        raise BudgetError(f"margin must be a number in [0, 1), the share of the budget kept "
+                          f"for what the CUDA allocator adds (0.03 is 3%), got {margin!r}")
+    return Fraction(str(margin))
+
+
+def room_bytes(budget: int, margin: Fraction) -> int:
+    """The step peak a plan may predict under ``budget`` keeping ``margin``:
+    ``floor(budget / (1 + margin))``.
+
+    Example:
+        >>> room_bytes(1030, Fraction(3, 100)), room_bytes(1000, Fraction(0))
+        (1000, 1000)
+    """
+    return math.floor(budget / (1 + margin))  # Fraction: exact
+
+
+def budget_for(peak: int, margin: Fraction) -> int:
+    """The smallest budget whose room (:func:`room_bytes`) holds a predicted ``peak``:
+    ``ceil(peak * (1 + margin))``.
+
+    Example:
+        >>> budget_for(1000, Fraction(3, 100)), room_bytes(budget_for(999, Fraction(3, 100)),
+        ...                                                Fraction(3, 100))
+        (1030, 999)
+    """
+    return -(-peak * (1 + margin).numerator // (1 + margin).denominator)
 
 
 @dataclass(frozen=True)

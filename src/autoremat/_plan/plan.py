@@ -126,6 +126,10 @@ class Plan:
     # The ranks FSDP shards parameters, gradients and optimizer state over, which
     # max_memory counted (NOTE [ Sharded over N ranks ] in budget.py); 1: unsharded.
     shards: int = 1
+    # Bytes of the budget held back for what the CUDA caching allocator adds beyond the
+    # prediction (NOTE [ The margin kept for the CUDA allocator ] in budget.py): the plan
+    # predicts at most budget_bytes - margin_bytes. 0: none (CPU, or margin=0).
+    margin_bytes: int = 0
     # What else it was made for (NOTE [ What a plan is checked against ] in _guards.py):
     # the device its tape measured or targeted ("": saved before this field existed),
     # and the model's mode then (model.training).
@@ -246,7 +250,7 @@ class Plan:
         loaded: Plan = build_dataclass(cls, data, "plan")
         _expect(loaded.predicted_cost, int, "plan.predicted_cost")  # < 0: a faster head
         for key in ("predicted_peak_bytes", "predicted_recompute_flops", "unplanned_peak_bytes",
-                    "step_flops", "predicted_host_bytes"):
+                    "step_flops", "predicted_host_bytes", "margin_bytes"):
             _expect(getattr(loaded, key), int, f"plan.{key}")
             if getattr(loaded, key) < 0:
                 raise SchemaError(f"plan.{key} must be >= 0, got {getattr(loaded, key)}")
@@ -282,11 +286,16 @@ class Plan:
                         f"plan.compiled_peak_bytes ({loaded.compiled_peak_bytes}) is above "
                         f"plan.budget_bytes ({loaded.budget_bytes}), which no plan autoremat "
                         f"makes states: the file was edited. {_REPLAN}")
-            elif loaded.predicted_peak_bytes > loaded.budget_bytes:
+            elif loaded.predicted_peak_bytes + loaded.margin_bytes > loaded.budget_bytes:
                 raise SchemaError(
-                    f"plan.predicted_peak_bytes ({loaded.predicted_peak_bytes}) is above "
-                    f"plan.budget_bytes ({loaded.budget_bytes}), which no plan autoremat "
-                    f"makes states: the file was edited. {_REPLAN}")
+                    f"plan.predicted_peak_bytes ({loaded.predicted_peak_bytes}) plus "
+                    f"plan.margin_bytes ({loaded.margin_bytes}) is above plan.budget_bytes "
+                    f"({loaded.budget_bytes}), which no plan autoremat makes states: the "
+                    f"file was edited. {_REPLAN}")
+        elif loaded.margin_bytes:
+            raise SchemaError(f"plan.margin_bytes is {loaded.margin_bytes} on a plan without a "
+                              f"budget, which no plan autoremat makes states: the file was "
+                              f"edited. {_REPLAN}")
         _check_seal(seal, as_read)
         if tape is not None:
             check_against_tape(loaded, tape)
@@ -315,6 +324,9 @@ class Plan:
                     what += f" (segment of {stop - start} blocks from {self.blocks[start].name})"
                 rows.append([block.name, what])
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        if self.margin_bytes:
+            budget += (f" ({format_bytes(self.margin_bytes)} of it kept as margin for the CUDA "
+                       f"allocator's blocks)")
         head = (f"Plan ({self.strategy}) for {self.model}, inputs {self.inputs}\n"
                 f"budget {budget}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
                 f"(unplanned {format_bytes(self.unplanned_peak_bytes)}); recompute "

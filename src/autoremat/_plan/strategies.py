@@ -10,17 +10,31 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import torch
 
 from autoremat._core.decisions import KEEP, OFFLOAD, RECOMPUTE, Choice, Decision, is_head_key
-from autoremat._core.errors import BudgetError, RematError, check_flag, did_you_mean
+from autoremat._core.errors import (
+    BudgetError,
+    RematError,
+    check_flag,
+    did_you_mean,
+    internal_assert,
+)
 from autoremat._core.saves import MEGATRON, save_set_name
 from autoremat._core.units import format_bytes, parse_budget, parse_size
 from autoremat._measure.optimizers import resolve_optimizer
 from autoremat._measure.tape import Tape
-from autoremat._plan.budget import check_shards, iteration_memory, step_budget_bytes
+from autoremat._plan.budget import (
+    budget_for,
+    check_shards,
+    iteration_memory,
+    margin_for,
+    room_bytes,
+    step_budget_bytes,
+)
 from autoremat._plan.chain import ChainSolution, solve
 from autoremat._plan.peak import Segments, selective_options, with_head
 from autoremat._plan.plan import _OFFLOAD_DTYPES, Plan, _with_head_fields, plan_of_segments
@@ -110,26 +124,33 @@ def _smallest(tape: Tape, offload: bool = False,
     return min(solutions, key=lambda s: s.peak_bytes)
 
 
-def _raise_infeasible(tape: Tape, budget: int | None, strategy: str,
-                      predicted: int | None = None, offload: bool = False,
-                      heads: list[Choice] | None = None) -> None:
-    best = _smallest(tape, offload, heads)
+def _infeasible(strategy: str, budget: int | None, least_peak: int, margin: Fraction,
+                predicted: int | None = None) -> BudgetError:
+    """No plan of ``strategy`` fits ``budget``; the least peak any plan reaches is
+    ``least_peak``, and the smallest feasible budget holds it with ``margin``."""
+    need = budget_for(least_peak, margin)
     got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
-    raise BudgetError(
-        f"no {strategy!r} plan fits the budget of {format_bytes(budget or 0)}{got}. The "
-        f"smallest feasible budget is {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes), "
-        f"reached by strategy 'optimal'; use a budget of at least that, a smaller batch, "
-        f"or also offload/shard",
-        min_feasible_bytes=best.peak_bytes, strategy="optimal")
+    kept = (f", less the {float(margin):.1%} of it kept as margin (margin=; on a CUDA tape 3% "
+            f"by default, for the allocator's blocks: NOTE [ The margin kept for the CUDA "
+            f"allocator ]; margin=0 plans without it)" if margin else "")
+    return BudgetError(
+        f"no {strategy!r} plan fits the budget of {format_bytes(budget or 0)}{kept}{got}. "
+        f"The smallest feasible budget is {format_bytes(need)} ({need} bytes), reached by "
+        f"strategy 'optimal'; use a budget of at least that, a smaller batch, or also "
+        f"offload/shard",
+        min_feasible_bytes=need, strategy="optimal")
 
 
 def smallest_feasible_bytes(tape: Tape, offload: bool = False,
-                            head: str | None = None) -> int:
-    """The smallest step peak any plan in autoremat's space reaches for this tape (with
+                            head: str | None = None, margin: float | None = None) -> int:
+    """The smallest budget any plan in autoremat's space fits for this tape (with
     ``offload``, offloading blocks too; with the loss head as ``head=`` allows, as for
-    :func:`plan`: by default kept)."""
+    :func:`plan`: by default kept): the least step peak a plan reaches, plus on a CUDA
+    tape the margin :func:`plan` keeps (``margin=`` as for it; NOTE [ The margin kept
+    for the CUDA allocator ] in ``budget.py``)."""
     check_head(head)
-    return _smallest(tape, offload, head_choices(tape, head)).peak_bytes
+    peak = _smallest(tape, offload, head_choices(tape, head)).peak_bytes
+    return budget_for(peak, margin_for(tape.device, margin))
 
 
 _STRATEGY_NAMES = ["optimal", "none", "full", "every:K", "sqrt", "selective", "offload"]
@@ -175,7 +196,7 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
 def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "optimal", *,
          max_memory: int | str | None = None, optimizer: str | int | None = None,
          offload: bool = False, offload_dtype: str | torch.dtype | None = None,
-         shards: int = 1, head: str | None = None) -> Plan:
+         shards: int = 1, head: str | None = None, margin: float | None = None) -> Plan:
     """Choose, for every block of the tape, keep or recompute, to fit a memory budget.
 
     Args:
@@ -221,6 +242,12 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             never builds the full logits (``out.logits`` is ``None``) and changes the
             loss and the projection's weight gradient by summation order only (NOTE
             [ What a chunked head changes in numerics ]).
+        margin: the share of the budget kept for what the CUDA caching allocator adds
+            beyond the prediction (blocks it hands out whole): the plan predicts at most
+            ``budget / (1 + margin)``, and ``plan.margin_bytes`` is the rest. ``None``
+            (default): 0.03 on a tape for a CUDA device, 0 elsewhere, where the tracker's
+            figures are exact (NOTE [ The margin kept for the CUDA allocator ] in
+            ``budget.py``). ``0`` plans to the prediction alone.
 
     Returns:
         A frozen :class:`Plan`. ``plan`` has no ``compile`` option: a tape measured
@@ -258,12 +285,18 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
                          "autoremat.profile(model, inputs, offload=True) to plan offload"
                          + (" (a compiled step cannot offload)" if tape.compiled else ""))
     budget_bytes = budget_bytes_of(tape, budget, max_memory, optimizer, shards)
+    kept = margin_for(tape.device, margin)
+    room = None if budget_bytes is None else room_bytes(budget_bytes, kept)
     if shards > 1:  # no multi-block segments under FSDP: no block joins its predecessor
         tape = dataclasses.replace(tape, blocks=tuple(
             dataclasses.replace(b, chained=False) for b in tape.blocks))
     heads = head_choices(tape, head, name)
-    found = _best_over_heads(tape, heads, name, arg, strategy, budget_bytes, offload, head)
-    found = dataclasses.replace(found, shards=shards, offload_dtype=dtype_name)
+    found = _best_over_heads(tape, heads, name, arg, strategy, (budget_bytes, room, kept),
+                             offload, head)
+    found = dataclasses.replace(found, shards=shards, offload_dtype=dtype_name,
+                                budget_bytes=budget_bytes,
+                                margin_bytes=0 if budget_bytes is None or room is None
+                                else budget_bytes - room)
     return dataclasses.replace(found, notes=(*found.notes, *notes)) if notes else found
 
 
@@ -320,12 +353,13 @@ def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> lis
 
 
 def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
-                    offload: bool) -> BudgetError:
+                    offload: bool, margin: Fraction) -> BudgetError:
     """``exc``, saying how far a chunked loss head would go where the tape measured one
-    and the plan was not allowed to chunk it."""
+    and the plan was not allowed to chunk it (a budget, with ``margin``)."""
     if not keeps_head(head) or tape.head is None or not tape.head.options:
         return exc
-    chunked = _smallest(tape, offload, head_choices(tape, "auto")).peak_bytes
+    chunked = budget_for(_smallest(tape, offload, head_choices(tape, "auto")).peak_bytes,
+                         margin)
     if exc.min_feasible_bytes is not None and chunked >= exc.min_feasible_bytes:
         return exc
     return exc.with_message(
@@ -336,33 +370,36 @@ def _with_head_hint(exc: BudgetError, tape: Tape, head: str | None,
 
 
 def _best_over_heads(tape: Tape, heads: list[Choice], name: str, arg: str, strategy: str,
-                     budget_bytes: int | None, offload: bool, head: str | None) -> Plan:
+                     budgets: tuple[int | None, int | None, Fraction], offload: bool,
+                     head: str | None) -> Plan:
     """The least-cost plan of the strategy that fits, over the head decisions ``heads``
-    (NOTE [ Choosing the head ])."""
+    (NOTE [ Choosing the head ]); ``budgets`` is the budget asked for, the room its
+    prediction may take (the budget less the margin), and the margin."""
+    budget_bytes, room, margin = budgets
     best: Plan | None = None
     predicted = None
     for head_choice in heads:
         view = with_head(tape, head_choice)
         try:
-            segments = STRATEGIES[name](view, budget_bytes, arg, offload)
+            segments = STRATEGIES[name](view, room, arg, offload)
         except BudgetError as exc:
             if len(heads) == 1:
-                raise _with_head_hint(exc, tape, head, offload) from None
+                least = exc.min_feasible_bytes
+                internal_assert(least is not None, "a strategy's BudgetError without a peak")
+                raise _with_head_hint(_infeasible(strategy, budget_bytes, least or 0, margin),
+                                      tape, head, offload, margin) from None
             continue
-        found = _with_head_fields(plan_of_segments(view, segments, strategy, budget_bytes),
+        found = _with_head_fields(plan_of_segments(view, segments, strategy, room),
                                   tape, head_choice)
-        if budget_bytes is not None and found.predicted_peak_bytes > budget_bytes:
+        if room is not None and found.predicted_peak_bytes > room:
             predicted = found.predicted_peak_bytes if predicted is None else predicted
             continue
         if best is None or found.predicted_cost < best.predicted_cost:
             best = found
     if best is None:
-        try:
-            _raise_infeasible(tape, budget_bytes, strategy, predicted=predicted,
-                              offload=offload, heads=heads)
-        except BudgetError as exc:
-            raise _with_head_hint(exc, tape, head, offload) from None
-    assert best is not None  # _raise_infeasible raised
+        least = _smallest(tape, offload, heads).peak_bytes
+        raise _with_head_hint(_infeasible(strategy, budget_bytes, least, margin, predicted),
+                              tape, head, offload, margin)
     return best
 
 
