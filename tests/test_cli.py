@@ -35,6 +35,8 @@ _SMALL_GPT2 = as_options(SMALL["gpt2"])  # two blocks: the tests below count on 
                      marks=pytest.mark.slow),
         (["plan", "no_such_module:factory", "--budget", "50%"], "cannot import 'no_such_module'"),
         (["plan", "mlp", "--deterministic"], "--deterministic only changes how --verify"),
+        (["plan", "mlp", "--budget", "50%", "--margin", "1.5"],
+         "margin must be a number in [0, 1)"),  # before any work
     ],
 )
 def test_errors_name_the_problem(argv: list[str], message: str,
@@ -81,6 +83,17 @@ def test_loop_option_reaches_the_plan(tmp_path: Path,
                  "--loop", "loss_only", "--out", str(plan_file)]) == 0
     assert autoremat.Plan.from_json(plan_file).loop == "loss_only"
     assert "loop loss_only" in capsys.readouterr().out
+
+
+def test_margin_option_reaches_the_plan(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "gpt2", "--set", _SMALL_GPT2, "--budget", "120%", "--margin", "0.1",
+                 "--out", str(plan_file)]) == 0
+    chosen = autoremat.Plan.from_json(plan_file)
+    assert chosen.budget_bytes is not None and chosen.margin_bytes > 0
+    assert chosen.predicted_peak_bytes <= chosen.budget_bytes - chosen.margin_bytes
+    assert "kept as margin" in capsys.readouterr().out
 
 
 def test_an_unknown_loop_option_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,7 @@ from autoremat._core.units import format_bytes
 from autoremat._core.version import __version__
 from autoremat._measure.blocks import discover_blocks
 from autoremat._measure.tape import ops_table
+from autoremat._plan.budget import margin_for
 from autoremat._plan.strategies import check_head, check_plan_args, plan, smallest_feasible_bytes
 from autoremat._profile.profile import profile
 from autoremat._targets import TARGET_HELP, load_target, parse_options
@@ -79,6 +80,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                          "add --verify, or leave --deterministic out")
     name, _ = check_plan_args(args.budget, args.strategy, args.max_memory, args.optimizer)
     check_head(args.head)
+    margin_for("", args.margin)  # the value, before any work
     if name in _NEED_A_BUDGET and args.budget is None and args.max_memory is None:
         raise RematError(f"--strategy {args.strategy} needs --budget (e.g. --budget 50%, or "
                          "6GiB) or --max-memory (e.g. 24GiB): without one it keeps every "
@@ -92,7 +94,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         tape = profile(model, inputs, loop=args.loop, progress=stage)
         stage("solving the plan")
         chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
-                      optimizer=args.optimizer, head=args.head)
+                      optimizer=args.optimizer, head=args.head, margin=args.margin)
     console.print(str(chosen), highlight=False, soft_wrap=True)
     if args.verify:
         apply(model, chosen, check_ranks=False)
@@ -209,6 +211,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--head", help="the loss head of a causal LM given labels: keep "
                                           "(default), auto (chunk it where cheaper), chunked, "
                                           "chunked:N")
+            p.add_argument("--margin", type=float, default=None,
+                           help="share of the budget kept for what the CUDA allocator adds "
+                                "beyond the prediction (default 0.03 on CUDA, 0 on CPU; 0: "
+                                "none)")
             p.add_argument("--verify", action="store_true",
                            help="apply the plan and measure it against the plain step")
             p.add_argument("--deterministic", action="store_true",

@@ -325,8 +325,9 @@ class Plan:
                 rows.append([block.name, what])
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
         if self.margin_bytes:
-            budget += (f" ({format_bytes(self.margin_bytes)} of it kept as margin for the CUDA "
-                       f"allocator's blocks)")
+            budget += (f" ({format_bytes(self.margin_bytes)} of it kept as margin"
+                       + (" for the CUDA allocator's blocks" if self.device.startswith("cuda")
+                          else "") + ")")
         head = (f"Plan ({self.strategy}) for {self.model}, inputs {self.inputs}\n"
                 f"budget {budget}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
                 f"(unplanned {format_bytes(self.unplanned_peak_bytes)}); recompute "
