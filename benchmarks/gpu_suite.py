@@ -486,8 +486,9 @@ def _cost_command(ctx: Context, folder: Path) -> list[str]:
             "--out", str(folder)]
     # on a GPU at GPT-2 small's shape: the default sizes' steps are too short to weigh a
     # profile against (results of 2026-11-26)
+    # one round on a GPU: its synchronised steps move little, and the device time is short
     argv += ["--size", "tiny", "--models", "zoo-gpt2"] if ctx.size == "tiny" else \
-        ["--size", "gpu"]
+        ["--size", "gpu", "--rounds", "1"]
     return argv
 
 

@@ -11,13 +11,16 @@ models built from their config classes with random weights, nothing downloaded: 
 * ``auto@60%``: ``autoremat.auto(model, inputs, budget="60%")`` on a fresh copy of the
   model (same seed), as a user would call it;
 
-each as wall seconds and as a multiple of the plain step's median. ``--heldout`` instead
-times a "held-out style check": ``auto`` on five small Hugging Face models (GPT-2, Llama,
-BERT, Qwen2, OPT) at three budgets each (90%, 60%, and 10% above the smallest feasible
-budget, which a first ``auto(..., budget=1)`` finds from its ``BudgetError``), each call on
-a fresh model, and reports every call's time and the total. The calls of the cost table
-run cold (the keep-sets an earlier call solved forgotten first); those of the held-out
-check one after another in one process, as a user's sweep would, unless ``--cold``.
+each as wall seconds and as a multiple of the plain step's median: the median over
+``--rounds`` rounds (3; each the plain steps, then every call once), the multiple taken
+within each round, since a shared CPU's load moves single calls by up to 2x between runs.
+``--heldout`` instead times a "held-out style check": ``auto`` on five small Hugging Face
+models (GPT-2, Llama, BERT, Qwen2, OPT) at three budgets each (90%, 60%, and 10% above the
+smallest feasible budget, which a first ``auto(..., budget=1)`` finds from its
+``BudgetError``), each call on a fresh model, and reports every call's time and the total.
+The calls of the cost table run cold (the keep-sets an earlier call solved forgotten
+first); those of the held-out check one after another in one process, as a user's sweep
+would, unless ``--cold``.
 
 Run:        OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py --tag before
             OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py --heldout \
@@ -186,18 +189,48 @@ def _cold() -> None:
 
 
 def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: int,
-             warmup: int) -> dict[str, Any]:
-    """One model's row: the plain step and what each call costs, in seconds and steps."""
+             warmup: int, rounds: int = 1) -> dict[str, Any]:
+    """One model's row: the plain step and what each call costs, in seconds and steps.
+
+    Over ``rounds`` rounds, each the plain steps then every call: a call's cost is the
+    median over the rounds of its seconds over that round's plain step (a shared CPU's
+    load moves both alike within a round, and by 2x between runs)."""
     model, inputs = build(size, device)
+    runs = [_round(model, inputs, build, size, device, steps, warmup if i == 0 else 1)
+            for i in range(rounds)]
+    plains = [r["plain"] for r in runs]
+    calls = {k: {"seconds": statistics.median(r["calls"][k] for r in runs),
+                 "plain_steps": statistics.median(r["calls"][k] / r["plain"] for r in runs),
+                 "rounds_plain_steps": [r["calls"][k] / r["plain"] for r in runs]}
+             for k in runs[0]["calls"]}
+    stages = runs[0]["stages"]  # the names, in the order profile reported them
+    return {"model": name, "class": type(model).__name__, "blocks": runs[0]["blocks"],
+            "auto_outcome": runs[0]["outcome"], "rounds": rounds,
+            "plain_step_s": statistics.median(plains),
+            "plain_step_all_s": [t for r in runs for t in r["times"]],
+            "calls": calls,
+            # where profile's time goes: each stage it reported (progress=) until the next,
+            # the last until it returned (the tape built); the checks before the first
+            # stage are left out. Medians over the rounds.
+            "profile_stages": [
+                {"stage": stage,
+                 "seconds": statistics.median(r["stages"].get(stage, 0.0) for r in runs),
+                 "plain_steps": statistics.median(r["stages"].get(stage, 0.0) / r["plain"]
+                                                  for r in runs)}
+                for stage in stages]}
+
+
+def _round(model: nn.Module, inputs: Any, build: Builder, size: str, device: torch.device,
+           steps: int, warmup: int) -> dict[str, Any]:
+    """One round of :func:`cost_row`: the plain steps, then each call once, cold."""
     times = plain_step_s(model, inputs, device, steps, warmup)
-    plain = statistics.median(times)
     calls: dict[str, float] = {}
     tapes: list[autoremat.Tape] = []
-    stages: list[tuple[str, float]] = []  # each stage of the first profile and its start
+    marks: list[tuple[str, float]] = []  # each stage of the profile and its start
     _cold()
     calls["profile"] = _seconds(lambda: tapes.append(autoremat.profile(
-        model, inputs, progress=lambda s: stages.append((s, time.perf_counter())))))
-    ends = [t for _, t in stages[1:]] + [stages[0][1] + calls["profile"]] if stages else []
+        model, inputs, progress=lambda s: marks.append((s, time.perf_counter())))))
+    ends = [t for _, t in marks[1:]] + [marks[0][1] + calls["profile"]] if marks else []
     calls["profile(with_selective=False)"] = _seconds(
         lambda: autoremat.profile(model, inputs, with_selective=False))
     fresh, fresh_inputs = build(size, device)
@@ -209,16 +242,10 @@ def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: 
     except autoremat.BudgetError as exc:  # still a full profile's cost: reported as such
         outcome = f"BudgetError (min {exc.min_feasible_bytes} B)"
     calls["auto@60%"] = time.perf_counter() - start
-    return {"model": name, "class": type(model).__name__, "blocks": len(tapes[0].blocks),
-            "auto_outcome": outcome,
-            "plain_step_s": plain, "plain_step_all_s": times,
-            "calls": {k: {"seconds": v, "plain_steps": v / plain} for k, v in calls.items()},
-            # where profile's time goes: each stage it reported (progress=) until the next,
-            # the last until it returned (the tape built); the checks before the first
-            # stage are left out
-            "profile_stages": [{"stage": name, "seconds": end - begin,
-                                "plain_steps": (end - begin) / plain}
-                               for (name, begin), end in zip(stages, ends, strict=True)]}
+    return {"plain": statistics.median(times), "times": times, "calls": calls,
+            "blocks": len(tapes[0].blocks), "outcome": outcome,
+            "stages": {stage: end - begin
+                       for (stage, begin), end in zip(marks, ends, strict=True)}}
 
 
 def heldout_call(name: str, size: str, device: torch.device, budget: int | str,
@@ -286,7 +313,9 @@ def cost_markdown(payload: dict[str, Any]) -> str:
              f"{payload['load_average_at_start']}, at the end {payload['load_average']}.", "",
              "Each call in wall seconds and (in brackets) as a multiple of the model's plain "
              "step (forward + loss + backward, median of "
-             f"{payload['steps']} after {payload['warmup']} warm-up). `auto@60%` runs on a "
+             f"{payload['steps']} after {payload['warmup']} warm-up), the medians of "
+             f"{payload.get('rounds', 1)} round(s), each the plain steps then every call "
+             "(the multiple taken within each round). `auto@60%` runs on a "
              "fresh copy of the model. Each call is cold: the keep-sets an earlier call "
              "solved are forgotten first (NOTE [ Keep-sets solved once per process ]).", "",
              "| model | plain step s | " + " | ".join(calls) + " |",
@@ -369,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=None,
                         help="timed plain steps (default 7; 3 at --size tiny)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of plain steps then every call; a call's cost is the "
+                             "median of its rounds (default 3; 1 at --size tiny)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch.set_num_threads (default 1; 0 keeps torch's default)")
     parser.add_argument("--tag", default="", help="added to the file names, e.g. 'before'")
@@ -386,13 +418,16 @@ def main(argv: Sequence[str] | None = None) -> Path:
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {list(table)}")
     steps = args.steps or (3 if args.size == "tiny" else 7)
+    rounds = args.rounds if args.rounds is not None else (1 if args.size == "tiny" else 3)
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     command = "python benchmarks/profile_cost.py" + (" --heldout" if args.heldout else "") \
         + (" --cold" if args.cold else "") \
         + f" --size {args.size} --models {','.join(models)} --threads {args.threads}" \
-        + ("" if args.heldout else f" --steps {steps} --warmup {args.warmup}")
+        + ("" if args.heldout else f" --steps {steps} --warmup {args.warmup} --rounds {rounds}")
     start = time.perf_counter()
     suffix = f"_{args.tag}" if args.tag else ""
     if args.heldout:
@@ -406,13 +441,15 @@ def main(argv: Sequence[str] | None = None) -> Path:
     else:
         rows = []
         for name in models:
-            rows.append(cost_row(name, MODELS[name], args.size, device, steps, args.warmup))
+            rows.append(cost_row(name, MODELS[name], args.size, device, steps, args.warmup,
+                                 rounds))
             r = rows[-1]
             print(f"  {name}: plain {r['plain_step_s']:.3f} s; " + ", ".join(
                 f"{k} {v['seconds']:.1f} s (x{v['plain_steps']:.1f})"
                 for k, v in r["calls"].items()), flush=True)
         payload = {**_header(args, device), "command": command, "steps": steps,
                    "warmup": args.warmup, "rows": rows, "seconds": time.perf_counter() - start}
+        payload["rounds"] = rounds
         md = _write(Path(args.out), f"profile_cost{suffix}", payload, cost_markdown(payload))
     print(md.read_text())
     return md

@@ -49,6 +49,7 @@ def test_cost_table_tiny(tmp_path: Path) -> None:
         for call in r["calls"].values():
             assert math.isfinite(call["plain_steps"]) and call["plain_steps"] > 0
             assert call["plain_steps"] == pytest.approx(call["seconds"] / r["plain_step_s"])
+            assert call["rounds_plain_steps"] == [call["plain_steps"]]  # one round at tiny
         # a profile is many measured steps: it costs more than one plain step
         assert r["calls"]["profile"]["plain_steps"] > 1
         assert f"| {r['model']} |" in text
@@ -102,3 +103,18 @@ def test_unknown_model_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cost.main(["--models", "gpt3"])
     assert "unknown model(s) ['gpt3']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cost_is_the_median_of_rounds(tmp_path: Path) -> None:
+    cost.main(["--size", "tiny", "--models", "zoo-gpt2", "--steps", "2", "--rounds", "3",
+               "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "profile_cost.json").read_text())
+    (row,) = payload["rows"]
+    assert payload["rounds"] == row["rounds"] == 3 and len(row["plain_step_all_s"]) == 6
+    for call in row["calls"].values():
+        ratios = call["rounds_plain_steps"]
+        assert len(ratios) == 3 and call["plain_steps"] == sorted(ratios)[1]
+    assert "medians of 3 round(s)" in (tmp_path / "profile_cost.md").read_text()
+    with pytest.raises(SystemExit):
+        cost.main(["--size", "tiny", "--rounds", "0", "--out", str(tmp_path)])
