@@ -76,37 +76,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert "| method |" in (out / "results.md").read_text()
 
 
-@pytest.mark.slow
-def test_bench_compile_smoke(tmp_path: Path) -> None:
-    """The compiled rows end to end on a 2-layer gpt2 with aot_eager (about 2-3 minutes
-    on two busy cores: each row compiles in a subprocess of its own)."""
-    out = tmp_path / "bench"
-    status = bench_main(["gpt2", "--quick", "--compile", "--repeats", "1", "--budgets", "min",
-                         "--set", "n_layer=2,seq_len=64,batch_size=2", "--compile-backend",
-                         "aot_eager", "--compile-fractions", "1", "--out", str(out)])
-    assert status == 0
-    assert (out / "gpt2_pareto.png").stat().st_size > 0
-    data = json.loads((out / "results.json").read_text())
-    assert data["settings"]["compile_backend"] == "aot_eager"
-    (model,) = data["models"]
-    rows = [BenchRow(**{**r, "time_ratio_range": None}) for r in model["rows"]]
-    by_method = {m: [r for r in rows if r.method == m and r.status == "ok"]
-                 for m in (COMPILE, COMPILE_EAGER, COMPILE_BLOCK, COMPILE_SAC, AUTO_COMPILE)}
-    assert all(by_method.values()), {m: len(r) for m, r in by_method.items()}
-    for r in by_method[COMPILE_BLOCK] + by_method[COMPILE_SAC] + by_method[AUTO_COMPILE]:
-        # aot_eager fuses nothing: gradients equal the eager plain step's
-        assert r.grads_equal, r
-        assert r.time_ratio is not None and r.peak_source == "os" and r.peak_bytes
-        assert r.allocations_peak_bytes, r
-    budgets = {r.budget for r in by_method[AUTO_COMPILE]}
-    assert {f"peak of {COMPILE_BLOCK}", f"peak of {COMPILE_SAC}", "peak of torch.compile 1",
-            "min"} <= budgets, budgets
-    for r in by_method[AUTO_COMPILE]:
-        # regional compile on CPU: the allocator's peak is the prediction, to the byte
-        assert r.predicted_peak_bytes == r.allocations_peak_bytes, r
-        assert r.budget_bytes is not None and r.allocations_peak_bytes <= r.budget_bytes, r
-    assert any("torch.compile + checkpoint per block" in h for h in model["headline"])
-    assert "| autoremat + torch.compile |" in (out / "results.md").read_text()
+# The compiled rows end to end: tests/test_gpu_suite.py::check_compiled_bench, on the
+# CPU dry run's own bench-compile output (the same bench, run once).
 
 
 @pytest.mark.parametrize(("argv", "message"), [

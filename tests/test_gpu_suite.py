@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 
 from autoremat._bench.report import device_info
-from autoremat._bench.rows import AUTO_COMPILE, COMPILE, COMPILE_BLOCK, COMPILE_SAC, BenchRow
+from autoremat._bench.rows import (
+    AUTO_COMPILE,
+    COMPILE,
+    COMPILE_BLOCK,
+    COMPILE_EAGER,
+    COMPILE_SAC,
+    BenchRow,
+)
 
 from conftest import load_benchmark
 
@@ -71,6 +78,36 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     compiled = [c for c in claims if c["step"] == "bench-compile"]
     assert compiled and all("timed out" not in c["figure"] for c in compiled), compiled
     assert any(c["status"] in ("PASS", "FAIL", "MEASURED") for c in compiled), compiled
+    check_compiled_bench(out / "bench-compile")
+
+
+def check_compiled_bench(out: Path) -> None:
+    """The compiled rows of ``autoremat bench gpt2 --compile`` end to end, as the dry
+    run's bench-compile step runs it (2 layers, aot_eager, compile's budget 1; about 2
+    minutes on two busy cores: each row compiles in a subprocess of its own). Checked
+    here, on the dry run's own output, rather than by running the same bench again."""
+    assert (out / "gpt2_pareto.png").stat().st_size > 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["compile_backend"] == "aot_eager"
+    (model,) = data["models"]
+    rows = [BenchRow(**{**r, "time_ratio_range": None}) for r in model["rows"]]
+    by_method = {m: [r for r in rows if r.method == m and r.status == "ok"]
+                 for m in (COMPILE, COMPILE_EAGER, COMPILE_BLOCK, COMPILE_SAC, AUTO_COMPILE)}
+    assert all(by_method.values()), {m: len(r) for m, r in by_method.items()}
+    for r in by_method[COMPILE_BLOCK] + by_method[COMPILE_SAC] + by_method[AUTO_COMPILE]:
+        # aot_eager fuses nothing: gradients equal the eager plain step's
+        assert r.grads_equal, r
+        assert r.time_ratio is not None and r.peak_source == "os" and r.peak_bytes
+        assert r.allocations_peak_bytes, r
+    budgets = {r.budget for r in by_method[AUTO_COMPILE]}
+    assert {f"peak of {COMPILE_BLOCK}", f"peak of {COMPILE_SAC}", "peak of torch.compile 1",
+            "min"} <= budgets, budgets
+    for r in by_method[AUTO_COMPILE]:
+        # regional compile on CPU: the allocator's peak is the prediction, to the byte
+        assert r.predicted_peak_bytes == r.allocations_peak_bytes, r
+        assert r.budget_bytes is not None and r.allocations_peak_bytes <= r.budget_bytes, r
+    assert any("torch.compile + checkpoint per block" in h for h in model["headline"])
+    assert "| autoremat + torch.compile |" in (out / "results.md").read_text()
 
 
 def test_compile_claims_read_from_bench_rows(tmp_path: Path) -> None:
