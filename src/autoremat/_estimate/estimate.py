@@ -355,7 +355,9 @@ def estimate(
         inputs: a tensor, a tuple of positional args or a dict of keyword args, on any
             device; they are remade on ``meta``.
         budget: with ``strategy``, ask the planner for a plan under this step budget
-            (bytes, ``"6GiB"``, ``"50%"`` of the unplanned step peak).
+            (bytes, ``"6GiB"``, ``"50%"`` of the unplanned step peak); for a CUDA device
+            the plan keeps :func:`autoremat.plan`'s default margin (3%) of it for the
+            allocator's blocks (NOTE [ The margin kept for the CUDA allocator ]).
         max_memory: instead of ``budget``, the device's whole memory: the step budget is
             what parameters, buffers, optimizer state and the batch leave of it, by the
             rule :func:`autoremat.plan` follows (NOTE [ From max_memory to a step
