@@ -5,7 +5,8 @@ and compares the whole iteration's peak (parameters, optimizer state, batch, and
 larger of the forward/backward and the optimizer-step peaks) with the device's memory.
 It prescribes, in order:
 
-1. nothing, when the plain step fits;
+1. nothing, when the plain step fits (on CUDA with the margin a plan keeps to spare:
+   NOTE [ The margin kept for the CUDA allocator ] in ``_plan/budget.py``);
 2. activation checkpointing, when every block checkpointed fits: the cheapest plan the
    planner finds, with selective recompute among its options (or every block, when the
    planner finds none);
@@ -53,7 +54,7 @@ from autoremat._estimate.fake import parse_dtype, register_hf_attention
 from autoremat._estimate.tracked_step import LOSS_CHUNKS, StepPeak, meta_step_peak
 from autoremat._measure.blocks import BlockSpec
 from autoremat._measure.optimizers import takes_fused
-from autoremat._plan.budget import fsdp_param_bytes
+from autoremat._plan.budget import budget_for, fsdp_param_bytes, margin_for
 
 __all__ = [
     "HF_FAMILIES",
@@ -213,8 +214,11 @@ class _Setting:
     input_bytes: int | None = None
 
 
-def _device_peak(est: Estimate, s: _Setting) -> int:
-    """The iteration's device peak under setting ``s`` (see NOTE [ Total peak ])."""
+def _device_peak(est: Estimate, s: _Setting, kept: bool = False) -> int:
+    """The iteration's device peak under setting ``s`` (see NOTE [ Total peak ]); with
+    ``kept``, what the device must hold for it to fit: the step's peak with the margin a
+    plan keeps for a CUDA device (NOTE [ The margin kept for the CUDA allocator ] in
+    ``_plan/budget.py``; 0 elsewhere)."""
     step = s.step or _steps(est)[s.ckpt]
     n = s.ranks if s.zero_stage else 1
     peak = step.peak_bytes
@@ -224,6 +228,8 @@ def _device_peak(est: Estimate, s: _Setting) -> int:
     if s.zero_stage >= 2:
         peak -= step.grads_at_peak_bytes - step.grads_at_peak_bytes // n
         grads //= n
+    if kept:
+        peak = budget_for(peak, margin_for(est.device))
     optimizer = est.optimizer_bytes // n if s.zero_stage >= 1 else est.optimizer_bytes
     opt_step = 0 if s.fused_optimizer else est.optimizer_step_bytes // n
     params = est.param_bytes
@@ -246,13 +252,19 @@ def _steps(est: Estimate) -> dict[bool, StepPeak]:
     }
 
 
+def _fits(est: Estimate, s: _Setting, memory: int) -> bool:
+    """Whether the iteration under setting ``s`` fits ``memory``, the CUDA margin kept."""
+    return _device_peak(est, s, kept=True) <= memory
+
+
 def _best(est: Estimate, memory: int, name: str, action: str, **setting: Any) -> Remedy:
     """The remedy without checkpointing if that fits, else with every block checkpointed."""
-    plain = _device_peak(est, _Setting(ckpt=False, **setting))
-    if plain <= memory:
-        return Remedy(name, action, plain, True, "none")
-    ckpt = _device_peak(est, _Setting(ckpt=True, **setting))
-    return Remedy(name, action, ckpt, ckpt <= memory, "every block")
+    plain = _Setting(ckpt=False, **setting)
+    if _fits(est, plain, memory):
+        return Remedy(name, action, _device_peak(est, plain), True, "none")
+    ckpt = _Setting(ckpt=True, **setting)
+    return Remedy(name, action, _device_peak(est, ckpt), _fits(est, ckpt, memory),
+                  "every block")
 
 
 def _batch_of(inputs: Any) -> int | None:
@@ -333,10 +345,12 @@ def _micro_batch(est: Estimate, memory: int, inputs: Any, batch: int,
         action = (f"micro-batch {micro} with {math.ceil(batch / micro)} gradient-accumulation "
                   f"steps (effective batch {batch}); re-measured at batch {micro}")
         input_bytes = unique_storage_bytes(small)
-        plain = _device_peak(est, _Setting(step=steps[False], input_bytes=input_bytes))
-        ckpt = _device_peak(est, _Setting(ckpt=True, step=steps[True], input_bytes=input_bytes))
-        last = Remedy("micro-batch", action, plain, True, "none") if plain <= memory else \
-            Remedy("micro-batch", action, ckpt, ckpt <= memory, "every block")
+        plain = _Setting(step=steps[False], input_bytes=input_bytes)
+        ckpt = _Setting(ckpt=True, step=steps[True], input_bytes=input_bytes)
+        last = Remedy("micro-batch", action, _device_peak(est, plain), True, "none") \
+            if _fits(est, plain, memory) else \
+            Remedy("micro-batch", action, _device_peak(est, ckpt), _fits(est, ckpt, memory),
+                   "every block")
         if last.fits:
             return last
     return last
@@ -351,15 +365,14 @@ def _combined(est: Estimate, memory: int, inputs: Any, batch: int | None,
         parts.append(f"micro-batch 1 x {batch} accumulation steps")
     fused = takes_fused(est.optimizer)
     parts += ["fused optimizer"] * fused + [f"loss in {LOSS_CHUNKS} chunks"]
-    total = 0
+    setting = _Setting()
     for n in _RANKS:
-        total = _device_peak(est, _Setting(ckpt=True, chunked_loss=True, fused_optimizer=fused,
-                                           zero_stage=3, ranks=n, step=step,
-                                           input_bytes=input_bytes))
-        if total <= memory:
+        setting = _Setting(ckpt=True, chunked_loss=True, fused_optimizer=fused, zero_stage=3,
+                           ranks=n, step=step, input_bytes=input_bytes)
+        if _fits(est, setting, memory):
             break
-    return Remedy("combined", ", ".join([*parts, f"FSDP over {n} ranks"]), total,
-                  total <= memory, "every block")
+    return Remedy("combined", ", ".join([*parts, f"FSDP over {n} ranks"]),
+                  _device_peak(est, setting), _fits(est, setting, memory), "every block")
 
 
 def doctor(model: nn.Module | Step, inputs: Any = None, *, memory: int | str = "80GiB",
@@ -410,10 +423,16 @@ def doctor(model: nn.Module | Step, inputs: Any = None, *, memory: int | str = "
     overhead: float | None = None
     source: str | None = None
     remedies: list[Remedy] = []
-    if plain <= limit:
+    fits_as_is, fits = _fits(est, _Setting(), limit), _fits(est, _Setting(ckpt=True), limit)
+    margin = margin_for(est.device)
+    if margin:
+        notes.append(f"a step on {est.device} fits only with {float(margin):.0%} of its step peak "
+                     f"to spare for the CUDA allocator's blocks, the margin a plan keeps "
+                     f"(NOTE [ The margin kept for the CUDA allocator ])")
+    if fits_as_is:
         verdict = (f"FITS in {format_bytes(limit)} without checkpointing: peak "
                    f"{format_bytes(plain)}, {format_bytes(limit - plain)} to spare.")
-    elif ckpt <= limit:
+    elif fits:
         stage("planning under the limit")
         try:
             est = estimate(step, max_memory=limit, progress=progress, **options)
@@ -438,10 +457,12 @@ def doctor(model: nn.Module | Step, inputs: Any = None, *, memory: int | str = "
         stage("remedies: fake steps at other settings")
         remedies = _remedies(est, limit, step.model, step.inputs, measure)
         verdict = (f"DOES NOT FIT in {format_bytes(limit)}: peak {format_bytes(plain)} without "
-                   f"checkpointing, {format_bytes(ckpt)} with every block checkpointed.")
+                   f"checkpointing, {format_bytes(ckpt)} with every block checkpointed"
+                   + (f", each with {float(margin):.0%} of its step's peak to spare"
+                      if margin else "") + ".")
     result = Prescription(
-        target=label, memory_bytes=limit, estimate=est, fits_as_is=plain <= limit,
-        fits=ckpt <= limit, verdict=verdict, plan_total_peak_bytes=plan_total,
+        target=label, memory_bytes=limit, estimate=est, fits_as_is=fits_as_is,
+        fits=fits, verdict=verdict, plan_total_peak_bytes=plan_total,
         plan_recompute_overhead=overhead, plan_source=source, remedies=tuple(remedies),
         notes=tuple(notes))
     if plot_path is not None:
