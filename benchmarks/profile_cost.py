@@ -448,8 +448,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
                 f"{k} {v['seconds']:.1f} s (x{v['plain_steps']:.1f})"
                 for k, v in r["calls"].items()), flush=True)
         payload = {**_header(args, device), "command": command, "steps": steps,
-                   "warmup": args.warmup, "rows": rows, "seconds": time.perf_counter() - start}
-        payload["rounds"] = rounds
+                   "warmup": args.warmup, "rounds": rounds, "rows": rows,
+                   "seconds": time.perf_counter() - start}
         md = _write(Path(args.out), f"profile_cost{suffix}", payload, cost_markdown(payload))
     print(md.read_text())
     return md

@@ -24,7 +24,6 @@ from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import Tape
 from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.head import find_head
-from autoremat._plan.budget import margin_for
 from autoremat._plan.plan import Plan, plan_key, plan_of_segments
 from autoremat._plan.strategies import (
     budget_bytes_of,
@@ -93,9 +92,8 @@ def auto(model: nn.Module | Step, inputs: Any = None,
         True
     """
     step = as_step(model, inputs, loss_fn, loop, caller="auto", keyword="budget")
-    check_plan_args(budget, strategy, max_memory, optimizer)  # before any work
+    check_plan_args(budget, strategy, max_memory, optimizer, margin=margin)  # before any work
     check_head(head)
-    margin_for("", margin)  # the value, before any work
     backend = compile_backend(compile)
     model = step.model
     remove(model)

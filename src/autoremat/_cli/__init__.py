@@ -33,7 +33,6 @@ from autoremat._core.units import format_bytes
 from autoremat._core.version import __version__
 from autoremat._measure.blocks import discover_blocks
 from autoremat._measure.tape import ops_table
-from autoremat._plan.budget import margin_for
 from autoremat._plan.strategies import check_head, check_plan_args, plan, smallest_feasible_bytes
 from autoremat._profile.profile import profile
 from autoremat._targets import TARGET_HELP, load_target, parse_options
@@ -78,9 +77,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.deterministic and not args.verify:
         raise RematError("--deterministic only changes how --verify compares gradients: "
                          "add --verify, or leave --deterministic out")
-    name, _ = check_plan_args(args.budget, args.strategy, args.max_memory, args.optimizer)
+    name, _ = check_plan_args(args.budget, args.strategy, args.max_memory, args.optimizer,
+                              margin=args.margin)
     check_head(args.head)
-    margin_for("", args.margin)  # the value, before any work
     if name in _NEED_A_BUDGET and args.budget is None and args.max_memory is None:
         raise RematError(f"--strategy {args.strategy} needs --budget (e.g. --budget 50%, or "
                          "6GiB) or --max-memory (e.g. 24GiB): without one it keeps every "

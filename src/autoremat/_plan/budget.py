@@ -61,7 +61,8 @@ from autoremat._core.units import format_bytes, parse_size
 from autoremat._measure.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._measure.tape import Tape
 
-__all__ = ["CUDA_MARGIN", "IterationMemory", "budget_for", "check_shards", "fsdp_param_bytes",
+__all__ = ["CUDA_MARGIN", "IterationMemory", "budget_for", "check_margin", "check_shards",
+           "fsdp_param_bytes",
            "iteration_memory", "margin_for", "optimizer_state_bytes", "room_bytes",
            "step_budget_bytes"]
 
@@ -82,14 +83,23 @@ def margin_for(device: str, margin: float | None = None) -> Fraction:
         >>> margin_for("cuda"), margin_for("cuda:1", 0), margin_for("cpu")
         (Fraction(3, 100), Fraction(0, 1), Fraction(0, 1))
     """
+    check_margin(margin)
     if margin is None:
         on_cuda = device.split(":")[0] == "cuda"
         return Fraction(str(CUDA_MARGIN)) if on_cuda else Fraction(0)
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
-            or not 0 <= margin < 1:
+    return Fraction(str(margin))
+
+
+def check_margin(margin: float | None) -> None:
+    """Raise :class:`BudgetError` unless ``margin`` is ``None`` or a number in [0, 1).
+
+    Example:
+        >>> check_margin(0.03)
+    """
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not 0 <= margin < 1):
         raise BudgetError(f"margin must be a number in [0, 1), the share of the budget kept "
                           f"for what the CUDA allocator adds (0.03 is 3%), got {margin!r}")
-    return Fraction(str(margin))
 
 
 def room_bytes(budget: int, margin: Fraction) -> int:

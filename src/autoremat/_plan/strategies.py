@@ -29,6 +29,7 @@ from autoremat._measure.optimizers import resolve_optimizer
 from autoremat._measure.tape import Tape
 from autoremat._plan.budget import (
     budget_for,
+    check_margin,
     check_shards,
     iteration_memory,
     margin_for,
@@ -158,12 +159,13 @@ _STRATEGY_NAMES = ["optimal", "none", "full", "every:K", "sqrt", "selective", "o
 
 def check_plan_args(budget: int | float | str | None, strategy: str,
                     max_memory: int | str | None = None,
-                    optimizer: str | int | None = None, shards: int = 1) -> tuple[str, str]:
+                    optimizer: str | int | None = None, shards: int = 1,
+                    margin: float | None = None) -> tuple[str, str]:
     """Validate the arguments of :func:`plan` before any work (``auto`` and the CLI call
     it before they profile); returns the strategy's name and its argument.
 
     Raises:
-        BudgetError: a malformed budget, max_memory, optimizer or shards.
+        BudgetError: a malformed budget, max_memory, optimizer, shards or margin.
         RematError: an unknown or malformed strategy.
 
     Example:
@@ -190,6 +192,7 @@ def check_plan_args(budget: int | float | str | None, strategy: str,
             raise BudgetError("optimizer= only matters with max_memory=; pass both, or neither")
         resolve_optimizer(optimizer)
     check_shards(shards)
+    check_margin(margin)
     return name, arg
 
 
@@ -268,7 +271,7 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     """
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
-    name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards)
+    name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards, margin)
     check_head(head)
     check_flag("offload", offload)
     dtype_name = _offload_dtype(offload_dtype, offload or name == "offload")
