@@ -155,6 +155,13 @@ class FlopCounter(TorchDispatchMode):
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return self.dispatch(func, types, args, kwargs)
+
+    def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        """Run one op and count it: the handler, which the memory tracker calls in place of
+        the op (NOTE [ One mode for two instruments ] in ``memory.py``). Called directly,
+        it skips the wrapper torch puts around every mode's ``__torch_dispatch__``
+        (``torch._disable_dynamo``), which the outer mode's call has already passed."""
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
             if func not in _RNG_HOPS:

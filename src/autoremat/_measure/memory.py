@@ -70,6 +70,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from autoremat._core.errors import RematError, did_you_mean
+from autoremat._measure.flops import FlopCounter
 
 __all__ = [
     "CUDA_MIN_BLOCK_BYTES",
@@ -285,17 +286,29 @@ def _tensors_in(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch
         found.append(obj)
     elif isinstance(obj, (tuple, list)):
         for item in obj:
-            _tensors_in(item, found)
+            if isinstance(item, torch.Tensor):  # the common case, without a call
+                found.append(item)
+            elif isinstance(item, (tuple, list, dict)):
+                _tensors_in(item, found)
     elif isinstance(obj, dict):
         for item in obj.values():
             _tensors_in(item, found)
     return found
 
 
+def _storage_keys(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
+    """The keys (``_cdata``) of the storages of the tensors in an op's arguments."""
+    return {t.untyped_storage()._cdata for t in _tensors_in(args, _tensors_in(kwargs))
+            } if kwargs else {t.untyped_storage()._cdata for t in _tensors_in(args)}
+
+
+_NO_KEYS: frozenset[int] = frozenset()
+
+
 class _StorageAccountant(TorchDispatchMode):
     """Counts the storages ops create; see the module notes."""
 
-    def __init__(self, tracker: MemoryTracker, through: TorchDispatchMode | None = None,
+    def __init__(self, tracker: MemoryTracker, through: FlopCounter | None = None,
                  probe: AllocatorProbe | None = None) -> None:
         super().__init__()
         self.tracker = tracker
@@ -316,7 +329,7 @@ class _StorageAccountant(TorchDispatchMode):
         if probe is not None:
             probe.before(self.tracker.current_bytes)
         out = func(*args, **kwargs) if self.through is None else \
-            self.through.__torch_dispatch__(func, types, args, kwargs)
+            self.through.dispatch(func, types, args, kwargs)
         if probe is not None:  # the allocator around the op, counted once its storages are
             hidden, rise = probe.after()
             level, made = self.tracker.current_bytes, len(self.tracker.records)
@@ -325,12 +338,12 @@ class _StorageAccountant(TorchDispatchMode):
         if name is None:
             name = self._names[func] = str(func)
         input_keys: set[int] | None = None  # the inputs' storages, read once one is needed
-        for t in _tensors_in(out):
+        for t in ((out,) if isinstance(out, torch.Tensor) else _tensors_in(out)):
             storage = t.untyped_storage()
             key = storage._cdata
             if input_keys is None and key not in self._live and key not in self._foreign:
-                input_keys = {i.untyped_storage()._cdata for i in _tensors_in((args, kwargs))}
-            self._see(storage, name, input_keys or set(), in_backward)
+                input_keys = _storage_keys(args, kwargs)
+            self._see(storage, t.is_cuda, name, input_keys or _NO_KEYS, in_backward)
         if probe is not None:
             counted = self.tracker.current_bytes - level  # the blocks of the storages it made
             if rise > counted > 0 and self.tracker.rounding != "exact":
@@ -343,16 +356,15 @@ class _StorageAccountant(TorchDispatchMode):
             region(func, args, out, first)
         return out
 
-    def _see(
-        self, storage: torch.UntypedStorage, op: str, input_keys: set[int], backward: bool
-    ) -> None:
+    def _see(self, storage: torch.UntypedStorage, is_cuda: bool, op: str,
+             input_keys: set[int] | frozenset[int], backward: bool) -> None:
         key = storage._cdata
         tracker = self.tracker
         with tracker._lock:
             live = self._live.get(key)
             if live is not None:
                 # resize_ / set_ on an output
-                grown = self._bytes(storage) + live.remainder - live.nbytes
+                grown = self._bytes(storage, is_cuda) + live.remainder - live.nbytes
                 if grown:
                     live.nbytes += grown
                     tracker._record(grown, op)
@@ -365,7 +377,8 @@ class _StorageAccountant(TorchDispatchMode):
                 self._foreign[key] = weakref.ref(storage, self._forget_foreign(key))
                 return
             record = StorageRecord(
-                nbytes=self._bytes(storage), op=op, born=len(tracker.levels), backward=backward
+                nbytes=self._bytes(storage, is_cuda), op=op, born=len(tracker.levels),
+                backward=backward
             )
             self._live[key] = record
             tracker.records.append(record)
@@ -387,9 +400,10 @@ class _StorageAccountant(TorchDispatchMode):
             record.remainder += extra
             tracker._record(extra, op)
 
-    def _bytes(self, storage: torch.UntypedStorage) -> int:
-        """What ``storage`` occupies: see NOTE [ CUDA allocator rounding ]."""
-        if self.tracker.rounding != "cuda" and not storage.is_cuda:
+    def _bytes(self, storage: torch.UntypedStorage, is_cuda: bool) -> int:
+        """What ``storage`` occupies (``is_cuda``: it is on a CUDA device; the storage's own
+        property is slow to read): see NOTE [ CUDA allocator rounding ]."""
+        if self.tracker.rounding != "cuda" and not is_cuda:
             return storage.nbytes()  # exact: counted_bytes's own figure, without its checks
         rounding = self.tracker.rounding or \
             ("cuda" if storage.device.type == "cuda" else "exact")
@@ -465,7 +479,7 @@ def track_memory(rounding: Rounding | None = None) -> Iterator[MemoryTracker]:
 
 @contextmanager
 def _tracked(rounding: Rounding | None = None,
-             through: TorchDispatchMode | None = None) -> Iterator[MemoryTracker]:
+             through: FlopCounter | None = None) -> Iterator[MemoryTracker]:
     """:func:`track_memory`, with ``through`` (a mode not entered) running each op for
     the tracker (NOTE [ One mode for two instruments ])."""
     # NOTE [ One mode for two instruments ]

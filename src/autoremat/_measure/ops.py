@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from autoremat._measure.flops import FlopCounter
-from autoremat._measure.memory import _tensors_in
+from autoremat._measure.memory import _storage_keys
 
 __all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind",
            "result_leaves"]
@@ -120,6 +119,18 @@ class _OpInfo:
                        metadata_only=func._opname in _METADATA_ONLY, writes=writes)
 
 
+class _Traced(NamedTuple):
+    """A forward op as the recorder saw it, before backward says what autograd kept."""
+
+    info: _OpInfo
+    out_bytes: int
+    flops: int
+    ms: float
+    inputs: tuple[int, ...]
+    target: int
+    value_out: bool
+
+
 def result_leaves(obj: Any, found: list[Any] | None = None) -> list[Any]:
     """The leaves of an op's result (tensors, numbers, ``None``), in order:
     ``tree_flatten(out)[0]`` for what ATen ops return (tuples and lists of them)."""
@@ -139,9 +150,9 @@ class OpRecorder(FlopCounter):
     def __init__(self) -> None:
         super().__init__()
         self.stats: dict[str, dict[str, list[float]]] = {}
-        # label -> per forward op: its record (kept_bytes still 0) and the storages it
-        # created, as (weak reference, bytes)
-        self._trace: dict[str, list[tuple[OpRecord, list[tuple[Any, int]]]]] = {}
+        # label -> per forward op: what it did (its record is made when backward starts)
+        # and the storages it created, as (weak reference, bytes)
+        self._trace: dict[str, list[tuple[_Traced, list[tuple[Any, int]]]]] = {}
         self._kept: dict[str, tuple[OpRecord, ...]] | None = None  # set when backward starts
         self._creators: dict[str, dict[int, int]] = {}  # label -> storage -> creating op
         self._packed: dict[str, set[int]] = {}  # label -> storages autograd saved
@@ -159,22 +170,28 @@ class OpRecorder(FlopCounter):
         return tensor
 
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward and self._kept is None:
             self._close_forward()  # backward started: what is alive now was kept
-        if (in_backward or self._kept is not None or self.label == "<outside>"
+        label = self.label
+        if (in_backward or self._kept is not None or label == "<outside>"
                 or func in IGNORED_OPS):
             # FLOPs only: forward stats cover the forward before backward, not ops that
             # run after it under a block's label
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return super().dispatch(func, types, args, kwargs)
         before = self.total
         info = self._info.get(func)
         if info is None:
             info = self._info[func] = _OpInfo.of(func)
-        inputs = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
-        creators = self._creators.setdefault(self.label, {})
-        index = len(self._trace.get(self.label, ()))
+        inputs = _storage_keys(args, kwargs or {})
+        creators = self._creators.get(label)
+        if creators is None:
+            creators = self._creators[label] = {}
+        trace = self._trace.get(label)
+        if trace is None:
+            trace = self._trace[label] = []
+        index = len(trace)
         read = () if info.metadata_only else \
             tuple(sorted({creators[c] for c in inputs if c in creators}))
         target = -1
@@ -184,46 +201,50 @@ class OpRecorder(FlopCounter):
                 target = creators.get(value.untyped_storage()._cdata, -1)
                 break
         start = time.perf_counter()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().dispatch(func, types, args, kwargs)
         elapsed = (time.perf_counter() - start) * 1e3
         created = 0
-        name, random = info.name, info.random
+        random = info.random
         refs = []
-        flat_out = result_leaves(out)
-        for t in flat_out:
+        value_out = False  # it returns a non-tensor value
+        for t in ((out,) if isinstance(out, torch.Tensor) else result_leaves(out)):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
-                if st._cdata not in inputs:
-                    created += st.nbytes()
-                    inputs.add(st._cdata)
-                    creators[st._cdata] = index
-                    refs.append((weakref.ref(st), st.nbytes()))
+                key = st._cdata
+                if key not in inputs:
+                    nbytes = st.nbytes()
+                    created += nbytes
+                    inputs.add(key)
+                    creators[key] = index
+                    refs.append((weakref.ref(st), nbytes))
                 elif random:  # an in-place draw (CPU dropout's bernoulli_): its bytes cost
                     created += t.nbytes
-        kind = info.kind
+            elif t is not None:
+                value_out = True
         flops = self.total - before
-        row = self.stats.setdefault(self.label, {}).setdefault(kind, [0, 0, 0, 0.0])
+        row = self.stats.setdefault(label, {}).setdefault(info.kind, [0, 0, 0, 0.0])
         row[0] += 1
         row[1] += flops
         row[2] += created
         row[3] += elapsed
-        record = OpRecord(op=name, kind=kind, out_bytes=created, flops=flops,
-                          ms=round(elapsed, 4), random=random, view=info.view,
-                          inplace=info.inplace, kept_bytes=0,
-                          inputs=read, target=target,
-                          value_out=any(not isinstance(t, torch.Tensor) and t is not None
-                                        for t in flat_out))
-        self._trace.setdefault(self.label, []).append((record, refs))
+        # the record is made when backward starts, with what autograd kept (_close_forward)
+        trace.append((_Traced(info, created, flops, round(elapsed, 4), read, target,
+                              value_out), refs))
         return out
 
     def _close_forward(self) -> dict[str, tuple[OpRecord, ...]]:
-        def closed(label: str, record: OpRecord, refs: list[tuple[Any, int]]) -> OpRecord:
+        def closed(label: str, op: _Traced, refs: list[tuple[Any, int]]) -> OpRecord:
             alive = [(ref(), n) for ref, n in refs if ref() is not None]
             packed = self._packed.get(label, set())
-            return dataclasses.replace(record, kept_bytes=sum(n for _, n in alive),
-                                       saved=any(st._cdata in packed for st, _ in alive))
+            info = op.info
+            return OpRecord(op=info.name, kind=info.kind, out_bytes=op.out_bytes,
+                            flops=op.flops, ms=op.ms, random=info.random, view=info.view,
+                            inplace=info.inplace, kept_bytes=sum(n for _, n in alive),
+                            inputs=op.inputs, target=op.target,
+                            saved=any(st._cdata in packed for st, _ in alive),
+                            value_out=op.value_out)
 
-        self._kept = {label: tuple(closed(label, record, refs) for record, refs in rows)
+        self._kept = {label: tuple(closed(label, op, refs) for op, refs in rows)
                       for label, rows in self._trace.items()}
         self._trace.clear()
         self._creators.clear()
