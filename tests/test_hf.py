@@ -237,6 +237,7 @@ def test_a_model_with_hf_checkpointing_on_is_refused_when_training_begins(
     ({"budget": "75%", "strategy": "optimum"}, "unknown strategy"),
     ({"budget": "75%", "loop": "holds"}, "unknown loop"),
     ({"budget": "75%", "optimizer": "adamw"}, "only matters with max_memory"),
+    ({"budget": "75%", "margin": -0.1}, "margin"),
 ])
 def test_bad_arguments_fail_when_the_callback_is_made(kwargs: dict[str, Any],
                                                       message: str) -> None:
@@ -307,3 +308,4 @@ def test_the_callback_checks_its_arguments() -> None:
     with pytest.raises(RematError, match="loss_fn must be a function"):
         AutorematCallback(budget="50%", loss_fn="loss")
     assert AutorematCallback(strategy="full").planning.budget is None
+    assert AutorematCallback(budget="60%", margin=0.05).planning.margin == 0.05

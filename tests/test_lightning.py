@@ -199,7 +199,8 @@ class _Pairs(lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_list_batch_and_a_training_step_without_batch_idx() -> None:
+@pytest.mark.parametrize("margin", [None, 0.1])
+def test_a_list_batch_and_a_training_step_without_batch_idx(margin: float | None) -> None:
     def fit(callbacks: list[Any]) -> _Pairs:
         module = _Pairs()
         data = torch.utils.data.TensorDataset(*(t.repeat(2, *[1] * (t.dim() - 1))
@@ -212,12 +213,16 @@ def test_a_list_batch_and_a_training_step_without_batch_idx() -> None:
         return module
     plain, measured = _Measure(), _Measure()
     fit([plain])
-    callback = AutorematCallback(budget="60%")
+    callback = AutorematCallback(budget="60%", margin=margin)
     with warnings.catch_warnings():
         warnings.simplefilter("error", autoremat.ShapeMismatchWarning)
         fit([callback, measured])
     plan = callback.plan
     assert plan is not None and recomputing(plan) and plan.loop == "loss_only"
+    # a CPU plan keeps no margin unless given one; given, it plans below the budget by it
+    assert plan.budget_bytes is not None
+    assert (plan.margin_bytes > 0) == (margin is not None)
+    assert plan.predicted_peak_bytes + plan.margin_bytes <= plan.budget_bytes
     assert plan.inputs.startswith("(256, ")  # the list's tensors, by position
     for ours, theirs in zip(measured.grads, plain.grads, strict=True):
         assert all(torch.equal(ours[n], theirs[n]) for n in theirs)  # type: ignore[arg-type]
@@ -282,6 +287,7 @@ def test_a_model_with_hf_checkpointing_on_is_refused() -> None:
     ({"budget": "75%", "loop": "holds"}, "unknown loop"),
     ({"budget": "75%", "head": "chunky"}, "head must be"),
     ({"budget": "75%", "compile": "inductr"}, "compile must be"),
+    ({"budget": "75%", "margin": 1.5}, "margin"),
     ({}, "would keep every block"),
 ])
 def test_bad_arguments_fail_when_the_callback_is_made(kwargs: dict[str, Any],

@@ -63,9 +63,11 @@ class PlanArgs:
     loop: Loop | None  # None: the loop the framework runs
     head: str | None
     compile: bool | str = False
+    margin: float | None = None  # as for autoremat.plan (None: 3% on CUDA, else 0)
 
     def __post_init__(self) -> None:
-        check_plan_args(self.budget, self.strategy, self.max_memory, self.optimizer)
+        check_plan_args(self.budget, self.strategy, self.max_memory, self.optimizer,
+                        margin=self.margin)
         check_head(self.head)
         check_loss_fn(self.loss_fn)
         if self.loop is not None:
@@ -85,7 +87,8 @@ class PlanArgs:
         try:
             return auto(step, budget=self.budget, strategy=self.strategy,
                         blocks=self.blocks, max_memory=self.max_memory,
-                        optimizer=self.optimizer, compile=self.compile, head=head)
+                        optimizer=self.optimizer, compile=self.compile, head=head,
+                        margin=self.margin)
         finally:
             model.train(was_training)
 

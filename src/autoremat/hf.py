@@ -95,6 +95,8 @@ class AutorematCallback(TrainerCallback):
         head: the loss head's decision, as for :func:`autoremat.plan` (``"auto"`` lets
             the plan chunk a causal LM's loss head where that is cheaper); the chunked
             head divides by the Trainer's ``num_items_in_batch`` as the model's loss does.
+        margin: the share of the budget kept for the CUDA caching allocator, as for
+            :func:`autoremat.plan` (default: 3% on a CUDA device, none elsewhere).
 
     Attributes:
         plan: the plan applied when training began (``None`` before); it stays here
@@ -104,7 +106,7 @@ class AutorematCallback(TrainerCallback):
         planning: the planning arguments, checked at construction.
 
     Raises:
-        RematError: at construction, a malformed budget, strategy, loop or head; when
+        RematError: at construction, a malformed budget, strategy, loop, head or margin; when
             the Trainer is built or training begins, Hugging Face gradient checkpointing
             is on (NOTE [ One checkpointing at a time ]), or the run has several
             processes; when training begins, a loss the callback does not profile
@@ -131,10 +133,11 @@ class AutorematCallback(TrainerCallback):
     def __init__(self, budget: int | float | str | None = None, strategy: str = "optimal", *,
                  max_memory: int | str | None = None, optimizer: str | int | None = None,
                  blocks: BlockSpec = None, loss_fn: LossFn | None = None,
-                 loop: Loop = "loss_only", head: str | None = None) -> None:
+                 loop: Loop = "loss_only", head: str | None = None,
+                 margin: float | None = None) -> None:
         # checked here, before any training
         self.planning = PlanArgs(budget, strategy, max_memory, optimizer, blocks, loss_fn,
-                                 loop, head)
+                                 loop, head, margin=margin)
         self.plan: Plan | None = None
         self.loss: str = ""  # which loss the profiled step took, in words
         self._model: nn.Module | None = None  # the model the plan is applied to

@@ -110,13 +110,16 @@ class AutorematCallback(lightning.pytorch.Callback):
             (the zoo's models); a Hugging Face causal LM's head stays as it computes it.
         compile: ``True`` or a backend name when the module is fitted compiled
             (``trainer.fit(torch.compile(module))``), as for :func:`autoremat.auto`.
+        margin: the share of the budget kept for the CUDA caching allocator, as for
+            :func:`autoremat.plan` (default: 3% on a CUDA device, none elsewhere).
 
     Attributes:
         plan: the plan applied on the first batch (``None`` before); it stays here after
             the fit ends and the plan is removed.
 
     Raises:
-        RematError: at construction, a malformed budget, strategy, loop, head or compile;
+        RematError: at construction, a malformed budget, strategy, loop, head, compile or
+            margin;
             on the first batch, what NOTE [ What the Lightning callback refuses ] lists.
         BudgetError: on the first batch, no plan fits the budget (it says the smallest
             that does).
@@ -136,10 +139,11 @@ class AutorematCallback(lightning.pytorch.Callback):
     def __init__(self, budget: int | float | str | None = None, strategy: str = "optimal", *,
                  max_memory: int | str | None = None, optimizer: str | int | None = None,
                  blocks: BlockSpec = None, loop: Loop | None = None,
-                 head: str | None = None, compile: bool | str = False) -> None:
+                 head: str | None = None, compile: bool | str = False,
+                 margin: float | None = None) -> None:
         # checked here, before any training
         self.planning = PlanArgs(budget, strategy, max_memory, optimizer, blocks, None,
-                                 loop, head, compile)
+                                 loop, head, compile, margin)
         self.plan: Plan | None = None
         self._runner: LightningStep | None = None  # the module the plan is applied to
         self._pending = False  # a fit has started and not planned yet
