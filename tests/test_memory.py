@@ -470,6 +470,38 @@ def test_memory_held_inside_an_op_is_a_transient_at_its_end(
     assert sum(mem.breakdown.values()) == mem.peak_bytes
 
 
+def test_views_are_not_probed_and_the_timeline_is_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ Memory a kernel allocates inside an op ]: an ATen view allocates nothing, so
+    # the probe is not read around it; every other op is, and the timeline is the same
+    class Counting(InsideProbe):
+        def __init__(self) -> None:
+            super().__init__()
+            self.before_calls = 0
+
+        def before(self, tracked: int) -> None:
+            self.before_calls += 1
+
+    def step() -> None:
+        torch.manual_seed(0)
+        w = torch.randn(64, 32, requires_grad=True)
+        x = torch.randn(8, 16, 64)
+        (x.view(128, 64) @ w).t().relu()[:5].sum().backward()  # view, t and a slice
+
+    with track_memory() as plain:
+        step()
+    probe = Counting()
+    monkeypatch.setattr(memory_module, "allocator_probe", lambda: probe)
+    with track_memory() as mem:
+        step()
+    probed = {name.split(".")[0] for name in probe.seen}  # "mm.default": "mm"
+    assert probe.before_calls == len(probe.seen) > 0
+    assert not probed & {"view", "t", "slice", "transpose", "expand", "detach"}, probed
+    assert {"mm", "relu"} <= probed
+    inside = {e for r in mem.records if r.transient for e in (r.born, r.born + 1)}
+    assert [lv for e, lv in enumerate(mem.levels) if e not in inside] == plain.levels
+
+
 class WholeBlockProbe(InsideProbe):
     """Stands in for the allocator handing out large blocks whole: the level rises
     ``extra`` more than the new storages' bytes when an op makes one over 1 MiB."""
