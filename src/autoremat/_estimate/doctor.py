@@ -257,14 +257,20 @@ def _fits(est: Estimate, s: _Setting, memory: int) -> bool:
     return _device_peak(est, s, kept=True) <= memory
 
 
-def _best(est: Estimate, memory: int, name: str, action: str, **setting: Any) -> Remedy:
-    """The remedy without checkpointing if that fits, else with every block checkpointed."""
-    plain = _Setting(ckpt=False, **setting)
+def _plain_or_checkpointed(est: Estimate, memory: int, name: str, action: str,
+                           plain: _Setting, ckpt: _Setting) -> Remedy:
+    """The remedy under setting ``plain`` (no checkpointing) if that fits, else under
+    ``ckpt`` (every block checkpointed)."""
     if _fits(est, plain, memory):
         return Remedy(name, action, _device_peak(est, plain), True, "none")
-    ckpt = _Setting(ckpt=True, **setting)
     return Remedy(name, action, _device_peak(est, ckpt), _fits(est, ckpt, memory),
                   "every block")
+
+
+def _best(est: Estimate, memory: int, name: str, action: str, **setting: Any) -> Remedy:
+    """The remedy without checkpointing if that fits, else with every block checkpointed."""
+    return _plain_or_checkpointed(est, memory, name, action, _Setting(ckpt=False, **setting),
+                                  _Setting(ckpt=True, **setting))
 
 
 def _batch_of(inputs: Any) -> int | None:
@@ -345,12 +351,10 @@ def _micro_batch(est: Estimate, memory: int, inputs: Any, batch: int,
         action = (f"micro-batch {micro} with {math.ceil(batch / micro)} gradient-accumulation "
                   f"steps (effective batch {batch}); re-measured at batch {micro}")
         input_bytes = unique_storage_bytes(small)
-        plain = _Setting(step=steps[False], input_bytes=input_bytes)
-        ckpt = _Setting(ckpt=True, step=steps[True], input_bytes=input_bytes)
-        last = Remedy("micro-batch", action, _device_peak(est, plain), True, "none") \
-            if _fits(est, plain, memory) else \
-            Remedy("micro-batch", action, _device_peak(est, ckpt), _fits(est, ckpt, memory),
-                   "every block")
+        last = _plain_or_checkpointed(
+            est, memory, "micro-batch", action,
+            _Setting(step=steps[False], input_bytes=input_bytes),
+            _Setting(ckpt=True, step=steps[True], input_bytes=input_bytes))
         if last.fits:
             return last
     return last

@@ -122,7 +122,7 @@ def budget_for(peak: int, margin: Fraction) -> int:
         ...                                                Fraction(3, 100))
         (1030, 999)
     """
-    return -(-peak * (1 + margin).numerator // (1 + margin).denominator)
+    return math.ceil(peak * (1 + margin))  # Fraction: exact
 
 
 @dataclass(frozen=True)
