@@ -147,6 +147,49 @@ def test_chunks_must_be_a_whole_number():
                              chunks=0)
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_no_rows_give_the_plain_heads_nan_and_zero_gradients(chunks):
+    # a batch whose rows are all gone (an empty slice of a packed batch): the plain mean
+    # of nothing is nan, its gradients zeros; the chunked head runs one empty chunk
+    torch.manual_seed(0)
+    h = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    y = torch.zeros(0, dtype=torch.long)
+    loss = linear_cross_entropy(h, w, y, chunks=chunks)
+    loss.backward()
+    w2 = w.detach().clone().requires_grad_()
+    plain = F.cross_entropy(F.linear(h.detach(), w2), y)
+    plain.backward()
+    assert loss.isnan() and plain.isnan()
+    assert h.grad is not None and h.grad.shape == (0, 8)
+    assert torch.equal(w.grad, w2.grad) and not w.grad.any()
+
+
+def test_a_chunk_costs_a_dozen_ops_not_a_slice_per_tensor():
+    # NOTE [ Chunks as views made at once ]: the rows of each chunk are views split
+    # before the loop, so each further chunk adds its kernels and one transpose (12 ops
+    # in all), not 7 slices and a transpose of the weight besides (20 before)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(chunks: int) -> int:
+        torch.manual_seed(0)
+        h = torch.randn(64, 8, requires_grad=True)
+        w = torch.randn(30, 8, requires_grad=True)
+        with Count() as count:
+            linear_cross_entropy(h, w, torch.randint(0, 30, (64,)), chunks=chunks).backward()
+        return count.ops
+
+    assert (ops(32) - ops(2)) / 30 <= 12
+
 # --- Hugging Face causal LMs with a real-sized vocabulary -------------------------------------
 
 def _hf(arch: str, vocab: int):
