@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
+from scipy.sparse import coo_array, csc_array, vstack
 
 from autoremat._core.errors import RematError, internal_assert
 from autoremat._measure.allocations import quiet_fds
@@ -166,53 +166,83 @@ def _parse(ops: Sequence[OpRecord], model: CostModel) -> _Graph:
                   available=np.array(available, dtype=bool), op_cost=cost_of)
 
 
-def _solve(g: _Graph, cap: int, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class _Model:
+    """A block's MILP without its cap, built once for all its caps (the cap is the upper
+    bound of the last row, the memory row): ``x = [keep, run]`` over nodes. HiGHS is
+    given the same matrices as when each solve built its own, so it takes the same path;
+    the 14 solves of the zoo's llama and gpt2 blocks spent 50-64 ms outside HiGHS's own
+    run, building them and in scipy, and 28-38 ms once they were built once."""
+
+    a: csc_array  # the rows of NOTE [ Keep-sets by MILP ], the memory row last
+    lo: np.ndarray  # their lower bounds
+    hi: np.ndarray  # their upper bounds; ``hi[-1]`` is replaced by the cap
+    with_cost: csc_array  # ``a`` and below it the cost row of the second solve
+    lower: np.ndarray  # the variables' bounds
+    upper: np.ndarray
+    cost: np.ndarray  # the first solve's objective: the groups that run, scaled
+    weight: np.ndarray  # the second solve's: the bytes kept, scaled
+
+    @staticmethod
+    def of(g: _Graph) -> _Model:
+        n = len(g.nodes)
+        keep, run = np.arange(n), np.arange(n, 2 * n)  # variable indices: x = [keep, run]
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        lo: list[float] = []
+        hi: list[float] = []
+
+        def row(coefs: list[tuple[int, float]], lower: float, upper: float) -> None:
+            r = len(lo)
+            for col, v in coefs:
+                rows.append(r)
+                cols.append(col)
+                vals.append(v)
+            lo.append(lower)
+            hi.append(upper)
+
+        for j in range(n):
+            # [Constraint] a node is kept or run, never both
+            row([(keep[j], 1.0), (run[j], 1.0)], 0.0, 1.0)
+            if g.available[j]:
+                # [Constraint] needed by backward, returned, or read by an op that always
+                # runs: available in recompute (kept or run)
+                row([(keep[j], 1.0), (run[j], 1.0)], 1.0, 2.0)
+            for c in g.deps[j]:
+                # [Constraint] a run node's inputs are available: keep_c + run_c >= run_j
+                row([(keep[c], 1.0), (run[c], 1.0), (run[j], -1.0)], 0.0, 2.0)
+        # [Constraint] memory: the kept bytes fit the cap (its bound set per solve)
+        row([(keep[j], float(g.keep_bytes[j])) for j in range(n) if g.keep_bytes[j]],
+            -np.inf, 0.0)
+        lower = np.zeros(2 * n)
+        upper = np.ones(2 * n)
+        upper[keep] = g.keepable  # [Constraint] random, written in place, or an alias: not kept
+        lower[run] = g.must_run  # [Constraint] random, or a random/value_out writer: always run
+        scale = max(float(g.group_cost.max()), 1.0)  # objective in [0, n]: HiGHS tolerances
+        cost = np.concatenate([np.zeros(n), g.group_cost / scale])
+        a = csc_array(coo_array((vals, (rows, cols)), shape=(len(lo), 2 * n)))
+        weight = np.concatenate([g.keep_bytes / max(float(g.keep_bytes.max()), 1.0),
+                                 np.zeros(n)])
+        return _Model(a=a, lo=np.array(lo), hi=np.array(hi),
+                      with_cost=csc_array(vstack([a, csc_array(cost[None, :])], format="csc")),
+                      lower=lower, upper=upper, cost=cost, weight=weight)
+
+
+def _solve(g: _Graph, m: _Model, cap: int, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     """The least-cost keep-set within ``cap`` bytes and, among those, the fewest kept bytes:
     ``(keep, run)`` as bool arrays over nodes."""
     n = len(g.nodes)
-    keep, run = np.arange(n), np.arange(n, 2 * n)  # variable indices: x = [keep, run]
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    lo: list[float] = []
-    hi: list[float] = []
-
-    def row(coefs: list[tuple[int, float]], lower: float, upper: float) -> None:
-        r = len(lo)
-        for col, v in coefs:
-            rows.append(r)
-            cols.append(col)
-            vals.append(v)
-        lo.append(lower)
-        hi.append(upper)
-
-    for j in range(n):
-        # [Constraint] a node is kept or run, never both
-        row([(keep[j], 1.0), (run[j], 1.0)], 0.0, 1.0)
-        if g.available[j]:
-            # [Constraint] needed by backward, returned, or read by an op that always runs:
-            # available in recompute (kept or run)
-            row([(keep[j], 1.0), (run[j], 1.0)], 1.0, 2.0)
-        for c in g.deps[j]:
-            # [Constraint] a run node's inputs are available: keep_c + run_c >= run_j
-            row([(keep[c], 1.0), (run[c], 1.0), (run[j], -1.0)], 0.0, 2.0)
-    # [Constraint] memory: the kept bytes fit the cap
-    row([(keep[j], float(g.keep_bytes[j])) for j in range(n) if g.keep_bytes[j]], -np.inf, cap)
-    lower = np.zeros(2 * n)
-    upper = np.ones(2 * n)
-    upper[keep] = g.keepable  # [Constraint] random, written in place, or an alias: not kept
-    lower[run] = g.must_run  # [Constraint] random, or a random/value_out writer: always run
-    scale = max(float(g.group_cost.max()), 1.0)  # objective in [0, n]: HiGHS tolerances
-    cost = np.concatenate([np.zeros(n), g.group_cost / scale])
-    a = coo_array((vals, (rows, cols)), shape=(len(lo), 2 * n))
-    constraints = [LinearConstraint(a, lo, hi)]
-    x1 = _milp(cost, lower, upper, constraints, cap, n_ops)
+    keep, run = np.arange(n), np.arange(n, 2 * n)
+    hi = m.hi.copy()
+    hi[-1] = cap
+    x1 = _milp(m.cost, m.lower, m.upper, LinearConstraint(m.a, m.lo, hi), cap, n_ops)
     # Second solve: the fewest kept bytes among the least-cost keep-sets.
-    best = float(cost @ x1)
+    best = float(m.cost @ x1)
     # [Constraint] cost no more than the least cost found
-    constraints.append(LinearConstraint(cost[None, :], -np.inf, best + 1e-9 * max(best, 1.0)))
-    weight = np.concatenate([g.keep_bytes / max(float(g.keep_bytes.max()), 1.0), np.zeros(n)])
-    x2 = _milp(weight, lower, upper, constraints, cap, n_ops, float(weight @ x1))
+    with_cost = LinearConstraint(m.with_cost, np.append(m.lo, -np.inf),
+                                 np.append(hi, best + 1e-9 * max(best, 1.0)))
+    x2 = _milp(m.weight, m.lower, m.upper, with_cost, cap, n_ops, float(m.weight @ x1))
     x = x2 if g.group_cost @ x2[run] <= g.group_cost @ x1[run] * (1 + 1e-12) else x1
     return x[keep], x[run]
 
@@ -241,7 +271,7 @@ _HIGHS_OPTIONS = {"mip_rel_gap": 0.0, "disp": False, "mip_heuristic_run_feasibil
 
 
 def _milp(c: np.ndarray, lower: np.ndarray, upper: np.ndarray,
-          constraints: list[LinearConstraint], cap: int, n_ops: int,
+          constraints: LinearConstraint, cap: int, n_ops: int,
           bound: float | None = None) -> np.ndarray:
     """One HiGHS solve (NOTE [ HiGHS's options ]); ``bound``: the objective of a feasible
     solution, which no optimum exceeds."""
@@ -351,8 +381,9 @@ def _solved(ops: tuple[OpRecord, ...], model: CostModel,
         return ()
     total = sum(r.kept_bytes for r in ops if _needed(r))
     found: dict[tuple[tuple[int, ...], tuple[int, ...]], KeepSet] = {}
+    m = _Model.of(g)
     for f in fractions:
         cap = math.floor(f * total)  # kept bytes are whole: the same sets as f * total
-        s = _keep_set(g, *_solve(g, cap, len(ops)), cap)
+        s = _keep_set(g, *_solve(g, m, cap, len(ops)), cap)
         found.setdefault((s.keep, s.skip), s)
     return tuple(sorted(found.values(), key=lambda s: (s.kept_bytes, -s.cost, s.keep, s.skip)))
