@@ -76,12 +76,16 @@ class _Region:
     def _note(self, func: Any, args: tuple[Any, ...], out: Any, first: int) -> None:
         if func in IGNORED_OPS or self.tracker is None:
             return
-        leaves = result_leaves(out)  # the tracker's handler pays this on every op
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, one storage
+            storages, all_tensors = 1, True
+        else:  # the tracker's handler pays this on every op
+            leaves = result_leaves(out)
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+            storages = len({t.untyped_storage()._cdata for t in tensors})
+            all_tensors = len(tensors) == len(leaves)
         position = OpEvents(func=func, first=first, stop=len(self.tracker.levels),
-                            storages=len({t.untyped_storage()._cdata for t in tensors}),
-                            returns_first=bool(args) and out is args[0],
-                            all_tensors=len(tensors) == len(leaves))
+                            storages=storages, returns_first=bool(args) and out is args[0],
+                            all_tensors=all_tensors)
         if "bernoulli" in func.__name__ and isinstance(out, torch.Tensor):
             position.drawn, position.drawn_bool = out.numel(), out.dtype == torch.bool
             position.device = out.device
