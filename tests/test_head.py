@@ -165,10 +165,10 @@ def test_no_rows_give_the_plain_heads_nan_and_zero_gradients(chunks):
     assert torch.equal(w.grad, w2.grad) and not w.grad.any()
 
 
-def test_a_chunk_costs_a_dozen_ops_not_a_slice_per_tensor():
+def test_a_chunk_costs_its_kernels_not_a_slice_per_tensor():
     # NOTE [ Chunks as views made at once ]: the rows of each chunk are views split
-    # before the loop, so each further chunk adds its kernels and one transpose (12 ops
-    # in all), not 7 slices and a transpose of the weight besides (20 before)
+    # before the loop, so each further chunk adds its kernels and one transpose (11 ops
+    # in all), not 7 slices and a transpose of the weight besides (19 before)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):

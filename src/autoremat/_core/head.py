@@ -316,7 +316,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # NOTE [ Chunks as views made at once ]
         #     Each chunk's rows of every (N, ...) tensor are views made by one split
         #     before the loop, not one slice per tensor per chunk, and the weight is
-        #     transposed once: the same views and kernels, 8 fewer ops a chunk (of 20: a
+        #     transposed once: the same views and kernels, 8 fewer ops a chunk (of 19: a
         #     dispatch each, on the CPU's side of a GPU step and under a profile's
         #     tracker, which replays the head at every chunk count).
         chunk_h, chunk_y = hidden.split(size), labels.split(size)  # (n_c, C), (n_c,)
