@@ -119,8 +119,8 @@ class AutorematCallback(lightning.pytorch.Callback):
 
     Raises:
         RematError: at construction, a malformed budget, strategy, loop, head, compile or
-            margin;
-            on the first batch, what NOTE [ What the Lightning callback refuses ] lists.
+            margin; on the first batch, what NOTE [ What the Lightning callback refuses ]
+            lists.
         BudgetError: on the first batch, no plan fits the budget (it says the smallest
             that does).
 

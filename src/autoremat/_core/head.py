@@ -321,15 +321,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         #     tracker, which replays the head at every chunk count).
         chunk_h, chunk_y = hidden.split(size), labels.split(size)  # (n_c, C), (n_c,)
         weight_t = weight.t()  # (C, V)
-        last = n - size * (len(chunk_h) - 1)  # rows of the last chunk
         if any(want):  # views of the rows' gradients, scales, signs and targets
             chunk_dh = d_hidden.split(size) if d_hidden is not None else None
             chunk_g, chunk_minus = g_all.split(size), minus_all.split(size)
             chunk_target = target_all.split(size)
         for k, (h, y) in enumerate(zip(chunk_h, chunk_y, strict=True)):
             first = k == 0
+            rows = h.shape[0]  # size, or fewer in the last chunk
             # (n_c, V), as F.linear computes them
-            logits = logits_buf if h.shape[0] == logits_buf.shape[0] else logits_buf[:last]
+            logits = logits_buf if rows == size else logits_buf[:rows]
             if bias is None:
                 torch.mm(h, weight_t, out=logits)
             else:
@@ -338,9 +338,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if not ops and wide_buf is logits_buf:
                 source = logits
             else:  # the upcast (or the ops' result, which their graph may hold)
-                rows_wide = wide_buf if h.shape[0] == wide_buf.shape[0] else wide_buf[:last]
-                source = rows_wide.copy_(z)
-                del rows_wide
+                source = (wide_buf if rows == size else wide_buf[:rows]).copy_(z)
             # log-softmax in place (the same kernel, the same floats as out of place)
             logp = torch._log_softmax(source, -1, False, out=source)
             part, _ = torch.ops.aten.nll_loss_forward(logp, y, None, 2, ignore_index)

@@ -62,9 +62,8 @@ from autoremat._measure.optimizers import OptimizerSpec, resolve_optimizer
 from autoremat._measure.tape import Tape
 
 __all__ = ["CUDA_MARGIN", "IterationMemory", "budget_for", "check_margin", "check_shards",
-           "fsdp_param_bytes",
-           "iteration_memory", "margin_for", "optimizer_state_bytes", "room_bytes",
-           "step_budget_bytes"]
+           "fsdp_param_bytes", "iteration_memory", "margin_for", "optimizer_state_bytes",
+           "room_bytes", "step_budget_bytes"]
 
 # The share of a CUDA budget a plan leaves for the allocator's whole blocks (NOTE [ The
 # margin kept for the CUDA allocator ]): above the largest excess measured (2.33%).

@@ -225,15 +225,14 @@ class _Model:
         weight = np.concatenate([g.keep_bytes / max(float(g.keep_bytes.max()), 1.0),
                                  np.zeros(n)])
         return _Model(a=a, lo=np.array(lo), hi=np.array(hi),
-                      with_cost=csc_array(vstack([a, csc_array(cost[None, :])], format="csc")),
+                      with_cost=vstack([a, csc_array(cost[None, :])], format="csc"),
                       lower=lower, upper=upper, cost=cost, weight=weight)
 
 
 def _solve(g: _Graph, m: _Model, cap: int, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     """The least-cost keep-set within ``cap`` bytes and, among those, the fewest kept bytes:
     ``(keep, run)`` as bool arrays over nodes."""
-    n = len(g.nodes)
-    keep, run = np.arange(n), np.arange(n, 2 * n)
+    n = len(g.nodes)  # x = [keep, run]
     hi = m.hi.copy()
     hi[-1] = cap
     x1 = _milp(m.cost, m.lower, m.upper, LinearConstraint(m.a, m.lo, hi), cap, n_ops)
@@ -243,8 +242,8 @@ def _solve(g: _Graph, m: _Model, cap: int, n_ops: int) -> tuple[np.ndarray, np.n
     with_cost = LinearConstraint(m.with_cost, np.append(m.lo, -np.inf),
                                  np.append(hi, best + 1e-9 * max(best, 1.0)))
     x2 = _milp(m.weight, m.lower, m.upper, with_cost, cap, n_ops, float(m.weight @ x1))
-    x = x2 if g.group_cost @ x2[run] <= g.group_cost @ x1[run] * (1 + 1e-12) else x1
-    return x[keep], x[run]
+    x = x2 if g.group_cost @ x2[n:] <= g.group_cost @ x1[n:] * (1 + 1e-12) else x1
+    return x[:n], x[n:]
 
 
 # NOTE [ HiGHS's options ]
