@@ -34,6 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Deterministic cuBLAS (the gpu tier compares gradients with torch.equal) needs this set
 # before CUDA initialises; it changes nothing on the CPU.
@@ -63,6 +64,18 @@ MEDIUM: Mapping[str, Mapping[str, Any]] = {
     "mlp": {"widths": (96, 64, 128, 48, 96, 64), "batch_size": 64},
     "resnet": {"batch_size": 8, "image_size": 16},
 }
+
+
+class OpLog(TorchDispatchMode):
+    """Notes the name of every op dispatched under it (``ops``), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def load_benchmark(name: str) -> ModuleType:

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoremat
 from autoremat import zoo
@@ -25,6 +24,8 @@ from autoremat._measure.blocks import resolve_blocks
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.optimizers import OPTIMIZERS, optimizer_memory
 from autoremat._mechanism.wrap import checkpointed
+
+from conftest import OpLog
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,21 +145,11 @@ def test_max_memory_below_the_fixed_part_is_a_budget_error() -> None:
 # --- attention as the target device runs it -------------------------------------------------
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _attention_ops(device: str, target: str, dtype: torch.dtype, heads_kv: int = 4,
                    **kwargs: Any) -> list[str]:
     q = torch.randn(2, 4, 16, 8, device=device, dtype=dtype, requires_grad=True)
     kv = torch.randn(2, heads_kv, 16, 8, device=device, dtype=dtype, requires_grad=True)
-    with sdpa_as_on(target), _Ops() as log:
+    with sdpa_as_on(target), OpLog() as log:
         F.scaled_dot_product_attention(q, kv, kv, enable_gqa=heads_kv != 4, **kwargs).sum() \
             .backward()
     return [op for op in log.ops if "attention" in op or op == "aten.bmm.default"]

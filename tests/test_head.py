@@ -24,6 +24,8 @@ from autoremat._mechanism.head import find_head
 from autoremat._plan.costs import cost_model_for
 from autoremat._plan.strategies import smallest_feasible_bytes
 
+from conftest import OpLog
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -169,26 +171,16 @@ def test_a_chunk_costs_its_kernels_not_a_slice_per_tensor():
     # NOTE [ Chunks as views made at once ]: the rows of each chunk are views split
     # before the loop, so each further chunk adds its kernels and one transpose (11 ops
     # in all), not 7 slices and a transpose of the weight besides (19 before)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            return func(*args, **(kwargs or {}))
-
     def ops(chunks: int) -> int:
         torch.manual_seed(0)
         h = torch.randn(64, 8, requires_grad=True)
         w = torch.randn(30, 8, requires_grad=True)
-        with Count() as count:
+        with OpLog() as log:
             linear_cross_entropy(h, w, torch.randint(0, 30, (64,)), chunks=chunks).backward()
-        return count.ops
+        return len(log.ops)
 
     assert (ops(32) - ops(2)) / 30 <= 12
+
 
 # --- Hugging Face causal LMs with a real-sized vocabulary -------------------------------------
 
