@@ -17,6 +17,8 @@ import dataclasses
 import itertools
 import math
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -327,17 +329,19 @@ def test_highs_gets_its_options_and_the_caller_no_warning(
     # warning that it passes the option on verbatim is not the caller's
     import warnings
 
+    import scipy.optimize
+
     from autoremat._plan import keepsets
 
     keepsets._solved.cache_clear()
     seen: list[dict[str, object]] = []
-    milp = keepsets.milp
+    milp = scipy.optimize.milp  # read where it is used (NOTE [ scipy on first use ])
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(dict(kwargs["options"]))  # type: ignore[call-overload]
         return milp(*args, **kwargs)
 
-    monkeypatch.setattr(keepsets, "milp", spy)
+    monkeypatch.setattr(scipy.optimize, "milp", spy)
     ops = [_op("aten.addmm.default", out=100, flops=10_011, kept=100),
            _op("aten.gelu.default", out=100, flops=811, kept=100, inputs=(0,))]
     with warnings.catch_warnings():
@@ -353,6 +357,7 @@ def test_highs_gets_its_options_and_the_caller_no_warning(
 
 def test_a_bounded_solve_that_finds_nothing_is_run_again_without_the_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    import scipy.optimize
     from scipy.optimize import OptimizeResult
 
     from autoremat._plan import keepsets
@@ -361,7 +366,7 @@ def test_a_bounded_solve_that_finds_nothing_is_run_again_without_the_bound(
            _op("aten.gelu.default", out=100, flops=813, kept=100, inputs=(0,))]
     keepsets._solved.cache_clear()
     expected = keep_sets(ops, MODEL, (0.5, 1.0))
-    milp = keepsets.milp
+    milp = scipy.optimize.milp
     bounded: list[float] = []
 
     def refusing(*args: Any, **kwargs: Any) -> Any:
@@ -371,7 +376,7 @@ def test_a_bounded_solve_that_finds_nothing_is_run_again_without_the_bound(
                                   message="objective bound reached")
         return milp(*args, **kwargs)
 
-    monkeypatch.setattr(keepsets, "milp", refusing)
+    monkeypatch.setattr(scipy.optimize, "milp", refusing)
     keepsets._solved.cache_clear()
     assert keep_sets(ops, MODEL, (0.5, 1.0)) == expected and len(bounded) == 2
 
@@ -450,3 +455,20 @@ def test_a_300_op_block_solves_quickly() -> None:
     elapsed = time.perf_counter() - start
     assert sets
     assert elapsed < 2.0, f"{elapsed:.2f} s for 4 caps of a {len(ops)}-op block"
+
+
+def test_import_autoremat_leaves_scipy_for_the_first_keep_set() -> None:
+    """scipy's optimize is imported where a keep-set is first solved, not by ``import
+    autoremat`` (NOTE [ scipy on first use ]): about a second of every start, the command
+    line's included. A fresh process, since this one has solved keep-sets already."""
+    code = ("import sys, autoremat; print('scipy.optimize' in sys.modules); "
+            "from autoremat._plan.costs import CostModel; "
+            "from autoremat._measure.ops import OpRecord; "
+            "from autoremat._plan.keepsets import keep_sets; "
+            "mm = OpRecord(op='aten.mm.default', kind='matmul', out_bytes=400, flops=8000, "
+            "ms=0.0, random=False, view=False, inplace=False, kept_bytes=400); "
+            "print(len(keep_sets([mm], CostModel(0, 0, 0, 0, 1e11), fractions=(0.5,))), "
+            "'scipy.optimize' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    assert out == ["False", "1", "True"], out

@@ -53,16 +53,23 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array, csc_array, vstack
 
 from autoremat._core.errors import RematError, internal_assert
 from autoremat._measure.allocations import quiet_fds
 from autoremat._measure.ops import OpRecord
 from autoremat._plan.costs import CostModel, op_cost
+
+# NOTE [ scipy on first use ]
+#     scipy's optimize and sparse take about a second to import, which every ``import
+#     autoremat`` (the command line's ``--help`` included) would pay for what only
+#     selective options need: they are imported where a keep-set is first solved.
+if TYPE_CHECKING:
+    from scipy.optimize import LinearConstraint
+    from scipy.sparse import csc_array
 
 __all__ = ["KeepSet", "keep_sets"]
 
@@ -185,6 +192,8 @@ class _Model:
 
     @staticmethod
     def of(g: _Graph) -> _Model:
+        from scipy.sparse import coo_array, csc_array, vstack  # NOTE [ scipy on first use ]
+
         n = len(g.nodes)
         keep, run = np.arange(n), np.arange(n, 2 * n)  # variable indices: x = [keep, run]
         rows: list[int] = []
@@ -232,6 +241,8 @@ class _Model:
 def _solve(g: _Graph, m: _Model, cap: int, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     """The least-cost keep-set within ``cap`` bytes and, among those, the fewest kept bytes:
     ``(keep, run)`` as bool arrays over nodes."""
+    from scipy.optimize import LinearConstraint  # NOTE [ scipy on first use ]
+
     n = len(g.nodes)  # x = [keep, run]
     hi = m.hi.copy()
     hi[-1] = cap
@@ -274,6 +285,8 @@ def _milp(c: np.ndarray, lower: np.ndarray, upper: np.ndarray,
           bound: float | None = None) -> np.ndarray:
     """One HiGHS solve (NOTE [ HiGHS's options ]); ``bound``: the objective of a feasible
     solution, which no optimum exceeds."""
+    from scipy.optimize import Bounds, milp  # NOTE [ scipy on first use ]
+
     options: dict[str, object] = dict(_HIGHS_OPTIONS)
     if bound is not None:
         options["objective_bound"] = bound + 1e-6 * max(abs(bound), 1.0)
