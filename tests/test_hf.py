@@ -232,6 +232,26 @@ def test_a_model_with_hf_checkpointing_on_is_refused_when_training_begins(
     assert autoremat.applied_plan(model) is None
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_profile_and_auto_refuse_a_model_with_hf_checkpointing_on(kind: str) -> None:
+    """Transformers 5 recomputes a layer without calling it again, so no block is seen
+    running twice: the flag is read, and the model is refused before any step (it would
+    be measured recomputing every layer as its "plain" step); off again, it profiles."""
+    model = _model(kind)
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    (enable or model.gradient_checkpointing_enable)()
+    model.train()
+    for call in (lambda: autoremat.profile(model, _batch(), timing=False),
+                 lambda: autoremat.auto(model, _batch(), budget="90%")):
+        with pytest.raises(autoremat.BlockError, match=r"checkpointing on .*"
+                           r"gradient_checkpointing_disable\(\) .* let the plan decide"):
+            call()
+    assert autoremat.applied_plan(model) is None
+    (disable or model.gradient_checkpointing_disable)()
+    assert autoremat.profile(model, _batch(), timing=False).blocks
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"budget": "75 percent"}, "budget"),
     ({"budget": "75%", "strategy": "optimum"}, "unknown strategy"),

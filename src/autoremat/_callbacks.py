@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from autoremat._auto import auto
 from autoremat._core.errors import BudgetError, RematError
@@ -27,6 +26,7 @@ from autoremat._measure.blocks import BlockSpec
 from autoremat._plan.plan import Plan
 from autoremat._plan.strategies import check_head, check_plan_args
 from autoremat._profile.profile import compile_backend
+from autoremat._profile.runs import refuse_hf_checkpointing
 
 __all__ = ["MissingExtraError", "PlanArgs", "forked_rngs", "log_plan", "refuse_hf_checkpointing",
            "require_extra"]
@@ -96,20 +96,6 @@ class PlanArgs:
 def log_plan(log: logging.Logger, plan: Plan, where: str) -> None:
     """The plan, on ``log`` at INFO."""
     log.info("autoremat plan for this %s run (loop %s):\n%s", where, plan.loop, plan)
-
-
-def refuse_hf_checkpointing(model: nn.Module, caller: str) -> None:
-    """Refuse a model with Hugging Face gradient checkpointing on: ``caller`` would plan
-    on top of a model that already recomputes every layer (NOTE [ One checkpointing at
-    a time ] in ``autoremat/hf.py``)."""
-    on = [name for name, m in model.named_modules()
-          if getattr(m, "gradient_checkpointing", False) is True]
-    if on:
-        raise RematError(
-            f"the model already has Hugging Face gradient checkpointing on ({len(on)} "
-            f"modules, e.g. {on[0] or type(model).__name__!r}); {caller} would plan on top "
-            "of it (NOTE [ One checkpointing at a time ] in autoremat/hf.py). Call "
-            "model.gradient_checkpointing_disable() and let the callback plan")
 
 
 @contextmanager

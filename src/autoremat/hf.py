@@ -155,7 +155,7 @@ class AutorematCallback(TrainerCallback):
             raise RematError("AutorematCallback.on_train_begin needs the model and the "
                              "train dataloader, which the Trainer passes; call it from a "
                              "Trainer (or pass model= and train_dataloader=)")
-        refuse_hf_checkpointing(model, "AutorematCallback")
+        refuse_hf_checkpointing(model, "AutorematCallback", "let the callback plan")
         loss = _trainer_loss(model, args, self.planning.loss_fn, self.planning.head)
         batch = _batch_like_the_first(train_dataloader, args)
         if isinstance(batch, Mapping):

@@ -160,7 +160,7 @@ class AutorematCallback(lightning.pytorch.Callback):
             return  # planned on this fit's first batch
         self._pending = False
         _check_fit(trainer, pl_module, self.planning.compile)
-        refuse_hf_checkpointing(pl_module, "AutorematCallback")
+        refuse_hf_checkpointing(pl_module, "AutorematCallback", "let the callback plan")
         context = trainer.precision_plugin.train_step_context
         runner = LightningStep(pl_module, trainer.accumulate_grad_batches)
         inputs = runner.inputs_of(batch, batch_idx)

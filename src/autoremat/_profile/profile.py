@@ -102,6 +102,7 @@ from autoremat._profile.runs import (
     compile_settings,
     find_chain,
     freed_in_forward,
+    refuse_hf_checkpointing,
     released_at_fwd_end,
     saved_by_block,
     step_as_run,
@@ -195,6 +196,7 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
         raise BlockError(f"found no chain of blocks in {type(model).__name__}"
                          f"{_why_no_chain(model)}: give blocks=[...] with the names of the "
                          "layers to plan over")
+    refuse_hf_checkpointing(model, "autoremat")
     scripted = [n for n in names if isinstance(model.get_submodule(n), torch.jit.ScriptModule)]
     if scripted:
         raise BlockError(f"block {scripted[0]!r} is a TorchScript module (torch.jit.script), "

@@ -105,7 +105,7 @@ from autoremat._mechanism.offload import BlockOffload, OffloadStats, offloading
 from autoremat._mechanism.wrap import ContextFn, checkpointed
 from autoremat._plan.costs import CostModel
 
-__all__ = ["compile_settings"]
+__all__ = ["compile_settings", "refuse_hf_checkpointing"]
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
@@ -225,6 +225,25 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
 # what a model's own checkpointing looks like to the probe, and how to turn it off
 _OWN_CHECKPOINTING = ("torch.utils.checkpoint in its forward, or Hugging Face's "
                       "gradient checkpointing: model.gradient_checkpointing_disable()")
+
+
+def refuse_hf_checkpointing(model: nn.Module, caller: str,
+                            then: str = "let the plan decide what to recompute") -> None:
+    """Refuse a model with Hugging Face gradient checkpointing on: ``caller`` would measure
+    a model that already recomputes every layer, and plan on top of it (NOTE [ One
+    checkpointing at a time ] in ``autoremat/hf.py``). Read from the modules' flag:
+    Transformers 5 recomputes a layer without calling it again, so the probe's check of
+    blocks run again in backward (``_run_marked``) does not see it."""
+    on = [name for name, m in model.named_modules()
+          if getattr(m, "gradient_checkpointing", False) is True]
+    if on:
+        raise BlockError(
+            f"the model already has Hugging Face gradient checkpointing on ({len(on)} "
+            f"modules, e.g. {on[0] or type(model).__name__!r}): it recomputes every layer "
+            f"itself, and {caller} would measure and plan on top of it (NOTE [ One "
+            "checkpointing at a time ] in autoremat/hf.py). Call "
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
+            f"Transformers 5) and {then}")
 
 
 def _discovered_chain(model: nn.Module, probe: _Probe,
