@@ -377,7 +377,13 @@ def grouped_mm_on_meta() -> Iterator[None]:
 #     their own):
 #     * a batch without ``attention_mask``: :data:`HF_META_ATTENTION`, a name with no mask
 #       builder, so SDPA gets no mask and ``is_causal`` (``True`` for decoders, ``False``
-#       for BERT) -- exactly what ``"sdpa"`` passes for an unpadded, unpacked batch;
+#       for BERT) -- exactly what ``"sdpa"`` passes for an unpadded, unpacked batch, unless
+#       a config has a sliding window: Transformers then builds the window's mask for the
+#       layers it covers when the sequence is longer than the window (and SDPA keeps a
+#       float copy of it, takes repeated keys instead of ``enable_gqa``), so such a batch
+#       goes the masked way below, its ``position_ids``, made by the model as a range per
+#       row, taken as unpacked (``_unpacked_on_meta``; a Mistral of 4 layers with a
+#       window of 32 at 128 tokens was estimated 12% under its CPU step without it);
 #     * a batch with one: :data:`HF_META_MASKED_ATTENTION`, whose mask builder is
 #       Transformers' ``sdpa_mask`` with its one value-dependent choice (skip the mask, or
 #       build it) made by Transformers' own test on the real values of the mask. Those
@@ -520,15 +526,41 @@ def _sdpa_configs(model: nn.Module) -> list[Any]:
 
 
 @contextmanager
+def _unpacked_on_meta(utils: Any) -> Iterator[None]:
+    """Transformers' test for packed sequences, which reads the values of ``position_ids``,
+    answering "not packed" for ``position_ids`` on ``meta``: used for a batch that gives
+    none, whose ``position_ids`` the model makes as one range per row (NOTE [ Hugging
+    Face models on meta ]). Process-wide while inside, like :func:`sdpa_as_on`."""
+    original = getattr(utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if position_ids.is_meta else original(position_ids)
+
+    utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        utils.find_packed_sequence_indices = original
+
+
+@contextmanager
 def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator[None]:
     """Run a Transformers model configured with ``"sdpa"`` under :data:`HF_META_ATTENTION`
     (``inputs`` without ``attention_mask``) or :data:`HF_META_MASKED_ATTENTION` (with
     one, whose skip choice reads the real masks of ``given``, the caller's batch); see
     NOTE [ Hugging Face models on meta ]."""
     configs = _sdpa_configs(model)
-    masked = isinstance(inputs, Mapping) and inputs.get("attention_mask") is not None
-    utils: Any = _mask_utils() if masked else None
-    if not configs or register_hf_attention() is None or (masked and utils is None):
+    batch = inputs if isinstance(inputs, Mapping) else {}
+    masked = batch.get("attention_mask") is not None
+    # a sliding window makes Transformers build a mask for an unpadded batch too
+    windowed = not masked and batch.get("position_ids") is None and any(
+        getattr(config, "sliding_window", None) for config in configs)
+    utils: Any = _mask_utils() if masked or windowed else None
+    if not configs or register_hf_attention() is None or \
+            ((masked or windowed) and utils is None):
         yield
         return
     from transformers import AttentionInterface
@@ -536,12 +568,14 @@ def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator
 
     name = HF_META_ATTENTION
     with ExitStack() as stack:
-        if masked:
+        if masked or windowed:
             name = HF_META_MASKED_ATTENTION
             values = stack.enter_context(_MaskValues(inputs, given))
             AttentionInterface.register(name, sdpa_attention_forward)
             utils.AttentionMaskInterface.register(
                 name, _MaskBuilder(utils, values, type(model).__name__))
+        if windowed:
+            stack.enter_context(_unpacked_on_meta(utils))
         try:
             for config in configs:
                 config._attn_implementation = name
