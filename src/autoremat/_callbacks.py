@@ -26,9 +26,8 @@ from autoremat._measure.blocks import BlockSpec
 from autoremat._plan.plan import Plan
 from autoremat._plan.strategies import check_head, check_plan_args
 from autoremat._profile.profile import compile_backend
-from autoremat._profile.runs import refuse_hf_checkpointing
 
-__all__ = ["MissingExtraError", "PlanArgs", "forked_rngs", "log_plan", "refuse_hf_checkpointing",
+__all__ = ["MissingExtraError", "PlanArgs", "forked_rngs", "log_plan",
            "require_extra"]
 
 

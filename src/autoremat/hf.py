@@ -64,12 +64,13 @@ from torch.utils.data import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from autoremat._apply import remove
-from autoremat._callbacks import PlanArgs, forked_rngs, log_plan, refuse_hf_checkpointing
+from autoremat._callbacks import PlanArgs, forked_rngs, log_plan
 from autoremat._core.errors import RematError
 from autoremat._core.step import Loop, LossFn, Step
 from autoremat._measure.blocks import BlockSpec
 from autoremat._plan.plan import Plan
 from autoremat._plan.strategies import keeps_head
+from autoremat._profile.runs import refuse_hf_checkpointing
 
 __all__ = ["AutorematCallback"]
 

@@ -78,12 +78,13 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import nn
 
 from autoremat._apply import remove
-from autoremat._callbacks import PlanArgs, log_plan, refuse_hf_checkpointing
+from autoremat._callbacks import PlanArgs, log_plan
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
 from autoremat._core.step import Loop, Step, preserved_state
 from autoremat._measure.blocks import BlockSpec
 from autoremat._plan.plan import Plan
+from autoremat._profile.runs import refuse_hf_checkpointing
 
 __all__ = ["AutorematCallback"]
 
