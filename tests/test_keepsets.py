@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 import random
 import subprocess
 import sys
@@ -473,101 +472,3 @@ def test_import_autoremat_leaves_scipy_for_the_first_keep_set() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout.split()
     assert out == ["False", "1", "True"], out
-
-
-# --- solved ahead, in a thread (NOTE [ Keep-sets solved while a step runs ]) -----------
-
-
-def _ahead_block(seed: int) -> list[OpRecord]:
-    """A small block of its own (its FLOPs differ by ``seed``), solved afresh."""
-    return [_op("aten.addmm.default", out=100, flops=20_000 + seed, kept=100),
-            _op("aten.gelu.default", out=100, flops=900 + seed, kept=100, inputs=(0,)),
-            _op("aten.addmm.default", out=50, flops=5_000 + seed, kept=0, inputs=(1,))]
-
-
-def test_keep_sets_solved_ahead_are_those_solved_in_turn(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-    import warnings
-
-    import scipy.optimize
-
-    from autoremat._plan import keepsets
-
-    block = _ahead_block(1)
-    keepsets._solved.cache_clear()
-    in_turn = keep_sets(block, MODEL)
-    keepsets._solved.cache_clear()
-    threads: list[str] = []
-    milp = scipy.optimize.milp  # read where it is used (NOTE [ scipy on first use ])
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return milp(*args, **kwargs)
-
-    monkeypatch.setattr(scipy.optimize, "milp", spy)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # scipy's warning about HiGHS's options is not ours
-        with keepsets.solving_ahead(MODEL) as start:
-            start([block, list(block)])  # alike blocks: solved once
-    solved = len(threads)
-    assert solved == 2 * len(keepsets.CAPS) and all(
-        name.startswith("autoremat-keepsets") for name in threads)
-    assert keep_sets(block, MODEL) == in_turn and len(threads) == solved  # found solved
-
-
-def test_what_the_process_writes_beside_solves_ahead_reaches_the_user(
-        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    # NOTE [ HiGHS's own output ]: HiGHS's lines are dropped; a step's output and warnings
-    # written while the thread solves are not
-    import threading
-    import warnings
-
-    import scipy.optimize
-
-    from autoremat._plan import keepsets
-
-    keepsets._solved.cache_clear()
-    written = threading.Event()
-    milp = scipy.optimize.milp
-
-    def noisy(*args: Any, **kwargs: Any) -> Any:
-        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
-        os.write(2, b"HiGHS on stderr\n")
-        written.wait(timeout=30)  # the step below writes while a solve runs
-        return milp(*args, **kwargs)
-
-    monkeypatch.setattr(scipy.optimize, "milp", noisy)
-    capfd.readouterr()
-    with pytest.warns(UserWarning, match="the step's own warning"), \
-            keepsets.solving_ahead(MODEL) as start:
-        start([_ahead_block(2)])
-        time.sleep(0.2)  # the thread is inside its first solve
-        os.write(1, b"the step on stdout\n")
-        os.write(2, b"the step on stderr\n")
-        warnings.warn("the step's own warning", UserWarning, stacklevel=1)
-        written.set()
-    out, err = capfd.readouterr()
-    assert out == "the step on stdout\n" and "the step on stderr\n" in err
-    assert "ighs" not in out + err.lower()
-
-
-def test_a_solve_ahead_that_fails_raises_unless_the_step_raised_first(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from autoremat._plan import keepsets
-
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        raise RematError("HiGHS found no keep-set (a stand-in)")
-
-    monkeypatch.setattr(keepsets, "_milp", failing)
-    for seed in (3, 4):
-        keepsets._solved.cache_clear()
-        with pytest.raises(RematError, match="a stand-in"), \
-                keepsets.solving_ahead(MODEL) as start:
-            start([_ahead_block(seed)])
-    with pytest.raises(ValueError, match="the step's error"), \
-            keepsets.solving_ahead(MODEL) as start:
-        start([_ahead_block(5)])
-        raise ValueError("the step's error")
-    with pytest.raises(RematError, match="a stand-in"):  # not cached: raised again
-        keep_sets(_ahead_block(5), MODEL)

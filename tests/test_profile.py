@@ -740,46 +740,6 @@ def test_selective_options_derived_from_the_checkpointed_step_equal_measured_one
         assert not all(found.values())  # kept outputs changed in place: measured
 
 
-def test_profile_solves_keep_sets_while_the_steps_after_the_plain_one_run(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE [ Keep-sets solved while a step runs ]: the keep-sets are solved in a thread
-    # once the plain step has recorded the ops, and the tape is the one they give when
-    # solved in turn in the selective stage
-    import threading
-    from contextlib import contextmanager
-
-    import scipy.optimize
-
-    from autoremat._plan import keepsets
-    from autoremat._profile import profile as profile_module
-
-    model, inputs = zoo.build("llama", n_layer=2, n_embd=32, n_head=2, batch_size=2,
-                              seq_len=16, vocab_size=64)
-    threads: list[str] = []
-    milp = scipy.optimize.milp  # read where it is used (NOTE [ scipy on first use ])
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return milp(*args, **kwargs)
-
-    monkeypatch.setattr(scipy.optimize, "milp", spy)
-    keepsets._solved.cache_clear()
-    ahead = autoremat.profile(model, inputs, timing=False)
-    assert threads and all(t.startswith("autoremat-keepsets") for t in threads)
-
-    @contextmanager
-    def in_turn(cost_model: Any) -> Any:
-        yield lambda blocks: None
-
-    monkeypatch.setattr(profile_module, "solving_ahead", in_turn)
-    keepsets._solved.cache_clear()
-    threads.clear()
-    solved = autoremat.profile(model, inputs, timing=False)
-    assert threads and threading.current_thread().name in threads
-    assert [b.selective for b in ahead.blocks] == [b.selective for b in solved.blocks]
-    assert any(key.startswith("#") for key in ahead.blocks[0].selective)  # keep-sets
-
-
 def test_derived_options_count_what_a_kernel_holds_inside_an_op(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE [ Memory a kernel allocates inside an op ]: on CUDA every matmul's working

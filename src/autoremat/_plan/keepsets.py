@@ -50,21 +50,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import sys
-import tempfile
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from autoremat._core.errors import RematError, internal_assert
+from autoremat._measure.allocations import quiet_fds
 from autoremat._measure.ops import OpRecord
 from autoremat._plan.costs import CostModel, op_cost
 
@@ -76,7 +71,7 @@ if TYPE_CHECKING:
     from scipy.optimize import LinearConstraint
     from scipy.sparse import csc_array
 
-__all__ = ["CAPS", "KeepSet", "keep_sets", "solving_ahead"]
+__all__ = ["KeepSet", "keep_sets"]
 
 
 @dataclass(frozen=True)
@@ -295,10 +290,13 @@ def _milp(c: np.ndarray, lower: np.ndarray, upper: np.ndarray,
     options: dict[str, object] = dict(_HIGHS_OPTIONS)
     if bound is not None:
         options["objective_bound"] = bound + 1e-6 * max(abs(bound), 1.0)
-    # scipy's warning about the option it passes on verbatim is filtered by the caller
-    # (_options_warning_ignored), HiGHS's trace by _solved (_solver_output_dropped)
-    res = milp(c, integrality=np.ones_like(c), bounds=Bounds(lower, upper),
-               constraints=constraints, options=options)
+    # HiGHS prints nothing with disp=False, except its internal trace, which its C++ writes
+    # to stdout on some blocks ("HighsMipSolverData::transformNewIntegerFeasibleSolution
+    # tmpSolver.run();"): the user would read it among the results, so both fds are shut
+    with quiet_fds(1, 2), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unrecognized options detected")
+        res = milp(c, integrality=np.ones_like(c), bounds=Bounds(lower, upper),
+                   constraints=constraints, options=options)
     if bound is not None and (not res.success or res.x is None):
         return _milp(c, lower, upper, constraints, cap, n_ops)  # without the bound
     if not res.success or res.x is None:
@@ -383,14 +381,8 @@ def keep_sets(ops: Sequence[OpRecord], model: CostModel,
     #     the same shapes again (``auto`` after ``profile``, ``auto`` at several budgets,
     #     a fresh copy of the model) gets the sets solved the first time. The answer is
     #     the same; a malformed tape still raises, since a failed parse is not kept.
-    with _options_warning_ignored():
-        return list(_solved(_untimed(ops), model, tuple(float(f) for f in fractions)))
-
-
-def _untimed(ops: Sequence[OpRecord]) -> tuple[OpRecord, ...]:
-    """``ops`` with their times zeroed: what the sets depend on (NOTE [ Keep-sets solved
-    once per process ])."""
-    return tuple(dataclasses.replace(r, ms=0.0) if r.ms else r for r in ops)
+    untimed = tuple(dataclasses.replace(r, ms=0.0) if r.ms else r for r in ops)
+    return list(_solved(untimed, model, tuple(float(f) for f in fractions)))
 
 
 @functools.lru_cache(maxsize=64)  # NOTE [ Keep-sets solved once per process ]
@@ -402,106 +394,8 @@ def _solved(ops: tuple[OpRecord, ...], model: CostModel,
     total = sum(r.kept_bytes for r in ops if _needed(r))
     found: dict[tuple[tuple[int, ...], tuple[int, ...]], KeepSet] = {}
     m = _Model.of(g)
-    with _solver_output_dropped():
-        for f in fractions:
-            cap = math.floor(f * total)  # kept bytes are whole: the same sets as f * total
-            s = _keep_set(g, *_solve(g, m, cap, len(ops)), cap)
-            found.setdefault((s.keep, s.skip), s)
+    for f in fractions:
+        cap = math.floor(f * total)  # kept bytes are whole: the same sets as f * total
+        s = _keep_set(g, *_solve(g, m, cap, len(ops)), cap)
+        found.setdefault((s.keep, s.skip), s)
     return tuple(sorted(found.values(), key=lambda s: (s.kept_bytes, -s.cost, s.keep, s.skip)))
-
-
-# NOTE [ Keep-sets solved while a step runs ]
-#     A block's keep-sets need only its ops, which the plain memory step records; the
-#     memory steps after it (the checkpointed one, and the alternating or offloaded
-#     ones where asked for) do not need them. So ``profile`` solves them in a thread
-#     while those steps run (``solving_ahead``), and the selective stage finds them
-#     solved (NOTE [ Keep-sets solved once per process ]). HiGHS releases the GIL while
-#     it solves, so the two overlap: on the zoo's llama (2 CPU cores, one torch thread)
-#     the solves took 1.1 plain steps of a profile's 10.7, and the checkpointed step is
-#     2.6-2.8 of them. The sets are the same: the same function of the same ops, rates
-#     and caps, only earlier. No step is timed while the thread runs: the timing stage
-#     and the head's timed runs come after the selective stage. Two things the solves
-#     do are the process's, not the thread's, and are kept from the steps beside them:
-#     scipy's warning about HiGHS's options is filtered by the caller's thread for as
-#     long as the thread runs (``warnings.catch_warnings`` is not thread-safe), and
-#     HiGHS's output (NOTE [ HiGHS's own output ]) is dropped line by line, everything
-#     else written meanwhile reaching its file descriptor when the solves end. A solve
-#     that fails raises at the end of ``solving_ahead``; where the steps raised first,
-#     theirs is the error raised (a failed solve is not cached, so a later call of the
-#     same block raises it again).
-
-
-def _solve_all(blocks: Sequence[tuple[OpRecord, ...]], model: CostModel) -> None:
-    """Solve each distinct block's keep-sets at :data:`CAPS`, into the cache."""
-    for ops in dict.fromkeys(_untimed(ops) for ops in blocks):
-        _solved(ops, model, CAPS)
-
-
-@contextmanager
-def solving_ahead(model: CostModel) -> Iterator[Callable[[Sequence[Sequence[OpRecord]]], None]]:
-    """``start(blocks)`` solves each block's keep-sets under ``model`` at :data:`CAPS` in
-    a thread (NOTE [ Keep-sets solved while a step runs ]); the ``with`` block waits for
-    the thread as it ends, after which :func:`keep_sets` of these blocks finds them
-    solved. Raises what a solve raised, unless the block raised first."""
-    futures: list[Future[None]] = []
-    with _options_warning_ignored(), ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="autoremat-keepsets") as pool:
-        def start(blocks: Sequence[Sequence[OpRecord]]) -> None:
-            futures.append(pool.submit(_solve_all, [tuple(ops) for ops in blocks], model))
-
-        yield start
-        for future in futures:
-            future.result()
-
-
-@contextmanager
-def _options_warning_ignored() -> Iterator[None]:
-    """scipy warns that it passes HiGHS an option it does not know verbatim (NOTE [ HiGHS's
-    options ]): expected, and not the caller's. Entered by the thread that called (the
-    filters are the process's, and entering them is not thread-safe)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Unrecognized options detected")
-        yield
-
-
-# NOTE [ HiGHS's own output ]
-#     HiGHS prints nothing with ``disp=False``, except its internal trace, which its C++
-#     writes to stdout on some blocks ("HighsMipSolverData::transformNewIntegerFeasible
-#     Solution tmpSolver.run();"): the user would read it among the results. So while a
-#     block is solved, stdout and stderr are written to a file, and what was written to
-#     them is passed on afterwards without HiGHS's lines (those that start with "highs",
-#     any case): what the rest of the process wrote meanwhile (a step running beside
-#     solves ahead, a progress display's thread) reaches the user, later.
-_OUTPUT_LOCK = threading.Lock()  # one redirection of the process's fds at a time
-
-
-def _is_highs_line(line: bytes) -> bool:
-    return line.lstrip().lower().startswith(b"highs")
-
-
-@contextmanager
-def _solver_output_dropped() -> Iterator[None]:
-    """Drop HiGHS's lines from fds 1 and 2 inside the block (NOTE [ HiGHS's own output ])."""
-    with _OUTPUT_LOCK:
-        streams = [s for s in (sys.stdout, sys.stderr) if s is not None]
-        for stream in streams:
-            stream.flush()
-        saved: list[tuple[int, int, Any]] = []
-        try:
-            for fd in (1, 2):
-                held = tempfile.TemporaryFile()
-                saved.append((fd, os.dup(fd), held))
-                os.dup2(held.fileno(), fd)
-            yield
-        finally:
-            for stream in streams:
-                stream.flush()
-            for fd, copy, held in saved:
-                os.dup2(copy, fd)
-                os.close(copy)
-                held.seek(0)
-                rest = b"".join(line for line in held.read().splitlines(keepends=True)
-                                if not _is_highs_line(line))
-                held.close()
-                while rest:
-                    rest = rest[os.write(fd, rest):]

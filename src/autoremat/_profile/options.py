@@ -391,17 +391,13 @@ class BaseRuns:
 
 def base_runs(names: list[str], setup: Setup,
                stage: Callable[[str], None] = lambda _: None, *,
-               tag: bool = False,
-               recorded: Callable[[list[tuple[OpRecord, ...]]], None] | None = None,
-               ) -> BaseRuns:
+               tag: bool = False) -> BaseRuns:
     """One memory step per pattern of whole-block decisions (``_patterns``); eager, the plain
     one also records FLOPs and ops, and the checkpointed one recompute FLOPs
     (NOTE [ One pass for memory and FLOPs ]); compiled, two eager steps count them.
     ``tag``: eager and without offload, the checkpointed step also tags each block's
     ops, from which selective options are derived (NOTE [ Selective windows from the
-    checkpointed step ]). ``recorded``: eager, called with each block's ops once the
-    plain step has recorded them, before the other steps run (NOTE [ Keep-sets solved
-    while a step runs ])."""
+    checkpointed step ])."""
     n, backend = len(names), setup.backend
     step, model = setup.step, setup.step.model
     eager = backend is None
@@ -433,8 +429,6 @@ def base_runs(names: list[str], setup: Setup,
                                     rounding=setup.rounding, backend=backend,
                                     counter={kept: counter, ckpt: ckpt_counter}.get(pattern)
                                     if eager else None)
-        if pattern == kept and eager and recorded is not None:
-            recorded([counter.block_ops(name) for name in names])
         if pattern == kept:  # the gradients the plain step left
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             grad_bytes = unique_storage_bytes(grads)

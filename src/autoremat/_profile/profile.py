@@ -87,7 +87,6 @@ from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.offload import OffloadStats
 from autoremat._mechanism.wrap import stashed_buffers
 from autoremat._plan.costs import cost_model_for
-from autoremat._plan.keepsets import solving_ahead
 from autoremat._profile.options import (
     BaseRuns,
     base_runs,
@@ -406,9 +405,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
         stage("warm-up step")
         chain = find_chain(setup, in_order=blocks is not None,
                        timed=timed and setup.backend is None)  # compiled: timed compiled
-        with solving_ahead(setup.cost_model) as solve:  # NOTE [ Keep-sets solved while ...
-            base = base_runs(chain.names, setup, stage, tag=with_selective,
-                             recorded=solve if with_selective else None)
+        base = base_runs(chain.names, setup, stage, tag=with_selective)
         selective = selective_runs(chain.names, base, setup, stage) \
             if with_selective else [{} for _ in chain.names]
         notes = _mode_notes(step.model, chain.names, discovered=blocks is None)
