@@ -47,7 +47,7 @@ def test_build_hf_model_on_meta_for_every_family(family: str) -> None:
     assert type(model) is getattr(transformers, HF_FAMILIES[family][1])
     config: Any = model.config
     assert model.training and not config.use_cache
-    assert config._attn_implementation == "autoremat_sdpa"
+    assert config._attn_implementation == "sdpa"  # NOTE [ Hugging Face models on meta ]
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
     assert inputs["input_ids"].shape == inputs["labels"].shape == (2, 32)
     peak = meta_step_peak(model, inputs, device="cuda")  # it runs on meta, forward and backward

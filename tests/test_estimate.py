@@ -521,9 +521,10 @@ def test_a_meta_mask_whose_values_are_needed_is_refused_with_the_fix() -> None:
     with pytest.raises(RematError, match="real attention_mask") as info:
         estimate(model, inputs, device="cpu", selective=False)
     assert "LlamaForCausalLM" in str(info.value) and "(2, 64)" in str(info.value)
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers import masking_utils
 
-    assert "autoremat_sdpa_masked" not in ALL_MASK_ATTENTION_FUNCTIONS  # unregistered
+    # the builder put back (NOTE [ Hugging Face models on meta ])
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is masking_utils.sdpa_mask
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -537,16 +538,43 @@ def test_experts_routed_by_a_loop_are_refused_with_the_fix() -> None:
     assert "autoremat.profile on a real device" in message
 
 
-def test_eager_attention_without_a_mask_is_refused_naming_the_attention() -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_eager_attention_is_estimated_as_measured(padded: bool) -> None:
+    # NOTE [ Hugging Face models on meta ]: eager attention's mask builder reads no values,
+    # and Transformers' test for packed position_ids answers "not packed" on meta, so an
+    # eager model without a mask is estimated (it was refused), equal to its CPU step
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **_SMALL_DECODER, attn_implementation="eager")).train()
-    inputs = _tokenizer_batch(padded=False)
-    del inputs["attention_mask"]  # Transformers then reads position_ids on meta
-    with pytest.raises(RematError, match="attn_implementation='eager'") as info:
-        estimate(model, inputs, device="cpu", selective=False)
-    assert "attn_implementation='sdpa'" in str(info.value)
-    assert "position_ids" in str(info.value)
+    inputs = _tokenizer_batch(padded=padded)
+    if not padded:
+        del inputs["attention_mask"]
+    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
+    est = estimate(model, inputs, device="cpu", selective=False)
+    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
+        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_model_code_that_compares_the_attention_name_with_sdpa_is_estimated(
+        padded: bool) -> None:
+    # Falcon's attention takes its SDPA branch on `config._attn_implementation == "sdpa"`:
+    # run under another name on meta, it took its eager branch, given no mask, and the
+    # estimate raised a TypeError (NOTE [ Hugging Face models on meta ])
+    from transformers import masking_utils
+
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=_VOCAB, hidden_size=64, num_attention_heads=4, num_hidden_layers=2)).train()
+    inputs = _tokenizer_batch(padded=padded)
+    if not padded:
+        del inputs["attention_mask"]
+    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
+    est = estimate(model, inputs, device="cpu", selective=False)
+    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
+        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is masking_utils.sdpa_mask
 
 
 @pytest.mark.parametrize(("dtype", "n", "backward"), [

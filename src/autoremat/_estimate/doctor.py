@@ -50,7 +50,7 @@ from autoremat._core.files import dump_json
 from autoremat._core.step import LossFn, Step, as_step, unique_storage_bytes
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._estimate.estimate import Estimate, estimate
-from autoremat._estimate.fake import parse_dtype, register_hf_attention
+from autoremat._estimate.fake import parse_dtype
 from autoremat._estimate.tracked_step import LOSS_CHUNKS, StepPeak, meta_step_peak
 from autoremat._measure.blocks import BlockSpec
 from autoremat._measure.optimizers import takes_fused
@@ -124,7 +124,7 @@ def build_hf_model(family: str, config_overrides: dict[str, Any] | None = None, 
             raise RematError(f"{HF_FAMILIES[key][0]} has no field {name!r}."
                              f"{did_you_mean(name, sorted(valid))}")
     overrides.setdefault("use_cache", False)
-    overrides.setdefault("attn_implementation", register_hf_attention() or "sdpa")
+    overrides.setdefault("attn_implementation", "sdpa")  # NOTE [ Hugging Face models on meta ]
     config = config_cls(**overrides)
     limit = _POSITION_LIMITS.get(key)
     if limit is not None and seq > getattr(config, limit):

@@ -46,12 +46,9 @@ from autoremat._core.errors import RematError, did_you_mean
 from autoremat._core.step import parse_device, training_config
 
 __all__ = [
-    "HF_META_ATTENTION",
-    "HF_META_MASKED_ATTENTION",
     "grouped_mm_on_meta",
     "meta_refusal",
     "parse_dtype",
-    "register_hf_attention",
     "sdpa_as_on",
     "step_as_on",
     "to_meta",
@@ -370,46 +367,33 @@ def grouped_mm_on_meta() -> Iterator[None]:
 # NOTE [ Hugging Face models on meta ]
 #     Transformers builds attention masks by reading tensor values, which ``meta`` tensors
 #     do not have: it checks whether ``position_ids`` pack several sequences (when the
-#     batch has no ``attention_mask``), and whether a padding mask is all ones, in which
-#     case it builds no mask and SDPA runs with ``is_causal`` instead. While estimating, a
-#     model configured with ``"sdpa"`` runs Transformers' own SDPA function registered
-#     under another name (in every config of the model: an encoder-decoder's stacks have
-#     their own):
-#     * a batch without ``attention_mask``: :data:`HF_META_ATTENTION`, a name with no mask
-#       builder, so SDPA gets no mask and ``is_causal`` (``True`` for decoders, ``False``
-#       for BERT) -- exactly what ``"sdpa"`` passes for an unpadded, unpacked batch, unless
-#       a config has a sliding window: Transformers then builds the window's mask for the
-#       layers it covers when the sequence is longer than the window (and SDPA keeps a
-#       float copy of it, takes repeated keys instead of ``enable_gqa``), so such a batch
-#       goes the masked way below, its ``position_ids``, made by the model as a range per
-#       row, taken as unpacked (``_unpacked_on_meta``; a Mistral of 4 layers with a
-#       window of 32 at 128 tokens was estimated 12% under its CPU step without it);
-#     * a batch with one: :data:`HF_META_MASKED_ATTENTION`, whose mask builder is
-#       Transformers' ``sdpa_mask`` with its one value-dependent choice (skip the mask, or
-#       build it) made by Transformers' own test on the real values of the mask. Those
-#       are followed (:class:`_MaskValues`) from the caller's batch, the one the meta copy
-#       was made from, or from the ``torch.ones`` a model makes when a stack has no mask
-#       (BART's decoder), through the copies and casts on the way to the builder. The
-#       mask itself, when built, is built on ``meta`` as the real one would be. A mask
-#       without known values (a batch given on ``meta``, a mask the model computed) leaves
-#       nothing to choose by; when the choice is needed (not with a sliding window shorter
-#       than the sequence, which always builds the mask), the estimate stops and says to
-#       pass the batch's real ``attention_mask``, or none when nothing is padded.
-
-HF_META_ATTENTION = "autoremat_sdpa"
-HF_META_MASKED_ATTENTION = "autoremat_sdpa_masked"
-
-
-def register_hf_attention() -> str | None:
-    """Register :data:`HF_META_ATTENTION` with Transformers (NOTE [ Hugging Face models on
-    meta ]) and return it; ``None`` when Transformers (or its attention registry) is absent."""
-    try:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    except ImportError:
-        return None
-    AttentionInterface.register(HF_META_ATTENTION, sdpa_attention_forward)
-    return HF_META_ATTENTION
+#     batch has no ``attention_mask``), and for ``"sdpa"`` whether a padding mask is all
+#     ones, in which case it builds no mask and SDPA runs with ``is_causal`` instead.
+#     While estimating, a Transformers model runs as configured (the same attention
+#     functions, the same ``config._attn_implementation``: model code that compares it
+#     with ``"sdpa"``, as Falcon's attention does, takes the same branch as on a device),
+#     with two of Transformers' functions standing in for the step:
+#     * ``find_packed_sequence_indices`` answers "not packed" for ``position_ids`` on
+#       ``meta`` (``_unpacked_on_meta``): what a model's own ``position_ids`` are (a range
+#       per row); a batch's own packed ``position_ids`` are estimated as unpacked;
+#     * ``"sdpa"``'s mask builder is Transformers' ``sdpa_mask`` with its one
+#       value-dependent choice (skip the mask, or build it) made by Transformers' own
+#       test on the real values of the mask (:class:`_MaskBuilder`). Those are followed
+#       (:class:`_MaskValues`) from the caller's batch, the one the meta copy was made
+#       from, or from the ``torch.ones`` a model makes when a stack has no mask (BART's
+#       decoder), through the copies and casts on the way to the builder. Without a mask
+#       the choice reads nothing: an unpadded batch gets no mask and ``is_causal`` as on
+#       a device, a sliding window shorter than the sequence its window's mask (a float
+#       copy of it kept by SDPA, repeated keys instead of ``enable_gqa``: a Mistral of 4
+#       layers with a window of 32 at 128 tokens was 12% under its CPU step when the
+#       window was left out). A mask without known values (a batch given on ``meta``, a
+#       mask the model computed) leaves nothing to choose by; when the choice is needed,
+#       the estimate stops and says to pass the batch's real ``attention_mask``, or none
+#       when nothing is padded. Eager attention's builder reads no values.
+#     Both are process-wide while the step runs (as :func:`sdpa_as_on`). Until
+#     2026-11-29 the model ran under another attention name with no mask builder
+#     instead, which broke model code that compares the name with ``"sdpa"`` (Falcon's
+#     estimate raised a ``TypeError`` from its eager branch).
 
 
 class _MaskValues(TorchDispatchMode):
@@ -515,12 +499,13 @@ class _MaskBuilder:
                     padding, kv_length, local)))
 
 
-def _sdpa_configs(model: nn.Module) -> list[Any]:
-    """The distinct Hugging Face configs in ``model`` that ask for ``"sdpa"``."""
+def _hf_configs(model: nn.Module) -> list[Any]:
+    """The distinct Transformers configs in ``model`` (an encoder-decoder's stacks have
+    their own)."""
     found: dict[int, Any] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+        if config is not None and hasattr(config, "_attn_implementation"):
             found.setdefault(id(config), config)
     return list(found.values())
 
@@ -528,9 +513,8 @@ def _sdpa_configs(model: nn.Module) -> list[Any]:
 @contextmanager
 def _unpacked_on_meta(utils: Any) -> Iterator[None]:
     """Transformers' test for packed sequences, which reads the values of ``position_ids``,
-    answering "not packed" for ``position_ids`` on ``meta``: used for a batch that gives
-    none, whose ``position_ids`` the model makes as one range per row (NOTE [ Hugging
-    Face models on meta ]). Process-wide while inside, like :func:`sdpa_as_on`."""
+    answering "not packed" for ``position_ids`` on ``meta`` (NOTE [ Hugging Face models
+    on meta ]). Process-wide while inside, like :func:`sdpa_as_on`."""
     original = getattr(utils, "find_packed_sequence_indices", None)
     if original is None:
         yield
@@ -548,43 +532,26 @@ def _unpacked_on_meta(utils: Any) -> Iterator[None]:
 
 @contextmanager
 def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator[None]:
-    """Run a Transformers model configured with ``"sdpa"`` under :data:`HF_META_ATTENTION`
-    (``inputs`` without ``attention_mask``) or :data:`HF_META_MASKED_ATTENTION` (with
-    one, whose skip choice reads the real masks of ``given``, the caller's batch); see
-    NOTE [ Hugging Face models on meta ]."""
-    configs = _sdpa_configs(model)
-    batch = inputs if isinstance(inputs, Mapping) else {}
-    masked = batch.get("attention_mask") is not None
-    # a sliding window makes Transformers build a mask for an unpadded batch too
-    windowed = not masked and batch.get("position_ids") is None and any(
-        getattr(config, "sliding_window", None) for config in configs)
-    utils: Any = _mask_utils() if masked or windowed else None
-    if not configs or register_hf_attention() is None or \
-            ((masked or windowed) and utils is None):
+    """Build a Transformers model's attention masks on meta as on a device, ``"sdpa"``'s
+    choice to skip a mask read from the real masks of ``given``, the caller's batch (NOTE
+    [ Hugging Face models on meta ])."""
+    utils: Any = _mask_utils()
+    if utils is None or not _hf_configs(model):
         yield
         return
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    name = HF_META_ATTENTION
+    mapping = utils.AttentionMaskInterface._global_mapping
+    original = mapping.get("sdpa")
     with ExitStack() as stack:
-        if masked or windowed:
-            name = HF_META_MASKED_ATTENTION
-            values = stack.enter_context(_MaskValues(inputs, given))
-            AttentionInterface.register(name, sdpa_attention_forward)
-            utils.AttentionMaskInterface.register(
-                name, _MaskBuilder(utils, values, type(model).__name__))
-        if windowed:
-            stack.enter_context(_unpacked_on_meta(utils))
+        values = stack.enter_context(_MaskValues(inputs, given))
+        stack.enter_context(_unpacked_on_meta(utils))
+        mapping["sdpa"] = _MaskBuilder(utils, values, type(model).__name__)
         try:
-            for config in configs:
-                config._attn_implementation = name
             yield
         finally:
-            for config in configs:
-                config._attn_implementation = "sdpa"
-            if masked:  # the builder holds the caller's masks: not beyond this step
-                utils.AttentionMaskInterface._global_mapping.pop(name, None)
+            if original is None:
+                mapping.pop("sdpa", None)
+            else:
+                mapping["sdpa"] = original
 
 
 def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
