@@ -20,8 +20,8 @@ NOTE [ Hugging Face configs for training ]
     :func:`build_hf_model` sets ``use_cache=False``, as Transformers itself does when
     training with gradient checkpointing: with the cache on, every recompute appends its
     keys and values to the cache and the checkpointed step grows by two (B, heads, T,
-    head_dim) tensors per layer. Attention is ``"autoremat_sdpa"`` (see NOTE [ Hugging
-    Face models on meta ] in ``fake.py``): Transformers' SDPA without mask building.
+    head_dim) tensors per layer. Attention is ``"sdpa"``, its masks built on meta as on a
+    device (NOTE [ Hugging Face models on meta ] in ``fake.py``).
 
 Known limitations:
     * ZeRO figures are arithmetic on the measured step: gradients shard as they are
