@@ -607,6 +607,19 @@ class _Shared(torch.nn.Module):
         return x
 
 
+class _Looped(torch.nn.Module):
+    """One layer run three times (weights shared by a loop, as ALBERT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.blocks[0](x)
+        return x
+
+
 def _scripted() -> torch.nn.Module:
     model, _ = _mlp()
     model.blocks[1] = torch.jit.script(model.blocks[1])
@@ -625,6 +638,8 @@ _SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
      "'blocks' holds one module more than once"),
     (lambda: autoremat.profile(zoo.build("mlp", widths=(8,), d_in=8, batch_size=2)[0],
                                torch.ones(2, 8)), BlockError, "holds a single block"),
+    (lambda: autoremat.profile(_Looped(), torch.ones(2, 4)), BlockError,
+     "'blocks' holds a single block, which ran 3 times in one forward"),
     (lambda: autoremat.profile(_scripted(), _mlp()[1], blocks=["blocks.0", "blocks.1"]),
      BlockError, "block 'blocks.1' is a TorchScript module"),
     (lambda: autoremat.profile(_mlp()[0], tuple(t.to("meta") for t in _mlp()[1])), RematError,

@@ -60,6 +60,7 @@ from autoremat._core.step import (
     LossFn,
     Step,
     as_step,
+    call_model,
     describe_inputs,
     flat_tensors,
     layer_drops,
@@ -126,21 +127,51 @@ def compile_backend(compile: bool | str) -> str | None:
     return compile
 
 
-def _why_no_chain(model: nn.Module) -> str:
-    """Why discovery may have found no chain: a container holding one module more than
-    once (weights shared by reuse; such a block would run more than once per step), or
-    a list of layers holding a single one."""
+def _why_no_chain(model: nn.Module, inputs: Any) -> str:
+    """Why discovery found no chain, and what to do: a container holding one module more
+    than once (weights shared by reuse; such a block would run more than once per step),
+    a list of layers holding a single one, or a single layer that runs once per layer
+    (weights shared by a loop, as ALBERT's: counted in a forward without gradients, on
+    a real device)."""
     for name, module in model.named_modules():
         kids = [k for k in module._modules.values() if k is not None]
         if len({id(k) for k in kids}) < len(kids):
             return (f" ({name or 'the model'!r} holds one module more than once: a block "
                     "reused at several positions runs more than once per step, and "
-                    "autoremat plans blocks that run once)")
+                    "autoremat plans blocks that run once): give blocks=[...] with the "
+                    "names of the layers to plan over")
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1:
+            calls = _calls_in_a_forward(model, inputs, module[0])
+            if calls > 1:
+                return (f": {name or 'the model'!r} holds a single block, which ran {calls} "
+                        f"times in one forward (one layer's weights shared by {calls} "
+                        f"layers, as ALBERT's are); autoremat plans over blocks that run "
+                        f"once each, so it cannot plan this model layer by layer")
             return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
-                    "among two or more: build the model with more layers)")
-    return ""
+                    "among two or more: build the model with more layers): give "
+                    "blocks=[...] with the names of the layers to plan over")
+    return ": give blocks=[...] with the names of the layers to plan over"
+
+
+def _calls_in_a_forward(model: nn.Module, inputs: Any, block: nn.Module) -> int:
+    """How many times ``block`` runs in one forward of ``model`` without gradients (its
+    state as before); 1 for a model on ``meta``, which does not run here."""
+    if any(p.is_meta for p in model.parameters()):
+        return 1
+    calls = 0
+
+    def count(*_: Any) -> None:
+        nonlocal calls
+        calls += 1
+
+    handle = block.register_forward_pre_hook(count)
+    try:
+        with preserved_state(model, inputs), torch.no_grad():
+            call_model(model, inputs)
+    finally:
+        handle.remove()
+    return calls
 
 
 def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selective: bool,
@@ -194,8 +225,7 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
     names = resolve_blocks(model, blocks)
     if names == [""]:
         raise BlockError(f"found no chain of blocks in {type(model).__name__}"
-                         f"{_why_no_chain(model)}: give blocks=[...] with the names of the "
-                         "layers to plan over")
+                         f"{_why_no_chain(model, step.inputs)}")
     refuse_hf_checkpointing(model, "autoremat")
     scripted = [n for n in names if isinstance(model.get_submodule(n), torch.jit.ScriptModule)]
     if scripted:
