@@ -464,13 +464,27 @@ def _hf_case(kind: str) -> nn.Module:
                                             pad_token_id=1))
 
 
-def _tokenizer_batch(padded: bool = True, seq: int = 64) -> dict[str, torch.Tensor]:
-    """Two sequences as a tokenizer pads them: the second one 7 tokens short."""
+def _tokenizer_batch(padded: bool = True, seq: int = 64,
+                     masked: bool = True) -> dict[str, torch.Tensor]:
+    """Two sequences as a tokenizer pads them: the second one 7 tokens short
+    (``masked=False``: no ``attention_mask``, as a batch of unpadded rows may come)."""
     ids = torch.randint(3, _VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     if padded:
         mask[1, -7:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+    if not masked:
+        del batch["attention_mask"]
+    return batch
+
+
+def _assert_estimated_as_measured(model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
+    """The estimate of ``model``'s step on ``inputs`` equals its CPU profile to the byte,
+    every block kept and every block checkpointed."""
+    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
+    est = estimate(model, inputs, device="cpu", selective=False)
+    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
+        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
 
 
 _HF_KINDS = ["gpt2", "llama", "llama-eager", "qwen2", "mistral-window", "mistral", "bert",
@@ -505,11 +519,8 @@ def test_a_sliding_window_without_attention_mask_is_estimated_as_measured(kind: 
     # sequence (and repeated keys instead of enable_gqa): without it on meta the estimate
     # was 12% (Mistral) and 9% (Gemma 3) under the step (NOTE [ Hugging Face models on meta ])
     model = _hf_case(kind).train()
-    inputs = {k: v for k, v in _tokenizer_batch(padded=False).items() if k != "attention_mask"}
-    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
-    est = estimate(model, inputs, device="cpu", selective=False)
-    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
-        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    inputs = _tokenizer_batch(padded=False, masked=False)
+    _assert_estimated_as_measured(model, inputs)
     from transformers import masking_utils
 
     assert masking_utils.find_packed_sequence_indices.__module__ == masking_utils.__name__
@@ -546,13 +557,8 @@ def test_eager_attention_is_estimated_as_measured(padded: bool) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **_SMALL_DECODER, attn_implementation="eager")).train()
-    inputs = _tokenizer_batch(padded=padded)
-    if not padded:
-        del inputs["attention_mask"]
-    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
-    est = estimate(model, inputs, device="cpu", selective=False)
-    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
-        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    inputs = _tokenizer_batch(padded=padded, masked=padded)
+    _assert_estimated_as_measured(model, inputs)
     assert model.config._attn_implementation == "eager"
 
 
@@ -565,10 +571,7 @@ def test_packed_sequences_are_estimated_as_measured(packed: bool) -> None:
     ids = _tokenizer_batch(padded=False, seq=128)["input_ids"]
     rows = torch.cat([torch.arange(50), torch.arange(78)]) if packed else torch.arange(128)
     inputs = {"input_ids": ids, "labels": ids.clone(), "position_ids": rows.repeat(2, 1)}
-    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
-    est = estimate(model, inputs, device="cpu", selective=False)
-    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
-        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    _assert_estimated_as_measured(model, inputs)
     from transformers import masking_utils
 
     assert masking_utils.find_packed_sequence_indices.__module__ == masking_utils.__name__
@@ -585,13 +588,8 @@ def test_model_code_that_compares_the_attention_name_with_sdpa_is_estimated(
     torch.manual_seed(0)
     model = transformers.FalconForCausalLM(transformers.FalconConfig(
         vocab_size=_VOCAB, hidden_size=64, num_attention_heads=4, num_hidden_layers=2)).train()
-    inputs = _tokenizer_batch(padded=padded)
-    if not padded:
-        del inputs["attention_mask"]
-    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
-    est = estimate(model, inputs, device="cpu", selective=False)
-    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
-        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    inputs = _tokenizer_batch(padded=padded, masked=padded)
+    _assert_estimated_as_measured(model, inputs)
     assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is masking_utils.sdpa_mask
 
 
