@@ -562,15 +562,17 @@ def test_eager_attention_is_estimated_as_measured(padded: bool) -> None:
     assert model.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_packed_sequences_are_estimated_as_measured(packed: bool) -> None:
+@pytest.mark.parametrize(("packed", "one_row"), [(True, False), (True, True), (False, False)])
+def test_packed_sequences_are_estimated_as_measured(packed: bool, one_row: bool) -> None:
     # several sequences per row and no mask (TRL's padding-free collator): Transformers
     # reads position_ids and builds the mask that keeps them apart; taken as unpacked on
-    # meta, the estimate was 15.7% under the step (NOTE [ Hugging Face models on meta ])
+    # meta, the estimate was 15.7% under the step (NOTE [ Hugging Face models on meta ]).
+    # one_row: a single row of position_ids for the batch's two, which Transformers expands
     model = _hf_case("llama").train()
     ids = _tokenizer_batch(padded=False, seq=128)["input_ids"]
     rows = torch.cat([torch.arange(50), torch.arange(78)]) if packed else torch.arange(128)
-    inputs = {"input_ids": ids, "labels": ids.clone(), "position_ids": rows.repeat(2, 1)}
+    inputs = {"input_ids": ids, "labels": ids.clone(),
+              "position_ids": rows[None] if one_row else rows.repeat(2, 1)}
     _assert_estimated_as_measured(model, inputs)
     from transformers import masking_utils
 

@@ -374,7 +374,8 @@ def grouped_mm_on_meta() -> Iterator[None]:
 #     with ``"sdpa"``, as Falcon's attention does, takes the same branch as on a device),
 #     with two of Transformers' functions standing in for the step:
 #     * ``find_packed_sequence_indices`` runs on the real values of a batch's own
-#       ``position_ids`` (followed as the masks' are, below) and answers "not packed" for
+#       ``position_ids`` (followed as the masks' are, below, also through the ``expand``
+#       of one row to the batch's rows) and answers "not packed" for
 #       those the model makes on ``meta`` (a range per row): a packed batch (several
 #       sequences per row, no mask, as TRL's padding-free collator gives) gets the mask
 #       that keeps them apart, as on a device (a Llama of 2 layers at 2 x 256 tokens, two
@@ -448,6 +449,10 @@ class _MaskValues(TorchDispatchMode):
             real = self.value(args[0])
             if real is not None:
                 self._set(out, real)
+        elif func is torch.ops.aten.expand.default and isinstance(args[0], torch.Tensor):
+            real = self.value(args[0])  # one row of position_ids for the batch's rows
+            if real is not None:
+                self._set(out, real.expand(out.shape))
         return out
 
 
