@@ -410,7 +410,7 @@ class _MaskValues(TorchDispatchMode):
     _FOLLOW = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
                torch.ops.aten.alias.default, torch.ops.aten.detach.default,
                torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-               torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor)
+               torch.ops.aten.slice.Tensor)
     _ONES = (torch.ops.aten.ones.default, torch.ops.aten.new_ones.default)
 
     def __init__(self, inputs: Any, given: Any) -> None:
@@ -450,7 +450,7 @@ class _MaskValues(TorchDispatchMode):
             if real is not None:
                 self._set(out, real)
         elif func is torch.ops.aten.expand.default and isinstance(args[0], torch.Tensor):
-            real = self.value(args[0])  # one row of position_ids for the batch's rows
+            real = self.value(args[0])  # also one row of position_ids for the batch's rows
             if real is not None:
                 self._set(out, real.expand(out.shape))
         return out
@@ -512,15 +512,11 @@ class _MaskBuilder:
                     padding, kv_length, local)))
 
 
-def _hf_configs(model: nn.Module) -> list[Any]:
-    """The distinct Transformers configs in ``model`` (an encoder-decoder's stacks have
-    their own)."""
-    found: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            found.setdefault(id(config), config)
-    return list(found.values())
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has a Transformers config (one that names its
+    attention implementation)."""
+    return any(hasattr(getattr(module, "config", None), "_attn_implementation")
+               for module in model.modules())
 
 
 @contextmanager
@@ -558,7 +554,7 @@ def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator
     choice to skip a mask read from the real masks of ``given``, the caller's batch (NOTE
     [ Hugging Face models on meta ])."""
     utils: Any = _mask_utils()
-    if utils is None or not _hf_configs(model):
+    if utils is None or not _is_transformers_model(model):
         yield
         return
     mapping = utils.AttentionMaskInterface._global_mapping

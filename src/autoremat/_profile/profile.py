@@ -127,6 +127,9 @@ def compile_backend(compile: bool | str) -> str | None:
     return compile
 
 
+_GIVE_BLOCKS = ": give blocks=[...] with the names of the layers to plan over"
+
+
 def _why_no_chain(model: nn.Module, inputs: Any) -> str:
     """Why discovery found no chain, and what to do: a container holding one module more
     than once (weights shared by reuse; such a block would run more than once per step),
@@ -138,8 +141,7 @@ def _why_no_chain(model: nn.Module, inputs: Any) -> str:
         if len({id(k) for k in kids}) < len(kids):
             return (f" ({name or 'the model'!r} holds one module more than once: a block "
                     "reused at several positions runs more than once per step, and "
-                    "autoremat plans blocks that run once): give blocks=[...] with the "
-                    "names of the layers to plan over")
+                    "autoremat plans blocks that run once)" + _GIVE_BLOCKS)
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1:
             calls = _calls_in_a_forward(model, inputs, module[0])
@@ -149,9 +151,8 @@ def _why_no_chain(model: nn.Module, inputs: Any) -> str:
                         f"layers, as ALBERT's are); autoremat plans over blocks that run "
                         f"once each, so it cannot plan this model layer by layer")
             return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
-                    "among two or more: build the model with more layers): give "
-                    "blocks=[...] with the names of the layers to plan over")
-    return ": give blocks=[...] with the names of the layers to plan over"
+                    "among two or more: build the model with more layers)" + _GIVE_BLOCKS)
+    return _GIVE_BLOCKS
 
 
 def _calls_in_a_forward(model: nn.Module, inputs: Any, block: nn.Module) -> int:
