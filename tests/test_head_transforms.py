@@ -37,9 +37,11 @@ def _build(kind: str):
     elif kind == "cohere":  # logits * 0.25
         model = transformers.CohereForCausalLM(transformers.CohereConfig(
             **common, logit_scale=0.25))
-    else:  # logits / 4
+    elif kind == "granite":  # logits / 4
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **common, logits_scaling=4.0))
+    else:  # Granite's default config: logits / 1.0, a new tensor all the same
+        model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**common))
     model.config.use_cache = False
     ids = torch.randint(0, VOCAB, (2, 32))
     labels = ids.clone()
@@ -57,7 +59,7 @@ def _step(model, inputs):
     return out, grads, mem.peak_bytes
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite", "granite-default"])
 def test_a_transformed_head_is_chunked_with_the_models_own_ops(kind):
     model, inputs = _build(kind)
     tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
@@ -74,6 +76,23 @@ def test_a_transformed_head_is_chunked_with_the_models_own_ops(kind):
     assert autoremat.verify(model, inputs, plan, repeats=1).ok
     with torch.no_grad():  # evaluation: the model's own head and transform
         assert model(**inputs).logits.shape[-1] == VOCAB
+    autoremat.remove(model)
+
+
+def test_a_transform_the_config_does_not_name_leaves_the_head_to_the_model(monkeypatch):
+    # a model that changes its logits in a way the chunked head does not follow is still
+    # profiled and planned: the tape measures no head options and says why
+    model, inputs = _build("granite")
+    monkeypatch.setattr(mechanism, "_LOGIT_TRANSFORMS", ())  # as if the field were unnamed
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    assert tape.head is None
+    assert any("changed what lm_head returned" in note and "stays as the model computes"
+               in note for note in tape.notes), tape.notes
+    with pytest.raises(RematError, match="measured no head options"):
+        autoremat.plan(tape, strategy="none", head="chunked:4")
+    plan = autoremat.plan(tape, budget=smallest_feasible_bytes(tape))  # the model's head
+    autoremat.apply(model, plan)
+    assert autoremat.verify(model, inputs, plan, repeats=1).ok
     autoremat.remove(model)
 
 

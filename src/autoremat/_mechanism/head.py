@@ -49,8 +49,8 @@ from autoremat._core.head import (
     linear_cross_entropy,
 )
 
-__all__ = ["HeadInstall", "HeadSite", "find_head", "head_installed", "install_head",
-           "uninstall_head"]
+__all__ = ["HeadInstall", "HeadNotFollowedError", "HeadSite", "find_head", "head_installed",
+           "install_head", "uninstall_head"]
 
 # The config fields of Hugging Face models that transform the logits before the loss
 # (NOTE [ Logit transforms ]).
@@ -60,11 +60,12 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 def logit_transform(model: nn.Module) -> str:
     """The config field (``"key=value"``) by which ``model`` transforms its logits before
-    the loss, ``""`` where none does."""
+    the loss, ``""`` where none does. A field set to 1 counts: Granite divides by its
+    ``logits_scaling`` whatever its value, and the chunked head follows that op too."""
     config = getattr(model, "config", None)
     for key in _LOGIT_TRANSFORMS:
         value = getattr(config, key, None)
-        if value not in (None, 1, 1.0):
+        if value is not None:
             return f"{key}={value!r}"
     return ""
 
@@ -289,13 +290,23 @@ def _logit_op(func: Any, args: Any, kwargs: Any) -> LogitOp | None:
     return None
 
 
-def _escaped(op: str, where: str) -> RematError:
+class HeadNotFollowedError(RematError):
+    """The model did something to its logits, or took a loss of them, that a chunked
+    loss head cannot follow. ``what`` says what, without the advice the message ends
+    with (a profile notes it and measures no head options)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}: plan with head='keep' (autoremat.plan(tape, ..., "
+                         f"head='keep'))")
+        self.what = what
+
+
+def _escaped(op: str, where: str) -> HeadNotFollowedError:
     """The error for a model that ran ``op``, no logit transform, on ``where``."""
-    return RematError(
+    return HeadNotFollowedError(
         f"the model ran {op!r} on {where}, which a chunked loss head cannot follow (it "
         f"follows a number times or over the logits, a bias, tanh, an upcast, flattening "
-        f"to rows and cross_entropy): plan with head='keep' (autoremat.plan(tape, ..., "
-        f"head='keep'))")
+        f"to rows and cross_entropy)")
 
 
 class _PassHidden:
@@ -352,11 +363,10 @@ class _ChunkedCausalLMLoss:
         if escaped is not None:  # NOTE [ Logit transforms ]
             raise _escaped(escaped, "its logits before taking its loss")
         if not self.passed.returned(logits):
-            raise RematError(
+            raise HeadNotFollowedError(
                 "the model changed what lm_head returned before taking its loss (a "
                 "soft-cap or a scale its config does not name, a slice), which a chunked "
-                "loss head cannot follow: plan with head='keep' (autoremat.plan(tape, ..., "
-                "head='keep'))")
+                "loss head cannot follow")
         ops: tuple[LogitOp, ...] = ()
         if isinstance(logits, _TracedLogits):
             ops, logits = logits._ops, logits._root
@@ -390,11 +400,10 @@ class _ChunkedCrossEntropy:
             odd.append(f"reduction={reduction!r}")
         rows = logits._root
         if odd or rows.dim() != 2 or tuple(target.shape) != tuple(rows.shape[:1]):
-            raise RematError(
+            raise HeadNotFollowedError(
                 f"the model takes cross_entropy of its loss head's logits "
                 f"{'with ' + ', '.join(odd) if odd else 'not as rows of tokens'}, which a "
-                f"chunked loss head does not compute: plan with head='keep' "
-                f"(autoremat.plan(tape, ..., head='keep'))")
+                f"chunked loss head does not compute")
         self.install.calls += 1
         return linear_cross_entropy(
             rows, self.layer.weight, target.to(rows.device), bias=self.layer.bias,

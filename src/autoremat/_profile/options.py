@@ -74,7 +74,7 @@ from autoremat._measure.tape import (
 )
 from autoremat._measure.timing import time_ms
 from autoremat._mechanism.compiled import compiled_context
-from autoremat._mechanism.head import HeadSite, find_head, head_installed
+from autoremat._mechanism.head import HeadNotFollowedError, HeadSite, find_head, head_installed
 from autoremat._mechanism.offload import measure_host_bandwidth
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import ContextFn
@@ -498,10 +498,13 @@ def _head_options(names: list[str], site: HeadSite, setup: Setup,
             post, tail, peak = replayed
         else:
             calls: list[HeadCall] = []
-            with head_installed(model, site, chunks, backend) as install, \
-                    _head_watched(calls):
-                run = memory_run(step, names, (Decision.KEEP,) * len(names),
-                                  rounding=setup.rounding)
+            try:
+                with head_installed(model, site, chunks, backend) as install, \
+                        _head_watched(calls):
+                    run = memory_run(step, names, (Decision.KEEP,) * len(names),
+                                      rounding=setup.rounding)
+            except HeadNotFollowedError as e:  # the model's own head, noted
+                return None, f"{e.what}: the loss head {site} stays as the model computes it"
             if install is None or install.calls != 1:
                 count = 0 if install is None else install.calls
                 return None, (f"the loss head {site} took {count} losses in one step, not "
