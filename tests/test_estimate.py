@@ -601,7 +601,7 @@ def test_model_code_that_compares_the_attention_name_with_sdpa_is_estimated(
 ])                              # refuses such strides)
 def test_grouped_matmul_on_meta_allocates_what_the_cpu_kernel_does(
         dtype: torch.dtype, n: int, backward: bool) -> None:
-    from autoremat._estimate.fake import grouped_mm_on_meta
+    from autoremat._estimate.fake import kernels_on_meta
 
     a = torch.randn(8, 16, dtype=dtype, requires_grad=True)
     b = torch.randn(2, n, 16, dtype=dtype).transpose(-2, -1).requires_grad_()  # (E, K, N)
@@ -613,9 +613,53 @@ def test_grouped_matmul_on_meta_allocates_what_the_cpu_kernel_does(
         return [t.untyped_storage().nbytes() for t in (out, *grads)]
 
     real = storages(a, b, offs)
-    with grouped_mm_on_meta():
+    with kernels_on_meta():
         fake = storages(*(t.detach().to("meta").requires_grad_(t.requires_grad)
                           for t in (a, b, offs)))
+    assert fake == real
+
+
+def _transposed(*shape: int) -> torch.Tensor:
+    """A tensor of ``shape`` laid out with its last two dims swapped (not contiguous)."""
+    return torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-2, -1)
+
+
+_X, _Y = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+_MEAN, _RSTD = torch.randn(2, 16, 1), torch.rand(2, 16, 1)
+_W, _B = torch.randn(32), torch.randn(32)
+_KERNEL_CASES = {  # NOTE [ Strides on meta ], NOTE [ Losses that keep their unreduced ... ]
+    "layer_norm_backward": lambda x, y, g, mean, rstd, w, b:
+        torch.ops.aten.native_layer_norm_backward(g, x, [32], mean, rstd, w, b,
+                                                  [True, True, True]),
+    "log_softmax_backward": lambda x, y, g, *_: torch.ops.aten._log_softmax_backward_data(
+        g, x, -1, torch.float32),
+    "mse_loss": lambda x, y, *_: F.mse_loss(x, y),
+    "mse_loss_sum_broadcast": lambda x, y, *_: torch.ops.aten.mse_loss(x, y[:1], 2),
+    "smooth_l1_loss": lambda x, y, *_: F.smooth_l1_loss(x, y),
+    "soft_margin_loss": lambda x, y, *_: F.soft_margin_loss(x, y.sign()),
+    "binary_cross_entropy": lambda x, y, *_: F.binary_cross_entropy(x.sigmoid(), y.sigmoid()),
+    "mse_loss_unreduced": lambda x, y, *_: F.mse_loss(x, y, reduction="none"),
+}
+
+
+@pytest.mark.parametrize("case", list(_KERNEL_CASES))
+def test_ops_on_meta_make_the_outputs_the_cpu_kernels_make(case: str) -> None:
+    # the same storages, sizes and strides on meta under kernels_on_meta as on the CPU;
+    # without it layer norm's and log_softmax's gradients follow the transposed grad, and
+    # the reduced losses hold 4 bytes instead of their unreduced storage
+    from autoremat._estimate.fake import kernels_on_meta
+
+    f = _KERNEL_CASES[case]
+    args = (_X, _Y, _transposed(2, 16, 32), _MEAN, _RSTD, _W, _B)
+
+    def made(out: object) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        outs = out if isinstance(out, tuple) else (out,)
+        return [(t.untyped_storage().nbytes(), tuple(t.shape), t.stride()) for t in outs]
+
+    real = made(f(*args))
+    with kernels_on_meta():
+        fake = made(f(*(a.to("meta") if a.is_contiguous() else
+                        a.transpose(-2, -1).to("meta").transpose(-2, -1) for a in args)))
     assert fake == real
 
 

@@ -4,8 +4,9 @@
 computes shapes and allocates nothing, with floating tensors cast to the dtype being
 estimated (:func:`parse_dtype`). :func:`sdpa_as_on` makes attention on ``meta`` run the
 kernel the target device would pick (NOTE [ Attention on meta ]), and
-:func:`grouped_mm_on_meta` runs mixture-of-experts matmuls on ``meta`` (NOTE [ Grouped
-matmuls on meta ]), and Transformers models run on ``meta`` with the masks their batch
+:func:`kernels_on_meta` runs mixture-of-experts matmuls on ``meta`` (NOTE [ Grouped
+matmuls on meta ]) and gives a few ops the strides the device kernels give (NOTE [ Strides
+on meta ]), and Transformers models run on ``meta`` with the masks their batch
 asks for (NOTE [ Hugging Face models on meta ]). :func:`autoremat.estimate` and
 :func:`autoremat._estimate.tracked_step.meta_step_peak` run their step inside
 :func:`step_as_on`, which holds all of these and turns the KV cache off as ``profile``
@@ -46,7 +47,7 @@ from autoremat._core.errors import RematError, did_you_mean
 from autoremat._core.step import parse_device, training_config
 
 __all__ = [
-    "grouped_mm_on_meta",
+    "kernels_on_meta",
     "meta_refusal",
     "parse_dtype",
     "sdpa_as_on",
@@ -312,7 +313,7 @@ def dropout_as_on(device: str | torch.device) -> Iterator[None]:
 #     refuses anything but bfloat16), and on a CPU build of PyTorch it leaves out the row
 #     padding the real kernels give their output (rows padded to 16 bytes,
 #     ``create_grouped_gemm_output_tensor`` in ATen's ``GroupedMMUtils.h``, CPU and CUDA
-#     alike). While estimating, :func:`grouped_mm_on_meta` answers ``_grouped_mm`` on
+#     alike). While estimating, :func:`kernels_on_meta` answers ``_grouped_mm`` on
 #     ``meta`` with the output those kernels make, in forward and in backward. Whether the
 #     target's kernel supports the dtype is not checked. Routing that reads values
 #     (``experts_implementation="eager"``: a loop over the experts hit, ``nonzero``)
@@ -339,9 +340,43 @@ def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor,
     return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
-class _GroupedMMOnMeta(TorchDispatchMode):
-    """``aten._grouped_mm`` on ``meta`` (NOTE [ Grouped matmuls on meta ]); every other
-    op goes on unchanged."""
+# NOTE [ Strides on meta ]
+#     A few ops' meta kernels give their output other strides than the CPU and CUDA
+#     kernels do. The bytes are the same, but an op after it that needs a contiguous
+#     tensor then copies on ``meta`` where the device does not, or the reverse: Swin's
+#     step was estimated 0.8% over its CPU step, because ``native_layer_norm_backward``'s
+#     gradient followed its (transposed) ``grad_output``'s strides on ``meta``, and the
+#     ``.contiguous()`` after it copied. The device kernels make these outputs contiguous
+#     (``empty_like(X.contiguous())`` for layer norm on CPU and CUDA; the structured meta
+#     function of ``_log_softmax_backward_data``, shared by both): :data:`_CONTIGUOUS`
+#     names them, and on ``meta`` they come out contiguous too. A sweep of the op outputs
+#     of about 45 Transformers architectures' steps against meta kernels run on inputs
+#     of the same strides found these two (and convolution on channels-last inputs, left
+#     alone: the CUDA kernels' choice there depends on cuDNN, and no estimate differed).
+_CONTIGUOUS = {torch.ops.aten.native_layer_norm_backward.default: 0,
+               torch.ops.aten._log_softmax_backward_data.default: 0}
+
+# NOTE [ Losses that keep their unreduced storage ]
+#     ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss`` and ``binary_cross_entropy``
+#     reduced to a mean or a sum return a 0-d loss whose storage is as large as the
+#     unreduced loss: the kernels make the output in the inputs' shape and ``resize_`` it
+#     to 0-d, which keeps the storage (a CPU or CUDA storage only ever grows). That storage
+#     lives as long as the loss, through the whole backward: for a diffusion model, the
+#     size of its prediction. Their meta kernels give the 0-d loss 4 bytes; a plain
+#     PyTorch DiT's step was estimated 8,188 bytes under its CPU step. On ``meta`` these
+#     ops' 0-d outputs get the storage the device kernels leave them (measured on the CPU;
+#     ``mse_loss`` and ``smooth_l1_loss`` share one structured kernel with CUDA).
+_KEEPS_UNREDUCED = frozenset({torch.ops.aten.mse_loss.default,
+                              torch.ops.aten.smooth_l1_loss.default,
+                              torch.ops.aten.soft_margin_loss.default,
+                              torch.ops.aten.binary_cross_entropy.default})
+
+
+class _KernelsOnMeta(TorchDispatchMode):
+    """``aten._grouped_mm`` on ``meta`` (NOTE [ Grouped matmuls on meta ]), the outputs
+    :data:`_CONTIGUOUS` names (NOTE [ Strides on meta ]) and the losses of NOTE [ Losses
+    that keep their unreduced storage ], as the device kernels make them; every other op
+    goes on unchanged."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -351,14 +386,30 @@ class _GroupedMMOnMeta(TorchDispatchMode):
                 and (args[0].dim() == 3 or args[1].dim() == 3
                      or kwargs.get("offs", args[2] if len(args) > 2 else None) is not None)):
             return _grouped_mm_output(*args, **kwargs)
-        return func(*args, **kwargs)  # what it cannot answer, PyTorch's checks refuse
+        out = func(*args, **kwargs)  # what it cannot answer, PyTorch's checks refuse
+        if func in _KEEPS_UNREDUCED and out.is_meta and out.dim() == 0:
+            # NOTE [ Losses that keep their unreduced storage ]
+            kept = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape),
+                               dtype=out.dtype, device=out.device)
+            return kept.resize_(())
+        which = _CONTIGUOUS.get(func)
+        if which is not None and isinstance(out, tuple):
+            made = out[which]
+            if isinstance(made, torch.Tensor) and made.is_meta and not made.is_contiguous():
+                out = (*out[:which], torch.empty_like(made, memory_format=torch.contiguous_format),
+                       *out[which + 1:])
+        elif which is not None and isinstance(out, torch.Tensor) and out.is_meta \
+                and not out.is_contiguous():
+            out = torch.empty_like(out, memory_format=torch.contiguous_format)
+        return out
 
 
 @contextmanager
-def grouped_mm_on_meta() -> Iterator[None]:
+def kernels_on_meta() -> Iterator[None]:
     """Inside, ``torch._grouped_mm`` on ``meta`` tensors (any floating dtype) makes the
-    output the CPU and CUDA kernels make (NOTE [ Grouped matmuls on meta ])."""
-    with _GroupedMMOnMeta():
+    output the CPU and CUDA kernels make (NOTE [ Grouped matmuls on meta ]), and so do
+    the ops of NOTE [ Strides on meta ]."""
+    with _KernelsOnMeta():
         yield
 
 
@@ -629,15 +680,15 @@ def step_as_on(device: str | torch.device, model: nn.Module, inputs: Any,
     """Inside, a training step of the ``meta`` ``model`` on ``inputs`` runs as it would on
     ``device``: the KV cache turned off as ``profile`` does (``training_config``), SDPA
     as the device runs it (NOTE [ Attention on meta ]), dropout likewise (NOTE [ Dropout
-    on meta ]), grouped matmuls (NOTE [ Grouped
-    matmuls on meta ]) and Transformers' attention masks (NOTE [ Hugging Face models on
+    on meta ]), grouped matmuls and a few ops' strides (NOTE [ Grouped matmuls on meta ],
+    NOTE [ Strides on meta ]) and Transformers' attention masks (NOTE [ Hugging Face models on
     meta ], reading the real masks of ``given``, the batch ``inputs`` was made from).
     Yields notes for the estimate. Everything is put back on exit."""
     with ExitStack() as stack:
         notes = stack.enter_context(training_config(model))
         stack.enter_context(sdpa_as_on(device))
         stack.enter_context(dropout_as_on(device))
-        stack.enter_context(grouped_mm_on_meta())
+        stack.enter_context(kernels_on_meta())
         stack.enter_context(_hf_attention_on_meta(model, inputs, given))
         stack.enter_context(_CpuFactoriesOnMeta())
         yield notes
