@@ -7,6 +7,9 @@ a second) runs in the quick tier; the whole sweep (about 190 cases, 10-30 s) is 
 
 from __future__ import annotations
 
+import logging
+import sys
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -17,6 +20,28 @@ from conftest import load_benchmark
 @pytest.fixture(scope="module")
 def sweep() -> ModuleType:
     return load_benchmark("misuse_sweep")
+
+
+@pytest.fixture(autouse=True)
+def _open_log_streams() -> Iterator[None]:
+    """The sweep runs the command line in this process. A logging handler made while an
+    earlier test's captured stderr was current (Transformers' own) writes to that closed
+    stream, and logging prints a traceback for it, which the sweep takes for a raw error
+    of the command line; a command line in a process of its own never sees that. Such
+    handlers write to the stderr of this test while it runs."""
+    handlers = [h for name in [None, *logging.root.manager.loggerDict]
+                for h in logging.getLogger(name).handlers
+                if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False)]
+    old = [(h.stream, vars(h).pop("flush", None)) for h in handlers]  # Transformers
+    for handler in handlers:  # binds flush to the stream of the time: the class's again
+        handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+    try:
+        yield
+    finally:
+        for handler, (stream, flush) in zip(handlers, old, strict=True):
+            handler.stream = stream
+            if flush is not None:
+                handler.flush = flush  # type: ignore[method-assign]
 
 
 def _bad(results: list) -> list[str]:

@@ -620,6 +620,19 @@ class _Looped(torch.nn.Module):
         return x
 
 
+class _Named(torch.nn.Module):
+    """Its layers in a ModuleDict (named parts, which discovery does not search)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleDict({f"l{i}": torch.nn.Linear(4, 4) for i in range(4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks.values():
+            x = b(x)
+        return x
+
+
 def _scripted() -> torch.nn.Module:
     model, _ = _mlp()
     model.blocks[1] = torch.jit.script(model.blocks[1])
@@ -640,6 +653,9 @@ _SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
                                torch.ones(2, 8)), BlockError, "holds a single block"),
     (lambda: autoremat.profile(_Looped(), torch.ones(2, 4)), BlockError,
      "'blocks' holds a single block, which ran 3 times in one forward"),
+    (lambda: autoremat.profile(_Named(), torch.ones(2, 4)), BlockError,
+     "(the Linear layers in the ModuleDict 'blocks' are not searched: a ModuleDict names "
+     "parts, not a chain): give blocks=['blocks.l0', 'blocks.l1', 'blocks.l2', ...]"),
     (lambda: autoremat.profile(_scripted(), _mlp()[1], blocks=["blocks.0", "blocks.1"]),
      BlockError, "block 'blocks.1' is a TorchScript module"),
     (lambda: autoremat.profile(_mlp()[0], tuple(t.to("meta") for t in _mlp()[1])), RematError,

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -152,6 +153,18 @@ def _why_no_chain(model: nn.Module, inputs: Any) -> str:
                         f"once each, so it cannot plan this model layer by layer")
             return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
                     "among two or more: build the model with more layers)" + _GIVE_BLOCKS)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleDict):
+            kinds = Counter(type(k) for k in module.children())
+            if kinds and kinds.most_common(1)[0][1] >= 2:
+                kind = kinds.most_common(1)[0][0]
+                layers = [f"{name}.{key}" if name else key
+                          for key, k in module.named_children() if type(k) is kind]
+                shown = ", ".join(repr(n) for n in layers[:3]) + (", ..." if len(layers) > 3
+                                                                   else "")
+                return (f" (the {kind.__name__} layers in the ModuleDict {name!r} are not "
+                        f"searched: a ModuleDict names parts, not a chain): give "
+                        f"blocks=[{shown}] in the order the model runs them")
     return _GIVE_BLOCKS
 
 
