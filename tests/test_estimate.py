@@ -663,6 +663,26 @@ def test_ops_on_meta_make_the_outputs_the_cpu_kernels_make(case: str) -> None:
     assert fake == real
 
 
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.GRU(16, 16, batch_first=True) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[0]
+        return x.square().mean()
+
+
+def test_an_estimate_of_recurrent_layers_says_meta_runs_them_another_way() -> None:
+    est = estimate(_Recurrent(), torch.randn(2, 8, 16), device="cpu", selective=False)
+    assert any("2 recurrent layer(s) ('layers.0', ...)" in n and "autoremat.profile" in n
+               for n in est.notes), est.notes
+    plain = estimate(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), torch.randn(2, 16),
+                     loss_fn=lambda out: out.square().mean(), device="cpu", selective=False)
+    assert not any("recurrent" in n for n in plain.notes)
+
+
 class _MakesCpuTensors(nn.Module):
     """A block whose forward makes tensors without naming a device (on a real device: the
     CPU), as positional code and masks often do."""
