@@ -56,7 +56,13 @@ def test_build_hf_model_on_meta_for_every_family(family: str) -> None:
 
 @pytest.mark.parametrize(("family", "config", "seq", "message"), [
     ("lama", {}, 8, "Did you mean 'llama'?"),
-    ("t5", {}, 8, "Available: llama, mistral, qwen2, gpt2, bert"),
+    ("vitt", {}, 8, "it is not a Transformers model type. Did you mean 'vit'? Give one of "
+                    "llama, mistral, qwen2, gpt2, bert, or a model type"),
+    ("vit", {}, 8, "model type 'vit' has no language-model class"),
+    ("qwen3", {"num_attention_heads": 5, "num_key_value_heads": 2}, 8,
+     "num_attention_heads=5 is not a multiple of num_key_value_heads=2"),
+    ("opt", {"num_hidden_layers": 1}, 4096, "seq=4096 exceeds the 2050 positions of its "
+                                            "learned position table"),
     ("llama", {"num_layers": 2}, 8, "no field 'num_layers'. Did you mean 'num_hidden_layers'?"),
     ("gpt2", {"n_layer": 1}, 2048, "add n_positions=2048 to the config"),
     ("bert", {"num_hidden_layers": 1}, 1024, "add max_position_embeddings=1024"),
@@ -66,6 +72,30 @@ def test_build_hf_model_errors(family: str, config: dict[str, Any], seq: int,
                                message: str) -> None:
     with pytest.raises(RematError, match=message.replace("?", r"\?").replace(".", r"\.")):
         build_hf_model(family, config, batch=1, seq=seq)
+
+
+@pytest.mark.parametrize(("family", "config", "cls"), [
+    ("qwen3", "num_key_value_heads=2,head_dim=16", "Qwen3ForCausalLM"),
+    ("gemma3_text", "num_key_value_heads=2,head_dim=16", "Gemma3ForCausalLM"),
+    ("deepseek-v3", "num_key_value_heads=4,moe_intermediate_size=32,n_routed_experts=4,"
+                    "num_experts_per_tok=2,n_group=1,topk_group=1,kv_lora_rank=16,"
+                    "q_lora_rank=32,qk_rope_head_dim=8,qk_nope_head_dim=8,v_head_dim=16",
+     "DeepseekV3ForCausalLM"),
+    ("t5", "num_layers=2,d_model=64,d_kv=16,d_ff=128,num_heads=4", "T5ForConditionalGeneration"),
+    ("roberta", "max_position_embeddings=80", "RobertaForMaskedLM"),
+])
+def test_build_hf_model_for_any_transformers_model_type(family: str, config: str,
+                                                        cls: str) -> None:
+    # beyond the named families: a model type of the installed Transformers, built as its
+    # sequence-to-sequence, masked or causal language model, in that order
+    common = "vocab_size=512" if family == "t5" else \
+        "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4," \
+        "vocab_size=512"
+    model, inputs = build_hf_model(family, parse_options(f"{common},{config}"), batch=2,
+                                   seq=32, dtype="bf16")
+    assert type(model).__name__ == cls and model.training
+    assert inputs["input_ids"].shape == inputs["labels"].shape == (2, 32)
+    assert meta_step_peak(model, inputs, device="cuda").peak_bytes > 0
 
 
 def test_rotary_families_take_any_sequence_length() -> None:

@@ -44,6 +44,10 @@ _HF_SMALL: dict[str, dict[str, Any]] = {
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512},
     "bert": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 64},
+    # a model type beyond the named families (build_hf_model takes any)
+    "qwen3": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "vocab_size": 512},
 }
 
 
@@ -69,7 +73,7 @@ _CASES: list[tuple[str, _Builder, _Builder | None]] = [
     *[(f"hf-built-{family}",
        lambda family=family: build_hf_model(family, _HF_SMALL[family], 2, 48, device="cpu"),
        lambda family=family: build_hf_model(family, _HF_SMALL[family], 2, 48))
-      for family in ("gpt2", "llama", "bert")],
+      for family in ("gpt2", "llama", "bert", "qwen3")],
 ]
 
 

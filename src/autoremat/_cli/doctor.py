@@ -62,7 +62,8 @@ def _hf_model(args: argparse.Namespace, config: dict[str, Any], batch: int,
         exception classes of their own (``huggingface_hub`` ``StrictDataclassError``, a
         plain ``Exception``: "hidden size (4095) is not a multiple of the number of
         attention heads (32)"), and the model's constructor raises ``ValueError``,
-        ``TypeError`` or ``ZeroDivisionError`` on sizes it cannot build
+        ``TypeError``, ``ZeroDivisionError`` or (from ``nn.Embedding``: a ``pad_token_id``
+        past ``vocab_size``) ``AssertionError`` on sizes it cannot build
         (``num_attention_heads=0``). Those are about the user's ``--config`` and are
         reported in one line (chained to the original); anything else (an
         ``AttributeError`` of a Transformers version autoremat does not know, autoremat's
@@ -73,7 +74,8 @@ def _hf_model(args: argparse.Namespace, config: dict[str, Any], batch: int,
         return build_hf_model(args.hf, config, batch, seq, args.dtype)
     except Exception as exc:  # NOTE [ A config Transformers refuses ]
         ours = isinstance(exc, (RematError, InternalError))
-        about_config = isinstance(exc, (ValueError, TypeError, ArithmeticError)) or \
+        about_config = isinstance(exc, (ValueError, TypeError, ArithmeticError,
+                                        AssertionError)) or \
             type(exc).__module__.startswith(("transformers", "huggingface_hub"))
         if ours or not about_config:
             raise
@@ -93,7 +95,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                              f"returning (model, inputs); or use --hf")
     parser.add_argument("--hf", metavar="FAMILY",
                         help=f"a Transformers family built from its config: "
-                             f"{', '.join(HF_FAMILIES)}")
+                             f"{', '.join(HF_FAMILIES)}, or any model type of your "
+                             f"Transformers with a language-model class (qwen3, "
+                             f"gemma3_text, mixtral, t5, ...)")
     parser.add_argument("--config", "--set", default="", metavar="K=V,...",
                         help="config fields (Transformers config, zoo options or factory "
                              "keyword arguments), e.g. num_hidden_layers=32,hidden_size=4096 "

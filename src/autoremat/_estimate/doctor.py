@@ -93,7 +93,9 @@ def build_hf_model(family: str, config_overrides: dict[str, Any] | None = None, 
 
     Args:
         family: one of :data:`HF_FAMILIES` (``"llama"``, ``"mistral"``, ``"qwen2"``,
-            ``"gpt2"``, ``"bert"``).
+            ``"gpt2"``, ``"bert"``), or any Transformers ``model_type`` with a
+            sequence-to-sequence, masked or causal language-model class (``"qwen3"``,
+            ``"gemma3_text"``, ``"mixtral"``, ``"t5"``, ...: the first of those it has).
         config_overrides: fields of the family's config, e.g. ``{"num_hidden_layers": 32}``;
             a misspelt field is an error (Transformers would silently keep it).
         batch, seq: the batch shape.
@@ -107,25 +109,32 @@ def build_hf_model(family: str, config_overrides: dict[str, Any] | None = None, 
         ('GPT2LMHeadModel', (1, 16))
     """
     key = family.strip().lower()
-    if key not in HF_FAMILIES:
-        raise RematError(f"unknown Hugging Face family {family!r}.{did_you_mean(key, HF_FAMILIES)}"
-                         f" Available: {', '.join(HF_FAMILIES)}")
     try:
         import transformers
     except ImportError as exc:
         raise RematError("--hf needs transformers: pip install 'autoremat[hf]'") from exc
-    config_cls = getattr(transformers, HF_FAMILIES[key][0])
-    model_cls = getattr(transformers, HF_FAMILIES[key][1])
+    config_cls, model_cls, seq2seq = _hf_classes(transformers, key, family)
     overrides = dict(config_overrides or {})
     defaults = config_cls()
     valid = set(vars(defaults)) | set(getattr(config_cls, "attribute_map", {}))
     for name in overrides:
         if name not in valid:
-            raise RematError(f"{HF_FAMILIES[key][0]} has no field {name!r}."
+            raise RematError(f"{config_cls.__name__} has no field {name!r}."
                              f"{did_you_mean(name, sorted(valid))}")
     overrides.setdefault("use_cache", False)
     overrides.setdefault("attn_implementation", "sdpa")  # NOTE [ Hugging Face models on meta ]
     config = config_cls(**overrides)
+    if seq2seq and getattr(config, "decoder_start_token_id", None) is None:
+        # T5's config leaves it to the generation config: the decoder starts at padding
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    heads, kv_heads = (getattr(config, k, None) for k in ("num_attention_heads",
+                                                          "num_key_value_heads"))
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 \
+            and heads % kv_heads:
+        raise RematError(f"{family}: num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kv_heads} (the config's value unless given), "
+                         f"which attention needs; set num_key_value_heads to a divisor of "
+                         f"{heads}")
     limit = _POSITION_LIMITS.get(key)
     if limit is not None and seq > getattr(config, limit):
         raise RematError(f"{family}: seq={seq} exceeds {limit}={getattr(config, limit)}; "
@@ -136,11 +145,56 @@ def build_hf_model(family: str, config_overrides: dict[str, Any] | None = None, 
     with torch.device(device):
         model = model_cls(config)
         ids = torch.randint(0, config.vocab_size, (batch, seq))  # (B, T)
+    _check_position_table(model, family, seq)
     cast = parse_dtype(dtype)
     if cast is not None:
         model.to(dtype=cast)
     model.train()
     return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def _hf_classes(transformers: Any, key: str, family: str) -> tuple[Any, Any, bool]:
+    """The config and model classes of ``key``: a family of :data:`HF_FAMILIES`, or any
+    Transformers ``model_type`` (``qwen3``, ``gemma3_text``, ``mixtral``, ...) with a
+    sequence-to-sequence, masked or causal language-model class, taken in that order
+    (BART and T5 train as encoder-decoders, BERT-like encoders by masked LM); and whether
+    the model is an encoder-decoder."""
+    if key in HF_FAMILIES:
+        return (getattr(transformers, HF_FAMILIES[key][0]),
+                getattr(transformers, HF_FAMILIES[key][1]), False)
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    types = list(CONFIG_MAPPING.keys())
+    found = next((k for k in (key, key.replace("-", "_"), key.replace("_", "-"))
+                  if k in types), None)
+    names = [getattr(modeling_auto, f"MODEL_FOR_{kind}_MAPPING_NAMES", {}).get(found)
+             for kind in ("SEQ_TO_SEQ_CAUSAL_LM", "MASKED_LM", "CAUSAL_LM")] \
+        if found is not None else []
+    name = next((n for n in names if n), None)
+    if found is None or name is None or not hasattr(transformers, name):
+        known = [*HF_FAMILIES, *(k for k in types if k not in HF_FAMILIES)]
+        why = (f"Transformers' model type {found!r} has no language-model class "
+               f"(sequence-to-sequence, masked or causal) to build." if found is not None
+               else f"it is not a Transformers model type.{did_you_mean(key, known)}")
+        raise RematError(f"unknown Hugging Face family {family!r}: {why} Give one of "
+                         f"{', '.join(HF_FAMILIES)}, or a model type of your Transformers "
+                         f"(e.g. qwen3, gemma3_text, mixtral, t5); or build the model "
+                         f"yourself and call autoremat.estimate")
+    return CONFIG_MAPPING[found], getattr(transformers, name), name == names[0]
+
+
+def _check_position_table(model: nn.Module, family: str, seq: int) -> None:
+    """Refuse a ``seq`` longer than a learned position table of ``model`` holds: on
+    ``meta`` a lookup past its end raises nothing, on a device it fails (tables may hold
+    a few more rows than positions, OPT's two: the check is by the table's rows)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and "pos" in name.rsplit(".", 1)[-1] \
+                and seq > module.num_embeddings:
+            raise RematError(f"{family}: seq={seq} exceeds the {module.num_embeddings} "
+                             f"positions of its learned position table {name!r}; raise the "
+                             f"config's maximum positions (e.g. max_position_embeddings) to "
+                             f"at least {seq}")
 
 
 # --- the prescription ----------------------------------------------------------------------
