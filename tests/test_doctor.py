@@ -76,6 +76,8 @@ def test_build_hf_model_errors(family: str, config: dict[str, Any], seq: int,
 
 @pytest.mark.parametrize(("family", "config", "cls"), [
     ("qwen3", "num_key_value_heads=2,head_dim=16", "Qwen3ForCausalLM"),
+    # no SDPA in Transformers: built with its own (eager) attention
+    ("gemma2", "num_key_value_heads=2,head_dim=16", "Gemma2ForCausalLM"),
     ("gemma3_text", "num_key_value_heads=2,head_dim=16", "Gemma3ForCausalLM"),
     ("deepseek-v3", "num_key_value_heads=4,moe_intermediate_size=32,n_routed_experts=4,"
                     "num_experts_per_tok=2,n_group=1,topk_group=1,kv_lora_rank=16,"
@@ -94,6 +96,8 @@ def test_build_hf_model_for_any_transformers_model_type(family: str, config: str
     model, inputs = build_hf_model(family, parse_options(f"{common},{config}"), batch=2,
                                    seq=32, dtype="bf16")
     assert type(model).__name__ == cls and model.training
+    config: Any = model.config
+    assert config._attn_implementation == ("eager" if family == "gemma2" else "sdpa")
     assert inputs["input_ids"].shape == inputs["labels"].shape == (2, 32)
     assert meta_step_peak(model, inputs, device="cuda").peak_bytes > 0
 

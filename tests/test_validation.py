@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import warnings
@@ -541,6 +542,39 @@ def test_doctor_passes_on_an_error_that_is_not_about_the_config(
     monkeypatch.setattr(doctor_cli, "require", lambda *args: None)
     with pytest.raises(AttributeError, match="rope_type"):
         main(["doctor", "--hf", "llama"])
+
+
+@pytest.mark.parametrize("where", ["/site-packages/transformers/models/x/modeling_x.py",
+                                   "/home/user/mymodel.py"])
+def test_doctor_names_the_config_when_the_built_model_fails_in_its_step(
+        where: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A model --hf built from its config that fails in Transformers' code during the
+    step (DeepSeek-V2's default config leaves num_experts_per_tok unset: topk(k=None))
+    is one line about --config, naming the line; the same error from other code stays
+    raw."""
+    import autoremat._cli.doctor as doctor_cli
+
+    code = compile("def forward():\n    raise TypeError(\"topk(): argument 'k' must be int, "
+                   "not NoneType\")\n", where.replace("/", os.sep), "exec")
+    scope: dict[str, Any] = {}
+    exec(code, scope)
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        scope["forward"]()
+
+    monkeypatch.setattr(doctor_cli, "doctor", fails)
+    argv = ["doctor", "--hf", "llama", "--config", "num_hidden_layers=1,hidden_size=64,"
+            "intermediate_size=128,num_attention_heads=4,vocab_size=128", "--seq", "8"]
+    if "transformers" not in where:
+        with pytest.raises(TypeError, match="topk"):
+            main(argv)
+        return
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("autoremat doctor: error: --hf llama")
+    assert "the model failed on this config at modeling_x.py:2: topk(): argument 'k'" in err
+    assert err.endswith("Fix the values in --config")
 
 
 def test_estimate_of_a_model_that_reads_values_says_what_to_do() -> None:

@@ -6,7 +6,9 @@ Argument parsing and printing only; the work is :func:`autoremat.doctor`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,15 +75,31 @@ def _hf_model(args: argparse.Namespace, config: dict[str, Any], batch: int,
     try:
         return build_hf_model(args.hf, config, batch, seq, args.dtype)
     except Exception as exc:  # NOTE [ A config Transformers refuses ]
-        ours = isinstance(exc, (RematError, InternalError))
-        about_config = isinstance(exc, (ValueError, TypeError, ArithmeticError,
-                                        AssertionError)) or \
-            type(exc).__module__.startswith(("transformers", "huggingface_hub"))
-        if ours or not about_config:
+        refused = _config_refused(args, exc, "Transformers refused the config")
+        if refused is None:
             raise
-        text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
-        raise RematError(f"--hf {args.hf} --config {args.config!r}: Transformers refused the "
-                         f"config: {text}. Fix the values in --config") from exc
+        raise refused from exc
+
+
+def _config_refused(args: argparse.Namespace, exc: Exception, what: str) -> RematError | None:
+    """``exc`` as the one-line error about ``--config`` of NOTE [ A config Transformers
+    refuses ], or ``None`` where it is not one (autoremat's own errors, anything else)."""
+    ours = isinstance(exc, (RematError, InternalError))
+    about_config = isinstance(exc, (ValueError, TypeError, ArithmeticError, AssertionError)) \
+        or type(exc).__module__.startswith(("transformers", "huggingface_hub"))
+    if ours or not about_config:
+        return None
+    text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+    return RematError(f"--hf {args.hf} --config {args.config!r}: {what}: {text}. Fix the "
+                      f"values in --config")
+
+
+def _in_transformers(exc: BaseException) -> str:
+    """The last line of Transformers' code ``exc`` passed through (``file.py:line``), or
+    ``""``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}transformers{os.sep}" in f.filename]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -158,10 +176,18 @@ def doctor_main(argv: Sequence[str], prog: str = "autoremat doctor") -> int:
         with stages(f"examining {args.target or 'hf:' + str(args.hf)}") as stage:
             stage("building the model on meta")
             label, model, inputs = _target(args.target, args, config)
-            result = doctor(model, inputs, memory=args.memory, device=args.device,
-                            dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),
-                            throughput_flops=args.throughput, plot_path=args.plot,
-                            target=label, progress=stage)
+            try:
+                result = doctor(model, inputs, memory=args.memory, device=args.device,
+                                dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),
+                                throughput_flops=args.throughput, plot_path=args.plot,
+                                target=label, progress=stage)
+            except Exception as exc:  # a model built from --config that fails in its step
+                where = _in_transformers(exc) if args.hf is not None else ""
+                refused = _config_refused(args, exc, f"the model failed on this config at "
+                                                     f"{where}") if where else None
+                if refused is None:
+                    raise
+                raise refused from exc
     except RematError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -122,7 +122,8 @@ def build_hf_model(family: str, config_overrides: dict[str, Any] | None = None, 
             raise RematError(f"{config_cls.__name__} has no field {name!r}."
                              f"{did_you_mean(name, sorted(valid))}")
     overrides.setdefault("use_cache", False)
-    overrides.setdefault("attn_implementation", "sdpa")  # NOTE [ Hugging Face models on meta ]
+    if getattr(model_cls, "_supports_sdpa", True):  # else its own (eager), estimated too
+        overrides.setdefault("attn_implementation", "sdpa")  # NOTE [ Hugging Face models on meta ]
     config = config_cls(**overrides)
     if seq2seq and getattr(config, "decoder_start_token_id", None) is None:
         # T5's config leaves it to the generation config: the decoder starts at padding
