@@ -392,23 +392,22 @@ class _KernelsOnMeta(TorchDispatchMode):
             kept = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape),
                                dtype=out.dtype, device=out.device)
             return kept.resize_(())
-        which = _CONTIGUOUS.get(func)
-        if which is not None and isinstance(out, tuple):
-            made = out[which]
-            if isinstance(made, torch.Tensor) and made.is_meta and not made.is_contiguous():
-                out = (*out[:which], torch.empty_like(made, memory_format=torch.contiguous_format),
-                       *out[which + 1:])
-        elif which is not None and isinstance(out, torch.Tensor) and out.is_meta \
-                and not out.is_contiguous():
-            out = torch.empty_like(out, memory_format=torch.contiguous_format)
-        return out
+        which = _CONTIGUOUS.get(func)  # NOTE [ Strides on meta ]
+        if which is None:
+            return out
+        outs = list(out) if isinstance(out, tuple) else [out]
+        made = outs[which]
+        if isinstance(made, torch.Tensor) and made.is_meta and not made.is_contiguous():
+            outs[which] = torch.empty_like(made, memory_format=torch.contiguous_format)
+        return tuple(outs) if isinstance(out, tuple) else outs[0]
 
 
 @contextmanager
 def kernels_on_meta() -> Iterator[None]:
     """Inside, ``torch._grouped_mm`` on ``meta`` tensors (any floating dtype) makes the
     output the CPU and CUDA kernels make (NOTE [ Grouped matmuls on meta ]), and so do
-    the ops of NOTE [ Strides on meta ]."""
+    the ops of NOTE [ Strides on meta ] and NOTE [ Losses that keep their unreduced
+    storage ]."""
     with _KernelsOnMeta():
         yield
 
