@@ -63,6 +63,8 @@ def test_build_hf_model_on_meta_for_every_family(family: str) -> None:
      "num_attention_heads=5 is not a multiple of num_key_value_heads=2"),
     ("opt", {"num_hidden_layers": 1}, 4096, "seq=4096 exceeds the 2050 positions of its "
                                             "learned position table"),
+    ("gpt_bigcode", {"n_layer": 1}, 4096, "exceeds the 1024 positions of its learned "
+                                          "position table 'transformer.wpe'"),
     ("llama", {"num_layers": 2}, 8, "no field 'num_layers'. Did you mean 'num_hidden_layers'?"),
     ("gpt2", {"n_layer": 1}, 2048, "add n_positions=2048 to the config"),
     ("bert", {"num_hidden_layers": 1}, 1024, "add max_position_embeddings=1024"),

@@ -186,11 +186,13 @@ def _hf_classes(transformers: Any, key: str, family: str) -> tuple[Any, Any, boo
 
 
 def _check_position_table(model: nn.Module, family: str, seq: int) -> None:
-    """Refuse a ``seq`` longer than a learned position table of ``model`` holds: on
-    ``meta`` a lookup past its end raises nothing, on a device it fails (tables may hold
-    a few more rows than positions, OPT's two: the check is by the table's rows)."""
+    """Refuse a ``seq`` longer than a learned position table of ``model`` holds (an
+    embedding named for positions, or GPT-2's ``wpe``): on ``meta`` a lookup past its end
+    raises nothing, on a device it fails (tables may hold a few more rows than positions,
+    OPT's two: the check is by the table's rows)."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and "pos" in name.rsplit(".", 1)[-1] \
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and ("pos" in last or last == "wpe") \
                 and seq > module.num_embeddings:
             raise RematError(f"{family}: seq={seq} exceeds the {module.num_embeddings} "
                              f"positions of its learned position table {name!r}; raise the "
