@@ -701,6 +701,9 @@ _SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
     (lambda: autoremat.Plan.from_json("[]"), SchemaError, "plan JSON must be an object"),
     (lambda: autoremat.plan(_tape(), None, "full").to_json("/proc/no/such/plan.json"),
      RematError, "cannot write to '/proc/no/such/plan.json'"),
+    (lambda: autoremat.plan(_tape(), "0.5"), BudgetError,  # a string too (was "0 B")
+     "budget '0.5' is less than one byte: a number is a count of bytes; for a share of the "
+     "unplanned peak write '50%'"),
     (lambda: autoremat.plan(_tape(), 0.5), BudgetError,
      "budget 0.5 is less than one byte: a number is a count of bytes; for a share of the "
      "unplanned peak write '50%'"),
@@ -716,6 +719,16 @@ def test_api_misuse_is_a_clear_error(call: Any, error: type[Exception], fragment
     with pytest.raises(error) as info:
         call()
     assert fragment in str(info.value)
+
+
+def test_optimizer_none_by_name_is_no_optimizer_state() -> None:
+    # "none", as the command line's --optimizer takes it, means what None means
+    tape = _tape()
+    plans = [autoremat.plan(tape, max_memory=f"{tape.step_peak_bytes * 20}B", optimizer=o)
+             for o in (None, "none", "None")]
+    assert len({p.budget_bytes for p in plans}) == 1
+    adamw = autoremat.plan(tape, max_memory=f"{tape.step_peak_bytes * 20}B", optimizer="adamw")
+    assert adamw.budget_bytes < plans[0].budget_bytes  # a state that does count
 
 
 def test_a_plan_loads_from_bytes() -> None:

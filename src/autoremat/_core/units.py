@@ -35,11 +35,7 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
             raise BudgetError(f"{what} must be a finite number of bytes, got {value!r}")
         if value < 0:
             raise BudgetError(f"{what} must not be negative, got {value!r}")
-        if 0 < value < 1:
-            share = f"; for a share of the unplanned peak write '{value * 100:g}%'" \
-                if what == "budget" else ""
-            raise BudgetError(f"{what} {value!r} is less than one byte: a number is a count "
-                              f"of bytes{share}")
+        _at_least_a_byte(value, value, what)
         return int(value)
     if not isinstance(value, str):
         raise BudgetError(f"{what} must be bytes or a size string like '6GiB', got {value!r}")
@@ -53,7 +49,18 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
     size = float(match.group(1)) * _UNITS[unit]
     if not math.isfinite(size):
         raise BudgetError(f"{what} {value!r} is too large to be a number of bytes")
+    _at_least_a_byte(size, value, what)  # '0.5' as 0.5 is
     return int(size)
+
+
+def _at_least_a_byte(size: float, value: object, what: str) -> None:
+    """Refuse a size between 0 and 1 byte (``value`` as given): for a budget, likely a
+    share meant as a percentage."""
+    if 0 < size < 1:
+        share = f"; for a share of the unplanned peak write '{size * 100:g}%'" \
+            if what == "budget" else ""
+        raise BudgetError(f"{what} {value!r} is less than one byte: a number is a count of "
+                          f"bytes{share}")
 
 
 def parse_budget(budget: int | float | str, reference_bytes: int) -> int:

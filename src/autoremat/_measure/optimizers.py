@@ -75,8 +75,9 @@ OPTIMIZERS: Mapping[str, OptimizerSpec] = MappingProxyType({
 
 def resolve_optimizer(optimizer: str | int | None) -> OptimizerSpec | int | None:
     """An ``optimizer=`` argument, read one way for every entry point: ``None`` (no
-    optimizer state), the spec of a name in :data:`OPTIMIZERS` (any case), or the state
-    size in bytes (an int or a size string such as ``"12GiB"``).
+    optimizer state; ``"none"`` too, as the command line takes it), the spec of a name in
+    :data:`OPTIMIZERS` (any case), or the state size in bytes (an int or a size string
+    such as ``"12GiB"``).
 
     Raises:
         BudgetError: an unknown name (with the closest known one), or another type.
@@ -96,6 +97,8 @@ def resolve_optimizer(optimizer: str | int | None) -> OptimizerSpec | int | None
     key = optimizer.strip().lower()
     if key in OPTIMIZERS:
         return OPTIMIZERS[key]
+    if key == "none":  # as the command line's --optimizer none
+        return None
     try:
         return parse_size(optimizer, what="optimizer state")
     except BudgetError:
