@@ -77,8 +77,6 @@ HF_FAMILIES: dict[str, tuple[str, str]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "bert": ("BertConfig", "BertForMaskedLM"),
 }
-# learned position tables limit the sequence; rotary families (llama, ...) have no table
-_POSITION_LIMITS = {"gpt2": "n_positions", "bert": "max_position_embeddings"}
 
 
 # --- building targets ----------------------------------------------------------------------
@@ -136,17 +134,13 @@ def build_hf_model(family: str, config_overrides: dict[str, Any] | None = None, 
                          f"num_key_value_heads={kv_heads} (the config's value unless given), "
                          f"which attention needs; set num_key_value_heads to a divisor of "
                          f"{heads}")
-    limit = _POSITION_LIMITS.get(key)
-    if limit is not None and seq > getattr(config, limit):
-        raise RematError(f"{family}: seq={seq} exceeds {limit}={getattr(config, limit)}; "
-                         f"add {limit}={seq} to the config")
     if batch < 1 or seq < 1:
         raise RematError(f"batch and seq must be at least 1, got batch={batch}, seq={seq}")
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls(config)
         ids = torch.randint(0, config.vocab_size, (batch, seq))  # (B, T)
-    _check_position_table(model, family, seq)
+    _check_position_table(model, config, family, seq)
     cast = parse_dtype(dtype)
     if cast is not None:
         model.to(dtype=cast)
@@ -185,19 +179,25 @@ def _hf_classes(transformers: Any, key: str, family: str) -> tuple[Any, Any, boo
     return CONFIG_MAPPING[found], getattr(transformers, name), name == names[0]
 
 
-def _check_position_table(model: nn.Module, family: str, seq: int) -> None:
+def _check_position_table(model: nn.Module, config: Any, family: str, seq: int) -> None:
     """Refuse a ``seq`` longer than a learned position table of ``model`` holds (an
-    embedding named for positions, or GPT-2's ``wpe``): on ``meta`` a lookup past its end
-    raises nothing, on a device it fails (tables may hold a few more rows than positions,
-    OPT's two: the check is by the table's rows)."""
+    embedding named for positions, or GPT-2's ``wpe``; rotary models have none): on
+    ``meta`` a lookup past its end raises nothing, on a device it fails. Tables may hold
+    a few more rows than positions (OPT's two): the check is by the table's rows, and
+    names the config's field where one holds that many (GPT-2's ``n_positions``)."""
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding) and ("pos" in last or last == "wpe") \
-                and seq > module.num_embeddings:
-            raise RematError(f"{family}: seq={seq} exceeds the {module.num_embeddings} "
-                             f"positions of its learned position table {name!r}; raise the "
-                             f"config's maximum positions (e.g. max_position_embeddings) to "
-                             f"at least {seq}")
+        if not (isinstance(module, nn.Embedding) and ("pos" in last or last == "wpe")
+                and seq > module.num_embeddings):
+            continue
+        rows = module.num_embeddings
+        field = next((k for k, v in vars(config).items()
+                      if "position" in k and v == rows and not isinstance(v, bool)), None)
+        fix = (f" ({field}={rows}): add {field}={seq} to the config" if field is not None
+               else f"; raise the config's maximum positions (e.g. max_position_embeddings) "
+                    f"to at least {seq}")
+        raise RematError(f"{family}: seq={seq} exceeds the {rows} positions of its learned "
+                         f"position table {name!r}{fix}")
 
 
 # --- the prescription ----------------------------------------------------------------------

@@ -349,12 +349,13 @@ def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor,
 #     ``.contiguous()`` after it copied. The device kernels make these outputs contiguous
 #     (``empty_like(X.contiguous())`` for layer norm on CPU and CUDA; the structured meta
 #     function of ``_log_softmax_backward_data``, shared by both): :data:`_CONTIGUOUS`
-#     names them, and on ``meta`` they come out contiguous too. A sweep of the op outputs
-#     of about 45 Transformers architectures' steps against meta kernels run on inputs
-#     of the same strides found these two (and convolution on channels-last inputs, left
-#     alone: the CUDA kernels' choice there depends on cuDNN, and no estimate differed).
-_CONTIGUOUS = {torch.ops.aten.native_layer_norm_backward.default: 0,
-               torch.ops.aten._log_softmax_backward_data.default: 0}
+#     names them, and on ``meta`` their first output comes out contiguous too. A sweep
+#     of the op outputs of about 45 Transformers architectures' steps against meta
+#     kernels run on inputs of the same strides found these two (and convolution on
+#     channels-last inputs, left alone: the CUDA kernels' choice there depends on cuDNN,
+#     and no estimate differed).
+_CONTIGUOUS = frozenset({torch.ops.aten.native_layer_norm_backward.default,  # grad_input
+                        torch.ops.aten._log_softmax_backward_data.default})
 
 # NOTE [ Losses that keep their unreduced storage ]
 #     ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss`` and ``binary_cross_entropy``
@@ -392,14 +393,13 @@ class _KernelsOnMeta(TorchDispatchMode):
             kept = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape),
                                dtype=out.dtype, device=out.device)
             return kept.resize_(())
-        which = _CONTIGUOUS.get(func)  # NOTE [ Strides on meta ]
-        if which is None:
+        if func not in _CONTIGUOUS:
             return out
-        outs = list(out) if isinstance(out, tuple) else [out]
-        made = outs[which]
-        if isinstance(made, torch.Tensor) and made.is_meta and not made.is_contiguous():
-            outs[which] = torch.empty_like(made, memory_format=torch.contiguous_format)
-        return tuple(outs) if isinstance(out, tuple) else outs[0]
+        made = out[0] if isinstance(out, tuple) else out  # NOTE [ Strides on meta ]
+        if not (isinstance(made, torch.Tensor) and made.is_meta and not made.is_contiguous()):
+            return out
+        made = torch.empty_like(made, memory_format=torch.contiguous_format)
+        return (made, *out[1:]) if isinstance(out, tuple) else made
 
 
 @contextmanager

@@ -155,9 +155,9 @@ def _why_no_chain(model: nn.Module, inputs: Any) -> str:
                     "among two or more: build the model with more layers)" + _GIVE_BLOCKS)
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleDict):
-            kinds = Counter(type(k) for k in module.children())
-            if kinds and kinds.most_common(1)[0][1] >= 2:
-                kind = kinds.most_common(1)[0][0]
+            common = Counter(type(k) for k in module.children()).most_common(1)
+            if common and common[0][1] >= 2:
+                kind = common[0][0]
                 layers = [f"{name}.{key}" if name else key
                           for key, k in module.named_children() if type(k) is kind]
                 shown = ", ".join(repr(n) for n in layers[:3]) + (", ..." if len(layers) > 3
