@@ -155,6 +155,29 @@ def test_a_deep_copy_of_an_applied_model_trains_its_own_parameters(
         autoremat.remove(model)
 
 
+def test_a_copy_made_while_a_forward_awaits_its_backward_is_not_warned_about_it(
+        gpt2: tuple[nn.Module, Any, dict[str, Plan]]) -> None:
+    """A copy made between a forward and its backward (a reference model copied from the
+    one training) is a model of its own: its first forward is not "a second forward before
+    the backward of the first", which is the original's."""
+    model, inputs, plans = gpt2
+    autoremat.apply(model, plans["recompute"])
+    try:
+        pending = call(model, inputs).loss
+        twin = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            call(twin, inputs).loss.backward()
+        pending.backward()
+        with pytest.warns(UserWarning, match="second forward with gradients"):
+            first = call(model, inputs)  # the original still watches its own forwards
+            call(model, inputs)
+        del first
+    finally:
+        autoremat.remove(model)
+        _zero(model)
+
+
 # --- 2. pickle and torch.save -----------------------------------------------------------------
 
 
@@ -167,6 +190,8 @@ def test_an_applied_model_round_trips_through_torch_save_and_pickle(
     autoremat.apply(model, plans[kind])
     try:
         assert list(model.state_dict()) == plain_keys  # apply leaves the state dict alone
+        with _host(kind):  # saved mid-training: a forward with gradients has run (the
+            _train_step(model, inputs)  # applied state then watches its backward)
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)

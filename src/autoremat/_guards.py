@@ -105,6 +105,12 @@ class Applied:
     # (NOTE [ What a plan is checked against ]: forwards before one backward)
     pending: weakref.ref[_Forward] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a pickled model (torch.save(model)) carries its plan, not the forward in flight:
+        # the weak reference to it does not pickle (a copy.deepcopy keeps it, as it keeps
+        # any weak reference)
+        return {**self.__dict__, "pending": None, "calls": None}
+
 
 class _Forward:
     """One forward with gradients: referenced only by the hooks on its output's graph
