@@ -76,6 +76,17 @@ def _batch(seed: int = 1) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.flip(1).clone()}
 
 
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients of one step on ``_batch()`` from a fixed RNG state (dropout drawn
+    alike), left unset on the model."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    model(**_batch()).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
 def _masking_collator(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Masked-language-model batches: 15% of the tokens, drawn from torch's RNG, become
     token 1 and are the only ones with a label."""
@@ -250,6 +261,38 @@ def test_profile_and_auto_refuse_a_model_with_hf_checkpointing_on(kind: str) -> 
     assert autoremat.applied_plan(model) is None
     (disable or model.gradient_checkpointing_disable)()
     assert autoremat.profile(model, _batch(), timing=False).blocks
+
+
+def test_apply_refuses_hf_checkpointing_and_warns_when_it_is_turned_on_after() -> None:
+    """apply() onto a model with its own checkpointing on is refused as profile() is; turned
+    on after apply(), the next forward with gradients warns once, and the gradients stay
+    the plain model's."""
+    model = _model("llama")
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    model.train()
+    plan = autoremat.plan(autoremat.profile(model, _batch(), timing=False), budget="75%")
+    reference = _grads(model)
+    (enable or model.gradient_checkpointing_enable)()
+    with pytest.raises(autoremat.BlockError, match=r"checkpointing on .* apply\(\) would "
+                       r"recompute inside its recompute .*gradient_checkpointing_disable"):
+        autoremat.apply(model, plan)
+    assert autoremat.applied_plan(model) is None
+    (disable or model.gradient_checkpointing_disable)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # use_cache turned off
+        autoremat.apply(model, plan)
+    try:
+        (enable or model.gradient_checkpointing_enable)()
+        with pytest.warns(autoremat.StepMismatchWarning, match="own .*checkpointing was "
+                          "turned on after apply"):
+            got = _grads(model)
+        assert all(torch.equal(reference[n], got[n]) for n in reference)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", autoremat.StepMismatchWarning)
+            _grads(model)  # once
+    finally:
+        autoremat.remove(model)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -59,6 +59,7 @@ from autoremat._mechanism.segments import SegmentRunner, refuse_under_fsdp
 from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
 from autoremat._plan.plan import Plan
+from autoremat._profile.runs import refuse_hf_checkpointing
 
 __all__ = ["applied_plan", "apply", "compile_model", "remove"]
 
@@ -188,6 +189,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 f"the block this plan was made for (here: {shapes or 'none'}, ...): a wider, "
                 "narrower or cast model of the same class, whose memory the plan's figures "
                 "do not describe. Profile and plan this model")
+    refuse_hf_checkpointing(model, "apply()", would="would recompute inside its recompute")
     _check_conditions(model, plan)
     compiled = compiled_parts(model, given if compiled_whole else None)
     joined = [start for start, stop, _ in plan.segments if stop > start + 1]

@@ -75,7 +75,14 @@ class StepMismatchWarning(PlanMismatchWarning):
 #       discriminator on real and fake) holds the activations of both, where the plan was
 #       measured for one: warned once (StepMismatchWarning). A graph freed without a
 #       backward (a forward with gradients whose output was dropped) is not counted: the
-#       hooks that mark it go with it.
+#       hooks that mark it go with it;
+#     * the model's own checkpointing: a model with Hugging Face gradient checkpointing on
+#       is refused at apply() (each planned block would recompute inside its recompute);
+#       turned on after apply() (``gradient_checkpointing_enable()``), warned at the next
+#       forward with gradients (StepMismatchWarning): gradients stay the plain model's,
+#       but every layer is recomputed (the planned ones inside their own recompute), and
+#       the step holds what the plan did not measure.
+#       Read from the flag of the modules that had one at apply() (``flagged``).
 #     None of these is checked inside a compiled forward: whole-model torch.compile
 #     traces the model's hooks into every step (Dynamo replays their Python side effects
 #     after each graph: on zoo llama at 4 x 256, seq 256, batch 8, the step with the
@@ -100,6 +107,8 @@ class Applied:
     blocks: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
     parents: list[tuple[str, nn.Module, int]] = field(default_factory=list)
     probes: list[nn.Parameter] = field(default_factory=list)
+    flagged: list[nn.Module] = field(default_factory=list)  # modules with Hugging Face's
+    # gradient_checkpointing flag (off at apply(), NOTE [ What a plan is checked against ])
     calls: list[int] | None = None
     # the last forward with gradients, until its backward starts or its graph is freed
     # (NOTE [ What a plan is checked against ]: forwards before one backward)
@@ -136,6 +145,7 @@ def watch_blocks(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
     inside = {id(p) for _, _, module in state.blocks for p in module.parameters()}
     state.probes = [p for p in model.parameters() if id(p) not in inside][:16] + [
         p for _, _, module in state.blocks for p in list(module.parameters())[:1]]
+    state.flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
     for i, (_, _, module) in enumerate(state.blocks):
         state.handles.append(module.register_forward_pre_hook(
             functools.partial(_count_call, state, i)))
@@ -225,6 +235,15 @@ def _check_step(state: Applied) -> None:
             f"autoremat: this plan was made for parameters of {plan.dtypes}; the model's "
             f"are now {dtypes} (cast after apply?): its memory prediction does not "
             f"hold; {_REDO}", StepMismatchWarning, stacklevel=6)
+    if "own checkpointing" not in state.warned and any(
+            getattr(m, "gradient_checkpointing", False) is True for m in state.flagged):
+        state.warned.add("own checkpointing")
+        warnings.warn(
+            "autoremat: the model's own (Hugging Face) gradient checkpointing was turned on "
+            "after apply(): every layer is recomputed, the planned ones inside their own "
+            "recompute, and the step's memory is not what the plan predicted. Use one: "
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
+            "Transformers 5), or autoremat.remove(model)", StepMismatchWarning, stacklevel=6)
     if "structure" not in state.warned:
         grown = [f"{name or type(parent).__name__} holds {len(parent._modules)} modules, "
                  f"not {count}" for name, parent, count in state.parents

@@ -228,7 +228,8 @@ _OWN_CHECKPOINTING = ("torch.utils.checkpoint in its forward, or Hugging Face's 
 
 
 def refuse_hf_checkpointing(model: nn.Module, caller: str,
-                            then: str = "let the plan decide what to recompute") -> None:
+                            then: str = "let the plan decide what to recompute", *,
+                            would: str = "would measure and plan on top of it") -> None:
     """Refuse a model with Hugging Face gradient checkpointing on: ``caller`` would measure
     a model that already recomputes every layer, and plan on top of it (NOTE [ One
     checkpointing at a time ] in ``autoremat/hf.py``). Read from the modules' flag:
@@ -240,7 +241,7 @@ def refuse_hf_checkpointing(model: nn.Module, caller: str,
         raise BlockError(
             f"the model already has Hugging Face gradient checkpointing on ({len(on)} "
             f"modules, e.g. {on[0] or type(model).__name__!r}): it recomputes every layer "
-            f"itself, and {caller} would measure and plan on top of it (NOTE [ One "
+            f"itself, and {caller} {would} (NOTE [ One "
             "checkpointing at a time ] in autoremat/hf.py). Call "
             "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
             f"Transformers 5) and {then}")
