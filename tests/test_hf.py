@@ -9,6 +9,8 @@ feasible budget give the plain model's gradients and measure within the budget.
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import math
 import pathlib
@@ -261,6 +263,31 @@ def test_profile_and_auto_refuse_a_model_with_hf_checkpointing_on(kind: str) -> 
     assert autoremat.applied_plan(model) is None
     (disable or model.gradient_checkpointing_disable)()
     assert autoremat.profile(model, _batch(), timing=False).blocks
+
+
+def test_a_checkpoint_saved_while_a_plan_is_applied_keeps_the_users_config(
+        tmp_path: pathlib.Path) -> None:
+    """apply() turns use_cache off while the plan is applied; save_pretrained (the Trainer's
+    checkpoints, push_to_hub) still writes the user's value, also from a deep copy
+    (NOTE [ Saved with the user's config ])."""
+    model = _model("llama")
+    assert model.config.use_cache is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # use_cache turned off, said
+        autoremat.auto(model, _batch(), budget="75%")
+    assert model.config.use_cache is False
+    twin = copy.deepcopy(model)
+    for saved, folder in ((model, "model"), (twin, "twin")):
+        saved.save_pretrained(tmp_path / folder)
+        config = json.loads((tmp_path / folder / "config.json").read_text())
+        assert config["use_cache"] is True, folder
+        assert saved.config.use_cache is False  # still off while the plan is applied
+    assert type(model).from_pretrained(tmp_path / "model").config.use_cache is True
+    autoremat.remove(twin)
+    assert "save_pretrained" not in vars(twin) and twin.config.use_cache is True
+    assert model.config.use_cache is False  # the copy's remove() left the original applied
+    autoremat.remove(model)
+    assert "save_pretrained" not in vars(model) and model.config.use_cache is True
 
 
 def test_apply_refuses_hf_checkpointing_and_warns_when_it_is_turned_on_after() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -238,6 +239,11 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         state.cache_restore = [(config, config.use_cache) for config in configs.values()]
         for config in configs.values():
             config.use_cache = False
+        save = getattr(model, "save_pretrained", None)
+        if callable(save) and "save_pretrained" not in vars(model):
+            model.save_pretrained = _SavedAsConfigured(  # type: ignore[assignment]
+                save, state.cache_restore)
+            state.saves = model
     dtype = getattr(torch, plan.offload_dtype) if plan.offload_dtype else None
     try:
         for start, stop, decision in plan.segments:
@@ -354,10 +360,40 @@ def _head_site(plan: Plan, modules: dict[str, nn.Module], model: str) -> HeadSit
     return HeadSite(site.kind, site.name, vocab)
 
 
+# NOTE [ Saved with the user's config ]
+#     apply() turns ``use_cache`` off in the model's configs while the plan is applied
+#     (NOTE [ Every stack has its own config ] in _core/step.py). A checkpoint saved then
+#     (the Trainer saves one every ``save_steps``, with AutorematCallback applied) would
+#     carry ``"use_cache": false`` in its config.json, and the model loaded from it would
+#     return no cache where its user's had. So the model's ``save_pretrained`` (the one
+#     the Trainer, ``push_to_hub`` and users call) is wrapped to save the configs with
+#     the user's values, and turns them off again after; remove() takes the wrapper away.
+class _SavedAsConfigured:
+    """``save_pretrained`` of a model whose configs apply() changed: the configs as the
+    user had them while it saves (NOTE [ Saved with the user's config ])."""
+
+    def __init__(self, original: Callable[..., Any], restore: list[tuple[Any, bool]]) -> None:
+        self.original = original
+        self.restore = restore  # the applied state's, so that a copy's follows its copy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for config, value in self.restore:
+            config.use_cache = value
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            for config, _ in self.restore:
+                config.use_cache = False
+
+
 def _undo(state: Applied) -> None:
     if state.head is not None:
         uninstall_head(state.head)
         state.head = None
+    if state.saves is not None and \
+            isinstance(vars(state.saves).get("save_pretrained"), _SavedAsConfigured):
+        del state.saves.save_pretrained
+        state.saves = None
     for config, value in state.cache_restore:
         config.use_cache = value
     for handle in state.handles:

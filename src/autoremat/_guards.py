@@ -100,6 +100,8 @@ class Applied:
     cache_restore: list[tuple[Any, bool]] = field(default_factory=list)  # configs whose
     # use_cache we turned off, and their values (NOTE [ Every stack has its own config ])
     head: HeadInstall | None = None  # the chunked loss head, when the plan chunks it
+    saves: nn.Module | None = None  # the model whose save_pretrained saves cache_restore's
+    # values (NOTE [ Saved with the user's config ] in _apply.py)
     # the planned blocks as (parent, key, block), the parents' sizes, some parameters
     # whose dtypes stand for the model's, and each block's calls in the forward now
     # running (None: no forward with gradients running) (NOTE [ What a plan is checked
