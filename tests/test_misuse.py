@@ -364,6 +364,20 @@ class _Counting(_Body):
         return x + super().forward(x)
 
 
+class _PowerIterated(_Body):
+    """Updates a buffer in place in forward, then computes with it (a spectral norm's
+    power iteration does so)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.register_buffer("u", torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.u.mul_(0.5).add_(x.mean(0))
+        return x + super().forward(x) * self.u.tanh()  # a value computed from it
+
+
 class _Chain(nn.Module):
     """An embedding (so the blocks' inputs are not leaves), blocks, a loss."""
 
@@ -487,6 +501,90 @@ def test_a_buffer_changed_in_forward_is_updated_once_and_warned_about(strategy: 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per block: not again
         _chain_step(model, x)
+
+
+@pytest.mark.parametrize("strategy", ["block", "segment", "selective"])
+def test_a_buffer_read_after_the_forward_changed_it_is_recomputed_as_found(
+        strategy: str) -> None:
+    """NOTE [ Buffers a forward changes ]: profiled in this process, the recompute reads
+    the buffer as the forward found it from the first step (gradients equal, the buffer
+    updated once a step); a plan applied to a model no profile saw warns at the first
+    step, whose recompute reads the buffer as the forward left it, and is exact after."""
+    model, x, chosen = _chain(_PowerIterated, strategy)
+    plain = [_chain_step(model, x) for _ in range(3)]
+    after = [b.u.clone() for b in model.blocks]
+    twin, _, _ = _chain(_PowerIterated, strategy)  # the same weights and buffers, unseen
+    autoremat.apply(twin, chosen)
+    with pytest.warns(StatefulBlockWarning, match=r"changes its buffer\(s\) u in forward, "
+                      r"which no profile in this process had seen"):
+        first = _chain_step(twin, x)
+    assert not all(torch.equal(a, b) for a, b in  # the case the warning names
+                   zip(plain[0], first, strict=True) if a is not None and b is not None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for expected in plain[1:]:
+            _assert_equal(expected, _chain_step(twin, x))
+    assert all(torch.equal(a, b.u) for a, b in zip(after, twin.blocks, strict=True))
+    fresh, _, _ = _chain(_PowerIterated, strategy)
+    tape = autoremat.profile(fresh, x, timing=False)  # its first step notes the buffers
+    for b, block in zip(fresh.blocks, _chain(_PowerIterated, strategy)[0].blocks, strict=True):
+        b.u.copy_(block.u)  # the profile's steps left them as they found them
+    autoremat.apply(fresh, chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for expected in plain:
+            _assert_equal(expected, _chain_step(fresh, x))
+    assert all(torch.equal(a, b.u) for a, b in zip(after, fresh.blocks, strict=True))
+    assert tape.blocks  # (profiled)
+
+
+@pytest.mark.parametrize("norm", ["parametrization", "hook"])
+def test_spectral_norm_blocks_recompute_with_the_plain_gradients(norm: str) -> None:
+    """torch's spectral norm (its power iteration updates u and v in forward), planned by
+    auto: every step's gradients and the vectors equal the plain model's."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(4):
+            linear = nn.Linear(32, 32)
+            layers.append(nn.Sequential(
+                nn.utils.parametrizations.spectral_norm(linear) if norm == "parametrization"
+                else nn.utils.spectral_norm(linear), nn.GELU(), nn.Dropout(0.1)))
+        return nn.Sequential(*layers, nn.Linear(32, 1))
+
+    x = torch.randn(16, 32)
+    plain_model, model = build(), build()
+
+    def steps(m: nn.Module) -> list[list[torch.Tensor | None]]:
+        out = []
+        for seed in range(2):
+            _zero(m)
+            torch.manual_seed(seed)
+            m(x).sum().backward()
+            out.append(_grads(m))
+        _zero(m)
+        return out
+
+    plain = steps(plain_model)
+    try:
+        autoremat.auto(model, x, budget="50%")
+    except autoremat.BudgetError as e:
+        assert e.min_feasible_bytes is not None
+        autoremat.auto(model, x, budget=e.min_feasible_bytes)
+    assert _recomputing_any(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StatefulBlockWarning)
+        got = steps(model)
+    for expected, step_grads in zip(plain, got, strict=True):
+        _assert_equal(expected, step_grads)
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.state_dict().values(),
+                                                 model.state_dict().values(), strict=True))
+    autoremat.remove(model)
+
+
+def _recomputing_any(model: nn.Module) -> bool:
+    plan = autoremat.applied_plan(model)
+    return plan is not None and any(b.decision is not Decision.KEEP for b in plan.blocks)
 
 
 def test_torch_func_grad_is_refused_with_the_reason(

@@ -58,7 +58,7 @@ from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
 __all__ = ["RegionContexts", "StatefulBlockWarning", "checkpointed", "install_forward",
            "is_wrapped", "refuse_changed_input", "refuse_under_func_transforms",
-           "stashed_buffers", "unwrap", "wrap"]
+           "stashed_buffers", "unwrap", "watch_buffers", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -84,8 +84,13 @@ def _statistics(layer: _BatchNorm) -> list[torch.Tensor]:
 
 def stashed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     """The buffers a recompute of ``modules`` copies aside and puts back (NOTE
-    [ BatchNorm under recompute ]); the profile counts their copies."""
-    return [buf for layer in _tracking_batchnorms(modules) for buf in _statistics(layer)]
+    [ BatchNorm under recompute ]): BatchNorm's statistics, and the buffers their forward
+    is known to change (NOTE [ Buffers a forward changes ]); the profile counts their
+    copies."""
+    changed = [buf for _, m, name in _Layout.of(modules).buffers
+               if name in _CHANGED.get(m, ()) and (buf := m._buffers[name]) is not None]
+    return [buf for layer in _tracking_batchnorms(modules) for buf in _statistics(layer)] \
+        + changed
 
 
 class StatefulBlockWarning(UserWarning):
@@ -141,9 +146,10 @@ class _RestoredBuffers:
 #       checkpoint raises inside it; either is re-raised naming the region.
 #     * A ``torch.Generator`` a module holds as an attribute (when the region first
 #       runs) is replayed like the default ones; one held elsewhere is not seen.
-#     * A buffer other than BatchNorm's statistics changed in forward: put back after
-#       each recompute (updated once, as BatchNorm's), but the recompute reads it as
-#       the forward left it, not as it found it; warned once (StatefulBlockWarning).
+#     * A buffer other than BatchNorm's statistics changed in forward (a spectral norm's
+#       power iteration, a counter, an EMA): the recompute must read it as the forward
+#       found it, and the buffer must end as the forward left it (updated once, as in
+#       the plain step). NOTE [ Buffers a forward changes ].
 #     * What a recompute saves with other shapes than the forward (a slice whose length
 #       comes from a counter): checkpoint compares what it saved with what the recompute
 #       made after the recompute ends, outside every context of ours, and raises its
@@ -259,14 +265,47 @@ class _Layout:
     def stashed(self) -> list[torch.Tensor]:
         return [buf for m, name in self.statistics if (buf := m._buffers[name]) is not None]
 
-    def plain(self) -> list[tuple[str, torch.Tensor]]:
-        return [(q, buf) for q, m, name in self.buffers if (buf := m._buffers[name]) is not None]
+    def plain(self) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+        return [(q, m, name, buf) for q, m, name in self.buffers
+                if (buf := m._buffers[name]) is not None]
 
     def gens(self) -> list[torch.Generator]:
         return [getattr(m, name) for m, name in self.generators]
 
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+# NOTE [ Buffers a forward changes ]
+#     A spectral norm updates its vectors ``u`` and ``v`` in place in forward and then
+#     computes the weight from them; a recompute that reads them as the forward left them
+#     computes another weight, and the gradients differ from the plain model's (2e-3 on
+#     four spectral-normed linear blocks). So a region's forward copies aside the buffers
+#     known to change before it runs, and its recompute puts those values in first (the
+#     buffers are then put back as the forward left them, so that they are updated once).
+#     Which buffers change is seen by comparing their version counters around a forward:
+#     the profile's first step does it for every block (``watch_buffers``), and a
+#     region's own forward for its modules; either notes the buffer's slot (module and
+#     name) here, for the process's life. A region whose forward changes a buffer not
+#     noted before (a plan applied to a model no profile of this process ran) has no copy
+#     for that step: warned once (StatefulBlockWarning), exact from its next forward.
+#     The copies live from the forward to the recompute, and the profile's memory steps
+#     (after its first step) measure them.
+_CHANGED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def watch_buffers(module: nn.Module) -> Callable[[], None]:
+    """Before a forward of ``module``: returns what to call after it, which notes the
+    buffers it changed in place (NOTE [ Buffers a forward changes ])."""
+    before = [(m, name, buf, buf._version) for _, m, name in _Layout.of([module]).buffers
+              if (buf := m._buffers[name]) is not None]
+
+    def after() -> None:
+        for m, name, buf, version in before:
+            if buf._version != version:
+                _CHANGED.setdefault(m, set()).add(name)
+
+    return after
 
 
 class _ForwardContext:
@@ -281,6 +320,7 @@ class _ForwardContext:
         self.inner = inner
         self.start: rng.RngSnapshot | None = None
         self.changed: list[torch.Tensor] = []  # buffers the forward changed
+        self.found: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers, values before
         self.python: Any = None
 
     def __enter__(self) -> None:
@@ -293,7 +333,10 @@ class _ForwardContext:
         if "python random" not in self.region.seen:
             self.python = random.getstate()
         self.buffers = self.layout.plain()
-        self.versions = [buf._version for _, buf in self.buffers]
+        self.versions = [buf._version for *_, buf in self.buffers]
+        # NOTE [ Buffers a forward changes ]: as this forward finds them, for its recompute
+        self.found = [(buf, buf.detach().clone()) for _, m, name, buf in self.buffers
+                      if name in _CHANGED.get(m, ())]
         _name_the_check(self.region.label)
         self.inner.__enter__()
 
@@ -317,19 +360,27 @@ class _ForwardContext:
                     "of blocks= when profiling)")
             if region.modules[0].training:  # checked once in training: a cost per call of
                 region.seen.add("python random")  # ~50 us otherwise
-        changed = [(name, buf) for (name, buf), v in zip(self.buffers, self.versions,
-                                                         strict=True) if buf._version != v]
-        self.changed = [buf for _, buf in changed]
-        if changed and "buffers" not in region.seen:
+        changed = [(q, m, name, buf) for (q, m, name, buf), v in
+                   zip(self.buffers, self.versions, strict=True) if buf._version != v]
+        self.changed = [buf for *_, buf in changed]
+        copied = {id(buf) for buf, _ in self.found}
+        unseen = [q for q, _, _, buf in changed if id(buf) not in copied]
+        for _, m, name, _ in changed:  # NOTE [ Buffers a forward changes ]
+            _CHANGED.setdefault(m, set()).add(name)
+        if unseen and "buffers" not in region.seen:
             region.seen.add("buffers")
             warnings.warn(
                 f"autoremat: block {label} changes its buffer(s) "
-                f"{', '.join(sorted({name for name, _ in changed})[:3])} in forward. autoremat "
-                "puts them back after each recompute (so they are updated once, as BatchNorm's "
-                "statistics), but the recompute reads them as the forward left them: if "
-                "the forward reads a buffer after changing it, gradients differ from the "
-                "plain model's. Keep this block (leave it out of blocks= when profiling) "
-                "or update the buffer outside it", StatefulBlockWarning, stacklevel=2)
+                f"{', '.join(sorted(set(unseen))[:3])} in forward, which no profile in this "
+                "process had seen. autoremat puts them back after each recompute (so they "
+                "are updated once, as BatchNorm's statistics), and from the next forward on "
+                "copies them before it, so that the recompute reads them as the forward "
+                "found them; this step's recompute reads them as the forward left them: if "
+                "the forward reads a buffer after changing it, this step's gradients differ "
+                "from the plain model's. Profile the model in this process before applying "
+                "a plan (autoremat.auto), keep this block (leave it out of blocks= when "
+                "profiling), or update the buffer outside it", StatefulBlockWarning,
+                stacklevel=2)
 
 
 class _RecomputeContext:
@@ -350,7 +401,12 @@ class _RecomputeContext:
                                            "forward ran")
         assert start is not None  # (for the type checker)
         with ExitStack() as stack:
-            stack.enter_context(_RestoredBuffers([*forward.layout.stashed(), *forward.changed]))
+            changed = {id(buf): buf for buf in forward.changed} | \
+                {id(buf): buf for buf, _ in forward.found}
+            stack.enter_context(_RestoredBuffers([*forward.layout.stashed(), *changed.values()]))
+            with torch.no_grad():  # as the forward found them (NOTE [ Buffers a forward ...])
+                for buf, value in forward.found:
+                    buf.copy_(value)
             stack.enter_context(rng.replaying(start))
             stack.enter_context(self.inner)
             self.stacks.append(stack.pop_all())

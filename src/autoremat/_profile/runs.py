@@ -102,7 +102,7 @@ from autoremat._measure.tape import WindowMemory
 from autoremat._measure.timing import Clock, clock_for
 from autoremat._mechanism.compiled import compiled_forwards
 from autoremat._mechanism.offload import BlockOffload, OffloadStats, offloading
-from autoremat._mechanism.wrap import ContextFn, checkpointed
+from autoremat._mechanism.wrap import ContextFn, checkpointed, watch_buffers
 from autoremat._plan.costs import CostModel
 
 __all__ = ["compile_settings", "refuse_hf_checkpointing"]
@@ -129,7 +129,9 @@ class _Probe:
     order: list[int] = field(default_factory=list)  # block indices in the order they ran
     in_backward: list[int] = field(default_factory=list)  # calls made while backward ran
     grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
+    watch: bool = False  # note the buffers each block's forward changes (watch_buffers)
     _prev_outputs: list[int] = field(default_factory=list)
+    _watched: dict[int, Callable[[], None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -163,6 +165,8 @@ class _Probe:
                 return
             self.grad_off[i] |= not torch.is_grad_enabled()
             self.order.append(i)
+            if self.watch:  # NOTE [ Buffers a forward changes ] in _mechanism/wrap.py
+                self._watched[i] = watch_buffers(module)
             self.on_mark(f"fwd:{i}")
             tensors = flat_tensors((args, kwargs))
             self.input_bytes[i] = unique_storage_bytes(tensors)
@@ -177,6 +181,9 @@ class _Probe:
 
     def _post(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            watched = self._watched.pop(i, None)
+            if watched is not None:
+                watched()
             tensors = flat_tensors(output)
             self.output_bytes[i] = unique_storage_bytes(tensors)
             self._prev_outputs = [id(t) for t in tensors]
@@ -195,10 +202,11 @@ class _Probe:
 
 
 def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
-                in_order: bool = True) -> _Probe:
+                in_order: bool = True, watch: bool = False) -> _Probe:
     """One step with marks at the block boundaries. Every block must run once; with
-    ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``)."""
-    probe = _Probe(names, on_mark)
+    ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``).
+    ``watch``: note the buffers each block's forward changes (``watch_buffers``)."""
+    probe = _Probe(names, on_mark, watch=watch)
     with probe.installed(step.model):
         on_mark("start")
         step.run(between=lambda: on_mark("backward"))
@@ -783,7 +791,7 @@ def find_chain(setup: Setup, *, in_order: bool, timed: bool) -> Chain:
     try:
         with held_inputs_seen.installed(model) if eager else ExitStack():
             warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
-                               in_order=in_order)
+                               in_order=in_order, watch=True)
     except RuntimeError as exc:
         if eager and _fails_for_the_hooks(step, names, exc):
             raise RematError(
