@@ -100,6 +100,7 @@ class SegmentRunner:
     def __post_init__(self) -> None:
         # one for the runner's life: it warns once (NOTE [ What a recompute cannot see ])
         self._contexts = RegionContexts(self.modules, label=self._label)
+        self._contexts.layout()  # what a copy made before its first forward must carry
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -286,7 +286,9 @@ _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 #     Which buffers change is seen by comparing their version counters around a forward:
 #     the profile's first step does it for every block (``watch_buffers``), and a
 #     region's own forward for its modules; either notes the buffer's slot (module and
-#     name) here, for the process's life. A region whose forward changes a buffer not
+#     name) here, for the process's life, and in the region (``RegionContexts.changing``),
+#     which a copy of the applied model carries to its own modules. A region whose
+#     forward changes a buffer not
 #     noted before (a plan applied to a model no profile of this process ran) has no copy
 #     for that step: warned once (StatefulBlockWarning), exact from its next forward.
 #     The copies live from the forward to the recompute, and the profile's memory steps
@@ -336,7 +338,7 @@ class _ForwardContext:
         self.versions = [buf._version for *_, buf in self.buffers]
         # NOTE [ Buffers a forward changes ]: as this forward finds them, for its recompute
         self.found = [(buf, buf.detach().clone()) for _, m, name, buf in self.buffers
-                      if name in _CHANGED.get(m, ())]
+                      if self.region.changes(m, name) or name in _CHANGED.get(m, ())]
         _name_the_check(self.region.label)
         self.inner.__enter__()
 
@@ -366,7 +368,7 @@ class _ForwardContext:
         copied = {id(buf) for buf, _ in self.found}
         unseen = [q for q, _, _, buf in changed if id(buf) not in copied]
         for _, m, name, _ in changed:  # NOTE [ Buffers a forward changes ]
-            _CHANGED.setdefault(m, set()).add(name)
+            region.note(m, name)
         if unseen and "buffers" not in region.seen:
             region.seen.add("buffers")
             warnings.warn(
@@ -455,12 +457,29 @@ class RegionContexts:
     label: str = "?"
     seen: set[str] = field(default_factory=set, compare=False)  # warned, or checked, once
     _layout: list[_Layout] = field(default_factory=list, compare=False)  # one, when first run
+    # the buffers its forward is known to change, as (module, name) slots: a copy of the
+    # model carries them to its own modules (NOTE [ Buffers a forward changes ])
+    changing: list[tuple[nn.Module, str]] = field(default_factory=list, compare=False)
 
     def layout(self) -> _Layout:
-        """Where the region's BatchNorm statistics, buffers and generators are."""
+        """Where the region's BatchNorm statistics, buffers and generators are; the first
+        time, the buffers noted as changing in forward are taken in ``changing``."""
         if not self._layout:
             self._layout.append(_Layout.of(self.modules))
+            for _, m, name in self._layout[0].buffers:
+                if name in _CHANGED.get(m, ()):
+                    self.note(m, name)
         return self._layout[0]
+
+    def changes(self, module: nn.Module, name: str) -> bool:
+        """Whether the forward is known to change buffer ``name`` of ``module``."""
+        return any(m is module and n == name for m, n in self.changing)
+
+    def note(self, module: nn.Module, name: str) -> None:
+        """Note that the forward changes buffer ``name`` of ``module``."""
+        _CHANGED.setdefault(module, set()).add(name)
+        if not self.changes(module, name):
+            self.changing.append((module, name))
 
     def __call__(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         forward_ctx, recompute_ctx = self.selective() if self.selective else \
@@ -553,6 +572,7 @@ def wrap(module: nn.Module, tag: Decision = Decision.RECOMPUTE, *,
         name: the module's qualified name, for errors and warnings (default: its class).
     """
     context_fn = RegionContexts([module], selective, repr(name or type(module).__name__))
+    context_fn.layout()  # what a copy made before its first forward must carry
     install_forward(module, lambda original: _Checkpointed(original, context_fn, compiled,
                                                            inputs), tag)
 
