@@ -378,6 +378,19 @@ class _PowerIterated(_Body):
         return x + super().forward(x) * self.u.tanh()  # a value computed from it
 
 
+class _Annealed(_Body):
+    """Anneals a Python attribute in forward, then computes with it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.temperature *= 0.9
+        return x + super().forward(x) * self.temperature
+
+
 class _Chain(nn.Module):
     """An embedding (so the blocks' inputs are not leaves), blocks, a loss."""
 
@@ -494,7 +507,7 @@ def test_a_buffer_changed_in_forward_is_updated_once_and_warned_about(strategy: 
     assert [int(b.seen) for b in model.blocks] == [1, 1, 1]
     autoremat.apply(model, chosen)
     with pytest.warns(StatefulBlockWarning, match=r"block .*blocks\.0.* changes its "
-                      r"buffer\(s\) seen in forward.*blocks="):
+                      r"buffer\(s\) or attribute\(s\) seen in forward.*blocks="):
         got = _chain_step(model, x)
     _assert_equal(plain, got)
     assert [int(b.seen) for b in model.blocks] == [2, 2, 2]  # once per step, as plain
@@ -515,8 +528,8 @@ def test_a_buffer_read_after_the_forward_changed_it_is_recomputed_as_found(
     after = [b.u.clone() for b in model.blocks]
     twin, _, _ = _chain(_PowerIterated, strategy)  # the same weights and buffers, unseen
     autoremat.apply(twin, chosen)
-    with pytest.warns(StatefulBlockWarning, match=r"changes its buffer\(s\) u in forward, "
-                      r"which no profile in this process had seen"):
+    with pytest.warns(StatefulBlockWarning, match=r"changes its buffer\(s\) or "
+                      r"attribute\(s\) u in forward, which no profile in this process had seen"):
         first = _chain_step(twin, x)
     assert not all(torch.equal(a, b) for a, b in  # the case the warning names
                    zip(plain[0], first, strict=True) if a is not None and b is not None)
@@ -536,6 +549,34 @@ def test_a_buffer_read_after_the_forward_changed_it_is_recomputed_as_found(
             _assert_equal(expected, _chain_step(fresh, x))
     assert all(torch.equal(a, b.u) for a, b in zip(after, fresh.blocks, strict=True))
     assert tape.blocks  # (profiled)
+
+
+@pytest.mark.parametrize("strategy", ["block", "segment", "selective"])
+def test_an_attribute_the_forward_changes_is_recomputed_as_found(strategy: str) -> None:
+    """A Python attribute annealed in forward (NOTE [ Buffers a forward changes ]): the
+    profile leaves it as it found it, and the plan's steps equal the plain model's, the
+    attribute changed once a step; unprofiled, the first step warns, and the next are
+    exact."""
+    model, x, chosen = _chain(_Annealed, strategy)
+    plain = [_chain_step(model, x) for _ in range(3)]
+    fresh, _, _ = _chain(_Annealed, strategy)
+    autoremat.profile(fresh, x, timing=False)
+    assert [b.temperature for b in fresh.blocks] == [1.0] * 3  # as the profile found it
+    autoremat.apply(fresh, chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for expected in plain:
+            _assert_equal(expected, _chain_step(fresh, x))
+    assert [b.temperature for b in fresh.blocks] == [b.temperature for b in model.blocks]
+    twin, _, _ = _chain(_Annealed, strategy)
+    autoremat.apply(twin, chosen)
+    with pytest.warns(StatefulBlockWarning, match=r"attribute\(s\) temperature in forward"):
+        _chain_step(twin, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for expected in plain[1:]:
+            _assert_equal(expected, _chain_step(twin, x))
+    assert [b.temperature for b in twin.blocks] == [b.temperature for b in model.blocks]
 
 
 @pytest.mark.parametrize("norm", ["parametrization", "hook"])

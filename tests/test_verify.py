@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -197,18 +198,19 @@ def test_over_budget_is_not_ok(gpt2: tuple[nn.Module, Any, Tape]) -> None:
 
 
 class _Jitter(nn.Module):
-    """Scales by a count of its calls, which its recompute sees one higher: the same ops
-    on other values, which no check can see (autoremat refuses blocks that draw from
-    Python's ``random``, the example before)."""
+    """Scales by a count of its calls kept in a dict, which its recompute sees one higher:
+    the same ops on other values, which no check can see (autoremat refuses blocks that
+    draw from Python's ``random``, and recomputes a Python number attribute the forward
+    changed as the forward found it, the examples before)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
-        self.calls = 0
+        self.state = {"calls": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return torch.tanh(self.fc(x) * (1 + 0.1 * self.calls))
+        self.state["calls"] += 1
+        return torch.tanh(self.fc(x) * (1 + 0.1 * self.state["calls"]))
 
 
 class _JitterChain(nn.Module):
@@ -300,9 +302,9 @@ def test_step_measure_leaves_no_trace(
 # NOTE [ Judging gradients ] in _verify.py. CPU kernels are deterministic, so the floor is
 # exercised with models that bring their own nondeterminism: _Noisy adds fresh noise to
 # its backward from a private generator (as atomic adds do on CUDA, nothing resets it),
-# and a redrawing block seeds its dropout mask with a count of its calls (a buffer, which
-# verify restores between steps), which its recompute sees one higher, so a recomputed
-# block draws a different mask (a wrong plan on purpose).
+# and a redrawing block seeds its dropout mask from numpy's global RNG (which verify
+# restores between steps, and a recompute does not replay), so a recomputed block draws
+# a different mask (a wrong plan on purpose).
 
 _NOISE = 1e-6  # absolute noise _Noisy adds to each gradient entry (gradients are ~1e-2)
 
@@ -321,20 +323,19 @@ class _AddNoise(torch.autograd.Function):
 
 class _Block(nn.Module):
     """Linear + tanh; ``noisy``: gradient noise in backward; ``redraw``: a dropout mask
-    seeded by a call count (different on recompute)."""
+    seeded from numpy's global RNG (another draw on recompute: numpy's RNG is not replayed,
+    and verify restores it between steps)."""
 
     def __init__(self, noisy: bool, redraw: bool) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
         self.gen = torch.Generator().manual_seed(1234) if noisy else None
         self.redraw = redraw
-        self.register_buffer("draws", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc(x))
         if self.redraw:
-            self.draws += 1
-            masks = torch.Generator().manual_seed(int(self.draws))
+            masks = torch.Generator().manual_seed(int(np.random.randint(0, 2**31 - 1)))
             h = h * (torch.rand(h.shape, generator=masks) > 0.5) * 2.0
         if self.gen is not None:
             h = _AddNoise.apply(h, self.gen)

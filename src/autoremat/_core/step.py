@@ -479,13 +479,16 @@ def every_layer_runs(model: nn.Module) -> Iterator[list[str]]:
 def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     """Run measurement steps without leaving a trace on the model, the inputs or the RNGs.
 
-    Saves and restores: buffers (BatchNorm statistics), the ``.grad`` of parameters and
-    of the input tensors that are leaves requiring grad (an input whose gradient the user
-    wants must not collect the measurement steps'), the Python, CPU and CUDA random
-    states, and numpy's global one (models draw from it: Wav2Vec2's SpecAugment masks).
-    Gradients are ``None`` inside.
+    Saves and restores: buffers (BatchNorm statistics), the modules' Python number and
+    string attributes (a call counter, an annealed temperature), the ``.grad`` of
+    parameters and of the input tensors that are leaves requiring grad (an input whose
+    gradient the user wants must not collect the measurement steps'), the Python, CPU
+    and CUDA random states, and numpy's global one (models draw from it: Wav2Vec2's
+    SpecAugment masks). Gradients are ``None`` inside.
     """
     buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    scalars = [(m, name, value) for m in model.modules() for name, value in vars(m).items()
+               if type(value) in (bool, int, float, str)]
     leaves = [t for t in flat_tensors(inputs) if t.is_leaf and t.requires_grad]
     grads = [(p, p.grad) for p in (*model.parameters(), *leaves)]
     py_state, np_state = random.getstate(), np.random.get_state()
@@ -499,6 +502,8 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
+            for m, name, value in scalars:
+                vars(m)[name] = value
             for p, g in grads:
                 p.grad = g
             random.setstate(py_state)

@@ -247,20 +247,23 @@ class _Layout:
     statistics: list[tuple[nn.Module, str]]  # BatchNorm statistics: (layer, buffer name)
     buffers: list[tuple[str, nn.Module, str]]  # other buffers: (qualified name, module, name)
     generators: list[tuple[nn.Module, str]]  # torch.Generator attributes: (module, name)
+    submodules: list[tuple[str, nn.Module]]  # every module, by its qualified name
 
     @staticmethod
     def of(modules: list[nn.Module]) -> _Layout:
         layers = {id(m) for m in _tracking_batchnorms(modules)}
         statistics: list[tuple[nn.Module, str]] = []
         buffers: list[tuple[str, nn.Module, str]] = []
+        submodules: list[tuple[str, nn.Module]] = []
         for module in modules:
             for prefix, m in module.named_modules():
+                submodules.append((prefix, m))
                 for name in m._buffers:
                     if id(m) in layers and name in _STATISTICS:
                         statistics.append((m, name))
                     else:
                         buffers.append((f"{prefix}.{name}" if prefix else name, m, name))
-        return _Layout(statistics, buffers, rng.generator_slots(modules))
+        return _Layout(statistics, buffers, rng.generator_slots(modules), submodules)
 
     def stashed(self) -> list[torch.Tensor]:
         return [buf for m, name in self.statistics if (buf := m._buffers[name]) is not None]
@@ -271,6 +274,13 @@ class _Layout:
 
     def gens(self) -> list[torch.Generator]:
         return [getattr(m, name) for m, name in self.generators]
+
+    def scalars(self) -> list[tuple[str, nn.Module, str, Any]]:
+        """The modules' Python number and string attributes, as (qualified name, module,
+        name, value) (NOTE [ Buffers a forward changes ])."""
+        return [(f"{prefix}.{name}" if prefix else name, m, name, value)
+                for prefix, m in self.submodules for name, value in vars(m).items()
+                if type(value) in SCALARS]
 
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -293,19 +303,35 @@ _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 #     for that step: warned once (StatefulBlockWarning), exact from its next forward.
 #     The copies live from the forward to the recompute, and the profile's memory steps
 #     (after its first step) measure them.
+#     A module's Python number or string attribute changed in forward (a temperature
+#     annealed, a call counter) is the same case without a version counter: compared by
+#     value around the profile's first step and a region's first training forward (a
+#     walk of the region's modules, once), noted alike, set to the value the forward found
+#     before the recompute and back to the one it left after.
 _CHANGED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+_CHANGED_ATTRS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+SCALARS = (bool, int, float, str)  # the attribute types compared and put back
+
+
+def _differ(a: Any, b: Any) -> bool:
+    return a is not b and a != b
 
 
 def watch_buffers(module: nn.Module) -> Callable[[], None]:
     """Before a forward of ``module``: returns what to call after it, which notes the
     buffers it changed in place (NOTE [ Buffers a forward changes ])."""
-    before = [(m, name, buf, buf._version) for _, m, name in _Layout.of([module]).buffers
+    layout = _Layout.of([module])
+    before = [(m, name, buf, buf._version) for _, m, name in layout.buffers
               if (buf := m._buffers[name]) is not None]
+    scalars = layout.scalars()
 
     def after() -> None:
         for m, name, buf, version in before:
             if buf._version != version:
                 _CHANGED.setdefault(m, set()).add(name)
+        for _, m, name, value in scalars:
+            if _differ(vars(m).get(name, value), value):
+                _CHANGED_ATTRS.setdefault(m, set()).add(name)
 
     return after
 
@@ -323,6 +349,9 @@ class _ForwardContext:
         self.start: rng.RngSnapshot | None = None
         self.changed: list[torch.Tensor] = []  # buffers the forward changed
         self.found: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers, values before
+        self.found_attrs: list[tuple[nn.Module, str, Any]] = []  # attributes, values before
+        self.changed_attrs: list[tuple[nn.Module, str]] = []  # attributes the forward changed
+        self.scalars: list[tuple[str, nn.Module, str, Any]] | None = None  # (first: all)
         self.python: Any = None
 
     def __enter__(self) -> None:
@@ -338,7 +367,11 @@ class _ForwardContext:
         self.versions = [buf._version for *_, buf in self.buffers]
         # NOTE [ Buffers a forward changes ]: as this forward finds them, for its recompute
         self.found = [(buf, buf.detach().clone()) for _, m, name, buf in self.buffers
-                      if self.region.changes(m, name) or name in _CHANGED.get(m, ())]
+                      if self.region.changes(m, name)]
+        self.found_attrs = [(m, name, vars(m)[name]) for m, name, attribute
+                            in self.region.changing if attribute and name in vars(m)]
+        if "attributes" not in self.region.seen:
+            self.scalars = self.layout.scalars()
         _name_the_check(self.region.label)
         self.inner.__enter__()
 
@@ -369,10 +402,20 @@ class _ForwardContext:
         unseen = [q for q, _, _, buf in changed if id(buf) not in copied]
         for _, m, name, _ in changed:  # NOTE [ Buffers a forward changes ]
             region.note(m, name)
+        if self.scalars is not None:  # attributes, compared until a training forward was
+            known = {(id(m), name) for m, name, _ in self.found_attrs}
+            changed_attrs = [(q, m, name) for q, m, name, value in self.scalars
+                             if _differ(vars(m).get(name, value), value)]
+            self.changed_attrs = [(m, name) for _, m, name in changed_attrs]
+            for _, m, name in changed_attrs:
+                region.note(m, name, attribute=True)
+            unseen += [q for q, m, name in changed_attrs if (id(m), name) not in known]
+            if region.modules[0].training:
+                region.seen.add("attributes")
         if unseen and "buffers" not in region.seen:
             region.seen.add("buffers")
             warnings.warn(
-                f"autoremat: block {label} changes its buffer(s) "
+                f"autoremat: block {label} changes its buffer(s) or attribute(s) "
                 f"{', '.join(sorted(set(unseen))[:3])} in forward, which no profile in this "
                 "process had seen. autoremat puts them back after each recompute (so they "
                 "are updated once, as BatchNorm's statistics), and from the next forward on "
@@ -383,6 +426,11 @@ class _ForwardContext:
                 "a plan (autoremat.auto), keep this block (leave it out of blocks= when "
                 "profiling), or update the buffer outside it", StatefulBlockWarning,
                 stacklevel=2)
+
+
+def _put_attributes(values: list[tuple[nn.Module, str, Any]]) -> None:
+    for m, name, value in values:
+        vars(m)[name] = value
 
 
 class _RecomputeContext:
@@ -409,6 +457,11 @@ class _RecomputeContext:
             with torch.no_grad():  # as the forward found them (NOTE [ Buffers a forward ...])
                 for buf, value in forward.found:
                     buf.copy_(value)
+            slots = {(id(m), name): (m, name) for m, name, _ in forward.found_attrs} | \
+                {(id(m), name): (m, name) for m, name in forward.changed_attrs}
+            stack.callback(_put_attributes, [(m, name, vars(m).get(name))
+                                             for m, name in slots.values()])
+            _put_attributes(forward.found_attrs)
             stack.enter_context(rng.replaying(start))
             stack.enter_context(self.inner)
             self.stacks.append(stack.pop_all())
@@ -459,7 +512,8 @@ class RegionContexts:
     _layout: list[_Layout] = field(default_factory=list, compare=False)  # one, when first run
     # the buffers its forward is known to change, as (module, name) slots: a copy of the
     # model carries them to its own modules (NOTE [ Buffers a forward changes ])
-    changing: list[tuple[nn.Module, str]] = field(default_factory=list, compare=False)
+    changing: list[tuple[nn.Module, str, bool]] = field(default_factory=list, compare=False)
+    # (module, name, an attribute rather than a buffer)
 
     def layout(self) -> _Layout:
         """Where the region's BatchNorm statistics, buffers and generators are; the first
@@ -469,17 +523,22 @@ class RegionContexts:
             for _, m, name in self._layout[0].buffers:
                 if name in _CHANGED.get(m, ()):
                     self.note(m, name)
+            for _, m in self._layout[0].submodules:
+                for name in _CHANGED_ATTRS.get(m, ()):
+                    self.note(m, name, attribute=True)
         return self._layout[0]
 
-    def changes(self, module: nn.Module, name: str) -> bool:
-        """Whether the forward is known to change buffer ``name`` of ``module``."""
-        return any(m is module and n == name for m, n in self.changing)
+    def changes(self, module: nn.Module, name: str, *, attribute: bool = False) -> bool:
+        """Whether the forward is known to change buffer (or attribute) ``name`` of
+        ``module``."""
+        return name in (_CHANGED_ATTRS if attribute else _CHANGED).get(module, ()) or any(
+            m is module and n == name and a is attribute for m, n, a in self.changing)
 
-    def note(self, module: nn.Module, name: str) -> None:
-        """Note that the forward changes buffer ``name`` of ``module``."""
-        _CHANGED.setdefault(module, set()).add(name)
-        if not self.changes(module, name):
-            self.changing.append((module, name))
+    def note(self, module: nn.Module, name: str, *, attribute: bool = False) -> None:
+        """Note that the forward changes buffer (or attribute) ``name`` of ``module``."""
+        (_CHANGED_ATTRS if attribute else _CHANGED).setdefault(module, set()).add(name)
+        if not any(m is module and n == name and a is attribute for m, n, a in self.changing):
+            self.changing.append((module, name, attribute))
 
     def __call__(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         forward_ctx, recompute_ctx = self.selective() if self.selective else \
