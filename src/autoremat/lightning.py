@@ -300,8 +300,9 @@ def _loop_of(runner: LightningStep, inputs: Any) -> Loop:
     runs ]), from one forward without gradients."""
     with preserved_state(runner, inputs), torch.no_grad():
         runner.call(inputs)
+        returned_dict = runner.returned_dict  # (the state puts the runner's flag back)
     runner.result = None
-    return "holds_output" if runner.returned_dict else "loss_only"
+    return "holds_output" if returned_dict else "loss_only"
 
 
 def _loss_of(output: Any) -> torch.Tensor:
