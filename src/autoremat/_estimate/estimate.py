@@ -326,17 +326,19 @@ def _block_lines(by_block: dict[str, int]) -> list[str]:
 
 def _recurrent_note(model: nn.Module) -> list[str]:
     """A note where ``model`` has recurrent layers, which meta runs another way than the
-    devices do: ATen's generic loop over the steps, where the CPU kernel projects every
-    step's input at once and CUDA runs cuDNN (a stack of 3 GRUs, 8 x 32 x 64: estimated
-    4.0% under its CPU step)."""
+    devices do: ATen's generic loop over the steps, where the CPU runs oneDNN's kernels
+    (an LSTM's keeps a workspace for backward) or projects every step's input at once,
+    and CUDA runs cuDNN. Stacks of 3 layers, measured on the CPU against their estimate:
+    LSTMs (4 x 16 x 32) 2.0x the estimate, plain RNNs 1.10x, GRUs 0.99x-1.04x."""
     rnns = [name for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
     if not rnns:
         return []
     return [f"{len(rnns)} recurrent layer(s) ({rnns[0]!r}{', ...' if len(rnns) > 1 else ''}) "
-            f"run on meta as ATen's generic loop over the time steps; the CPU kernel "
-            f"projects every step's input at once and CUDA runs cuDNN, so their step "
-            f"peaks differ from this estimate (a stack of 3 GRUs: 4% more on the CPU): "
-            f"measure such a model with autoremat.profile on the device"]
+            f"run on meta as ATen's generic loop over the time steps; the CPU runs "
+            f"oneDNN's kernels and CUDA cuDNN's, which keep other tensors for backward, so "
+            f"their step peaks differ from this estimate, by up to 2x (3 LSTMs: 2.0x this "
+            f"estimate on the CPU, 3 GRUs 1.04x): measure such a model with "
+            f"autoremat.profile on the device"]
 
 
 def estimate(
