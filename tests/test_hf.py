@@ -265,6 +265,46 @@ def test_profile_and_auto_refuse_a_model_with_hf_checkpointing_on(kind: str) -> 
     assert autoremat.profile(model, _batch(), timing=False).blocks
 
 
+def test_a_peft_lora_model_is_planned_through_its_wrapper() -> None:
+    """PEFT's PeftModel forwards lm_head and loss_function to the model it wraps, whose
+    forward takes the loss: the head is chunked there (it measured nothing and failed the
+    profile before), the plan's gradients are the plain LoRA model's, and the adapter's
+    plan verifies within its prediction."""
+    peft = pytest.importorskip("peft")
+
+    def lora() -> nn.Module:
+        model = _model("llama")
+        model.train()
+        return peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+
+    model = lora()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # use_cache turned off, said
+        tape = autoremat.profile(model, _batch(), timing=False)
+        assert tape.head is not None and tape.head.name == "base_model.model.lm_head"
+        assert tape.head.options  # measured, through the wrapper
+        kept = autoremat.plan(tape, budget="70%")
+        reference, plain = _grads(lora()), autoremat.verify(model, _batch(), kept)
+        assert plain.ok and plain.grads_equal
+        try:
+            chunked = autoremat.plan(tape, budget="45%", head="auto")
+        except BudgetError as exc:
+            chunked = autoremat.plan(tape, budget=exc.min_feasible_bytes, head="auto")
+        assert chunked.head.decision is Decision.CHUNKED
+        report = autoremat.verify(model, _batch(), chunked)
+        assert report.ok and report.peak_bytes <= chunked.predicted_peak_bytes
+        autoremat.apply(model, kept)
+        try:
+            got = _grads(model)
+        finally:
+            autoremat.remove(model)
+        assert reference.keys() == got.keys() and all(
+            n.count("lora_") for n in got)  # only the adapters train
+        assert all(torch.equal(reference[n], got[n]) for n in reference)
+        assert autoremat.estimate(lora(), _batch()).tape.head is not None
+
+
 def test_a_checkpoint_saved_while_a_plan_is_applied_keeps_the_users_config(
         tmp_path: pathlib.Path) -> None:
     """apply() turns use_cache off while the plan is applied; save_pretrained (the Trainer's

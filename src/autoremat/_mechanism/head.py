@@ -86,10 +86,26 @@ class HeadSite:
         return f"{self.name} ({what})"
 
 
+def _lm_owner(model: nn.Module) -> tuple[str, nn.Module]:
+    """The Hugging Face model whose forward takes the loss of its ``lm_head``, and its
+    name: ``model`` itself, or the model a wrapper runs (PEFT's ``PeftModel`` holds it
+    at ``base_model.model`` and forwards ``lm_head`` and ``loss_function`` to it, but the
+    loss is taken in that model's forward, from its own ``loss_function``)."""
+    if "lm_head" in model._modules or not isinstance(getattr(model, "lm_head", None),
+                                                      nn.Module):
+        return "", model
+    for name, module in model.named_modules():
+        if "lm_head" in module._modules and hasattr(module, "config") and \
+                hasattr(module, "loss_function"):
+            return name, module
+    return "", model
+
+
 def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | None, str]:
     """The model's chunkable head, or ``None`` and the reason (``""``: no LM head at all)."""
     heads = [(name, m) for name, m in model.named_modules() if isinstance(m, LMHead)]
-    lm_head = getattr(model, "lm_head", None)
+    prefix, owner = _lm_owner(model)
+    lm_head = getattr(owner, "lm_head", None)
     output = _output_layer(model)
     if not heads and lm_head is None and output is None:
         return None, ""
@@ -106,10 +122,11 @@ def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | N
     if not hasattr(model, "config"):
         return None, ""  # some other model's lm_head: nothing says what its loss is
     why = ""
-    if lm_head is not None and hasattr(model, "loss_function"):
-        why = _hf_unsupported(model, lm_head, inputs)
+    if lm_head is not None and hasattr(owner, "loss_function"):
+        why = _hf_unsupported(owner, lm_head, inputs)
         if not why:
-            return HeadSite("hf", "lm_head", int(lm_head.out_features)), ""
+            return HeadSite("hf", f"{prefix}.lm_head" if prefix else "lm_head",
+                            int(lm_head.out_features)), ""
     # NOTE [ Which heads can be chunked ]: kind "ce", where the causal-LM loss is not
     # the model's (whether its forward takes cross_entropy of the layer shows in the step),
     # or where lm_head is a module around the output layer (RoBERTa's RobertaLMHead:
@@ -451,7 +468,7 @@ class HeadInstall:
 
     site: HeadSite
     chunks: int
-    owner: nn.Module  # the model
+    owner: nn.Module  # the model (for a Hugging Face head: the one that takes its loss)
     module: nn.Module  # its lm_head, or its LMHead
     handles: list[Any]
     calls: int = 0
@@ -489,16 +506,18 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int,
         module.forward = passed  # type: ignore[method-assign]
         install.handles.append(model.register_forward_hook(_DropLogits(passed)))
         return install
-    why = _hf_unsupported(model, module, {"labels": torch.empty(0)})
+    owner = model.get_submodule(site.name.rpartition(".")[0])  # (a wrapper's model)
+    install.owner = owner
+    why = _hf_unsupported(owner, module, {"labels": torch.empty(0)})
     if why:
         raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
     linear = cast(nn.Linear, module)
-    passed = _PassHidden(linear, traced=bool(logit_transform(model)))
-    own = model.loss_function
+    passed = _PassHidden(linear, traced=bool(logit_transform(owner)))
+    own = owner.loss_function
     module.forward = passed  # type: ignore[method-assign]
     # the model's loss_function property returns _loss_function when one is set
-    vars(model)["_loss_function"] = _ChunkedCausalLMLoss(linear, passed, chunks, install, own)
-    install.handles.append(model.register_forward_hook(_DropLogits(passed)))
+    vars(owner)["_loss_function"] = _ChunkedCausalLMLoss(linear, passed, chunks, install, own)
+    install.handles.append(owner.register_forward_hook(_DropLogits(passed)))
     return install
 
 
