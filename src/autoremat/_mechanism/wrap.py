@@ -280,7 +280,7 @@ class _Layout:
         name, value) (NOTE [ Buffers a forward changes ])."""
         return [(f"{prefix}.{name}" if prefix else name, m, name, value)
                 for prefix, m in self.submodules for name, value in vars(m).items()
-                if type(value) in SCALARS]
+                if type(value) in _SCALARS]
 
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -298,9 +298,9 @@ _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 #     region's own forward for its modules; either notes the buffer's slot (module and
 #     name) here, for the process's life, and in the region (``RegionContexts.changing``),
 #     which a copy of the applied model carries to its own modules. A region whose
-#     forward changes a buffer not
-#     noted before (a plan applied to a model no profile of this process ran) has no copy
-#     for that step: warned once (StatefulBlockWarning), exact from its next forward.
+#     forward changes a buffer not noted before (a plan applied to a model no profile of
+#     this process ran) has no copy for that step: warned once (StatefulBlockWarning),
+#     exact from its next forward.
 #     The copies live from the forward to the recompute, and the profile's memory steps
 #     (after its first step) measure them.
 #     A module's Python number or string attribute changed in forward (a temperature
@@ -310,7 +310,7 @@ _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 #     before the recompute and back to the one it left after.
 _CHANGED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 _CHANGED_ATTRS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
-SCALARS = (bool, int, float, str)  # the attribute types compared and put back
+_SCALARS = (bool, int, float, str)  # the attribute types compared and put back
 
 
 def _differ(a: Any, b: Any) -> bool:
