@@ -475,6 +475,14 @@ def every_layer_runs(model: nn.Module) -> Iterator[list[str]]:
             setattr(owner, key, value)
 
 
+def scalar_attributes(module: nn.Module) -> list[tuple[str, Any]]:
+    """``module``'s own Python number and string attributes (a call counter, an annealed
+    temperature), by name: the state a forward may change that is neither a buffer nor a
+    parameter, and that :func:`preserved_state` and a recompute put back."""
+    return [(name, value) for name, value in vars(module).items()
+            if type(value) in (bool, int, float, str)]
+
+
 @contextmanager
 def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     """Run measurement steps without leaving a trace on the model, the inputs or the RNGs.
@@ -487,8 +495,7 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     SpecAugment masks). Gradients are ``None`` inside.
     """
     buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
-    scalars = [(m, name, value) for m in model.modules() for name, value in vars(m).items()
-               if type(value) in (bool, int, float, str)]
+    scalars = [(m, name, value) for m in model.modules() for name, value in scalar_attributes(m)]
     leaves = [t for t in flat_tensors(inputs) if t.is_leaf and t.requires_grad]
     grads = [(p, p.grad) for p in (*model.parameters(), *leaves)]
     py_state, np_state = random.getstate(), np.random.get_state()

@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from autoremat._core import rng
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError, internal_assert
-from autoremat._core.step import flat_tensors
+from autoremat._core.step import flat_tensors, scalar_attributes
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
 __all__ = ["RegionContexts", "StatefulBlockWarning", "checkpointed", "install_forward",
@@ -279,8 +279,7 @@ class _Layout:
         """The modules' Python number and string attributes, as (qualified name, module,
         name, value) (NOTE [ Buffers a forward changes ])."""
         return [(f"{prefix}.{name}" if prefix else name, m, name, value)
-                for prefix, m in self.submodules for name, value in vars(m).items()
-                if type(value) in _SCALARS]
+                for prefix, m in self.submodules for name, value in scalar_attributes(m)]
 
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -310,28 +309,38 @@ _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 #     before the recompute and back to the one it left after.
 _CHANGED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 _CHANGED_ATTRS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
-_SCALARS = (bool, int, float, str)  # the attribute types compared and put back
 
 
-def _differ(a: Any, b: Any) -> bool:
-    return a is not b and a != b
+class _Before:
+    """A region's buffers (their version counters) and, with ``attributes``, its
+    modules' Python number and string attributes, as a forward finds them; after it,
+    which of them it changed (NOTE [ Buffers a forward changes ])."""
+
+    def __init__(self, layout: _Layout, *, attributes: bool) -> None:
+        self.buffers = layout.plain()
+        self.versions = [buf._version for *_, buf in self.buffers]
+        self.scalars = layout.scalars() if attributes else None
+
+    def changed_buffers(self) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+        return [(q, m, name, buf) for (q, m, name, buf), v in
+                zip(self.buffers, self.versions, strict=True) if buf._version != v]
+
+    def changed_attributes(self) -> list[tuple[str, nn.Module, str]]:
+        """Those changed by value (``[]`` without ``attributes``)."""
+        return [(q, m, name) for q, m, name, value in self.scalars or ()
+                if (now := vars(m).get(name, value)) is not value and now != value]
 
 
 def watch_buffers(module: nn.Module) -> Callable[[], None]:
     """Before a forward of ``module``: returns what to call after it, which notes the
-    buffers it changed in place (NOTE [ Buffers a forward changes ])."""
-    layout = _Layout.of([module])
-    before = [(m, name, buf, buf._version) for _, m, name in layout.buffers
-              if (buf := m._buffers[name]) is not None]
-    scalars = layout.scalars()
+    buffers and attributes it changed (NOTE [ Buffers a forward changes ])."""
+    before = _Before(_Layout.of([module]), attributes=True)
 
     def after() -> None:
-        for m, name, buf, version in before:
-            if buf._version != version:
-                _CHANGED.setdefault(m, set()).add(name)
-        for _, m, name, value in scalars:
-            if _differ(vars(m).get(name, value), value):
-                _CHANGED_ATTRS.setdefault(m, set()).add(name)
+        for _, m, name, _ in before.changed_buffers():
+            _CHANGED.setdefault(m, set()).add(name)
+        for _, m, name in before.changed_attributes():
+            _CHANGED_ATTRS.setdefault(m, set()).add(name)
 
     return after
 
@@ -351,7 +360,6 @@ class _ForwardContext:
         self.found: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers, values before
         self.found_attrs: list[tuple[nn.Module, str, Any]] = []  # attributes, values before
         self.changed_attrs: list[tuple[nn.Module, str]] = []  # attributes the forward changed
-        self.scalars: list[tuple[str, nn.Module, str, Any]] | None = None  # (first: all)
         self.python: Any = None
 
     def __enter__(self) -> None:
@@ -363,15 +371,13 @@ class _ForwardContext:
         self.early_stop = _early_stop()  # as checkpoint's frame reads it, in forward
         if "python random" not in self.region.seen:
             self.python = random.getstate()
-        self.buffers = self.layout.plain()
-        self.versions = [buf._version for *_, buf in self.buffers]
+        # attributes compared until a training forward was
+        self.before = _Before(self.layout, attributes="attributes" not in self.region.seen)
         # NOTE [ Buffers a forward changes ]: as this forward finds them, for its recompute
-        self.found = [(buf, buf.detach().clone()) for _, m, name, buf in self.buffers
+        self.found = [(buf, buf.detach().clone()) for _, m, name, buf in self.before.buffers
                       if self.region.changes(m, name)]
         self.found_attrs = [(m, name, vars(m)[name]) for m, name, attribute
                             in self.region.changing if attribute and name in vars(m)]
-        if "attributes" not in self.region.seen:
-            self.scalars = self.layout.scalars()
         _name_the_check(self.region.label)
         self.inner.__enter__()
 
@@ -395,23 +401,20 @@ class _ForwardContext:
                     "of blocks= when profiling)")
             if region.modules[0].training:  # checked once in training: a cost per call of
                 region.seen.add("python random")  # ~50 us otherwise
-        changed = [(q, m, name, buf) for (q, m, name, buf), v in
-                   zip(self.buffers, self.versions, strict=True) if buf._version != v]
+        changed = self.before.changed_buffers()
         self.changed = [buf for *_, buf in changed]
         copied = {id(buf) for buf, _ in self.found}
         unseen = [q for q, _, _, buf in changed if id(buf) not in copied]
         for _, m, name, _ in changed:  # NOTE [ Buffers a forward changes ]
             region.note(m, name)
-        if self.scalars is not None:  # attributes, compared until a training forward was
-            known = {(id(m), name) for m, name, _ in self.found_attrs}
-            changed_attrs = [(q, m, name) for q, m, name, value in self.scalars
-                             if _differ(vars(m).get(name, value), value)]
-            self.changed_attrs = [(m, name) for _, m, name in changed_attrs]
-            for _, m, name in changed_attrs:
-                region.note(m, name, attribute=True)
-            unseen += [q for q, m, name in changed_attrs if (id(m), name) not in known]
-            if region.modules[0].training:
-                region.seen.add("attributes")
+        changed_attrs = self.before.changed_attributes()
+        self.changed_attrs = [(m, name) for _, m, name in changed_attrs]
+        known = {(id(m), name) for m, name, _ in self.found_attrs}
+        unseen += [q for q, m, name in changed_attrs if (id(m), name) not in known]
+        for _, m, name in changed_attrs:
+            region.note(m, name, attribute=True)
+        if self.before.scalars is not None and region.modules[0].training:
+            region.seen.add("attributes")
         if unseen and "buffers" not in region.seen:
             region.seen.add("buffers")
             warnings.warn(
