@@ -250,6 +250,28 @@ def test_a_discovered_chain_is_planned_in_the_order_it_runs() -> None:
         autoremat.profile(model, torch.randn(4, 8), blocks=discover_blocks(model), repeats=1)
 
 
+
+def test_blocks_a_predicate_chose_are_planned_in_the_order_they_run() -> None:
+    """A predicate gives a set, not an order (a diffusers UNet's resnets and attentions
+    are defined up, down, mid and run down, mid, up): its blocks go in the order they
+    run, as found ones do, where a list in another order is refused (above)."""
+    import autoremat
+
+    model, x = _TwoTowers(), torch.randn(4, 8, requires_grad=True)
+    tape = autoremat.profile(model, x, blocks=lambda name, m: isinstance(m, nn.Linear),
+                             repeats=1, with_selective=False)
+    assert [b.name for b in tape.blocks] == ["image.0", "image.1", "text.0", "text.1"]
+    assert any("the predicate chose run in another order" in n for n in tape.notes)
+    plan = autoremat.plan(tape, strategy="full")
+    autoremat.apply(model, plan)
+    try:
+        assert autoremat.verify(model, x, plan).max_grad_diff == 0.0
+    finally:
+        autoremat.remove(model)
+    in_order = autoremat.profile(model, x, blocks=lambda name, m: name.startswith("text."),
+                                 repeats=1, with_selective=False)
+    assert not any("another order" in n for n in in_order.notes)
+
 class _MixedBlocks(nn.Module):
     """The most ordinary model: a ModuleList of Sequential(Linear, GELU, Linear, Tanh)."""
 

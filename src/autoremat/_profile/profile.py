@@ -360,7 +360,9 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` when present,
             else the sum of the first floating tensor in the output.
         blocks: ``None`` to find the chain of repeated layers, a list of qualified
-            module names, or a predicate ``(name, module) -> bool``.
+            module names in the order they run, or a predicate ``(name, module) ->
+            bool`` (its blocks are planned in the order they run, which
+            ``tape.notes`` gives where it is not the order they are defined in).
         repeats: uninstrumented steps timed, at most (medians are reported): the
             first step, which finds the blocks, counts as one when ``repeats >= 3``, and
             timing stops once two steps in a row agree within 10%
@@ -447,8 +449,9 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
     with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
             compile_settings(setup.backend), _forgetting(step.model, setup.backend):
         stage("warm-up step")
-        chain = find_chain(setup, in_order=blocks is not None,
-                       timed=timed and setup.backend is None)  # compiled: timed compiled
+        given = None if blocks is None else "predicate" if callable(blocks) else "list"
+        chain = find_chain(setup, given=given,
+                           timed=timed and setup.backend is None)  # compiled: timed compiled
         base = base_runs(chain.names, setup, stage, tag=with_selective)
         selective = selective_runs(chain.names, base, setup, stage) \
             if with_selective else [{} for _ in chain.names]

@@ -261,12 +261,8 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
     notes on what changed. Blocks that backward never runs through (frozen, with an input
     that needs no gradient: the lower layers of a partial fine-tune) save nothing for
     backward, so there is nothing to recompute in them: they leave the chain."""
-    names, notes, order = probe.names, [], probe.order
-    if order != sorted(order):
-        # a discovered chain goes in the order it runs (NOTE [ Stacks beside the chain ])
-        notes.append(f"the blocks found run in another order than they are defined; "
-                     f"planned in the order they run: {names[order[0]]}, ..., "
-                     f"{names[order[-1]]}")
+    names, order = probe.names, probe.order
+    notes = _run_order_note(probe, "found")
     no_backward = [names[i] for i in order if f"bwd:{i}" not in marks]
     chain = [names[i] for i in order if f"bwd:{i}" in marks]
     if no_backward and not chain:
@@ -278,6 +274,17 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
                      f"needs no gradient), so nothing in them is saved for backward; planned "
                      f"over the {len(chain)} after them")
     return chain, notes
+
+
+def _run_order_note(probe: _Probe, which: str) -> list[str]:
+    """A note that the blocks ``which`` ("found", or "the predicate chose") run in
+    another order than they are defined, and are planned in the order they run (NOTE
+    [ Stacks beside the chain ]); none where they run as defined."""
+    names, order = probe.names, probe.order
+    if order == sorted(order):
+        return []
+    return [f"the blocks {which} run in another order than they are defined; planned in "
+            f"the order they run: {names[order[0]]}, ..., {names[order[-1]]}"]
 
 
 def _why_no_backward(model: nn.Module, names: list[str], probe: _Probe) -> str:
@@ -750,12 +757,14 @@ class Chain:
     autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
 
 
-def find_chain(setup: Setup, *, in_order: bool, timed: bool) -> Chain:
+def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
     """One uninstrumented step (it also warms up: lazy state is not measured later) that
     finds the chain, the output's size and the inputs held outside the chain (NOTE
     [ Boundaries held outside the chain ]; where it cannot tell, one forward without
-    gradients does), timed when ``timed``. ``in_order``: the blocks were given, and
-    must run in that order."""
+    gradients does), timed when ``timed``. ``given``: ``"list"``, the blocks were listed
+    and must run in that order; ``"predicate"``, a predicate chose them, and they are
+    planned in the order they run (a predicate gives none); ``None``, discovery found
+    them (``_discovered_chain``)."""
     held: list[int] = []
     step = setup.step
     model, inputs = step.model, step.inputs
@@ -791,7 +800,7 @@ def find_chain(setup: Setup, *, in_order: bool, timed: bool) -> Chain:
     try:
         with held_inputs_seen.installed(model) if eager else ExitStack():
             warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
-                               in_order=in_order, watch=True)
+                               in_order=given == "list", watch=True)
     except RuntimeError as exc:
         if eager and _fails_for_the_hooks(step, names, exc):
             raise RematError(
@@ -805,8 +814,11 @@ def find_chain(setup: Setup, *, in_order: bool, timed: bool) -> Chain:
         raise
     clock.sync()
     notes: list[str] = []
-    if not in_order:
+    if given is None:
         names, notes = _discovered_chain(model, warm, seen)
+    elif given == "predicate":
+        names, notes = [names[i] for i in warm.order], _run_order_note(warm, "the "
+                                                                        "predicate chose")
     # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
     # the blocks it stamped, in the same order
     stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))
