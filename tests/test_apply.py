@@ -500,6 +500,10 @@ def test_a_plan_that_recomputes_nothing_also_turns_the_kv_cache_off() -> None:
             assert getattr(out, "past_key_values", None) is None
         model.zero_grad(set_to_none=True)
         assert mem.peak_bytes <= plan.predicted_peak_bytes
+        with warnings.catch_warnings():  # verify puts the plan back without a second one
+            warnings.filterwarnings("error", message="autoremat: use_cache")
+            assert autoremat.verify(model, inputs, repeats=1).ok
+        assert model.config.use_cache is False
     finally:
         autoremat.remove(model)
     assert model.config.use_cache is True  # restored

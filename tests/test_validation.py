@@ -600,6 +600,25 @@ def test_estimate_of_a_model_that_reads_values_says_what_to_do() -> None:
     assert "autoremat.profile on a real device" in message
 
 
+def test_estimate_with_a_loss_fn_that_closes_over_real_labels_says_so() -> None:
+    """A loss_fn that reads labels from outside the inputs meets the model's meta tensors
+    with a real one: the refusal says that (and where), not that the forward reads
+    values."""
+    model, x = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3))), \
+        torch.randn(2, 4)
+    labels = torch.randn(2, 4)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return (out - labels).pow(2).mean()
+
+    with pytest.raises(RematError) as info:
+        autoremat.estimate(model, x, loss_fn=loss_fn, device="cpu", selective=False)
+    message = str(info.value)
+    assert "A tensor on a real device meets the model's meta tensors" in message
+    assert "test_validation.py" in message and "loss_fn closes over" in message
+    assert "reads tensor values" not in message
+
+
 def test_a_plan_that_decides_a_block_twice_is_refused() -> None:
     model, _, plan = _mlp_plan()
     data = json.loads(plan.to_json())

@@ -37,6 +37,7 @@ import dataclasses
 import math
 import os
 import statistics
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -479,8 +480,10 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
     finally:
         remove(model)
         stack.close()
-        if before is not None:
-            apply(model, before, check_ranks=False)
+        if before is not None:  # the user's plan put back, quietly: its apply warned
+            with warnings.catch_warnings():  # of the KV cache turned off already
+                warnings.filterwarnings("ignore", message="autoremat: use_cache=True")
+                apply(model, before, check_ranks=False)
         torch.set_rng_state(rng)
     if not math.isfinite(floor):
         raise RematError(f"the plain model's gradients differ between two runs from the same "

@@ -648,13 +648,16 @@ def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
             f"sequences: {exc}). Estimate it with attn_implementation='sdpa' (whose masks "
             f"estimate runs on meta), or with the batch's attention_mask given on the CPU, "
             f"or measure it with autoremat.profile on a real device")
-    if "is not on the expected device meta" in str(exc) or "on the same device" in str(exc):
+    if "is not on the expected device" in str(exc) or "on the same device" in str(exc):
         return RematError(
-            f"{what} cannot run on fake (meta) tensors: {exc}. Its forward puts a tensor "
-            f"on the CPU beside the model's (made by a function other than torch's "
-            f"factories, which an estimate makes on meta: torch.from_numpy, .cpu(), a "
-            f"buffer kept on the CPU): make it on the input's device (device=x.device), "
-            f"or measure the model with autoremat.profile on a real device")
+            f"{what} cannot run on fake (meta) tensors: {exc}. A tensor on a real device "
+            f"meets the model's meta tensors{_where_read(exc)}: one the forward makes by a "
+            f"function other than torch's factories, which an estimate makes on meta "
+            f"(torch.from_numpy, .cpu(), a buffer kept on the CPU), or one that loss_fn "
+            f"closes over (labels: pass them in the inputs, which the estimate moves to "
+            f"meta, and read them from there). Make it on the input's device "
+            f"(device=x.device), or measure the model with autoremat.profile on a real "
+            f"device")
     return RematError(
         f"{what} cannot run on fake (meta) tensors: {exc}. Its forward reads tensor values "
         f"(.item(), a Python if on a tensor, shapes that depend on values such as "
