@@ -68,6 +68,11 @@ class SelectiveProfile:
     recompute_ops: int  # how many ops are re-run
     keep_ops: tuple[int, ...] = ()  # a keep-set: op positions whose outputs stay saved
     skip_ops: tuple[int, ...] = ()  # and the dead ops recompute skips (selective.py)
+    # bytes it keeps that the checkpointed step frees after the block's forward and before
+    # the backward starts (a returned tensor the model drops): kept, they stay until the
+    # block's backward, above every window between (NOTE [ Kept outputs that outlive
+    # the forward ] in _profile/derive.py)
+    held_after: int = 0
 
 
 @dataclass(frozen=True)

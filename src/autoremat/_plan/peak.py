@@ -339,7 +339,9 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     key = choice.selective_key
     internal_assert(key in block.selective, f"no selective profile {key!r} for {block.name}")
     sel = block.selective[key]
-    fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes
+    # what it keeps that the model would have dropped before the backward stays held
+    # (NOTE [ Kept outputs that outlive the forward ] in _profile/derive.py)
+    fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes + sel.held_after
     bwd_peak = sel.bwd.peak_bytes
     if _keeps_output(block.ops, choice.save_ops, sel.keep_ops, bool(choice.keep_set)):
         # see NOTE [ A selective block that keeps its output ]

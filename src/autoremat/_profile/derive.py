@@ -37,11 +37,24 @@ NOTE [ Selective windows from the checkpointed step ]
     steps of profiling; a stand-in for the allocator reproduces it on the CPU).
 
 NOTE [ Kept outputs that outlive the forward ]
-    A kept output that outlives the block's forward in the checkpointed step is the
-    block's output (or held outside it): the next block holds it as its input, and keeping
-    it moves its free from the end of that block's backward to the end of this one's,
-    out of this block's windows. Such an option is measured, as before, in a step where
-    the other blocks run options of their own.
+    A kept output that outlives the block's forward in the checkpointed step is returned
+    by the block (or held outside it). Two cases, by where that step frees it:
+    * in a later block's backward (the next block holds it as its input): keeping it
+      moves its free from the end of that block's backward to the end of this one's, out
+      of this block's windows. Such an option is measured, as before, in a step where
+      the other blocks run options of their own (and the planner counts the block's own
+      output held through its backward: NOTE [ A selective block that keeps its output ]
+      in ``_plan/peak.py``).
+    * before the backward starts: the model dropped it (MPT's blocks return their
+      attention weights, which the model's loop holds until the next block returns; the
+      last block's until the forward returns). Kept, it lives until this block's
+      backward instead: above every window in between, which the other blocks' windows
+      measured freed. Its bytes are the option's ``held_after``, which the planner adds
+      to what the block holds from its forward on (over by them only in the window that
+      freed it); the block's own windows are derived as for any kept output (they hold it
+      from the backward's start to the frame's end). Found on a held-out MPT: a
+      smallest-feasible plan keeping block 0's softmax measured one attention matrix
+      (256 KiB) over its prediction.
 """
 
 from __future__ import annotations
@@ -55,7 +68,7 @@ from autoremat._measure.regions import RegionCall
 from autoremat._measure.tape import SelectiveProfile, WindowMemory
 from autoremat._mechanism.selective import _op_info, can_stand_in
 
-__all__ = ["derive"]
+__all__ = ["derive", "held_after"]
 
 
 def _kept_positions(key: str, option: SelectiveProfile, tags: RegionCall) -> set[int] | None:
@@ -71,15 +84,36 @@ def _kept_positions(key: str, option: SelectiveProfile, tags: RegionCall) -> set
     return set(option.keep_ops)
 
 
+def held_after(tags: RegionCall, key: str, option: SelectiveProfile, *,
+               fwd_end: int, backward: int) -> int:
+    """The bytes option ``key`` keeps that the checkpointed step (``tags``) freed after
+    the block's forward ended (event ``fwd_end``) and before the backward started (event
+    ``backward``): NOTE [ Kept outputs that outlive the forward ]."""
+    kept = _kept_positions(key, option, tags)
+    if tags.mem is None or kept is None:
+        return 0
+    born = {r.born: r for r in tags.mem.records if not r.transient}
+    total = 0
+    for p in sorted(kept):
+        if p < len(tags.forward):
+            for e in range(tags.forward[p].first, tags.forward[p].stop):
+                record = born.get(e)
+                if record is not None and record.died is not None \
+                        and fwd_end < record.died < backward:
+                    total += record.nbytes
+    return total
+
+
 def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: SelectiveProfile, *,
-           windows: tuple[tuple[int, int], tuple[int, int]], recompute_flops: int,
-           rounding: Rounding | None) -> tuple[WindowMemory, WindowMemory, int] | None:
+           windows: tuple[tuple[int, int], tuple[int, int]], backward: int,
+           recompute_flops: int, rounding: Rounding | None,
+           ) -> tuple[WindowMemory, WindowMemory, int] | None:
     """Option ``key`` of a block as the checkpointed step tagged it (``tags``; ``ops``:
     the block's op records from the plain step; ``windows``: the block's forward and
-    backward windows in that step, as first and last events; ``recompute_flops``: the
-    checkpointed block's): its forward and backward windows and recompute FLOPs, or
-    ``None`` where they must be measured (NOTE [ Selective windows from the checkpointed
-    step ])."""
+    backward windows in that step, as first and last events; ``backward``: the event
+    that started the step's backward; ``recompute_flops``: the checkpointed block's): its
+    forward and backward windows and recompute FLOPs, or ``None`` where they must be
+    measured (NOTE [ Selective windows from the checkpointed step ])."""
     mem, forward, recompute = tags.mem, tags.forward, tags.recompute
     if mem is None or tags.freed is None or len(forward) != len(ops) or \
             any(str(op.func) != record.op for op, record in zip(forward, ops, strict=True)) \
@@ -120,8 +154,8 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
             return None
         for k, record in enumerate(made):
             died = never if record.died is None else record.died
-            if died > windows[0][1]:
-                return None  # it outlives the block's forward: NOTE [ Kept outputs ... ]
+            if windows[0][1] < died and not died < backward:
+                return None  # freed in a later block's backward: NOTE [ Kept outputs ... ]
             copy = again[k] if again else None
             # no copy: recompute stopped before this op (checkpoint's early stop)
             copy_died = 0 if copy is None else never if copy.died is None else copy.died

@@ -80,7 +80,7 @@ from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import ContextFn
 from autoremat._plan.costs import CostModel, head_cost
 from autoremat._plan.keepsets import keep_sets
-from autoremat._profile.derive import derive
+from autoremat._profile.derive import derive, held_after
 from autoremat._profile.runs import (
     Contexts,
     MemoryRun,
@@ -272,12 +272,15 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
             checkpointed_flops(step, names, plain, contexts.eager)
         for i, key in chosen.items():
             measured[alike[i], key] = (run.fwd[i], run.bwd[i], flops[i])
+    held = {(like, key): _held_after(base, like, key, options[like][key][2])
+            for like in members for key in options[like]}
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
     for i, block_options in enumerate(options):
         for key in sorted(block_options):
             fwd, bwd, flops_i = measured[alike[i], key]
             out[i][key] = dataclasses.replace(block_options[key][2], fwd=fwd, bwd=bwd,
-                                              recompute_flops=flops_i)
+                                              recompute_flops=flops_i,
+                                              held_after=held[alike[i], key])
     return out
 
 
@@ -294,7 +297,20 @@ def _derived(base: BaseRuns, i: int, key: str, option: SelectiveProfile,
     ends = run.ends
     return derive(tags, ops, key, option,
                   windows=((run.bounds[i], run.bounds[i + 1]), (ends[i + 1], ends[i])),
+                  backward=first_marks(run.mem)["backward"],
                   recompute_flops=base.recompute_flops[i], rounding=setup.rounding)
+
+
+def _held_after(base: BaseRuns, i: int, key: str, option: SelectiveProfile) -> int:
+    """What option ``key`` of block ``i`` keeps that the checkpointed step freed between
+    the block's forward and the backward (NOTE [ Kept outputs that outlive the forward ]
+    in ``derive.py``); 0 where the step did not tag the block."""
+    tags = base.tags[i] if base.tags else None
+    if tags is None:
+        return 0
+    run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
+    return held_after(tags, key, option, fwd_end=run.bounds[i + 1],
+                      backward=first_marks(run.mem)["backward"])
 
 
 _Option = tuple[ContextFn, Any, SelectiveProfile]  # eager context, compiled one, figures
