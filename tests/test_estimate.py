@@ -131,6 +131,35 @@ def test_plan_from_the_estimate_fits_on_the_real_model() -> None:
     assert est.plan_total_peak_bytes == est.total_for(est.plan_peak_bytes)
 
 
+class _KeepsState(nn.Module):
+    """A block that leaves its last state on itself as a plain attribute, part of the
+    step's graph (RecurrentGemma's RG-LRU does: ``recurrent_states``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.fc(x))
+        self.state = y[:, -1]
+        return y
+
+
+def test_estimate_after_a_training_step_that_left_graph_tensors_on_the_model() -> None:
+    """Deep copy refuses a tensor that is not a graph leaf: the meta copy stands in for
+    the tensors modules keep as attributes, as it does for parameters and buffers."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(_KeepsState() for _ in range(3))), torch.randn(8, 16)
+    model(x).sum().backward()
+    assert model[0].state is not None and model[0].state.grad_fn is not None
+    loss = (lambda y: y.pow(2).mean())  # noqa: E731
+    est = autoremat.estimate(model, x, loss_fn=loss, device="cpu", selective=False)
+    tape = autoremat.profile(model, x, loss_fn=loss, repeats=1)
+    assert est.step_peak_bytes == tape.step_peak_bytes
+    assert model[0].state.device.type == "cpu"  # the model's own state is untouched
+
+
 def test_impossible_budget_names_the_smallest_feasible_one() -> None:
     model, inputs = zoo.build("gpt2", device="meta", **_ZOO_SIZES["gpt2"])
     with pytest.raises(BudgetError) as info:

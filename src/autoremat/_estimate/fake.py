@@ -94,12 +94,27 @@ def _meta_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty_like(t, device="meta", dtype=cast)
 
 
+def _attribute_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors ``model``'s modules keep as plain attributes, alone or in a list,
+    tuple or dict (not parameters, buffers or submodules)."""
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            found = value.values() if isinstance(value, dict) else \
+                value if isinstance(value, (list, tuple)) else (value,)
+            yield from (t for t in found if isinstance(t, torch.Tensor))
+
+
 def to_meta(model: nn.Module, inputs: Any,
             dtype: torch.dtype | None = None) -> tuple[nn.Module, Any]:
     """A ``meta`` copy of ``model`` and ``inputs``, floating tensors cast to ``dtype``.
 
     No parameter data is copied: the deep copy is seeded with ``meta`` stand-ins for every
-    parameter and buffer (tied weights stay tied). A model already on ``meta`` with no
+    parameter and buffer (tied weights stay tied), and for the tensors a module keeps as
+    plain attributes (alone, or in a list, tuple or dict): state a forward left there,
+    which may be part of an autograd graph that deep copy refuses (RecurrentGemma's
+    ``recurrent_states`` after a training step). A model already on ``meta`` with no
     dtype change is returned as it is. ``inputs`` are always remade on ``meta``.
 
     Example:
@@ -117,6 +132,8 @@ def to_meta(model: nn.Module, inputs: Any,
             memo[id(p)] = nn.Parameter(_meta_like(p, dtype), requires_grad=p.requires_grad)
         for b in model.buffers():
             memo[id(b)] = _meta_like(b, dtype)
+        for t in _attribute_tensors(model):
+            memo.setdefault(id(t), _meta_like(t, dtype))
         model = copy.deepcopy(model, memo)
 
     def convert(t: Any) -> Any:
