@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autoremat
 from autoremat._measure.optimizers import resolve_optimizer
+from autoremat._plan.budget import fsdp_param_bytes
 from autoremat.distributed import broadcast_plan
 
 WORLD = 2
@@ -56,9 +57,9 @@ def test_shards_divide_parameters_gradients_and_optimizer_state(tiny_tape: autor
     for shards in (1, 2, 3):
         p = autoremat.plan(tape, max_memory=limit, optimizer="adamw", strategy="none",
                            shards=shards)
-        # two units whole: the largest of the blocks and the root (outside the blocks)
+        # gathered whole: the root (outside the blocks) and two of the largest block
         units = [b.param_bytes for b in tape.blocks]
-        gathered = 2 * max(*units, tape.param_bytes - sum(units)) if shards > 1 else 0
+        gathered = tape.param_bytes - sum(units) + 2 * max(units) if shards > 1 else 0
         resting = (tape.param_bytes // shards + gathered + tape.buffer_bytes
                    + 2 * tape.trainable_param_bytes // shards + counters + tape.input_bytes)
         assert p.budget_bytes == limit - resting, shards
@@ -115,7 +116,7 @@ def test_estimate_counts_one_rank_of_shards() -> None:
     for shards in (2, 4):
         est = autoremat.estimate(model, inputs, device="cuda", optimizer="adamw",
                                  shards=shards, max_memory="1GiB", selective=False)
-        gathered = 2 * max(*units, whole.param_bytes - sum(units))
+        gathered = whole.param_bytes - sum(units) + 2 * max(units)
         assert est.resting_bytes == (whole.param_bytes // shards + gathered
                                      + whole.buffer_bytes + whole.optimizer_bytes // shards
                                      + whole.input_bytes)
@@ -203,6 +204,31 @@ def _case(rank: int, plan: autoremat.Plan | None, order: str, engine: str
     return first
 
 
+def _gathered() -> dict[str, Any]:
+    """Bytes of parameters FSDP2 holds gathered (whole) at each block's forward and
+    backward in a step, and the root's and a block's parameter bytes (NOTE [ Sharded
+    over N ranks ] in _plan/budget.py). Reads FSDP2's own records of its parameters
+    (torch 2.13: ``FSDPParam._unsharded_param``, freed by resizing its storage to 0)."""
+    model, batch = _build()
+    _shard(model)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in (*model.blocks, model)]
+    seen: list[int] = []
+
+    def note(*_: Any) -> None:
+        seen.append(sum(fp._unsharded_param.untyped_storage().nbytes()
+                        for group in groups for fp in group.fsdp_params
+                        if hasattr(fp, "_unsharded_param")))
+
+    for block in model.blocks:
+        block.register_forward_hook(note)
+        block.register_full_backward_hook(note)
+    _step(model, _rows(batch, dist.get_rank()), dist.get_rank())
+    whole = _build()[0]
+    blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in whole.blocks]
+    total = sum(p.numel() * p.element_size() for p in whole.parameters())
+    return {"seen": seen, "root": total - sum(blocks), "blocks": blocks, "total": total}
+
+
 def _error(fn: Any) -> dict[str, Any]:
     start = time.monotonic()
     try:
@@ -240,6 +266,7 @@ def _run(rank: int, port: int, out: Path) -> None:
         results[f"{engine}-plain"] = _case(rank, None, "", engine)
         for order in ("before", "after"):
             results[f"{engine}-{order}"] = _case(rank, plan, order, engine)
+    results["fsdp-gathered"] = _gathered()
     # selective blocks (autoremat's dispatch modes inside the checkpoint) under each engine
     results["ddp-selective"] = _case(rank, selective, "before", "ddp")
     results["fsdp-selective"] = _case(rank, selective, "after", "fsdp")
@@ -290,6 +317,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 process.join(5)
     loaded: dict[str, Any] = torch.load(out / "results.pt")
     return loaded
+
+
+@pytest.mark.slow
+def test_fsdp_holds_the_root_gathered_and_a_block_beside_it(results: dict[str, Any]) -> None:
+    # NOTE [ Sharded over N ranks ]: what a rank holds whole, within what the budget counts
+    found = results["fsdp-gathered"]
+    root, largest = found["root"], max(found["blocks"])
+    assert len(found["seen"]) == 2 * len(found["blocks"])
+    assert min(found["seen"]) >= root  # the root stays gathered for the whole step
+    assert max(found["seen"]) >= root + largest  # and a block with it
+    counted = fsdp_param_bytes(found["total"], found["blocks"], WORLD)
+    assert max(found["seen"]) <= counted - found["total"] // WORLD
 
 
 @pytest.mark.slow

@@ -35,12 +35,18 @@ NOTE [ Sharded over N ranks ]
     step counters (one per parameter tensor on every rank) and the batch (the tape
     measured one rank's batch). Under DDP nothing is sharded: ``shards=1``.
 
-    A rank also holds whole the parameters of the units FSDP has all-gathered: the one
-    running and the one it prefetches. :func:`fsdp_param_bytes` counts two of the
-    largest unit (a block, or the root: the parameters outside the blocks) in the
-    parameters, the rule ``autoremat doctor`` uses for its FSDP remedy too. It is
-    conservative: they are gathered only around a unit's forward and backward, not
-    for the whole iteration.
+    A rank also holds whole the parameters of the units FSDP has all-gathered: the
+    root's (the parameters outside the blocks: embeddings, the head), which FSDP2 does
+    not reshard after the forward (its ``reshard_after_forward`` is False for the root),
+    so they stay gathered for the whole step; and a block's, the one running and the one
+    it prefetches. :func:`fsdp_param_bytes` counts the root's and two of the largest
+    block's in the parameters, the rule ``autoremat doctor`` uses for its FSDP remedy
+    too. Measured with two gloo ranks (``tests/test_distributed.py``): the root gathered
+    at every block's forward and backward, one block besides it (no prefetch there; on
+    CUDA FSDP2 prefetches the next block in backward). The rule before counted two of
+    the largest unit, root included: 2.4 GiB over for a RecurrentGemma whose 256k-token
+    embedding is 60 times a block, and under where the root is below twice a block (a 7B
+    Llama's embedding and head are 1.3 blocks: 3.3 blocks gathered, 2.6 counted).
 
     The step peak itself comes from the tape, measured in one process with the whole
     model, and its gradients are whole: under FSDP a rank keeps 1/N of them, so late
@@ -176,15 +182,15 @@ def iteration_memory(tape: Tape, optimizer: str | int | None, shards: int = 1
 
 def fsdp_param_bytes(param_bytes: int, block_param_bytes: list[int], shards: int) -> int:
     """Parameter bytes one of ``shards`` FSDP ranks holds at most: its shard of all of
-    them, plus two of the largest unit whole (NOTE [ Sharded over N ranks ]); the units
-    are the blocks and the root (the parameters outside the blocks).
+    them, plus the root whole (the parameters outside the blocks) and two of the largest
+    block (NOTE [ Sharded over N ranks ]).
 
     Example:
-        >>> fsdp_param_bytes(1000, [200, 200, 200], shards=4)  # 250 + 2 * root's 400
-        1050
+        >>> fsdp_param_bytes(1000, [100, 100, 100], shards=4)  # 250 + root 700 + 2 * 100
+        1150
     """
-    largest = max(*block_param_bytes, param_bytes - sum(block_param_bytes), 0)
-    return param_bytes // shards + 2 * largest
+    root = max(param_bytes - sum(block_param_bytes), 0)
+    return param_bytes // shards + root + 2 * max(block_param_bytes, default=0)
 
 
 def check_shards(shards: int) -> None:
