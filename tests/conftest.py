@@ -208,14 +208,17 @@ def synthetic_tape(blocks: Sequence[BlockProfile], *, pre: WindowMemory | None =
 
 
 def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = False,
-                scale: int = 1) -> Tape:
+                scale: int = 1, releases: bool = False) -> Tape:
     """A chain of ``n`` blocks with random, physically plausible windows.
 
     Block ``i`` saves ``a`` bytes for backward (its output ``o`` among them) and needs a
     transient ``tf`` in forward and ``tb`` in backward; checkpointed, it holds only ``o``
     and its backward recomputes the rest. Who holds a boundary tensor depends on the
     neighbour's decision, so the windows after a checkpointed block differ by a little.
-    Small integers (times ``scale``) make equal peaks, hence ties, common.
+    Small integers (times ``scale``) make equal peaks, hence ties, common. With
+    ``releases``, blocks after the first release part of their input when the forward
+    returns, by their decision and their predecessor's (``fwd_end_release``; NOTE
+    [ Released when the forward returns ] in ``_plan/peak.py``).
     """
     rng = random.Random(seed)
     draw: dict[str, int] = {}
@@ -239,8 +242,12 @@ def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = 
             (K, C): window(a - o + tb + g, g - o), (C, C): window(a - o + tb + g + x, g - o - x),
         }
         chained = identical or rng.random() < chained_p
-        blocks.append(synthetic_block(i, fwd=fwd, bwd=bwd, flops=draw["flops"],
-                                      chained=chained, chain_bytes=prev_out, output_bytes=o))
+        block = synthetic_block(i, fwd=fwd, bwd=bwd, flops=draw["flops"],
+                                chained=chained, chain_bytes=prev_out, output_bytes=o)
+        if releases and i > 0:
+            block = dataclasses.replace(block, fwd_end_release={
+                key: r(0, 4) for key in PAIRS if rng.random() < 0.7})
+        blocks.append(block)
         prev_out = o
     post = {K: window(r(0, 20), r(0, 5)), C: window(r(0, 20), r(0, 5))}
     tail = {K: window(r(0, 10), -r(0, 3)), C: window(r(0, 10), -r(0, 3))}

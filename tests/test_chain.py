@@ -148,6 +148,29 @@ def test_peak_objective_matches_brute_force(seed: int) -> None:
     assert with_budget.peak_bytes == smallest
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_both_objectives_match_brute_force_where_releases_differ(seed: int) -> None:
+    # NOTE [ Releases in the DP ]: what a block releases when the forward returns depends
+    # on its decision and its predecessor's; the DP counts it as predict_peak does
+    n = 2 + seed % 8
+    tape = random_tape(n, 3000 + seed, chained_p=[0.0, 0.5, 0.8, 1.0][seed % 4],
+                       releases=True)
+    table = _brute(tape)
+    peaks = [peak for peak, _, _ in table]
+    smallest = solve(tape, None, objective="peak")
+    assert smallest.peak_bytes == min(peaks) == predict_peak(tape, smallest.segments)
+    for budget in _budgets(random.Random(seed), peaks):
+        fits = [cost for peak, cost, _ in table if peak <= budget]
+        if not fits:
+            with pytest.raises(BudgetError) as info:
+                solve(tape, budget, objective="cost")
+            assert info.value.min_feasible_bytes == min(peaks)
+            continue
+        got = solve(tape, budget, objective="cost")
+        assert got.cost == min(fits), f"n={n} budget={budget}: {got.segments}"
+        assert predict_peak(tape, got.segments) == got.peak_bytes <= budget
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_plan_optimal_matches_brute_force(seed: int) -> None:
     """The public ``plan`` agrees too, and its BudgetError names the smallest peak."""

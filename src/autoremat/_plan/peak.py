@@ -66,8 +66,9 @@ NOTE [ Released when the forward returns ]
     released there (``BlockProfile.fwd_end_release``); ``post_window`` corrects the
     measured ``post`` (taken from a step with every block under one decision) for what a
     plan releases instead: in :func:`predict_peak` by what the plan's blocks release
-    under their decisions, in the solver by the least any plan releases (which can only
-    over-predict).
+    under their decisions, and in the solver likewise (NOTE [ Releases in the DP ] in
+    ``chain.py``; it counted the least any plan releases before, which over-predicted
+    plans that checkpoint blocks under autocast by up to a block's weights each).
     Only the inputs of the blocks up to ``j`` matter for ``Z_j`` (``suffix_z``): those
     of later blocks are gone by ``j``'s backward either way. What the model made before
     the first block and released when the forward returns (a Hugging Face Llama's
