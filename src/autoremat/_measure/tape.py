@@ -229,6 +229,12 @@ class Tape:
     dtypes: str = ""
     loss: str = ""
     structure: str = ""
+    # The post window's peak before the backward starts (above the window's start), by
+    # the last block's decision: what a plan releases when the forward returns lowers
+    # only what comes after (NOTE [ Released when the forward returns ] in
+    # _plan/peak.py). Empty: a tape saved before it was recorded (the whole window's
+    # peak is taken).
+    post_fwd_peak: dict[Decision, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -265,7 +271,7 @@ class Tape:
         for block in data["blocks"]:
             for key in ("fwd", "bwd", "fwd_end_release"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
-        for key in ("post", "tail"):
+        for key in ("post", "tail", "post_fwd_peak"):
             data[key] = {d.value: v for d, v in data[key].items()}
         return data
 
@@ -358,6 +364,16 @@ def _by_decision(data: Any, where: str, version: int) -> dict[Decision, WindowMe
             for k, v in data.items()}
 
 
+def _peaks_by_decision(data: Any, where: str, version: int) -> dict[Decision, int]:
+    """``post_fwd_peak``: bytes keyed by one decision (empty in older files)."""
+    out = {}
+    for k, v in _mapping(data, where).items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise SchemaError(f"{where} must be an object of integers >= 0, got {data!r}")
+        out[_window_decision(str(k), version, where)] = v
+    return out
+
+
 def _releases(data: Any, where: str, version: int) -> dict[WindowKey, int]:
     """``fwd_end_release``: bytes keyed like a block's windows."""
     out = {}
@@ -414,6 +430,8 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
     data["pre"] = _window(data.get("pre"), "tape.pre")
     for key in ("post", "tail"):
         data[key] = _by_decision(data.get(key), f"tape.{key}", version)
+    data["post_fwd_peak"] = _peaks_by_decision(data.get("post_fwd_peak", {}),
+                                               "tape.post_fwd_peak", version)
     if data.get("head") is not None:
         data["head"] = _head(data["head"])
     tape = build_dataclass(Tape, data, "tape")

@@ -37,6 +37,7 @@ from autoremat._plan.peak import (
     least_release,
     post_window,
     predict_peak,
+    released_post_peak,
     segment_cost,
     segment_runs,
     suffix_z,
@@ -307,9 +308,8 @@ def _post_peaks(tape: Tape, last: Decision, E: np.ndarray) -> np.ndarray:
     """The post window's peak above ``F_n`` for rows that release ``E`` beyond the least
     when the forward returns (``post_window`` with the plan's releases, NOTE [ Releases
     in the DP ])."""
-    window = tape.post[last]
-    extra = post_window(tape, last).delta_bytes - window.delta_bytes  # held, at the least
-    return window.peak_bytes + np.maximum(extra - E, 0)
+    extra = post_window(tape, last).delta_bytes - tape.post[last].delta_bytes  # at least
+    return np.asarray(released_post_peak(tape, last, extra - E))
 
 
 def _backtrack(frontier: dict[tuple[int, Decision], _Frontier],

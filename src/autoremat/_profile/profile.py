@@ -331,6 +331,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
         grad_bytes=base.grad_bytes,
         pre=plain.pre, post={d: runs[(d,) * n].post for d in measured},
+        post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured
+                       if runs[(d,) * n].post_fwd_peak >= 0},
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),

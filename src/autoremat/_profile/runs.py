@@ -456,6 +456,7 @@ class MemoryRun:
     # backward ]
     ends: list[int] = field(default_factory=list)
     offloaded: dict[str, OffloadStats] = field(default_factory=dict)  # of the O blocks
+    post_fwd_peak: int = -1  # post's peak before the backward starts (-1: not measured)
 
 
 @dataclass(frozen=True)
@@ -542,6 +543,8 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
         mem=mem, probe=probe, fwd=fwd, bwd=bwd,
         pre=_window(mem, 0, bounds[0]),
         post=_window(mem, bounds[-1], ends[n]),
+        post_fwd_peak=_window(mem, bounds[-1], max(bounds[-1], min(marks.get(
+            "backward", ends[n]), ends[n]))).peak_bytes,
         tail=_window(mem, ends[0], len(mem.levels) - 1),
         bounds=bounds, ends=ends,
         offloaded={name: state.group.stats for name, state in states.items()
