@@ -231,8 +231,7 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
         stop, as_seen = int(moves.stop[c0]), _ORDER[int(moves.seen[c0])]
         incoming.setdefault((stop, as_seen), []).append(_Part(
             F=F_new[a:b], cost=cost_new[a:b], peak=peak_new[a:b], E=E_new[a:b],
-            prev=rows[a:b],
-            move=cols[a:b], from_index=i, from_seen=_RANK[prev]))
+            prev=rows[a:b], move=cols[a:b], from_index=i, from_seen=_RANK[prev]))
 
 
 def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
