@@ -107,6 +107,32 @@ def _roberta() -> tuple[nn.Module, dict[str, Any]]:
     return model, _masked_lm_batch()
 
 
+def _rembert() -> tuple[nn.Module, dict[str, Any]]:
+    """Eager attention only, its bidirectional mask built from a mask of ones the model
+    makes (no attention_mask in the batch), and Transformers' padding check on the ids:
+    both read values, which estimate follows on meta."""
+    t = transformers
+    model = t.RemBertForMaskedLM(t.RemBertConfig(
+        **_ENCODER, input_embedding_size=32, output_embedding_size=64,
+        max_position_embeddings=_SEQ, pad_token_id=0))
+    batch = _masked_lm_batch()
+    del batch["attention_mask"]
+    return model, batch
+
+
+def _funnel() -> tuple[nn.Module, dict[str, Any]]:
+    """Blocks in stages that pool the sequence to half its length, with the padding
+    check on the ids."""
+    t = transformers
+    model = t.FunnelForMaskedLM(t.FunnelConfig(
+        vocab_size=_VOCAB, d_model=64, n_head=4, d_head=16, d_inner=128, block_sizes=[2, 2],
+        num_decoder_layers=1, hidden_dropout=_DROPOUT, attention_dropout=_DROPOUT,
+        pad_token_id=0))
+    batch = _masked_lm_batch()
+    del batch["attention_mask"]
+    return model, batch
+
+
 def _electra() -> tuple[nn.Module, dict[str, Any]]:
     t = transformers
     model = t.ElectraForSequenceClassification(t.ElectraConfig(
@@ -396,6 +422,8 @@ _READS_LABELS = (r"HubertForCTC cannot run on fake \(meta\) tensors: .*reads ten
 
 ARCHS = [
     Arch("roberta-mlm", _roberta, head=True),
+    Arch("rembert-eager-mask", _rembert, head=True),
+    Arch("funnel-pooling", _funnel, head=True),
     Arch("electra-classifier", _electra, head=False),
     Arch("deberta-v2-mlm", _deberta_v2, head=True),
     Arch("deepseek-v3-moe-mla", _deepseek_v3, head=True),

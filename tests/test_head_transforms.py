@@ -205,7 +205,7 @@ def test_a_cross_entropy_in_the_forward_is_chunked(kind):
     assert _rel(out.loss, plain.loss) <= HEAD_RTOL[torch.float32]
     largest = max(float(g.abs().max()) for g in plain_grads.values())
     for name, g in plain_grads.items():  # NOTE [ Gradients that cancel ] in _verify.py
-        scale = max(float(g.abs().max()), 1e-3 * largest)
+        scale = max(float(g.abs().max()), 1e-2 * largest)
         assert float((grads[name] - g).abs().max()) <= HEAD_RTOL[torch.float32] * scale, name
     assert autoremat.verify(model, inputs, plan, repeats=1).ok
     with torch.no_grad():

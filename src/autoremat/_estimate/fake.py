@@ -543,6 +543,7 @@ class _MaskBuilder:
 
     def __init__(self, utils: Any, values: _MaskValues, model: str) -> None:
         self.utils, self.values, self.model = utils, values, model
+        self.sdpa_mask = utils.sdpa_mask  # Transformers' own (it is patched with this)
 
     def __call__(self, **kwargs: Any) -> Any:
         mask = kwargs.get("attention_mask")
@@ -553,7 +554,7 @@ class _MaskBuilder:
                 return None
             kwargs = {**kwargs, "allow_is_causal_skip": False,
                       "allow_is_bidirectional_skip": False}
-        return self.utils.sdpa_mask(**kwargs)
+        return self.sdpa_mask(**kwargs)
 
     def _skips(self, mask: torch.Tensor, kwargs: dict[str, Any], causal: bool,
                bidirectional: bool) -> bool:
@@ -629,14 +630,43 @@ def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator
     with ExitStack() as stack:
         values = stack.enter_context(_MaskValues(inputs, given))
         stack.enter_context(_packed_on_meta(utils, values))
-        mapping["sdpa"] = _MaskBuilder(utils, values, type(model).__name__)
+        builder = _MaskBuilder(utils, values, type(model).__name__)
+        mapping["sdpa"] = builder
+        utils.sdpa_mask = builder  # eager's masks call it by name (masking_utils.eager_mask)
         try:
             yield
         finally:
+            utils.sdpa_mask = builder.sdpa_mask
             if original is None:
                 mapping.pop("sdpa", None)
             else:
                 mapping["sdpa"] = original
+
+
+@contextmanager
+def _no_padding_check(model: nn.Module) -> Iterator[None]:
+    """Transformers' check for padding without an attention mask
+    (``warn_if_padding_and_no_attention_mask``, which many encoders call: Longformer,
+    BigBird, Funnel, ConvBERT, RemBERT, ...) reads the first and last token ids, which
+    meta tensors do not have: it is skipped on meta. It only warns, and the model's
+    real steps warn as before."""
+    if not _is_transformers_model(model):
+        yield
+        return
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.warn_if_padding_and_no_attention_mask
+
+    def check(self: Any, input_ids: Any, attention_mask: Any) -> None:
+        if isinstance(input_ids, torch.Tensor) and input_ids.is_meta:
+            return None
+        return original(self, input_ids, attention_mask)  # type: ignore[no-any-return]
+
+    PreTrainedModel.warn_if_padding_and_no_attention_mask = check  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel.warn_if_padding_and_no_attention_mask = original  # type: ignore[method-assign]
 
 
 def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
@@ -709,6 +739,7 @@ def step_as_on(device: str | torch.device, model: nn.Module, inputs: Any,
         stack.enter_context(dropout_as_on(device))
         stack.enter_context(kernels_on_meta())
         stack.enter_context(_hf_attention_on_meta(model, inputs, given))
+        stack.enter_context(_no_padding_check(model))
         stack.enter_context(_CpuFactoriesOnMeta())
         yield notes
 
