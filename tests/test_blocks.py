@@ -272,6 +272,30 @@ def test_blocks_a_predicate_chose_are_planned_in_the_order_they_run() -> None:
                                  repeats=1, with_selective=False)
     assert not any("another order" in n for n in in_order.notes)
 
+class _CallsForward(nn.Module):
+    """Calls its layers' forward methods directly, as SqueezeBERT's encoder does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x.pow(2).sum()
+
+
+def test_blocks_called_through_their_forward_method_are_refused_with_why() -> None:
+    import autoremat
+
+    with pytest.raises(BlockError, match=r"'layers\.0' never ran as a module call .*"
+                                         r"layer\.forward\(\.\.\.\)"):
+        autoremat.profile(_CallsForward(), torch.randn(4, 8), repeats=1)
+    with pytest.raises(BlockError, match=r"'layers' is a ModuleList, a container the model "
+                                         r"does not call: .*'layers\.0', 'layers\.1'"):
+        autoremat.profile(_CallsForward(), torch.randn(4, 8), blocks=["layers"], repeats=1)
+
+
 class _MixedBlocks(nn.Module):
     """The most ordinary model: a ModuleList of Sequential(Linear, GELU, Linear, Tanh)."""
 

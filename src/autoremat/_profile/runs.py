@@ -219,6 +219,21 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
             f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
             f"and let the plan decide what to recompute")
     for name, calls in zip(names, probe.calls, strict=False):
+        if calls == 0 and isinstance(step.model.get_submodule(name),
+                                     (nn.ModuleList, nn.ModuleDict)):
+            inside = [f"{name}.{k}" for k in step.model.get_submodule(name)._modules][:2]
+            raise BlockError(
+                f"block {name!r} is a {type(step.model.get_submodule(name)).__name__}, a "
+                f"container the model does not call: name the layers in it, "
+                f"blocks={[*inside, '...']}")
+        if calls == 0:
+            raise BlockError(
+                f"block {name!r} never ran as a module call in one step (its hooks did not "
+                f"fire): the model skipped it, or calls its forward method directly "
+                f"(layer.forward(...), as SqueezeBERT's encoder does), which bypasses "
+                f"nn.Module.__call__. autoremat measures and checkpoints a block through "
+                f"its call: pass blocks=[...] naming modules the model calls (the parts of "
+                f"each layer that it calls, for instance)")
         if calls != 1:
             raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
                              f"over blocks that run once each (pass blocks=[...] to choose)")
