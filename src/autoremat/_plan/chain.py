@@ -166,11 +166,12 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 
 # NOTE [ Releases in the DP ]
 #     ``predict_peak`` counts what each block's input releases when the forward returns
-#     by its decision (``release_of``): the first block of a kept, checkpointed or
-#     offloaded segment as measured after its predecessor's decision, the others at the
-#     least any decision releases (block 0 too: any checkpoint may hold what the model
-#     made before it). A release lowers the backward levels of its block and of every
-#     block after it in the chain (``suffix_z``), and the post window. The DP counted
+#     by its decision (``release_of``): the first block of a segment as measured after its
+#     predecessor's decision (a selective block as a checkpointed one, what it keeps
+#     counted by its ``held_after``), the others at the least any decision releases
+#     (block 0 too: any checkpoint may hold what the model made before it). A release
+#     lowers the backward levels of its block and of every block after it in the chain
+#     (``suffix_z``), and the post window. The DP counted
 #     the least for every block, which could only over-predict: found on a held-out Phi-3
 #     under autocast, whose checkpointed blocks let go of their weights' bf16 copies when
 #     the forward returns (autocast's cache) and kept ones hold them, the smallest
@@ -189,8 +190,8 @@ def _extra_release(tape: Tape, i: int, prev: Decision, choice: Choice, cost: Seg
                    least: list[int]) -> int:
     """What a move from block ``i`` (after a block seen as ``prev``) releases when the
     forward returns beyond the least, as ``release_of`` counts it (NOTE [ Releases in
-    the DP ])."""
-    if i == 0 or choice.decision is Decision.SELECTIVE:
+    the DP ]; ``choice`` is not read: every kind of move counts its first block)."""
+    if i == 0:
         return 0
     return tape.blocks[i].fwd_end_release.get((prev, cost.seen_as), 0) - least[i]
 

@@ -195,14 +195,14 @@ def least_release(tape: Tape) -> list[int]:
 def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> list[int]:
     """Per block, the bytes of its input a plan's step releases when the forward
     returns: a kept, checkpointed or offloaded block as measured under its decision
-    after its predecessor's; a segment's first block as checkpointed; inner and
-    selective blocks the least any decision releases (as the solver counts every block,
-    so that a plan never predicts above what the solver found for it)."""
+    after its predecessor's; a segment's first block as checkpointed, and a selective
+    block too (what it keeps of that, its option's ``held_after``, it holds on: NOTE
+    [ Kept outputs that outlive the forward ]); inner blocks the least any decision
+    releases."""
     out = least_release(tape)
     prev = _KEEP
-    for (start, _stop, choice), cost in zip(segments, costs, strict=True):
-        if choice.decision is not Decision.SELECTIVE:
-            out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
+    for (start, _stop, _choice), cost in zip(segments, costs, strict=True):
+        out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
         prev = cost.seen_as
     if any(choice.decision.recomputes for _, _, choice in segments):
         out[0] = least_release(tape)[0]  # what the model made before the first block, any
