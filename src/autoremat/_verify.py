@@ -10,11 +10,10 @@ NOTE [ Judging gradients ]
     them far more and is still judged by ``torch.equal``). Found on a held-out
     Qwen3-MoE: its experts' grouped matmul sums in another order from run to run with
     two threads (1.5e-8, 2.5e-7 of the largest gradient), and ``verify`` failed a plan
-    that keeps every block. On CUDA
-    many kernels are not
-    deterministic (atomic adds in reductions, attention and embedding backward): the
-    plain model differs from *itself* by ~1e-8 from run to run, and so would every plan,
-    correct ones included. Two ways out:
+    that keeps every block. On CUDA many kernels are not deterministic (atomic adds in
+    reductions, attention and embedding backward): the plain model differs from *itself*
+    by ~1e-8 from run to run, and so would every plan, correct ones included. Two ways
+    out:
 
     * ``deterministic=True``: both steps run under
       ``torch.use_deterministic_algorithms(True)`` (restored afterwards) and are compared

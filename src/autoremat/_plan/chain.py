@@ -12,9 +12,9 @@ NOTE [ Why a DP over (F, cost) frontiers ]
     release depends on its decision and its predecessor's, both known when its segment
     is chosen. So each row also carries ``E``, what the prefix releases beyond the least
     any plan does, and the frontier is over (F, cost, E) where releases differ (NOTE
-    [ Releases in the DP ]). Ties in cost are broken towards the lower
-    stored level, then the lower peak, then the earlier segment boundary: the same
-    tape always gives the same plan. (A MILP via HiGHS would also be exact, but it
+    [ Releases in the DP ]). Ties in cost are broken towards the lower stored level,
+    then the lower peak, then the earlier segment boundary: the same tape always gives
+    the same plan. (A MILP via HiGHS would also be exact, but it
     needs a variable per segment and cannot beat this on chains.)
 """
 
@@ -157,8 +157,8 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                               for m in here], dtype=np.int64),
                 cost=np.array([m[2].rank_cost for m in here], dtype=np.int64),
                 first=np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
-                rel=np.array([_extra_release(tape, i, prev, m[1], m[2], least)
-                              for m in here], dtype=np.int64),
+                rel=np.array([_extra_release(tape, i, prev, m[2], least) for m in here],
+                             dtype=np.int64),
             )
         moves.append(by_prev)
     return moves
@@ -171,11 +171,11 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 #     counted by its ``held_after``), the others at the least any decision releases
 #     (block 0 too: any checkpoint may hold what the model made before it). A release
 #     lowers the backward levels of its block and of every block after it in the chain
-#     (``suffix_z``), and the post window. The DP counted
-#     the least for every block, which could only over-predict: found on a held-out Phi-3
-#     under autocast, whose checkpointed blocks let go of their weights' bf16 copies when
-#     the forward returns (autocast's cache) and kept ones hold them, the smallest
-#     feasible budget it reported was 9% above what checkpointing every block predicts.
+#     (``suffix_z``), and the post window. The DP counted the least for every block,
+#     which could only over-predict: found on a held-out Phi-3 under autocast, whose
+#     checkpointed blocks let go of their weights' bf16 copies when the forward returns
+#     (autocast's cache) and kept ones hold them, the smallest feasible budget it
+#     reported was 9% above what checkpointing every block predicts.
 #     Each row now carries ``E``, the prefix's releases beyond the least; a move's
 #     backward level is lowered by ``E`` and its own, the post window's by the whole
 #     chain's. A row is dominated only by one of no larger ``F`` and cost and no smaller
@@ -186,11 +186,11 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 #     releases (``test_chain.py``) checks both objectives.
 
 
-def _extra_release(tape: Tape, i: int, prev: Decision, choice: Choice, cost: SegmentCost,
+def _extra_release(tape: Tape, i: int, prev: Decision, cost: SegmentCost,
                    least: list[int]) -> int:
-    """What a move from block ``i`` (after a block seen as ``prev``) releases when the
-    forward returns beyond the least, as ``release_of`` counts it (NOTE [ Releases in
-    the DP ]; ``choice`` is not read: every kind of move counts its first block)."""
+    """What a move from block ``i`` (after a block seen as ``prev``; any kind of move,
+    ``cost`` its figures) releases when the forward returns beyond the least, as
+    ``release_of`` counts its first block (NOTE [ Releases in the DP ])."""
     if i == 0:
         return 0
     return tape.blocks[i].fwd_end_release.get((prev, cost.seen_as), 0) - least[i]
@@ -309,7 +309,7 @@ def _post_peaks(tape: Tape, last: Decision, E: np.ndarray) -> np.ndarray:
     when the forward returns (``post_window`` with the plan's releases, NOTE [ Releases
     in the DP ])."""
     extra = post_window(tape, last).delta_bytes - tape.post[last].delta_bytes  # at least
-    return np.asarray(released_post_peak(tape, last, extra - E))
+    return released_post_peak(tape, last, extra - E)
 
 
 def _backtrack(frontier: dict[tuple[int, Decision], _Frontier],

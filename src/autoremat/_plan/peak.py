@@ -101,7 +101,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -201,7 +200,7 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
     releases."""
     out = least_release(tape)
     prev = _KEEP
-    for (start, _stop, _choice), cost in zip(segments, costs, strict=True):
+    for (start, _, _), cost in zip(segments, costs, strict=True):
         out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
         prev = cost.seen_as
     if any(choice.decision.recomputes for _, _, choice in segments):
@@ -220,21 +219,19 @@ def post_window(tape: Tape, last: Decision,
     window = tape.post[last]
     if extra == 0:
         return window
-    return WindowMemory(peak_bytes=released_post_peak(tape, last, extra),
+    return WindowMemory(peak_bytes=int(released_post_peak(tape, last, extra)),
                         delta_bytes=window.delta_bytes + extra)
 
 
-def released_post_peak(tape: Tape, last: Decision, extra: Any) -> Any:
+def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray) -> np.ndarray:
     """The post window's peak where a plan holds ``extra`` bytes more (less, negative)
     than the step that measured ``tape.post[last]`` from when the forward returns: the
     levels before the backward starts (``tape.post_fwd_peak``) by at most ``extra`` more,
     none less (where in them the forward returns is not recorded), those after by
-    ``extra``; an int, or a numpy array for many ``extra``."""
+    ``extra``; one per ``extra`` (a number, or an array of them)."""
     window = tape.post[last]
     before = tape.post_fwd_peak.get(last, window.peak_bytes)
-    return np.maximum(before + np.maximum(extra, 0), window.peak_bytes + extra) \
-        if isinstance(extra, np.ndarray) else \
-        max(before + max(extra, 0), window.peak_bytes + extra)
+    return np.maximum(before + np.maximum(extra, 0), window.peak_bytes + extra)
 
 
 def suffix_z(tape: Tape, release: Sequence[int] | None = None

@@ -289,15 +289,14 @@ def _derived(base: BaseRuns, i: int, key: str, option: SelectiveProfile,
              ) -> tuple[WindowMemory, WindowMemory, int] | None:
     """Option ``key`` of block ``i`` derived from the checkpointed step, or ``None``
     (NOTE [ Selective windows from the checkpointed step ])."""
-    tags = base.tags[i] if base.tags else None
-    if tags is None:
+    found = _tagged(base, i)
+    if found is None:
         return None
-    n = len(base.recompute_flops)
-    run = base.runs[(Decision.RECOMPUTE,) * n]
+    tags, run = found
     ends = run.ends
     return derive(tags, ops, key, option,
                   windows=((run.bounds[i], run.bounds[i + 1]), (ends[i + 1], ends[i])),
-                  backward=first_marks(run.mem)["backward"],
+                  backward=run.backward,
                   recompute_flops=base.recompute_flops[i], rounding=setup.rounding)
 
 
@@ -305,12 +304,20 @@ def _held_after(base: BaseRuns, i: int, key: str, option: SelectiveProfile) -> i
     """What option ``key`` of block ``i`` keeps that the checkpointed step freed between
     the block's forward and the backward (NOTE [ Kept outputs that outlive the forward ]
     in ``derive.py``); 0 where the step did not tag the block."""
+    found = _tagged(base, i)
+    if found is None:
+        return 0
+    tags, run = found
+    return held_after(tags, key, option, fwd_end=run.bounds[i + 1], backward=run.backward)
+
+
+def _tagged(base: BaseRuns, i: int) -> tuple[RegionCall, MemoryRun] | None:
+    """What the checkpointed step tagged of block ``i``, and that step; ``None`` where it
+    tagged nothing (NOTE [ Selective windows from the checkpointed step ])."""
     tags = base.tags[i] if base.tags else None
     if tags is None:
-        return 0
-    run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
-    return held_after(tags, key, option, fwd_end=run.bounds[i + 1],
-                      backward=first_marks(run.mem)["backward"])
+        return None
+    return tags, base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
 
 
 _Option = tuple[ContextFn, Any, SelectiveProfile]  # eager context, compiled one, figures

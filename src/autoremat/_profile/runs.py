@@ -219,13 +219,12 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
             f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
             f"and let the plan decide what to recompute")
     for name, calls in zip(names, probe.calls, strict=False):
-        if calls == 0 and isinstance(step.model.get_submodule(name),
-                                     (nn.ModuleList, nn.ModuleDict)):
-            inside = [f"{name}.{k}" for k in step.model.get_submodule(name)._modules][:2]
+        container = step.model.get_submodule(name) if calls == 0 else None
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            inside = [f"{name}.{k}" for k in container._modules][:2]
             raise BlockError(
-                f"block {name!r} is a {type(step.model.get_submodule(name)).__name__}, a "
-                f"container the model does not call: name the layers in it, "
-                f"blocks={[*inside, '...']}")
+                f"block {name!r} is a {type(container).__name__}, a container the model "
+                f"does not call: name the layers in it, blocks={[*inside, '...']}")
         if calls == 0:
             raise BlockError(
                 f"block {name!r} never ran as a module call in one step (its hooks did not "
@@ -464,14 +463,15 @@ class MemoryRun:
     bwd: list[WindowMemory]
     pre: WindowMemory
     post: WindowMemory
+    post_fwd_peak: int  # post's peak before the backward starts (above post's start)
     tail: WindowMemory
     bounds: list[int]  # forward window starts, then fwd_end
+    backward: int  # the event that started the step's backward (inside post)
     # backward marks: ends[i + 1] starts block i's backward, ends[i] ends it (ends[0]: the
     # first block's input gradient, else the step's end); NOTE [ Block boundaries in
     # backward ]
     ends: list[int] = field(default_factory=list)
     offloaded: dict[str, OffloadStats] = field(default_factory=dict)  # of the O blocks
-    post_fwd_peak: int = -1  # post's peak before the backward starts (-1: not measured)
 
 
 @dataclass(frozen=True)
@@ -558,10 +558,9 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
         mem=mem, probe=probe, fwd=fwd, bwd=bwd,
         pre=_window(mem, 0, bounds[0]),
         post=_window(mem, bounds[-1], ends[n]),
-        post_fwd_peak=_window(mem, bounds[-1], max(bounds[-1], min(marks.get(
-            "backward", ends[n]), ends[n]))).peak_bytes,
+        post_fwd_peak=_window(mem, bounds[-1], marks["backward"]).peak_bytes,
         tail=_window(mem, ends[0], len(mem.levels) - 1),
-        bounds=bounds, ends=ends,
+        bounds=bounds, backward=marks["backward"], ends=ends,
         offloaded={name: state.group.stats for name, state in states.items()
                    if state.group is not None},
     )
@@ -569,8 +568,7 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
 
 def saved_by_block(run: MemoryRun) -> list[dict[str, int]]:
     """Bytes created in each block's forward window that are alive when backward starts."""
-    mem, bounds = run.mem, run.bounds
-    backward_at = first_marks(mem)["backward"]
+    mem, bounds, backward_at = run.mem, run.bounds, run.backward
     out: list[dict[str, int]] = [{} for _ in range(len(bounds) - 1)]
     for r in mem.records:
         if r.born > backward_at or (r.died is not None and r.died <= backward_at):
