@@ -10,6 +10,7 @@ feasible budget give the plain model's gradients and measure within the budget.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -392,6 +393,48 @@ def test_a_kv_cache_asked_for_in_training_is_refused_up_front() -> None:
         autoremat.profile(model, {**_batch(), "use_cache": True}, repeats=1)
     assert "KV cache" in str(info.value)
     assert model.config.use_cache and model.decoder.config.use_cache  # left as they were
+
+
+def _xlm() -> nn.Module:
+    """A tiny XLM, which builds a KV cache in every forward, training or not."""
+    torch.manual_seed(0)
+    config = transformers.XLMConfig(emb_dim=32, n_layers=2, n_heads=4, vocab_size=VOCAB,
+                                    max_position_embeddings=64, pad_token_id=0)
+    return transformers.XLMWithLMHeadModel(config).train()
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["blocks", "a-segment"])
+def test_a_block_the_model_passes_a_kv_cache_is_refused_in_its_forward(joined: bool) -> None:
+    # XLM's attention appends to the cache its model made; a recompute appended again and
+    # failed in backward on shapes ("the expanded size of the tensor (32) must match...")
+    model, batch = _xlm(), _batch()
+    names = ["transformer.attentions.0", "transformer.attentions.1"]
+    tape = autoremat.profile(model, batch, blocks=[f"transformer.ffns.{i}" for i in (0, 1)])
+    chosen = autoremat.plan(tape, None, "full")  # moved onto the attentions, as a user could
+    chosen = dataclasses.replace(chosen, structure="", blocks=tuple(
+        dataclasses.replace(b, name=name, decision=Decision.RECOMPUTE, params="",
+                            segment=0 if joined else i)
+        for i, (b, name) in enumerate(zip(chosen.blocks, names, strict=True))))
+    autoremat.apply(model, chosen)
+    label = (r"transformer\.attentions\.0\.\.transformer\.attentions\.1 \(a segment\)"
+             if joined else r"'transformer\.attentions\.0'")
+    with pytest.raises(RematError, match=label + r" is recomputed in "
+                       r"backward and was called with a KV cache \(argument cache=, of type "
+                       r"EncoderDecoderCache\)") as info:
+        model(**batch)
+    assert "blocks=" in str(info.value), "and says what to do"
+
+
+def test_a_model_that_builds_a_kv_cache_plans_over_blocks_it_does_not_pass_it() -> None:
+    model, batch = _xlm(), _batch()
+    with pytest.raises(RematError, match=r"'transformer\.attentions\.0' .* KV cache"):
+        autoremat.profile(model, batch)  # its attention is the chain it finds
+    tape = autoremat.profile(model, batch, blocks=[f"transformer.ffns.{i}" for i in (0, 1)])
+    chosen = autoremat.plan(tape, None, "full")
+    autoremat.apply(model, chosen)
+    result = autoremat.verify(model, batch, chosen)
+    assert result.ok and result.max_grad_diff == 0.0
+    assert result.peak_bytes == chosen.predicted_peak_bytes
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ from autoremat._mechanism.engines import is_fsdp
 from autoremat._mechanism.wrap import (
     RegionContexts,
     refuse_changed_input,
+    refuse_kv_cache,
     refuse_under_func_transforms,
 )
 
@@ -150,6 +151,7 @@ class SegmentRunner:
                     f"another order, or skips some, than the step the plan was profiled "
                     f"on (an argument that changes which blocks run?). {SEGMENT_ADVICE}")
             refuse_under_func_transforms(self._label)
+            refuse_kv_cache(self._label, args, kwargs)
             calls = [_Call(module, args, kwargs)]
             self._calls = calls  # this step's calls; the frame replays exactly these
             self._inputs = flat_tensors((args, kwargs))
@@ -169,6 +171,11 @@ class SegmentRunner:
                 f"block {self.names[i]!r} ran outside its segment's order "
                 f"({self.names[0]}..{self.names[-1]}); the plan assumed the blocks run "
                 f"once each, in order: re-plan with autoremat.plan")
+        try:
+            refuse_kv_cache(repr(self.names[i]), args, kwargs)
+        except RematError:
+            self.abort()
+            raise
         self._calls.append(self._record(module, args, kwargs, i))
 
     def _record(self, module: nn.Module, args: Any, kwargs: Any, i: int) -> _Call:

@@ -57,7 +57,7 @@ from autoremat._core.step import flat_tensors, scalar_attributes
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
 __all__ = ["RegionContexts", "StatefulBlockWarning", "checkpointed", "install_forward",
-           "is_wrapped", "refuse_changed_input", "refuse_under_func_transforms",
+           "is_wrapped", "refuse_changed_input", "refuse_kv_cache", "refuse_under_func_transforms",
            "stashed_buffers", "unwrap", "watch_buffers", "wrap"]
 
 _MARK = "_autoremat_wrap"
@@ -220,6 +220,42 @@ def refuse_changed_input(label: str, tensors: list[torch.Tensor], versions: list
             "backward, which would see the changed value. Keep this block (leave it out of "
             "blocks= when profiling) or make the change out of place (x = x * 2 rather "
             "than x.mul_(2))")
+
+
+def _kv_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a Hugging Face KV cache (a subclass of Transformers' ``Cache``),
+    told by its class's bases so that Transformers need not be imported."""
+    return not isinstance(obj, torch.Tensor) and any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers")
+        for c in type(obj).__mro__)
+
+
+def refuse_kv_cache(label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise a :class:`RematError` if a checkpointed block is called with a Hugging Face
+    KV cache in training (NOTE [ A block passed a KV cache ])."""
+    found = [(f"argument {i}", a) for i, a in enumerate(args) if _kv_cache(a)] + \
+        [(f"argument {k}=", v) for k, v in kwargs.items() if _kv_cache(v)]
+    if found:
+        where, cache = found[0]
+        raise RematError(
+            f"block {label} is recomputed in backward and was called with a KV cache "
+            f"({where}, of type {type(cache).__name__}) in a training forward: its forward appends "
+            "its keys to the cache, and a recompute would append them a second time. Drop "
+            "use_cache and any cache from the training inputs (use_cache=False); if the "
+            "model builds the cache itself even then (Transformers' XLM and FlauBERT do), "
+            "profile with blocks= naming modules that are not passed it (XLM's "
+            "transformer.ffns.N), or keep this block")
+
+
+# NOTE [ A block passed a KV cache ]
+#     Hugging Face layers append their keys and values to a cache object passed to them.
+#     With use_cache off (autoremat turns it off while training) layers are passed
+#     ``None``; a cache reaches a block only when the inputs bring one (a prefix of
+#     past_key_values) or the model builds it regardless (XLM builds an
+#     EncoderDecoderCache in every forward). A recompute then appends a second time, and
+#     fails in backward on shapes that no longer match ("the expanded size of the tensor
+#     (128) must match the existing size (64)") or reads the keys the forward cached. It
+#     is refused in the forward instead, naming the block and the argument.
 
 
 def refuse_under_func_transforms(label: str) -> None:
@@ -479,11 +515,18 @@ class _RecomputeContext:
         if isinstance(exc[1], RematError) and not str(exc[1]).startswith("block "):
             # the selective modes' checks, which do not know the region's name
             raise RematError(f"block {self.forward.region.label}: {exc[1]}") from exc[1]
+        if isinstance(exc[1], Exception) and not isinstance(
+                exc[1], (RematError, _cp._StopRecomputationError, torch.cuda.OutOfMemoryError)):
+            # the forward ran on the same inputs: what raises now is what changed since
+            what = f"{type(exc[1]).__name__}: {(str(exc[1]).splitlines() or [''])[0]}"
+            raise RematError(self._message(what, raised=True)) from exc[1]
         return suppress
 
-    def _message(self, what: str) -> str:
-        return (f"block {self.forward.region.label} ran other ops when it was recomputed in "
-                f"backward than in its forward ({what}): a recompute must run the same ops. "
+    def _message(self, what: str, *, raised: bool = False) -> str:
+        did = ("raised when it was recomputed in backward, where its forward had run" if raised
+               else "ran other ops when it was recomputed in backward than in its forward")
+        return (f"block {self.forward.region.label} {did} ({what}): a recompute must run "
+                "the same ops. "
                 "Its forward depends on something besides its inputs and torch's RNG: a "
                 "counter, flag or schedule that changed since the forward, an early exit "
                 "on one, Python's or numpy's random (not replayed: draw from torch). Keep "
@@ -600,6 +643,7 @@ class _Checkpointed:
             return checkpoint(original, *args, use_reentrant=False, context_fn=self.compiled,
                               **kwargs)
         refuse_under_func_transforms(self.context_fn.label)
+        refuse_kv_cache(self.context_fn.label, args, kwargs)
         tensors = flat_tensors((args, kwargs))
         versions = [t._version for t in tensors]
         if self.boxed is not None:
