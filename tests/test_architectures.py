@@ -256,6 +256,25 @@ def _whisper() -> tuple[nn.Module, dict[str, Any]]:
     return model, {"input_features": features, "labels": _tokens(seq=16, seed=4)}
 
 
+def _paligemma() -> tuple[nn.Module, dict[str, Any]]:
+    """A vision tower whose pooling head's output the model drops (its graph freed when
+    dropped), image tokens in the text, and a check that they match the image features
+    (``torch_compilable_check``, on values: taken to hold on meta)."""
+    t = transformers
+    vision = t.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, image_size=32, patch_size=8,
+                                  attention_dropout=_DROPOUT)
+    text = t.GemmaConfig(**{**_DECODER, "num_key_value_heads": 1, "head_dim": 16})
+    model = t.PaliGemmaForConditionalGeneration(t.PaliGemmaConfig(
+        vision_config=vision, text_config=text, image_token_index=_VOCAB - 1,
+        projection_dim=64))
+    ids = _tokens().clamp(max=_VOCAB - 2)
+    ids[:, :16] = _VOCAB - 1  # (32 / 8) ** 2 image tokens first
+    labels = ids.masked_fill(ids == _VOCAB - 1, -100)
+    return model, {"input_ids": ids, "pixel_values": _images(), "labels": labels,
+                   "token_type_ids": (ids != _VOCAB - 1).long()}
+
+
 def _siglip() -> tuple[nn.Module, dict[str, Any]]:  # two towers, sigmoid contrastive loss
     t = transformers
     config = t.SiglipConfig(
@@ -437,6 +456,7 @@ ARCHS = [
     Arch("pegasus", _pegasus, head=True),
     Arch("hubert-ctc-layerdrop", _hubert, head=False, layerdrop=True, refusal=_READS_LABELS),
     Arch("whisper-layerdrop", _whisper, head=True, layerdrop=True),
+    Arch("paligemma-vlm", _paligemma, head=True),
     Arch("siglip", _siglip, head=False),
     Arch("vit", _vit, head=False),
     Arch("swin", _swin, head=False),

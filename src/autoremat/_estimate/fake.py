@@ -757,10 +757,21 @@ _FACTORIES = frozenset({"arange", "scalar_tensor", "ones", "zeros", "empty", "fu
                         "randn", "randint", "linspace", "eye", "empty_strided"})
 
 
+# NOTE [ Checks of values on meta ]
+#     A forward may check a condition on values and raise if it fails:
+#     ``torch._check_tensor_all_with`` (Transformers' ``torch_compilable_check``, which
+#     LLaVA and PaliGemma call to check that the image tokens match the image features).
+#     It reads the condition through ``aten._is_all_true`` and ``.item()``, which meta
+#     tensors cannot answer. While an estimate runs the condition is taken to hold: a
+#     check only raises or passes, and the inputs are the user's, which the model checks
+#     again on a real step.
+
+
 class _CpuFactoriesOnMeta(TorchDispatchMode):
     """Factory ops for the CPU make meta tensors, and a tensor ``torch.tensor`` made on
-    the CPU is moved to meta (NOTE [ Tensors a forward makes on the CPU ]). A dispatch
-    mode, so that it also holds in a checkpoint's recompute in backward."""
+    the CPU is moved to meta (NOTE [ Tensors a forward makes on the CPU ]); a check of
+    values passes (NOTE [ Checks of values on meta ]). A dispatch mode, so that it also
+    holds in a checkpoint's recompute in backward."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -769,6 +780,8 @@ class _CpuFactoriesOnMeta(TorchDispatchMode):
         if name in _FACTORIES and (kwargs.get("device") is None
                                    or torch.device(kwargs["device"]).type == "cpu"):
             kwargs["device"] = torch.device("meta")
+        if name == "_is_all_true" and args[0].is_meta:  # NOTE [ Checks of values on meta ]
+            return torch.ones((), dtype=torch.bool)
         out = func(*args, **kwargs)
         if name == "lift_fresh" and isinstance(out, torch.Tensor) \
                 and out.device.type == "cpu":

@@ -205,7 +205,7 @@ class OffloadGroup:
         if storage._cdata in self.frozen or storage.nbytes() < _MIN_BYTES \
                 or t.layout != torch.strided:
             self.stats.kept += 1
-            return t
+            return t.detach()  # NOTE [ A pack hook keeps an alias ] (measure/ops.py)
         known = self._by_tensor.get(id(t))
         if known is not None and known[0]() is t:
             entry = known[1]()
