@@ -256,6 +256,19 @@ def _whisper() -> tuple[nn.Module, dict[str, Any]]:
     return model, {"input_features": features, "labels": _tokens(seq=16, seed=4)}
 
 
+def _patchtst() -> tuple[nn.Module, dict[str, Any]]:
+    """A time-series transformer over patches of each channel, whose blocks batch-norm a
+    transposed view (NOTE [ Strides on meta ]: the layout batch norm writes)."""
+    t = transformers
+    model = t.PatchTSTForPrediction(t.PatchTSTConfig(
+        num_input_channels=3, context_length=64, patch_length=8, patch_stride=8,
+        prediction_length=16, d_model=32, num_attention_heads=4, num_hidden_layers=2,
+        ffn_dim=64, attention_dropout=_DROPOUT, ff_dropout=_DROPOUT))
+    g = torch.Generator().manual_seed(6)
+    return model, {"past_values": torch.randn(4, 64, 3, generator=g),
+                   "future_values": torch.randn(4, 16, 3, generator=g)}
+
+
 def _paligemma() -> tuple[nn.Module, dict[str, Any]]:
     """A vision tower whose pooling head's output the model drops (its graph freed when
     dropped), image tokens in the text, and a check that they match the image features
@@ -457,6 +470,7 @@ ARCHS = [
     Arch("hubert-ctc-layerdrop", _hubert, head=False, layerdrop=True, refusal=_READS_LABELS),
     Arch("whisper-layerdrop", _whisper, head=True, layerdrop=True),
     Arch("paligemma-vlm", _paligemma, head=True),
+    Arch("patchtst-timeseries", _patchtst, head=False),
     Arch("siglip", _siglip, head=False),
     Arch("vit", _vit, head=False),
     Arch("swin", _swin, head=False),

@@ -672,6 +672,8 @@ _KERNEL_CASES = {  # NOTE [ Strides on meta ], NOTE [ Losses that keep their unr
     "soft_margin_loss": lambda x, y, *_: F.soft_margin_loss(x, y.sign()),
     "binary_cross_entropy": lambda x, y, *_: F.binary_cross_entropy(x.sigmoid(), y.sigmoid()),
     "mse_loss_unreduced": lambda x, y, *_: F.mse_loss(x, y, reduction="none"),
+    "batch_norm_transposed": lambda x, y, g, *_: torch.ops.aten.native_batch_norm(
+        g, None, None, None, None, True, 0.1, 1e-5),  # (PatchTST's (B, C, T) view)
 }
 
 
