@@ -178,3 +178,32 @@ def test_liger_kernels_are_named_and_the_loss_stays_trls() -> None:
     assert loss.inputs == {"fused_lm_head": True, "use_cache": False} and loss.head is None
     plain = _trainer_loss(_model("llama"), args, None, "auto")  # type: ignore[arg-type]
     assert plain.what == "the model's own loss (output.loss)" and plain.head == "auto"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_trls_other_trainers_are_refused_when_training_begins(tmp_path: pathlib.Path) -> None:
+    # DPOTrainer's batch has no labels, and its step runs a reference forward: the
+    # callback profiled it as SFTTrainer's and failed inside TRL's fused head (TypeError)
+    import copy
+
+    tokenizer = _tokenizer()
+    tokenizer._tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    g = torch.Generator().manual_seed(3)
+
+    def text(n: int) -> str:
+        return " ".join(f"t{i}" for i in torch.randint(3, VOCAB, (n,), generator=g).tolist())
+
+    data = datasets.Dataset.from_dict({"prompt": [text(8) + " " for _ in range(4)],
+                                       "chosen": [text(8) for _ in range(4)],
+                                       "rejected": [text(8) for _ in range(4)]})
+    args = trl.DPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=BATCH,
+                         report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                         gradient_checkpointing=False, max_length=SEQ)
+    model = _model("llama")
+    trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
+                             train_dataset=data, processing_class=tokenizer,
+                             callbacks=[AutorematCallback(budget="95%")])
+    with pytest.raises(RematError, match=r"TRL's DPOConfig: DPOTrainer's step is not one "
+                       r"AutorematCallback profiles.*autoremat\.auto\(model, batch"):
+        trainer.train()
+    assert autoremat.applied_plan(model) is None

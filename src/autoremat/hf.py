@@ -204,6 +204,12 @@ class AutorematCallback(TrainerCallback):
 #     * ``label_smoothing_factor > 0``: the Trainer (and SFTTrainer) take the loss of the
 #       logits outside the model, and SFTTrainer runs a second, no-grad forward for its
 #       metrics before backward; the callback refuses it rather than plan another step.
+#     * TRL's other trainers (``DPOConfig``, ``GRPOConfig``, ``RewardConfig``, ...): each
+#       calls the model with inputs of its own and takes a loss of its own (DPOTrainer runs
+#       the reference model's forward while the policy's activations are held); refused
+#       when training begins, by the class of the arguments, rather than profiled as
+#       something they do not run (DPOTrainer's batch has no labels: the profile failed
+#       inside TRL's fused head with a TypeError).
 #     * ``compute_loss_func=`` (Trainer or SFTTrainer): the loss is the user's function of
 #       the logits, and the model is called without labels. No callback event shows it,
 #       so the callback checks the first training step's forward: a call with other
@@ -249,6 +255,20 @@ def _trainer_loss(model: nn.Module, args: TrainingArguments, loss_fn: LossFn | N
                   head: str | None) -> _TrainerLoss:
     """Which loss the Trainer training ``model`` takes (NOTE [ Which loss the Trainer
     takes ]); refuses what the callback cannot profile."""
+    trl = next((c.__name__ for c in type(args).__mro__
+                if c.__module__.split(".")[0] == "trl"), None)
+    if trl is not None and trl != "SFTConfig":
+        trainer = trl.removesuffix("Config") + "Trainer"
+        raise RematError(
+            f"the Trainer's arguments are TRL's {trl}: {trainer}'s step is not one "
+            "AutorematCallback profiles. The callback profiles the loss the Trainer and "
+            "SFTTrainer take (NOTE [ Which loss the Trainer takes ] in autoremat/hf.py); "
+            f"{trainer} calls the model with inputs of its own and takes a loss of its own "
+            "(DPOTrainer: the policy's forward, then the reference model's forward without "
+            "gradients while the policy's activations are held, then a preference loss of "
+            "both). Plan by hand before trainer.train(), on a batch as the trainer calls "
+            "the model and with a loss_fn that runs the rest of its step: "
+            "autoremat.auto(model, batch, budget=..., loss_fn=..., loop='loss_only')")
     smoothing = getattr(args, "label_smoothing_factor", 0) or 0
     if smoothing and getattr(args, "loss_type", "nll") == "nll":
         raise RematError(
