@@ -131,9 +131,9 @@ def _infeasible(strategy: str, budget: int | None, least_peak: int, margin: Frac
     ``least_peak``, and the smallest feasible budget holds it with ``margin``."""
     need = budget_for(least_peak, margin)
     got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
-    kept = (f", less the {float(margin):.1%} of it kept as margin (margin=; on a CUDA tape 3% "
-            f"by default, for the allocator's blocks: NOTE [ The margin kept for the CUDA "
-            f"allocator ]; margin=0 plans without it)" if margin else "")
+    kept = (f", less the {float(margin):.1%} of it kept as margin (plan's margin=, by "
+            f"default 3% on a CUDA tape for the allocator's blocks: NOTE [ The margin kept "
+            f"for the CUDA allocator ]; margin=0 plans without it)" if margin else "")
     return BudgetError(
         f"no {strategy!r} plan fits the budget of {format_bytes(budget or 0)}{kept}{got}. "
         f"The smallest feasible budget is {format_bytes(need)} ({need} bytes), reached by "
