@@ -7,6 +7,7 @@ A step is checked once, when it is made; every public entry point takes one in p
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -204,3 +205,89 @@ def test_every_tool_measures_the_same_step_peak() -> None:
     assert bench.flops == step_measure(step, rng).flops == tape.step_flops
     wall_ms, cpu_ms = time_step(step, rng)
     assert wall_ms > 0 and cpu_ms >= 0
+
+
+# --- batches of a script's own structure (NOTE [ What a batch may hold ]) ----------------
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+    note: str = "train"
+
+
+class _TakesABatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(),
+                                                  nn.Linear(64, 32)) for _ in range(3))
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, batch: _Batch) -> torch.Tensor:
+        h = self.inp(batch.x)
+        for block in self.blocks:
+            h = h + block(h)
+        return nn.functional.cross_entropy(self.out(h).flatten(0, 1), batch.y.flatten())
+
+
+def _batch(n: int) -> _Batch:
+    g = torch.Generator().manual_seed(n)
+    return _Batch(torch.randn(n, 8, 16, generator=g), torch.randint(0, 5, (n, 8), generator=g))
+
+
+def test_a_dataclass_batch_is_profiled_planned_verified_and_estimated() -> None:
+    # it was refused: "inputs hold no tensor (got tuple: (_Batch(...),))"
+    torch.manual_seed(0)
+    model, batch = _TakesABatch(), _batch(8)
+    tape = autoremat.profile(model, (batch,), timing=False)
+    assert tape.inputs == "0.x: (8, 8, 16) float32, 0.y: (8, 8) int64, 0.note: str"
+    plan = autoremat.plan(tape, None, "full")
+    autoremat.apply(model, plan)
+    try:
+        report = autoremat.verify(model, (batch,), plan, repeats=1)
+    finally:
+        autoremat.remove(model)
+    assert report.ok and report.max_grad_diff == 0.0
+    assert report.peak_bytes == plan.predicted_peak_bytes
+    est = autoremat.estimate(model, (batch,), device="cpu", selective=False)
+    assert est.step_peak_bytes == tape.step_peak_bytes
+
+
+def test_a_plan_warns_when_a_dataclass_batch_grows_and_not_when_it_shrinks() -> None:
+    from autoremat._guards import ShapeMismatchWarning
+
+    torch.manual_seed(0)
+    model = _TakesABatch()
+    autoremat.auto(model, {"batch": _batch(8)}, budget="70%")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ShapeMismatchWarning)
+            model(batch=_batch(8)).backward()
+            model(batch=_batch(4)).backward()  # within the plan
+        with pytest.warns(ShapeMismatchWarning, match=r"batch\.x: \(16, 8, 16\) float32"):
+            model(batch=_batch(16)).backward()
+    finally:
+        autoremat.remove(model)
+
+
+def test_tensors_are_found_and_mapped_in_any_container() -> None:
+    from collections import UserDict, namedtuple
+
+    from autoremat._core.step import flat_tensors, map_tensors
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        a: torch.Tensor
+        rest: list[Any]
+
+    pair = namedtuple("pair", "left right")
+    t = [torch.full((1,), float(i)) for i in range(5)]
+    obj = (UserDict({"k": t[0]}), Frozen(t[1], [pair(t[2], 7), {"z": t[3]}]), t[4], "s")
+    assert [float(x) for x in flat_tensors(obj)] == [0, 1, 2, 3, 4]
+    doubled = map_tensors(lambda x: x * 2, obj)
+    assert [float(x) for x in flat_tensors(doubled)] == [0, 2, 4, 6, 8]
+    assert type(doubled[0]) is UserDict and type(doubled[1]) is Frozen
+    assert type(doubled[1].rest[0]) is pair and doubled[1].rest[0].right == 7
+    assert doubled[3] == "s" and float(obj[1].a) == 1  # the original is untouched

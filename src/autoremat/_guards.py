@@ -21,7 +21,7 @@ from torch import nn
 from autoremat._core.conditions import autocast_state, float_dtypes
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError
-from autoremat._core.step import describe_inputs, flat_tensors
+from autoremat._core.step import describe_inputs, flat_tensors, input_entries
 from autoremat._mechanism.head import HeadInstall
 from autoremat._mechanism.segments import SEGMENT_ADVICE, SegmentRunner
 from autoremat._plan.plan import Plan
@@ -302,7 +302,7 @@ def _added_settings(planned: str, inputs: Any) -> list[str]:
     step they change is one the plan did not measure, which may hold more or less."""
     if not isinstance(inputs, Mapping):
         return []
-    known = {m["name"] for m in _ENTRY.finditer(planned)}
+    known = {m["name"].split(".")[0] for m in _ENTRY.finditer(planned) if m["name"]}
     added = {k: v for k, v in inputs.items() if k not in known
              and not isinstance(v, torch.Tensor) and v is not None and v is not False}
     rest = {k: v for k, v in inputs.items() if k not in added}
@@ -314,7 +314,7 @@ def _added_settings(planned: str, inputs: Any) -> list[str]:
 def _unnamed(signature: str) -> str:
     """An inputs signature less its keyword names: ``"ids: (4, 16) int64"`` and
     ``"(4, 16) int64"`` are one batch, given by keyword or by position."""
-    return re.sub(r"(^|, )\w+: ", r"\1", signature)
+    return re.sub(r"(^|, )[\w.]+: ", r"\1", signature)
 
 
 def _check_setting(module: nn.Module, inputs: Any, state: Applied) -> None:
@@ -350,7 +350,7 @@ def _check_setting(module: nn.Module, inputs: Any, state: Applied) -> None:
 #     keyword that is no tensor and that the profile did not pass (``depth=3``,
 #     ``output_attentions=True``) makes a step the plan did not measure, which may hold
 #     more or less: the warning names that keyword, not the shapes (``_added_settings``).
-_ENTRY = re.compile(r"(?:(?P<name>\w+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)|"
+_ENTRY = re.compile(r"(?:(?P<name>[\w.]+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)|"
                     r"(?P<type>\w+))(?:, |$)")
 
 
@@ -363,11 +363,10 @@ def _within(planned: str, inputs: Any) -> bool:
         shape = None if m["shape"] is None else \
             tuple(int(d) for d in m["shape"].replace(",", " ").split())
         entries.append((m["name"], shape, m["dtype"] or m["type"]))
-    items = list(inputs.items()) if isinstance(inputs, Mapping) else \
-        list(enumerate(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
-    items = [(k, v) for k, v in items if not (v is None or v is False)]  # turns off
+    items = [(k, v) for k, v in input_entries(inputs)
+             if not (v is None or v is False)]  # turns off
     names = [name for name, _, _ in entries]
-    if isinstance(inputs, Mapping) and all(names):
+    if all(names) and all(k is not None for k, _ in items):
         by_name = dict(zip(names, entries, strict=True))
         pairs = [(by_name.get(k), v) for k, v in items]
         missing = set(names) - {k for k, _ in items}

@@ -59,14 +59,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.data import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from autoremat._apply import remove
 from autoremat._callbacks import PlanArgs, forked_rngs, log_plan
 from autoremat._core.errors import RematError
-from autoremat._core.step import Loop, LossFn, Step
+from autoremat._core.step import Loop, LossFn, Step, map_tensors
 from autoremat._measure.blocks import BlockSpec
 from autoremat._plan.plan import Plan
 from autoremat._plan.strategies import keeps_head
@@ -383,5 +382,5 @@ def _batch_like_the_first(dataloader: Any, args: TrainingArguments) -> Any:
             raise RematError("the training dataset is empty: AutorematCallback has no "
                              "batch to profile")
         batch = dataloader.collate_fn(examples)
-    return tree_map(lambda x: x.to(args.device) if isinstance(x, torch.Tensor) else x,
-                    dict(batch) if isinstance(batch, Mapping) else batch)  # BatchEncoding
+    return map_tensors(lambda x: x.to(args.device),
+                       dict(batch) if isinstance(batch, Mapping) else batch)  # BatchEncoding

@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
-from autoremat._core.step import Step
+from autoremat._core.step import Step, map_tensors
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
 from autoremat._plan.plan import Plan
@@ -78,8 +77,7 @@ def build_target(target: str, overrides: dict[str, Any], device: torch.device | 
     device = torch.device(device)
     if device.type != "cpu":
         model.to(device)
-        inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
-                          inputs)
+        inputs = map_tensors(lambda t: t.to(device), inputs)
     return model, inputs
 
 

@@ -7,10 +7,12 @@ figure comes from the same step.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import random
 import reprlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -18,7 +20,6 @@ from typing import Any, Literal, cast, get_args
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from autoremat._core.conditions import loop_autocast
 from autoremat._core.errors import LoopError, RematError, did_you_mean
@@ -38,7 +39,9 @@ __all__ = [
     "describe_loss",
     "device_of",
     "flat_tensors",
+    "input_entries",
     "layer_drops",
+    "map_tensors",
     "output_bytes",
     "preserved_state",
     "run_step",
@@ -97,13 +100,55 @@ def parse_device(device: str | torch.device) -> torch.device:
                          f"'cuda:1'") from exc
 
 
+# NOTE [ What a batch may hold ]
+#     A step's inputs (and a model's outputs) are tensors in tuples, lists, named tuples,
+#     dicts and other mappings (transformers' BatchEncoding is a UserDict) and
+#     dataclasses (a ``Batch`` of a training script's own, a ModelOutput), nested to any
+#     depth. torch's pytree opens the first three and a ModelOutput, not a user's
+#     dataclass or mapping: a model taking ``forward(batch: Batch)`` was refused as
+#     "inputs hold no tensor". :func:`flat_tensors` and :func:`map_tensors` open all of
+#     them.
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
 def flat_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a nested structure, in order; dataclass outputs are opened too."""
-    if hasattr(obj, "__dataclass_fields__"):
-        obj = list(vars(obj).values())
-    elif isinstance(obj, Mapping) and not isinstance(obj, dict):
-        obj = dict(obj)  # a UserDict such as transformers' BatchEncoding
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in a nested structure, in order (NOTE [ What a batch may hold ])."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in flat_tensors(v)]
+    if _is_dataclass_instance(obj):
+        return [t for f in dataclasses.fields(obj) for t in flat_tensors(getattr(obj, f.name))]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in flat_tensors(v)]
+    return []
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` with each tensor ``t`` in it replaced by ``fn(t)``, its containers rebuilt
+    as the same types (NOTE [ What a batch may hold ]); anything else is kept as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, MutableMapping):
+        new = copy.copy(obj)
+        for k, v in obj.items():
+            new[k] = map_tensors(fn, v)
+        return new
+    if isinstance(obj, Mapping):  # one that cannot be written to
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    if _is_dataclass_instance(obj):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, map_tensors(fn, getattr(obj, f.name)))
+        return new
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj
 
 
 def _own_loss(output: Any) -> torch.Tensor | None:
@@ -320,26 +365,57 @@ def output_bytes(output: Any, loss: torch.Tensor | None = None) -> int:
                                  if t.untyped_storage()._cdata != skip])
 
 
+def input_entries(inputs: Any) -> list[tuple[str | None, Any]]:
+    """The inputs as ``(name, value)`` entries: keyword arguments by name, positional
+    ones unnamed; a container among them that holds tensors (a dataclass batch, a list
+    of masks) gives an entry per value inside, named by its path (``"batch.labels"``,
+    ``"mask_labels.1"``, ``"0.x"`` for a positional one), so that a signature shows the
+    shapes a plan depends on (NOTE [ What a batch may hold ])."""
+    if isinstance(inputs, Mapping):  # a dict, or a UserDict such as a BatchEncoding
+        top: list[tuple[str | None, Any]] = [(str(k), v) for k, v in inputs.items()]
+    elif isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):
+        top = [(None, v) for v in inputs]
+    else:
+        top = [(None, inputs)]
+    out: list[tuple[str | None, Any]] = []
+    for i, (name, value) in enumerate(top):
+        out.extend(_inside(name if name is not None else str(i), value)
+                   if _holds_tensors(value) else [(name, value)])
+    return out
+
+
+def _holds_tensors(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) and bool(flat_tensors(value))
+
+
+def _inside(path: str, value: Any) -> list[tuple[str | None, Any]]:
+    if isinstance(value, Mapping):
+        items = [(str(k), v) for k, v in value.items()]
+    elif _is_dataclass_instance(value):
+        items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    else:  # a tuple or a list
+        items = [(str(i), v) for i, v in enumerate(value)]
+    return [entry for key, v in items for entry in (
+        _inside(f"{path}.{key}", v) if _holds_tensors(v) else [(f"{path}.{key}", v)])]
+
+
 def describe_inputs(inputs: Any) -> str:
-    """``"idx: (4, 128) int64, targets: (4, 128) int64"``-style signature of the inputs."""
+    """``"idx: (4, 128) int64, targets: (4, 128) int64"``-style signature of the inputs
+    (:func:`input_entries`)."""
     def one(t: Any) -> str:
         if isinstance(t, torch.Tensor):
             return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
         return type(t).__name__
-    if isinstance(inputs, Mapping):  # a dict, or a UserDict such as a BatchEncoding
-        return ", ".join(f"{k}: {one(v)}" for k, v in inputs.items())
-    if isinstance(inputs, (tuple, list)):
-        return ", ".join(one(v) for v in inputs)
-    return one(inputs)
+    return ", ".join(f"{name}: {one(v)}" if name is not None else one(v)
+                     for name, v in input_entries(inputs))
 
 
 def unique_storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages among the tensors in a (nested) structure."""
     seen: dict[int, int] = {}
-    for t in tree_flatten(tensors)[0]:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()
+    for t in flat_tensors(tensors):
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 
@@ -528,7 +604,6 @@ def device_of(model: nn.Module, inputs: Any = None) -> torch.device:
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     if first is not None:
         return first.device
-    for t in tree_flatten(inputs)[0]:
-        if isinstance(t, torch.Tensor):
-            return t.device
+    for t in flat_tensors(inputs):
+        return t.device
     return torch.device("cpu")

@@ -43,11 +43,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from autoremat._core.errors import BudgetError, RematError, did_you_mean
 from autoremat._core.files import dump_json
-from autoremat._core.step import LossFn, Step, as_step, unique_storage_bytes
+from autoremat._core.step import (
+    LossFn,
+    Step,
+    as_step,
+    flat_tensors,
+    map_tensors,
+    unique_storage_bytes,
+)
 from autoremat._core.units import format_bytes, parse_size
 from autoremat._estimate.estimate import Estimate, estimate
 from autoremat._estimate.fake import parse_dtype
@@ -332,17 +338,17 @@ def _best(est: Estimate, memory: int, name: str, action: str, **setting: Any) ->
 
 def _batch_of(inputs: Any) -> int | None:
     """The leading size of the first tensor in ``inputs`` (the batch, by convention)."""
-    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.dim()]
+    tensors = [t for t in flat_tensors(inputs) if t.dim()]
     return int(tensors[0].shape[0]) if tensors else None
 
 
 def _rebatch(inputs: Any, batch: int, new: int) -> Any:
-    def cut(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch:
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() and t.shape[0] == batch:
             return torch.empty_like(t[:new], device="meta")
         return t
 
-    return tree_map(cut, inputs)
+    return map_tensors(cut, inputs)
 
 
 def _remedies(est: Estimate, memory: int, model: nn.Module, inputs: Any,

@@ -42,10 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_map
 
 from autoremat._core.errors import RematError, did_you_mean
-from autoremat._core.step import parse_device, training_config
+from autoremat._core.step import map_tensors, parse_device, training_config
 
 __all__ = [
     "kernels_on_meta",
@@ -137,13 +136,11 @@ def to_meta(model: nn.Module, inputs: Any,
             memo.setdefault(id(t), _meta_like(t, dtype))
         model = copy.deepcopy(model, memo)
 
-    def convert(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            out = _meta_like(t, dtype)
-            return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
-        return t
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        out = _meta_like(t, dtype)
+        return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
 
-    return model, tree_map(convert, inputs)
+    return model, map_tensors(convert, inputs)
 
 
 def _resolve_device(model: nn.Module, device: str | torch.device | None) -> str:

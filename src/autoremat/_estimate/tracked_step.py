@@ -10,15 +10,22 @@ peak with the head and loss computed in :data:`LOSS_CHUNKS` slices
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from autoremat._core.step import Loop, LossFn, Step, check_loop, preserved_state
+from autoremat._core.step import (
+    Loop,
+    LossFn,
+    Step,
+    check_loop,
+    flat_tensors,
+    preserved_state,
+)
 from autoremat._estimate.fake import (
     _resolve_device,
     meta_refusal,
@@ -145,12 +152,9 @@ def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    if hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
-        obj = list(vars(obj).values()) if hasattr(obj, "__dataclass_fields__") else \
-            list(obj.to_tuple())
-    found: list[torch.Tensor] = []
-    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, obj)
-    return found
+    if hasattr(obj, "to_tuple") and not dataclasses.is_dataclass(obj):
+        obj = list(obj.to_tuple())
+    return flat_tensors(obj)
 
 
 def _live_at_peak(run: _Run, top: int) -> tuple[LiveTensor, ...]:

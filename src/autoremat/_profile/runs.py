@@ -79,7 +79,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from autoremat._core.conditions import autocast_state
 from autoremat._core.decisions import Decision
@@ -109,8 +108,8 @@ __all__ = ["compile_settings", "refuse_hf_checkpointing"]
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    for t in tree_flatten(obj)[0]:
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+    for t in flat_tensors(obj):
+        if t.requires_grad and t.is_floating_point():
             return t
     return None
 
