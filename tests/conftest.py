@@ -208,7 +208,7 @@ def synthetic_tape(blocks: Sequence[BlockProfile], *, pre: WindowMemory | None =
 
 
 def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = False,
-                scale: int = 1, releases: bool = False) -> Tape:
+                scale: int = 1, releases: bool = False, first_releases: bool = False) -> Tape:
     """A chain of ``n`` blocks with random, physically plausible windows.
 
     Block ``i`` saves ``a`` bytes for backward (its output ``o`` among them) and needs a
@@ -218,7 +218,8 @@ def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = 
     Small integers (times ``scale``) make equal peaks, hence ties, common. With
     ``releases``, blocks after the first release part of their input when the forward
     returns, by their decision and their predecessor's (``fwd_end_release``; NOTE
-    [ Released when the forward returns ] in ``_plan/peak.py``).
+    [ Released when the forward returns ] in ``_plan/peak.py``); with ``first_releases``
+    the first block too.
     """
     rng = random.Random(seed)
     draw: dict[str, int] = {}
@@ -244,7 +245,7 @@ def random_tape(n: int, seed: int, *, chained_p: float = 0.7, identical: bool = 
         chained = identical or rng.random() < chained_p
         block = synthetic_block(i, fwd=fwd, bwd=bwd, flops=draw["flops"],
                                 chained=chained, chain_bytes=prev_out, output_bytes=o)
-        if releases and i > 0:
+        if releases and (i > 0 or first_releases):
             block = dataclasses.replace(block, fwd_end_release={
                 key: r(0, 4) for key in PAIRS if rng.random() < 0.7})
         blocks.append(block)

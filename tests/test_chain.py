@@ -17,6 +17,7 @@ model, no profiling), so the solver is checked in isolation:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator, Sequence
 from functools import cache
@@ -32,7 +33,7 @@ from autoremat._plan.chain import solve
 from autoremat._plan.peak import Segments, plan_costs, predict_peak
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-from conftest import C, K, random_tape, synthetic_block, synthetic_tape, window
+from conftest import PAIRS, C, K, random_tape, synthetic_block, synthetic_tape, window
 
 # --- the brute-force reference -----------------------------------------------------------
 
@@ -169,6 +170,33 @@ def test_both_objectives_match_brute_force_where_releases_differ(seed: int) -> N
         got = solve(tape, budget, objective="cost")
         assert got.cost == min(fits), f"n={n} budget={budget}: {got.segments}"
         assert predict_peak(tape, got.segments) == got.peak_bytes <= budget
+
+
+def test_the_smallest_peak_counts_what_keeping_the_first_block_releases() -> None:
+    # the first block's release counts only in a plan that recomputes nothing
+    # (release_of), which the DP cannot tell at the first block: where recomputing saves
+    # nothing, the smallest peak it found was above keeping every block (a held-out
+    # LeViT's BudgetError named a smallest budget 4 KiB above it)
+    blocks = []
+    for i in range(3):  # each saves only its output, none chained: recomputing saves nothing
+        block = synthetic_block(i, fwd={pair: window(8 + 2, 8) for pair in PAIRS},
+                                bwd={pair: window(30, -8) for pair in PAIRS}, flops=1000,
+                                chained=False, chain_bytes=8, output_bytes=8)
+        if i == 0:
+            block = dataclasses.replace(block, fwd_end_release={(K, K): 4})
+        blocks.append(block)
+    # the kept step was measured with the release: its post window ends 4 bytes lower
+    tape = synthetic_tape(blocks, pre=window(8, 8), post={K: window(20, -2), C: window(20, 2)})
+    kept = predict_peak(tape, [(i, i + 1, KEEP) for i in range(3)])
+    table = _brute(tape)
+    assert kept == min(peak for peak, _, _ in table)
+    assert kept < min(peak for peak, _, segments in table
+                      if any(c.decision is not Decision.KEEP for *_, c in segments))
+    smallest = solve(tape, None, objective="peak")
+    assert smallest.peak_bytes == kept
+    with pytest.raises(BudgetError) as info:
+        solve(tape, kept - 1, objective="cost")
+    assert info.value.min_feasible_bytes == kept
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -291,6 +291,12 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             cost, top = int(f.cost[found]), int(peak[found])
             key = (cost, top) if objective == "cost" else (top, cost)
             finals.append((key, _RANK[last], int(found), cost, top))
+    if objective == "peak" and kept_peak <= budget and (
+            not finals or kept_peak <= min(finals)[0][0]):
+        # what keeping every block releases, the DP may not see (as above): it reached
+        # no smaller peak (a LeViT's BudgetError named a smallest budget 4 KiB above
+        # what keeping every block predicts)
+        return ChainSolution(keep_all, 0, kept_peak)
     if not finals:
         internal_assert(budget_bytes is not None, "no plan of the chain without a budget")
         least = solve(tape, None, objective="peak", options=options, max_segment=max_segment)
