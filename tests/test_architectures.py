@@ -269,6 +269,35 @@ def _patchtst() -> tuple[nn.Module, dict[str, Any]]:
                    "future_values": torch.randn(4, 16, 3, generator=g)}
 
 
+class _ActionLoss(nn.Module):
+    """A model whose output has no loss, and the loss of its actions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch: Any) -> torch.Tensor:
+        return self.model(**batch).action_preds.pow(2).mean()
+
+
+def _decision_transformer() -> tuple[nn.Module, dict[str, Any]]:
+    """GPT-2 blocks over states, actions and returns interleaved: the model stacks the
+    batch's attention mask three times and reshapes it (NOTE [ Following a mask's
+    values ]: estimate follows its values there)."""
+    t = transformers
+    model = t.DecisionTransformerModel(t.DecisionTransformerConfig(
+        state_dim=8, act_dim=3, hidden_size=64, n_layer=2, n_head=4, n_inner=128,
+        max_ep_len=64, n_positions=256, resid_pdrop=_DROPOUT, attn_pdrop=_DROPOUT))
+    g = torch.Generator().manual_seed(7)
+    mask = torch.ones(_BATCH, 16, dtype=torch.long)
+    mask[1, :3] = 0  # a shorter episode, padded on the left
+    return _ActionLoss(model), {"states": torch.randn(_BATCH, 16, 8, generator=g),
+                   "actions": torch.randn(_BATCH, 16, 3, generator=g),
+                   "rewards": torch.randn(_BATCH, 16, 1, generator=g),
+                   "returns_to_go": torch.randn(_BATCH, 16, 1, generator=g),
+                   "timesteps": torch.arange(16).expand(_BATCH, 16), "attention_mask": mask}
+
+
 def _paligemma() -> tuple[nn.Module, dict[str, Any]]:
     """A vision tower whose pooling head's output the model drops (its graph freed when
     dropped), image tokens in the text, and a check that they match the image features
@@ -471,6 +500,7 @@ ARCHS = [
     Arch("whisper-layerdrop", _whisper, head=True, layerdrop=True),
     Arch("paligemma-vlm", _paligemma, head=True),
     Arch("patchtst-timeseries", _patchtst, head=False),
+    Arch("decision-transformer", _decision_transformer, head=False),
     Arch("siglip", _siglip, head=False),
     Arch("vit", _vit, head=False),
     Arch("swin", _swin, head=False),

@@ -764,3 +764,25 @@ def test_blocks_that_run_in_another_order_than_defined_are_estimated() -> None:
     assert [b.name for b in est.tape.blocks] == [b.name for b in tape.blocks]
     assert tape.blocks[0].name.startswith("vision_model")
     assert abs(est.step_peak_bytes - tape.step_peak_bytes) <= 0.01 * tape.step_peak_bytes
+
+
+def test_a_masks_values_are_followed_through_ops_and_never_stale() -> None:
+    # NOTE [ Following a mask's values ]
+    from autoremat._estimate.fake import _MaskValues
+
+    real = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    meta = real.to("meta")
+    with _MaskValues({"attention_mask": meta}, {"attention_mask": real}) as values:
+        stacked = torch.stack((meta, meta), dim=1).reshape(2, 6)
+        assert torch.equal(values.value(stacked), torch.stack((real, real), 1).reshape(2, 6))
+        copy = meta.clone()
+        copy.mul_(2)  # in place, on a tensor of known values: its new values
+        assert torch.equal(values.value(copy), real * 2)
+        view = copy[:, :2]
+        assert values.value(view) is not None
+        view.fill_(5)  # through a view: the base's values and the view's are forgotten
+        assert values.value(copy) is None and values.value(view) is None
+        unknown = torch.ones(2, 3, dtype=torch.long, device="meta").add_(
+            torch.empty(2, 3, dtype=torch.long, device="meta"))  # an unknown argument
+        assert values.value(unknown) is None
+        assert torch.equal(values.value(meta), real)  # the batch's own, untouched

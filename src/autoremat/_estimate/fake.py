@@ -44,7 +44,7 @@ from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from autoremat._core.errors import RematError, did_you_mean
-from autoremat._core.step import map_tensors, parse_device, training_config
+from autoremat._core.step import flat_tensors, map_tensors, parse_device, training_config
 
 __all__ = [
     "kernels_on_meta",
@@ -481,19 +481,15 @@ def kernels_on_meta() -> Iterator[None]:
 class _MaskValues(TorchDispatchMode):
     """The real values of attention masks and ``position_ids`` on ``meta``, followed from
     the batch (or, for masks, from a ``torch.ones`` the model makes when it has none)
-    through copies and casts to Transformers' mask builder and packed-sequence test (NOTE
-    [ Hugging Face models on meta ]). Every other tensor has no known values."""
+    through the ops the model runs on them to Transformers' mask builder and
+    packed-sequence test (NOTE [ Hugging Face models on meta ], NOTE [ Following a
+    mask's values ]). Every other tensor has no known values."""
 
-    # ops that, keeping the shape, keep the values (a transpose would not)
-    _FOLLOW = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
-               torch.ops.aten.alias.default, torch.ops.aten.detach.default,
-               torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-               torch.ops.aten.slice.Tensor)
     _ONES = (torch.ops.aten.ones.default, torch.ops.aten.new_ones.default)
 
     def __init__(self, inputs: Any, given: Any) -> None:
         super().__init__()
-        # id(meta tensor) -> (a weak reference to it, its values as a CPU bool tensor)
+        # id(meta tensor) -> (a weak reference to it, its values as a CPU tensor)
         self.values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         if isinstance(inputs, Mapping) and isinstance(given, Mapping):
             for key, meta in inputs.items():
@@ -501,37 +497,79 @@ class _MaskValues(TorchDispatchMode):
                 if not (isinstance(meta, torch.Tensor) and isinstance(real, torch.Tensor)
                         and not real.is_meta):
                     continue
-                if "attention_mask" in str(key):
-                    self._set(meta, real.detach().to("cpu", torch.bool))
-                elif key == "position_ids":
-                    self._set(meta, real.detach().to("cpu"))
+                if "attention_mask" in str(key) or key == "position_ids":
+                    self._set(meta, real.detach().to("cpu", meta.dtype))
 
     def _set(self, meta: torch.Tensor, real: torch.Tensor) -> None:
         self.values[id(meta)] = (weakref.ref(meta), real)
 
     def value(self, meta: torch.Tensor) -> torch.Tensor | None:
-        """The values of ``meta`` as a CPU tensor (bool for a mask), or ``None`` when
+        """The values of ``meta`` as a CPU tensor of its dtype, or ``None`` when
         unknown."""
         ref, real = self.values.get(id(meta), (None, None))
         return real if ref is not None and ref() is meta else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if not isinstance(out, torch.Tensor) or not out.is_meta or out.dim() > 2:
-            return out
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in self._ONES:
-            self._set(out, torch.ones(out.shape, dtype=torch.bool))
-        elif func in self._FOLLOW and isinstance(args[0], torch.Tensor) \
-                and args[0].shape == out.shape:
-            real = self.value(args[0])
-            if real is not None:
-                self._set(out, real)
-        elif func is torch.ops.aten.expand.default and isinstance(args[0], torch.Tensor):
-            real = self.value(args[0])  # also one row of position_ids for the batch's rows
-            if real is not None:
-                self._set(out, real.expand(out.shape))
+            if isinstance(out, torch.Tensor) and out.is_meta and out.numel() <= _FOLLOWED:
+                self._set(out, torch.ones(out.shape, dtype=out.dtype))
+            return out
+        if not any(id(a) in self.values for a in args) and not any(
+                isinstance(a, (tuple, list)) and any(id(b) in self.values for b in a)
+                for a in args):
+            return out  # (most ops: none of its arguments has known values)
+        metas = [t for t in flat_tensors((args, kwargs)) if t.is_meta]
+        reals = [self.value(t) for t in metas]
+        mutated = [a for a, info in zip(args, func._schema.arguments, strict=False)
+                   if info.alias_info is not None and info.alias_info.is_write
+                   and isinstance(a, torch.Tensor)]
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(t, torch.Tensor)]
+        for t in mutated:  # what it knew of it, its base and their views is stale
+            self._forget(t)
+        if any(r is None for r in reals) or any(t.numel() > _FOLLOWED for t in outs):
+            return out
+        by_id = {id(t): r for t, r in zip(metas, reals, strict=True) if r is not None}
+
+        def real(t: torch.Tensor) -> torch.Tensor:  # a copy: an op in place changes it
+            return by_id[id(t)].clone() if t.is_meta else t
+
+        with _disable_current_modes():  # CPU work of ours, not the step's
+            real_out = func(*map_tensors(real, args),
+                            **{k: "cpu" if k == "device" else map_tensors(real, v)
+                               for k, v in kwargs.items()})
+        real_outs = [r for r in (real_out if isinstance(real_out, (tuple, list))
+                                 else (real_out,)) if isinstance(r, torch.Tensor)]
+        for t, r in zip(outs, real_outs, strict=False):
+            # (an output changed in place is the argument: its new values, unless it is
+            # a view, whose base stays forgotten)
+            if t.shape == r.shape and not (t._base is not None
+                                           and any(t is m for m in mutated)):
+                self._set(t, r)
         return out
+
+    def _forget(self, changed: torch.Tensor) -> None:
+        root = changed._base if changed._base is not None else changed
+        for key, (ref, _) in list(self.values.items()):
+            t = ref()
+            if t is None or t is root or t._base is root:
+                del self.values[key]
+
+
+# NOTE [ Following a mask's values ]
+#     The values a mask builder reads are followed from the batch's own mask through
+#     every op the model runs on it whose tensor arguments all have known values: the op
+#     is run again on those values on the CPU (outside every mode, so that nothing of it
+#     is counted) and its result, up to 2**20 elements, is the output's values. Copies and
+#     casts are the common case; a Decision Transformer stacks its mask three times
+#     (states, actions, returns) and reshapes it, and was refused as a mask "the model
+#     computed". An op changing a tensor in place forgets the values of the tensor, of its
+#     base and of their views, and gives the tensor (not a view) its new ones where every
+#     argument is known: a value is never stale, only unknown.
+_FOLLOWED = 1 << 20
 
 
 _MASK_API = ("AttentionMaskInterface", "sdpa_mask", "prepare_padding_mask",
@@ -583,7 +621,8 @@ class _MaskBuilder:
         q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
         local = kwargs.get("local_size")
         with _disable_current_modes():  # CPU work of ours, not the step's
-            padding = self.utils.prepare_padding_mask(real, kv_length, kv_offset)
+            padding = self.utils.prepare_padding_mask(real.to(torch.bool), kv_length,
+                                                      kv_offset)
             return bool(
                 (causal and self.utils._ignore_causal_mask_sdpa(
                     padding, q_length, kv_length, q_offset, kv_offset, local))
