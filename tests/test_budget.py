@@ -53,6 +53,23 @@ def test_a_real_cpu_tape_and_a_cpu_estimate_leave_one_budget() -> None:
     assert planned.plan_total_peak_bytes is not None and planned.plan_total_peak_bytes <= limit
 
 
+def test_a_max_memory_no_plan_fits_says_the_max_memory_that_does() -> None:
+    # the error spoke of the step budget alone, which the user never gave
+    model, inputs = zoo.build("mlp", widths=WIDTHS, batch_size=512)
+    tape = autoremat.profile(model, inputs, repeats=1, with_selective=False, timing=False)
+    memory = iteration_memory(tape, "adamw")
+    need = memory.peak_bytes(smallest_feasible_bytes(tape))
+    autoremat.plan(tape, max_memory=need, optimizer="adamw")  # it fits
+    with pytest.raises(BudgetError, match=rf"max_memory {format_bytes(need - 1)} leaves a "
+                       rf"step budget of .*adamw optimizer state.* As max_memory: at least "
+                       rf".* \({need} bytes\)") as info:
+        autoremat.plan(tape, max_memory=need - 1, optimizer="adamw")
+    assert info.value.min_feasible_bytes == smallest_feasible_bytes(tape)  # a step budget
+    with pytest.raises(BudgetError) as info:  # budget= the tighter: told as before
+        autoremat.plan(tape, budget=1, max_memory=need, optimizer="adamw")
+    assert "max_memory" not in str(info.value)
+
+
 def _memory(**changes: int) -> IterationMemory:
     figures = {"param_bytes": 1000, "buffer_bytes": 100, "optimizer_bytes": 2000,
                "input_bytes": 300, "grad_bytes": 1000, "optimizer_step_bytes": 500}

@@ -142,6 +142,24 @@ def _infeasible(strategy: str, budget: int | None, least_peak: int, margin: Frac
         min_feasible_bytes=need, strategy="optimal")
 
 
+def _in_max_memory(exc: BudgetError, tape: Tape, budget_bytes: int | None, max_memory: Any,
+                   optimizer: str | int | None, shards: int) -> BudgetError:
+    """``exc``, for a budget that ``max_memory`` set, told in its terms too: what the
+    iteration holds besides the step, and the ``max_memory`` the smallest feasible
+    budget needs (``exc.min_feasible_bytes`` stays a step budget)."""
+    memory = iteration_memory(tape, optimizer, shards)
+    if budget_bytes != step_budget_bytes(max_memory, memory):
+        return exc  # budget= was the tighter limit
+    need = exc.min_feasible_bytes or 0
+    held = f"{optimizer} optimizer state" if optimizer is not None else "no optimizer state"
+    return exc.with_message(
+        f"max_memory {format_bytes(parse_size(max_memory, what='max_memory'))} leaves a "
+        f"step budget of {format_bytes(budget_bytes or 0)}: the iteration holds "
+        f"{format_bytes(memory.resting_bytes)} besides the step (parameters, buffers, "
+        f"{held}, the batch). {str(exc).rstrip('.')}. As max_memory: at least "
+        f"{format_bytes(memory.peak_bytes(need))} ({memory.peak_bytes(need)} bytes)")
+
+
 def smallest_feasible_bytes(tape: Tape, offload: bool = False,
                             head: str | None = None, margin: float | None = None) -> int:
     """The smallest budget any plan in autoremat's space fits for this tape (with
@@ -294,8 +312,14 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         tape = dataclasses.replace(tape, blocks=tuple(
             dataclasses.replace(b, chained=False) for b in tape.blocks))
     heads = head_choices(tape, head, name)
-    found = _best_over_heads(tape, heads, name, arg, strategy, (budget_bytes, room, kept),
-                             offload, head)
+    try:
+        found = _best_over_heads(tape, heads, name, arg, strategy,
+                                 (budget_bytes, room, kept), offload, head)
+    except BudgetError as exc:
+        if max_memory is None or exc.min_feasible_bytes is None:
+            raise
+        raise _in_max_memory(exc, tape, budget_bytes, max_memory, optimizer,
+                             shards) from None
     found = dataclasses.replace(found, shards=shards, offload_dtype=dtype_name,
                                 budget_bytes=budget_bytes,
                                 margin_bytes=0 if budget_bytes is None or room is None
