@@ -235,6 +235,12 @@ class Tape:
     # _plan/peak.py). Empty: a tape saved before it was recorded (the whole window's
     # peak is taken).
     post_fwd_peak: dict[Decision, int] = field(default_factory=dict)
+    # Of the first block's fwd_end_release under each decision (as every block was in
+    # the step that measured it), the bytes made before the chain that are released only
+    # where every block is under that decision: shared inputs another block may hold
+    # (NOTE [ What the model made before the chain ] in _plan/peak.py). Empty: none, or a
+    # tape saved before it was recorded.
+    first_release_shared: dict[Decision, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -271,7 +277,7 @@ class Tape:
         for block in data["blocks"]:
             for key in ("fwd", "bwd", "fwd_end_release"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
-        for key in ("post", "tail", "post_fwd_peak"):
+        for key in ("post", "tail", "post_fwd_peak", "first_release_shared"):
             data[key] = {d.value: v for d, v in data[key].items()}
         return data
 
@@ -365,7 +371,8 @@ def _by_decision(data: Any, where: str, version: int) -> dict[Decision, WindowMe
 
 
 def _peaks_by_decision(data: Any, where: str, version: int) -> dict[Decision, int]:
-    """``post_fwd_peak``: bytes keyed by one decision (empty in older files)."""
+    """``post_fwd_peak``, ``first_release_shared``: bytes keyed by one decision (empty in
+    older files)."""
     out = {}
     for k, v in _mapping(data, where).items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -430,8 +437,8 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
     data["pre"] = _window(data.get("pre"), "tape.pre")
     for key in ("post", "tail"):
         data[key] = _by_decision(data.get(key), f"tape.{key}", version)
-    data["post_fwd_peak"] = _peaks_by_decision(data.get("post_fwd_peak", {}),
-                                               "tape.post_fwd_peak", version)
+    for key in ("post_fwd_peak", "first_release_shared"):
+        data[key] = _peaks_by_decision(data.get(key, {}), f"tape.{key}", version)
     if data.get("head") is not None:
         data["head"] = _head(data["head"])
     tape = build_dataclass(Tape, data, "tape")

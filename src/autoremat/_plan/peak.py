@@ -206,7 +206,24 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
     if any(choice.decision.recomputes for _, _, choice in segments):
         out[0] = least_release(tape)[0]  # what the model made before the first block, any
         # checkpoint of a block it is passed to may hold (NOTE [ Released when ... ])
+    elif len({choice.decision for _, _, choice in segments}) > 1:
+        # NOTE [ What the model made before the chain ]
+        first = costs[0].seen_as
+        out[0] = max(0, out[0] - tape.first_release_shared.get(first, 0))
     return out
+
+
+# NOTE [ What the model made before the chain ]
+#     The first block's release when the forward returns counts what the model made
+#     before the chain and let go of then: the first block's input, and tensors it passes
+#     to every block (a Llama's rotary cos and sin). The second are released only where no
+#     block holds them: in the step with every block offloaded, where the first block's
+#     release was measured, but not where a kept block saved them for its backward. A
+#     held-out Llama's plan offloading blocks 0, 2 and 3 and keeping block 1 measured 8 KiB
+#     (its cos and sin) over its prediction. ``tape.first_release_shared`` holds, per
+#     decision, what the first block releases in the uniform step beyond the least it
+#     releases under that decision in any step; a plan whose blocks are under more than
+#     one decision counts the least.
 
 
 def post_window(tape: Tape, last: Decision,

@@ -100,6 +100,7 @@ from autoremat._profile.options import (
 from autoremat._profile.runs import (
     BlockTimes,
     Chain,
+    Pattern,
     Setup,
     compile_settings,
     find_chain,
@@ -271,6 +272,23 @@ def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list
     return notes
 
 
+def _first_release_shared(released: dict[Pattern, list[int]], n: int) -> dict[Decision, int]:
+    """Per decision ``d`` that recomputes nothing, what the first block releases when the
+    forward returns in the step with every block under ``d`` beyond the least it releases
+    under ``d`` in a step that recomputes nothing: what the model made before the chain
+    and passes to several blocks, which one of them may hold (NOTE [ What the model made
+    before the chain ] in _plan/peak.py). Only the non-zero ones."""
+    out = {}
+    for pattern, values in released.items():
+        if n > 1 and pattern == (pattern[0],) * n and not pattern[0].recomputes:
+            # (a plan that recomputes counts the least anyway: release_of)
+            least = min(v[0] for p, v in released.items()
+                        if p[0] == pattern[0] and not any(d.recomputes for d in p))
+            if values[0] > least:
+                out[pattern[0]] = values[0] - least
+    return out
+
+
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
@@ -332,6 +350,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         grad_bytes=base.grad_bytes,
         pre=plain.pre, post={d: runs[(d,) * n].post for d in measured},
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
+        first_release_shared=_first_release_shared(released, n),
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
