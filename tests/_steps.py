@@ -76,6 +76,16 @@ def assert_same_step(model: nn.Module, inputs: Any, plan: Plan) -> None:
     assert any(g is not None for g in planned.values())
 
 
+def verified(model: nn.Module, inputs: Any, plan: Plan, **options: Any) -> Any:
+    """``autoremat.verify`` of ``plan`` applied to ``model`` (removed after, whatever
+    happens); ``options`` go to ``verify``."""
+    autoremat.apply(model, plan)
+    try:
+        return autoremat.verify(model, inputs, plan, **options)
+    finally:
+        autoremat.remove(model)
+
+
 def recomputing(plan: Plan) -> bool:
     """Whether ``plan`` recomputes anything."""
     return any(b.decision is not Decision.KEEP for b in plan.blocks)

@@ -27,6 +27,7 @@ from autoremat._plan.peak import plan_costs
 from autoremat._plan.plan import BlockDecision, plan_of_segments
 from autoremat._plan.strategies import smallest_feasible_bytes
 
+from _steps import verified
 from conftest import SMALL, V1_PLAN, hf_model
 
 
@@ -329,11 +330,7 @@ def test_a_plan_keeping_a_block_between_offloaded_ones_is_predicted_exactly() ->
         kinds = [Decision.OFFLOAD, Decision.KEEP, Decision.OFFLOAD, Decision.OFFLOAD]
         chosen = plan_of_segments(tape, [(i, i + 1, Choice(k)) for i, k in enumerate(kinds)],
                                   "test")
-        autoremat.apply(model, chosen)
-        try:
-            report = autoremat.verify(model, inputs, chosen, repeats=1)
-        finally:
-            autoremat.remove(model)
+        report = verified(model, inputs, chosen, repeats=1)
     assert report.max_grad_diff == 0.0
     assert report.peak_bytes == chosen.predicted_peak_bytes
     loaded = autoremat.Tape.from_json(tape.to_json())  # the new field is kept

@@ -26,6 +26,7 @@ from autoremat._measure.tape import WindowMemory
 from autoremat._mechanism.wrap import is_wrapped
 
 import conftest
+from _steps import verified
 
 # conftest.SMALL with three transformer blocks, not two: these sizes matter, since
 # test_profile_measures_every_block_and_leaves_no_trace asserts at least three blocks and
@@ -850,11 +851,7 @@ def test_a_kept_output_the_model_drops_before_the_backward_is_held_in_the_plan(
         for other in (KEEP, RECOMPUTE):
             plan = plan_of_segments(tape, [(0, 1, Choice.selective_from_key(key))]
                                     + [(i, i + 1, other) for i in range(1, n)], "test")
-            autoremat.apply(model, plan)
-            try:
-                report = autoremat.verify(model, x, plan, repeats=1)
-            finally:
-                autoremat.remove(model)
+            report = verified(model, x, plan, repeats=1)
             assert report.max_grad_diff == 0.0
             assert report.peak_bytes == plan.predicted_peak_bytes, (key, other)
 
@@ -917,9 +914,5 @@ def test_a_graph_the_forward_drops_is_freed_when_dropped_in_the_measured_step() 
     tape = autoremat.profile(model, x, timing=False, with_head=False)
     for strategy in ("none", "full"):
         plan = autoremat.plan(tape, strategy=strategy)
-        autoremat.apply(model, plan)
-        try:
-            report = autoremat.verify(model, x, plan, repeats=1)
-        finally:
-            autoremat.remove(model)
+        report = verified(model, x, plan, repeats=1)
         assert report.peak_bytes == plan.predicted_peak_bytes, strategy

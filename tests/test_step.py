@@ -24,6 +24,7 @@ from autoremat._measure.measured import measure_step
 from autoremat._measure.memory import track_memory
 from autoremat._verify import step_measure
 
+from _steps import verified
 from conftest import SMALL
 
 
@@ -244,11 +245,7 @@ def test_a_dataclass_batch_is_profiled_planned_verified_and_estimated() -> None:
     tape = autoremat.profile(model, (batch,), timing=False)
     assert tape.inputs == "0.x: (8, 8, 16) float32, 0.y: (8, 8) int64, 0.note: str"
     plan = autoremat.plan(tape, None, "full")
-    autoremat.apply(model, plan)
-    try:
-        report = autoremat.verify(model, (batch,), plan, repeats=1)
-    finally:
-        autoremat.remove(model)
+    report = verified(model, (batch,), plan, repeats=1)
     assert report.ok and report.max_grad_diff == 0.0
     assert report.peak_bytes == plan.predicted_peak_bytes
     est = autoremat.estimate(model, (batch,), device="cpu", selective=False)
