@@ -530,7 +530,8 @@ class _MaskValues(TorchDispatchMode):
                 if isinstance(t, torch.Tensor)]
         for t in mutated:  # what it knew of it, its base and their views is stale
             self._forget(t)
-        if any(r is None for r in reals) or any(t.numel() > _FOLLOWED for t in outs):
+        if any(r is None for r in reals) or any(t.numel() > _FOLLOWED for t in outs) \
+                or torch.Tag.nondeterministic_seeded in func.tags:  # (draws: not ours to)
             return out
         by_id = {id(t): r for t, r in zip(metas, reals, strict=True) if r is not None}
 
