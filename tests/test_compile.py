@@ -262,6 +262,22 @@ def test_auto_compiled_fits_the_step_compiled_whole(budget: str) -> None:
 
 
 @pytest.mark.slow
+def test_verify_judges_a_plan_fitted_compiled_whole_on_the_step_compiled_whole() -> None:
+    # NOTE [ Verifying a plan fitted compiled whole ]: verify's steps ran eagerly (the
+    # storage tracker is a dispatch mode), and a Gemma 2 plan that fits compiled was
+    # reported FAILED at its eager peak
+    model, inputs = zoo.build("gpt2", n_layer=4, batch_size=2, seq_len=64)
+    plan = autoremat.auto(model, inputs, budget="80%", compile="aot_eager")
+    report = autoremat.verify(model, inputs)
+    assert report.compiled == "aot_eager" and report.ok and report.grads_equal
+    assert report.peak_bytes == plan.compiled_peak_bytes == report.predicted_peak_bytes
+    assert report.plain_peak_bytes > report.peak_bytes  # the plain step, compiled too
+    assert report.tracked_peak_bytes is not None  # the eager step's, beside it
+    assert "compiled whole, aot_eager" in str(report)
+    assert autoremat.applied_plan(model) is plan  # left as it was
+
+
+@pytest.mark.slow
 def test_a_compiled_fit_goes_below_the_tapes_smallest_plan_or_says_what_it_measured() -> None:
     """Compiled whole, the partitioner trims what a block-by-block prediction cannot see:
     a budget under the tape's smallest plan still gets a plan when one measures within it,

@@ -222,7 +222,7 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
         if key not in peaks:
             apply(model, candidate, check_ranks=False)
             try:
-                peaks[key] = _compiled_whole(step, candidate, backend)
+                peaks[key] = compiled_whole(step, candidate, backend)
             finally:
                 remove(model)
         return peaks[key]
@@ -313,7 +313,7 @@ _FIT_ATTEMPTS = 3  # plans fit_compiled measures below the plain step (NOTE abov
 _AS_FAST = 1.01  # a fitting candidate within 1% of every block kept's time ends the search
 
 
-def _compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]:
+def compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]:
     """The step peak with ``applied`` applied and the model compiled whole
     (``compile_model``), and its median time over ``_FIT_TIMED`` steps: the peak is the
     rise of the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would
@@ -373,7 +373,7 @@ def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:
     allocator's peak of the step compiled whole (NOTE [ Compiled plans are fitted by
     measurement ])."""
     if backend is not None:
-        return _compiled_whole(step, applied, backend)[0]
+        return compiled_whole(step, applied, backend)[0]
     # on CUDA the caching allocator is the truth (docs/design.md): its rounding and the
     # blocks it hands out can put a step over a prediction made from storages, and the
     # retry below then plans for a budget smaller by that overrun
