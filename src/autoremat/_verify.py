@@ -69,6 +69,7 @@ from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
+from autoremat._mechanism.compiled import uncompiled
 from autoremat._plan.plan import Plan
 
 __all__ = ["NOISE_MULTIPLE", "GradientJudgement", "Report", "Verdict", "judge_gradients",
@@ -337,7 +338,10 @@ class StepMeasure:
 #     5.32 MB budget, was reported FAILED at its eager 6.26 MB. For such a plan the peaks
 #     of both steps are measured compiled whole, as auto measured them (the allocator's
 #     rise on CUDA, its reports elsewhere), and judged against the budget and
-#     ``compiled_peak_bytes``; gradients, FLOPs and times stay the eager steps'.
+#     ``compiled_peak_bytes``; gradients, FLOPs and times stay the eager steps', run on
+#     the model itself where verify was given its compiled wrapper (whose alternating
+#     plan on and off would recompile it at every step). Measuring compiled starts the
+#     model's compiled code afresh, as auto does.
 
 
 def step_measure(step: Step, rng: torch.Tensor | None = None) -> StepMeasure:
@@ -498,6 +502,9 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
                         f"made for the loop {plan.loop!r}: verify checks the step the plan "
                         f"was made for; pass dataclasses.replace(step, loop={plan.loop!r})")
     step = dataclasses.replace(given, loop=plan.loop)  # both steps in the plan's loop
+    fitted_whole = bool(plan.compiled) and plan.compiled_peak_bytes is not None
+    if fitted_whole:  # the eager steps on the model itself, not on a compiled wrapper
+        step = dataclasses.replace(step, model=uncompiled(step.model))
     model, device = step.model, step.device
     if deterministic:
         _check_cublas_workspace(device)
@@ -528,12 +535,10 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
                 if again <= _rounding_level(plain.grads):
                     floor, measure_floor = again, True
         whole: tuple[int, int] | None = None
-        if plan.compiled and plan.compiled_peak_bytes is not None:
-            # NOTE [ Verifying a plan fitted compiled whole ]
+        if fitted_whole:  # NOTE [ Verifying a plan fitted compiled whole ]
             planned_whole = compiled_whole(step, plan, plan.compiled)[0]
             remove(model)
             whole = (planned_whole, compiled_whole(step, plan, plan.compiled)[0])
-            apply(model, plan, check_ranks=False)
         plain_ms, planned_ms = [], []
         for r in range(repeats + 1):
             remove(model)
