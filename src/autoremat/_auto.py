@@ -6,14 +6,12 @@ The one place that composes the stages; each of them stays usable on its own.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
-from autoremat._apply import apply, compile_model, remove
+from autoremat._apply import apply, remove
 from autoremat._core.decisions import Choice, Decision
 from autoremat._core.errors import BudgetError, check_flag
 from autoremat._core.saves import is_keep_set, save_set_of
@@ -22,7 +20,6 @@ from autoremat._core.units import format_bytes
 from autoremat._measure.blocks import BlockSpec
 from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import Tape
-from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.head import find_head
 from autoremat._plan.plan import Plan, plan_key, plan_of_segments
 from autoremat._plan.strategies import (
@@ -34,7 +31,7 @@ from autoremat._plan.strategies import (
     smallest_feasible_bytes,
 )
 from autoremat._profile.profile import compile_backend, profile
-from autoremat._profile.runs import compile_settings
+from autoremat._verify import compiled_whole
 
 __all__ = ["auto"]
 
@@ -209,7 +206,7 @@ def fit_compiled(step: Step, tape: Tape, limit: int, backend: str, *,
     #     5. if nothing fits yet, every block recomputed (a plain checkpoint per block,
     #        which compile's partitioner trims best) and the tape's smallest plan.
     #
-    #     Of the candidates that fit, the fastest measured (median of _FIT_TIMED steps)
+    #     Of the candidates that fit, the fastest measured (median of five steps)
     #     is applied. Each measurement compiles the model again (seconds on a GPU, 5-40 s
     #     on a CPU for the small models of the tests), so no plan is measured twice. The
     #     measured peak is the plan's compiled_peak_bytes; its predicted figures stay the
@@ -313,29 +310,6 @@ _FIT_ATTEMPTS = 3  # plans fit_compiled measures below the plain step (NOTE abov
 _AS_FAST = 1.01  # a fitting candidate within 1% of every block kept's time ends the search
 
 
-def compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]:
-    """The step peak with ``applied`` applied and the model compiled whole
-    (``compile_model``), and its median time over ``_FIT_TIMED`` steps: the peak is the
-    rise of the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would
-    make Dynamo run the step eagerly), after a first step that compiles."""
-    inner = uncompiled(step.model)
-    compiled = compile_model(inner, backend=backend)
-    run = dataclasses.replace(step, model=compiled, loop=applied.loop)
-    on_cuda = torch.device(step.device).type == "cuda"
-    try:
-        with compile_settings(backend):
-            found = measure_step(run, memory=None if on_cuda else "allocations",
-                                 allocator=on_cuda, warm_up=True)
-            times = [measure_step(run, timed=True).wall_ms or 0.0
-                     for _ in range(_FIT_TIMED)]
-    finally:
-        forget_compiled(inner)  # the user's compile starts afresh (forget_compiled)
-    peak = found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
-        else found.peak_bytes
-    return peak, statistics.median(times)
-
-
-_FIT_TIMED = 5  # timed steps of each plan fit_compiled measures
 
 
 def _with_head_hint(exc: BudgetError, step: Step, chunked: Callable[[], Plan]) -> BudgetError:

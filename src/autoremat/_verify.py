@@ -53,8 +53,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from autoremat._apply import applied_plan, apply, remove
-from autoremat._auto import compiled_whole
+from autoremat._apply import applied_plan, apply, compile_model, remove
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import (
     DeterminismError,
@@ -69,8 +68,9 @@ from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
-from autoremat._mechanism.compiled import uncompiled
+from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._plan.plan import Plan
+from autoremat._profile.runs import compile_settings
 
 __all__ = ["NOISE_MULTIPLE", "GradientJudgement", "Report", "Verdict", "judge_gradients",
            "max_grad_diff", "step_measure", "verify"]
@@ -328,6 +328,31 @@ class StepMeasure:
     flops: int
     grads: dict[str, torch.Tensor | None]
     allocator_peak_bytes: int | None = None  # rise of max_memory_allocated (CUDA only)
+
+
+def compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]:
+    """The step peak with ``applied`` applied and the model compiled whole
+    (``compile_model``), and its median time over ``_FIT_TIMED`` steps: the peak is the
+    rise of the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would
+    make Dynamo run the step eagerly), after a first step that compiles."""
+    inner = uncompiled(step.model)
+    compiled = compile_model(inner, backend=backend)
+    run = dataclasses.replace(step, model=compiled, loop=applied.loop)
+    on_cuda = torch.device(step.device).type == "cuda"
+    try:
+        with compile_settings(backend):
+            found = measure_step(run, memory=None if on_cuda else "allocations",
+                                 allocator=on_cuda, warm_up=True)
+            times = [measure_step(run, timed=True).wall_ms or 0.0
+                     for _ in range(_FIT_TIMED)]
+    finally:
+        forget_compiled(inner)  # the user's compile starts afresh (forget_compiled)
+    peak = found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
+        else found.peak_bytes
+    return peak, statistics.median(times)
+
+
+_FIT_TIMED = 5  # timed steps of each plan fit_compiled measures
 
 
 # NOTE [ Verifying a plan fitted compiled whole ]
