@@ -347,7 +347,7 @@ def _measured_peak(step: Step, applied: Plan, backend: str | None) -> int:
     allocator's peak of the step compiled whole (NOTE [ Compiled plans are fitted by
     measurement ])."""
     if backend is not None:
-        return compiled_whole(step, applied, backend)[0]
+        return compiled_whole(step, applied, backend, timed=False)[0]
     # on CUDA the caching allocator is the truth (docs/design.md): its rounding and the
     # blocks it hands out can put a step over a prediction made from storages, and the
     # retry below then plans for a budget smaller by that overrun

@@ -330,11 +330,13 @@ class StepMeasure:
     allocator_peak_bytes: int | None = None  # rise of max_memory_allocated (CUDA only)
 
 
-def compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]:
+def compiled_whole(step: Step, applied: Plan, backend: str, *,
+                   timed: bool = True) -> tuple[int, float]:
     """The step peak with ``applied`` applied and the model compiled whole
-    (``compile_model``), and its median time over ``_FIT_TIMED`` steps: the peak is the
-    rise of the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would
-    make Dynamo run the step eagerly), after a first step that compiles."""
+    (``compile_model``), and (``timed``) its median time over ``_FIT_TIMED`` steps, else
+    0.0: the peak is the rise of the allocator's counters on CUDA, its reports elsewhere
+    (a dispatch mode would make Dynamo run the step eagerly), after a first step that
+    compiles."""
     inner = uncompiled(step.model)
     compiled = compile_model(inner, backend=backend)
     run = dataclasses.replace(step, model=compiled, loop=applied.loop)
@@ -344,12 +346,12 @@ def compiled_whole(step: Step, applied: Plan, backend: str) -> tuple[int, float]
             found = measure_step(run, memory=None if on_cuda else "allocations",
                                  allocator=on_cuda, warm_up=True)
             times = [measure_step(run, timed=True).wall_ms or 0.0
-                     for _ in range(_FIT_TIMED)]
+                     for _ in range(_FIT_TIMED if timed else 0)]
     finally:
         forget_compiled(inner)  # the user's compile starts afresh (forget_compiled)
     peak = found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
         else found.peak_bytes
-    return peak, statistics.median(times)
+    return peak, statistics.median(times) if times else 0.0
 
 
 _FIT_TIMED = 5  # timed steps of each plan fit_compiled measures
@@ -561,9 +563,9 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
                     floor, measure_floor = again, True
         whole: tuple[int, int] | None = None
         if fitted_whole:  # NOTE [ Verifying a plan fitted compiled whole ]
-            planned_whole = compiled_whole(step, plan, plan.compiled)[0]
+            planned_whole = compiled_whole(step, plan, plan.compiled, timed=False)[0]
             remove(model)
-            whole = (planned_whole, compiled_whole(step, plan, plan.compiled)[0])
+            whole = (planned_whole, compiled_whole(step, plan, plan.compiled, timed=False)[0])
         plain_ms, planned_ms = [], []
         for r in range(repeats + 1):
             remove(model)
