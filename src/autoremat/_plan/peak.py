@@ -198,13 +198,14 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
     block too (what it keeps of that, its option's ``held_after``, it holds on: NOTE
     [ Kept outputs that outlive the forward ]); inner blocks the least any decision
     releases."""
-    out = least_release(tape)
+    least = least_release(tape)
+    out = list(least)
     prev = _KEEP
     for (start, _, _), cost in zip(segments, costs, strict=True):
         out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
         prev = cost.seen_as
     if any(choice.decision.recomputes for _, _, choice in segments):
-        out[0] = least_release(tape)[0]  # what the model made before the first block, any
+        out[0] = least[0]  # what the model made before the first block, any
         # checkpoint of a block it is passed to may hold (NOTE [ Released when ... ])
     elif len({choice.decision for _, _, choice in segments}) > 1:
         # NOTE [ What the model made before the chain ]

@@ -218,13 +218,13 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
             f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
             f"and let the plan decide what to recompute")
     for name, calls in zip(names, probe.calls, strict=False):
-        container = step.model.get_submodule(name) if calls == 0 else None
-        if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-            inside = [f"{name}.{k}" for k in container._modules][:2]
-            raise BlockError(
-                f"block {name!r} is a {type(container).__name__}, a container the model "
-                f"does not call: name the layers in it, blocks={[*inside, '...']}")
         if calls == 0:
+            container = step.model.get_submodule(name)
+            if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+                inside = [f"{name}.{k}" for k in container._modules][:2]
+                raise BlockError(
+                    f"block {name!r} is a {type(container).__name__}, a container the "
+                    f"model does not call: name the layers in it, blocks={[*inside, '...']}")
             raise BlockError(
                 f"block {name!r} never ran as a module call in one step (its hooks did not "
                 f"fire): the model skipped it, or calls its forward method directly "
