@@ -275,6 +275,23 @@ def test_a_batch_within_the_planned_one_is_silent(tapes: Callable[[str], Tape]) 
     autoremat.remove(model)
 
 
+def test_a_batch_within_one_already_warned_about_is_silent(
+        tapes: Callable[[str], Tape]) -> None:
+    # a loop padding each batch to its longest sequence, profiled on a short batch: told
+    # at each new longest length, not at every length beyond the plan's
+    model, inputs = build("gpt2")
+    autoremat.apply(model, make_plan(tapes("gpt2"), "sqrt"))
+    longest = {k: v.repeat(1, 2) for k, v in inputs.items()}  # (2, 128)
+    with pytest.warns(ShapeMismatchWarning, match=r"idx: \(2, 100\)"):
+        step(model, {k: v[:, :100] for k, v in longest.items()})  # (2, 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShapeMismatchWarning)
+        step(model, {k: v[:, :80] for k, v in longest.items()})  # within (2, 100)
+    with pytest.warns(ShapeMismatchWarning, match=r"idx: \(2, 128\)"):
+        step(model, longest)  # beyond (2, 100): told again
+    autoremat.remove(model)
+
+
 def test_within_reads_the_planned_signature() -> None:
     within = importlib.import_module("autoremat._guards")._within
     planned = "input_ids: (4, 128) int64, labels: (4, 128) int64"

@@ -97,6 +97,8 @@ class Applied:
     runners: list[SegmentRunner] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
+    warned_batches: list[str] = field(default_factory=list)  # the batches warned about as
+    # beyond the plan's (NOTE [ Smaller batches are within the plan ])
     cache_restore: list[tuple[Any, bool]] = field(default_factory=list)  # configs whose
     # use_cache we turned off, and their values (NOTE [ Every stack has its own config ])
     head: HeadInstall | None = None  # the chunked loss head, when the plan chunks it
@@ -277,9 +279,10 @@ def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> No
     _check_pending(state)
     state.calls = [0] * len(state.blocks)
     signature = describe_inputs(inputs)
-    if signature not in state.warned and _unnamed(signature) != _unnamed(state.plan.inputs) \
-            and not _within(state.plan.inputs, _without_scalars(inputs)):
-        state.warned.add(signature)
+    if _unnamed(signature) != _unnamed(state.plan.inputs) \
+            and not _within(state.plan.inputs, _without_scalars(inputs)) \
+            and not any(_within(told, _without_scalars(inputs)) for told in state.warned_batches):
+        state.warned_batches.append(signature)
         added = _added_settings(state.plan.inputs, inputs)
         if added:
             warnings.warn(
@@ -350,6 +353,9 @@ def _check_setting(module: nn.Module, inputs: Any, state: Applied) -> None:
 #     keyword that is no tensor and that the profile did not pass (``depth=3``,
 #     ``output_attentions=True``) makes a step the plan did not measure, which may hold
 #     more or less: the warning names that keyword, not the shapes (``_added_settings``).
+#     A batch within one already warned about is not warned about again: a loop padding
+#     to each batch's longest sequence, profiled on a short one, is told at each new
+#     longest length, not at every length it runs (``Applied.warned_batches``).
 _ENTRY = re.compile(r"(?:(?P<name>[\w.]+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)|"
                     r"(?P<type>\w+))(?:, |$)")
 
