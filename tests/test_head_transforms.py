@@ -170,6 +170,15 @@ def _build_ce(kind: str):
         labels[:, ::5] = ids[:, ::5]
         model.config.use_cache = False
         return model.train(), {"input_ids": ids, "labels": labels}
+    if kind == "bart-causal":  # a *ForCausalLM whose forward takes nn.CrossEntropyLoss of
+        # logits.view(-1, vocab_size), unshifted, not its loss_function
+        model = transformers.BartForCausalLM(transformers.BartConfig(
+            vocab_size=VOCAB, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+            decoder_ffn_dim=128, max_position_embeddings=64, use_cache=False))
+        ids = torch.randint(0, VOCAB, (2, 32))
+        labels = ids.clone()
+        labels[0, -3:] = -100
+        return model.train(), {"input_ids": ids, "labels": labels}
     if kind == "t5":
         model = transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
@@ -188,7 +197,7 @@ def _build_ce(kind: str):
     return model.train(), {"input_ids": ids, "labels": labels}
 
 
-@pytest.mark.parametrize("kind", ["bert-mlm", "t5", "bart"])
+@pytest.mark.parametrize("kind", ["bert-mlm", "t5", "bart", "bart-causal"])
 def test_a_cross_entropy_in_the_forward_is_chunked(kind):
     model, inputs = _build_ce(kind)
     tape = autoremat.profile(model, inputs, timing=False, with_selective=False)

@@ -4,7 +4,10 @@ in ``_core/head.py``).
 NOTE [ Which heads can be chunked ]
     Two kinds of model say where their head is, and what its loss means:
     * a Hugging Face ``*ForCausalLM`` given ``labels``, whose ``lm_head`` is a plain
-      ``nn.Linear`` and whose loss is the library's causal-LM loss (``ForCausalLMLoss``:
+      ``nn.Linear`` and whose forward calls its ``loss_function`` (the code of the
+      forward names it; BART's, Whisper's and TrOCR's decoders take an unshifted
+      ``nn.CrossEntropyLoss`` of their own instead: kind "ce" below), the library's
+      causal-LM loss (``ForCausalLMLoss``:
       labels shifted by one, ``ignore_index=-100``, mean over counted tokens or the sum
       over ``num_items_in_batch``, logits upcast to float32). Chunked, ``lm_head``
       returns the hidden states unchanged and the model's ``loss_function`` takes the
@@ -30,6 +33,7 @@ NOTE [ Which heads can be chunked ]
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -191,6 +195,11 @@ def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
         # takes its own cross-entropy of lm_head's output (plus BART's logit bias)
         return (f"{_NOT_CAUSAL}{what} is an encoder-decoder, whose forward takes its own "
                 f"loss of lm_head's output, not Hugging Face's causal-LM loss")
+    if not _forward_names(model, "loss_function"):
+        # BART's, Whisper's, TrOCR's *ForCausalLM take nn.CrossEntropyLoss of
+        # logits.view(-1, vocab_size) in their forward, unshifted: kind "ce" follows that
+        return (f"{_NOT_CAUSAL}{what}'s forward does not call its loss_function (it takes "
+                f"a loss of its own)")
     loss = getattr(model.loss_function, "__name__", "")
     if loss != "ForCausalLMLoss":
         return (f"{_NOT_CAUSAL}{what}'s loss is "
@@ -199,6 +208,15 @@ def _hf_unsupported(model: nn.Module, lm_head: Any, inputs: Any) -> str:
     if "_loss_function" in vars(model):
         return f"{what} has a loss_function of its own set"
     return ""
+
+
+def _forward_names(model: nn.Module, name: str) -> bool:
+    """Whether the code of ``model``'s forward (under the decorators that wrap it with
+    ``functools.wraps``) reads an attribute or global called ``name``; ``False`` where its
+    code cannot be read."""
+    forward = inspect.unwrap(type(model).forward)
+    code = getattr(forward, "__code__", None)
+    return code is not None and name in code.co_names
 
 
 # NOTE [ Logit transforms ]
