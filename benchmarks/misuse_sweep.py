@@ -695,8 +695,10 @@ def _models() -> list[Case]:
         _plan_and_check(model, x(), loss_fn=lambda o: o[0])
     add("model returning (loss, logits)", tuple_out)
 
-    add("one block module reused at every position",
-        lambda: quick_profile(SharedBlock(), x()), "more than once")
+    def shared() -> None:  # planned call by call (NOTE [ A block that runs several times ])
+        torch.manual_seed(0)
+        _plan_and_check(SharedBlock(), x(), "every:2")
+    add("one block module reused at every position", shared)
 
     def tied() -> None:
         torch.manual_seed(0)

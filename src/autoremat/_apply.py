@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat._core.calls import call_modules, install_calls, remove_calls
 from autoremat._core.conditions import float_dtypes, structure_of
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError, check_flag, did_you_mean
@@ -171,7 +172,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     if model_class_name(model) != plan.model:
         raise PlanMismatchError(f"this plan was made for a {plan.model}, not a "
                                 f"{model_class_name(model)}; profile and plan this model")
-    modules = dict(model.named_modules())
+    planned = [b.name for b in plan.blocks]
+    modules = dict(model.named_modules()) | call_modules(model, planned)
     seen: set[str] = set()
     for block in plan.blocks:
         if block.name in seen:
@@ -221,6 +223,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             "budget)")
     site = _head_site(plan, modules, model_class_name(model))
     remove(model)
+    install_calls(model, planned)  # NOTE [ A block that runs several times ]
+    modules |= call_modules(model, planned)
     for name, module in modules.items():
         if name and is_wrapped(module):
             raise RematError(f"module {name!r} is already checkpointed by autoremat outside "
@@ -286,6 +290,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
             functools.partial(close_segments, state), always_call=True))
     except BaseException:
         _undo(state)
+        remove_calls(model)
         raise
     setattr(model, _ATTR, state)
     return given
@@ -408,7 +413,9 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: the model is exactly as before. A no-op without a plan."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remove() needs an nn.Module, got {type(model).__name__}")
-    state = unwrapped(model)[0].__dict__.pop(_ATTR, None)
+    inner = unwrapped(model)[0]
+    state = inner.__dict__.pop(_ATTR, None)
     if state is not None:
         _undo(state)
+    remove_calls(inner)
     return model

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat._core.calls import calls_beyond, held_at
 from autoremat._core.conditions import autocast_state, float_dtypes
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError
@@ -254,7 +255,7 @@ def _check_step(state: Applied) -> None:
                  if len(parent._modules) != count]
         replaced = [block.name for block, (parent, key, module) in
                     zip(plan.blocks, state.blocks, strict=True)
-                    if parent._modules.get(key) is not module]
+                    if not held_at(parent, key, module)]
         if grown or replaced:
             state.warned.add("structure")
             what = "; ".join(grown + ([f"{', '.join(replaced[:3])} replaced since apply() "
@@ -436,6 +437,16 @@ def close_segments(state: Applied, module: nn.Module, args: Any, output: Any) ->
             + "; its plan was profiled with each block running once (every run saves, or "
             "recomputes, its tensors again), so its memory prediction does not hold. "
             "Profile the step as the loop runs it, with the same arguments (a block that "
-            "runs more than once per step cannot be planned: pass blocks=[...] to plan over "
-            "its parts)", StepMismatchWarning, stacklevel=5)
+            "runs more than once per step in the profiled step is planned call by call)",
+            StepMismatchWarning, stacklevel=5)
+    beyond = [] if calls is None else calls_beyond(module)
+    if beyond and "calls beyond" not in state.warned:
+        state.warned.add("calls beyond")
+        layer, ran, planned = beyond[0]
+        warnings.warn(
+            f"autoremat: {layer!r} ran {ran} times in this forward, and the plan was "
+            f"profiled on a step that ran it {planned} times: its calls after the "
+            f"{planned}th ran kept, outside the plan (a deeper loop than profiled?), so its "
+            f"memory prediction does not hold. Profile the step as the loop runs it",
+            StepMismatchWarning, stacklevel=5)
 

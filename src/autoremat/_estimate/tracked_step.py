@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat._core.calls import call_modules, calls_for
 from autoremat._core.step import (
     Loop,
     LossFn,
@@ -109,7 +110,10 @@ def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
         """The step, marking where each module's forward starts and ends and where each
         block's backward starts."""
         with ExitStack() as stack:
-            for qualname, module in model.named_modules():
+            stack.enter_context(calls_for(model, names))  # NOTE [ A block that runs
+            # several times ] in _core/calls.py
+            for qualname, module in [*model.named_modules(),
+                                      *call_modules(model, names).items()]:
                 def pre(module: nn.Module, args: Any, qualname: str = qualname) -> None:
                     mark(f"enter:{qualname}")
 

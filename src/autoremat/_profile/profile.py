@@ -47,12 +47,13 @@ import dataclasses
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoremat._core.calls import calls_for, unrolled
 from autoremat._core.conditions import float_dtypes, structure_of
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import BlockError, RematError, check_flag, check_whole, did_you_mean
@@ -101,6 +102,7 @@ from autoremat._profile.runs import (
     BlockTimes,
     Chain,
     Pattern,
+    RepeatedCalls,
     Setup,
     compile_settings,
     find_chain,
@@ -133,25 +135,17 @@ _GIVE_BLOCKS = ": give blocks=[...] with the names of the layers to plan over"
 
 
 def _why_no_chain(model: nn.Module, inputs: Any) -> str:
-    """Why discovery found no chain, and what to do: a container holding one module more
-    than once (weights shared by reuse; such a block would run more than once per step),
-    a list of layers holding a single one, or a single layer that runs once per layer
-    (weights shared by a loop, as ALBERT's: counted in a forward without gradients, on
-    a real device)."""
+    """Why discovery found no chain (nor ``_looped_layers``), and what to do: a module
+    other than a list holding one module more than once, a list of layers holding a
+    single one that runs once, or a ModuleDict (named parts)."""
     for name, module in model.named_modules():
         kids = [k for k in module._modules.values() if k is not None]
         if len({id(k) for k in kids}) < len(kids):
-            return (f" ({name or 'the model'!r} holds one module more than once: a block "
-                    "reused at several positions runs more than once per step, and "
-                    "autoremat plans blocks that run once)" + _GIVE_BLOCKS)
+            return (f" ({name or 'the model'!r} holds one module more than once, and is "
+                    "no list of layers (a ModuleList or Sequential, whose layers' calls "
+                    "autoremat plans one by one)" + _GIVE_BLOCKS)
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1:
-            calls = _calls_in_a_forward(model, inputs, module[0])
-            if calls > 1:
-                return (f": {name or 'the model'!r} holds a single block, which ran {calls} "
-                        f"times in one forward (one layer's weights shared by {calls} "
-                        f"layers, as ALBERT's are); autoremat plans over blocks that run "
-                        f"once each, so it cannot plan this model layer by layer")
             return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
                     "among two or more: build the model with more layers)" + _GIVE_BLOCKS)
     for name, module in model.named_modules():
@@ -167,6 +161,31 @@ def _why_no_chain(model: nn.Module, inputs: Any) -> str:
                         f"searched: a ModuleDict names parts, not a chain): give "
                         f"blocks=[{shown}] in the order the model runs them")
     return _GIVE_BLOCKS
+
+
+def _looped_layers(model: nn.Module, inputs: Any) -> list[str] | None:
+    """Where discovery found no chain, the layers whose calls may be one (NOTE [ A block
+    that runs several times ] in _core/calls.py), else ``None``: the modules of a list
+    that holds one of them more than once (weights shared by reuse), each named once; or
+    the single layer of a list that holds one and runs it several times per forward
+    (ALBERT's layer group, run as every layer). On ``meta``, where a forward does not
+    run here, the first single layer (the first step tells whether it runs more than
+    once)."""
+    for name, module in model.named_modules():
+        kids = [(key, k) for key, k in module._modules.items() if k is not None]
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and \
+                len({id(k) for _, k in kids}) < len(kids):
+            prefix = f"{name}." if name else ""
+            return [f"{prefix}{key}" for key, k in kids
+                    if next(first for first, other in kids if other is k) == key]
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1:
+            layer = f"{name}.0" if name else "0"
+            if _calls_in_a_forward(model, inputs, module[0]) > 1:
+                return [layer]
+            if any(p.is_meta for p in model.parameters()):
+                return [layer]
+    return None
 
 
 def _calls_in_a_forward(model: nn.Module, inputs: Any, block: nn.Module) -> int:
@@ -239,8 +258,12 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
         rounding = "cuda" if torch.device(target).type == "cuda" else "exact"
     names = resolve_blocks(model, blocks)
     if names == [""]:
-        raise BlockError(f"found no chain of blocks in {type(model).__name__}"
-                         f"{_why_no_chain(model, step.inputs)}")
+        looped = _looped_layers(model, step.inputs)
+        if looped is None:
+            raise BlockError(f"found no chain of blocks in {type(model).__name__}"
+                             f"{_why_no_chain(model, step.inputs)}")
+        names = looped  # their calls are the chain (NOTE [ A block that runs several
+        # times ] in _core/calls.py), found in the first step
     refuse_hf_checkpointing(model, "autoremat")
     scripted = [n for n in names if isinstance(model.get_submodule(n), torch.jit.ScriptModule)]
     if scripted:
@@ -467,11 +490,13 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
     # the stages: arguments checked (above), the chain found by a warm-up step, the
     # memory runs, the options (selective, head), timing; then the tape built from them
     with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
-            compile_settings(setup.backend), _forgetting(step.model, setup.backend):
+            compile_settings(setup.backend), _forgetting(step.model, setup.backend), \
+            ExitStack() as calls:
         stage("warm-up step")
         given = None if blocks is None else "predicate" if callable(blocks) else "list"
-        chain = find_chain(setup, given=given,
-                           timed=timed and setup.backend is None)  # compiled: timed compiled
+        chain, setup = _found_chain(setup, given, calls,
+                                    timed=timed and setup.backend is None)  # compiled:
+        # timed compiled
         base = base_runs(chain.names, setup, stage, tag=with_selective)
         selective = selective_runs(chain.names, base, setup, stage) \
             if with_selective else [{} for _ in chain.names]
@@ -479,8 +504,40 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
         head, why = profile_head(chain.names, setup, with_head, stage)
         times, untimed = _timing(setup, chain, repeats, timed, stage)
     notes += [why] if why else []
-    return _tape(setup, chain, base, selective, times, head=head,
-                 notes=notes + untimed + chain.notes + cache_notes + base.plain.mem.notes)
+    # the model as given (its LayerDrop, its cache), with the calls the chain names
+    with calls_for(step.model, chain.names):
+        return _tape(setup, chain, base, selective, times, head=head,
+                     notes=notes + untimed + chain.notes + cache_notes + base.plain.mem.notes)
+
+
+def _found_chain(setup: Setup, given: str | None, calls: ExitStack, *,
+                 timed: bool) -> tuple[Chain, Setup]:
+    """The chain the first step finds (``find_chain``), and the setup it was found
+    under: where blocks ran more than once per forward, each call is a block of its own,
+    installed in ``calls`` for the rest of the profile, and the first step runs again
+    (NOTE [ A block that runs several times ] in _core/calls.py)."""
+    model = setup.step.model
+    try:
+        chain = find_chain(setup, given=given, timed=timed)
+    except RepeatedCalls as exc:
+        if setup.backend is not None:
+            again, times = Counter(exc.sequence).most_common(1)[0]
+            raise BlockError(
+                f"block {again!r} ran {times} times in one forward: its calls are planned "
+                f"one by one, from an eager profile only for now, not with compile= "
+                f"(NOTE [ A block that runs several times ]). Profile without compile=, "
+                f"or pass blocks=[...] naming modules that run once") from exc
+        for p in model.parameters():
+            p.grad = None  # the step that found the calls ran its backward
+        names = unrolled(exc.sequence)
+        calls.enter_context(calls_for(model, names))
+        setup = dataclasses.replace(setup, names=names)
+        chain = find_chain(setup, given=given, timed=timed)
+    if given is None and setup.names == chain.names and len(chain.names) == 1:
+        # the single layer _looped_layers gave (discovery gives two or more) ran once
+        raise BlockError(f"found no chain of blocks in {type(model).__name__}"
+                         f"{_why_no_chain(model, setup.step.inputs)}")
+    return chain, setup
 
 
 @contextmanager

@@ -200,6 +200,15 @@ class _Probe:
         return hook
 
 
+class RepeatedCalls(BlockError):
+    """Blocks ran more than once in one forward: ``sequence`` is the blocks' names in
+    the order their forward calls ran (NOTE [ A block that runs several times ])."""
+
+    def __init__(self, message: str, sequence: list[str]) -> None:
+        super().__init__(message)
+        self.sequence = sequence
+
+
 def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
                 in_order: bool = True, watch: bool = False) -> _Probe:
     """One step with marks at the block boundaries. Every block must run once; with
@@ -217,6 +226,14 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
             f"the model checkpoints them itself ({_OWN_CHECKPOINTING}), and autoremat's plan "
             f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
             f"and let the plan decide what to recompute")
+    if all(probe.calls) and max(probe.calls) > 1:
+        # NOTE [ A block that runs several times ] in _core/calls.py: profile plans it
+        # call by call
+        repeated = next(n for n, c in zip(names, probe.calls, strict=True) if c > 1)
+        raise RepeatedCalls(
+            f"block {repeated!r} ran {max(probe.calls)} times in one step; autoremat plans "
+            f"over blocks that run once each (pass blocks=[...] to choose)",
+            [names[i] for i in probe.order])
     for name, calls in zip(names, probe.calls, strict=False):
         if calls == 0:
             container = step.model.get_submodule(name)

@@ -1,0 +1,198 @@
+"""Blocks that run several times in one forward are planned call by call (NOTE [ A block
+that runs several times ] in _core/calls.py): ALBERT's shared layer, looped layers."""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+import warnings
+
+import pytest
+import torch
+from tests._steps import snapshot, verified
+from torch import nn
+
+import autoremat
+from autoremat import BlockError, StepMismatchWarning
+from autoremat._core.calls import call_of, unrolled
+
+transformers = pytest.importorskip("transformers")
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.1),
+                                 nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class _Looped(nn.Module):
+    """Two layers, then two layers run ``loops`` times (a recurrent-depth model), then a
+    head."""
+
+    def __init__(self, d: int = 32, loops: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.first = nn.ModuleList([_Block(d), _Block(d)])
+        self.core = nn.ModuleList([_Block(d), _Block(d)])
+        self.head = nn.Linear(d, 1)
+        self.loops = loops
+
+    def forward(self, x: torch.Tensor, loops: int | None = None) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.first:
+            h = block(h)
+        for _ in range(self.loops if loops is None else loops):
+            for block in self.core:
+                h = block(h)
+        return self.head(h).pow(2).mean()
+
+
+def _looped() -> tuple[_Looped, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Looped().train(), torch.randn(4, 16, 8)
+
+
+def _albert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    ids = torch.randint(0, 128, (2, 32))
+    return transformers.AlbertForMaskedLM(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def test_unrolled_names_each_call_of_a_layer_run_more_than_once() -> None:
+    assert unrolled(["a", "b", "c", "b", "c", "d"]) == ["a", "b@0", "c@0", "b@1", "c@1", "d"]
+    assert call_of("encoder.layer.0@3") == ("encoder.layer.0", 3)
+    assert call_of("encoder.layer.0") == ("encoder.layer.0", None)
+    assert call_of("odd@name") == ("odd@name", None)
+
+
+def test_a_looped_model_is_planned_call_by_call_and_every_plan_is_exact() -> None:
+    model, x = _looped()
+    before = snapshot(model)
+    tape = autoremat.profile(model, x, timing=False)
+    assert [b.name for b in tape.blocks] == [
+        "first.0", "first.1", "core.0@0", "core.1@0", "core.0@1", "core.1@1", "core.0@2",
+        "core.1@2"]
+    assert snapshot(model) == before  # the calls were taken off again
+    plans = [autoremat.plan(tape, strategy=s) for s in ("full", "sqrt", "every:3")]
+    plans += [autoremat.plan(tape, "60%"),
+              autoremat.plan(tape, "80%", strategy="selective")]
+    assert any(len({b.decision for b in p.blocks}) > 1 for p in plans)  # calls differ
+    assert any(stop > start + 1 for p in plans for start, stop, _ in p.segments)
+    for plan in plans:
+        report = verified(model, x, plan)
+        assert report.ok and report.max_grad_diff == 0.0, plan.strategy
+        assert report.peak_bytes == plan.predicted_peak_bytes, plan.strategy
+    assert snapshot(model) == before
+    estimate = autoremat.estimate(model, x)
+    assert estimate.step_peak_bytes == tape.step_peak_bytes
+
+
+def test_albert_is_planned_over_the_calls_of_its_one_layer() -> None:
+    model, inputs = _albert()
+    tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    layer = "albert.encoder.albert_layer_groups.0"
+    assert [b.name for b in tape.blocks] == [f"{layer}@{j}" for j in range(4)]
+    for plan in (autoremat.plan(tape, strategy="every:2"), autoremat.plan(tape, "60%")):
+        report = verified(model, inputs, plan)
+        assert report.ok and report.max_grad_diff == 0.0
+        assert report.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_an_applied_looped_model_keeps_its_modules_copies_and_pickles() -> None:
+    model, x = _looped()
+    keys, names = list(model.state_dict()), [n for n, _ in model.named_modules()]
+    plan = autoremat.plan(autoremat.profile(model, x, timing=False, with_selective=False),
+                          strategy="every:2")
+    plain = autoremat.plan(autoremat.profile(model, x, timing=False, with_selective=False),
+                           strategy="none")
+    autoremat.apply(model, plan)
+    assert list(model.state_dict()) == keys and len(model.core) == 2
+    assert [n for n, _ in model.named_modules()] == names
+    assert model.get_submodule("core.1@2").layer is model.core[1]
+    twin = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.manual_seed(1)
+    model(x).backward()
+    for other in (twin, loaded):
+        torch.manual_seed(1)
+        other(x).backward()
+        for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+    autoremat.apply(model, plain)  # another plan over the same calls
+    assert model.get_submodule("core.0@0") is not None
+    autoremat.remove(model)
+    assert "forward" not in vars(model.core[0])
+    assert not [k for k in vars(model.core) if "@" in k]
+    assert "_autoremat_calls" not in vars(model)
+
+
+def test_a_plan_read_from_json_applies_its_calls_to_a_fresh_model() -> None:
+    model, x = _looped()
+    plan = autoremat.plan(autoremat.profile(model, x, timing=False, with_selective=False),
+                          "60%")
+    fresh, _ = _looped()
+    report = verified(fresh, x, autoremat.Plan.from_json(plan.to_json()))
+    assert report.ok and report.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_a_deeper_loop_than_profiled_warns_once() -> None:
+    model, x = _looped()
+    autoremat.apply(model, autoremat.plan(
+        autoremat.profile(model, x, timing=False, with_selective=False), strategy="full"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StepMismatchWarning)
+        model(x).backward()
+        model(x, loops=2).backward()  # fewer: the calls planned last do not run
+    with pytest.warns(StepMismatchWarning, match=re.escape(
+            "'core.0' ran 4 times in this forward, and the plan was profiled on a step "
+            "that ran it 3 times")):
+        model(x, loops=4).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StepMismatchWarning)
+        model(x, loops=4).backward()  # once
+    autoremat.remove(model)
+
+
+def test_a_looped_model_profiled_compiled_is_refused() -> None:
+    model, x = _looped()
+    with pytest.raises(BlockError, match=re.escape(
+            "block 'core.0' ran 3 times in one forward: its calls are planned one by one, "
+            "from an eager profile only for now, not with compile=")):
+        autoremat.profile(model, x, compile="aot_eager", timing=False, with_selective=False)
+
+
+class _Reused(nn.Module):
+    """One block at the first and third positions of its list (weights shared by reuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = _Block(16)
+        self.blocks = nn.ModuleList([shared, _Block(16), shared])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_a_list_holding_one_block_twice_is_planned_over_its_calls() -> None:
+    torch.manual_seed(0)
+    model, x = _Reused().train(), torch.randn(4, 8, 16)
+    tape = autoremat.profile(model, x, timing=False, with_selective=False)
+    assert [b.name for b in tape.blocks] == ["blocks.0@0", "blocks.1", "blocks.0@1"]
+    plan = autoremat.plan(tape, strategy="every:2")
+    report = verified(model, x, plan)
+    assert report.ok and report.max_grad_diff == 0.0
+    assert report.peak_bytes == plan.predicted_peak_bytes
