@@ -406,6 +406,39 @@ def test_block_that_runs_twice_is_planned_call_by_call_and_the_model_is_left_cle
     _assert_unchanged(model, before)
 
 
+class _TwoTowers(nn.Module):
+    """A vision stack the step runs only when given an image, then a text stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+                                     for _ in range(3)])
+        self.text = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+                                   for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        if image is not None:
+            for block in self.vision:
+                image = block(image)
+            x = x + image
+        for block in self.text:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_found_blocks_the_step_does_not_run_leave_the_chain_with_a_note() -> None:
+    model, x = _TwoTowers(), torch.randn(4, 8)
+    tape = autoremat.profile(model, (x,), timing=False, with_selective=False)
+    assert [b.name for b in tape.blocks] == ["text.0", "text.1", "text.2"]
+    assert any("3 of the blocks found did not run in the step profiled (vision.0, ..., "
+               "vision.2" in note for note in tape.notes)
+    both = autoremat.profile(model, {"x": x, "image": torch.randn(4, 8)}, timing=False,
+                             with_selective=False)
+    assert len(both.blocks) == 6
+    with pytest.raises(BlockError, match="block 'vision.0' never ran"):  # named: refused
+        autoremat.profile(model, (x,), blocks=["vision.0", "text.0"], timing=False)
+
+
 def test_blocks_listed_out_of_running_order_are_rejected() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
     x = torch.randn(4, 8)

@@ -210,10 +210,14 @@ class RepeatedCalls(BlockError):
 
 
 def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
-                in_order: bool = True, watch: bool = False) -> _Probe:
+                in_order: bool = True, watch: bool = False,
+                missing_ok: bool = False) -> _Probe:
     """One step with marks at the block boundaries. Every block must run once; with
     ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``).
-    ``watch``: note the buffers each block's forward changes (``watch_buffers``)."""
+    ``watch``: note the buffers each block's forward changes (``watch_buffers``).
+    ``missing_ok``: blocks that did not run at all are left to the caller (found blocks
+    of a stack the step does not run: a vision tower given no image), as long as some
+    ran."""
     probe = _Probe(names, on_mark, watch=watch)
     with probe.installed(step.model):
         on_mark("start")
@@ -226,7 +230,8 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
             f"the model checkpoints them itself ({_OWN_CHECKPOINTING}), and autoremat's plan "
             f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
             f"and let the plan decide what to recompute")
-    if all(probe.calls) and max(probe.calls) > 1:
+    missing_ok = missing_ok and any(probe.calls)
+    if (all(probe.calls) or missing_ok) and max(probe.calls) > 1:
         # NOTE [ A block that runs several times ] in _core/calls.py: profile plans it
         # call by call
         repeated = next(n for n, c in zip(names, probe.calls, strict=True) if c > 1)
@@ -235,6 +240,8 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
             f"over blocks that run once each (pass blocks=[...] to choose)",
             [names[i] for i in probe.order])
     for name, calls in zip(names, probe.calls, strict=False):
+        if calls == 0 and missing_ok:
+            continue
         if calls == 0:
             container = step.model.get_submodule(name)
             if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
@@ -293,6 +300,12 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
     backward, so there is nothing to recompute in them: they leave the chain."""
     names, order = probe.names, probe.order
     notes = _run_order_note(probe, "found")
+    idle = [name for name, calls in zip(names, probe.calls, strict=True) if not calls]
+    if idle:
+        notes.append(f"{len(idle)} of the blocks found did not run in the step profiled "
+                     f"({idle[0]}, ..., {idle[-1]}: a stack its inputs do not reach, such "
+                     f"as a vision tower given no image); planned over the "
+                     f"{len(names) - len(idle)} that ran")
     no_backward = [names[i] for i in order if f"bwd:{i}" not in marks]
     chain = [names[i] for i in order if f"bwd:{i}" in marks]
     if no_backward and not chain:
@@ -832,7 +845,7 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
     try:
         with held_inputs_seen.installed(model) if eager else ExitStack():
             warm = _run_marked(dataclasses.replace(step, loss_fn=measure_output), names, mark,
-                               in_order=given == "list", watch=True)
+                               in_order=given == "list", watch=True, missing_ok=given is None)
     except RuntimeError as exc:
         if eager and _fails_for_the_hooks(step, names, exc):
             raise RematError(
