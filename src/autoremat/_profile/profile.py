@@ -134,13 +134,14 @@ def compile_backend(compile: bool | str) -> str | None:
 _GIVE_BLOCKS = ": give blocks=[...] with the names of the layers to plan over"
 
 
-def _why_no_chain(model: nn.Module, inputs: Any) -> str:
+def _why_no_chain(model: nn.Module) -> str:
     """Why discovery found no chain (nor ``_looped_layers``), and what to do: a module
     other than a list holding one module more than once, a list of layers holding a
     single one that runs once, or a ModuleDict (named parts)."""
     for name, module in model.named_modules():
         kids = [k for k in module._modules.values() if k is not None]
-        if len({id(k) for k in kids}) < len(kids):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) and \
+                len({id(k) for k in kids}) < len(kids):
             return (f" ({name or 'the model'!r} holds one module more than once, and is "
                     "no list of layers (a ModuleList or Sequential, whose layers' calls "
                     "autoremat plans one by one)" + _GIVE_BLOCKS)
@@ -261,7 +262,7 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
         looped = _looped_layers(model, step.inputs)
         if looped is None:
             raise BlockError(f"found no chain of blocks in {type(model).__name__}"
-                             f"{_why_no_chain(model, step.inputs)}")
+                             f"{_why_no_chain(model)}")
         names = looped  # their calls are the chain (NOTE [ A block that runs several
         # times ] in _core/calls.py), found in the first step
     refuse_hf_checkpointing(model, "autoremat")
@@ -494,9 +495,8 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
             ExitStack() as calls:
         stage("warm-up step")
         given = None if blocks is None else "predicate" if callable(blocks) else "list"
-        chain, setup = _found_chain(setup, given, calls,
-                                    timed=timed and setup.backend is None)  # compiled:
-        # timed compiled
+        # (compiled: timed compiled, in _timing)
+        chain, setup = _found_chain(setup, given, calls, timed=timed and setup.backend is None)
         base = base_runs(chain.names, setup, stage, tag=with_selective)
         selective = selective_runs(chain.names, base, setup, stage) \
             if with_selective else [{} for _ in chain.names]
@@ -536,7 +536,7 @@ def _found_chain(setup: Setup, given: str | None, calls: ExitStack, *,
     if given is None and setup.names == chain.names and len(chain.names) == 1:
         # the single layer _looped_layers gave (discovery gives two or more) ran once
         raise BlockError(f"found no chain of blocks in {type(model).__name__}"
-                         f"{_why_no_chain(model, setup.step.inputs)}")
+                         f"{_why_no_chain(model)}")
     return chain, setup
 
 
