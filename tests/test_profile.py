@@ -435,7 +435,7 @@ def test_found_blocks_the_step_does_not_run_leave_the_chain_with_a_note() -> Non
     both = autoremat.profile(model, {"x": x, "image": torch.randn(4, 8)}, timing=False,
                              with_selective=False)
     assert len(both.blocks) == 6
-    with pytest.raises(BlockError, match="block 'vision.0' never ran"):  # named: refused
+    with pytest.raises(BlockError, match=r"block 'vision\.0' never ran"):  # named: refused
         autoremat.profile(model, (x,), blocks=["vision.0", "text.0"], timing=False)
 
 

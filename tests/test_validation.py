@@ -646,19 +646,6 @@ def test_a_prediction_above_the_budget_is_refused_unsealed() -> None:
 # --- issue 26's misuse sweep (benchmarks/misuse_sweep.py): each failed before its fix ---------
 
 
-class _Looped(torch.nn.Module):
-    """One layer run three times (weights shared by a loop, as ALBERT's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(3):
-            x = self.blocks[0](x)
-        return x
-
-
 class _Named(torch.nn.Module):
     """Its layers in a ModuleDict (named parts, which discovery does not search)."""
 
@@ -688,9 +675,6 @@ _SWEEP_CASES: list[tuple[Any, type[Exception], str]] = [
      "rank_timeout_s (how long a rank waits for the others) must be a number of seconds > 0"),
     (lambda: autoremat.profile(zoo.build("mlp", widths=(8,), d_in=8, batch_size=2)[0],
                                torch.ones(2, 8)), BlockError, "holds a single block"),
-    (lambda: autoremat.profile(_Looped(), torch.ones(2, 4), compile="aot_eager"), BlockError,
-     "block 'blocks.0' ran 3 times in one forward: its calls are planned one by one, from "
-     "an eager profile only for now, not with compile="),
     (lambda: autoremat.profile(_Named(), torch.ones(2, 4)), BlockError,
      "(the Linear layers in the ModuleDict 'blocks' are not searched: a ModuleDict names "
      "parts, not a chain): give blocks=['blocks.l0', 'blocks.l1', 'blocks.l2', ...]"),

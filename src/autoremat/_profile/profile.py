@@ -520,13 +520,6 @@ def _found_chain(setup: Setup, given: str | None, calls: ExitStack, *,
     try:
         chain = find_chain(setup, given=given, timed=timed)
     except RepeatedCalls as exc:
-        if setup.backend is not None:
-            again, times = Counter(exc.sequence).most_common(1)[0]
-            raise BlockError(
-                f"block {again!r} ran {times} times in one forward: its calls are planned "
-                f"one by one, from an eager profile only for now, not with compile= "
-                f"(NOTE [ A block that runs several times ]). Profile without compile=, "
-                f"or pass blocks=[...] naming modules that run once") from exc
         for p in model.parameters():
             p.grad = None  # the step that found the calls ran its backward
         names = unrolled(exc.sequence)
