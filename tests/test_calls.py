@@ -16,8 +16,6 @@ from torch import nn
 import autoremat
 from autoremat import StepMismatchWarning
 from autoremat._core.calls import call_of, unrolled
-from autoremat._core.step import run_step
-from autoremat._measure.allocations import track_allocations
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,25 +166,16 @@ def test_a_deeper_loop_than_profiled_warns_once() -> None:
 
 
 def test_a_looped_model_profiled_compiled_predicts_its_calls_compiled() -> None:
-    # each call compiled on its own, as any block (NOTE [ Profiling a compiled step ]):
-    # the prediction is the allocator's peak of that step (test_compile.py's check)
+    # each call compiled on its own, as any block (NOTE [ Profiling a compiled step ]),
+    # and verified so (NOTE [ Verifying a plan from a compiled tape ])
     model, x = _looped()
     tape = autoremat.profile(model, x, compile="aot_eager", timing=False,
                              with_selective=False)
     assert tape.compiled == "aot_eager" and tape.blocks[2].name == "core.0@0"
     plan = autoremat.plan(tape, strategy="every:2")
-    autoremat.apply(model, plan)
-    for block in plan.blocks:
-        model.get_submodule(block.name).compile(backend="aot_eager")
-    try:
-        for _ in range(2):  # the first step compiles
-            for p in model.parameters():
-                p.grad = None
-            with track_allocations() as mem:
-                run_step(model, (x,), None, loop=tape.loop)
-    finally:
-        autoremat.remove(model)
-    assert mem.peak_bytes == plan.predicted_peak_bytes
+    report = verified(model, x, plan)
+    assert report.compiled_as == "blocks" and report.ok and report.max_grad_diff == 0.0
+    assert report.peak_bytes == plan.predicted_peak_bytes
 
 
 class _Reused(nn.Module):

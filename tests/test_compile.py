@@ -220,6 +220,40 @@ def test_a_compiled_tape_plans_what_the_compiled_step_measures() -> None:
     assert mem.peak_bytes == plan.predicted_peak_bytes
 
 
+class _Mlps(nn.Module):
+    """Blocks whose compiled forward saves other tensors than their eager one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(
+            nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1),
+            nn.Linear(128, 32)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("strategy", ["none", "every:2"])
+def test_verify_judges_a_plan_from_a_compiled_tape_on_its_blocks_compiled(
+        strategy: str) -> None:
+    # NOTE [ Verifying a plan from a compiled tape ]: its eager step measures otherwise
+    torch.manual_seed(0)
+    model, x = _Mlps().train(), torch.randn(4, 16, 32)
+    tape = autoremat.profile(model, x, compile="aot_eager", timing=False,
+                             with_selective=False)
+    plan = autoremat.plan(tape, strategy=strategy)
+    autoremat.apply(model, plan)
+    report = autoremat.verify(model, x, plan, repeats=1)
+    autoremat.remove(model)
+    assert report.compiled == "aot_eager" and report.compiled_as == "blocks"
+    assert report.peak_bytes == plan.predicted_peak_bytes and report.ok
+    assert report.tracked_peak_bytes is not None
+    assert "step peak (compiled block by block, aot_eager)" in str(report)
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+
+
 def test_compile_must_name_a_backend() -> None:
     model, inputs = zoo.build("mlp", widths=(8, 8), batch_size=2)
     with pytest.raises(RematError, match=r"a torch\.compile backend name.*'aot_eagr'"):

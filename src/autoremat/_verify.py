@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from autoremat._apply import applied_plan, apply, compile_model, remove
+from autoremat._core.calls import calls_for
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import (
     DeterminismError,
@@ -120,6 +121,10 @@ class Report:
     # tracked_peak_bytes the eager step's (NOTE [ Verifying a plan fitted compiled
     # whole ]); "": the steps ran as the model is
     compiled: str = ""
+    # With ``compiled``: "whole" (a plan fitted compiled whole), or "blocks" (a plan from
+    # a tape profiled compiled, each block compiled on its own: NOTE [ Verifying a plan
+    # from a compiled tape ])
+    compiled_as: Literal["", "whole", "blocks"] = ""
 
     @property
     def head_ok(self) -> bool:
@@ -168,7 +173,8 @@ class Report:
 
     def __str__(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
-        peak_row = "step peak" + (f" (compiled whole, {self.compiled})" if self.compiled else
+        how = "block by block" if self.compiled_as == "blocks" else "whole"
+        peak_row = "step peak" + (f" (compiled {how}, {self.compiled})" if self.compiled else
                                   " (allocator)" if self.peak_source == "allocator" else "")
         rows = [
             [peak_row, format_bytes(self.plain_peak_bytes), format_bytes(self.peak_bytes)],
@@ -354,7 +360,42 @@ def compiled_whole(step: Step, applied: Plan, backend: str, *,
     return peak, statistics.median(times) if times else 0.0
 
 
+def compiled_by_block(step: Step, names: list[str], backend: str) -> int:
+    """The step peak with each block of ``names`` compiled on its own (``.compile()``,
+    regional compilation, over whatever plan is applied), as ``profile(compile=...)``
+    measured the step: the rise of the allocator's counters on CUDA, its reports
+    elsewhere, after a first step that compiles (NOTE [ Verifying a plan from a compiled
+    tape ])."""
+    model = step.model
+    on_cuda = torch.device(step.device).type == "cuda"
+    with calls_for(model, names):
+        modules = [model.get_submodule(name) for name in names]
+        before = [m.__dict__.get("_compiled_call_impl") for m in modules]
+        try:
+            for module in modules:
+                module.compile(backend=backend)
+            with compile_settings(backend):
+                found = measure_step(step, memory=None if on_cuda else "allocations",
+                                     allocator=on_cuda, warm_up=True)
+        finally:
+            for module, impl in zip(modules, before, strict=True):
+                module._compiled_call_impl = impl
+            forget_compiled(model)
+    return found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
+        else found.peak_bytes
+
+
 _FIT_TIMED = 5  # timed steps of each plan fit_compiled measures
+
+
+# NOTE [ Verifying a plan from a compiled tape ]
+#     A tape profiled compiled (profile(compile=...)) predicts the step with each block
+#     compiled on its own (NOTE [ Profiling a compiled step ] in _profile/runs.py); its
+#     saves can differ from the eager step's (a GELU written in Python, "gelu_new": an
+#     eager BERT step 1 MiB over its compiled prediction, compiled to the byte). So
+#     verify measures both steps' peaks with each block compiled so (the plain step's
+#     blocks too), and judges them against the budget and the prediction; gradients,
+#     FLOPs and times stay the eager steps'.
 
 
 # NOTE [ Verifying a plan fitted compiled whole ]
@@ -566,6 +607,11 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
             planned_whole = compiled_whole(step, plan, plan.compiled, timed=False)[0]
             remove(model)
             whole = (planned_whole, compiled_whole(step, plan, plan.compiled, timed=False)[0])
+        elif plan.compiled:  # NOTE [ Verifying a plan from a compiled tape ]
+            names = [b.name for b in plan.blocks]
+            planned_blocks = compiled_by_block(step, names, plan.compiled)
+            remove(model)
+            whole = (planned_blocks, compiled_by_block(step, names, plan.compiled))
         plain_ms, planned_ms = [], []
         for r in range(repeats + 1):
             remove(model)
@@ -617,4 +663,5 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
         peak_source="allocator" if on_allocator else "tracker",
         tracked_peak_bytes=planned.peak_bytes if on_allocator or whole else None,
         compiled=plan.compiled if whole is not None else "",
+        compiled_as="" if whole is None else "whole" if fitted_whole else "blocks",
     )
