@@ -201,3 +201,26 @@ def test_a_list_holding_one_block_twice_is_planned_over_its_calls() -> None:
     report = verified(model, x, plan)
     assert report.ok and report.max_grad_diff == 0.0
     assert report.peak_bytes == plan.predicted_peak_bytes
+
+
+class _RandomDepth(_Looped):
+    """Runs its core three times, then four, then three, ... (a random number of loops,
+    made predictable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor, loops: int | None = None) -> torch.Tensor:
+        self.forwards += 1
+        return super().forward(x, loops=3 + (self.forwards + 1) % 2)
+
+
+def test_a_model_whose_number_of_calls_changes_from_step_to_step_is_refused() -> None:
+    torch.manual_seed(0)
+    model, x = _RandomDepth().train(), torch.randn(4, 16, 8)
+    with pytest.raises(autoremat.BlockError, match=re.escape(
+            "'core.0' ran 4 times in one step, and 3 times in the step that found the "
+            "chain: the model changes how often it runs its layers from step to step")):
+        autoremat.profile(model, x, timing=False, with_selective=False)
+    assert "forward" not in vars(model.core[0])  # the calls taken off again

@@ -80,6 +80,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat._core.calls import calls_beyond
 from autoremat._core.conditions import autocast_state
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import BlockError, RematError, internal_assert
@@ -236,9 +237,19 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
         # call by call
         repeated = next(n for n, c in zip(names, probe.calls, strict=True) if c > 1)
         raise RepeatedCalls(
-            f"block {repeated!r} ran {max(probe.calls)} times in one step; autoremat plans "
-            f"over blocks that run once each (pass blocks=[...] to choose)",
+            f"block {repeated!r} ran {max(probe.calls)} times in one step, more often than "
+            f"in the step that found the chain: the model changes how often it runs its "
+            f"blocks from step to step, which a plan cannot follow",
             [names[i] for i in probe.order])
+    beyond = calls_beyond(step.model)
+    if beyond:
+        layer, times, found = beyond[0]
+        raise BlockError(
+            f"{layer!r} ran {times} times in one step, and {found} times in the step that "
+            f"found the chain: the model changes how often it runs its layers from step to "
+            f"step (a random number of loops?), which a plan made call by call cannot "
+            f"follow. Fix the number of loops while training, or pass blocks=[...] naming "
+            f"modules that run once per step")
     for name, calls in zip(names, probe.calls, strict=False):
         if calls == 0 and missing_ok:
             continue
@@ -257,8 +268,10 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
                 f"its call: pass blocks=[...] naming modules the model calls (the parts of "
                 f"each layer that it calls, for instance)")
         if calls != 1:
-            raise BlockError(f"block {name!r} ran {calls} times in one step; autoremat plans "
-                             f"over blocks that run once each (pass blocks=[...] to choose)")
+            raise BlockError(f"block {name!r} ran {calls} times in one step, and some block "
+                             f"given did not run at all (blocks that run several times are "
+                             f"planned call by call where every block runs): pass blocks=[...] "
+                             f"naming blocks the step runs")
     if in_order and probe.order != sorted(probe.order):
         ran = [names[i] for i in probe.order]
         raise BlockError(f"the blocks ran in the order {ran}, not in the order given "
