@@ -224,3 +224,35 @@ def test_a_model_whose_number_of_calls_changes_from_step_to_step_is_refused() ->
             "chain: the model changes how often it runs its layers from step to step")):
         autoremat.profile(model, x, timing=False, with_selective=False)
     assert "forward" not in vars(model.core[0])  # the calls taken off again
+
+
+class _WarmLoops(_Looped):
+    """Runs its core twice without gradients, then once with (as a hierarchical reasoning
+    model runs most of its cycles)."""
+
+    def forward(self, x: torch.Tensor, loops: int | None = None) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.first:
+            h = block(h)
+        with torch.no_grad():
+            z = h
+            for _ in range(2):
+                for block in self.core:
+                    z = block(z)
+        h = h + z
+        for block in self.core:
+            h = block(h)
+        return self.head(h).pow(2).mean()
+
+
+def test_calls_run_without_gradients_leave_the_chain_saying_why() -> None:
+    torch.manual_seed(0)
+    model, x = _WarmLoops().train(), torch.randn(4, 16, 8)
+    tape = autoremat.profile(model, x, timing=False, with_selective=False)
+    assert [b.name for b in tape.blocks] == ["first.0", "first.1", "core.0@2", "core.1@2"]
+    assert any("backward never runs through 4 of the blocks found (core.0@0, ..., core.1@1: "
+               "run without gradients (under torch.no_grad()))" in note for note in tape.notes)
+    plan = autoremat.plan(tape, strategy="full")
+    report = verified(model, x, plan)
+    assert report.ok and report.max_grad_diff == 0.0
+    assert report.peak_bytes == plan.predicted_peak_bytes

@@ -325,10 +325,13 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
         raise BlockError(f"backward runs through none of the blocks found ({names[0]}, ..., "
                          f"{names[-1]}): {_why_no_backward(model, no_backward, probe)}")
     if no_backward:
+        off = {names[i] for i in order if probe.grad_off[i]}
+        why = ("run without gradients (under torch.no_grad())" if off >= set(no_backward)
+               else "frozen, with an input that needs no gradient" if not off
+               else "frozen, or run without gradients")
         notes.append(f"backward never runs through {len(no_backward)} of the blocks found "
-                     f"({no_backward[0]}, ..., {no_backward[-1]}: frozen, with an input that "
-                     f"needs no gradient), so nothing in them is saved for backward; planned "
-                     f"over the {len(chain)} after them")
+                     f"({no_backward[0]}, ..., {no_backward[-1]}: {why}), so nothing in them "
+                     f"is saved for backward; planned over the {len(chain)} others")
     return chain, notes
 
 
