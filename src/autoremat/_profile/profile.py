@@ -500,7 +500,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
         base = base_runs(chain.names, setup, stage, tag=with_selective)
         selective = selective_runs(chain.names, base, setup, stage) \
             if with_selective else [{} for _ in chain.names]
-        notes = _mode_notes(step.model, chain.names, discovered=blocks is None)
+        notes = _mode_notes(step.model, setup.names, discovered=blocks is None)  # (found)
         head, why = profile_head(chain.names, setup, with_head, stage)
         times, untimed = _timing(setup, chain, repeats, timed, stage)
     notes += [why] if why else []
