@@ -28,6 +28,7 @@ NOTE [ A block that runs several times ]
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -36,8 +37,8 @@ from torch import nn
 
 from autoremat._core.errors import BlockError
 
-__all__ = ["CALL", "call_modules", "call_of", "calls_beyond", "calls_for", "calls_installed",
-           "held_at", "install_calls", "remove_calls", "unrolled"]
+__all__ = ["CALL", "call_modules", "call_of", "calls_beyond", "calls_for", "held_at",
+           "install_calls", "remove_calls", "unrolled"]
 
 CALL = "@"  # between a layer's name and the index of one of its calls
 
@@ -59,7 +60,7 @@ def unrolled(sequence: Sequence[str]) -> list[str]:
         >>> unrolled(["a", "b", "c", "b", "c", "d"])
         ['a', 'b@0', 'c@0', 'b@1', 'c@1', 'd']
     """
-    counts = {name: sequence.count(name) for name in sequence}
+    counts = Counter(sequence)
     seen: dict[str, int] = {}
     out = []
     for name in sequence:
@@ -135,11 +136,6 @@ class _Restart:
 def _parent(model: nn.Module, layer_name: str) -> tuple[nn.Module, str]:
     parent, _, key = layer_name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), key
-
-
-def calls_installed(model: nn.Module) -> bool:
-    """Whether ``model`` has calls installed (``install_calls``)."""
-    return "_autoremat_calls" in model.__dict__
 
 
 def call_modules(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
