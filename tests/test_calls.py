@@ -256,3 +256,35 @@ def test_calls_run_without_gradients_leave_the_chain_saying_why() -> None:
     report = verified(model, x, plan)
     assert report.ok and report.max_grad_diff == 0.0
     assert report.peak_bytes == plan.predicted_peak_bytes
+
+
+class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(5, 128, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.slow
+def test_the_trainer_callback_trains_albert_as_without_it(tmp_path) -> None:
+    from autoremat.hf import AutorematCallback
+
+    def train(callbacks: list[object], out: str) -> nn.Module:
+        model = _albert()[0]
+        arguments = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=4,
+            report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+        transformers.Trainer(model=model, args=arguments, train_dataset=_Tokens(),
+                             callbacks=callbacks).train()
+        return model
+
+    plain = train([], "plain")
+    callback = AutorematCallback(budget="60%")
+    planned = train([callback], "planned")
+    assert callback.plan is not None and "@" in callback.plan.blocks[0].name
+    assert any(b.decision is not autoremat.Decision.KEEP for b in callback.plan.blocks)
+    for (name, p), q in zip(plain.named_parameters(), planned.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert "forward" not in vars(planned.albert.encoder.albert_layer_groups[0])
