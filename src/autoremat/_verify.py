@@ -69,7 +69,7 @@ from autoremat._core.tables import render_table
 from autoremat._core.units import format_bytes
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import measure_step
-from autoremat._mechanism.compiled import forget_compiled, uncompiled
+from autoremat._mechanism.compiled import compiled_forwards, forget_compiled, uncompiled
 from autoremat._plan.plan import Plan
 from autoremat._profile.runs import compile_settings
 
@@ -339,48 +339,41 @@ class StepMeasure:
 def compiled_whole(step: Step, applied: Plan, backend: str, *,
                    timed: bool = True) -> tuple[int, float]:
     """The step peak with ``applied`` applied and the model compiled whole
-    (``compile_model``), and (``timed``) its median time over ``_FIT_TIMED`` steps, else
-    0.0: the peak is the rise of the allocator's counters on CUDA, its reports elsewhere
-    (a dispatch mode would make Dynamo run the step eagerly), after a first step that
-    compiles."""
+    (``compile_model``; ``_compiled_peak``), and (``timed``) its median time over
+    ``_FIT_TIMED`` steps, else 0.0."""
     inner = uncompiled(step.model)
     compiled = compile_model(inner, backend=backend)
     run = dataclasses.replace(step, model=compiled, loop=applied.loop)
-    on_cuda = torch.device(step.device).type == "cuda"
     try:
+        peak = _compiled_peak(run, backend)
         with compile_settings(backend):
-            found = measure_step(run, memory=None if on_cuda else "allocations",
-                                 allocator=on_cuda, warm_up=True)
             times = [measure_step(run, timed=True).wall_ms or 0.0
                      for _ in range(_FIT_TIMED if timed else 0)]
     finally:
         forget_compiled(inner)  # the user's compile starts afresh (forget_compiled)
-    peak = found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
-        else found.peak_bytes
     return peak, statistics.median(times) if times else 0.0
 
 
 def compiled_by_block(step: Step, names: list[str], backend: str) -> int:
-    """The step peak with each block of ``names`` compiled on its own (``.compile()``,
-    regional compilation, over whatever plan is applied), as ``profile(compile=...)``
-    measured the step: the rise of the allocator's counters on CUDA, its reports
-    elsewhere, after a first step that compiles (NOTE [ Verifying a plan from a compiled
-    tape ])."""
+    """The step peak with each block of ``names`` compiled on its own, over whatever plan
+    is applied, as ``profile(compile=...)`` measured the step (``compiled_forwards``;
+    ``_compiled_peak``; NOTE [ Verifying a plan from a compiled tape ])."""
     model = step.model
-    on_cuda = torch.device(step.device).type == "cuda"
-    with calls_for(model, names):
-        modules = [model.get_submodule(name) for name in names]
-        before = [m.__dict__.get("_compiled_call_impl") for m in modules]
+    with calls_for(model, names), compiled_forwards(model, names, backend):
         try:
-            for module in modules:
-                module.compile(backend=backend)
-            with compile_settings(backend):
-                found = measure_step(step, memory=None if on_cuda else "allocations",
-                                     allocator=on_cuda, warm_up=True)
+            return _compiled_peak(step, backend)
         finally:
-            for module, impl in zip(modules, before, strict=True):
-                module._compiled_call_impl = impl
             forget_compiled(model)
+
+
+def _compiled_peak(step: Step, backend: str) -> int:
+    """The peak of ``step``, run compiled, after a first step that compiles: the rise of
+    the allocator's counters on CUDA, its reports elsewhere (a dispatch mode would make
+    Dynamo run the step eagerly)."""
+    on_cuda = torch.device(step.device).type == "cuda"
+    with compile_settings(backend):
+        found = measure_step(step, memory=None if on_cuda else "allocations",
+                             allocator=on_cuda, warm_up=True)
     return found.allocator_peak_bytes if found.allocator_peak_bytes is not None \
         else found.peak_bytes
 
@@ -602,16 +595,16 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
                 apply(model, plan, check_ranks=False)
                 if again <= _rounding_level(plain.grads):
                     floor, measure_floor = again, True
-        whole: tuple[int, int] | None = None
-        if fitted_whole:  # NOTE [ Verifying a plan fitted compiled whole ]
-            planned_whole = compiled_whole(step, plan, plan.compiled, timed=False)[0]
+        compiled: tuple[int, int] | None = None  # (planned, plain) peaks, run compiled
+        if plan.compiled:  # NOTE [ Verifying a plan fitted compiled whole ], NOTE
+            # [ Verifying a plan from a compiled tape ]
+            def peak_of() -> int:
+                if fitted_whole:
+                    return compiled_whole(step, plan, plan.compiled, timed=False)[0]
+                return compiled_by_block(step, [b.name for b in plan.blocks], plan.compiled)
+            planned_compiled = peak_of()
             remove(model)
-            whole = (planned_whole, compiled_whole(step, plan, plan.compiled, timed=False)[0])
-        elif plan.compiled:  # NOTE [ Verifying a plan from a compiled tape ]
-            names = [b.name for b in plan.blocks]
-            planned_blocks = compiled_by_block(step, names, plan.compiled)
-            remove(model)
-            whole = (planned_blocks, compiled_by_block(step, names, plan.compiled))
+            compiled = (planned_compiled, peak_of())
         plain_ms, planned_ms = [], []
         for r in range(repeats + 1):
             remove(model)
@@ -642,8 +635,8 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
         peak, plain_peak = planned.allocator_peak_bytes, plain.allocator_peak_bytes
         on_allocator = True  # CUDA: the allocator is the truth (docs/design.md)
     predicted = plan.predicted_peak_bytes
-    if whole is not None:
-        peak, plain_peak = whole
+    if compiled is not None:
+        peak, plain_peak = compiled
         predicted = plan.compiled_peak_bytes or predicted
     within = plan.budget_bytes is None or peak <= plan.budget_bytes
     med, plain_med = statistics.median(planned_ms), statistics.median(plain_ms)
@@ -661,7 +654,7 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
         timed_pairs=len(planned_ms),
         deterministic=deterministic, noise_floor=floor, noise_measured=measure_floor,
         peak_source="allocator" if on_allocator else "tracker",
-        tracked_peak_bytes=planned.peak_bytes if on_allocator or whole else None,
-        compiled=plan.compiled if whole is not None else "",
-        compiled_as="" if whole is None else "whole" if fitted_whole else "blocks",
+        tracked_peak_bytes=planned.peak_bytes if on_allocator or compiled else None,
+        compiled=plan.compiled if compiled is not None else "",
+        compiled_as="" if compiled is None else "whole" if fitted_whole else "blocks",
     )
