@@ -542,11 +542,12 @@ class TiedBlocks(Net):
 
 
 class DictBlocks(_Stack):
-    """Blocks in an nn.ModuleDict."""
+    """Blocks in an nn.ModuleDict keyed by position (``'layer0'``, ...; torchtitan's
+    ``'0'``, ...), or by ``keys`` that name parts."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: Iterable[str] = tuple(f"layer{i}" for i in range(4))) -> None:
         super().__init__()
-        self.blocks = nn.ModuleDict({f"layer{i}": Block() for i in range(4)})
+        self.blocks = nn.ModuleDict({key: Block() for key in keys})
 
     def _chain(self) -> Iterable[nn.Module]:
         return self.blocks.values()
@@ -711,7 +712,14 @@ def _models() -> list[Case]:
         tape = quick_profile(model, x())
         expect(len(tape.blocks) == 4, f"found {[b.name for b in tape.blocks]}")
         planned_step_right(model, x(), autoremat.plan(tape, None, "full"))
-    add("blocks in an nn.ModuleDict", module_dict)
+    add("blocks in an nn.ModuleDict keyed by position", module_dict)
+
+    def named_dict() -> None:
+        torch.manual_seed(0)
+        tape = quick_profile(DictBlocks(keys=("attend", "mix", "project", "gate")), x())
+        expect(False, f"planned over {[b.name for b in tape.blocks]}: a ModuleDict keyed "
+               "by name holds parts, which need not run one after the other")
+    add("blocks in an nn.ModuleDict keyed by name", named_dict)
 
     def py_list() -> None:
         torch.manual_seed(0)

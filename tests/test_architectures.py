@@ -455,6 +455,102 @@ def test_a_dit_whose_timestep_embedding_is_made_on_the_cpu_is_estimated() -> Non
     assert est.step_peak_bytes == tape.step_peak_bytes
 
 
+# --- a torchtitan-style Llama in plain PyTorch ----------------------------------------------
+
+
+def _rotary(dim: int, end: int) -> torch.Tensor:
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    angles = torch.outer(torch.arange(end).float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)  # complex64, as torchtitan keeps it
+
+
+def _rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs = freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, x_.shape[-1])
+    return torch.view_as_real(x_ * freqs).flatten(3).type_as(x)
+
+
+class _TitanBlock(nn.Module):
+    """torchtitan's Llama block: grouped-query attention with rotary embeddings applied
+    in complex numbers, SDPA, a SwiGLU feed-forward, RMSNorm."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = self.attention_norm(x)
+        q = _rotate(self.wq(h).view(b, n, self.heads, self.head_dim), freqs_cis)
+        k = _rotate(self.wk(h).view(b, n, self.kv_heads, self.head_dim), freqs_cis)
+        v = self.wv(h).view(b, n, self.kv_heads, self.head_dim)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, n, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class _Titan(nn.Module):
+    """torchtitan's Llama layout: the layers in a ModuleDict keyed ``'0'``, ``'1'``, ...
+    (``self.layers[str(layer_id)]``), the rotary table a non-persistent complex buffer
+    passed to every layer, logits out (the loop takes the loss)."""
+
+    def __init__(self, vocab: int = _VOCAB, dim: int = 64, layers: int = 4, heads: int = 4,
+                 kv_heads: int = 2, hidden: int = 160) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.register_buffer("freqs_cis", _rotary(dim // heads, 2 * _SEQ), persistent=False)
+        self.layers = nn.ModuleDict({str(i): _TitanBlock(dim, heads, kv_heads, hidden)
+                                     for i in range(layers)})
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h)).float()
+
+
+def test_a_torchtitan_llama_is_planned_over_its_layers_and_estimated_from_meta() -> None:
+    """Its layers are found in their ModuleDict and planned; the plans are exact and meet
+    their predictions. Built on meta, as torchtitan builds it, with a loss_fn over the
+    loop's own labels (NOTE [ Real tensors from outside the step ]), it is estimated to
+    the CPU step's byte."""
+    torch.manual_seed(0)
+    model, tokens, labels = _Titan().train(), _tokens(), _tokens(seed=2)
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    tape = autoremat.profile(model, tokens, loss_fn=loss_fn, repeats=1, timing=False)
+    assert [b.name for b in tape.blocks] == [f"layers.{i}" for i in range(4)]
+    for budget in _budgets(tape):
+        plan = autoremat.plan(tape, budget)
+        autoremat.apply(model, plan)
+        try:
+            report = autoremat.verify(model, tokens, plan, loss_fn=loss_fn, repeats=1)
+        finally:
+            autoremat.remove(model)
+        assert report.ok and report.max_grad_diff == 0.0, report
+        assert report.peak_bytes == plan.predicted_peak_bytes <= budget, report
+    with torch.device("meta"):
+        on_meta = _Titan().train()
+    _assert_estimated(tape, autoremat.estimate(on_meta, tokens, loss_fn=loss_fn,
+                                               device="cpu", selective=False))
+
+
 # --- the table -----------------------------------------------------------------------------
 
 

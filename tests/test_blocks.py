@@ -14,6 +14,7 @@ from autoremat._measure.blocks import (
     STACK_SHARE,
     discover_blocks,
     discovery_notes,
+    keyed_by_position,
     other_repeated_blocks,
     resolve_blocks,
 )
@@ -83,6 +84,38 @@ def test_nested_cnn_stages_are_flattened_in_order() -> None:
     assert discover_blocks(CNN()) == [
         "stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1", "stages.1.2"
     ]  # fmt: skip
+
+
+class _Dict(nn.Module):
+    """Layers in a ModuleDict under ``keys``, run in that order."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleDict({key: Layer() for key in keys})
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("keys", [[str(i) for i in range(4)],  # torchtitan's
+                                  [f"layer{i}" for i in range(4)],
+                                  [f"block_{i}_out" for i in range(4)]])
+def test_a_module_dict_keyed_by_position_is_a_chain(keys: list[str]) -> None:
+    assert keyed_by_position(_Dict(keys).layers)
+    assert discover_blocks(_Dict(keys)) == [f"layers.{key}" for key in keys]
+
+
+@pytest.mark.parametrize("keys", [["student", "teacher"], ["encoder", "decoder"],
+                                  ["0", "1", "norm"], ["a1", "b2"]])
+def test_a_module_dict_keyed_by_name_is_parts_not_a_chain(keys: list[str]) -> None:
+    """Parts need not run one after the other (a teacher under no_grad, two heads on one
+    input): not a chain (``profile`` names them in its error, test_validation.py)."""
+    assert not keyed_by_position(_Dict(keys).layers)
+    assert discover_blocks(_Dict(keys)) == [""]
 
 
 def test_zoo_containers_are_found() -> None:

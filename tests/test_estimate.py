@@ -160,6 +160,25 @@ def test_estimate_after_a_training_step_that_left_graph_tensors_on_the_model() -
     assert model[0].state.device.type == "cpu"  # the model's own state is untouched
 
 
+def test_a_loss_fn_that_closes_over_real_tensors_is_estimated() -> None:
+    """NOTE [ Real tensors from outside the step ]: a loop's own labels and a weight as
+    large as the output, read at the step's peak, go to meta where they meet the model's
+    meta tensors, and are not counted as the step's memory (they were made before it)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3))), torch.randn(32, 64)
+    weights, labels = torch.rand(32, 64), torch.randint(0, 64, (32,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return (out * weights).sum() + F.cross_entropy(out, labels)
+
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, repeats=1, timing=False,
+                             with_selective=False)
+    est = autoremat.estimate(model, x, loss_fn=loss_fn, device="cpu", selective=False)
+    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
+        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    assert weights.device.type == "cpu" and labels.device.type == "cpu"
+
+
 def test_impossible_budget_names_the_smallest_feasible_one() -> None:
     model, inputs = zoo.build("gpt2", device="meta", **_ZOO_SIZES["gpt2"])
     with pytest.raises(BudgetError) as info:

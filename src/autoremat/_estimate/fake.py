@@ -749,13 +749,12 @@ def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
     if "is not on the expected device" in str(exc) or "on the same device" in str(exc):
         return RematError(
             f"{what} cannot run on fake (meta) tensors: {exc}. A tensor on a real device "
-            f"meets the model's meta tensors{_where_read(exc)}: one the forward makes by a "
-            f"function other than torch's factories, which an estimate makes on meta "
-            f"(torch.from_numpy, .cpu(), a buffer kept on the CPU), or one that loss_fn "
-            f"closes over (labels: pass them in the inputs, which the estimate moves to "
-            f"meta, and read them from there). Make it on the input's device "
-            f"(device=x.device), or measure the model with autoremat.profile on a real "
-            f"device")
+            f"meets the model's meta tensors{_where_read(exc)}, where the estimate cannot "
+            f"move it to meta: outside torch's operators (whose real arguments it moves to "
+            f"meta), such as a check of devices in Python or an extension's kernel called "
+            f"directly. Make the tensor on the "
+            f"input's device (device=x.device), or measure the model with autoremat.profile "
+            f"on a real device")
     return RematError(
         f"{what} cannot run on fake (meta) tensors: {exc}. Its forward reads tensor values "
         f"(.item(), a Python if on a tensor, shapes that depend on values such as "
@@ -818,6 +817,33 @@ _FACTORIES = frozenset({"arange", "scalar_tensor", "ones", "zeros", "empty", "fu
 #     again on a real step.
 
 
+# NOTE [ Real tensors from outside the step ]
+#     A loss often reads tensors the batch does not hold: ``loss_fn=lambda out:
+#     F.cross_entropy(out.flatten(0, 1), labels.flatten())`` with the labels of a loop's
+#     own (torchtitan's, a plain PyTorch loop's), a class-weight tensor, a mask. The
+#     estimate moves the model and its inputs to meta, not what a loss_fn closes over, and
+#     such an op met a real tensor beside meta ones ("Tensor on device meta is not on the
+#     expected device cpu"). Where an op fails on that, its real tensors go to meta and it
+#     runs again: their shapes and dtypes are all it reads, and they were made before the
+#     step, as on the device, so they are not the step's memory (the copies are made
+#     below the storage tracker, which does not count them). An op that runs with a real
+#     tensor beside meta ones (a CPU index, a 0-d CPU scalar) is left as it is.
+
+
+def _real_beside_meta(args: Any, kwargs: Any) -> bool:
+    tensors = flat_tensors((args, kwargs))
+    return any(t.is_meta for t in tensors) and any(not t.is_meta for t in tensors)
+
+
+def _device_mismatch(exc: RuntimeError) -> bool:
+    text = str(exc)
+    return "is not on the expected device" in text or "on the same device" in text
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_meta else tensor.to("meta")
+
+
 class _CpuFactoriesOnMeta(TorchDispatchMode):
     """Factory ops for the CPU make meta tensors, and a tensor ``torch.tensor`` made on
     the CPU is moved to meta (NOTE [ Tensors a forward makes on the CPU ]); a check of
@@ -833,7 +859,16 @@ class _CpuFactoriesOnMeta(TorchDispatchMode):
             kwargs["device"] = torch.device("meta")
         if name == "_is_all_true" and args[0].is_meta:  # NOTE [ Checks of values on meta ]
             return torch.ones((), dtype=torch.bool)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as exc:
+            real = _real_beside_meta(args, kwargs)
+            if not real or not _device_mismatch(exc):
+                raise
+            # NOTE [ Real tensors from outside the step ]: the op checked devices before
+            # anything ran, so it runs again with them on meta
+            args, kwargs = map_tensors(_on_meta, (args, kwargs))
+            out = func(*args, **kwargs)
         if name == "lift_fresh" and isinstance(out, torch.Tensor) \
                 and out.device.type == "cpu":
             return out.to("meta")

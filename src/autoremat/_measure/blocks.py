@@ -1,9 +1,12 @@
 """Find the chain of blocks to plan over: the repeated layers of a model.
 
 NOTE [ Which container is the chain ]
-    We score every ``nn.ModuleList`` / ``nn.Sequential`` with at least two children by
-    the parameters held in its children of the most common class (repeated layers hold
-    most of a model), tie-broken by the number of children. Its children are the blocks,
+    We score every ``nn.ModuleList`` / ``nn.Sequential`` with at least two children, and
+    every ``nn.ModuleDict`` keyed by position (torchtitan keeps its layers under ``'0'``,
+    ``'1'``, ...; :func:`keyed_by_position`), by the parameters held in its children of
+    the most common class (repeated layers hold most of a model), tie-broken by the
+    number of children. A ModuleDict keyed by name (``'student'``, ``'teacher'``) holds
+    parts, which need not run one after the other, and is not searched. Its children are the blocks,
     at the level a person writes them: the outermost repeated container's elements. One
     exception: an element that is itself a run of one kind of layer (every child of one
     class: a CNN's stage of residual blocks) is a stage, not a block, and is flattened
@@ -32,6 +35,7 @@ NOTE [ Stacks beside the chain ]
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -40,7 +44,7 @@ from torch import nn
 from autoremat._core.errors import BlockError, did_you_mean
 
 __all__ = ["STACK_SHARE", "BlockSpec", "discover_blocks", "discovery_notes",
-           "other_repeated_blocks", "resolve_blocks"]
+           "keyed_by_position", "other_repeated_blocks", "resolve_blocks"]
 
 BlockSpec = None | Sequence[str] | Callable[[str, nn.Module], bool]
 
@@ -81,9 +85,27 @@ def _repeated_score(container: nn.Module) -> tuple[int, int]:
     return (covered, len(children))
 
 
+def keyed_by_position(module: nn.ModuleDict) -> bool:
+    """Whether a ModuleDict's keys differ only in their numbers (``'0'``, ``'1'``, ...,
+    as torchtitan keeps its layers; ``'layer0'``, ``'layer1'``, ...): a list of layers
+    under other keys, searched as a chain. Keys that name parts (``'student'``,
+    ``'teacher'``; ``'encoder'``, ``'decoder'``) are not.
+
+    Example:
+        >>> keyed_by_position(nn.ModuleDict({str(i): nn.Linear(2, 2) for i in range(3)}))
+        True
+        >>> keyed_by_position(nn.ModuleDict({"student": nn.Linear(2, 2),
+        ...                                  "teacher": nn.Linear(2, 2)}))
+        False
+    """
+    return len({re.sub(r"\d+", "", key) for key in module._modules}) == 1 \
+        and all(re.search(r"\d", key) for key in module._modules)
+
+
 def _is_repeated_container(module: nn.Module) -> bool:
-    return isinstance(module, _CONTAINERS) and len(module) >= 2 \
-        and _repeated_score(module)[0] >= 0
+    listed = isinstance(module, _CONTAINERS) or \
+        (isinstance(module, nn.ModuleDict) and keyed_by_position(module))
+    return listed and len(module._modules) >= 2 and _repeated_score(module)[0] >= 0
 
 
 def _is_run(module: nn.Module) -> bool:

@@ -74,6 +74,7 @@ from autoremat._core.step import (
 from autoremat._measure.blocks import (
     BlockSpec,
     discovery_notes,
+    keyed_by_position,
     other_repeated_blocks,
     param_signature,
     resolve_blocks,
@@ -150,7 +151,7 @@ def _why_no_chain(model: nn.Module) -> str:
             return (f" ({name or 'the model'!r} holds a single block, and a plan chooses "
                     "among two or more: build the model with more layers)" + _GIVE_BLOCKS)
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleDict):
+        if isinstance(module, nn.ModuleDict) and not keyed_by_position(module):
             common = Counter(type(k) for k in module.children()).most_common(1)
             if common and common[0][1] >= 2:
                 kind = common[0][0]
@@ -159,7 +160,8 @@ def _why_no_chain(model: nn.Module) -> str:
                 shown = ", ".join(repr(n) for n in layers[:3]) + (", ..." if len(layers) > 3
                                                                    else "")
                 return (f" (the {kind.__name__} layers in the ModuleDict {name!r} are not "
-                        f"searched: a ModuleDict names parts, not a chain): give "
+                        f"searched: its keys name parts, not positions in a chain, as "
+                        f"'0', '1', ... or 'layer0', 'layer1', ... would): give "
                         f"blocks=[{shown}] in the order the model runs them")
     return _GIVE_BLOCKS
 
