@@ -179,6 +179,40 @@ def test_a_loss_fn_that_closes_over_real_tensors_is_estimated() -> None:
     assert weights.device.type == "cpu" and labels.device.type == "cpu"
 
 
+class _Asserts(nn.Module):
+    """Checks its values in ``assert`` statements (one over two lines), then, with
+    ``branch``, decides what to run on them."""
+
+    def __init__(self, branch: bool = False) -> None:
+        super().__init__()
+        self.fc, self.branch = nn.Linear(16, 16), branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        assert torch.all(y.isfinite()).item(), "non-finite activations"
+        assert y.isnan().sum() == 0 and \
+            (y.abs() < 1e6).all()
+        if self.branch and (y > 0).any():
+            y = y * 2
+        return torch.tanh(y)
+
+
+def test_values_read_in_an_assert_are_taken_to_hold_and_a_branch_is_refused() -> None:
+    """NOTE [ Checks of values on meta ]: an assert only raises or passes (ProphetNet's,
+    I-BERT's); an ``if`` on values decides what runs, and is refused naming its line."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(_Asserts() for _ in range(3))), torch.randn(8, 16)
+    loss = (lambda y: y.pow(2).mean())  # noqa: E731
+    tape = autoremat.profile(model, x, loss_fn=loss, repeats=1, timing=False,
+                             with_selective=False)
+    est = autoremat.estimate(model, x, loss_fn=loss, device="cpu", selective=False)
+    assert est.step_peak_bytes == tape.step_peak_bytes
+    branching = nn.Sequential(*(_Asserts(branch=True) for _ in range(3)))
+    with pytest.raises(RematError, match=r"reads tensor values.* at test_estimate\.py:\d+: "
+                                         r"if self\.branch and \(y > 0\)\.any\(\)"):
+        autoremat.estimate(branching, x, loss_fn=loss, device="cpu", selective=False)
+
+
 def test_impossible_budget_names_the_smallest_feasible_one() -> None:
     model, inputs = zoo.build("gpt2", device="meta", **_ZOO_SIZES["gpt2"])
     with pytest.raises(BudgetError) as info:

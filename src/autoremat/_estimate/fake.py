@@ -28,10 +28,16 @@ Known limitations:
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
+import inspect
 import math
 import os
+import sys
+import textwrap
 import traceback
+import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -814,7 +820,11 @@ _FACTORIES = frozenset({"arange", "scalar_tensor", "ones", "zeros", "empty", "fu
 #     It reads the condition through ``aten._is_all_true`` and ``.item()``, which meta
 #     tensors cannot answer. While an estimate runs the condition is taken to hold: a
 #     check only raises or passes, and the inputs are the user's, which the model checks
-#     again on a real step.
+#     again on a real step. So is a boolean tensor read in an ``assert`` statement
+#     (ProphetNet's ``assert torch.all(shifted_input_ids >= 0).item()``, I-BERT's
+#     ``assert x_max.isnan().sum() == 0 and ...``): the model's own line is found on the
+#     Python stack (:func:`_in_assert`). The same read anywhere else (``if mask.any():``)
+#     decides what runs, and the estimate refuses it as before.
 
 
 # NOTE [ Real tensors from outside the step ]
@@ -844,6 +854,32 @@ def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_meta else tensor.to("meta")
 
 
+def _in_assert() -> bool:
+    """Whether the model's own line running now (the innermost frame outside torch and
+    autoremat) is in an ``assert`` statement (NOTE [ Checks of values on meta ])."""
+    skip = (os.sep + "torch" + os.sep, os.sep + "autoremat" + os.sep)
+    frame = sys._getframe(1)
+    while frame is not None and any(part in frame.f_code.co_filename for part in skip):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return False
+    return any(first <= frame.f_lineno <= last for first, last in _asserts(frame.f_code))
+
+
+@functools.lru_cache(maxsize=256)
+def _asserts(code: types.CodeType) -> tuple[tuple[int, int], ...]:
+    """The line spans of the ``assert`` statements in ``code``'s function (none where
+    its source cannot be read)."""
+    try:
+        lines, start = inspect.getsourcelines(code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    offset = max(start, 1) - 1
+    return tuple((node.lineno + offset, (node.end_lineno or node.lineno) + offset)
+                 for node in ast.walk(tree) if isinstance(node, ast.Assert))
+
+
 class _CpuFactoriesOnMeta(TorchDispatchMode):
     """Factory ops for the CPU make meta tensors, and a tensor ``torch.tensor`` made on
     the CPU is moved to meta (NOTE [ Tensors a forward makes on the CPU ]); a check of
@@ -859,6 +895,9 @@ class _CpuFactoriesOnMeta(TorchDispatchMode):
             kwargs["device"] = torch.device("meta")
         if name == "_is_all_true" and args[0].is_meta:  # NOTE [ Checks of values on meta ]
             return torch.ones((), dtype=torch.bool)
+        if name == "_local_scalar_dense" and args[0].is_meta \
+                and args[0].dtype == torch.bool and _in_assert():
+            return True
         try:
             out = func(*args, **kwargs)
         except RuntimeError as exc:

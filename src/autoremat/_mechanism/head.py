@@ -491,6 +491,12 @@ class HeadInstall:
     handles: list[Any]
     calls: int = 0
     backend: str = ""  # whose kernel (NOTE [ Head backends ] in _core/head.py)
+    passed: _PassHidden | None = None  # what lm_head returns (a Hugging Face head)
+
+    def escaped(self) -> str | None:
+        """The first op the model ran on its head's logits that the chunked head cannot
+        follow, in the last training step (NOTE [ Logit transforms ]); else ``None``."""
+        return None if self.passed is None else self.passed.state.get("escaped")
 
 
 def install_head(model: nn.Module, site: HeadSite, chunks: int,
@@ -521,6 +527,7 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int,
             raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
         layer = cast(nn.Linear, module)
         passed = _PassHidden(layer, ce=_ChunkedCrossEntropy(layer, chunks, install))
+        install.passed = passed
         module.forward = passed  # type: ignore[method-assign]
         install.handles.append(model.register_forward_hook(_DropLogits(passed)))
         return install
@@ -531,6 +538,7 @@ def install_head(model: nn.Module, site: HeadSite, chunks: int,
         raise RematError(f"cannot chunk the loss head: {why}; plan with head='keep'")
     linear = cast(nn.Linear, module)
     passed = _PassHidden(linear, traced=bool(logit_transform(owner)))
+    install.passed = passed
     own = owner.loss_function
     module.forward = passed  # type: ignore[method-assign]
     # the model's loss_function property returns _loss_function when one is set
@@ -560,5 +568,14 @@ def head_installed(model: nn.Module, site: HeadSite | None, chunks: int | None,
     install = install_head(model, site, chunks, backend)
     try:
         yield install
+    except Exception as exc:
+        # NOTE [ Logit transforms ]: after an op the head cannot follow, the model
+        # computes on the hidden states it took for logits, and may fail on them
+        # (ProphetNet's nll_loss of its n-gram streams: "Target 83 is out of bounds")
+        # before its loss or output would refuse the step: that op is the cause
+        escaped = install.escaped()
+        if escaped is None or isinstance(exc, HeadNotFollowedError):
+            raise
+        raise _escaped(escaped, "its loss head's logits") from exc
     finally:
         uninstall_head(install)
