@@ -455,6 +455,68 @@ def test_a_dit_whose_timestep_embedding_is_made_on_the_cpu_is_estimated() -> Non
     assert est.step_peak_bytes == tape.step_peak_bytes
 
 
+# --- a VAE's middle in plain PyTorch (diffusers' layout) ----------------------------------
+
+
+class _VaeResnet(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(8, channels), nn.GroupNorm(8, channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class _VaeAttention(nn.Module):
+    """diffusers' attention over a feature map: its output comes back channels-last
+    (``transpose(-1, -2).reshape(b, c, h, w)``), and the group norm and convolution after
+    it run on that layout (NOTE [ Group norm on meta ], NOTE [ Strides on meta ])."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.group_norm = nn.GroupNorm(8, channels)
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(channels, channels)
+                                                        for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        t = self.group_norm(x).view(b, c, h * w).transpose(1, 2)
+        o = F.scaled_dot_product_attention(self.to_q(t)[:, None], self.to_k(t)[:, None],
+                                           self.to_v(t)[:, None])[:, 0]
+        return (self.to_out(o).transpose(-1, -2).reshape(b, c, h, w) + x) / 1.0
+
+
+class _VaeMiddle(nn.Module):
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList([_VaeResnet(channels), _VaeAttention(channels),
+                                     _VaeResnet(channels), _VaeAttention(channels),
+                                     _VaeResnet(channels)])
+        self.conv_out = nn.Conv2d(channels, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.mse_loss(self.conv_out(h), x)
+
+
+def test_a_vae_whose_attention_returns_channels_last_is_estimated_to_the_byte() -> None:
+    """Its group norms and convolutions run on the channels-last output of its attention:
+    on meta they took the CUDA kernels' layout (a copy the CPU does not make) and the
+    contiguous one, and diffusers' AutoencoderKL was estimated 3.3% under its CPU step."""
+    torch.manual_seed(0)
+    model, x = _VaeMiddle().train(), _images(size=16)
+    tape = autoremat.profile(model, x, repeats=1, timing=False, with_selective=False)
+    est = autoremat.estimate(model, x, device="cpu", selective=False)
+    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
+        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+
+
 # --- a torchtitan-style Llama in plain PyTorch ----------------------------------------------
 
 

@@ -41,7 +41,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -284,6 +284,75 @@ def sdpa_as_on(device: str | torch.device) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+# NOTE [ Group norm on meta ]
+#     ATen's ``group_norm`` hands ``native_group_norm`` a CPU input in its suggested
+#     memory format (``input.contiguous(input.suggest_memory_format())``: a channels-last
+#     input as it is), and any other device's input contiguous (``group_norm`` in ATen's
+#     group_norm.cpp): on ``meta`` the CUDA path, a copy of a channels-last input. The
+#     CPU kernel then writes its output, and backward its gradients, in that format,
+#     and the ops after it copy or not by those strides. diffusers' VAE normalises the
+#     residual sum of its attention, which comes out channels-last (the attention's
+#     output ``transpose(-1, -2).reshape(b, c, h, w)``): its step was estimated 3.3% under
+#     its CPU step (512 KiB at 2 x 3 x 32 x 32). While estimating for the CPU,
+#     :func:`group_norm_as_on` runs ``F.group_norm`` on ``meta`` as the CPU does; for
+#     CUDA, ``meta`` already copies as CUDA does.
+
+
+class _GroupNormOnCpu(torch.autograd.Function):
+    """``native_group_norm`` with the CPU's backward: autograd's formula hands
+    ``native_group_norm_backward`` a CPU gradient and input in the input's suggested
+    memory format, any other device's contiguous (``derivatives.yaml``), so on ``meta``
+    it copied a channels-last pair the CPU does not (NOTE [ Group norm on meta ]). The
+    same ops, and the same tensors saved, as autograd's own."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, groups: int, eps: float) -> torch.Tensor:
+        n, c = x.shape[:2]
+        hxw = math.prod(x.shape[2:])
+        out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.sizes = (n, c, hxw, groups)
+        ctx.mask = [x.requires_grad, weight is not None and weight.requires_grad,
+                    bias is not None and bias.requires_grad]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, mean, rstd = ctx.saved_tensors
+        layout = suggest_memory_format(x)
+        grads = torch.ops.aten.native_group_norm_backward(
+            grad.contiguous(memory_format=layout), x.contiguous(memory_format=layout), mean,
+            rstd, weight, *ctx.sizes, ctx.mask)
+        return (*grads, None, None)
+
+
+@contextmanager
+def group_norm_as_on(device: str | torch.device) -> Iterator[None]:
+    """Inside, ``F.group_norm`` on ``meta`` tensors takes the input in the layout
+    ``device`` would (NOTE [ Group norm on meta ]); nothing changes for a device other
+    than the CPU. Process-wide while inside, as :func:`sdpa_as_on`."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    original = F.group_norm
+
+    def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+        if not (isinstance(input, torch.Tensor) and input.is_meta and input.dim() >= 2):
+            return original(input, num_groups, weight, bias, eps)
+        x = input.contiguous(memory_format=suggest_memory_format(input))
+        gamma = weight.contiguous() if weight is not None else None
+        beta = bias.contiguous() if bias is not None else None
+        return cast(torch.Tensor, _GroupNormOnCpu.apply(x, gamma, beta, num_groups, eps))
+
+    F.group_norm = group_norm  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.group_norm = original
+
+
 # NOTE [ Dropout on meta ]
 #     ``F.dropout`` (out of place, training, 0 < p < 1) runs ATen's fused kernel,
 #     ``native_dropout``, only for CUDA (and XPU and lazy) tensors
@@ -380,6 +449,16 @@ def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor,
 #     kernel keeps the input's strides: PatchTST normalises a transposed (B, C, T) view,
 #     and its blocks' linear layers then copied their input on ``meta`` only (24 KiB a
 #     block, the step's estimate 13% under its CPU step). :data:`_SUGGESTED` names them.
+#     A 2-d convolution on the CPU writes its output channels-last where its input or its
+#     weight is channels-last (oneDNN's and the slow kernel's rule, every dtype; measured
+#     over 360 cases of dtype, batch, groups, kernel size and transposition), where its
+#     meta kernel writes it contiguous. diffusers' VAE convolves the channels-last output
+#     of its attention; on ``meta`` the group norm after that copied where the CPU does
+#     not (the step's estimate 3.3% under its CPU step, with NOTE [ Group norm on meta ]).
+#     While estimating for the CPU the output follows that rule. Not done: 3-d
+#     convolutions (the CPU writes channels-last only where oneDNN runs, which depends on
+#     sizes and threads), and CUDA, where cuDNN's rule looks alike but no device has
+#     measured it.
 _CONTIGUOUS = frozenset({torch.ops.aten.native_layer_norm_backward.default,  # grad_input
                         torch.ops.aten._log_softmax_backward_data.default})
 _SUGGESTED = frozenset({torch.ops.aten.native_batch_norm,  # output, by the input's format
@@ -402,11 +481,27 @@ _KEEPS_UNREDUCED = frozenset({torch.ops.aten.mse_loss.default,
                               torch.ops.aten.binary_cross_entropy.default})
 
 
+def _cpu_conv_layout(args: tuple[Any, ...]) -> torch.memory_format | None:
+    """The layout the CPU writes a 2-d convolution's output in, where it is channels-last
+    (NOTE [ Strides on meta ]); else ``None``."""
+    x, weight = args[0], args[1]
+    if x.dim() != 4:
+        return None
+    if torch.channels_last in (suggest_memory_format(x), suggest_memory_format(weight)):
+        return torch.channels_last
+    return None
+
+
 class _KernelsOnMeta(TorchDispatchMode):
     """``aten._grouped_mm`` on ``meta`` (NOTE [ Grouped matmuls on meta ]), the outputs
-    :data:`_CONTIGUOUS` and :data:`_SUGGESTED` name (NOTE [ Strides on meta ]) and the
-    losses of NOTE [ Losses that keep their unreduced storage ], as the device kernels
-    make them; every other op goes on unchanged."""
+    :data:`_CONTIGUOUS` and :data:`_SUGGESTED` name and, for the CPU (``cpu``), 2-d
+    convolutions' (NOTE [ Strides on meta ]), and the losses of NOTE [ Losses that keep
+    their unreduced storage ], as the device kernels make them; every other op goes on
+    unchanged."""
+
+    def __init__(self, cpu: bool = False) -> None:
+        super().__init__()
+        self.cpu = cpu
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -422,11 +517,14 @@ class _KernelsOnMeta(TorchDispatchMode):
             kept = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape),
                                dtype=out.dtype, device=out.device)
             return kept.resize_(())
+        layout: torch.memory_format | None = None
         if func in _CONTIGUOUS:  # NOTE [ Strides on meta ]
             layout = torch.contiguous_format
         elif func.overloadpacket in _SUGGESTED:
             layout = suggest_memory_format(args[0])
-        else:
+        elif self.cpu and func is torch.ops.aten.convolution.default:
+            layout = _cpu_conv_layout(args)
+        if layout is None:
             return out
         made = out[0] if isinstance(out, tuple) else out
         if not (isinstance(made, torch.Tensor) and made.is_meta
@@ -437,12 +535,12 @@ class _KernelsOnMeta(TorchDispatchMode):
 
 
 @contextmanager
-def kernels_on_meta() -> Iterator[None]:
+def kernels_on_meta(device: str | torch.device | None = None) -> Iterator[None]:
     """Inside, ``torch._grouped_mm`` on ``meta`` tensors (any floating dtype) makes the
     output the CPU and CUDA kernels make (NOTE [ Grouped matmuls on meta ]), and so do
-    the ops of NOTE [ Strides on meta ] and NOTE [ Losses that keep their unreduced
-    storage ]."""
-    with _KernelsOnMeta():
+    the ops of NOTE [ Strides on meta ] (those of one device only, where ``device`` is
+    it) and NOTE [ Losses that keep their unreduced storage ]."""
+    with _KernelsOnMeta(cpu=device is not None and torch.device(device).type == "cpu"):
         yield
 
 
@@ -793,7 +891,8 @@ def step_as_on(device: str | torch.device, model: nn.Module, inputs: Any,
         notes = stack.enter_context(training_config(model))
         stack.enter_context(sdpa_as_on(device))
         stack.enter_context(dropout_as_on(device))
-        stack.enter_context(kernels_on_meta())
+        stack.enter_context(group_norm_as_on(device))
+        stack.enter_context(kernels_on_meta(device))
         stack.enter_context(_hf_attention_on_meta(model, inputs, given))
         stack.enter_context(_no_padding_check(model))
         stack.enter_context(_CpuFactoriesOnMeta())
