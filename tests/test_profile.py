@@ -440,6 +440,67 @@ def test_found_blocks_the_step_does_not_run_leave_the_chain_with_a_note() -> Non
         autoremat.profile(model, (x,), blocks=["vision.0", "text.0"], timing=False)
 
 
+class _SingleStream(nn.Module):
+    """Flux's single-stream block: text and image tokens joined, one MLP, split again
+    into (text, image); with ``router``, a mixture-of-experts block's router logits
+    after its hidden states instead, which an auxiliary loss reads."""
+
+    def __init__(self, router: bool = False) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        self.router = nn.Linear(16, 4) if router else None
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.router is not None:
+            return image + self.mlp(image), self.router(image)
+        joined = torch.cat([text, image], dim=1)
+        joined = joined + self.mlp(joined)
+        return joined[:, : text.shape[1]], joined[:, text.shape[1]:]
+
+
+class _Flux(nn.Module):
+    """The last block's text tokens are dropped (Flux's); with ``router``, the router
+    logits of every block go to an auxiliary loss."""
+
+    def __init__(self, router: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_SingleStream(router) for _ in range(4)])
+        self.routed = router
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        aux = []
+        for block in self.blocks:
+            first, second = block(text, image)
+            if self.routed:
+                image, logits = first, second
+                aux.append(logits.softmax(-1).pow(2).mean())
+            else:
+                text, image = first, second
+        return image.pow(2).mean() + sum(aux)
+
+
+@pytest.mark.parametrize("router", [False, True], ids=["dropped-text", "router-logits"])
+def test_a_block_whose_first_output_is_dropped_or_read_by_a_loss_stays_in_the_chain(
+        router: bool) -> None:
+    """NOTE [ Where a block's backward starts ]: the last block's backward was marked by
+    its dropped text tokens, which get no gradient, so it left the chain as frozen; the
+    router logits' gradient comes first, from the loss, and must not mark it."""
+    torch.manual_seed(0)
+    model, inputs = _Flux(router), (torch.randn(2, 8, 16), torch.randn(2, 24, 16))
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
+    assert [b.name for b in tape.blocks] == [f"blocks.{i}" for i in range(4)], tape.notes
+    assert not any("backward never runs through" in note for note in tape.notes)
+    for strategy in ("full", "every:2"):
+        plan = autoremat.plan(tape, None, strategy)
+        autoremat.apply(model, plan)
+        try:
+            report = autoremat.verify(model, inputs, plan, repeats=1)
+        finally:
+            autoremat.remove(model)
+        assert report.ok and report.max_grad_diff == 0.0
+        assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+
+
 def test_blocks_listed_out_of_running_order_are_rejected() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
     x = torch.randn(4, 8)

@@ -35,7 +35,7 @@ from autoremat._estimate.fake import (
     to_meta,
 )
 from autoremat._measure.blocks import BlockSpec, resolve_blocks
-from autoremat._measure.measured import Mark, measure_step
+from autoremat._measure.measured import BackwardStarts, Mark, measure_step
 from autoremat._measure.memory import MemoryTracker, Rounding
 from autoremat._measure.ops import op_kind
 from autoremat._mechanism.wrap import checkpointed
@@ -109,6 +109,7 @@ def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
     def run(step: Step, mark: Mark) -> None:
         """The step, marking where each module's forward starts and ends and where each
         block's backward starts."""
+        starts = BackwardStarts(mark)  # NOTE [ Where a block's backward starts ]
         with ExitStack() as stack:
             stack.enter_context(calls_for(model, names))  # NOTE [ A block that runs
             # several times ] in _core/calls.py
@@ -121,15 +122,13 @@ def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
                          qualname: str = qualname) -> None:
                     mark(f"exit:{qualname}")
                     if qualname in block_set and torch.is_grad_enabled():
-                        out = next((t for t in _tensors(output) if t.requires_grad), None)
-                        if out is not None:
-                            out.register_hook(lambda g, n=qualname: mark(f"bwd:{n}"))
+                        starts.watch(f"bwd:{qualname}", _tensors(output))
 
                 stack.callback(module.register_forward_pre_hook(pre).remove)
                 stack.callback(module.register_forward_hook(post).remove)
             if checkpoint_all:
                 stack.enter_context(checkpointed(model, names))
-            step.run(between=lambda: mark("backward"))
+            step.run(between=starts.settle_and(mark, "backward"))
 
     mem = measure_step(step, memory="storages", rounding=rounding, isolated=False,
                        run=run).memory

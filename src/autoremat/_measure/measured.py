@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -26,16 +27,80 @@ from typing import Any, Literal
 import torch
 
 from autoremat._core.errors import internal_assert
-from autoremat._core.step import Step, preserved_state
+from autoremat._core.step import Step, flat_tensors, preserved_state
 from autoremat._measure.allocations import track_allocations
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import MemoryTracker, Rounding, _tracked, track_allocator
 from autoremat._measure.ops import OpRecorder
 from autoremat._measure.timing import time_ms
 
-__all__ = ["Mark", "Measured", "Memory", "measure_step"]
+__all__ = ["BackwardStarts", "Mark", "Measured", "Memory", "grad_tensors", "measure_step"]
 
 Mark = Callable[[str], None]  # labels a point of the step (``"backward"``, ``"fwd:3"``)
+
+
+def grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """The floating tensors in ``obj`` that need a gradient, each once, in order."""
+    found: dict[int, torch.Tensor] = {}
+    for t in flat_tensors(obj):
+        if t.requires_grad and t.is_floating_point():
+            found.setdefault(id(t), t)
+    return list(found.values())
+
+
+# NOTE [ Where a block's backward starts ]
+#     A block's backward starts when the gradient of its output arrives: a hook on that
+#     tensor marks it (``bwd:<i>``). A block that returns several tensors needing a
+#     gradient is marked at the first of them that backward reaches, in the order it
+#     returns them: its hidden states, not the router logits an auxiliary loss reads
+#     (whose gradient arrives first, from the loss). An output the model drops gets no
+#     gradient and marked nothing: Flux's single-stream blocks return (text, image)
+#     tokens, the model drops the last block's text tokens, so backward seemed never to
+#     run through that block, and it left the chain ("frozen, with an input that needs
+#     no gradient"). A dropped output's graph node is freed with it, and its hook with
+#     the node: at the end of forward (:meth:`BackwardStarts.settle`) the first output
+#     whose hook is still alive is the one that marks.
+class BackwardStarts:
+    """Marks where each watched block's backward starts (NOTE [ Where a block's backward
+    starts ]): :meth:`watch` its output in its forward hook, :meth:`settle` at the end of
+    forward."""
+
+    def __init__(self, mark: Mark) -> None:
+        self.mark = mark
+        # weak references to the gradient hooks of blocks with several outputs, in
+        # output order, until settle() chooses the one that marks
+        self._pending: dict[str, list[weakref.ref[Callable[[torch.Tensor], None]]]] = {}
+        self._marking: dict[str, int] = {}
+
+    def watch(self, label: str, output: Any) -> None:
+        """Mark ``label`` when backward reaches ``output`` (a block's)."""
+        outs = grad_tensors(output)
+        hooks = [self._hook(label, None if len(outs) == 1 else k) for k in range(len(outs))]
+        for out, hook in zip(outs, hooks, strict=True):
+            out.register_hook(hook)  # held by the output's graph node only
+        if len(outs) > 1:
+            self._pending[label] = [weakref.ref(hook) for hook in hooks]
+
+    def _hook(self, label: str, k: int | None) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if k is None or self._marking.get(label) == k:
+                self.mark(label)
+        return hook
+
+    def settle(self) -> None:
+        """At the end of forward: for each block with several outputs, the first whose
+        gradient hook is alive (whose output the model kept) is the one that marks."""
+        for label, hooks in self._pending.items():
+            self._marking[label] = next(
+                (k for k, hook in enumerate(hooks) if hook() is not None), 0)
+        self._pending.clear()
+
+    def settle_and(self, mark: Mark, label: str) -> Callable[[], None]:
+        """A step's ``between``: :meth:`settle`, then ``mark(label)``."""
+        def between() -> None:
+            self.settle()
+            mark(label)
+        return between
 
 # How the step's memory is measured: "storages", the storage tracker (any device, meta
 # included; NOTE [ What "peak" means ] in the design); "allocations", the allocator's own

@@ -95,7 +95,7 @@ from autoremat._core.step import (
     unique_storage_bytes,
 )
 from autoremat._measure.flops import FlopCounter
-from autoremat._measure.measured import measure_step
+from autoremat._measure.measured import BackwardStarts, grad_tensors, measure_step
 from autoremat._measure.memory import MemoryTracker, Rounding
 from autoremat._measure.ops import OpRecorder, op_kind
 from autoremat._measure.tape import WindowMemory
@@ -109,10 +109,8 @@ __all__ = ["compile_settings", "refuse_hf_checkpointing"]
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    for t in flat_tensors(obj):
-        if t.requires_grad and t.is_floating_point():
-            return t
-    return None
+    tensors = grad_tensors(obj)
+    return tensors[0] if tensors else None
 
 
 @dataclass
@@ -132,6 +130,7 @@ class _Probe:
     watch: bool = False  # note the buffers each block's forward changes (watch_buffers)
     _prev_outputs: list[int] = field(default_factory=list)
     _watched: dict[int, Callable[[], None]] = field(default_factory=dict)
+    _starts: BackwardStarts | None = None  # NOTE [ Where a block's backward starts ]
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -187,9 +186,7 @@ class _Probe:
             tensors = flat_tensors(output)
             self.output_bytes[i] = unique_storage_bytes(tensors)
             self._prev_outputs = [id(t) for t in tensors]
-            out = _first_grad_tensor(tensors)
-            if out is not None:
-                out.register_hook(self._grad_mark(f"bwd:{i}"))
+            self.starts.watch(f"bwd:{i}", tensors)
             self.on_mark(f"post:{i}")  # NOTE [ Ops between blocks ]
             if i == len(self.names) - 1:
                 self.on_mark("fwd_end")
@@ -199,6 +196,12 @@ class _Probe:
         def hook(grad: torch.Tensor) -> None:
             self.on_mark(label)
         return hook
+
+    @property
+    def starts(self) -> BackwardStarts:
+        if self._starts is None:
+            self._starts = BackwardStarts(self.on_mark)
+        return self._starts
 
 
 class RepeatedCalls(BlockError):
@@ -222,7 +225,7 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
     probe = _Probe(names, on_mark, watch=watch)
     with probe.installed(step.model):
         on_mark("start")
-        step.run(between=lambda: on_mark("backward"))
+        step.run(between=probe.starts.settle_and(on_mark, "backward"))
         on_mark("end")
     again = [name for name, n in zip(names, probe.in_backward, strict=True) if n]
     if again:
@@ -316,7 +319,7 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
     idle = [name for name, calls in zip(names, probe.calls, strict=True) if not calls]
     if idle:
         notes.append(f"{len(idle)} of the blocks found did not run in the step profiled "
-                     f"({idle[0]}, ..., {idle[-1]}: a stack its inputs do not reach, such "
+                     f"({_span(idle)}: a stack its inputs do not reach, such "
                      f"as a vision tower given no image); planned over the "
                      f"{len(names) - len(idle)} that ran")
     no_backward = [names[i] for i in order if f"bwd:{i}" not in marks]
@@ -330,9 +333,14 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
                else "frozen, with an input that needs no gradient" if not off
                else "frozen, or run without gradients")
         notes.append(f"backward never runs through {len(no_backward)} of the blocks found "
-                     f"({no_backward[0]}, ..., {no_backward[-1]}: {why}), so nothing in them "
+                     f"({_span(no_backward)}: {why}), so nothing in them "
                      f"is saved for backward; planned over the {len(chain)} others")
     return chain, notes
+
+
+def _span(names: list[str]) -> str:
+    """``names`` in a note: both of two, else the first and the last."""
+    return ", ".join(names) if len(names) <= 2 else f"{names[0]}, ..., {names[-1]}"
 
 
 def _run_order_note(probe: _Probe, which: str) -> list[str]:
