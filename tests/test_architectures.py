@@ -455,6 +455,34 @@ def test_a_dit_whose_timestep_embedding_is_made_on_the_cpu_is_estimated() -> Non
     assert est.step_peak_bytes == tape.step_peak_bytes
 
 
+def test_hgnet_segments_are_predicted_to_the_byte() -> None:
+    """HGNetV2's stages end in a ReLU, which saves its output, the next stage's input: in
+    a segment, the recomputed stage holds it past the next one's backward, where a
+    checkpointed stage's window frees it (NOTE [ The peak model ]). Its segment plans
+    measured over their predictions (7,272 B here; 149,792 B at 57 MiB), the smallest
+    one over its budget."""
+    torch.manual_seed(0)
+    t = transformers
+    model = t.HGNetV2ForImageClassification(t.HGNetV2Config(
+        embedding_size=16, hidden_sizes=[32, 64, 96, 128], depths=[1, 1, 2, 1],
+        stem_channels=[3, 8, 16], stage_in_channels=[16, 32, 64, 96],
+        stage_mid_channels=[8, 16, 24, 32], stage_out_channels=[32, 64, 96, 128],
+        stage_num_blocks=[1, 1, 2, 1], stage_downsample=[False, True, True, True],
+        stage_light_block=[False, False, True, True], stage_kernel_size=[3, 3, 5, 5],
+        stage_numb_of_layers=[3, 3, 3, 3], num_labels=3)).train()
+    inputs = {"pixel_values": _images(), "labels": torch.tensor([0, 2])}
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
+    for plan in (autoremat.plan(tape, None, "sqrt"),
+                 autoremat.plan(tape, smallest_feasible_bytes(tape))):
+        autoremat.apply(model, plan)
+        try:
+            report = autoremat.verify(model, inputs, plan, repeats=1)
+        finally:
+            autoremat.remove(model)
+        assert report.ok and report.max_grad_diff == 0.0, report
+        assert report.peak_bytes == plan.predicted_peak_bytes, (plan.strategy, report)
+
+
 # --- a VAE's middle in plain PyTorch (diffusers' layout) ----------------------------------
 
 

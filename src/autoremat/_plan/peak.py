@@ -22,7 +22,13 @@ NOTE [ The peak model ]
     A single kept or checkpointed block uses its measured windows, so the model is
     exact for "none" and "full". A multi-block segment is composed: its forward drops
     the inner boundaries ``x_k`` (no checkpoint holds them), its backward recomputes
-    every block as in the plain run and then runs their plain backward windows.
+    every block but the last as in the plain run, then the last block's checkpointed
+    backward window measured after a kept block (the block before it, recomputed as in
+    the plain run, may save its own output, the last block's input, which then outlives
+    the last block's backward: HGNetV2's stages end in a ReLU, and its segments measured
+    up to 0.25% over a composition that took the window after a checkpointed block),
+    then the others' plain backward windows. BatchNorm statistics are copied aside
+    while the recompute runs only.
 
 NOTE [ A selective block that keeps its output ]
     A selective block whose save-set keeps the output of its last op (a keep-set that
@@ -352,11 +358,14 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         else:
             # Blocks start..k-1 are recomputed in full (later ones need their outputs);
             # the last one stops early as a checkpointed block does, so its measured
-            # checkpointed backward window (recompute included) applies; then the plain
-            # backward of the others.
-            last = _bwd(tape, k, (_RECOMPUTE, _RECOMPUTE))
-            bwd_peak = stash + max(r_peak, r_level + last.peak_bytes,
-                                   r_level + last.delta_bytes + back)
+            # checkpointed backward window (recompute included) applies, after a block
+            # that holds what a kept one holds (the recomputed block k-1 may save its
+            # output, the last block's input, which then outlives the last block's
+            # backward); then the plain backward of the others. The statistics are
+            # stashed while the recompute runs, and put back when it ends.
+            last = _bwd(tape, k, (_KEEP, _RECOMPUTE))
+            bwd_peak = max(stash + r_peak, stash - b.stash_bytes + r_level + last.peak_bytes,
+                           r_level + last.delta_bytes + back)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
