@@ -58,6 +58,9 @@ def _is_node(r: OpRecord) -> bool:
     return not (r.view or r.inplace or r.value_out) and r.out_bytes > 0
 
 
+_VALUE_SHAPED = {"aten.nonzero.default", "aten.masked_select.default"}  # shapes from values
+
+
 class _Ref:
     """The block's storage-level dataflow, computed the plain way for the checks below."""
 
@@ -69,7 +72,8 @@ class _Ref:
                         for j in self.nodes}
         in_groups = {w for ws in self.writers.values() for w in ws}
         self.must_run_ops = [i for i, r in enumerate(ops) if i not in in_groups
-                             and not _is_node(r) and (r.value_out or r.random or r.inplace)]
+                             and not _is_node(r) and (r.value_out or r.random or r.inplace
+                                                      or r.op in _VALUE_SHAPED)]
         self.deps = {j: {c for g in (j, *self.writers[j]) for c in ops[g].inputs
                          if c in self.node_set and c != j} for j in self.nodes}
         self.forced = {j for j in self.nodes if ops[j].random
@@ -275,6 +279,23 @@ def test_a_writer_python_reads_makes_its_node_run() -> None:
         _op("aten.add_.Tensor", inplace=True, target=0, inputs=(0,), value_out=True),  # 10
     ]
     assert _summary(_check_all(ops, (0.0, 1.0))) == [((), (), 0, 1120)]
+
+
+def test_an_op_whose_shape_comes_from_values_reads_its_inputs_as_they_were() -> None:
+    # Longformer: a nonzero that found nothing creates no storage (no node), so it runs
+    # in every recompute; on placeholders for the comparisons it reads, it found 4 and
+    # the block's saved tensors changed shape. Its inputs run, as for Python's reads.
+    ops = [
+        _op("aten.lt.Tensor", out=4, flops=4, saved=False),
+        _op("aten.eq.Scalar", out=4, flops=4, inputs=(0,), saved=False),
+        _op("aten.nonzero.default", out=0, inputs=(1,), kept=0),  # index backward reads
+        _op("aten.mm.default", out=400, flops=8000, kept=400),
+    ]
+    sets = _check_all(ops, (0.0, 1.0))
+    assert sets and all(not {0, 1} & set(s.skip) for s in sets), _summary(sets)
+    # the same ops without the value-shaped read: the comparisons are dead
+    plain = [*ops[:2], _op("aten.view.default", view=True, inputs=(1,)), ops[3]]
+    assert all({0, 1} <= set(s.skip) for s in keep_sets(plain, MODEL, (0.0, 1.0)))
 
 
 def test_no_nodes_and_bad_arguments() -> None:

@@ -22,7 +22,12 @@ NOTE [ Keep-sets by MILP ]
       checkpoint hands backward the output forward made, so its recompute is dead.
     * A run node needs each dep available. Ops that must run whatever the keep-set
       (``value_out``: Python reads their result; random ops outside any group; in-place
-      ops on storages from outside the block) need their inputs available as well.
+      ops on storages from outside the block) need their inputs available as well, and
+      so do ops whose output's shape depends on their inputs' values (``nonzero``,
+      ``masked_select``: :func:`_shape_from_values`) and that are no node: a ``nonzero``
+      that found nothing creates no storage, so it always runs, and on a skipped
+      input's placeholder it found something (Longformer's global-attention indices,
+      empty in forward, 4 in recompute: "saved tensors of other shapes").
     * Random nodes and nodes with a random writer (CPU dropout is ``empty_like`` then
       ``bernoulli_`` then ``div_``) always run: their draws are handled by the dispatch
       mode (NOTE [ Our own selective contexts, and random bits ] in ``selective.py``),
@@ -129,6 +134,20 @@ def _needed(r: OpRecord) -> bool:
     return r.saved and r.kept_bytes > 0
 
 
+@functools.cache
+def _shape_from_values(op: str) -> bool:
+    """Whether the op ``op`` names (``"aten.nonzero.default"``) makes an output whose
+    shape depends on its inputs' values (PyTorch tags it ``dynamic_output_shape``);
+    ``False`` for a name that resolves to no op here."""
+    namespace, _, rest = op.partition(".")
+    name, _, overload = rest.partition(".")
+    try:
+        func = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+    except (AttributeError, RuntimeError):
+        return False
+    return torch.Tag.dynamic_output_shape in getattr(func, "tags", ())
+
+
 def _is_node(r: OpRecord) -> bool:
     return not (r.view or r.inplace or r.value_out) and r.out_bytes > 0
 
@@ -151,7 +170,7 @@ def _parse(ops: Sequence[OpRecord], model: CostModel) -> _Graph:
             continue
         if r.inplace and r.target in pos:
             writers[pos[r.target]].append(i)
-        elif r.value_out or r.random or r.inplace:
+        elif r.value_out or r.random or r.inplace or _shape_from_values(r.op):
             reads_always.update(c for c in r.inputs if c in pos)
     cost_of = tuple(op_cost(r, model) for r in ops)
     deps, group_cost, keep_bytes = [], [], []
