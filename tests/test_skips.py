@@ -179,3 +179,55 @@ def test_unet_selective_blocks_run_the_ops_they_were_profiled_with(listed: tuple
                 assert_same_step(model, inputs, plan)
     finally:
         autoremat.remove(model)
+
+
+class _Stage(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.mlp(x)).contiguous()
+
+
+class _Pyramid(torch.nn.Module):
+    """SegFormer's layout: the encoder names every stage's output in a list, which its
+    decode head reads after the last stage (each one widened), then drops."""
+
+    def __init__(self, width: int = 16, stages: int = 4) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(8, width)
+        self.stages = torch.nn.ModuleList(_Stage(width) for _ in range(stages))
+        self.head = torch.nn.ModuleList(torch.nn.Linear(width, 16 * width)
+                                        for _ in range(stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, names = self.stem(x), []
+        for stage in self.stages:
+            names.append(hidden)
+            hidden = stage(hidden)
+        fused = sum(proj(h).relu() for proj, h in zip(self.head, [*names[1:], hidden],
+                                                      strict=True))
+        return fused.pow(2).mean()
+
+
+def test_the_last_blocks_input_named_for_the_head_is_held() -> None:
+    """NOTE [ Boundaries held outside the chain ]: the last stage's input waits in the
+    list the head reads, which was gone when it was checked (at the forward's return):
+    a segment ending at the last stage was predicted under its step, whose peak is in
+    the head."""
+    torch.manual_seed(0)
+    model, x = _Pyramid(), torch.randn(32, 8, requires_grad=True)
+    tape = autoremat.profile(model, (x,), blocks=[f"stages.{i}" for i in range(4)],
+                             repeats=1, timing=False, with_selective=False)
+    assert [b.chain_bytes for b in tape.blocks] == [0, 0, 0, 0]
+    for strategy in ("sqrt", "every:2"):
+        plan = autoremat.plan(tape, None, strategy)
+        autoremat.apply(model, plan)
+        try:
+            report = autoremat.verify(model, (x,), plan, repeats=1)
+        finally:
+            autoremat.remove(model)
+        assert report.ok and report.max_grad_diff == 0.0
+        assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
