@@ -490,7 +490,8 @@ def test_a_block_whose_first_output_is_dropped_or_read_by_a_loss_stays_in_the_ch
     tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
     assert [b.name for b in tape.blocks] == [f"blocks.{i}" for i in range(4)], tape.notes
     assert not any("backward never runs through" in note for note in tape.notes)
-    for strategy in ("full", "every:2"):
+    # sqrt: segments of two blocks, composed (docs/limitations.md: at or above the step)
+    for strategy in ("full", "every:2", "sqrt"):
         plan = autoremat.plan(tape, None, strategy)
         autoremat.apply(model, plan)
         try:
@@ -498,7 +499,35 @@ def test_a_block_whose_first_output_is_dropped_or_read_by_a_loss_stays_in_the_ch
         finally:
             autoremat.remove(model)
         assert report.ok and report.max_grad_diff == 0.0
-        assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+        if strategy == "sqrt":
+            assert report.peak_bytes <= plan.predicted_peak_bytes, report
+        else:
+            assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+
+
+def test_a_segment_records_none_of_the_tensors_the_block_before_returned() -> None:
+    """NOTE [ Segments without a wrapper module ]: an inner block of a segment that takes
+    both of the block before's outputs (Flux's text and image tokens, views of one
+    storage) replays both from the recompute. Recording the second held that storage
+    through the forward, where the plan counts it dropped: Flux under a LoRA measured
+    18 KiB over each segment's prediction, its 60% plan over its budget."""
+    import weakref
+
+    torch.manual_seed(0)
+    model, inputs = _Flux(), (torch.randn(2, 8, 16), torch.randn(2, 24, 16))
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
+    plan = autoremat.plan(tape, None, "sqrt")
+    assert [b.segment for b in plan.blocks] == [0, 0, 1, 1]
+    returned: list[weakref.ref[torch.Tensor]] = []
+    model.blocks[0].register_forward_hook(
+        lambda module, args, out: returned.extend(weakref.ref(t) for t in out))
+    autoremat.apply(model, plan)
+    try:
+        loss = model(*inputs)
+        assert [ref() is None for ref in returned] == [True, True]  # dropped in forward
+        loss.backward()
+    finally:
+        autoremat.remove(model)
 
 
 def test_blocks_listed_out_of_running_order_are_rejected() -> None:

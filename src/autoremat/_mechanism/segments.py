@@ -10,9 +10,14 @@ NOTE [ Segments without a wrapper module ]
     ``checkpoint``; inner block outputs are therefore not kept.
 
     For recompute, the frame replays the segment: the first block with the arguments it
-    got, each next block with the arguments it got except its first tensor, which is
-    the replayed output of the block before (the profile checks that blocks are
-    "chained" like this before the planner groups them). RNG states are replayed as for
+    got, each next block with the arguments it got except the tensors the block before
+    returned, which are the replayed outputs (the profile checks that blocks are
+    "chained", taking the block before's output as their first tensor, before the
+    planner groups them). Every such tensor, not only the first, is left out of what
+    the segment records: Flux's single-stream blocks take (image, text) tokens, views
+    of one storage the block before returned, and the recorded text tokens held that
+    storage through the forward, where the peak model drops it (18 KiB over each
+    segment's prediction under a LoRA). RNG states are replayed as for
     one block (NOTE [ Replaying the forward's RNG ]): checkpoint itself would stash no
     device state here, since the frame gets no function arguments to find devices in.
     Anything the parent computes between two grouped blocks that autograd must save
@@ -44,11 +49,16 @@ from autoremat._mechanism.wrap import (
 
 __all__ = ["SegmentRunner", "refuse_under_fsdp"]
 
-_SLOT = object()  # stands for the chained input of an inner block while recording
+@dataclass(frozen=True)
+class _Slot:
+    """Stands, in an inner block's recorded arguments, for the tensor the block before
+    returned at position ``index`` of its flat output."""
+
+    index: int
 
 
-def _fill_slot(tree: Any, value: torch.Tensor) -> Any:
-    return tree_map(lambda x: value if x is _SLOT else x, tree)
+def _fill_slots(tree: Any, outputs: list[torch.Tensor]) -> Any:
+    return tree_map(lambda x: outputs[x.index] if isinstance(x, _Slot) else x, tree)
 
 
 @dataclass
@@ -56,7 +66,6 @@ class _Call:
     module: nn.Module
     args: Any
     kwargs: Any
-    slot_from: int = -1  # index into the previous block's flat output for the chained input
 
 
 def refuse_under_fsdp(names: list[str], modules: list[nn.Module]) -> None:
@@ -187,10 +196,9 @@ class SegmentRunner:
                 f"block {self.names[i]!r} does not take the previous block's output as its "
                 f"first tensor argument, so it cannot share a checkpoint segment with "
                 f"{self.names[i - 1]!r}; re-plan (the profile marks such blocks unchained)")
-        target = flat[0]
-        slot_from = ids.index(id(target))
-        recorded = tree_map(lambda x: _SLOT if x is target else x, (args, kwargs))
-        return _Call(module, recorded[0], recorded[1], slot_from)
+        recorded = tree_map(lambda x: _Slot(ids.index(id(x))) if isinstance(x, torch.Tensor)
+                            and id(x) in ids else x, (args, kwargs))
+        return _Call(module, recorded[0], recorded[1])
 
     def _post_hook(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         if self._replaying or self._gen is None:
@@ -215,8 +223,7 @@ class SegmentRunner:
             for k, call in enumerate(calls):
                 args, kwargs = call.args, call.kwargs
                 if k > 0:
-                    prev = flat_tensors(out)
-                    args, kwargs = _fill_slot((args, kwargs), prev[call.slot_from])
+                    args, kwargs = _fill_slots((args, kwargs), flat_tensors(out))
                 out = call.module.forward(*args, **kwargs)
         finally:
             self._replaying = False
