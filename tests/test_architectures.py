@@ -42,7 +42,7 @@ from autoremat import Decision, Plan, RematError, Tape
 from autoremat._core.step import run_step
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-from _steps import assert_same_step, step
+from _steps import assert_same_step, step, verified
 
 transformers = pytest.importorskip("transformers")
 
@@ -474,11 +474,7 @@ def test_hgnet_segments_are_predicted_to_the_byte() -> None:
     tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
     for plan in (autoremat.plan(tape, None, "sqrt"),
                  autoremat.plan(tape, smallest_feasible_bytes(tape))):
-        autoremat.apply(model, plan)
-        try:
-            report = autoremat.verify(model, inputs, plan, repeats=1)
-        finally:
-            autoremat.remove(model)
+        report = verified(model, inputs, plan, repeats=1)
         assert report.ok and report.max_grad_diff == 0.0, report
         assert report.peak_bytes == plan.predicted_peak_bytes, (plan.strategy, report)
 
@@ -628,11 +624,7 @@ def test_a_torchtitan_llama_is_planned_over_its_layers_and_estimated_from_meta()
     assert [b.name for b in tape.blocks] == [f"layers.{i}" for i in range(4)]
     for budget in _budgets(tape):
         plan = autoremat.plan(tape, budget)
-        autoremat.apply(model, plan)
-        try:
-            report = autoremat.verify(model, tokens, plan, loss_fn=loss_fn, repeats=1)
-        finally:
-            autoremat.remove(model)
+        report = verified(model, tokens, plan, loss_fn=loss_fn, repeats=1)
         assert report.ok and report.max_grad_diff == 0.0, report
         assert report.peak_bytes == plan.predicted_peak_bytes <= budget, report
     with torch.device("meta"):

@@ -17,6 +17,8 @@ from autoremat._core.head import HEAD_RTOL, LogitOp, linear_cross_entropy
 from autoremat._mechanism import head as mechanism
 from autoremat._plan.strategies import smallest_feasible_bytes
 
+from _steps import verified
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 3000
@@ -259,11 +261,7 @@ def test_a_model_that_fails_on_its_sliced_logits_keeps_its_head_and_says_why():
     assert any("ran '__getitem__' on its loss head's logits" in n for n in tape.notes)
     plan = autoremat.plan(tape, smallest_feasible_bytes(tape))
     assert plan.recompute_blocks > 0
-    autoremat.apply(model, plan)
-    try:
-        report = autoremat.verify(model, inputs, plan, repeats=1)
-    finally:
-        autoremat.remove(model)
+    report = verified(model, inputs, plan, repeats=1)
     assert report.ok and report.max_grad_diff == 0.0
     assert report.peak_bytes == plan.predicted_peak_bytes
     est = autoremat.estimate(model, inputs, device="cpu", selective=False)

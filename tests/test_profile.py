@@ -493,11 +493,7 @@ def test_a_block_whose_first_output_is_dropped_or_read_by_a_loss_stays_in_the_ch
     # sqrt: segments of two blocks, composed (docs/limitations.md: at or above the step)
     for strategy in ("full", "every:2", "sqrt"):
         plan = autoremat.plan(tape, None, strategy)
-        autoremat.apply(model, plan)
-        try:
-            report = autoremat.verify(model, inputs, plan, repeats=1)
-        finally:
-            autoremat.remove(model)
+        report = verified(model, inputs, plan, repeats=1)
         assert report.ok and report.max_grad_diff == 0.0
         if strategy == "sqrt":
             assert report.peak_bytes <= plan.predicted_peak_bytes, report

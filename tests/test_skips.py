@@ -15,7 +15,7 @@ import torch
 import autoremat
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-from _steps import assert_same_step
+from _steps import assert_same_step, verified
 
 
 @pytest.fixture(scope="module")
@@ -224,10 +224,6 @@ def test_the_last_blocks_input_named_for_the_head_is_held() -> None:
     assert [b.chain_bytes for b in tape.blocks] == [0, 0, 0, 0]
     for strategy in ("sqrt", "every:2"):
         plan = autoremat.plan(tape, None, strategy)
-        autoremat.apply(model, plan)
-        try:
-            report = autoremat.verify(model, (x,), plan, repeats=1)
-        finally:
-            autoremat.remove(model)
+        report = verified(model, (x,), plan, repeats=1)
         assert report.ok and report.max_grad_diff == 0.0
         assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
