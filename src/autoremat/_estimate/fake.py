@@ -293,7 +293,7 @@ def sdpa_as_on(device: str | torch.device) -> Iterator[None]:
 #     and the ops after it copy or not by those strides. diffusers' VAE normalises the
 #     residual sum of its attention, which comes out channels-last (the attention's
 #     output ``transpose(-1, -2).reshape(b, c, h, w)``): its step was estimated 3.3% under
-#     its CPU step (512 KiB at 2 x 3 x 32 x 32). While estimating for the CPU,
+#     its CPU step (512 KiB at a batch of two 32 x 32 images). While estimating for the CPU,
 #     :func:`group_norm_as_on` runs ``F.group_norm`` on ``meta`` as the CPU does; for
 #     CUDA, ``meta`` already copies as CUDA does.
 

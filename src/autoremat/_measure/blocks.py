@@ -6,9 +6,9 @@ NOTE [ Which container is the chain ]
     ``'1'``, ...; :func:`keyed_by_position`), by the parameters held in its children of
     the most common class (repeated layers hold most of a model), tie-broken by the
     number of children. A ModuleDict keyed by name (``'student'``, ``'teacher'``) holds
-    parts, which need not run one after the other, and is not searched. Its children are the blocks,
-    at the level a person writes them: the outermost repeated container's elements. One
-    exception: an element that is itself a run of one kind of layer (every child of one
+    parts, which need not run one after the other, and is not searched. Its children
+    are the blocks, at the level a person writes them: the outermost repeated
+    container's elements. One exception: an element that is itself a run of one kind of layer (every child of one
     class: a CNN's stage of residual blocks) is a stage, not a block, and is flattened
     one level, so the chain is the residual blocks, in order (so are stages of single
     layers that differ from each other: a toy CNN's stages of 2 and 3 convolutions). An

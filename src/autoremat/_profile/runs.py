@@ -134,7 +134,7 @@ class _Probe:
     watch: bool = False  # note the buffers each block's forward changes (watch_buffers)
     _prev_outputs: list[int] = field(default_factory=list)
     _watched: dict[int, Callable[[], None]] = field(default_factory=dict)
-    _starts: BackwardStarts | None = None  # NOTE [ Where a block's backward starts ]
+    starts: BackwardStarts = field(init=False)  # NOTE [ Where a block's backward starts ]
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -145,6 +145,7 @@ class _Probe:
         self.chain_bytes = [0] * n
         self.in_backward = [0] * n
         self.grad_off = [False] * n
+        self.starts = BackwardStarts(self.on_mark)
 
     @contextmanager
     def installed(self, model: nn.Module) -> Iterator[None]:
@@ -200,12 +201,6 @@ class _Probe:
         def hook(grad: torch.Tensor) -> None:
             self.on_mark(label)
         return hook
-
-    @property
-    def starts(self) -> BackwardStarts:
-        if self._starts is None:
-            self._starts = BackwardStarts(self.on_mark)
-        return self._starts
 
 
 class RepeatedCalls(BlockError):
