@@ -2,21 +2,21 @@
 
 NOTE [ Which container is the chain ]
     We score every ``nn.ModuleList`` / ``nn.Sequential`` with at least two children, and
-    every ``nn.ModuleDict`` keyed by position (torchtitan keeps its layers under ``'0'``,
-    ``'1'``, ...; :func:`keyed_by_position`), by the parameters held in its children of
-    the most common class (repeated layers hold most of a model), tie-broken by the
-    number of children. A ModuleDict keyed by name (``'student'``, ``'teacher'``) holds
-    parts, which need not run one after the other, and is not searched. Its children
-    are the blocks, at the level a person writes them: the outermost repeated
-    container's elements. One exception: an element that is itself a run of one kind of layer (every child of one
-    class: a CNN's stage of residual blocks) is a stage, not a block, and is flattened
-    one level, so the chain is the residual blocks, in order (so are stages of single
-    layers that differ from each other: a toy CNN's stages of 2 and 3 convolutions). An
-    element that mixes kinds (``nn.Sequential(Linear, GELU, Linear, Tanh)``), or copies
-    of one run of single layers, is a block: flattening it would plan over single
-    layers, where checkpointing saves nothing (a layer's input is what it saves anyway)
-    and its recompute adds to the peak (27% on six such blocks, every layer
-    checkpointed). When the elements are containers, :func:`discovery_notes` says
+    every ``nn.ModuleDict`` keyed by position (torchtitan keeps its layers under
+    ``'0'``, ``'1'``, ...; :func:`keyed_by_position`), by the parameters held in its
+    children of the most common class (repeated layers hold most of a model), tie-broken
+    by the number of children. A ModuleDict keyed by name (``'student'``, ``'teacher'``)
+    holds parts, which need not run one after the other, and is not searched. Its
+    children are the blocks, at the level a person writes them: the outermost repeated
+    container's elements. One exception: an element that is itself a run of one kind of
+    layer (every child of one class: a CNN's stage of residual blocks) is a stage, not a
+    block, and is flattened one level, so the chain is the residual blocks, in order (so
+    are stages of single layers that differ from each other: a toy CNN's stages of 2 and
+    3 convolutions). An element that mixes kinds (``nn.Sequential(Linear, GELU, Linear,
+    Tanh)``), or copies of one run of single layers, is a block: flattening it would
+    plan over single layers, where checkpointing saves nothing (a layer's input is what
+    it saves anyway) and its recompute adds to the peak (27% on six such blocks, every
+    layer checkpointed). When the elements are containers, :func:`discovery_notes` says
     which level was taken and why. A model with no such container is its own single
     block. Explicit names or a predicate override all of this.
 
