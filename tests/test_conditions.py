@@ -282,6 +282,33 @@ def test_the_loss_measured_is_named_and_summed_logits_are_warned_about() -> None
     assert tape.loss.startswith("loss_fn ") and "cross_entropy" in tape.loss
 
 
+class _LogitsAndLoss(_Logits):
+    """nanoGPT's forward: ``logits, loss`` (the loss when given targets), no ``.loss``."""
+
+    def forward(self, ids: torch.Tensor,  # type: ignore[override]
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        logits = super().forward(ids)
+        loss = None if targets is None else \
+            nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def test_a_loss_returned_beside_the_logits_is_named_in_the_warning() -> None:
+    """The default reads ``output.loss`` only, so it summed nanoGPT's logits: the
+    warning names the scalar it holds and the loss_fn that reads it."""
+    model, ids = _LogitsAndLoss(), torch.randint(0, 64, (2, 8))
+    with pytest.warns(UserWarning, match=re.escape(
+            "Its output holds a scalar that needs a gradient, out[1]: if that is the loss "
+            "the model computed, profile with loss_fn=lambda out: out[1]")):
+        autoremat.profile(model, (ids, ids), timing=False)
+    with _no_warning():
+        tape = autoremat.profile(model, (ids, ids), loss_fn=lambda out: out[1], timing=False)
+    assert tape.loss.startswith("loss_fn ")
+    with pytest.warns(UserWarning, match="returns logits") as seen:  # no targets: no loss
+        autoremat.profile(model, ids, timing=False)
+    assert not any("holds a scalar" in str(w.message) for w in seen)
+
+
 def test_a_second_forward_before_the_backward_warns_once(
         gpt2: tuple[nn.Module, Any, Tape, Plan]) -> None:
     model, inputs, _ = _applied(gpt2)

@@ -45,6 +45,7 @@ __all__ = [
     "output_bytes",
     "preserved_state",
     "run_step",
+    "scalar_in_output",
     "training_config",
     "unique_storage_bytes",
 ]
@@ -202,6 +203,21 @@ def describe_loss(output: Any, loss_fn: Any, inputs: Any) -> tuple[str, str]:
         return f"the output, a scalar {dtype} (no loss_fn)", ""
     return (f"the sum of the output's first floating tensor {shape} {dtype} "
             "(the default; no loss_fn)", kind)
+
+
+def scalar_in_output(output: Any) -> str | None:
+    """Where a tuple, list or mapping output holds a 0-d floating tensor that needs a
+    gradient (the loss a model computed and returned beside its logits, as nanoGPT's
+    ``logits, loss``), the expression that reads it (``"out[1]"``, ``"out['loss']"``);
+    else ``None``. What the default loss's warning names, since the default reads
+    ``output.loss`` only."""
+    items: Any = output.items() if isinstance(output, Mapping) else \
+        enumerate(output) if isinstance(output, (tuple, list)) else ()
+    for key, item in items:
+        if isinstance(item, torch.Tensor) and item.dim() == 0 and item.requires_grad \
+                and item.is_floating_point():
+            return f"out[{key!r}]"
+    return None
 
 
 def check_loop(loop: Any) -> Loop:

@@ -96,6 +96,7 @@ from autoremat._core.step import (
     describe_loss,
     flat_tensors,
     output_bytes,
+    scalar_in_output,
     unique_storage_bytes,
 )
 from autoremat._measure.flops import FlopCounter
@@ -859,6 +860,7 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
     step = setup.step
     model, inputs = step.model, step.inputs
     losses: list[tuple[str, str]] = []
+    scalars: list[str | None] = []  # a scalar the output holds, read how (a loss?)
 
     held_inputs_seen = _HeldInputs(setup.names)  # NOTE [ Boundaries held outside ... ]
     eager = setup.backend is None
@@ -869,6 +871,7 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
         loss = (step.loss_fn or default_loss)(output)
         held.append(output_bytes(output, loss))
         losses.append(describe_loss(output, step.loss_fn, inputs))
+        scalars.append(scalar_in_output(output))
         return loss
 
     seen: list[str] = []
@@ -936,6 +939,10 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                "nothing of the loss a training loop takes (cross-entropy, MSE, ...), so a "
                "plan made from it can go over its budget by what that loss holds; profile "
                "with loss_fn=<the loop's loss>")
+        if scalars and scalars[0] is not None:
+            why += (f". Its output holds a scalar that needs a gradient, {scalars[0]}: if "
+                    f"that is the loss the model computed, profile with loss_fn=lambda out: "
+                    f"{scalars[0]}")
         notes.append(why)
         warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
