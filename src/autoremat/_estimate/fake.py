@@ -866,12 +866,19 @@ def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
         f"autoremat.profile on a real device, or make the forward independent of the values")
 
 
+_LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "autoremat" + os.sep)
+
+
+def _models_own(filename: str) -> bool:
+    """Whether code in ``filename`` is the model's own: outside torch and autoremat."""
+    return not any(part in filename for part in _LIBRARIES)
+
+
 def _where_read(exc: BaseException) -> str:
     """`` at <file>:<line>: <code>``: the model's own line (the last frame outside torch
     and autoremat) where ``exc`` came from, or "" where there is none."""
-    skip = (os.sep + "torch" + os.sep, os.sep + "autoremat" + os.sep)
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if not any(part in frame.filename for part in skip):
+        if _models_own(frame.filename):
             code = f": {frame.line.strip()}" if frame.line else ""
             return f" at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
     return ""
@@ -956,9 +963,8 @@ def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
 def _in_assert() -> bool:
     """Whether the model's own line running now (the innermost frame outside torch and
     autoremat) is in an ``assert`` statement (NOTE [ Checks of values on meta ])."""
-    skip = (os.sep + "torch" + os.sep, os.sep + "autoremat" + os.sep)
     frame = sys._getframe(1)
-    while frame is not None and any(part in frame.f_code.co_filename for part in skip):
+    while frame is not None and not _models_own(frame.f_code.co_filename):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return False

@@ -859,8 +859,9 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
     held: list[int] = []
     step = setup.step
     model, inputs = step.model, step.inputs
-    losses: list[tuple[str, str]] = []
-    scalars: list[str | None] = []  # a scalar the output holds, read how (a loss?)
+    # the loss taken, in words; what a loop likely takes instead; how a scalar the
+    # output holds beside it is read (a loss the model returned?)
+    losses: list[tuple[str, str, str | None]] = []
 
     held_inputs_seen = _HeldInputs(setup.names)  # NOTE [ Boundaries held outside ... ]
     eager = setup.backend is None
@@ -870,8 +871,8 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
         check_no_cache(model, output)
         loss = (step.loss_fn or default_loss)(output)
         held.append(output_bytes(output, loss))
-        losses.append(describe_loss(output, step.loss_fn, inputs))
-        scalars.append(scalar_in_output(output))
+        losses.append((*describe_loss(output, step.loss_fn, inputs),
+                       scalar_in_output(output)))
         return loss
 
     seen: list[str] = []
@@ -927,7 +928,7 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
             f"the inputs of {len(inner)} block(s) ({inner[0]}, ...) stay referenced by "
             f"the model outside the chain (skip connections, kept hidden states): a "
             f"segment of several blocks does not free them, and plans count them held")
-    loss, kind = losses[0]
+    loss, kind, scalar = losses[0]
     if kind:  # NOTE [ The conditions a step is measured under ]
         why = (f"{type(model).__name__} returns logits and was profiled without loss_fn: "
                f"the step measured takes {loss}, which holds less than the cross-entropy a "
@@ -939,10 +940,10 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                "nothing of the loss a training loop takes (cross-entropy, MSE, ...), so a "
                "plan made from it can go over its budget by what that loss holds; profile "
                "with loss_fn=<the loop's loss>")
-        if scalars and scalars[0] is not None:
-            why += (f". Its output holds a scalar that needs a gradient, {scalars[0]}: if "
+        if scalar is not None:
+            why += (f". Its output holds a scalar that needs a gradient, {scalar}: if "
                     f"that is the loss the model computed, profile with loss_fn=lambda out: "
-                    f"{scalars[0]}")
+                    f"{scalar}")
         notes.append(why)
         warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
