@@ -86,6 +86,15 @@ def verified(model: nn.Module, inputs: Any, plan: Plan, **options: Any) -> Any:
         autoremat.remove(model)
 
 
+def exact(model: nn.Module, inputs: Any, plan: Plan, **options: Any) -> Any:
+    """:func:`verified`, which must give gradients equal to the plain model's and measure
+    the plan's prediction to the byte; the report."""
+    report = verified(model, inputs, plan, **options)
+    assert report.ok and report.max_grad_diff == 0.0, (plan.strategy, report)
+    assert report.peak_bytes == plan.predicted_peak_bytes, (plan.strategy, report)
+    return report
+
+
 def recomputing(plan: Plan) -> bool:
     """Whether ``plan`` recomputes anything."""
     return any(b.decision is not Decision.KEEP for b in plan.blocks)

@@ -42,7 +42,7 @@ from autoremat import Decision, Plan, RematError, Tape
 from autoremat._core.step import run_step
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-from _steps import assert_same_step, step, verified
+from _steps import assert_same_step, exact, step
 
 transformers = pytest.importorskip("transformers")
 
@@ -474,9 +474,7 @@ def test_hgnet_segments_are_predicted_to_the_byte() -> None:
     tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
     for plan in (autoremat.plan(tape, None, "sqrt"),
                  autoremat.plan(tape, smallest_feasible_bytes(tape))):
-        report = verified(model, inputs, plan, repeats=1)
-        assert report.ok and report.max_grad_diff == 0.0, report
-        assert report.peak_bytes == plan.predicted_peak_bytes, (plan.strategy, report)
+        exact(model, inputs, plan, repeats=1)
 
 
 # --- a VAE's middle in plain PyTorch (diffusers' layout) ----------------------------------
@@ -624,9 +622,8 @@ def test_a_torchtitan_llama_is_planned_over_its_layers_and_estimated_from_meta()
     assert [b.name for b in tape.blocks] == [f"layers.{i}" for i in range(4)]
     for budget in _budgets(tape):
         plan = autoremat.plan(tape, budget)
-        report = verified(model, tokens, plan, loss_fn=loss_fn, repeats=1)
-        assert report.ok and report.max_grad_diff == 0.0, report
-        assert report.peak_bytes == plan.predicted_peak_bytes <= budget, report
+        exact(model, tokens, plan, loss_fn=loss_fn, repeats=1)
+        assert plan.predicted_peak_bytes <= budget
     with torch.device("meta"):
         on_meta = _Titan().train()
     _assert_estimated(tape, autoremat.estimate(on_meta, tokens, loss_fn=loss_fn,

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from tests._steps import snapshot, verified
+from tests._steps import exact, snapshot, verified
 from torch import nn
 
 import autoremat
@@ -67,15 +67,6 @@ def _albert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return transformers.AlbertForMaskedLM(config).train(), {"input_ids": ids, "labels": ids}
 
 
-def _exact(model: nn.Module, inputs: object, plan: autoremat.Plan) -> autoremat.Report:
-    """``verify`` of ``plan`` on ``model``, which must give gradients equal to the plain
-    model's and measure its prediction to the byte."""
-    report = verified(model, inputs, plan)
-    assert report.ok and report.max_grad_diff == 0.0, plan.strategy
-    assert report.peak_bytes == plan.predicted_peak_bytes, plan.strategy
-    return report
-
-
 def test_unrolled_names_each_call_of_a_layer_run_more_than_once() -> None:
     assert unrolled(["a", "b", "c", "b", "c", "d"]) == ["a", "b@0", "c@0", "b@1", "c@1", "d"]
     assert call_of("encoder.layer.0@3") == ("encoder.layer.0", 3)
@@ -83,7 +74,7 @@ def test_unrolled_names_each_call_of_a_layer_run_more_than_once() -> None:
     assert call_of("odd@name") == ("odd@name", None)
 
 
-def test_a_looped_model_is_planned_call_by_call_and_every_plan_is_exact() -> None:
+def test_a_looped_model_is_planned_call_by_call_and_every_plan_isexact() -> None:
     model, x = _looped()
     before = snapshot(model)
     tape = autoremat.profile(model, x, timing=False)
@@ -97,7 +88,7 @@ def test_a_looped_model_is_planned_call_by_call_and_every_plan_is_exact() -> Non
     assert any(len({b.decision for b in p.blocks}) > 1 for p in plans)  # calls differ
     assert any(stop > start + 1 for p in plans for start, stop, _ in p.segments)
     for plan in plans:
-        _exact(model, x, plan)
+        exact(model, x, plan)
     assert snapshot(model) == before
     estimate = autoremat.estimate(model, x)
     assert estimate.step_peak_bytes == tape.step_peak_bytes
@@ -109,7 +100,7 @@ def test_albert_is_planned_over_the_calls_of_its_one_layer() -> None:
     layer = "albert.encoder.albert_layer_groups.0"
     assert [b.name for b in tape.blocks] == [f"{layer}@{j}" for j in range(4)]
     for plan in (autoremat.plan(tape, strategy="every:2"), autoremat.plan(tape, "60%")):
-        _exact(model, inputs, plan)
+        exact(model, inputs, plan)
 
 
 def test_an_applied_looped_model_keeps_its_modules_copies_and_pickles() -> None:
@@ -178,7 +169,7 @@ def test_a_looped_model_profiled_compiled_predicts_its_calls_compiled() -> None:
                              with_selective=False)
     assert tape.compiled == "aot_eager" and tape.blocks[2].name == "core.0@0"
     plan = autoremat.plan(tape, strategy="every:2")
-    assert _exact(model, x, plan).compiled_as == "blocks"
+    assert exact(model, x, plan).compiled_as == "blocks"
 
 
 class _Reused(nn.Module):
@@ -201,7 +192,7 @@ def test_a_list_holding_one_block_twice_is_planned_over_its_calls() -> None:
     tape = autoremat.profile(model, x, timing=False, with_selective=False)
     assert [b.name for b in tape.blocks] == ["blocks.0@0", "blocks.1", "blocks.0@1"]
     plan = autoremat.plan(tape, strategy="every:2")
-    _exact(model, x, plan)
+    exact(model, x, plan)
 
 
 class _RandomDepth(_Looped):
@@ -254,7 +245,7 @@ def test_calls_run_without_gradients_leave_the_chain_saying_why() -> None:
     assert any("backward never runs through 4 of the blocks found (core.0@0, ..., core.1@1: "
                "run without gradients (under torch.no_grad()))" in note for note in tape.notes)
     plan = autoremat.plan(tape, strategy="full")
-    _exact(model, x, plan)
+    exact(model, x, plan)
 
 
 class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
