@@ -378,6 +378,19 @@ class _PowerIterated(_Body):
         return x + super().forward(x) * self.u.tanh()  # a value computed from it
 
 
+class _Reassigned(_Body):
+    """Gives its buffer a new tensor in forward (a moving average, as I-BERT's activation
+    quantizers keep their range), then computes with it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.register_buffer("u", torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.u = self.u * 0.5 + x.detach().mean(0)
+        return x + super().forward(x) * self.u.tanh()
+
+
 class _Annealed(_Body):
     """Anneals a Python attribute in forward, then computes with it."""
 
@@ -555,17 +568,19 @@ def test_a_buffer_changed_in_forward_is_updated_once_and_warned_about(strategy: 
         _chain_step(model, x)
 
 
+@pytest.mark.parametrize("block", [_PowerIterated, _Reassigned])
 @pytest.mark.parametrize("strategy", ["block", "segment", "selective"])
 def test_a_buffer_read_after_the_forward_changed_it_is_recomputed_as_found(
-        strategy: str) -> None:
+        strategy: str, block: type[_Body]) -> None:
     """NOTE [ Buffers a forward changes ]: profiled in this process, the recompute reads
     the buffer as the forward found it from the first step (gradients equal, the buffer
     updated once a step); a plan applied to a model no profile saw warns at the first
-    step, whose recompute reads the buffer as the forward left it, and is exact after."""
-    model, x, chosen = _chain(_PowerIterated, strategy)
+    step, whose recompute reads the buffer as the forward left it, and is exact after.
+    The same for a buffer changed in place and one given a new tensor."""
+    model, x, chosen = _chain(block, strategy)
     plain = [_chain_step(model, x) for _ in range(3)]
     after = [b.u.clone() for b in model.blocks]
-    twin, _, _ = _chain(_PowerIterated, strategy)  # the same weights and buffers, unseen
+    twin, _, _ = _chain(block, strategy)  # the same weights and buffers, unseen
     autoremat.apply(twin, chosen)
     with pytest.warns(StatefulBlockWarning, match=r"changes its buffer\(s\) or "
                       r"attribute\(s\) u in forward, which no profile in this process had seen"):
@@ -577,10 +592,10 @@ def test_a_buffer_read_after_the_forward_changed_it_is_recomputed_as_found(
         for expected in plain[1:]:
             _assert_equal(expected, _chain_step(twin, x))
     assert all(torch.equal(a, b.u) for a, b in zip(after, twin.blocks, strict=True))
-    fresh, _, _ = _chain(_PowerIterated, strategy)
+    fresh, _, _ = _chain(block, strategy)
     tape = autoremat.profile(fresh, x, timing=False)  # its first step notes the buffers
-    for b, block in zip(fresh.blocks, _chain(_PowerIterated, strategy)[0].blocks, strict=True):
-        b.u.copy_(block.u)  # the profile's steps left them as they found them
+    for b, found in zip(fresh.blocks, _chain(block, strategy)[0].blocks, strict=True):
+        b.u.copy_(found.u)  # the profile's steps left them as they found them
     autoremat.apply(fresh, chosen)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -342,7 +342,12 @@ _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 #     annealed, a call counter) is the same case without a version counter: compared by
 #     value around the profile's first step and a region's first training forward (a
 #     walk of the region's modules, once), noted alike, set to the value the forward found
-#     before the recompute and back to the one it left after.
+#     before the recompute and back to the one it left after. So is a buffer the forward
+#     gives another tensor (I-BERT's activation quantizers keep a moving average of their
+#     range as ``self.x_min = self.x_min * momentum + ...``): its old tensor keeps its
+#     version, and its slot is what changed, seen by identity at every forward. The
+#     recompute runs with the tensor the forward found in the slot (its buffers were 2
+#     updates ahead of the plain model's).
 _CHANGED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 _CHANGED_ATTRS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
@@ -362,9 +367,11 @@ class _Before:
                 zip(self.buffers, self.versions, strict=True) if buf._version != v]
 
     def changed_attributes(self) -> list[tuple[str, nn.Module, str]]:
-        """Those changed by value (``[]`` without ``attributes``)."""
+        """The attributes changed by value (none without ``attributes``), and the buffers
+        given another tensor (``self.x_min = ...``: its slot changed, not its tensor)."""
         return [(q, m, name) for q, m, name, value in self.scalars or ()
-                if (now := vars(m).get(name, value)) is not value and now != value]
+                if (now := vars(m).get(name, value)) is not value and now != value] + \
+            [(q, m, name) for q, m, name, buf in self.buffers if m._buffers.get(name) is not buf]
 
 
 def watch_buffers(module: nn.Module) -> Callable[[], None]:
@@ -412,8 +419,8 @@ class _ForwardContext:
         # NOTE [ Buffers a forward changes ]: as this forward finds them, for its recompute
         self.found = [(buf, buf.detach().clone()) for _, m, name, buf in self.before.buffers
                       if self.region.changes(m, name)]
-        self.found_attrs = [(m, name, vars(m)[name]) for m, name, attribute
-                            in self.region.changing if attribute and name in vars(m)]
+        self.found_attrs = [(m, name, _slot(m, name)) for m, name, attribute
+                            in self.region.changing if attribute and _has_slot(m, name)]
         _name_the_check(self.region.label)
         self.inner.__enter__()
 
@@ -467,9 +474,22 @@ class _ForwardContext:
                 stacklevel=2)
 
 
+def _has_slot(m: nn.Module, name: str) -> bool:
+    return name in m._buffers or name in vars(m)
+
+
+def _slot(m: nn.Module, name: str) -> Any:
+    """What attribute ``name`` of ``m`` holds: a buffer, or a plain attribute (None when
+    it has neither)."""
+    return m._buffers[name] if name in m._buffers else vars(m).get(name)
+
+
 def _put_attributes(values: list[tuple[nn.Module, str, Any]]) -> None:
     for m, name, value in values:
-        vars(m)[name] = value
+        if name in m._buffers:
+            m._buffers[name] = value
+        else:
+            vars(m)[name] = value
 
 
 class _RecomputeContext:
@@ -498,7 +518,7 @@ class _RecomputeContext:
                     buf.copy_(value)
             slots = {(id(m), name): (m, name) for m, name, _ in forward.found_attrs} | \
                 {(id(m), name): (m, name) for m, name in forward.changed_attrs}
-            stack.callback(_put_attributes, [(m, name, vars(m).get(name))
+            stack.callback(_put_attributes, [(m, name, _slot(m, name))
                                              for m, name in slots.values()])
             _put_attributes(forward.found_attrs)
             stack.enter_context(rng.replaying(start))
