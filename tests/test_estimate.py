@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -819,13 +820,109 @@ def test_blocks_that_run_in_another_order_than_defined_are_estimated() -> None:
     assert abs(est.step_peak_bytes - tape.step_peak_bytes) <= 0.01 * tape.step_peak_bytes
 
 
+class _ReadsItsBatch(nn.Module):
+    """Reads its batch's values as models do (NOTE [ Following the batch's values ]): a
+    check of the labels against the vocabulary (Wav2Vec2's), the rows of a grid
+    (Qwen2-VL's ``image_grid_thw.tolist()``), the tokens a mask of the ids picks, a CTC
+    loss over the labels that count; and checks the activations: an ``if`` that raises
+    under a ``not``, one that warns (NOTE [ Checks of values on meta ])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU())
+                                    for _ in range(3))
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor,
+                grid: torch.Tensor) -> torch.Tensor:
+        if labels.max() >= self.out.out_features:
+            raise ValueError("labels out of the vocabulary")
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+            if not torch.isfinite(h).all():
+                raise ValueError("non-finite activations")
+            if (h.abs() > 1e4).any():
+                warnings.warn("large activations", stacklevel=1)
+        rows = [int(t) * int(w) for t, w in grid.tolist()]
+        picked = h[ids > 16]  # as many tokens as the ids pick
+        first = h.flatten(0, 1)[:sum(rows)].split(rows)
+        counted = labels >= 0
+        log_probs = self.out(h).log_softmax(-1).transpose(0, 1)
+        ctc = F.ctc_loss(log_probs, labels.masked_select(counted),
+                         torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long),
+                         counted.sum(-1))
+        return ctc + picked.pow(2).mean() + sum(part.mean() for part in first)
+
+
+def test_a_forward_that_reads_its_batchs_values_is_estimated_to_the_byte() -> None:
+    """NOTE [ Following the batch's values ], NOTE [ CTC on meta ]: every value the step
+    reads comes from the batch, and the estimate equals the CPU step, plain and with every
+    block checkpointed. The same batch on meta has no values: its check of the labels is
+    taken to hold, and the grid's rows are refused, naming the model's line."""
+    torch.manual_seed(0)
+    model = _ReadsItsBatch()
+    generator = torch.Generator().manual_seed(1)
+    labels = torch.randint(1, 8, (4, 5), generator=generator)
+    labels[1, 3:] = -1  # padding: shorter targets
+    batch = {"ids": torch.randint(0, 32, (4, 12), generator=generator), "labels": labels,
+             "grid": torch.tensor([[1, 6], [2, 4]])}
+    loss = (lambda out: out)  # noqa: E731
+    tape = autoremat.profile(model, batch, loss_fn=loss, repeats=1, timing=False,
+                             with_selective=False)
+    assert len(tape.blocks) == 3
+    est = autoremat.estimate(model, batch, loss_fn=loss, device="cpu", selective=False)
+    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
+        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+    on_meta = {key: value.to("meta") for key, value in batch.items()}
+    with pytest.raises(RematError, match=r"reads tensor values.* at test_estimate\.py:\d+: "
+                                         r"rows = \[int\(t\) \* int\(w\) for t, w in "
+                                         r"grid\.tolist\(\)\]"):
+        autoremat.estimate(model, on_meta, loss_fn=loss, device="cpu", selective=False)
+
+
+def test_qwen2_vl_reads_its_image_grid_and_is_estimated_to_the_byte() -> None:
+    """Qwen2-VL's vision tower reads the batch's ``image_grid_thw`` with ``.tolist()``,
+    makes its merge sizes with ``torch.tensor(..., device=...)`` and reads them too, and
+    splits its attention by lengths it reads from them; its M-RoPE positions come from the
+    ids: all from the batch (NOTE [ Following the batch's values ]), and the estimate
+    equals the CPU step (it was refused at the grid's ``.tolist()``)."""
+    t = transformers
+    torch.manual_seed(0)
+    config = t.Qwen2VLConfig(
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+                     "max_position_embeddings": 256, "use_cache": False, "pad_token_id": 0,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                         "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 4,
+                       "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2},
+        image_token_id=500, video_token_id=501, vision_start_token_id=502)
+    model = t.Qwen2VLForConditionalGeneration(config).train()
+    grid = torch.tensor([[1, 8, 8], [1, 4, 8]])  # two images of 64 and 32 patches
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 400, (2, 48), generator=generator)
+    for row, patches in enumerate(grid.prod(-1).tolist()):
+        ids[row, 2], ids[row, 3:3 + patches // 4] = 502, 500  # merged 2 x 2: a quarter
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "mm_token_type_ids": (ids == 500).long(), "image_grid_thw": grid,
+             "pixel_values": torch.randn(96, 3 * 2 * 4 * 4, generator=generator),
+             "labels": ids.masked_fill(ids >= 500, -100)}
+    tape = autoremat.profile(model, batch, repeats=1, timing=False, with_selective=False)
+    assert any(b.name.startswith("model.visual.blocks") for b in tape.blocks)
+    est = autoremat.estimate(model, batch, device="cpu", selective=False)
+    assert (est.step_peak_bytes, est.ckpt_step_peak_bytes) == \
+        (tape.step_peak_bytes, tape.ckpt_step_peak_bytes)
+
+
 def test_a_masks_values_are_followed_through_ops_and_never_stale() -> None:
-    # NOTE [ Following a mask's values ]
-    from autoremat._estimate.fake import _MaskValues
+    # NOTE [ Following the batch's values ]
+    from autoremat._estimate.fake import _Values
 
     real = torch.tensor([[1, 1, 0], [1, 1, 1]])
     meta = real.to("meta")
-    with _MaskValues({"attention_mask": meta}, {"attention_mask": real}) as values:
+    with _Values({"attention_mask": meta}, {"attention_mask": real}) as values:
         stacked = torch.stack((meta, meta), dim=1).reshape(2, 6)
         assert torch.equal(values.value(stacked), torch.stack((real, real), 1).reshape(2, 6))
         copy = meta.clone()
@@ -833,9 +930,20 @@ def test_a_masks_values_are_followed_through_ops_and_never_stale() -> None:
         assert torch.equal(values.value(copy), real * 2)
         view = copy[:, :2]
         assert values.value(view) is not None
-        view.fill_(5)  # through a view: the base's values and the view's are forgotten
-        assert values.value(copy) is None and values.value(view) is None
+        view.fill_(5)  # through a view: the view's new values, and its base's
+        assert torch.equal(values.value(view), torch.full((2, 2), 5))
+        assert torch.equal(values.value(copy), torch.tensor([[5, 5, 0], [5, 5, 2]]))
+        copy.add_(unknown_values := torch.empty(2, 3, dtype=torch.long, device="meta"))
+        assert values.value(copy) is None and values.value(view) is None  # never stale
+        assert values.value(unknown_values) is None
         unknown = torch.ones(2, 3, dtype=torch.long, device="meta").add_(
             torch.empty(2, 3, dtype=torch.long, device="meta"))  # an unknown argument
         assert values.value(unknown) is None
         assert torch.equal(values.value(meta), real)  # the batch's own, untouched
+        marked = torch.zeros_like(meta)
+        marked[:, 0] = 1  # through a view of a known base (Longformer's global tokens)
+        assert torch.equal(values.value(marked), torch.tensor([[1, 0, 0], [1, 0, 0]]))
+        flipped = marked.t()
+        flipped[2].fill_(5)  # a view of another layout: the base, and not the other view
+        assert torch.equal(values.value(marked), torch.tensor([[1, 0, 5], [1, 0, 5]]))
+        assert values.value(flipped) is None

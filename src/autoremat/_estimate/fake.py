@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._prims_common import suggest_memory_format
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from autoremat._core.errors import RematError, did_you_mean
@@ -481,6 +482,18 @@ _KEEPS_UNREDUCED = frozenset({torch.ops.aten.mse_loss.default,
                               torch.ops.aten.binary_cross_entropy.default})
 
 
+# NOTE [ CTC on meta ]
+#     ``F.ctc_loss`` given its lengths as tensors (Wav2Vec2's, HuBERT's, every CTC head in
+#     Transformers) runs ``aten._ctc_loss.Tensor``, which has no meta kernel: its
+#     ``log_alpha`` output is ``(batch, time, 2 * longest target + 1)``, which depends on
+#     the lengths' values. Where the values mode knows them (they come from the batch's
+#     labels, NOTE [ Following the batch's values ]), the op runs as its overload taking
+#     the lengths as lists, which has one. Its backward has no meta kernel either; both
+#     devices' kernels return the gradient contiguous in the log-probabilities' shape (their
+#     ``log_beta``, as large as ``log_alpha``, is freed inside the kernel, where the storage
+#     tracker does not see it on either side).
+
+
 def _cpu_conv_layout(args: tuple[Any, ...]) -> torch.memory_format | None:
     """The layout the CPU writes a 2-d convolution's output in, where it is channels-last
     (NOTE [ Strides on meta ]); else ``None``."""
@@ -511,6 +524,9 @@ class _KernelsOnMeta(TorchDispatchMode):
                 and (args[0].dim() == 3 or args[1].dim() == 3
                      or kwargs.get("offs", args[2] if len(args) > 2 else None) is not None)):
             return _grouped_mm_output(*args, **kwargs)
+        if func is torch.ops.aten._ctc_loss_backward.Tensor and args[1].is_meta:
+            # NOTE [ CTC on meta ]: the gradient of the log-probabilities, contiguous
+            return torch.empty(args[1].shape, dtype=args[1].dtype, device=args[1].device)
         out = func(*args, **kwargs)  # what it cannot answer, PyTorch's checks refuse
         if func in _KEEPS_UNREDUCED and out.is_meta and out.dim() == 0:
             # NOTE [ Losses that keep their unreduced storage ]
@@ -565,7 +581,7 @@ def kernels_on_meta(device: str | torch.device | None = None) -> Iterator[None]:
 #     * ``"sdpa"``'s mask builder is Transformers' ``sdpa_mask`` with its one
 #       value-dependent choice (skip the mask, or build it) made by Transformers' own
 #       test on the real values of the mask (:class:`_MaskBuilder`). Those are followed
-#       (:class:`_MaskValues`) from the caller's batch, the one the meta copy was made
+#       (:class:`_Values`) from the caller's batch, the one the meta copy was made
 #       from, or from the ``torch.ones`` a model makes when a stack has no mask (BART's
 #       decoder), through the copies and casts on the way to the builder. Without a mask
 #       the choice reads nothing: an unpadded batch gets no mask and ``is_causal`` as on
@@ -582,12 +598,12 @@ def kernels_on_meta(device: str | torch.device | None = None) -> Iterator[None]:
 #     estimate raised a ``TypeError`` from its eager branch).
 
 
-class _MaskValues(TorchDispatchMode):
-    """The real values of attention masks and ``position_ids`` on ``meta``, followed from
-    the batch (or, for masks, from a ``torch.ones`` the model makes when it has none)
-    through the ops the model runs on them to Transformers' mask builder and
-    packed-sequence test (NOTE [ Hugging Face models on meta ], NOTE [ Following a
-    mask's values ]). Every other tensor has no known values."""
+class _Values(TorchDispatchMode):
+    """The real values of the batch's tensors on ``meta`` (its integer and boolean ones,
+    attention masks and ``position_ids``) and of tensors made full of one value, followed
+    through the ops the model runs on them (NOTE [ Following the batch's values ]). Every
+    other tensor has no known values. Ops that need values (``.item()``, ``nonzero``, a
+    boolean mask's index, a copy to the CPU) get them where they are known."""
 
     _ONES = (torch.ops.aten.ones.default, torch.ops.aten.new_ones.default)
 
@@ -595,14 +611,11 @@ class _MaskValues(TorchDispatchMode):
         super().__init__()
         # id(meta tensor) -> (a weak reference to it, its values as a CPU tensor)
         self.values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-        if isinstance(inputs, Mapping) and isinstance(given, Mapping):
-            for key, meta in inputs.items():
-                real = given.get(key)
-                if not (isinstance(meta, torch.Tensor) and isinstance(real, torch.Tensor)
-                        and not real.is_meta):
-                    continue
-                if "attention_mask" in str(key) or key == "position_ids":
-                    self._set(meta, real.detach().to("cpu", meta.dtype))
+        for key, meta, real in _batch_pairs(inputs, given):
+            if meta.numel() <= _FOLLOWED and (
+                    not (meta.is_floating_point() or meta.is_complex())
+                    or "attention_mask" in key or key == "position_ids"):
+                self._set(meta, real.detach().to("cpu", meta.dtype))
 
     def _set(self, meta: torch.Tensor, real: torch.Tensor) -> None:
         self.values[id(meta)] = (weakref.ref(meta), real)
@@ -616,25 +629,37 @@ class _MaskValues(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func in self._ONES:
-            if isinstance(out, torch.Tensor) and out.is_meta and out.numel() <= _FOLLOWED:
-                self._set(out, torch.ones(out.shape, dtype=out.dtype))
-            return out
+        if func.overloadpacket in _CONSTANT_FACTORIES:
+            return self._constant(func, args, kwargs)
         if not any(id(a) in self.values for a in args) and not any(
                 isinstance(a, (tuple, list)) and any(id(b) in self.values for b in a)
                 for a in args):
-            return out  # (most ops: none of its arguments has known values)
+            return func(*args, **kwargs)  # (most ops: none of its arguments has known values)
         metas = [t for t in flat_tensors((args, kwargs)) if t.is_meta]
         reals = [self.value(t) for t in metas]
+        known = all(r is not None for r in reals)
+        if func is torch.ops.aten.index.Tensor and _bool_index(args[1]):
+            return self._index(func, args, known)
+        if func is torch.ops.aten.masked_select.default and reals[-1] is not None and not known:
+            return self._masked_select(args, reals[-1])
+        if func is torch.ops.aten._ctc_loss.Tensor and all(
+                self.value(t) is not None for t in args[2:4]):  # NOTE [ CTC on meta ]
+            lengths = [cast(torch.Tensor, self.value(t)).tolist() for t in args[2:4]]
+            return torch.ops.aten._ctc_loss.default(*args[:2], *lengths, *args[4:], **kwargs)
+        needs = _needs_values(func, args, kwargs)
+        if needs and not known:
+            return func(*args, **kwargs)  # what it cannot answer, PyTorch's checks refuse
+        out = None if needs else func(*args, **kwargs)
         mutated = [a for a, info in zip(args, func._schema.arguments, strict=False)
                    if info.alias_info is not None and info.alias_info.is_write
                    and isinstance(a, torch.Tensor)]
-        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                if isinstance(t, torch.Tensor)]
+        # a view changed in place changes its base: the base's values as they were
+        bases = [(t, t._base, self.value(t._base)) for t in mutated if t._base is not None]
         for t in mutated:  # what it knew of it, its base and their views is stale
             self._forget(t)
-        if any(r is None for r in reals) or any(t.numel() > _FOLLOWED for t in outs) \
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(t, torch.Tensor)]
+        if not known or any(t.numel() > _FOLLOWED for t in outs) \
                 or torch.Tag.nondeterministic_seeded in func.tags:  # (draws: not ours to)
             return out
         by_id = {id(t): r for t, r in zip(metas, reals, strict=True) if r is not None}
@@ -646,15 +671,68 @@ class _MaskValues(TorchDispatchMode):
             real_out = func(*map_tensors(real, args),
                             **{k: "cpu" if k == "device" else map_tensors(real, v)
                                for k, v in kwargs.items()})
+        if needs:  # the output, made from the values: a scalar, or meta tensors of the
+            # values' shapes (a copy to another device is the values, on the CPU)
+            out = map_tensors(_on_meta_empty, real_out) if _to_meta(func, args, kwargs) \
+                else real_out
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(t, torch.Tensor)]
         real_outs = [r for r in (real_out if isinstance(real_out, (tuple, list))
                                  else (real_out,)) if isinstance(r, torch.Tensor)]
         for t, r in zip(outs, real_outs, strict=False):
-            # (an output changed in place is the argument: its new values, unless it is
-            # a view, whose base stays forgotten)
-            if t.shape == r.shape and not (t._base is not None
-                                           and any(t is m for m in mutated)):
+            # (an output changed in place is the argument: its new values; where it is a
+            # view, its base and the base's other views stay forgotten)
+            if t.is_meta and t.shape == r.shape:
                 self._set(t, r)
+        for view, base, was in bases:  # (Longformer's global_attention_mask[:, 0] = 1)
+            now = self.value(view)
+            if was is not None and now is not None and base.stride() == was.stride() \
+                    and base.storage_offset() == was.storage_offset() == 0:
+                changed = was.clone()
+                changed.as_strided(view.shape, view.stride(), view.storage_offset()).copy_(now)
+                self._set(base, changed)
         return out
+
+    def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A tensor made full of one value (``torch.ones``, ``zeros_like``, ``arange``):
+        its values are known whatever its arguments' are."""
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.is_meta and out.numel() <= _FOLLOWED and (
+                not out.is_floating_point() or out.dim() == 0 or func in self._ONES):
+            # (floating-point ones only when a mask could be made of them: not a
+            # gradient's zeros in backward)
+            with _disable_current_modes():
+                real_args = map_tensors(
+                    lambda t: torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t, args)
+                self._set(out, func(*real_args, **{**kwargs, "device": "cpu"}))
+        return out
+
+    def _index(self, func: Any, args: tuple[Any, ...], known: bool) -> Any:
+        """``x[mask]`` with a boolean mask of known values: the mask's positions as long
+        indices (their count is the output's length), on meta."""
+        indices = []
+        for index in args[1]:
+            real = None if index is None else self.value(index)
+            if index is None or index.dtype not in (torch.bool, torch.uint8):
+                indices.append(index)
+            elif real is None:
+                return func(*args)  # (an unknown mask: PyTorch refuses it on meta)
+            else:
+                indices.extend(_on_meta_empty(i) for i in real.nonzero().unbind(1))
+        out = func(args[0], indices)
+        if known and out.numel() <= _FOLLOWED:
+            with _disable_current_modes():
+                self._set(out, func(self.value(args[0]),
+                                    [None if i is None else self.value(i) for i in args[1]]))
+        return out
+
+    @staticmethod
+    def _masked_select(args: tuple[Any, ...], mask: torch.Tensor) -> torch.Tensor:
+        """``x.masked_select(mask)`` with the mask's values known: as many elements as the
+        mask, broadcast to ``x``'s shape, selects."""
+        x = args[0]
+        shape = torch.broadcast_shapes(x.shape, mask.shape)
+        return torch.empty(int(mask.expand(shape).sum()), dtype=x.dtype, device=x.device)
 
     def _forget(self, changed: torch.Tensor) -> None:
         root = changed._base if changed._base is not None else changed
@@ -664,17 +742,86 @@ class _MaskValues(TorchDispatchMode):
                 del self.values[key]
 
 
-# NOTE [ Following a mask's values ]
-#     The values a mask builder reads are followed from the batch's own mask through
-#     every op the model runs on it whose tensor arguments all have known values: the op
-#     is run again on those values on the CPU (outside every mode, so that nothing of it
-#     is counted) and its result, up to 2**20 elements, is the output's values. Copies and
-#     casts are the common case; a Decision Transformer stacks its mask three times
-#     (states, actions, returns) and reshapes it, and was refused as a mask "the model
-#     computed". An op changing a tensor in place forgets the values of the tensor, of its
-#     base and of their views, and gives the tensor (not a view) its new ones where every
-#     argument is known: a value is never stale, only unknown.
+# NOTE [ Following the batch's values ]
+#     On meta a tensor has a shape and no values, but the batch the meta copy was made
+#     from has values, and so has a tensor made of known values (``arange``, ``torch.full``
+#     or ``zeros_like`` of integers or booleans, a 0-d constant, ``torch.ones`` of any
+#     dtype: not a gradient's floating-point zeros in backward, which no model reads).
+#     Their values are followed through every op the model
+#     runs on them whose tensor arguments all have known values: the op is run again on
+#     those values on the CPU (outside every mode, so that nothing of it is counted) and
+#     its result, up to 2**20 elements, is the output's values. The batch's integer and
+#     boolean tensors (ids, labels, masks, image grids) and its attention masks and
+#     ``position_ids`` are followed; its floating-point data is not. Where an op needs
+#     values, they are read from there:
+#       * ``.item()``, ``bool()`` and ``.tolist()`` (a copy to the CPU) of a known tensor
+#         give its values: Wav2Vec2's check of its labels against the vocabulary, its CTC
+#         loss's label lengths, Qwen2-VL's ``image_grid_thw.tolist()``;
+#       * ops whose output's shape depends on values (``nonzero``, ``masked_select``,
+#         ``unique``, ``repeat_interleave``) make meta outputs of the shapes they have on
+#         the values, and so does ``x[mask]`` or ``x.masked_select(mask)`` where only the
+#         mask's values are known (the positions a mask selects, on the model's unknown
+#         activations).
+#     Mask builders and packed-sequence tests read the same values (Transformers' sdpa
+#     mask, NOTE [ Hugging Face models on meta ]). Copies and casts are the common case; a
+#     Decision Transformer stacks its mask three times (states, actions, returns) and
+#     reshapes it. An op changing a tensor in place forgets the values of the tensor, of
+#     its base and of their views, and gives the tensor its new ones where every argument
+#     is known, and a view's base too where its values were known (Longformer marks its
+#     global tokens with ``global_attention_mask[:, 0] = 1``, and writes them into a slice
+#     of the mask Transformers built): a value is never stale, only unknown. A read of a value
+#     that is not known (an activation's) is refused as before, naming the model's line,
+#     unless it is a check (NOTE [ Checks of values on meta ]).
 _FOLLOWED = 1 << 20
+_CONSTANT_FACTORIES = frozenset(getattr(torch.ops.aten, name) for name in (
+    "ones", "zeros", "full", "arange", "scalar_tensor", "ones_like", "zeros_like",
+    "full_like", "new_ones", "new_zeros", "new_full", "eye", "linspace"))
+
+
+def _batch_pairs(inputs: Any, given: Any) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The batch's meta tensors with the real ones they were made from (and their keys
+    in a mapping, else ""): a meta copy has the structure of the batch it was made from."""
+    if isinstance(inputs, Mapping) and isinstance(given, Mapping):
+        pairs: Iterator[tuple[str, Any, Any]] = (
+            (str(key), meta, given.get(key)) for key, meta in inputs.items())
+    else:
+        metas, reals = flat_tensors(inputs), flat_tensors(given)
+        if len(metas) != len(reals):
+            return
+        pairs = (("", meta, real) for meta, real in zip(metas, reals, strict=True))
+    for key, meta, real in pairs:
+        if isinstance(meta, torch.Tensor) and meta.is_meta and isinstance(real, torch.Tensor) \
+                and not real.is_meta and real.shape == meta.shape:
+            yield key, meta, real
+
+
+def _bool_index(indices: Any) -> bool:
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _needs_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` cannot run on meta without values: it reads them
+    (``_local_scalar_dense``), its output's shape depends on them, or it copies out of
+    meta."""
+    tags = func.tags
+    return torch.Tag.data_dependent_output in tags or _copies_out(func, args, kwargs) or (
+        torch.Tag.dynamic_output_shape in tags and func is not torch.ops.aten.index.Tensor)
+
+
+def _copies_out(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    device = kwargs.get("device")
+    return func is torch.ops.aten._to_copy.default and device is not None \
+        and torch.device(device).type != "meta" and args[0].is_meta
+
+
+def _on_meta_empty(real: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``real``'s shape, strides and dtype."""
+    return _meta_like(real, None)
+
+
+def _to_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func``'s outputs belong on meta (all but a copy out of it)."""
+    return not _copies_out(func, args, kwargs)
 
 
 _MASK_API = ("AttentionMaskInterface", "sdpa_mask", "prepare_padding_mask",
@@ -695,7 +842,7 @@ class _MaskBuilder:
     """Transformers' ``sdpa_mask`` whose choice to skip the mask reads the real values
     of the mask's meta copy (NOTE [ Hugging Face models on meta ])."""
 
-    def __init__(self, utils: Any, values: _MaskValues, model: str) -> None:
+    def __init__(self, utils: Any, values: _Values, model: str) -> None:
         self.utils, self.values, self.model = utils, values, model
         self.sdpa_mask = utils.sdpa_mask  # Transformers' own (it is patched with this)
 
@@ -743,7 +890,7 @@ def _is_transformers_model(model: nn.Module) -> bool:
 
 
 @contextmanager
-def _packed_on_meta(utils: Any, values: _MaskValues) -> Iterator[None]:
+def _packed_on_meta(utils: Any, values: _Values) -> Iterator[None]:
     """Transformers' test for packed sequences, which reads the values of ``position_ids``,
     run on the real values of ``position_ids`` on ``meta`` where they are known (the
     batch's own), its answer made on ``meta``; "not packed" where they are not (the
@@ -772,10 +919,10 @@ def _packed_on_meta(utils: Any, values: _MaskValues) -> Iterator[None]:
 
 
 @contextmanager
-def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator[None]:
+def _hf_attention_on_meta(model: nn.Module, values: _Values) -> Iterator[None]:
     """Build a Transformers model's attention masks on meta as on a device, ``"sdpa"``'s
-    choice to skip a mask read from the real masks of ``given``, the caller's batch (NOTE
-    [ Hugging Face models on meta ])."""
+    choice to skip a mask read from the real masks ``values`` follows from the caller's
+    batch (NOTE [ Hugging Face models on meta ])."""
     utils: Any = _mask_utils()
     if utils is None or not _is_transformers_model(model):
         yield
@@ -783,7 +930,6 @@ def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator
     mapping = utils.AttentionMaskInterface._global_mapping
     original = mapping.get("sdpa")
     with ExitStack() as stack:
-        values = stack.enter_context(_MaskValues(inputs, given))
         stack.enter_context(_packed_on_meta(utils, values))
         builder = _MaskBuilder(utils, values, type(model).__name__)
         mapping["sdpa"] = builder
@@ -796,6 +942,33 @@ def _hf_attention_on_meta(model: nn.Module, inputs: Any, given: Any) -> Iterator
                 mapping.pop("sdpa", None)
             else:
                 mapping["sdpa"] = original
+
+
+class _MadeOnMeta(TorchFunctionMode):
+    """``torch.tensor(data, device=x.device)`` on meta makes a tensor without data, and
+    without an op a dispatch mode sees: made on the CPU and copied to meta instead, its
+    values are known (NOTE [ Following the batch's values ]; Qwen2-VL's vision tower makes
+    its merge sizes so, and reads them with ``.tolist()``)."""
+
+    _MAKERS = (torch.tensor, torch.as_tensor)
+
+    def __init__(self, values: _Values) -> None:
+        super().__init__()
+        self.values = values
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if func not in self._MAKERS or device is None or torch.device(device).type != "meta" \
+                or flat_tensors((args, kwargs)):
+            return func(*args, **kwargs)
+        with _disable_current_modes():  # (not made meta by _CpuFactoriesOnMeta)
+            real = func(*args, **{**kwargs, "device": "cpu"})
+        made = real.to("meta")  # (the step's own tensor: counted, as on the device)
+        if real.numel() <= _FOLLOWED:
+            self.values._set(made, real)
+        return made
 
 
 @contextmanager
@@ -900,9 +1073,11 @@ def step_as_on(device: str | torch.device, model: nn.Module, inputs: Any,
         stack.enter_context(dropout_as_on(device))
         stack.enter_context(group_norm_as_on(device))
         stack.enter_context(kernels_on_meta(device))
-        stack.enter_context(_hf_attention_on_meta(model, inputs, given))
+        values = stack.enter_context(_Values(inputs, given))
+        stack.enter_context(_MadeOnMeta(values))
+        stack.enter_context(_hf_attention_on_meta(model, values))
         stack.enter_context(_no_padding_check(model))
-        stack.enter_context(_CpuFactoriesOnMeta())
+        stack.enter_context(_CpuFactoriesOnMeta(values))
         yield notes
 
 
@@ -926,11 +1101,16 @@ _FACTORIES = frozenset({"arange", "scalar_tensor", "ones", "zeros", "empty", "fu
 #     It reads the condition through ``aten._is_all_true`` and ``.item()``, which meta
 #     tensors cannot answer. While an estimate runs the condition is taken to hold: a
 #     check only raises or passes, and the inputs are the user's, which the model checks
-#     again on a real step. So is a boolean tensor read in an ``assert`` statement
-#     (ProphetNet's ``assert torch.all(shifted_input_ids >= 0).item()``, I-BERT's
-#     ``assert x_max.isnan().sum() == 0 and ...``): the model's own line is found on the
-#     Python stack (:func:`_in_assert`). The same read anywhere else (``if mask.any():``)
-#     decides what runs, and the estimate refuses it as before.
+#     again on a real step. So is a boolean tensor read in a check written in Python
+#     (:func:`_value_that_passes`): an ``assert`` statement (ProphetNet's ``assert
+#     torch.all(shifted_input_ids >= 0).item()``, I-BERT's), and an ``if`` whose body
+#     only raises, warns or logs (Wav2Vec2's CTC loss: ``if labels is not None and
+#     labels.max() >= self.config.vocab_size: raise ValueError(...)``). The model's own
+#     line is found on the Python stack and parsed; the read takes the value that lets the
+#     check pass: true in an assert, false in an ``if`` that raises, the other way under
+#     a ``not``. Where the read's line holds parts under an odd and an even number of
+#     ``not``s, the value cannot be told, and a read anywhere else (``if mask.any():
+#     y = y * 2``) decides what runs: the estimate refuses both, naming the line.
 
 
 # NOTE [ Real tensors from outside the step ]
@@ -960,36 +1140,79 @@ def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_meta else tensor.to("meta")
 
 
-def _in_assert() -> bool:
-    """Whether the model's own line running now (the innermost frame outside torch and
-    autoremat) is in an ``assert`` statement (NOTE [ Checks of values on meta ])."""
+def _value_that_passes() -> bool | None:
+    """The value a boolean tensor read on the model's own line running now (the innermost
+    frame outside torch and autoremat) takes for the check it is in to pass: None where
+    the line is in no check (NOTE [ Checks of values on meta ])."""
     frame = sys._getframe(1)
     while frame is not None and not _models_own(frame.f_code.co_filename):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
-        return False
-    return any(first <= frame.f_lineno <= last for first, last in _asserts(frame.f_code))
+        return None
+    line = frame.f_lineno
+    spans = [check for check in _checks(frame.f_code) if check[0] <= line <= check[1]]
+    if not spans:
+        return None
+    _, _, passes, leaves = min(spans, key=lambda check: check[1] - check[0])
+    negated = {odd for first, last, odd in leaves if first <= line <= last}
+    return passes != negated.pop() if len(negated) == 1 else None
+
+
+_Check = tuple[int, int, bool, tuple[tuple[int, int, bool], ...]]
+_NOTICES = ("warn", "log")
 
 
 @functools.lru_cache(maxsize=256)
-def _asserts(code: types.CodeType) -> tuple[tuple[int, int], ...]:
-    """The line spans of the ``assert`` statements in ``code``'s function (none where
-    its source cannot be read)."""
+def _checks(code: types.CodeType) -> tuple[_Check, ...]:
+    """The checks in ``code``'s function (none where its source cannot be read): for each
+    ``assert`` statement and each ``if`` whose body only raises, warns or logs, its test's
+    first and last line, whether the test passes when true (an assert) or false, and the
+    line spans of the test's parts joined by ``and``/``or``, each with whether it is under
+    an odd number of ``not``s."""
     try:
         lines, start = inspect.getsourcelines(code)
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError):
         return ()
     offset = max(start, 1) - 1
-    return tuple((node.lineno + offset, (node.end_lineno or node.lineno) + offset)
-                 for node in ast.walk(tree) if isinstance(node, ast.Assert))
+
+    def leaves(node: ast.expr, odd: bool = False) -> Iterator[tuple[int, int, bool]]:
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            yield from leaves(node.operand, not odd)
+        elif isinstance(node, ast.BoolOp):
+            for value in node.values:
+                yield from leaves(value, odd)
+        else:
+            yield node.lineno + offset, (node.end_lineno or node.lineno) + offset, odd
+
+    def check(test: ast.expr, passes: bool) -> _Check:
+        return (test.lineno + offset, (test.end_lineno or test.lineno) + offset, passes,
+                tuple(leaves(test)))
+
+    return tuple(check(node.test, isinstance(node, ast.Assert)) for node in ast.walk(tree)
+                 if isinstance(node, ast.Assert)
+                 or (isinstance(node, ast.If) and not node.orelse and _only_raises(node.body)))
+
+
+def _only_raises(body: list[ast.stmt]) -> bool:
+    """Whether ``body`` ends in ``raise`` or only warns or logs (calls whose names hold
+    "warn" or "log"), and does nothing else."""
+    def notice(stmt: ast.stmt) -> bool:
+        return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) \
+            and any(word in ast.unparse(stmt.value.func).lower() for word in _NOTICES)
+    return bool(body) and (isinstance(body[-1], ast.Raise) or notice(body[-1])) \
+        and all(notice(stmt) or isinstance(stmt, ast.Assign) for stmt in body[:-1])
 
 
 class _CpuFactoriesOnMeta(TorchDispatchMode):
     """Factory ops for the CPU make meta tensors, and a tensor ``torch.tensor`` made on
     the CPU is moved to meta (NOTE [ Tensors a forward makes on the CPU ]); a check of
-    values passes (NOTE [ Checks of values on meta ]). A dispatch mode, so that it also
-    holds in a checkpoint's recompute in backward."""
+    values passes where ``values`` does not know them (NOTE [ Checks of values on meta ]).
+    A dispatch mode, so that it also holds in a checkpoint's recompute in backward."""
+
+    def __init__(self, values: _Values) -> None:
+        super().__init__()
+        self.values = values
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -998,11 +1221,14 @@ class _CpuFactoriesOnMeta(TorchDispatchMode):
         if name in _FACTORIES and (kwargs.get("device") is None
                                    or torch.device(kwargs["device"]).type == "cpu"):
             kwargs["device"] = torch.device("meta")
-        if name == "_is_all_true" and args[0].is_meta:  # NOTE [ Checks of values on meta ]
+        unknown = name in ("_is_all_true", "_local_scalar_dense") and args[0].is_meta \
+            and self.values.value(args[0]) is None  # NOTE [ Checks of values on meta ]
+        if unknown and name == "_is_all_true":
             return torch.ones((), dtype=torch.bool)
-        if name == "_local_scalar_dense" and args[0].is_meta \
-                and args[0].dtype == torch.bool and _in_assert():
-            return True
+        if unknown and args[0].dtype == torch.bool:
+            passes = _value_that_passes()
+            if passes is not None:
+                return passes
         try:
             out = func(*args, **kwargs)
         except RuntimeError as exc:
@@ -1015,5 +1241,8 @@ class _CpuFactoriesOnMeta(TorchDispatchMode):
             out = func(*args, **kwargs)
         if name == "lift_fresh" and isinstance(out, torch.Tensor) \
                 and out.device.type == "cpu":
-            return out.to("meta")
+            meta = out.to("meta")
+            if out.numel() <= _FOLLOWED:  # NOTE [ Following the batch's values ]
+                self.values._set(meta, out)
+            return meta
         return out
