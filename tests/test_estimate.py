@@ -824,8 +824,9 @@ class _ReadsItsBatch(nn.Module):
     """Reads its batch's values as models do (NOTE [ Following the batch's values ]): a
     check of the labels against the vocabulary (Wav2Vec2's), the rows of a grid
     (Qwen2-VL's ``image_grid_thw.tolist()``), the tokens a mask of the ids picks, a CTC
-    loss over the labels that count; and checks the activations: an ``if`` that raises
-    under a ``not``, one that warns (NOTE [ Checks of values on meta ])."""
+    loss over the labels that count, the images that are not padding (all zeros: as
+    Idefics3 drops them); and checks the activations: an ``if`` that raises under a
+    ``not``, one that warns (NOTE [ Checks of values on meta ])."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -834,8 +835,8 @@ class _ReadsItsBatch(nn.Module):
                                     for _ in range(3))
         self.out = nn.Linear(16, 8)
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor,
-                grid: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, grid: torch.Tensor,
+                images: torch.Tensor) -> torch.Tensor:
         if labels.max() >= self.out.out_features:
             raise ValueError("labels out of the vocabulary")
         h = self.embed(ids)
@@ -853,7 +854,9 @@ class _ReadsItsBatch(nn.Module):
         ctc = F.ctc_loss(log_probs, labels.masked_select(counted),
                          torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long),
                          counted.sum(-1))
-        return ctc + picked.pow(2).mean() + sum(part.mean() for part in first)
+        real = images[(images != 0).any(-1)]
+        return ctc + picked.pow(2).mean() + sum(part.mean() for part in first) \
+            + self.embed.weight[:len(real)].mul(real).mean()
 
 
 def test_a_forward_that_reads_its_batchs_values_is_estimated_to_the_byte() -> None:
@@ -867,7 +870,8 @@ def test_a_forward_that_reads_its_batchs_values_is_estimated_to_the_byte() -> No
     labels = torch.randint(1, 8, (4, 5), generator=generator)
     labels[1, 3:] = -1  # padding: shorter targets
     batch = {"ids": torch.randint(0, 32, (4, 12), generator=generator), "labels": labels,
-             "grid": torch.tensor([[1, 6], [2, 4]])}
+             "grid": torch.tensor([[1, 6], [2, 4]]),
+             "images": torch.randn(3, 16, generator=generator) * torch.tensor([[1], [0], [1]])}
     loss = (lambda out: out)  # noqa: E731
     tape = autoremat.profile(model, batch, loss_fn=loss, repeats=1, timing=False,
                              with_selective=False)

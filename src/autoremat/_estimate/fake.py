@@ -599,8 +599,8 @@ def kernels_on_meta(device: str | torch.device | None = None) -> Iterator[None]:
 
 
 class _Values(TorchDispatchMode):
-    """The real values of the batch's tensors on ``meta`` (its integer and boolean ones,
-    attention masks and ``position_ids``) and of tensors made full of one value, followed
+    """The real values of the batch's tensors on ``meta`` and of tensors made of known
+    values, followed
     through the ops the model runs on them (NOTE [ Following the batch's values ]). Every
     other tensor has no known values. Ops that need values (``.item()``, ``nonzero``, a
     boolean mask's index, a copy to the CPU) get them where they are known."""
@@ -611,10 +611,8 @@ class _Values(TorchDispatchMode):
         super().__init__()
         # id(meta tensor) -> (a weak reference to it, its values as a CPU tensor)
         self.values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-        for key, meta, real in _batch_pairs(inputs, given):
-            if meta.numel() <= _FOLLOWED and (
-                    not (meta.is_floating_point() or meta.is_complex())
-                    or "attention_mask" in key or key == "position_ids"):
+        for _, meta, real in _batch_pairs(inputs, given):
+            if meta.numel() <= _FOLLOWED:
                 self._set(meta, real.detach().to("cpu", meta.dtype))
 
     def _set(self, meta: torch.Tensor, real: torch.Tensor) -> None:
@@ -750,10 +748,10 @@ class _Values(TorchDispatchMode):
 #     Their values are followed through every op the model
 #     runs on them whose tensor arguments all have known values: the op is run again on
 #     those values on the CPU (outside every mode, so that nothing of it is counted) and
-#     its result, up to 2**20 elements, is the output's values. The batch's integer and
-#     boolean tensors (ids, labels, masks, image grids) and its attention masks and
-#     ``position_ids`` are followed; its floating-point data is not. Where an op needs
-#     values, they are read from there:
+#     its result, up to 2**22 elements, is the output's values. Every tensor of the batch
+#     up to that size is followed: ids, labels, masks, image grids, and the data itself
+#     (Idefics3 drops the padding images of a batch, all zeros, by their pixels' values).
+#     Where an op needs values, they are read from there:
 #       * ``.item()``, ``bool()`` and ``.tolist()`` (a copy to the CPU) of a known tensor
 #         give its values: Wav2Vec2's check of its labels against the vocabulary, its CTC
 #         loss's label lengths, Qwen2-VL's ``image_grid_thw.tolist()``;
@@ -772,7 +770,7 @@ class _Values(TorchDispatchMode):
 #     of the mask Transformers built): a value is never stale, only unknown. A read of a value
 #     that is not known (an activation's) is refused as before, naming the model's line,
 #     unless it is a check (NOTE [ Checks of values on meta ]).
-_FOLLOWED = 1 << 20
+_FOLLOWED = 1 << 22
 _CONSTANT_FACTORIES = frozenset(getattr(torch.ops.aten, name) for name in (
     "ones", "zeros", "full", "arange", "scalar_tensor", "ones_like", "zeros_like",
     "full_like", "new_ones", "new_zeros", "new_full", "eye", "linspace"))
