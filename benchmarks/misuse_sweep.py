@@ -844,6 +844,17 @@ def _models() -> list[Case]:
         expect(len(calls) == 1, f"a user's forward hook ran {len(calls)} times in one step")
     add("a user's forward hook on a recomputed block", hooks, "hook")
 
+    def hook_after_apply() -> None:
+        torch.manual_seed(0)
+        model = Net(3)
+        tape = quick_profile(model, x())
+        autoremat.apply(model, autoremat.plan(tape, None, "full"))
+        kept: list[torch.Tensor] = []
+        model.blocks[1].register_forward_hook(lambda m, i, o: kept.append(o))
+        model(x()).sum().backward()
+    add("a forward hook keeping a block's output, registered after apply", hook_after_apply,
+        "hook")
+
     def jit_block() -> None:
         torch.manual_seed(0)
         model = Net(3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import re
 import warnings
@@ -197,6 +198,57 @@ def test_a_block_appended_or_replaced_after_apply_warns_once(
     with pytest.warns(StepMismatchWarning, match=re.escape(
             "blocks.1 replaced since apply() (the module there now runs kept)")):
         _step(model, inputs)
+
+
+def _keep_output(kept: list[torch.Tensor], module: nn.Module, args: Any,
+                 output: Any) -> None:
+    kept.append(output)  # a block's features for a distillation loss
+
+
+def _gather(module: nn.Module, args: Any) -> None:
+    """Stands for FSDP2's hook that gathers a block's parameters before its forward."""
+
+
+_gather.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+
+def test_a_forward_hook_registered_after_apply_warns_once(
+        gpt2: tuple[nn.Module, Any, Tape, Plan]) -> None:
+    """A hook that keeps a block's output holds what the plan did not measure (NOTE [ What
+    a plan is checked against ]): registered before apply it stays silent (the loop's
+    own hooks, which auto profiles with), as does a framework's (FSDP2's)."""
+    kept: list[torch.Tensor] = []
+    model, inputs, _, plan = gpt2
+    hooked = copy.deepcopy(model)
+    hooked.blocks[1].register_forward_hook(functools.partial(_keep_output, kept))
+    autoremat.apply(hooked, plan)
+    with _no_warning():
+        _step(hooked, inputs)
+    hooked.blocks[2].register_forward_pre_hook(_gather)
+    with _no_warning():
+        _step(hooked, inputs)
+    model, inputs, _ = _applied(gpt2)
+    model.blocks[3].register_forward_hook(functools.partial(_keep_output, kept))
+    with pytest.warns(StepMismatchWarning, match=r"forward hooks were registered on "
+                      r"blocks\.3 after apply\(\) \(test_conditions\._keep_output\): what a "
+                      r"hook keeps .* Register the hooks first and then plan"):
+        _step(model, inputs)
+    with _no_warning():
+        _step(model, inputs)
+    handle = nn.modules.module.register_module_forward_hook(lambda *_: None)
+    try:
+        model, inputs, _ = _applied(gpt2)
+        with _no_warning():  # a global hook registered before apply
+            _step(model, inputs)
+    finally:
+        handle.remove()
+    with pytest.warns(StepMismatchWarning, match=r"registered on every module \(a global "
+                      r"hook\) after apply\(\) \(test_conditions\..*<lambda>\)"):
+        handle = nn.modules.module.register_module_forward_hook(lambda *_: None)
+        try:
+            _step(model, inputs)
+        finally:
+            handle.remove()
 
 
 class _Twice(nn.Module):

@@ -77,6 +77,14 @@ class StepMismatchWarning(PlanMismatchWarning):
 #       measured for one: warned once (StepMismatchWarning). A graph freed without a
 #       backward (a forward with gradients whose output was dropped) is not counted: the
 #       hooks that mark it go with it;
+#     * forward hooks registered after apply() on a planned block (pre or post), or global
+#       ones: what a hook keeps (a block's output, for a distillation or probing loss)
+#       the plan did not measure (a Llama whose hook kept one layer's output: 1.8% over
+#       the prediction). Warned once at a forward with gradients (StepMismatchWarning),
+#       naming the blocks and the hooks; the hooks of torch (FSDP2's), DeepSpeed,
+#       Accelerate, Transformers, PEFT, Lightning, TRL and autoremat are theirs, not
+#       counted. Hooks on modules inside a block are not looked at (a walk of every
+#       module on every forward);
 #     * the model's own checkpointing: a model with Hugging Face gradient checkpointing on
 #       is refused at apply() (each planned block would recompute inside its recompute);
 #       turned on after apply() (``gradient_checkpointing_enable()``), warned at the next
@@ -115,6 +123,8 @@ class Applied:
     flagged: list[nn.Module] = field(default_factory=list)  # modules with Hugging Face's
     # gradient_checkpointing flag (off at apply(), NOTE [ What a plan is checked against ])
     calls: list[int] | None = None
+    hooks: list[dict[int, str]] = field(default_factory=list)  # the user's forward hooks
+    # on each block, and (last) the global ones, at apply() (NOTE [ What a plan ... ])
     # the last forward with gradients, until its backward starts or its graph is freed
     # (NOTE [ What a plan is checked against ]: forwards before one backward)
     pending: weakref.ref[_Forward] | None = None
@@ -151,6 +161,7 @@ def watch_blocks(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
     state.probes = [p for p in model.parameters() if id(p) not in inside][:16] + [
         p for _, _, module in state.blocks for p in list(module.parameters())[:1]]
     state.flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    state.hooks = _user_hooks(state)
     for i, (_, _, module) in enumerate(state.blocks):
         state.handles.append(module.register_forward_pre_hook(
             functools.partial(_count_call, state, i)))
@@ -225,6 +236,54 @@ def _watch_backward(state: Applied, output: Any) -> None:
     state.pending = weakref.ref(forward)
 
 
+# the libraries whose hooks are theirs, not the user's: FSDP2 and DeepSpeed gather
+# parameters in hooks, and autoremat installs its own
+_FRAMEWORKS = ("torch", "autoremat", "deepspeed", "accelerate", "transformers", "peft",
+               "lightning", "pytorch_lightning", "trl")
+
+
+def _hook_name(hook: Any) -> str | None:
+    """``hook``'s qualified name, or None where a framework installed it."""
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    module = getattr(fn, "__module__", None) or ""
+    if module.split(".")[0] in _FRAMEWORKS:
+        return None
+    return f"{module}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _user_hooks(state: Applied) -> list[dict[int, str]]:
+    """The user's forward hooks (pre and post) on each planned block, then the global
+    ones (``nn.modules.module.register_module_forward_hook``): their handles' ids (unique
+    in the process) and names."""
+    def named(*dicts: Mapping[int, Any]) -> dict[int, str]:
+        return {key: name for hooks in dicts for key, hook in hooks.items()
+                if (name := _hook_name(hook)) is not None}
+    from torch.nn.modules import module as torch_module
+    return [named(m._forward_pre_hooks, m._forward_hooks) for _, _, m in state.blocks] + [
+        named(torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks)]
+
+
+def _check_hooks(state: Applied) -> None:
+    """Warn once where the user registered forward hooks on planned blocks (or global
+    ones) after apply(): what a hook keeps, the plan did not measure."""
+    now = _user_hooks(state)
+    added = [(name, [hook for key, hook in hooks.items() if key not in before])
+             for name, hooks, before in zip(
+                 [b.name for b in state.plan.blocks] + ["every module (a global hook)"], now,
+                 state.hooks, strict=True) if hooks.keys() - before.keys()]
+    if not added:
+        return
+    state.warned.add("hooks")
+    blocks = ", ".join(name for name, _ in added[:3]) + (", ..." if len(added) > 3 else "")
+    hooks = ", ".join(sorted({h for _, found in added for h in found})[:3])
+    warnings.warn(
+        f"autoremat: forward hooks were registered on {blocks} after apply() ({hooks}): "
+        "what a hook keeps (a block's output kept for a distillation or probing loss) is "
+        "held beyond the plan's prediction, which was measured without it. Register the "
+        "hooks first and then plan (autoremat.auto profiles the step with them); a hook "
+        "that keeps nothing changes nothing", StepMismatchWarning, stacklevel=6)
+
+
 def _check_step(state: Applied) -> None:
     """At a forward with gradients: warn once per kind when the parameters' dtypes or the
     blocks differ from the step the plan's tape measured (NOTE [ What a plan is checked
@@ -249,6 +308,8 @@ def _check_step(state: Applied) -> None:
             "recompute, and the step's memory is not what the plan predicted. Use one: "
             "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
             "Transformers 5), or autoremat.remove(model)", StepMismatchWarning, stacklevel=6)
+    if "hooks" not in state.warned:
+        _check_hooks(state)
     if "structure" not in state.warned:
         grown = [f"{name or type(parent).__name__} holds {len(parent._modules)} modules, "
                  f"not {count}" for name, parent, count in state.parents
