@@ -286,7 +286,11 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         f = frontier.get((n, last))
         if f is None:
             continue
-        peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E))
+        # any plan the DP finds may recompute: what a checkpoint may hold past its release
+        # (NOTE [ Tensors blocks take that die later in the chain ]; keeping every block,
+        # which holds none of it, is checked apart above and below)
+        peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E)) \
+            + sum(tape.held_past_release.values())
         for found in np.nonzero(peak <= budget)[0]:
             cost, top = int(f.cost[found]), int(peak[found])
             key = (cost, top) if objective == "cost" else (top, cost)

@@ -127,6 +127,7 @@ __all__ = [
     "Segments",
     "block_costs",
     "fixed_peaks",
+    "held_past_release",
     "least_release",
     "plan_costs",
     "post_window",
@@ -457,7 +458,23 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
         bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak
         peak = max(peak, level + cost.fwd_peak, bwd)
         level += cost.hold
-    return max(peak, level + post_window(tape, costs[-1].seen_as, release).peak_bytes)
+    peak = max(peak, level + post_window(tape, costs[-1].seen_as, release).peak_bytes)
+    return peak + held_past_release(tape, segments)
+
+
+def held_past_release(tape: Tape, segments: Segments) -> int:
+    """What a plan that recomputes may hold past where the plain step frees it (NOTE
+    [ Tensors blocks take that die later in the chain ] in ``_profile/runs.py``): none
+    where it recomputes nothing, nor for a tensor freed in a window measured with the
+    block before it checkpointed alone too (the step checkpointing every block measured
+    it held)."""
+    if not tape.held_past_release or not any(
+            choice.decision.recomputes for _, _, choice in segments):
+        return 0
+    alone = {start for start, stop, choice in segments
+             if choice.decision is _RECOMPUTE and stop == start + 1}
+    return sum(size for window, size in tape.held_past_release.items()
+               if not {int(window) - 1, int(window)} <= alone)
 
 
 def _moved(option: WindowMemory, by_decision: WindowMemory,

@@ -315,6 +315,15 @@ def _first_release_shared(released: dict[Pattern, list[int]], n: int) -> dict[De
     return out
 
 
+def _held_past_release(chain: Chain, ran_on: torch.device,
+                       rounding: Rounding | None) -> dict[str, int]:
+    """``tape.held_past_release``: bytes by the block in whose window they are freed."""
+    out: dict[str, int] = {}
+    for window, size in chain.held_past_release:
+        out[str(window)] = out.get(str(window), 0) + counted_bytes(size, ran_on, rounding)
+    return out
+
+
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
@@ -377,6 +386,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         pre=plain.pre, post={d: runs[(d,) * n].post for d in measured},
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
         first_release_shared=_first_release_shared(released, n),
+        held_past_release=_held_past_release(chain, ran_on, rounding),
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),

@@ -62,6 +62,32 @@ NOTE [ Boundaries held outside the chain ]
     chain with blocks found between its blocks that it leaves out), one forward without
     gradients does (``_held_boundaries``), where nothing is saved at all.
 
+NOTE [ Tensors blocks take that die later in the chain ]
+    A block's windows are measured after its predecessor's decision, not after those of
+    the blocks before it. A tensor passed to several blocks besides their input (an
+    encoder's attention mask, a vision tower's sequence lengths) that no op saves is
+    freed where the model lets go of it: when a sub-model returns, in the window of the
+    block that ran last. A checkpoint of a block it was passed to holds it until that
+    block's backward. When that block is the one whose window frees it, or the one just
+    before, the windows measured under those decisions see the difference; further back,
+    the window of a kept block frees it as measured in the plain step, and the plan held
+    it. BART with a padded batch (its encoder's mask, 4 x 1 x 128 x 128, freed when the
+    encoder returns after its third layer) measured 64 KiB over the prediction of a plan
+    that recomputes the first encoder layer alone (256 KiB with eager attention);
+    Qwen2-VL's vision tower (its attention's 12 bytes of lengths, freed after its
+    merger's layers), 12 bytes over. The warm-up step follows, by storage, every tensor a
+    block of the chain takes besides its input: one autograd saves while it is followed
+    is held by the plain step too, and one that is still alive when the last block of
+    the chain returns is freed when the forward returns (NOTE [ Released when the forward
+    returns ] in _plan/peak.py). The others, freed in the window of a block two or more
+    after the first block taking them, are ``tape.held_past_release`` (by that window's
+    block), counted held through the step in every plan that recomputes a block, unless
+    the window's block and the one before it are each checkpointed alone (the step with
+    every block checkpointed measured those windows holding it). Exact where the plan
+    recomputes the first block taking them; elsewhere an over-count by their bytes, where
+    the prediction was exact before (BART: recomputing its second encoder layer alone,
+    64 KiB). Where the warm-up step cannot tell (a compiled step), none is counted.
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -79,7 +105,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -377,10 +403,24 @@ def _why_no_backward(model: nn.Module, names: list[str], probe: _Probe) -> str:
     return "autoremat plans over blocks whose output is part of the loss"
 
 
+@dataclass
+class _Side:
+    """A tensor passed to blocks besides their first input (NOTE [ Tensors blocks take
+    that die later in the chain ]), by its storage."""
+
+    refs: list[weakref.ref[torch.Tensor]]  # the objects passed (a view dies alone)
+    nbytes: int
+    takers: set[int] = field(default_factory=set)  # the blocks it was passed to
+    saved: bool = False  # autograd saved its storage while it was followed
+    died: int | None = None  # the event at which every object passed was gone
+
+
 class _HeldInputs:
     """Which blocks' inputs outlive their call, seen in a step with gradients (NOTE
-    [ Boundaries held outside the chain ]): install it around the step and call
-    :meth:`returned` once the model's forward has returned."""
+    [ Boundaries held outside the chain ]), and the tensors blocks take besides their
+    input that die later in the chain (NOTE [ Tensors blocks take that die later in the
+    chain ]): install it around the step and call :meth:`returned` once the model's
+    forward has returned."""
 
     _END = -1  # "next" of the block that ran last
 
@@ -392,6 +432,35 @@ class _HeldInputs:
         self._last: int | None = None
         self._returned: int | None = None  # a block returned, no module called since
         self._inside = 0  # blocks running now
+        self._sides: list[_Side] = []  # every one seen
+        self._live: dict[int, _Side] = {}  # storage key -> the one followed now
+        self._events = 0  # blocks started and returned so far
+        self._returns: dict[int, int] = {}  # block -> the event of its return
+
+    def _see_deaths(self) -> None:
+        for key, side in list(self._live.items()):
+            if all(ref() is None for ref in side.refs):
+                side.died = self._events
+                del self._live[key]
+
+    def _take_sides(self, i: int, tensors: list[torch.Tensor]) -> None:
+        for t in tensors[1:]:
+            if isinstance(t, nn.Parameter):
+                continue
+            storage = t.untyped_storage()
+            side = self._live.get(storage._cdata)
+            if side is None:
+                side = self._live[storage._cdata] = _Side([], storage.nbytes())
+                self._sides.append(side)
+            if all(ref() is not t for ref in side.refs):
+                side.refs.append(weakref.ref(t))
+            side.takers.add(i)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        side = self._live.get(t.untyped_storage()._cdata)
+        if side is not None:
+            side.saved = True
+        return t.detach()
 
     def _input_alive(self, i: int) -> bool:
         ref = self._refs.get(i)
@@ -413,12 +482,18 @@ class _HeldInputs:
                 self._alive.pop(i, None)
                 self._last = i
                 self._inside += 1
+                self._events += 1
+                self._see_deaths()
+                self._take_sides(i, tensors)
             return hook
 
         def post(i: int) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 self._inside -= 1
                 self._returned = i
+                self._events += 1
+                self._returns[i] = self._events
+                self._see_deaths()
             return hook
 
         def any_call(module: nn.Module, args: Any) -> None:
@@ -437,13 +512,41 @@ class _HeldInputs:
             stack.callback(nn.modules.module.register_module_forward_pre_hook(any_call).remove)
             # autograd keeps what it saves as a detached alias: the same storage, not the
             # input's Python object, whose life then shows the model's references alone
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_detached, _same))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _same))
             yield
 
     def returned(self) -> None:
         """The model's forward has returned: check the block that ran last."""
         self._check_last(self._END)
         self._last = None
+        self._events += 1
+        self._see_deaths()
+
+    def held_past_release(self, chain: list[str]) -> tuple[tuple[int, int], ...]:
+        """The tensors blocks of ``chain`` (in the order they ran) take besides their input
+        that a checkpoint of one of them may hold past where the plain step frees them,
+        which the peak model does not see (NOTE [ Tensors blocks take that die later in
+        the chain ]), as (the chain block in whose forward window the plain step frees
+        it, its storage's size); none where the step cannot tell."""
+        index = {name: i for i, name in enumerate(self.names)}
+        if any(name not in index for name in chain):
+            return ()
+        ids = [index[name] for name in chain]
+        returns = [self._returns.get(i) for i in ids]
+        if any(r is None for r in returns):
+            return ()
+        position = {block: p for p, block in enumerate(ids)}
+        sizes = []
+        for side in self._sides:
+            takers = [position[b] for b in side.takers if b in position]
+            if side.saved or side.died is None or not takers:
+                continue
+            # the window it dies in: the last chain block that returned before it died
+            window = max((p for p, r in enumerate(returns) if cast(int, r) < side.died),
+                         default=-1)
+            if window < len(ids) - 1 and window - min(takers) >= 2:
+                sizes.append((window, side.nbytes))
+        return tuple(sizes)
 
     def held(self, chain: list[str]) -> list[bool] | None:
         """Per block of ``chain`` (some of the blocks installed over, in the order they
@@ -846,6 +949,8 @@ class Chain:
     times: BlockTimes | None  # of that first step, when timed and the chain is what it stamped
     loss: str = ""  # the loss it took, in words (conditions.describe_loss)
     autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
+    held_past_release: tuple[tuple[int, int], ...] = ()  # (window, bytes): NOTE
+    # [ Tensors blocks take that die later in the chain ]
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
@@ -947,4 +1052,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
         notes.append(why)
         warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
-                  times=times, loss=loss, autocast=autocast[0] if autocast else "")
+                  times=times, loss=loss, autocast=autocast[0] if autocast else "",
+                  held_past_release=held_inputs_seen.held_past_release(names) if eager else ())
