@@ -600,10 +600,10 @@ def kernels_on_meta(device: str | torch.device | None = None) -> Iterator[None]:
 
 class _Values(TorchDispatchMode):
     """The real values of the batch's tensors on ``meta`` and of tensors made of known
-    values, followed
-    through the ops the model runs on them (NOTE [ Following the batch's values ]). Every
-    other tensor has no known values. Ops that need values (``.item()``, ``nonzero``, a
-    boolean mask's index, a copy to the CPU) get them where they are known."""
+    values, followed through the ops the model runs on them (NOTE [ Following the
+    batch's values ]). Every other tensor has no known values. Ops that need values
+    (``.item()``, ``nonzero``, a boolean mask's index, a copy to the CPU) get them where
+    they are known."""
 
     _ONES = (torch.ops.aten.ones.default, torch.ops.aten.new_ones.default)
 
@@ -671,8 +671,8 @@ class _Values(TorchDispatchMode):
                                for k, v in kwargs.items()})
         if needs:  # the output, made from the values: a scalar, or meta tensors of the
             # values' shapes (a copy to another device is the values, on the CPU)
-            out = map_tensors(_on_meta_empty, real_out) if _to_meta(func, args, kwargs) \
-                else real_out
+            out = real_out if _copies_out(func, args, kwargs) else \
+                map_tensors(_on_meta_empty, real_out)
             outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
                     if isinstance(t, torch.Tensor)]
         real_outs = [r for r in (real_out if isinstance(real_out, (tuple, list))
@@ -716,7 +716,9 @@ class _Values(TorchDispatchMode):
             elif real is None:
                 return func(*args)  # (an unknown mask: PyTorch refuses it on meta)
             else:
-                indices.extend(_on_meta_empty(i) for i in real.nonzero().unbind(1))
+                with _disable_current_modes():
+                    positions = real.nonzero().unbind(1)
+                indices.extend(_on_meta_empty(i) for i in positions)
         out = func(args[0], indices)
         if known and out.numel() <= _FOLLOWED:
             with _disable_current_modes():
@@ -729,8 +731,9 @@ class _Values(TorchDispatchMode):
         """``x.masked_select(mask)`` with the mask's values known: as many elements as the
         mask, broadcast to ``x``'s shape, selects."""
         x = args[0]
-        shape = torch.broadcast_shapes(x.shape, mask.shape)
-        return torch.empty(int(mask.expand(shape).sum()), dtype=x.dtype, device=x.device)
+        with _disable_current_modes():
+            count = int(mask.expand(torch.broadcast_shapes(x.shape, mask.shape)).sum())
+        return torch.empty(count, dtype=x.dtype, device=x.device)
 
     def _forget(self, changed: torch.Tensor) -> None:
         root = changed._base if changed._base is not None else changed
@@ -745,13 +748,13 @@ class _Values(TorchDispatchMode):
 #     from has values, and so has a tensor made of known values (``arange``, ``torch.full``
 #     or ``zeros_like`` of integers or booleans, a 0-d constant, ``torch.ones`` of any
 #     dtype: not a gradient's floating-point zeros in backward, which no model reads).
-#     Their values are followed through every op the model
-#     runs on them whose tensor arguments all have known values: the op is run again on
-#     those values on the CPU (outside every mode, so that nothing of it is counted) and
-#     its result, up to 2**22 elements, is the output's values. Every tensor of the batch
-#     up to that size is followed: ids, labels, masks, image grids, and the data itself
-#     (Idefics3 drops the padding images of a batch, all zeros, by their pixels' values).
-#     Where an op needs values, they are read from there:
+#     Their values are followed through every op the model runs on them whose tensor
+#     arguments all have known values: the op is run again on those values on the CPU
+#     (outside every mode, so that nothing of it is counted) and its result, up to 2**22
+#     elements, is the output's values. Every tensor of the batch up to that size is
+#     followed: ids, labels, masks, image grids, and the data itself (Idefics3 drops the
+#     padding images of a batch, all zeros, by their pixels' values). Where an op needs
+#     values, they are read from there:
 #       * ``.item()``, ``bool()`` and ``.tolist()`` (a copy to the CPU) of a known tensor
 #         give its values: Wav2Vec2's check of its labels against the vocabulary, its CTC
 #         loss's label lengths, Qwen2-VL's ``image_grid_thw.tolist()``;
@@ -767,9 +770,9 @@ class _Values(TorchDispatchMode):
 #     its base and of their views, and gives the tensor its new ones where every argument
 #     is known, and a view's base too where its values were known (Longformer marks its
 #     global tokens with ``global_attention_mask[:, 0] = 1``, and writes them into a slice
-#     of the mask Transformers built): a value is never stale, only unknown. A read of a value
-#     that is not known (an activation's) is refused as before, naming the model's line,
-#     unless it is a check (NOTE [ Checks of values on meta ]).
+#     of the mask Transformers built): a value is never stale, only unknown. A read of a
+#     value that is not known (an activation's) is refused as before, naming the model's
+#     line, unless it is a check (NOTE [ Checks of values on meta ]).
 _FOLLOWED = 1 << 22
 _CONSTANT_FACTORIES = frozenset(getattr(torch.ops.aten, name) for name in (
     "ones", "zeros", "full", "arange", "scalar_tensor", "ones_like", "zeros_like",
@@ -815,11 +818,6 @@ def _copies_out(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
 def _on_meta_empty(real: torch.Tensor) -> torch.Tensor:
     """A meta tensor of ``real``'s shape, strides and dtype."""
     return _meta_like(real, None)
-
-
-def _to_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``func``'s outputs belong on meta (all but a copy out of it)."""
-    return not _copies_out(func, args, kwargs)
 
 
 _MASK_API = ("AttentionMaskInterface", "sdpa_mask", "prepare_padding_mask",
@@ -1157,7 +1155,7 @@ def _value_that_passes() -> bool | None:
 
 
 _Check = tuple[int, int, bool, tuple[tuple[int, int, bool], ...]]
-_NOTICES = ("warn", "log")
+_NOTICES = ("warnings", "logger", "logging", "log")  # who warns or logs
 
 
 @functools.lru_cache(maxsize=256)
@@ -1193,13 +1191,19 @@ def _checks(code: types.CodeType) -> tuple[_Check, ...]:
 
 
 def _only_raises(body: list[ast.stmt]) -> bool:
-    """Whether ``body`` ends in ``raise`` or only warns or logs (calls whose names hold
-    "warn" or "log"), and does nothing else."""
-    def notice(stmt: ast.stmt) -> bool:
-        return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) \
-            and any(word in ast.unparse(stmt.value.func).lower() for word in _NOTICES)
-    return bool(body) and (isinstance(body[-1], ast.Raise) or notice(body[-1])) \
-        and all(notice(stmt) or isinstance(stmt, ast.Assign) for stmt in body[:-1])
+    """Whether ``body`` ends in ``raise`` or a warning, and does nothing else but warn,
+    log and name its message."""
+    return bool(body) and (isinstance(body[-1], ast.Raise) or _notice(body[-1])) \
+        and all(_notice(stmt) or isinstance(stmt, ast.Assign) for stmt in body[:-1])
+
+
+def _notice(stmt: ast.stmt) -> bool:
+    """Whether ``stmt`` is a call that warns or logs: ``warnings.warn(...)``,
+    ``logger.warning_once(...)``, ``logging.info(...)``, ``warn(...)``."""
+    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return False
+    *owners, name = ast.unparse(stmt.value.func).lower().split(".")
+    return name.startswith("warn") or any(owner in _NOTICES for owner in owners)
 
 
 class _CpuFactoriesOnMeta(TorchDispatchMode):
