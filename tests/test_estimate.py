@@ -886,6 +886,34 @@ def test_a_forward_that_reads_its_batchs_values_is_estimated_to_the_byte() -> No
         autoremat.estimate(model, on_meta, loss_fn=loss, device="cpu", selective=False)
 
 
+class _MakesATensor(nn.Module):
+    """Makes a tensor on its input's device with ``torch.tensor`` (GPT-Neo's mask value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        floor = torch.tensor(-1e4, dtype=h.dtype, device=h.device)
+        return torch.where(h > 0, h, floor).tanh()
+
+
+def test_a_tensor_a_block_makes_on_its_device_is_estimated_with_selective_options() -> None:
+    """NOTE [ Following the batch's values ]: ``torch.tensor(..., device=x.device)`` on
+    meta gets its values without an op of its own, so that a selective block's recompute
+    (where the function mode that gives them is not on) runs the forward's ops (GPT-Neo's
+    estimate was refused: "selective recompute ran aten.where.self ... where its forward
+    ran aten._to_copy.default")."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(_MakesATensor() for _ in range(3))), torch.randn(8, 16)
+    loss = (lambda y: y.pow(2).mean())  # noqa: E731
+    tape = autoremat.profile(model, x, loss_fn=loss, repeats=1, timing=False)
+    assert any(b.selective for b in tape.blocks)
+    est = autoremat.estimate(model, x, loss_fn=loss, device="cpu")
+    assert est.step_peak_bytes == tape.step_peak_bytes
+
+
 def test_qwen2_vl_reads_its_image_grid_and_is_estimated_to_the_byte() -> None:
     """Qwen2-VL's vision tower reads the batch's ``image_grid_thw`` with ``.tolist()``,
     makes its merge sizes with ``torch.tensor(..., device=...)`` and reads them too, and

@@ -942,9 +942,10 @@ def _hf_attention_on_meta(model: nn.Module, values: _Values) -> Iterator[None]:
 
 class _MadeOnMeta(TorchFunctionMode):
     """``torch.tensor(data, device=x.device)`` on meta makes a tensor without data, and
-    without an op a dispatch mode sees: made on the CPU and copied to meta instead, its
-    values are known (NOTE [ Following the batch's values ]; Qwen2-VL's vision tower makes
-    its merge sizes so, and reads them with ``.tolist()``)."""
+    without an op a dispatch mode sees: its values are made on the CPU beside it (NOTE
+    [ Following the batch's values ]; Qwen2-VL's vision tower makes its merge sizes so,
+    and reads them with ``.tolist()``). Not on in a checkpoint's recompute in backward
+    (a function mode), where the tensor is made without values."""
 
     _MAKERS = (torch.tensor, torch.as_tensor)
 
@@ -959,11 +960,12 @@ class _MadeOnMeta(TorchFunctionMode):
         if func not in self._MAKERS or device is None or torch.device(device).type != "meta" \
                 or flat_tensors((args, kwargs)):
             return func(*args, **kwargs)
-        with _disable_current_modes():  # (not made meta by _CpuFactoriesOnMeta)
-            real = func(*args, **{**kwargs, "device": "cpu"})
-        made = real.to("meta")  # (the step's own tensor: counted, as on the device)
-        if real.numel() <= _FOLLOWED:
-            self.values._set(made, real)
+        made = func(*args, **kwargs)  # as without this mode: no op is dispatched (one
+        # here and none in a checkpoint's recompute, where this mode is not on, would
+        # be other ops than the forward's to a selective block)
+        if made.numel() <= _FOLLOWED:
+            with _disable_current_modes():  # (not made meta by _CpuFactoriesOnMeta)
+                self.values._set(made, func(*args, **{**kwargs, "device": "cpu"}))
         return made
 
 
