@@ -135,7 +135,8 @@ def test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held(
     # tower's mask (4 x 64 x 64 floats) is freed when the tower returns; with two blocks
     # between the first block taking it and that return, a plan recomputing that block
     # alone measured the mask over its prediction. Right after the blocks taking it, the
-    # windows measured see it, and nothing is added.
+    # windows measured see it, and nothing is added. Every pattern is predicted to the
+    # byte: the mask counted where a tower block is recomputed, not for the text's.
     torch.manual_seed(0)
     model = _Towered(after)
     valid = torch.ones(4, 64, dtype=torch.bool)
@@ -145,7 +146,7 @@ def test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held(
              *(f"tower.after.{i}" for i in range(after)), "text.0", "text.1"]
     tape = autoremat.profile(model, inputs, blocks=names, timing=False, with_selective=False)
     mask_bytes = 4 * 64 * 64 * 4
-    assert tape.held_past_release == ({str(after + 1): mask_bytes} if after else {})
+    assert tape.held_past_release == ({f"0:{after + 1}": mask_bytes} if after else {})
     assert Tape.from_json(tape.to_json()).held_past_release == tape.held_past_release
     n = len(names)
     for recomputed in [(0,), (1,), (0, 1), (n - 2,), (0, n - 2), tuple(range(n))]:
@@ -154,6 +155,4 @@ def test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held(
         autoremat.apply(model, plan)
         measured = step_measure(autoremat.Step(model, inputs)).peak_bytes
         autoremat.remove(model)
-        assert measured <= plan.predicted_peak_bytes, recomputed
-        if not after or 0 in recomputed:  # exact where it holds the mask, or none is added
-            assert measured == plan.predicted_peak_bytes, recomputed
+        assert measured == plan.predicted_peak_bytes, recomputed

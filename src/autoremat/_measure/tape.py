@@ -244,9 +244,9 @@ class Tape:
     # Bytes of tensors blocks take besides their input (an attention mask, sequence
     # lengths) that the plain step frees in the window of a block two or more after the
     # first block taking them, which a checkpoint of that block holds until its backward,
-    # by that window's block ("4": freed in block 4's forward window); plans count them
-    # held (NOTE [ Tensors blocks take that die later in the chain ] in
-    # _profile/runs.py). Empty: none, or a tape saved before it was recorded.
+    # by "first:window" ("0:4": taken first by block 0, freed in block 4's forward
+    # window); plans count them held (NOTE [ Tensors blocks take that die later in the
+    # chain ] in _profile/runs.py). Empty: none, or a tape saved before it was recorded.
     held_past_release: dict[str, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)

@@ -463,18 +463,25 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
 
 
 def held_past_release(tape: Tape, segments: Segments) -> int:
-    """What a plan that recomputes may hold past where the plain step frees it (NOTE
-    [ Tensors blocks take that die later in the chain ] in ``_profile/runs.py``): none
-    where it recomputes nothing, nor for a tensor freed in a window measured with the
-    block before it checkpointed alone too (the step checkpointing every block measured
-    it held)."""
-    if not tape.held_past_release or not any(
-            choice.decision.recomputes for _, _, choice in segments):
+    """What a plan may hold past where the plain step frees it (NOTE [ Tensors blocks
+    take that die later in the chain ] in ``_profile/runs.py``): a tensor taken first by
+    block ``first`` and freed in block ``window``'s forward window, where the plan
+    recomputes a block from ``first`` to ``window - 2``, unless ``window`` and the block
+    before it are each checkpointed alone (the step checkpointing every block measured
+    that window with it held)."""
+    if not tape.held_past_release:
         return 0
+    recomputed = {i for start, stop, choice in segments if choice.decision.recomputes
+                  for i in range(start, stop)}
     alone = {start for start, stop, choice in segments
              if choice.decision is _RECOMPUTE and stop == start + 1}
-    return sum(size for window, size in tape.held_past_release.items()
-               if not {int(window) - 1, int(window)} <= alone)
+    total = 0
+    for key, size in tape.held_past_release.items():
+        first, window = (int(part) for part in key.split(":"))
+        if any(first <= i <= window - 2 for i in recomputed) \
+                and not {window - 1, window} <= alone:
+            total += size
+    return total
 
 
 def _moved(option: WindowMemory, by_decision: WindowMemory,

@@ -317,10 +317,12 @@ def _first_release_shared(released: dict[Pattern, list[int]], n: int) -> dict[De
 
 def _held_past_release(chain: Chain, ran_on: torch.device,
                        rounding: Rounding | None) -> dict[str, int]:
-    """``tape.held_past_release``: bytes by the block in whose window they are freed."""
+    """``tape.held_past_release``: bytes by "first:window", the first block taking them
+    and the block in whose forward window the plain step frees them."""
     out: dict[str, int] = {}
-    for window, size in chain.held_past_release:
-        out[str(window)] = out.get(str(window), 0) + counted_bytes(size, ran_on, rounding)
+    for first, window, size in chain.held_past_release:
+        key = f"{first}:{window}"
+        out[key] = out.get(key, 0) + counted_bytes(size, ran_on, rounding)
     return out
 
 

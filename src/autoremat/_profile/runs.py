@@ -80,13 +80,16 @@ NOTE [ Tensors blocks take that die later in the chain ]
     is held by the plain step too, and one that is still alive when the last block of
     the chain returns is freed when the forward returns (NOTE [ Released when the forward
     returns ] in _plan/peak.py). The others, freed in the window of a block two or more
-    after the first block taking them, are ``tape.held_past_release`` (by that window's
-    block), counted held through the step in every plan that recomputes a block, unless
+    after the first block taking them, are ``tape.held_past_release`` (by the first
+    block taking them and that window's block), counted held through the step in a plan
+    that recomputes a block from the first taking them to two before that window, unless
     the window's block and the one before it are each checkpointed alone (the step with
     every block checkpointed measured those windows holding it). Exact where the plan
-    recomputes the first block taking them; elsewhere an over-count by their bytes, where
-    the prediction was exact before (BART: recomputing its second encoder layer alone,
-    64 KiB). Where the warm-up step cannot tell (a compiled step), none is counted.
+    recomputes such a block that takes them (the tower of
+    ``test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held``: every
+    pattern measured to the byte); an over-count by their bytes where it recomputes only
+    blocks in that range that do not take them. Where the warm-up step cannot tell (a
+    compiled step), none is counted.
 
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
@@ -522,12 +525,13 @@ class _HeldInputs:
         self._events += 1
         self._see_deaths()
 
-    def held_past_release(self, chain: list[str]) -> tuple[tuple[int, int], ...]:
+    def held_past_release(self, chain: list[str]) -> tuple[tuple[int, int, int], ...]:
         """The tensors blocks of ``chain`` (in the order they ran) take besides their input
         that a checkpoint of one of them may hold past where the plain step frees them,
         which the peak model does not see (NOTE [ Tensors blocks take that die later in
-        the chain ]), as (the chain block in whose forward window the plain step frees
-        it, its storage's size); none where the step cannot tell."""
+        the chain ]), as (the first chain block taking it, the chain block in whose
+        forward window the plain step frees it, its storage's size); none where the step
+        cannot tell."""
         index = {name: i for i, name in enumerate(self.names)}
         if any(name not in index for name in chain):
             return ()
@@ -545,7 +549,7 @@ class _HeldInputs:
             window = max((p for p, r in enumerate(returns) if cast(int, r) < side.died),
                          default=-1)
             if window < len(ids) - 1 and window - min(takers) >= 2:
-                sizes.append((window, side.nbytes))
+                sizes.append((min(takers), window, side.nbytes))
         return tuple(sizes)
 
     def held(self, chain: list[str]) -> list[bool] | None:
@@ -949,8 +953,8 @@ class Chain:
     times: BlockTimes | None  # of that first step, when timed and the chain is what it stamped
     loss: str = ""  # the loss it took, in words (conditions.describe_loss)
     autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
-    held_past_release: tuple[tuple[int, int], ...] = ()  # (window, bytes): NOTE
-    # [ Tensors blocks take that die later in the chain ]
+    held_past_release: tuple[tuple[int, int, int], ...] = ()  # (first taker, window,
+    # bytes): NOTE [ Tensors blocks take that die later in the chain ]
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
