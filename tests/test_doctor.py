@@ -126,6 +126,39 @@ def _held(est: Any) -> int:
     return est.total_for(-(-est.step_peak_bytes * 103 // 100))
 
 
+class _CountsItsLabels(nn.Module):
+    """Takes its loss over the positions its labels count, chosen by their values (as a
+    CTC or token-classification head selects them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.out(x)[labels >= 0].logsumexp(-1).mean()
+
+
+def test_a_step_that_reads_its_batchs_values_gets_its_remedies_measured() -> None:
+    """NOTE [ Following the batch's values ]: the micro-batch remedy measures the batch's
+    first rows, real, whose labels the step reads (it measured meta rows without values,
+    and the step failed); a batch given on meta is refused, saying to give it on the CPU."""
+    torch.manual_seed(0)
+    model = _CountsItsLabels()
+    labels = torch.randint(-1, 8, (8, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"x": torch.randn(8, 16, 32), "labels": labels}
+    est = estimate(model, batch, device="cpu", selective=False)
+    p = doctor(model, batch, memory=est.resting_bytes + est.grad_bytes // 2, device="cpu")
+    assert not p.fits and "micro-batch" in {r.name for r in p.remedies}
+    on_meta = {key: value.to("meta") for key, value in batch.items()}
+    with pytest.raises(RematError, match=r"reads tensor values.*Its batch was given on meta, "
+                                         r"so none of its values is known either: give the "
+                                         r"batch on the CPU"):
+        estimate(model, on_meta, device="cpu", selective=False)
+
+
 @pytest.mark.slow
 def test_fits_as_is(gpt2: tuple[nn.Module, Any, Any]) -> None:
     model, inputs, est = gpt2

@@ -343,9 +343,11 @@ def _batch_of(inputs: Any) -> int | None:
 
 
 def _rebatch(inputs: Any, batch: int, new: int) -> Any:
+    """The batch's first ``new`` rows: the real rows of a real batch, whose values a
+    forward may read (NOTE [ Following the batch's values ] in ``fake.py``)."""
     def cut(t: torch.Tensor) -> torch.Tensor:
         if t.dim() and t.shape[0] == batch:
-            return torch.empty_like(t[:new], device="meta")
+            return t[:new] if not t.is_meta else torch.empty_like(t[:new], device="meta")
         return t
 
     return map_tensors(cut, inputs)

@@ -465,9 +465,9 @@ def estimate(
             plain = _tracked_step(step, names, checkpoint_all=False, rounding=rounding)
             ckpt = _tracked_step(step, names, checkpoint_all=True, rounding=rounding)
     except (RuntimeError, NotImplementedError) as exc:
-        if "meta" not in str(exc):
+        if "meta" not in str(exc).lower():  # ("... with Meta tensors")
             raise
-        raise meta_refusal(model, exc) from exc
+        raise meta_refusal(model, exc, given) from exc
     opt_name = optimizer if isinstance(optimizer, str) or optimizer is None else \
         f"{optimizer} bytes"
     opt_bytes, opt_step_bytes = optimizer_memory(model, optimizer, target_type)

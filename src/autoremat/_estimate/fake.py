@@ -995,10 +995,12 @@ def _no_padding_check(model: nn.Module) -> Iterator[None]:
         PreTrainedModel.warn_if_padding_and_no_attention_mask = original  # type: ignore[method-assign]
 
 
-def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
+def meta_refusal(model: nn.Module, exc: BaseException, given: Any = None) -> RematError:
     """The error to raise when ``model``'s step failed on ``meta`` with ``exc``: why, and
     what to do (for a mixture of experts routed by a loop over the experts hit, how to
-    estimate it anyway; NOTE [ Grouped matmuls on meta ])."""
+    estimate it anyway; NOTE [ Grouped matmuls on meta ]; a batch ``given`` on meta, whose
+    values no forward can read: NOTE [ Following the batch's values ])."""
+    batch_on_meta = any(t.is_meta for t in flat_tensors(given))
     what = type(model).__name__
     eager = sorted({type(m).__name__ for m in model.modules()  # Transformers' experts
                     if getattr(getattr(m, "config", None), "_experts_implementation", None)
@@ -1030,11 +1032,17 @@ def meta_refusal(model: nn.Module, exc: BaseException) -> RematError:
             f"directly. Make the tensor on the "
             f"input's device (device=x.device), or measure the model with autoremat.profile "
             f"on a real device")
+    batch = (" Its batch was given on meta, so none of its values is known either: give "
+             "the batch on the CPU (the estimate follows what the forward reads of it: "
+             "labels, masks, image grids; a factory for autoremat doctor runs under "
+             "torch.device('meta'), so make its batch with device='cpu')."
+             if batch_on_meta else "")
     return RematError(
         f"{what} cannot run on fake (meta) tensors: {exc}. Its forward reads tensor values "
         f"(.item(), a Python if on a tensor, shapes that depend on values such as "
         f"nonzero's){_where_read(exc)}, which fake tensors do not have: measure it with "
-        f"autoremat.profile on a real device, or make the forward independent of the values")
+        f"autoremat.profile on a real device, or make the forward independent of the "
+        f"values.{batch}")
 
 
 _LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "autoremat" + os.sep)

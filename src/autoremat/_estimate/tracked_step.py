@@ -245,9 +245,9 @@ def meta_step_peak(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = No
             run = _tracked_step(step, names, checkpoint_all=checkpoint_all,
                                 rounding=target_rounding(target))
     except (RuntimeError, NotImplementedError) as exc:
-        if "meta" not in str(exc):
+        if "meta" not in str(exc).lower():  # ("... with Meta tensors")
             raise
-        raise meta_refusal(model, exc) from exc
+        raise meta_refusal(model, exc, given) from exc
     return StepPeak(peak_bytes=run.mem.peak_bytes,
                     grads_at_peak_bytes=run.mem.breakdown["gradients"],
                     chunked_loss_peak_bytes=chunked_loss_peak(run, LOSS_CHUNKS))
