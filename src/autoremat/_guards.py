@@ -123,8 +123,9 @@ class Applied:
     flagged: list[nn.Module] = field(default_factory=list)  # modules with Hugging Face's
     # gradient_checkpointing flag (off at apply(), NOTE [ What a plan is checked against ])
     calls: list[int] | None = None
-    hooks: list[dict[int, str]] = field(default_factory=list)  # the user's forward hooks
-    # on each block, and (last) the global ones, at apply() (NOTE [ What a plan ... ])
+    hooks: list[set[int]] = field(default_factory=list)  # the handles of the forward
+    # hooks on each block, and (last) the global ones, there at apply() or looked at since
+    # (NOTE [ What a plan is checked against ])
     # the last forward with gradients, until its backward starts or its graph is freed
     # (NOTE [ What a plan is checked against ]: forwards before one backward)
     pending: weakref.ref[_Forward] | None = None
@@ -161,7 +162,7 @@ def watch_blocks(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
     state.probes = [p for p in model.parameters() if id(p) not in inside][:16] + [
         p for _, _, module in state.blocks for p in list(module.parameters())[:1]]
     state.flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
-    state.hooks = _user_hooks(state)
+    state.hooks = [{key for hooks in dicts for key in hooks} for _, dicts in _hooks(state)]
     for i, (_, _, module) in enumerate(state.blocks):
         state.handles.append(module.register_forward_pre_hook(
             functools.partial(_count_call, state, i)))
@@ -251,26 +252,31 @@ def _hook_name(hook: Any) -> str | None:
     return f"{module}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
-def _user_hooks(state: Applied) -> list[dict[int, str]]:
-    """The user's forward hooks (pre and post) on each planned block, then the global
-    ones (``nn.modules.module.register_module_forward_hook``): their handles' ids (unique
-    in the process) and names."""
-    def named(*dicts: Mapping[int, Any]) -> dict[int, str]:
-        return {key: name for hooks in dicts for key, hook in hooks.items()
-                if (name := _hook_name(hook)) is not None}
+def _hooks(state: Applied) -> list[tuple[str, tuple[Mapping[int, Any], ...]]]:
+    """The forward hooks (pre and post) of each planned block, by its name, then the
+    global ones (``nn.modules.module.register_module_forward_hook``)."""
     from torch.nn.modules import module as torch_module
-    return [named(m._forward_pre_hooks, m._forward_hooks) for _, _, m in state.blocks] + [
-        named(torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks)]
+    return [(b.name, (m._forward_pre_hooks, m._forward_hooks))
+            for b, (_, _, m) in zip(state.plan.blocks, state.blocks, strict=True)] + [
+        ("every module (a global hook)",
+         (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks))]
 
 
 def _check_hooks(state: Applied) -> None:
     """Warn once where the user registered forward hooks on planned blocks (or global
-    ones) after apply(): what a hook keeps, the plan did not measure."""
-    now = _user_hooks(state)
-    added = [(name, [hook for key, hook in hooks.items() if key not in before])
-             for name, hooks, before in zip(
-                 [b.name for b in state.plan.blocks] + ["every module (a global hook)"], now,
-                 state.hooks, strict=True) if hooks.keys() - before.keys()]
+    ones) after apply(): what a hook keeps, the plan did not measure. Each new hook is
+    looked at once (its handle's id is unique in the process): a framework's is then
+    known, and a forward compares handles only."""
+    added = []
+    for (name, dicts), known in zip(_hooks(state), state.hooks, strict=True):
+        new = [(key, hook) for hooks in dicts for key, hook in hooks.items()
+               if key not in known]
+        if not new:
+            continue
+        known.update(key for key, _ in new)
+        users = [found for _, hook in new if (found := _hook_name(hook)) is not None]
+        if users:
+            added.append((name, users))
     if not added:
         return
     state.warned.add("hooks")
