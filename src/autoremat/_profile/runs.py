@@ -108,7 +108,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -463,7 +463,7 @@ class _HeldInputs:
         side = self._live.get(t.untyped_storage()._cdata)
         if side is not None:
             side.saved = True
-        return t.detach()
+        return _detached(t)
 
     def _input_alive(self, i: int) -> bool:
         ref = self._refs.get(i)
@@ -536,9 +536,9 @@ class _HeldInputs:
         if any(name not in index for name in chain):
             return ()
         ids = [index[name] for name in chain]
-        returns = [self._returns.get(i) for i in ids]
-        if any(r is None for r in returns):
+        if any(i not in self._returns for i in ids):
             return ()
+        returns = [self._returns[i] for i in ids]
         position = {block: p for p, block in enumerate(ids)}
         sizes = []
         for side in self._sides:
@@ -546,8 +546,7 @@ class _HeldInputs:
             if side.saved or side.died is None or not takers:
                 continue
             # the window it dies in: the last chain block that returned before it died
-            window = max((p for p, r in enumerate(returns) if cast(int, r) < side.died),
-                         default=-1)
+            window = max((p for p, r in enumerate(returns) if r < side.died), default=-1)
             if window < len(ids) - 1 and window - min(takers) >= 2:
                 sizes.append((min(takers), window, side.nbytes))
         return tuple(sizes)
