@@ -5,6 +5,7 @@ measuring ``plan()`` + ``apply()`` on the zoo (NOTE [ The peak model ] in
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,8 +23,16 @@ from conftest import SMALL
 
 def _measured(name: str, plan: autoremat.Plan) -> int:
     model, inputs = zoo.build(name, **SMALL[name])  # the model the tape was measured on
+    return _applied_peak(model, inputs, plan)
+
+
+def _applied_peak(model: nn.Module, inputs: Any, plan: autoremat.Plan) -> int:
+    """The step peak of ``model`` with ``plan`` applied; the model is left as it was."""
     autoremat.apply(model, plan)
-    return step_measure(autoremat.Step(model, inputs)).peak_bytes
+    try:
+        return step_measure(autoremat.Step(model, inputs)).peak_bytes
+    finally:
+        autoremat.remove(model)
 
 
 @pytest.mark.parametrize("name", ["resnet", "gpt2"])
@@ -73,9 +82,7 @@ def test_what_the_model_makes_before_the_first_block_is_counted_held() -> None:
         segments = [(i, i + 1, RECOMPUTE if c == "r" else KEEP)
                     for i, c in enumerate(pattern)]
         plan = plan_of_segments(tape, segments, "test")
-        autoremat.apply(model, plan)
-        measured = step_measure(autoremat.Step(model, inputs)).peak_bytes
-        autoremat.remove(model)
+        measured = _applied_peak(model, inputs, plan)
         assert measured <= plan.predicted_peak_bytes, pattern
         assert plan.predicted_peak_bytes - measured <= 1024, pattern  # and no more
     assert [b.decision for b in autoremat.plan(tape, "100%").blocks] == ["keep"] * 4
@@ -152,7 +159,5 @@ def test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held(
     for recomputed in [(0,), (1,), (0, 1), (n - 2,), (0, n - 2), tuple(range(n))]:
         segments = [(i, i + 1, RECOMPUTE if i in recomputed else KEEP) for i in range(n)]
         plan = plan_of_segments(tape, segments, "test")
-        autoremat.apply(model, plan)
-        measured = step_measure(autoremat.Step(model, inputs)).peak_bytes
-        autoremat.remove(model)
+        measured = _applied_peak(model, inputs, plan)
         assert measured == plan.predicted_peak_bytes, recomputed
