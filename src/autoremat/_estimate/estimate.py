@@ -73,8 +73,8 @@ from autoremat._core.step import (
 from autoremat._core.units import format_bytes, format_flops, parse_budget
 from autoremat._estimate.fake import (
     _resolve_device,
-    meta_refusal,
     parse_dtype,
+    refused_on_meta,
     step_as_on,
     to_meta,
 )
@@ -451,23 +451,19 @@ def estimate(
     step = dataclasses.replace(step, model=model, inputs=inputs)
     resolve_blocks(model, blocks)  # a wrong name fails before any work
     stage = progress or (lambda _: None)
-    try:
-        with preserved_state(model), step_as_on(target_type, model, inputs, given) as hf_notes:
-            # the tape is for the target (its costs, tape.device), not for meta
-            # blocks as given: found ones are put in the order they run, as profile does
-            tape = profile(step, blocks=blocks, repeats=1,
-                           with_selective=selective, rounding=rounding,
-                           device=target, offload=offload,
-                           host_bandwidth=(host_bandwidth or DEFAULT_HOST_BANDWIDTH)
-                           if offload else None, progress=progress)
-            names = [b.name for b in tape.blocks]
-            stage("tracked steps: what is live at the peak")
-            plain = _tracked_step(step, names, checkpoint_all=False, rounding=rounding)
-            ckpt = _tracked_step(step, names, checkpoint_all=True, rounding=rounding)
-    except (RuntimeError, NotImplementedError) as exc:
-        if "meta" not in str(exc).lower():  # ("... with Meta tensors")
-            raise
-        raise meta_refusal(model, exc, given) from exc
+    with refused_on_meta(model, given), preserved_state(model), \
+            step_as_on(target_type, model, inputs, given) as hf_notes:
+        # the tape is for the target (its costs, tape.device), not for meta
+        # blocks as given: found ones are put in the order they run, as profile does
+        tape = profile(step, blocks=blocks, repeats=1,
+                       with_selective=selective, rounding=rounding,
+                       device=target, offload=offload,
+                       host_bandwidth=(host_bandwidth or DEFAULT_HOST_BANDWIDTH)
+                       if offload else None, progress=progress)
+        names = [b.name for b in tape.blocks]
+        stage("tracked steps: what is live at the peak")
+        plain = _tracked_step(step, names, checkpoint_all=False, rounding=rounding)
+        ckpt = _tracked_step(step, names, checkpoint_all=True, rounding=rounding)
     opt_name = optimizer if isinstance(optimizer, str) or optimizer is None else \
         f"{optimizer} bytes"
     opt_bytes, opt_step_bytes = optimizer_memory(model, optimizer, target_type)

@@ -57,6 +57,7 @@ __all__ = [
     "kernels_on_meta",
     "meta_refusal",
     "parse_dtype",
+    "refused_on_meta",
     "sdpa_as_on",
     "step_as_on",
     "to_meta",
@@ -993,6 +994,19 @@ def _no_padding_check(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         PreTrainedModel.warn_if_padding_and_no_attention_mask = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def refused_on_meta(model: nn.Module, given: Any) -> Iterator[None]:
+    """Inside, a step of ``model`` (on meta, made from the batch ``given``) that fails for
+    meta's sake ("Cannot copy out of meta tensor", "... with Meta tensors") is refused with
+    :func:`meta_refusal`; any other error passes as it came."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as exc:
+        if "meta" not in str(exc).lower():
+            raise
+        raise meta_refusal(model, exc, given) from exc
 
 
 def meta_refusal(model: nn.Module, exc: BaseException, given: Any = None) -> RematError:

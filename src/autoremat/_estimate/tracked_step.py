@@ -29,8 +29,8 @@ from autoremat._core.step import (
 )
 from autoremat._estimate.fake import (
     _resolve_device,
-    meta_refusal,
     parse_dtype,
+    refused_on_meta,
     step_as_on,
     to_meta,
 )
@@ -240,14 +240,10 @@ def meta_step_peak(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = No
     model, inputs = to_meta(model, inputs, parse_dtype(dtype))
     names = resolve_blocks(model, blocks)
     step = Step(model, inputs, loss_fn, loop)
-    try:
-        with preserved_state(model), step_as_on(target, model, inputs, given):
-            run = _tracked_step(step, names, checkpoint_all=checkpoint_all,
-                                rounding=target_rounding(target))
-    except (RuntimeError, NotImplementedError) as exc:
-        if "meta" not in str(exc).lower():  # ("... with Meta tensors")
-            raise
-        raise meta_refusal(model, exc, given) from exc
+    with refused_on_meta(model, given), preserved_state(model), \
+            step_as_on(target, model, inputs, given):
+        run = _tracked_step(step, names, checkpoint_all=checkpoint_all,
+                            rounding=target_rounding(target))
     return StepPeak(peak_bytes=run.mem.peak_bytes,
                     grads_at_peak_bytes=run.mem.breakdown["gradients"],
                     chunked_loss_peak_bytes=chunked_loss_peak(run, LOSS_CHUNKS))
