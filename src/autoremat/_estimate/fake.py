@@ -599,31 +599,73 @@ def kernels_on_meta(device: str | torch.device | None = None) -> Iterator[None]:
 #     estimate raised a ``TypeError`` from its eager branch).
 
 
+class _Lazy:
+    """The values of a meta tensor as a CPU tensor, made when first read: ``make`` run on
+    the values of ``needs`` (others of this class), outside every mode, or ``None`` where
+    they turn out not to be known (NOTE [ Following the batch's values ]). Once made, what
+    they were made from is let go."""
+
+    __slots__ = ("done", "make", "needs", "real")
+
+    def __init__(self, make: Callable[..., Any] | None = None, needs: tuple[_Lazy, ...] = (),
+                 real: torch.Tensor | None = None) -> None:
+        self.make, self.needs, self.real, self.done = make, needs, real, make is None
+
+    def get(self) -> torch.Tensor | None:
+        stack: list[_Lazy] = [self]  # (a loop, not recursion: a chain of many ops)
+        with _disable_current_modes():  # CPU work of ours, not the step's
+            while stack:
+                top = stack[-1]
+                if top.done:
+                    stack.pop()
+                    continue
+                pending = [need for need in top.needs if not need.done]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                reals = [need.real for need in top.needs]
+                make = cast("Callable[..., Any]", top.make)
+                top.real = None if any(r is None for r in reals) else make(*reals)
+                top.make, top.needs, top.done = None, (), True
+                stack.pop()
+        return self.real
+
+
 class _Values(TorchDispatchMode):
     """The real values of the batch's tensors on ``meta`` and of tensors made of known
-    values, followed through the ops the model runs on them (NOTE [ Following the
-    batch's values ]). Every other tensor has no known values. Ops that need values
-    (``.item()``, ``nonzero``, a boolean mask's index, a copy to the CPU) get them where
-    they are known."""
+    values, followed through the ops the model runs on them, and made only where read
+    (NOTE [ Following the batch's values ]). Every other tensor has no known values. Ops
+    that need values (``.item()``, ``nonzero``, a boolean mask's index, a copy to the
+    CPU) get them where they are known."""
 
     _ONES = (torch.ops.aten.ones.default, torch.ops.aten.new_ones.default)
 
     def __init__(self, inputs: Any, given: Any) -> None:
         super().__init__()
-        # id(meta tensor) -> (a weak reference to it, its values as a CPU tensor)
-        self.values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        # id(meta tensor) -> (a weak reference to it, its values), dropped when it dies
+        self.values: dict[int, tuple[weakref.ref[torch.Tensor], _Lazy]] = {}
         for _, meta, real in _batch_pairs(inputs, given):
-            if meta.numel() <= _FOLLOWED:
-                self._set(meta, real.detach().to("cpu", meta.dtype))
+            self._set(meta, _Lazy(functools.partial(_batch_values, real, meta.dtype)))
 
-    def _set(self, meta: torch.Tensor, real: torch.Tensor) -> None:
-        self.values[id(meta)] = (weakref.ref(meta), real)
+    def _set(self, meta: torch.Tensor, values: _Lazy | torch.Tensor) -> None:
+        key, entries = id(meta), self.values
+
+        def gone(ref: weakref.ref[torch.Tensor]) -> None:
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(meta, gone),
+                        values if isinstance(values, _Lazy) else _Lazy(real=values))
+
+    def _lazy(self, meta: torch.Tensor) -> _Lazy | None:
+        ref, lazy = self.values.get(id(meta), (None, None))
+        return lazy if ref is not None and ref() is meta else None
 
     def value(self, meta: torch.Tensor) -> torch.Tensor | None:
         """The values of ``meta`` as a CPU tensor of its dtype, or ``None`` when
         unknown."""
-        ref, real = self.values.get(id(meta), (None, None))
-        return real if ref is not None and ref() is meta else None
+        lazy = self._lazy(meta)
+        return None if lazy is None else lazy.get()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -635,12 +677,13 @@ class _Values(TorchDispatchMode):
                 for a in args):
             return func(*args, **kwargs)  # (most ops: none of its arguments has known values)
         metas = [t for t in flat_tensors((args, kwargs)) if t.is_meta]
-        reals = [self.value(t) for t in metas]
-        known = all(r is not None for r in reals)
+        lazies = [self._lazy(t) for t in metas]
+        known = all(lazy is not None for lazy in lazies)
         if func is torch.ops.aten.index.Tensor and _bool_index(args[1]):
             return self._index(func, args, known)
-        if func is torch.ops.aten.masked_select.default and reals[-1] is not None and not known:
-            return self._masked_select(args, reals[-1])
+        if func is torch.ops.aten.masked_select.default and not known \
+                and (mask := self.value(args[1])) is not None:
+            return self._masked_select(args, mask)
         if func is torch.ops.aten._ctc_loss.Tensor and all(
                 self.value(t) is not None for t in args[2:4]):  # NOTE [ CTC on meta ]
             lengths = [cast(torch.Tensor, self.value(t)).tolist() for t in args[2:4]]
@@ -648,62 +691,53 @@ class _Values(TorchDispatchMode):
         needs = _needs_values(func, args, kwargs)
         if needs and not known:
             return func(*args, **kwargs)  # what it cannot answer, PyTorch's checks refuse
-        out = None if needs else func(*args, **kwargs)
-        mutated = [a for a, info in zip(args, func._schema.arguments, strict=False)
+        ran = None if not known or torch.Tag.nondeterministic_seeded in func.tags else _Lazy(
+            functools.partial(_run_on_cpu, func, *_slots((args, kwargs), metas)),
+            cast("tuple[_Lazy, ...]", tuple(lazies)))  # (draws: not ours to make)
+        if needs:  # the output, made from the values: a scalar, or meta tensors of the
+            # values' shapes (a copy to another device is the values, on the CPU)
+            real_out = None if ran is None else ran.get()
+            if real_out is None:
+                return func(*args, **kwargs)
+            out = real_out if _copies_out(func, args, kwargs) else \
+                map_tensors(_on_meta_empty, real_out)
+        else:
+            out = func(*args, **kwargs)
+        written = [a for a, info in zip(args, func._schema.arguments, strict=False)
                    if info.alias_info is not None and info.alias_info.is_write
                    and isinstance(a, torch.Tensor)]
         # a view changed in place changes its base: the base's values as they were
-        bases = [(t, t._base, self.value(t._base)) for t in mutated if t._base is not None]
-        for t in mutated:  # what it knew of it, its base and their views is stale
+        bases = [(t, t._base, self._lazy(t._base)) for t in written if t._base is not None]
+        for t in written:  # what it knew of it, its base and their views is stale
             self._forget(t)
-        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                if isinstance(t, torch.Tensor)]
-        if not known or any(t.numel() > _FOLLOWED for t in outs) \
-                or torch.Tag.nondeterministic_seeded in func.tags:  # (draws: not ours to)
+        if ran is None:
             return out
-        by_id = {id(t): r for t, r in zip(metas, reals, strict=True) if r is not None}
-
-        def real(t: torch.Tensor) -> torch.Tensor:  # a copy: an op in place changes it
-            return by_id[id(t)].clone() if t.is_meta else t
-
-        with _disable_current_modes():  # CPU work of ours, not the step's
-            real_out = func(*map_tensors(real, args),
-                            **{k: "cpu" if k == "device" else map_tensors(real, v)
-                               for k, v in kwargs.items()})
-        if needs:  # the output, made from the values: a scalar, or meta tensors of the
-            # values' shapes (a copy to another device is the values, on the CPU)
-            out = real_out if _copies_out(func, args, kwargs) else \
-                map_tensors(_on_meta_empty, real_out)
-            outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                    if isinstance(t, torch.Tensor)]
-        real_outs = [r for r in (real_out if isinstance(real_out, (tuple, list))
-                                 else (real_out,)) if isinstance(r, torch.Tensor)]
-        for t, r in zip(outs, real_outs, strict=False):
+        several = isinstance(out, (tuple, list))
+        for i, t in enumerate(out if several else (out,)):
             # (an output changed in place is the argument: its new values; where it is a
             # view, its base and the base's other views stay forgotten)
-            if t.is_meta and t.shape == r.shape:
-                self._set(t, r)
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                self._set(t, _Lazy(functools.partial(_output, i if several else None,
+                                                     t.shape), (ran,)))
         for view, base, was in bases:  # (Longformer's global_attention_mask[:, 0] = 1)
-            now = self.value(view)
-            if was is not None and now is not None and base.stride() == was.stride() \
-                    and base.storage_offset() == was.storage_offset() == 0:
-                changed = was.clone()
-                changed.as_strided(view.shape, view.stride(), view.storage_offset()).copy_(now)
-                self._set(base, changed)
+            now = self._lazy(view)
+            if was is not None and now is not None and base.storage_offset() == 0:
+                self._set(base, _Lazy(functools.partial(
+                    _written_through, view.shape, view.stride(), int(view.storage_offset()),
+                    base.stride()), (was, now)))
         return out
 
     def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A tensor made full of one value (``torch.ones``, ``zeros_like``, ``arange``):
         its values are known whatever its arguments' are."""
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.is_meta and out.numel() <= _FOLLOWED and (
+        if isinstance(out, torch.Tensor) and out.is_meta and (
                 not out.is_floating_point() or out.dim() == 0 or func in self._ONES):
             # (floating-point ones only when a mask could be made of them: not a
             # gradient's zeros in backward)
-            with _disable_current_modes():
-                real_args = map_tensors(
-                    lambda t: torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t, args)
-                self._set(out, func(*real_args, **{**kwargs, "device": "cpu"}))
+            metas = [t for t in flat_tensors(args) if t.is_meta]
+            self._set(out, _Lazy(functools.partial(_constant_on_cpu, func,
+                                                   _slots(args, metas), kwargs)))
         return out
 
     def _index(self, func: Any, args: tuple[Any, ...], known: bool) -> Any:
@@ -721,10 +755,11 @@ class _Values(TorchDispatchMode):
                     positions = real.nonzero().unbind(1)
                 indices.extend(_on_meta_empty(i) for i in positions)
         out = func(args[0], indices)
-        if known and out.numel() <= _FOLLOWED:
-            with _disable_current_modes():
-                self._set(out, func(self.value(args[0]),
-                                    [None if i is None else self.value(i) for i in args[1]]))
+        if known:
+            metas = [t for t in (args[0], *args[1]) if t is not None and t.is_meta]
+            ran = _Lazy(functools.partial(_run_on_cpu, func, _slots(args, metas), {}),
+                        tuple(cast(_Lazy, self._lazy(t)) for t in metas))
+            self._set(out, _Lazy(functools.partial(_output, None, out.shape), (ran,)))
         return out
 
     @staticmethod
@@ -744,6 +779,77 @@ class _Values(TorchDispatchMode):
                 del self.values[key]
 
 
+def _batch_values(real: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return real.detach().to("cpu", dtype)
+
+
+class _Slot:
+    """Where a meta tensor was in an op's arguments: the arguments kept to run the op
+    again on values hold these, not the meta tensors, which would stay alive (and
+    counted) as long as the values."""
+
+    __slots__ = ("dtype", "index", "shape")
+
+    def __init__(self, index: int, t: torch.Tensor) -> None:
+        self.index, self.shape, self.dtype = index, t.shape, t.dtype
+
+
+def _slots(args: Any, metas: list[torch.Tensor]) -> Any:
+    """``args`` (an op's: tensors, lists of them, scalars) with each of ``metas`` a
+    :class:`_Slot` of its index."""
+    at = {id(t): i for i, t in enumerate(metas)}
+    return map_tensors(lambda t: _Slot(at[id(t)], t) if id(t) in at else t, args)
+
+
+def _filled(args: Any, fill: Callable[[_Slot], Any]) -> Any:
+    if isinstance(args, _Slot):
+        return fill(args)
+    if isinstance(args, (tuple, list)):
+        return type(args)(_filled(a, fill) for a in args)
+    if isinstance(args, dict):
+        return {k: _filled(v, fill) for k, v in args.items()}
+    return args
+
+
+def _run_on_cpu(func: Any, args: Any, kwargs: dict[str, Any], *reals: torch.Tensor) -> Any:
+    """``func`` run again on the CPU, ``args`` and ``kwargs`` holding slots (:class:`_Slot`)
+    of the values ``reals`` (copies of them where ``func`` changes its arguments: the values
+    are others' too)."""
+    writes = func._schema.is_mutable
+
+    def fill(slot: _Slot) -> torch.Tensor:
+        return reals[slot.index].clone() if writes else reals[slot.index]
+
+    kwargs = {k: "cpu" if k == "device" else v for k, v in kwargs.items()}
+    return func(*_filled(args, fill), **_filled(kwargs, fill))
+
+
+def _output(index: int | None, shape: torch.Size, out: Any) -> torch.Tensor | None:
+    """An op's output ``index`` (``None``: its only one) of those ``_run_on_cpu`` made,
+    where it has the meta output's shape."""
+    real = out if index is None else out[index]
+    return real if isinstance(real, torch.Tensor) and real.shape == shape else None
+
+
+def _written_through(shape: torch.Size, stride: tuple[int, ...], offset: int,
+                     base_stride: tuple[int, ...], was: torch.Tensor,
+                     now: torch.Tensor) -> torch.Tensor | None:
+    """A base's values after its view (``shape``, ``stride``, ``offset``) took ``now``:
+    where the values ``was`` are laid out as the base, else not known."""
+    if was.stride() != base_stride or was.storage_offset() != 0:
+        return None
+    changed = was.clone()
+    changed.as_strided(shape, stride, offset).copy_(now)
+    return changed
+
+
+def _constant_on_cpu(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """A constant factory run on the CPU, its meta arguments (slots, :class:`_Slot`)
+    empty tensors there of their shapes and dtypes: it reads none of their values."""
+    real_args = _filled(args, lambda slot: torch.empty(slot.shape, dtype=slot.dtype))
+    return cast(torch.Tensor, func(*real_args, **{**kwargs, "device": "cpu"}))
+
+
 # NOTE [ Following the batch's values ]
 #     On meta a tensor has a shape and no values, but the batch the meta copy was made
 #     from has values, and so has a tensor made of known values (``arange``, ``torch.full``
@@ -751,11 +857,17 @@ class _Values(TorchDispatchMode):
 #     dtype: not a gradient's floating-point zeros in backward, which no model reads).
 #     Their values are followed through every op the model runs on them whose tensor
 #     arguments all have known values: the op is run again on those values on the CPU
-#     (outside every mode, so that nothing of it is counted) and its result, up to 2**22
-#     elements, is the output's values. Every tensor of the batch up to that size is
-#     followed: ids, labels, masks, image grids, and the data itself (Idefics3 drops the
-#     padding images of a batch, all zeros, by their pixels' values). Where an op needs
-#     values, they are read from there:
+#     (outside every mode, so that nothing of it is counted) and its result is the
+#     output's values. They are made only when read (:class:`_Lazy`): most are never
+#     read, and a batch may be larger than this machine's step (a model's own casts and
+#     masks of pixel values would be work and memory of that size). So every tensor of
+#     the batch is followed, whatever its size: ids, labels, masks, image grids, and the
+#     data itself (Idefics3 drops the padding images of a batch, all zeros, by their
+#     pixels' values; until 2026-11-29, sixteenth session, only tensors up to 2**22
+#     elements were, made as they ran, and a batch of six 512 x 512 images was refused).
+#     What a value is made from holds the values it reads, not meta tensors
+#     (:class:`_Slot`): a meta tensor kept alive is counted. Where an op needs values,
+#     they are read from there:
 #       * ``.item()``, ``bool()`` and ``.tolist()`` (a copy to the CPU) of a known tensor
 #         give its values: Wav2Vec2's check of its labels against the vocabulary, its CTC
 #         loss's label lengths, Qwen2-VL's ``image_grid_thw.tolist()``;
@@ -774,7 +886,6 @@ class _Values(TorchDispatchMode):
 #     of the mask Transformers built): a value is never stale, only unknown. A read of a
 #     value that is not known (an activation's) is refused as before, naming the model's
 #     line, unless it is a check (NOTE [ Checks of values on meta ]).
-_FOLLOWED = 1 << 22
 _CONSTANT_FACTORIES = frozenset(getattr(torch.ops.aten, name) for name in (
     "ones", "zeros", "full", "arange", "scalar_tensor", "ones_like", "zeros_like",
     "full_like", "new_ones", "new_zeros", "new_full", "eye", "linspace"))
@@ -964,9 +1075,8 @@ class _MadeOnMeta(TorchFunctionMode):
         made = func(*args, **kwargs)  # as without this mode: no op is dispatched (one
         # here and none in a checkpoint's recompute, where this mode is not on, would
         # be other ops than the forward's to a selective block)
-        if made.numel() <= _FOLLOWED:
-            with _disable_current_modes():  # (not made meta by _CpuFactoriesOnMeta)
-                self.values._set(made, func(*args, **{**kwargs, "device": "cpu"}))
+        with _disable_current_modes():  # (not made meta by _CpuFactoriesOnMeta)
+            self.values._set(made, func(*args, **{**kwargs, "device": "cpu"}))
         return made
 
 
@@ -1268,7 +1378,6 @@ class _CpuFactoriesOnMeta(TorchDispatchMode):
         if name == "lift_fresh" and isinstance(out, torch.Tensor) \
                 and out.device.type == "cpu":
             meta = out.to("meta")
-            if out.numel() <= _FOLLOWED:  # NOTE [ Following the batch's values ]
-                self.values._set(meta, out)
+            self.values._set(meta, out)  # NOTE [ Following the batch's values ]
             return meta
         return out
