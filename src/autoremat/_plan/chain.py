@@ -34,6 +34,7 @@ from autoremat._plan.peak import (
     SegmentCost,
     block_costs,
     fixed_peaks,
+    held_past_release,
     least_release,
     post_window,
     predict_peak,
@@ -286,22 +287,17 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         f = frontier.get((n, last))
         if f is None:
             continue
-        # any plan the DP finds may recompute: what a checkpoint may hold past its release
-        # (NOTE [ Tensors blocks take that die later in the chain ]; keeping every block,
-        # which holds none of it, is checked apart above and below)
-        peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E)) \
-            + sum(tape.held_past_release.values())
+        peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E))
         for found in np.nonzero(peak <= budget)[0]:
-            cost, top = int(f.cost[found]), int(peak[found])
-            key = (cost, top) if objective == "cost" else (top, cost)
-            finals.append((key, _RANK[last], int(found), cost, top))
+            finals.append((int(f.cost[found]), int(peak[found]), _RANK[last], int(found)))
+    best = _best_final(tape, frontier, moves, finals, budget, objective)
     if objective == "peak" and kept_peak <= budget and (
-            not finals or kept_peak <= min(finals)[0][0]):
+            best is None or kept_peak <= best.peak_bytes):
         # what keeping every block releases, the DP may not see (as above): it reached
         # no smaller peak (a LeViT's BudgetError named a smallest budget 4 KiB above
         # what keeping every block predicts)
         return ChainSolution(keep_all, 0, kept_peak)
-    if not finals:
+    if best is None:
         internal_assert(budget_bytes is not None, "no plan of the chain without a budget")
         least = solve(tape, None, objective="peak", options=options, max_segment=max_segment)
         raise BudgetError(
@@ -309,9 +305,34 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             f"feasible budget is {format_bytes(least.peak_bytes)} ({least.peak_bytes} bytes), "
             "reached by strategy 'optimal'; use a budget of at least that, a smaller batch, "
             "or also offload/shard", min_feasible_bytes=least.peak_bytes, strategy="optimal")
-    _, rank, chosen, result_cost, result_peak = min(finals)
-    segments = _backtrack(frontier, moves, (n, _ORDER[rank]), chosen)
-    return ChainSolution(segments, result_cost, result_peak)
+    return best
+
+
+def _best_final(tape: Tape, frontier: dict[tuple[int, Decision], _Frontier],
+                moves: list[dict[Decision, _Moves]],
+                finals: list[tuple[int, int, int, int]], budget: float,
+                objective: str) -> ChainSolution | None:
+    """The best of the DP's final rows ``(cost, peak, rank of the last decision, row)``
+    whose peak fits ``budget`` with what its plan holds past its release added (NOTE
+    [ Tensors blocks take that die later in the chain ]): that depends on the whole
+    plan, which the DP's states do not hold, so it is added to each row's plan as
+    backtracked, in the order of the objective, until no later row can be better
+    (``None``: none fits). Until 2026-11-29 (sixteenth session) every row was charged all
+    of it, and the smallest feasible budget was that much above the least."""
+    def key(cost: int, peak: int) -> tuple[int, int]:
+        return (cost, peak) if objective == "cost" else (peak, cost)
+
+    finals.sort(key=lambda final: (*key(final[0], final[1]), final[2], final[3]))
+    held = bool(tape.held_past_release)
+    best: ChainSolution | None = None
+    for cost, peak, rank, row in finals:
+        if best is not None and key(cost, peak) >= key(best.cost, best.peak_bytes):
+            break  # (held adds at least nothing: no later row is better)
+        segments = _backtrack(frontier, moves, (len(tape.blocks), _ORDER[rank]), row)
+        top = peak + held_past_release(tape, segments) if held else peak
+        if top <= budget and (best is None or key(cost, top) < key(best.cost, best.peak_bytes)):
+            best = ChainSolution(segments, cost, top)
+    return best
 
 
 def _post_peaks(tape: Tape, last: Decision, E: np.ndarray) -> np.ndarray:

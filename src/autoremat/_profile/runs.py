@@ -89,7 +89,8 @@ NOTE [ Tensors blocks take that die later in the chain ]
     ``test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held``: every
     pattern measured to the byte); an over-count by their bytes where it recomputes only
     blocks in that range that do not take them. Where the warm-up step cannot tell (a
-    compiled step), none is counted.
+    compiled step), none is counted. The optimal planner adds them to each plan it
+    finds as that plan holds them (``_best_final`` in _plan/chain.py).
 
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
