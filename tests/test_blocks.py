@@ -251,6 +251,44 @@ def test_a_stack_holding_less_than_a_quarter_stays_out() -> None:
     assert other_repeated_blocks(Uneven(wide=64), ["big.0", "big.1"]) == ["small"]
 
 
+class _Stages(nn.Module):
+    """torchvision's ResNet: stages as attributes side by side, each a Sequential of
+    residual blocks, the width doubling and the resolution halving from one to the next
+    (the last holds most parameters, the first most activations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.layer1 = nn.Sequential(_Residual(4), _Residual(4))
+        self.down2 = nn.Conv2d(4, 16, 3, stride=2, padding=1)
+        self.layer2 = nn.Sequential(_Residual(16), _Residual(16))
+        self.down3 = nn.Conv2d(16, 64, 3, stride=2, padding=1)
+        self.layer3 = nn.Sequential(_Residual(64), _Residual(64))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer1(self.stem(x))
+        x = self.layer3(self.down3(self.layer2(self.down2(x))))
+        return self.head(x.mean((2, 3))).pow(2).mean()
+
+
+def test_stages_of_the_chains_kind_of_block_join_it_whatever_they_hold() -> None:
+    """NOTE [ Stacks beside the chain ]: the first stages hold under a quarter of the
+    last's parameters and join it, as blocks of its kind; planned over the last stage
+    alone, the smallest plan is higher (a stack of single layers stays out:
+    test_a_stack_holding_less_than_a_quarter_stays_out)."""
+    import autoremat
+    from autoremat._plan.strategies import smallest_feasible_bytes
+
+    torch.manual_seed(0)
+    model, x = _Stages(), torch.randn(2, 3, 32, 32)
+    assert discover_blocks(model) == [f"layer{i}.{j}" for i in (1, 2, 3) for j in (0, 1)]
+    tape = autoremat.profile(model, x, repeats=1, timing=False, with_selective=False)
+    last = autoremat.profile(model, x, blocks=["layer3.0", "layer3.1"], repeats=1,
+                             timing=False, with_selective=False)
+    assert smallest_feasible_bytes(tape) < smallest_feasible_bytes(last)
+
+
 class _TwoTowers(nn.Module):
     """Two stacks defined text first, run image first (as CLIP's forward does)."""
 
@@ -393,6 +431,129 @@ def test_copies_of_one_run_of_layers_are_blocks_but_a_stage_of_blocks_is_flatten
     assert discover_blocks(pairs) == ["0", "1", "2"]  # checkpointing one Linear saves nothing
     stages = nn.ModuleList(nn.Sequential(Layer(), Layer()) for _ in range(2))
     assert discover_blocks(stages) == ["0.0", "0.1", "1.0", "1.1"]  # residual-style blocks
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.norm = nn.GroupNorm(2, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.conv(x)).relu()
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x.flatten(2).transpose(1, 2)).chunk(3, -1)
+        y = self.out(nn.functional.scaled_dot_product_attention(q, k, v))
+        return x + y.transpose(1, 2).reshape(b, c, h, w)
+
+
+class _Down(nn.Module):
+    """A diffusion U-Net's down block: residual blocks and attentions interleaved, held in
+    two lists, then a downsampler (diffusers' CrossAttnDownBlock2D)."""
+
+    def __init__(self, width: int, attention: bool = True) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(_Residual(width) for _ in range(2))
+        self.attentions = nn.ModuleList(_Attention(width) for _ in range(2 if attention else 0))
+        self.downsample = nn.Conv2d(width, width, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(x)
+            if self.attentions:
+                x = self.attentions[i](x)
+        return self.downsample(x)
+
+
+class _Plain(_Down):
+    def __init__(self, width: int) -> None:
+        super().__init__(width, attention=False)
+
+
+class _StagedUNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.downs = nn.ModuleList([_Down(8), _Down(8), _Plain(8)])
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for down in self.downs:
+            x = down(x)
+        return self.head(x).pow(2).mean()
+
+
+def test_stage_modules_that_differ_are_planned_over_their_layers_in_the_order_they_run(
+        ) -> None:
+    """NOTE [ Which container is the chain ]: down blocks of a U-Net (of two classes)
+    holding their residual blocks and attentions in lists are stages: the
+    chain is their layers, in the order they run, and its smallest plan is below the one
+    over the down blocks, measured to its prediction."""
+    import autoremat
+    from autoremat._plan.strategies import smallest_feasible_bytes
+
+    torch.manual_seed(0)
+    model, x = _StagedUNet(), torch.randn(2, 3, 32, 32)
+    layers = [f"downs.{i}.{kind}.{j}" for i in range(3)
+              for kind in ("resnets", "attentions")[:2 if i < 2 else 1] for j in range(2)]
+    assert discover_blocks(model) == layers
+    notes = discovery_notes(model)
+    assert len(notes) == 1 and "the 10 layers of 3 stage(s) in 'downs'" in notes[0] \
+        and "'attentions', 'resnets'" in notes[0]
+    tape = autoremat.profile(model, x, repeats=1, timing=False, with_selective=False)
+    run_order = [f"downs.{i}.{kind}.{j}" for i in range(3) for j in range(2)
+                 for kind in ("resnets", "attentions")[:2 if i < 2 else 1]]
+    assert [b.name for b in tape.blocks] == run_order
+    stages = autoremat.profile(model, x, blocks=["downs.0", "downs.1", "downs.2"],
+                               repeats=1, timing=False, with_selective=False)
+    least = smallest_feasible_bytes(tape)
+    assert least < smallest_feasible_bytes(stages)
+    plan = autoremat.plan(tape, budget=least)
+    autoremat.apply(model, plan)
+    report = autoremat.verify(model, x, plan, repeats=1)
+    autoremat.remove(model)
+    assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+
+
+class _Experts(nn.Module):
+    """A layer holding its experts in a list of its own (a mixture of experts)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, 4)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                                   nn.Linear(2 * width, width))
+                                     for _ in range(4))
+
+
+class _Sublayers(nn.Module):
+    """T5's block: a list of its parts, one of each kind."""
+
+    def __init__(self, first: bool, width: int = 8) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList([Layer(width), nn.Sequential(nn.Linear(width, width))])
+        self.bias = nn.Embedding(4, 2) if first else None
+
+
+def test_identical_layers_and_layers_of_parts_stay_blocks() -> None:
+    """NOTE [ Which container is the chain ]: a stage module is flattened only where the
+    elements differ and its lists hold one kind of layer at least twice: identical layers
+    holding experts, and T5-like blocks (the first with a position bias) whose list holds
+    one part of each kind, stay blocks."""
+    assert discover_blocks(nn.ModuleList(_Experts() for _ in range(3))) == ["0", "1", "2"]
+    blocks = nn.ModuleList(_Sublayers(first=i == 0) for i in range(3))
+    assert discover_blocks(blocks) == ["0", "1", "2"]
+    assert discovery_notes(blocks) == []
 
 
 class SelfCheckpointed(nn.Module):

@@ -20,6 +20,24 @@ NOTE [ Which container is the chain ]
     which level was taken and why. A model with no such container is its own single
     block. Explicit names or a predicate override all of this.
 
+    A stage may also be a module of its own that holds its layers in containers: a CNN's
+    stage (Transformers' ResNet and ConvNeXt: ``stages.i.layers``), a hierarchical
+    vision transformer's (Swin: ``layers.i.blocks``), a diffusion U-Net's down and up
+    blocks (diffusers: ``down_blocks.i.resnets``, ``.attentions``, ``.downsamplers``).
+    Planned over as elements, such stages are a few large blocks, and the smallest plan
+    stays far from the least a plan over their layers reaches (the smallest feasible
+    budget against the plain peak, elements / layers: ResNet 0.83 / 0.76, ConvNeXt
+    0.82 / 0.66, Swin 0.74 / 0.49, a diffusers U-Net 0.45 / 0.25, where diffusers' own
+    gradient checkpointing, per resnet and attention, reaches 0.27). So where the
+    elements differ from each other (in class or parameters, as stages of a growing
+    width do) an element that is not a container is a stage when its containers' composite
+    layers (those with children) hold at least half its parameters and one kind of them
+    comes at least twice (:func:`_stage_layers`): the chain takes those layers, in the order
+    they run. Identical elements (a transformer's layers) stay blocks, and so does an
+    element whose containers hold parts of one each (T5's ``layer``: self-attention,
+    cross-attention, feed-forward). Until 2026-11-29 (sixteenth session) such stages were
+    blocks.
+
 NOTE [ Stacks beside the chain ]
     An encoder-decoder (T5, BART, ``nn.Transformer``) or a two-tower model (CLIP) has
     two such containers side by side, and a step runs both. Planning over one of them
@@ -27,7 +45,14 @@ NOTE [ Stacks beside the chain ]
     other container that is neither inside nor around the best one and whose repeated
     children hold at least :data:`STACK_SHARE` of the parameters the best one's hold
     joins the chain: a stack, not a stray (a six-``Linear`` head beside a transformer
-    holds far less). Stacks come in definition order here; ``profile`` puts the blocks
+    holds far less). So does every other container of the chain's kind of block (a
+    composite layer: one with children, not a single ``Linear``), whatever it holds: a
+    CNN's stages are containers side by side whose parameters grow with their width while
+    their activations shrink (torchvision's ResNet-50: ``layer1`` to ``layer4``, the first
+    two under a quarter of ``layer4``'s parameters and holding most of the step's
+    activations; planned over ``layer3`` and ``layer4`` alone, its smallest feasible budget
+    was 0.89 of its peak, over all 16 bottlenecks 0.46; until 2026-11-29, sixteenth
+    session). Stacks come in definition order here; ``profile`` puts the blocks
     of a discovered chain in the order they run (a CLIP runs its vision tower first).
     Smaller repeated containers stay out, and ``other_repeated_blocks`` names them.
 """
@@ -103,9 +128,7 @@ def keyed_by_position(module: nn.ModuleDict) -> bool:
 
 
 def _is_repeated_container(module: nn.Module) -> bool:
-    listed = isinstance(module, _CONTAINERS) or \
-        (isinstance(module, nn.ModuleDict) and keyed_by_position(module))
-    return listed and len(module._modules) >= 2 and _repeated_score(module)[0] >= 0
+    return _listed(module) and len(module._modules) >= 2 and _repeated_score(module)[0] >= 0
 
 
 def _is_run(module: nn.Module) -> bool:
@@ -125,6 +148,27 @@ def _stages(container: nn.Module) -> list[nn.Module]:
     return runs if composite or differ else []
 
 
+def _listed(module: nn.Module) -> bool:
+    return isinstance(module, _CONTAINERS) or (
+        isinstance(module, nn.ModuleDict) and keyed_by_position(module))
+
+
+def _stage_layers(element: nn.Module) -> list[str]:
+    """The names, under ``element``, of its layers when it is a stage module (NOTE [ Which
+    container is the chain ]): the composite children of its child containers, where
+    they hold at least half its parameters and one kind of them comes at least twice;
+    else none."""
+    if _listed(element) or isinstance(element, nn.ModuleDict):
+        return []
+    layers = [(f"{name}.{n}", layer) for name, child in element.named_children()
+              if _listed(child) for n, layer in child.named_children()
+              if next(layer.children(), None) is not None]
+    if not layers or Counter(type(layer) for _, layer in layers).most_common(1)[0][1] < 2:
+        return []
+    held = sum(_param_count(layer) for _, layer in layers)
+    return [name for name, _ in layers] if 2 * held >= _param_count(element) else []
+
+
 def _repeated_containers(model: nn.Module) -> Iterator[tuple[str, tuple[int, int]]]:
     """``(name, score)`` of every ModuleList/Sequential holding repeated children."""
     for name, module in model.named_modules():
@@ -135,6 +179,14 @@ def _repeated_containers(model: nn.Module) -> Iterator[tuple[str, tuple[int, int
 def _nested(a: str, b: str) -> bool:
     """Whether containers ``a`` and ``b`` are one inside the other (or the same)."""
     return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _block_kinds(container: nn.Module) -> set[type[nn.Module]]:
+    """The classes of the composite layers (with children of their own: blocks, not single
+    layers) the chain takes from ``container``."""
+    return {type(layer) for name, layers in _elements(container) for layer in (
+        container.get_submodule(f"{name}{under}") for under in layers)
+        if next(layer.children(), None) is not None}
 
 
 def _stacks(model: nn.Module) -> list[str]:
@@ -151,9 +203,12 @@ def _stacks(model: nn.Module) -> list[str]:
         return []
     root, covered = best[2], best[0][0]
     chosen = [root]
+    kinds = _block_kinds(model.get_submodule(root))
     for name, score in found:  # named_modules order: definition order
-        if covered > 0 and score[0] >= STACK_SHARE * covered \
-                and not any(_nested(name, c) for c in chosen):
+        if any(_nested(name, c) for c in chosen):
+            continue
+        if (covered > 0 and score[0] >= STACK_SHARE * covered) \
+                or kinds & _block_kinds(model.get_submodule(name)):
             chosen.append(name)
     order = {name: k for k, (name, _) in enumerate(found)}
     return sorted(chosen, key=order.__getitem__)
@@ -177,15 +232,25 @@ def discover_blocks(model: nn.Module) -> list[str]:
         return [""]  # the whole model is one block
     names: list[str] = []
     for root in stacks:
-        container = model.get_submodule(root)
         prefix = f"{root}." if root else ""
-        stages = _stages(container)
-        for child_name, child in container.named_children():
-            if any(child is stage for stage in stages):
-                names.extend(f"{prefix}{child_name}.{n}" for n, _ in child.named_children())
-            else:
-                names.append(f"{prefix}{child_name}")
+        for child_name, layers in _elements(model.get_submodule(root)):
+            names.extend(f"{prefix}{child_name}{layer}" for layer in layers)
     return names
+
+
+def _elements(container: nn.Module) -> Iterator[tuple[str, list[str]]]:
+    """Each element of the chain's ``container`` by name, with the names under it the
+    chain takes (``[""]``: the element itself), NOTE [ Which container is the chain ]."""
+    stages = _stages(container)
+    children = list(container.named_children())
+    differ = len({(type(c), param_signature(c)) for _, c in children}) > 1
+    for name, child in children:
+        if any(child is stage for stage in stages):
+            yield name, [f".{n}" for n, _ in child.named_children()]
+        elif differ and (layers := _stage_layers(child)):
+            yield name, [f".{n}" for n in layers]
+        else:
+            yield name, [""]
 
 
 def _kinds(module: nn.Module) -> str:
@@ -228,6 +293,17 @@ def discovery_notes(model: nn.Module) -> list[str]:
                 f"blocks: the {layers} layers of the {len(stages)} stages in {where} (each "
                 f"stage a run of {kind}), not the stages themselves. Pass blocks=[...] to "
                 f"plan at another level")
+        modules = [(name, layers) for name, layers in _elements(container)
+                   if layers != [""] and not any(
+                       container.get_submodule(name) is stage for stage in stages)]
+        if modules:
+            kinds = sorted({layer.split(".")[1] for _, layers in modules for layer in layers})
+            notes.append(
+                f"blocks: the {sum(len(layers) for _, layers in modules)} layers of "
+                f"{len(modules)} stage(s) in {where} (modules that differ from each other, holding "
+                f"their layers in {', '.join(repr(k) for k in kinds)}), not the stages "
+                f"themselves: a plan over a few large stages stays far above the least one "
+                f"over their layers reaches. Pass blocks=[...] to plan at another level")
     return notes
 
 
