@@ -460,10 +460,11 @@ class _Down(nn.Module):
     """A diffusion U-Net's down block: residual blocks and attentions interleaved, held in
     two lists, then a downsampler (diffusers' CrossAttnDownBlock2D)."""
 
-    def __init__(self, width: int, attention: bool = True) -> None:
+    def __init__(self, width: int, attention: bool = True, layers: int = 2) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList(_Residual(width) for _ in range(2))
-        self.attentions = nn.ModuleList(_Attention(width) for _ in range(2 if attention else 0))
+        self.resnets = nn.ModuleList(_Residual(width) for _ in range(layers))
+        self.attentions = nn.ModuleList(_Attention(width)
+                                        for _ in range(layers if attention else 0))
         self.downsample = nn.Conv2d(width, width, 3, stride=2, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -525,6 +526,32 @@ def test_stage_modules_that_differ_are_planned_over_their_layers_in_the_order_th
     assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
 
 
+class _SmallUNet(nn.Module):
+    """Down blocks one of each class, the first with one residual block and one attention
+    (diffusers' small test U-Nets: ``layers_per_block=1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.downs = nn.ModuleList([_Down(8, layers=1), _Plain(8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for down in self.downs:
+            x = down(x)
+        return x.pow(2).mean()
+
+
+def test_a_list_of_stages_each_of_its_own_class_is_a_chain_of_their_layers() -> None:
+    """NOTE [ Which container is the chain ]: no class comes twice in the list, but its
+    stages hold layers that repeat (in two lists, or one kind twice)."""
+    import autoremat
+
+    model, x = _SmallUNet(), torch.randn(2, 8, 16, 16)
+    assert discover_blocks(model) == ["downs.0.resnets.0", "downs.0.attentions.0",
+                                      "downs.1.resnets.0", "downs.1.resnets.1"]
+    tape = autoremat.profile(model, x, repeats=1, timing=False, with_selective=False)
+    assert [b.name for b in tape.blocks] == discover_blocks(model)
+
+
 class _Experts(nn.Module):
     """A layer holding its experts in a list of its own (a mixture of experts)."""
 
@@ -545,15 +572,79 @@ class _Sublayers(nn.Module):
         self.bias = nn.Embedding(4, 2) if first else None
 
 
+def _norm_act(c_in: int, c_out: int, groups: int = 1) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, groups=groups),
+                         nn.BatchNorm2d(c_out), nn.ReLU6())
+
+
+class _InvertedResidual(nn.Module):
+    """torchvision's MobileNetV2 block: its convolutions in one Sequential, two of them
+    composite (convolution, norm, activation), the last a single layer."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(_norm_act(c_in, 2 * c_in),
+                                  _norm_act(2 * c_in, 2 * c_in, groups=2 * c_in),
+                                  nn.Conv2d(2 * c_in, c_out, 1), nn.BatchNorm2d(c_out))
+
+
 def test_identical_layers_and_layers_of_parts_stay_blocks() -> None:
     """NOTE [ Which container is the chain ]: a stage module is flattened only where the
     elements differ and its lists hold one kind of layer at least twice: identical layers
     holding experts, and T5-like blocks (the first with a position bias) whose list holds
-    one part of each kind, stay blocks."""
+    one part of each kind, stay blocks; so do MobileNet's blocks of differing widths,
+    whose list mixes composite and single layers."""
     assert discover_blocks(nn.ModuleList(_Experts() for _ in range(3))) == ["0", "1", "2"]
     blocks = nn.ModuleList(_Sublayers(first=i == 0) for i in range(3))
     assert discover_blocks(blocks) == ["0", "1", "2"]
     assert discovery_notes(blocks) == []
+    mobile = nn.Sequential(_norm_act(3, 8), _InvertedResidual(8, 8),
+                           _InvertedResidual(8, 16), _InvertedResidual(16, 16))
+    assert discover_blocks(mobile) == ["0", "1", "2", "3"]
+
+
+class _InPlaceActivations(nn.Module):
+    """torchvision's VGG: in-place ReLUs as layers of their own in one Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(inplace=True))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3))).pow(2).mean()
+
+
+def test_blocks_found_that_change_their_input_in_place_run_between_the_others() -> None:
+    """A block whose forward writes its input cannot be checkpointed (its checkpoint
+    keeps that input for the recompute): found, it leaves the chain with a note (profile
+    refused the model), and a block after it, whose input it wrote, is not chained to
+    the one before (a segment cannot replay the write between them). Plans at the least
+    budget and at every other block are exact; named in blocks=, it is refused."""
+    import autoremat
+    from autoremat._core.errors import RematError
+    from autoremat._plan.strategies import smallest_feasible_bytes
+
+    torch.manual_seed(0)
+    model, x = _InPlaceActivations(), torch.randn(2, 3, 16, 16)
+    tape = autoremat.profile(model, x, repeats=1, timing=False, with_selective=False)
+    assert [b.name for b in tape.blocks] == ["features.0", "features.2", "features.4",
+                                             "features.5", "features.7"]
+    assert any("4 of the blocks found change their input in place" in n for n in tape.notes)
+    assert [b.chained for b in tape.blocks[1:]] == [False, False, True, False]
+    for plan in (autoremat.plan(tape, budget=smallest_feasible_bytes(tape)),
+                 autoremat.plan(tape, strategy="every:2")):
+        autoremat.apply(model, plan)
+        report = autoremat.verify(model, x, plan, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+    with pytest.raises(RematError, match="changed its input in place"):
+        autoremat.profile(model, x, blocks=[f"features.{i}" for i in range(9)], repeats=1,
+                          timing=False, with_selective=False)
 
 
 class SelfCheckpointed(nn.Module):

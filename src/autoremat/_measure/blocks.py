@@ -30,12 +30,17 @@ NOTE [ Which container is the chain ]
     0.82 / 0.66, Swin 0.74 / 0.49, a diffusers U-Net 0.45 / 0.25, where diffusers' own
     gradient checkpointing, per resnet and attention, reaches 0.27). So where the
     elements differ from each other (in class or parameters, as stages of a growing
-    width do) an element that is not a container is a stage when its containers' composite
-    layers (those with children) hold at least half its parameters and one kind of them
-    comes at least twice (:func:`_stage_layers`): the chain takes those layers, in the order
-    they run. Identical elements (a transformer's layers) stay blocks, and so does an
-    element whose containers hold parts of one each (T5's ``layer``: self-attention,
-    cross-attention, feed-forward). Until 2026-11-29 (sixteenth session) such stages were
+    width do) an element that is not a container is a stage when the layers of its
+    containers of composite layers (those with children; a list mixing in single layers,
+    as a MobileNet's inverted residual holds its convolutions, is the block's own inside)
+    hold at least half its parameters and one kind of them comes at least twice, or they
+    are in two containers or more (a residual block and an attention, each in its list:
+    :func:`_stage_layers`): the chain takes those layers, in the order they run.
+    Identical elements (a transformer's layers) stay blocks, and so does an element whose
+    containers hold parts of one each (T5's ``layer``: self-attention, cross-attention,
+    feed-forward). A container of stages each of its own class (a small
+    U-Net's cross-attention down block, then a plain one) is a repeated container too:
+    the layers inside repeat. Until 2026-11-29 (sixteenth session) such stages were
     blocks.
 
 NOTE [ Stacks beside the chain ]
@@ -104,6 +109,10 @@ def _param_count(module: nn.Module) -> int:
 def _repeated_score(container: nn.Module) -> tuple[int, int]:
     children = list(container.children())
     common, count = Counter(type(c) for c in children).most_common(1)[0]
+    if count < 2 and len(children) >= 2 and any(_stage_layers(c) for c in children):
+        # stages of one kind each (a U-Net's cross-attention down block, then a plain
+        # one): the layers they hold repeat (NOTE [ Which container is the chain ])
+        return (sum(_param_count(c) for c in children), len(children))
     if count < 2:
         return (-1, 0)
     covered = sum(_param_count(c) for c in children if type(c) is common)
@@ -153,17 +162,23 @@ def _listed(module: nn.Module) -> bool:
         isinstance(module, nn.ModuleDict) and keyed_by_position(module))
 
 
+def _composite(module: nn.Module) -> bool:
+    """Whether ``module`` has children: a block of layers, not a single layer."""
+    return next(module.children(), None) is not None
+
+
 def _stage_layers(element: nn.Module) -> list[str]:
     """The names, under ``element``, of its layers when it is a stage module (NOTE [ Which
-    container is the chain ]): the composite children of its child containers, where
-    they hold at least half its parameters and one kind of them comes at least twice;
-    else none."""
+    container is the chain ]): the children of its child containers of composite layers
+    only, where they hold at least half its parameters and one kind of them comes at least twice or
+    they come from two containers or more; else none."""
     if _listed(element) or isinstance(element, nn.ModuleDict):
         return []
     layers = [(f"{name}.{n}", layer) for name, child in element.named_children()
-              if _listed(child) for n, layer in child.named_children()
-              if next(layer.children(), None) is not None]
-    if not layers or Counter(type(layer) for _, layer in layers).most_common(1)[0][1] < 2:
+              if _listed(child) and all(_composite(c) for c in child.children())
+              for n, layer in child.named_children()]
+    if not layers or (Counter(type(layer) for _, layer in layers).most_common(1)[0][1] < 2
+                      and len({name.split(".")[0] for name, _ in layers}) < 2):
         return []
     held = sum(_param_count(layer) for _, layer in layers)
     return [name for name, _ in layers] if 2 * held >= _param_count(element) else []
@@ -186,7 +201,7 @@ def _block_kinds(container: nn.Module) -> set[type[nn.Module]]:
     layers) the chain takes from ``container``."""
     return {type(layer) for name, layers in _elements(container) for layer in (
         container.get_submodule(f"{name}{under}") for under in layers)
-        if next(layer.children(), None) is not None}
+        if _composite(layer)}
 
 
 def _stacks(model: nn.Module) -> list[str]:

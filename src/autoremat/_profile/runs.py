@@ -162,9 +162,11 @@ class _Probe:
     order: list[int] = field(default_factory=list)  # block indices in the order they ran
     in_backward: list[int] = field(default_factory=list)  # calls made while backward ran
     grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
+    changes_input: list[bool] = field(default_factory=list)  # its forward wrote an input
     watch: bool = False  # note the buffers each block's forward changes (watch_buffers)
-    _prev_outputs: list[int] = field(default_factory=list)
+    _prev_outputs: dict[int, int] = field(default_factory=dict)  # id -> version
     _watched: dict[int, Callable[[], None]] = field(default_factory=dict)
+    _inputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
     starts: BackwardStarts = field(init=False)  # NOTE [ Where a block's backward starts ]
 
     def __post_init__(self) -> None:
@@ -176,6 +178,7 @@ class _Probe:
         self.chain_bytes = [0] * n
         self.in_backward = [0] * n
         self.grad_off = [False] * n
+        self.changes_input = [False] * n
         self.starts = BackwardStarts(self.on_mark)
 
     @contextmanager
@@ -204,8 +207,12 @@ class _Probe:
                 self._watched[i] = watch_buffers(module)
             self.on_mark(f"fwd:{i}")
             tensors = flat_tensors((args, kwargs))
+            self._inputs[i] = [(t, t._version) for t in tensors]
             self.input_bytes[i] = unique_storage_bytes(tensors)
-            self.chained[i] = bool(tensors) and id(tensors[0]) in self._prev_outputs
+            # the block before's output, unchanged: an op in place between them (an
+            # in-place activation) saves for backward what a segment cannot replay
+            self.chained[i] = bool(tensors) and \
+                self._prev_outputs.get(id(tensors[0])) == tensors[0]._version
             if self.chained[i]:
                 self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
             if i == 0:
@@ -219,9 +226,11 @@ class _Probe:
             watched = self._watched.pop(i, None)
             if watched is not None:
                 watched()
+            self.changes_input[i] |= any(t._version != version
+                                         for t, version in self._inputs.pop(i, ()))
             tensors = flat_tensors(output)
             self.output_bytes[i] = unique_storage_bytes(tensors)
-            self._prev_outputs = [id(t) for t in tensors]
+            self._prev_outputs = {id(t): t._version for t in tensors}
             self.starts.watch(f"bwd:{i}", tensors)
             self.on_mark(f"post:{i}")  # NOTE [ Ops between blocks ]
             if i == len(self.names) - 1:
@@ -343,9 +352,23 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
     """The blocks found by discovery that a plan can use, in the order they ran, and
     notes on what changed. Blocks that backward never runs through (frozen, with an input
     that needs no gradient: the lower layers of a partial fine-tune) save nothing for
-    backward, so there is nothing to recompute in them: they leave the chain."""
+    backward, so there is nothing to recompute in them: they leave the chain. So do
+    blocks whose forward changes their input in place (an in-place activation as a layer
+    of its own: torchvision's VGG and AlexNet, ``nn.Sequential(..., nn.ReLU(inplace=True),
+    ...)``): a checkpoint keeps a block's input for its recompute, and they cannot be
+    checkpointed (named in ``blocks=``, they are refused where a plan checkpoints them);
+    they run between the blocks, as a stem does. Until 2026-11-29 (sixteenth session)
+    ``profile`` refused such a model."""
     names, order = probe.names, probe.order
     notes = _run_order_note(probe, "found")
+    writers = [names[i] for i in order if probe.changes_input[i]]
+    if writers and len(writers) < len(order):
+        notes.append(f"{len(writers)} of the blocks found change their input in place "
+                     f"({_span(writers)}: an in-place activation, for instance), which a "
+                     f"checkpoint keeps for its recompute: they run between the blocks, "
+                     f"planned over the {len(order) - len(writers)} others")
+        kept = {names.index(name) for name in writers}
+        order = [i for i in order if i not in kept]
     idle = [name for name, calls in zip(names, probe.calls, strict=True) if not calls]
     if idle:
         notes.append(f"{len(idle)} of the blocks found did not run in the step profiled "
