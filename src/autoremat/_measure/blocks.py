@@ -38,10 +38,10 @@ NOTE [ Which container is the chain ]
     :func:`_stage_layers`): the chain takes those layers, in the order they run.
     Identical elements (a transformer's layers) stay blocks, and so does an element whose
     containers hold parts of one each (T5's ``layer``: self-attention, cross-attention,
-    feed-forward). A container of stages each of its own class (a small
-    U-Net's cross-attention down block, then a plain one) is a repeated container too:
-    the layers inside repeat. Until 2026-11-29 (sixteenth session) such stages were
-    blocks.
+    feed-forward). A list of two elements or more, each of its own class, some of them
+    stages (a small U-Net's cross-attention down block, then a plain one), is a repeated
+    container too: the layers inside repeat. Until 2026-11-29 (sixteenth session) such
+    stages were blocks.
 
 NOTE [ Stacks beside the chain ]
     An encoder-decoder (T5, BART, ``nn.Transformer``) or a two-tower model (CLIP) has
@@ -169,9 +169,9 @@ def _composite(module: nn.Module) -> bool:
 
 def _stage_layers(element: nn.Module) -> list[str]:
     """The names, under ``element``, of its layers when it is a stage module (NOTE [ Which
-    container is the chain ]): the children of its child containers of composite layers
-    only, where they hold at least half its parameters and one kind of them comes at least twice or
-    they come from two containers or more; else none."""
+    container is the chain ]): the children of its child containers that hold composite
+    layers only, where they hold at least half its parameters and one kind of them comes
+    at least twice or they come from two containers or more; else none."""
     if _listed(element) or isinstance(element, nn.ModuleDict):
         return []
     layers = [(f"{name}.{n}", layer) for name, child in element.named_children()
@@ -315,10 +315,11 @@ def discovery_notes(model: nn.Module) -> list[str]:
             kinds = sorted({layer.split(".")[1] for _, layers in modules for layer in layers})
             notes.append(
                 f"blocks: the {sum(len(layers) for _, layers in modules)} layers of "
-                f"{len(modules)} stage(s) in {where} (modules that differ from each other, holding "
-                f"their layers in {', '.join(repr(k) for k in kinds)}), not the stages "
-                f"themselves: a plan over a few large stages stays far above the least one "
-                f"over their layers reaches. Pass blocks=[...] to plan at another level")
+                f"{len(modules)} stage(s) in {where} (modules that differ from each other, "
+                f"holding their layers in {', '.join(repr(k) for k in kinds)}), not the "
+                f"stages themselves: a plan over a few large stages stays far above the "
+                f"least one over their layers reaches. Pass blocks=[...] to plan at another "
+                f"level")
     return notes
 
 
