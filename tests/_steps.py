@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import autoremat
@@ -128,3 +129,28 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class DenseLayer(nn.Module):
+    """Takes the list of every feature so far (DenseNet's dense layer)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return F.gelu(self.fc(torch.stack(features).sum(0)))
+
+
+class DenseChain(nn.Module):
+    """Appends each layer's output to the list it passed the layer (DenseNet's block)."""
+
+    def __init__(self, d: int = 32, n: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DenseLayer(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for block in self.blocks:
+            features.append(block(features))
+        return torch.stack(features).pow(2).mean()

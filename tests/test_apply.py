@@ -32,7 +32,7 @@ from autoremat._plan.costs import cost_model_for, keep_set_cost
 from autoremat._plan.plan import plan_of_segments
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-from _steps import assert_same_step, call, recomputing, snapshot, step
+from _steps import DenseChain, assert_same_step, call, recomputing, snapshot, step
 from conftest import MEDIUM, hf_model
 
 
@@ -449,6 +449,19 @@ def test_custom_chains(name: str, strategy: str) -> None:
     plan = make_plan(tape, strategy)
     if strategy == "sqrt":
         assert any(stop - start > 1 for start, stop, _ in plan.segments)
+    assert_same_step(model, inputs, plan)
+
+
+@pytest.mark.parametrize("strategy", ["full", "every:2", "optimal@min"])
+def test_a_block_recomputes_on_a_list_as_it_was_called_with(strategy: str) -> None:
+    """NOTE [ Arguments as they were called ] in wrap.py: the model appends to the list
+    it gave a block after the block returned; the recompute stacked the later features
+    too, and torch's checkpoint raised (recomputed tensors of other shapes)."""
+    torch.manual_seed(0)
+    model, inputs = DenseChain(), (torch.randn(64, 32),)
+    tape = autoremat.profile(model, inputs, repeats=1)
+    plan = make_plan(tape, strategy)
+    assert any(d.decision.recomputes for d in plan.blocks)
     assert_same_step(model, inputs, plan)
 
 

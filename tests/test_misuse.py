@@ -481,39 +481,44 @@ def test_control_flow_on_the_blocks_input_is_replayed_exactly() -> None:
 
 
 class _ListCached(nn.Module):
-    """Appends its input to a list its model passes it, then reads the whole list (as a
-    layer does a KV cache): a recompute finds one entry more and raises on its shape."""
+    """Appends its input to a list its model holds, then mixes the whole list (as a layer
+    reads a KV cache the model keeps): a recompute in backward finds the later blocks'
+    entries too and raises on the shape. (A list passed as an argument is recomputed as
+    it was called: NOTE [ Arguments as they were called ] in wrap.py.)"""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, cache: list[torch.Tensor], seen: int) -> None:
         super().__init__()
-        self.lin = nn.Linear(width, width)
+        self.cache = cache
+        self.mix = nn.Linear(width * seen, width)
 
-    def forward(self, x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
-        cache.append(x)
-        return self.lin(x) * torch.cat(cache, 1).view_as(x).tanh()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.append(x)
+        return self.mix(torch.cat(self.cache, 1)).tanh()
 
 
 class _PassesLists(nn.Module):
     def __init__(self, width: int = 16, n: int = 3) -> None:
         super().__init__()
         self.embed = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(_ListCached(width) for _ in range(n))
+        self.cache: list[torch.Tensor] = []
+        self.blocks = nn.ModuleList(_ListCached(width, self.cache, i + 1) for i in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.clear()
         h = self.embed(x)
         for block in self.blocks:
-            h = block(h, [])
+            h = block(h)
         return h.pow(2).mean()
 
 
 def test_a_recompute_that_raises_where_its_forward_ran_is_named() -> None:
-    # the error used to come out of backward bare ("shape '[8, 16]' is invalid for input
-    # of size 256"), naming no block and no cause
+    # the error used to come out of backward bare ("mat1 and mat2 shapes cannot be
+    # multiplied"), naming no block and no cause
     torch.manual_seed(0)
     model, x = _PassesLists(), torch.randn(8, 16)
     model(x).backward()  # the plain model trains
     with pytest.raises(RematError, match=r"block 'blocks\.\d' raised when it was recomputed "
-                       r"in backward, where its forward had run \(RuntimeError: shape") as info:
+                       r"in backward, where its forward had run \(RuntimeError: mat1") as info:
         autoremat.profile(model, x)
     assert isinstance(info.value.__cause__, RuntimeError)  # the cause, chained
     assert "blocks=" in str(info.value), "and says what to do"

@@ -27,7 +27,7 @@ from autoremat._plan.peak import plan_costs
 from autoremat._plan.plan import BlockDecision, plan_of_segments
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-from _steps import verified
+from _steps import DenseChain, verified
 from conftest import SMALL, V1_PLAN, hf_model
 
 
@@ -89,6 +89,22 @@ def test_offload_plans_give_plain_gradients(name: str, simulated: bool) -> None:
             _, got = _grads(model, inputs)
         autoremat.remove(model)
         assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True)), chosen
+
+
+def test_an_offloaded_input_recomputes_on_a_list_as_it_was_called_with() -> None:
+    """NOTE [ Arguments as they were called ] in _mechanism/wrap.py: a block given the
+    list the model appends to after the call (DenseNet) recomputed on the longer list
+    under an offload_input decision."""
+    torch.manual_seed(0)
+    model, inputs = DenseChain(), (torch.randn(64, 32),)
+    _, plain = _grads(model, inputs)
+    names = [f"blocks.{i}" for i in range(len(model.blocks))]
+    chosen = _by_hand(model, inputs, names, [Decision.OFFLOAD_INPUT] * len(names))
+    autoremat.apply(model, chosen)
+    with simulated_host():
+        _, got = _grads(model, inputs)
+    autoremat.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
 
 
 @pytest.mark.slow

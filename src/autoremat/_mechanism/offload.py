@@ -66,8 +66,10 @@ from autoremat._core.decisions import Decision
 from autoremat._core.errors import RematError
 from autoremat._mechanism.compiled import refuse_under_compile
 from autoremat._mechanism.wrap import (
+    as_called,
     install_forward,
     refuse_under_func_transforms,
+    snapshot_arguments,
     unwrap,
     wrap,
 )
@@ -459,10 +461,15 @@ class _InputOffloaded:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = _first_float(args, kwargs)
         box: dict[str, Any] = {"args": list(args), "kwargs": dict(kwargs)}
+        # NOTE [ Arguments as they were called ] in wrap.py: the recompute's lists and
+        # dicts as they were at the call, not as the caller may have changed them since
+        called = snapshot_arguments(args, kwargs)
         original = self.original
 
         def run() -> Any:
             a, k = list(box["args"]), dict(box["kwargs"])
+            if box.get("recompute"):
+                a, k = as_called(a, k)
             if where is not None:
                 holder: Any = a if isinstance(where, int) else k
                 if isinstance(holder[where], _PackedInput):
@@ -470,6 +477,9 @@ class _InputOffloaded:
             return original(*a, **k)
 
         out = self.call(run)
+        if called is not None:
+            box["args"], box["kwargs"] = list(called[0]), dict(called[1])
+            box["recompute"] = True
         if where is not None:
             group = OffloadGroup(self.root.frozen(), self.state.dtype)
             self.state.group = group

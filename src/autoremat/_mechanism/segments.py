@@ -42,6 +42,7 @@ from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 from autoremat._mechanism.engines import is_fsdp
 from autoremat._mechanism.wrap import (
     RegionContexts,
+    as_called,
     refuse_changed_input,
     refuse_kv_cache,
     refuse_under_func_transforms,
@@ -161,7 +162,8 @@ class SegmentRunner:
                     f"on (an argument that changes which blocks run?). {SEGMENT_ADVICE}")
             refuse_under_func_transforms(self._label)
             refuse_kv_cache(self._label, args, kwargs)
-            calls = [_Call(module, args, kwargs)]
+            calls = [_Call(module, *as_called(args, kwargs))]  # NOTE [ Arguments as
+            # they were called ] in wrap.py (the next blocks' are recorded by tree_map)
             self._calls = calls  # this step's calls; the frame replays exactly these
             self._inputs = flat_tensors((args, kwargs))
             self._versions = [t._version for t in self._inputs]

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import checkpoint as _cp
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from autoremat._core import rng
@@ -56,9 +57,9 @@ from autoremat._core.errors import RematError, internal_assert
 from autoremat._core.step import flat_tensors, scalar_attributes
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
-__all__ = ["RegionContexts", "StatefulBlockWarning", "checkpointed", "install_forward",
+__all__ = ["RegionContexts", "StatefulBlockWarning", "as_called", "checkpointed", "install_forward",
            "is_wrapped", "refuse_changed_input", "refuse_kv_cache", "refuse_under_func_transforms",
-           "stashed_buffers", "unwrap", "watch_buffers", "wrap"]
+           "snapshot_arguments", "stashed_buffers", "unwrap", "watch_buffers", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -635,6 +636,60 @@ class _Original:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
+# NOTE [ Arguments as they were called ]
+#     A non-reentrant checkpoint keeps its function's arguments by reference and calls it
+#     on them again in backward. A list or dict among them is the caller's, who may
+#     change it in between: DenseNet passes each dense layer the list of every feature
+#     map so far and appends the layer's output to it, so the recompute of a layer
+#     concatenated every later layer's output too ("running_mean should contain 123
+#     elements not 111"; a model whose channels matched would have recomputed other
+#     values). torch.utils.checkpoint does the same with such arguments; torchvision's
+#     DenseNet unpacks the list into its checkpoint's arguments for this reason. Where
+#     the arguments hold a list or a dict, the recompute gets a copy of their containers
+#     as they were when the forward was called (the tensors and other objects in them
+#     shared): :func:`as_called`, :class:`_AsCalled`; a segment records its first
+#     block's call so too (``segments.py``). Found 2026-11-29 (sixteenth session).
+
+
+def _mutable(obj: Any) -> bool:
+    """Whether ``obj`` is, or holds in its tuples, lists and dicts, a list or a dict."""
+    if isinstance(obj, (list, dict)):
+        return True
+    return isinstance(obj, tuple) and any(_mutable(item) for item in obj)
+
+
+def as_called(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``(args, kwargs)`` with their containers copied, what they hold shared (NOTE
+    [ Arguments as they were called ])."""
+    return tree_map(lambda x: x, (args, kwargs))  # type: ignore[no-any-return]
+
+
+def snapshot_arguments(args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """:func:`as_called` of a call's arguments where they hold a list or a dict, which
+    their caller may change; ``None`` for others (the call's own tuple and keyword dict
+    are made for it)."""
+    held = _mutable(args) or any(_mutable(value) for value in kwargs.values())
+    return as_called(args, kwargs) if held else None
+
+
+class _AsCalled:
+    """``fn`` called first on the arguments it is given (the forward), and after that on
+    copies of their containers as they were then (NOTE [ Arguments as they were
+    called ])."""
+
+    def __init__(self, fn: Callable[..., Any], called: tuple[Any, Any]) -> None:
+        self.fn = fn
+        self.called = called  # (snapshot_arguments)
+        self.forward_ran = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.forward_ran:
+            args, kwargs = as_called(*self.called)
+        self.forward_ran = True
+        return self.fn(*args, **kwargs)
+
+
 class _Checkpointed:
     """The forward ``wrap`` installs: the module's own forward under a non-reentrant
     checkpoint (see ``wrap`` for the arguments)."""
@@ -669,7 +724,9 @@ class _Checkpointed:
         if self.boxed is not None:
             out = self.boxed(*args, **kwargs)
         else:
-            out = checkpoint(original, *args, use_reentrant=False, context_fn=self.context_fn,
+            called = snapshot_arguments(args, kwargs)
+            fn = original if called is None else _AsCalled(original, called)
+            out = checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn,
                              preserve_rng_state=False, **kwargs)  # we replay it ourselves
         refuse_changed_input(self.context_fn.label, tensors, versions)
         return out
