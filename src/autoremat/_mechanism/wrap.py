@@ -57,9 +57,10 @@ from autoremat._core.errors import RematError, internal_assert
 from autoremat._core.step import flat_tensors, scalar_attributes
 from autoremat._mechanism.compiled import is_compiling, refuse_under_compile
 
-__all__ = ["RegionContexts", "StatefulBlockWarning", "as_called", "checkpointed", "install_forward",
-           "is_wrapped", "refuse_changed_input", "refuse_kv_cache", "refuse_under_func_transforms",
-           "snapshot_arguments", "stashed_buffers", "unwrap", "watch_buffers", "wrap"]
+__all__ = ["RegionContexts", "StatefulBlockWarning", "as_called", "checkpointed",
+           "install_forward", "is_wrapped", "refuse_changed_input", "refuse_kv_cache",
+           "refuse_under_func_transforms", "snapshot_arguments", "stashed_buffers", "unwrap",
+           "watch_buffers", "wrap"]
 
 _MARK = "_autoremat_wrap"
 
@@ -648,7 +649,9 @@ class _Original:
 #     the arguments hold a list or a dict, the recompute gets a copy of their containers
 #     as they were when the forward was called (the tensors and other objects in them
 #     shared): :func:`as_called`, :class:`_AsCalled`; a segment records its first
-#     block's call so too (``segments.py``). Found 2026-11-29 (sixteenth session).
+#     block's call so too (``segments.py``), and an offloaded input's recompute reads
+#     them so (``offload.py``). The forward itself runs on the caller's containers, as
+#     without a plan. Found 2026-11-29 (sixteenth session).
 
 
 def _mutable(obj: Any) -> bool:
