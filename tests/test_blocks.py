@@ -289,6 +289,22 @@ def test_stages_of_the_chains_kind_of_block_join_it_whatever_they_hold() -> None
     assert smallest_feasible_bytes(tape) < smallest_feasible_bytes(last)
 
 
+def test_a_list_of_one_block_of_the_chains_kind_joins_it() -> None:
+    """NOTE [ Stacks beside the chain ]: a decoder of one layer beside an encoder of three
+    joins the chain (it was not a repeated container); a list of one single layer, or of
+    another kind of block, stays out."""
+
+    class OneDeep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.ModuleList(Layer() for _ in range(3))
+            self.decoder = nn.ModuleList([Layer()])
+            self.head = nn.ModuleList([nn.Linear(8, 8)])
+            self.other = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU())])
+
+    assert discover_blocks(OneDeep()) == ["encoder.0", "encoder.1", "encoder.2", "decoder.0"]
+
+
 class _TwoTowers(nn.Module):
     """Two stacks defined text first, run image first (as CLIP's forward does)."""
 

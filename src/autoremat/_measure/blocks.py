@@ -57,7 +57,9 @@ NOTE [ Stacks beside the chain ]
     two under a quarter of ``layer4``'s parameters and holding most of the step's
     activations; planned over ``layer3`` and ``layer4`` alone, its smallest feasible budget
     was 0.89 of its peak, over all 16 bottlenecks 0.46; until 2026-11-29, sixteenth
-    session). Stacks come in definition order here; ``profile`` puts the blocks
+    session). So does a list of one block of the chain's kind (a diffusers U-Net's
+    mid-block attention, a decoder of one layer beside a deeper encoder). Stacks come in
+    definition order here; ``profile`` puts the blocks
     of a discovered chain in the order they run (a CLIP runs its vision tower first).
     Smaller repeated containers stay out, and ``other_repeated_blocks`` names them.
 """
@@ -225,7 +227,15 @@ def _stacks(model: nn.Module) -> list[str]:
         if (covered > 0 and score[0] >= STACK_SHARE * covered) \
                 or kinds & _block_kinds(model.get_submodule(name)):
             chosen.append(name)
-    order = {name: k for k, (name, _) in enumerate(found)}
+    # a list of one block of the chain's kind (a U-Net's mid-block attention; a stack
+    # of one layer beside a deeper one) joins it too
+    single = [(name, m) for name, m in model.named_modules()
+              if name and _listed(m) and len(m._modules) == 1]
+    for name, m in single:
+        if type(next(iter(m.children()))) in kinds and \
+                not any(_nested(name, c) for c in chosen):
+            chosen.append(name)
+    order = {name: k for k, (name, _) in enumerate(model.named_modules())}
     return sorted(chosen, key=order.__getitem__)
 
 
