@@ -49,6 +49,7 @@ from torch import nn
 from torch._prims_common import suggest_memory_format
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map
 
 from autoremat._core.errors import RematError, did_you_mean
 from autoremat._core.step import flat_tensors, map_tensors, parse_device, training_config
@@ -802,13 +803,8 @@ def _slots(args: Any, metas: list[torch.Tensor]) -> Any:
 
 
 def _filled(args: Any, fill: Callable[[_Slot], Any]) -> Any:
-    if isinstance(args, _Slot):
-        return fill(args)
-    if isinstance(args, (tuple, list)):
-        return type(args)(_filled(a, fill) for a in args)
-    if isinstance(args, dict):
-        return {k: _filled(v, fill) for k, v in args.items()}
-    return args
+    """``args`` with each :class:`_Slot` in it ``fill(slot)``."""
+    return tree_map(lambda x: fill(x) if isinstance(x, _Slot) else x, args)
 
 
 def _run_on_cpu(func: Any, args: Any, kwargs: dict[str, Any], *reals: torch.Tensor) -> Any:

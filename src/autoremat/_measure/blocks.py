@@ -227,15 +227,15 @@ def _stacks(model: nn.Module) -> list[str]:
         if (covered > 0 and score[0] >= STACK_SHARE * covered) \
                 or kinds & _block_kinds(model.get_submodule(name)):
             chosen.append(name)
-    # a list of one block of the chain's kind (a U-Net's mid-block attention; a stack
-    # of one layer beside a deeper one) joins it too
-    single = [(name, m) for name, m in model.named_modules()
-              if name and _listed(m) and len(m._modules) == 1]
-    for name, m in single:
-        if type(next(iter(m.children()))) in kinds and \
-                not any(_nested(name, c) for c in chosen):
+    order: dict[str, int] = {}  # definition order
+    for name, m in model.named_modules():
+        order[name] = len(order)
+        # a list of one block of the chain's kind (a U-Net's mid-block attention; a
+        # stack of one layer beside a deeper one) joins it too
+        if name and _listed(m) and len(m._modules) == 1 \
+                and type(next(iter(m.children()))) in kinds \
+                and not any(_nested(name, c) for c in chosen):
             chosen.append(name)
-    order = {name: k for k, (name, _) in enumerate(model.named_modules())}
     return sorted(chosen, key=order.__getitem__)
 
 

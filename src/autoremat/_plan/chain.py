@@ -323,13 +323,12 @@ def _best_final(tape: Tape, frontier: dict[tuple[int, Decision], _Frontier],
         return (cost, peak) if objective == "cost" else (peak, cost)
 
     finals.sort(key=lambda final: (*key(final[0], final[1]), final[2], final[3]))
-    held = bool(tape.held_past_release)
     best: ChainSolution | None = None
     for cost, peak, rank, row in finals:
         if best is not None and key(cost, peak) >= key(best.cost, best.peak_bytes):
             break  # (held adds at least nothing: no later row is better)
         segments = _backtrack(frontier, moves, (len(tape.blocks), _ORDER[rank]), row)
-        top = peak + held_past_release(tape, segments) if held else peak
+        top = peak + held_past_release(tape, segments)
         if top <= budget and (best is None or key(cost, top) < key(best.cost, best.peak_bytes)):
             best = ChainSolution(segments, cost, top)
     return best

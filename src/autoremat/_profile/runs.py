@@ -367,8 +367,7 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
                      f"({_span(writers)}: an in-place activation, for instance), which a "
                      f"checkpoint keeps for its recompute: they run between the blocks, "
                      f"planned over the {len(order) - len(writers)} others")
-        kept = {names.index(name) for name in writers}
-        order = [i for i in order if i not in kept]
+        order = [i for i in order if not probe.changes_input[i]]
     idle = [name for name, calls in zip(names, probe.calls, strict=True) if not calls]
     if idle:
         notes.append(f"{len(idle)} of the blocks found did not run in the step profiled "
