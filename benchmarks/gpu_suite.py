@@ -443,11 +443,15 @@ def _head_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
                       f"no results (exit {rc})", "NOT RUN")]
     out = []
     for line in json.loads(files[0].read_text())["targets"]:
-        found = re.match(r"- (.*): (PASS|FAIL|n/a)(.*)$", line)
+        # "- <claim>: x<ratio>, PASS" (the timed targets) or "- <claim>: PASS (detail)"
+        found = (re.match(r"- (.*): (x[0-9.]+), (PASS|FAIL|n/a)$", line)
+                 or re.match(r"- (.*): (PASS|FAIL|n/a)(.*)$", line))
         if not found:
             out.append(Claim("head", line, "unreadable target line", "FAIL"))
             continue
         text, verdict, extra = found.groups()
+        if verdict.startswith("x"):  # the ratio is the figure
+            verdict, extra = extra, verdict
         status: Status = {"PASS": "PASS", "FAIL": "FAIL", "n/a": "NOT RUN"}[verdict]  # type: ignore[assignment]
         out.append(Claim("head", text.strip(), extra.strip() or verdict, status))
     return out

@@ -33,6 +33,7 @@ from conftest import load_benchmark
 suite = load_benchmark("gpu_suite")
 exact = load_benchmark("gpu_exact")
 offload = load_benchmark("offload")
+head = load_benchmark("head")
 STATUSES = {"PASS", "FAIL", "NOT RUN", "MEASURED"}
 CPU = device_info("cpu")["device_name"]
 
@@ -55,6 +56,7 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
     claims = summary["claims"]
     assert {c["step"] for c in claims} == {s.name for s in suite.STEPS}  # every step
     assert all(c["status"] in STATUSES and c["claim"] and c["figure"] for c in claims)
+    assert not [c for c in claims if c["figure"] == "unreadable target line"]
     for c in claims:
         assert f"| {c['step']} | {c['claim'].replace('|', '/')} |" in md
     tier = [c for c in claims if c["step"] == "gpu-tests"]
@@ -189,6 +191,35 @@ def test_offload_claims_follow_offload_targets(tmp_path: Path) -> None:
     assert [c.status for c in claims] == ["PASS", "FAIL", "PASS", "PASS", "FAIL"]
     assert claims[1].figure == "x1.500 vs per-block x1.300"
     assert claims[4].figure == "3 of 4 rows"
+
+
+def test_head_claims_follow_head_targets(tmp_path: Path) -> None:
+    # head.py writes its timed targets as "<claim>: x<ratio>, PASS" and the others as
+    # "<claim>: PASS (detail)"; both are read (the timed ones were "unreadable" until
+    # 2026-11-29, every one a FAIL in the summary whatever it measured)
+    def row(name: str, peak: int, ms: float, **kw: object) -> object:
+        return head.Row(name, measured_peak_bytes=peak, time_ms=ms, **kw)
+    rows = [row("plain", 100, 10.0), row("hf-per-block", 60, 14.0),
+            row("peer:torch", 50, 9.5),
+            row("autoremat@torch-peak", 50, 9.6, budget_bytes=50, fits=True),  # x1.011
+            row("autoremat@min", 20, 15.0, predicted_peak_bytes=20),  # above hf+torch
+            row("hf-per-block+torch", 40, 12.0),
+            row("autoremat@hf-peak", 60, 12.0, budget_bytes=60, fits=True),  # x0.857
+            row("autoremat-keep+chunked", 80, 10.5, recomputed=0, head="chunked:4")]
+    payload = {"rows": [dataclasses.asdict(r) for r in rows],
+               "targets": head.targets(rows, gpu=True)}
+    (tmp_path / "head_cuda-test-gpu.json").write_text(json.dumps(payload))
+    claims = suite._head_parse(_ctx(tmp_path), tmp_path, 0)
+    assert len(claims) == len(payload["targets"])
+    assert "unreadable target line" not in [c.figure for c in claims]
+    def claim(start: str) -> tuple[str, str]:
+        (found,) = [c for c in claims if c.claim.startswith(start)]
+        return found.status, found.figure
+    assert claim("autoremat@torch-peak") == ("PASS", "x1.011")
+    assert claim("autoremat@min no slower") == ("FAIL", "x1.250")
+    assert claim("autoremat@hf-peak") == ("PASS", "x0.857")
+    assert claim("a chunked head") == ("FAIL", "x1.050")
+    assert claim("smallest feasible plan")[0] == "PASS"
 
 
 def test_steps_that_do_not_fit_are_not_run(tmp_path: Path) -> None:
