@@ -248,6 +248,14 @@ class Tape:
     # window); plans count them held (NOTE [ Tensors blocks take that die later in the
     # chain ] in _profile/runs.py). Empty: none, or a tape saved before it was recorded.
     held_past_release: dict[str, int] = field(default_factory=dict)
+    # Bytes of tensors blocks take besides their input that the model frees when its
+    # forward returns, which a checkpoint of a block taking them holds until its
+    # backward, by "after:takers" ("9:15": block 8 returned it, so block 9's release
+    # counts it, and block 15 takes it); plans that checkpoint a taker count them held
+    # where their windows do not (NOTE [ Tensors blocks take that the model frees when
+    # it returns ] in _profile/runs.py). Empty: none, or a tape saved before it was
+    # recorded.
+    freed_at_return: dict[str, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 

@@ -34,7 +34,7 @@ from autoremat._plan.peak import (
     SegmentCost,
     block_costs,
     fixed_peaks,
-    held_past_release,
+    held_beyond_windows,
     least_release,
     post_window,
     predict_peak,
@@ -328,7 +328,7 @@ def _best_final(tape: Tape, frontier: dict[tuple[int, Decision], _Frontier],
         if best is not None and key(cost, peak) >= key(best.cost, best.peak_bytes):
             break  # (held adds at least nothing: no later row is better)
         segments = _backtrack(frontier, moves, (len(tape.blocks), _ORDER[rank]), row)
-        top = peak + held_past_release(tape, segments)
+        top = peak + held_beyond_windows(tape, segments)
         if top <= budget and (best is None or key(cost, top) < key(best.cost, best.peak_bytes)):
             best = ChainSolution(segments, cost, top)
     return best

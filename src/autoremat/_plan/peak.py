@@ -127,6 +127,8 @@ __all__ = [
     "Segments",
     "block_costs",
     "fixed_peaks",
+    "held_at_return",
+    "held_beyond_windows",
     "held_past_release",
     "least_release",
     "plan_costs",
@@ -459,7 +461,38 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
         peak = max(peak, level + cost.fwd_peak, bwd)
         level += cost.hold
     peak = max(peak, level + post_window(tape, costs[-1].seen_as, release).peak_bytes)
-    return peak + held_past_release(tape, segments)
+    return peak + held_past_release(tape, segments) + held_at_return(tape, segments, costs,
+                                                                     release)
+
+
+def held_beyond_windows(tape: Tape, segments: Segments) -> int:
+    """What a plan holds that its composed windows do not count: :func:`held_past_release`
+    and :func:`held_at_return`; it depends on the whole plan (the optimal planner adds
+    it to the plans it finds)."""
+    return held_past_release(tape, segments) + held_at_return(tape, segments)
+
+
+def held_at_return(tape: Tape, segments: Segments,
+                   costs: Sequence[SegmentCost] | None = None,
+                   release: Sequence[int] | None = None) -> int:
+    """What a plan holds through the step of the tensors blocks take besides their input
+    that the model frees when its forward returns (NOTE [ Tensors blocks take that the
+    model frees when it returns ] in ``_profile/runs.py``), where its windows count them
+    freed: one a checkpointed block takes, as far as the plan counts it released then
+    (``release_of``) with the block after the one that returned it. ``costs`` and
+    ``release``: the plan's, where the caller has them."""
+    if not tape.freed_at_return:
+        return 0
+    costs = plan_costs(tape, segments) if costs is None else costs
+    release = release_of(tape, segments, costs) if release is None else release
+    holding = {i for start, stop, choice in segments if choice.decision.recomputes
+               for i in range(start, stop)}
+    total = 0
+    for key, size in tape.freed_at_return.items():
+        after, takers = key.split(":")
+        if holding.intersection(int(t) for t in takers.split(",")):
+            total += min(size, release[int(after)])
+    return total
 
 
 def held_past_release(tape: Tape, segments: Segments) -> int:

@@ -326,6 +326,17 @@ def _held_past_release(chain: Chain, ran_on: torch.device,
     return out
 
 
+def _freed_at_return(chain: Chain, ran_on: torch.device,
+                     rounding: Rounding | None) -> dict[str, int]:
+    """``tape.freed_at_return``: bytes by "after:takers", the block after the one that
+    returned them and the blocks taking them ("9:12,15")."""
+    out: dict[str, int] = {}
+    for after, takers, size in chain.freed_at_return:
+        key = f"{after}:{','.join(map(str, takers))}"
+        out[key] = out.get(key, 0) + counted_bytes(size, ran_on, rounding)
+    return out
+
+
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
@@ -389,6 +400,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
         first_release_shared=_first_release_shared(released, n),
         held_past_release=_held_past_release(chain, ran_on, rounding),
+        freed_at_return=_freed_at_return(chain, ran_on, rounding),
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),

@@ -92,6 +92,25 @@ NOTE [ Tensors blocks take that die later in the chain ]
     compiled step), none is counted. The optimal planner adds them to each plan it
     finds as that plan holds them (``_best_final`` in _plan/chain.py).
 
+NOTE [ Tensors blocks take that the model frees when it returns ]
+    A block's output that later blocks take besides their input, held by the model until
+    its forward returns (DPT's neck keeps every feature map in a list until it returns,
+    and a later fusion layer takes one as its residual), is counted released when the
+    forward returns under the decision of the block after the one that made it (NOTE
+    [ Released when the forward returns ] in _plan/peak.py: what the window before a
+    block made and the post window freed), whatever the blocks taking it do. A
+    checkpoint of a block taking it holds it until that block's backward, through the
+    head's backward: a plan recomputing DPT's last fusion layer alone measured its
+    residual (128 KiB) over its prediction. The warm-up step records them
+    (``tape.freed_at_return``: the block after the one that returned each, the blocks
+    taking it, its bytes; none saved by autograd, alive when the chain's last block
+    returns), and a plan that checkpoints a block taking one counts held through the
+    step what it counts released of it (``held_at_return`` in _plan/peak.py): exact where
+    the step peaks after the forward, over by its bytes where it peaks before. Tensors
+    made before the chain are the first block's release, counted as NOTE [ What the model
+    made before the chain ] says; those the parent makes between blocks are not looked
+    at (none seen to matter).
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -439,6 +458,7 @@ class _Side:
     takers: set[int] = field(default_factory=set)  # the blocks it was passed to
     saved: bool = False  # autograd saved its storage while it was followed
     died: int | None = None  # the event at which every object passed was gone
+    made_by: int | None = None  # the block that returned it, if one did
 
 
 class _HeldInputs:
@@ -462,6 +482,7 @@ class _HeldInputs:
         self._live: dict[int, _Side] = {}  # storage key -> the one followed now
         self._events = 0  # blocks started and returned so far
         self._returns: dict[int, int] = {}  # block -> the event of its return
+        self._outs: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # block -> its output
 
     def _see_deaths(self) -> None:
         for key, side in list(self._live.items()):
@@ -477,6 +498,9 @@ class _HeldInputs:
             side = self._live.get(storage._cdata)
             if side is None:
                 side = self._live[storage._cdata] = _Side([], storage.nbytes())
+                side.made_by = next((k for k, outs in reversed(self._outs.items())
+                                     if any(_same_storage(ref(), storage) for ref in outs)),
+                                    None)
                 self._sides.append(side)
             if all(ref() is not t for ref in side.refs):
                 side.refs.append(weakref.ref(t))
@@ -519,6 +543,7 @@ class _HeldInputs:
                 self._returned = i
                 self._events += 1
                 self._returns[i] = self._events
+                self._outs[i] = [weakref.ref(t) for t in flat_tensors(output)]
                 self._see_deaths()
             return hook
 
@@ -574,6 +599,30 @@ class _HeldInputs:
                 sizes.append((min(takers), window, side.nbytes))
         return tuple(sizes)
 
+    def freed_at_return(self, chain: list[str]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+        """The tensors a block of ``chain`` returned that later blocks take besides their
+        input, that nothing saves and the model frees when its forward returns, which a
+        checkpoint of a block taking them holds until that block's backward (NOTE
+        [ Tensors blocks take that the model frees when it returns ]), as (the chain block
+        after the one that returned it, whose release when the forward returns counts
+        it; the chain blocks taking it; its storage's size); none where the step cannot
+        tell."""
+        index = {name: i for i, name in enumerate(self.names)}
+        ids = [index.get(name, -1) for name in chain]
+        if -1 in ids or any(i not in self._returns for i in ids):
+            return ()
+        last = self._returns[ids[-1]]
+        position = {block: p for p, block in enumerate(ids)}
+        out = []
+        for side in self._sides:
+            takers = tuple(sorted(position[b] for b in side.takers if b in position))
+            if side.saved or side.died is None or side.died <= last or not takers:
+                continue
+            made = -1 if side.made_by is None else position.get(side.made_by, -1)
+            if 0 <= made < len(ids) - 1:
+                out.append((made + 1, takers, side.nbytes))
+        return tuple(out)
+
     def held(self, chain: list[str]) -> list[bool] | None:
         """Per block of ``chain`` (some of the blocks installed over, in the order they
         ran), whether its input was held; ``None`` where the step cannot tell: a block
@@ -586,6 +635,10 @@ class _HeldInputs:
         if any(self._next.get(i) != f for i, f in zip(ids, following, strict=True)):
             return None
         return [self._alive[i] for i in ids]
+
+
+def _same_storage(t: torch.Tensor | None, storage: torch.UntypedStorage) -> bool:
+    return t is not None and t.untyped_storage()._cdata == storage._cdata
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -977,6 +1030,9 @@ class Chain:
     autocast: str = ""  # the autocast its blocks ran under (conditions.autocast_state)
     held_past_release: tuple[tuple[int, int, int], ...] = ()  # (first taker, window,
     # bytes): NOTE [ Tensors blocks take that die later in the chain ]
+    freed_at_return: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block
+    # whose input it is or -1, takers, bytes): NOTE [ Tensors blocks take that the
+    # model frees when it returns ]
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
@@ -1079,4 +1135,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
         warnings.warn(f"autoremat: {why}", UserWarning, stacklevel=3)
     return Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
                   times=times, loss=loss, autocast=autocast[0] if autocast else "",
-                  held_past_release=held_inputs_seen.held_past_release(names) if eager else ())
+                  held_past_release=held_inputs_seen.held_past_release(names) if eager else (),
+                  freed_at_return=held_inputs_seen.freed_at_return(names) if eager else ())
