@@ -271,6 +271,25 @@ def test_dead_node_skips_its_writers_too() -> None:
     ]
 
 
+def test_a_node_written_through_unsafe_chunk_pieces_is_never_kept() -> None:
+    # addmm -> unsafe_chunk -> sigmoid_ and tanh_ on the pieces, as recorded (CPU nn.GRU's
+    # gates): the pieces are no views (no version counter shared with the addmm output),
+    # but they write its storage, so the writes are the addmm's writers and a kept copy
+    # would be stale (NOTE [ Writes through unsafe pieces ] in selective.py)
+    ops = [
+        _op("aten.t.default", view=True),
+        _op("aten.addmm.default", out=256, flops=4096, kept=256),
+        _op("aten.unsafe_split.Tensor", inputs=(1,)),
+        _op("aten.sigmoid_.default", inplace=True, target=1, inputs=(1,)),
+        _op("aten.tanh_.default", inplace=True, target=1, inputs=(1,)),
+        _op("aten.mul.Tensor", out=128, flops=32, inputs=(1,), saved=False),
+        _op("aten.add.Tensor", out=128, flops=32, kept=128, inputs=(5,), saved=False),
+    ]
+    sets = _check_all(ops, (0.0, 0.5, 1.0, 2.0))
+    assert sets and all(1 not in s.keep for s in sets), _summary(sets)
+    assert all(not {1, 3, 4} & set(s.skip) for s in sets)  # backward reads the addmm
+
+
 def test_a_writer_python_reads_makes_its_node_run() -> None:
     # An in-place op whose result Python reads must run, so its storage's creator runs
     # (and is not kept: it is written in place), although backward needs neither.

@@ -310,6 +310,66 @@ def test_outputs_kept_by_position_and_changed_in_forward_are_freed_too() -> None
     assert not kept.skip  # re-running op 0 would need real inputs
     _assert_same(list(plain), list(torch.autograd.grad(out, [x, w])))
 
+def test_a_kept_output_written_through_unsafe_chunk_pieces_is_recomputed() -> None:
+    # unsafe_chunk's pieces share the matmul output's storage but not its version
+    # counter: only the storage says the kept copy was changed (NOTE [ Writes through
+    # unsafe pieces ]); handing it back wrote sigmoid_/tanh_ a second time
+    torch.manual_seed(8)
+    lin = torch.nn.Linear(16, 32)
+    contexts, seen = _watched(["matmul"])
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a, b = lin(x).unsafe_chunk(2, -1)  # (6, 16) each, one storage
+        a.sigmoid_()
+        b.tanh_()
+        return x + a * b
+
+    plain, _ = _grads(fn, list(lin.parameters()), None)
+    sel, counter = _grads(fn, list(lin.parameters()), contexts)
+    _assert_same(plain, sel)
+    assert seen[0].kept.entries[torch.ops.aten.addmm.default] == [None]  # freed in forward
+    assert counter.backward["addmm.default"] == 1  # re-run, not handed back
+
+
+class _GRUStack(torch.nn.Module):
+    """CPU ``nn.GRU`` changes its gate matmuls in place through ``unsafe_split`` pieces."""
+
+    def __init__(self, d: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.rnns = torch.nn.ModuleList(torch.nn.GRU(d, d, batch_first=True) for _ in range(n))
+        self.head = torch.nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, d)
+        for rnn in self.rnns:
+            x, _ = rnn(x)
+        return self.head(x)
+
+
+def test_gru_is_exact_and_predicted_under_every_selective_option() -> None:
+    from autoremat._plan.plan import plan_of_segments
+
+    torch.manual_seed(0)
+    model, x = _GRUStack(), torch.randn(2, 5, 16)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().sum()
+
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, repeats=1)
+    names = set.intersection(*(set(b.selective) for b in tape.blocks))
+    assert "matmul" in names
+    plans = [autoremat.plan(tape, strategy="selective")]
+    plans += [plan_of_segments(tape, [(i, i + 1, Choice.selective_from_key(name))
+                                      for i in range(len(tape.blocks))], f"selective:{name}")
+              for name in sorted(names)]
+    for plan in plans:
+        autoremat.apply(model, plan)
+        report = autoremat.verify(model, x, loss_fn=loss_fn, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal, (plan.strategy, report.max_grad_diff)
+        assert report.peak_bytes == report.predicted_peak_bytes, plan.strategy
+        assert report.recompute_flops == plan.predicted_recompute_flops, plan.strategy
+
+
 # --- keep-sets by position, and dead ops (NOTE [ Dead ops ]) --------------------------------
 
 _CORE_OPS = ["aten.mm.default", "aten._softmax.default", "aten.empty_like.default",
@@ -348,8 +408,10 @@ def test_a_kept_softmax_makes_the_matmuls_around_it_dead(core) -> None:  # type:
 def test_a_keep_set_for_other_ops_falls_back_to_recomputing_everything(core) -> None:  # type: ignore[no-untyped-def]
     fn, params = core
     plain, _ = _grads(fn, params, None)
-    wrong = selective_context(keep_ops=(1,), skip_ops=(0, 6), signature="0" * 16)
-    with pytest.warns(UserWarning, match="different sequence of ops than when it was profiled"):
+    wrong = selective_context(keep_ops=(1,), skip_ops=(0, 6), signature="0" * 16,
+                              label="blocks.3")
+    with pytest.warns(UserWarning, match="selective block 'blocks.3' ran a different "
+                                         "sequence of ops than when it was profiled"):
         got, counter = _grads(fn, params, wrong)
     _assert_same(plain, got)
     assert counter.backward["_softmax.default"] == 1  # recomputed: nothing kept by position

@@ -49,7 +49,22 @@ NOTE [ Our own selective contexts, and random bits ]
     A kept output that is later changed in place (its version counter moved) is not
     handed back: the recompute re-runs that op instead, which is always correct. If the
     change happens inside the region's forward, the kept copy is dropped when the
-    forward ends, so it costs no memory either.
+    forward ends, so it costs no memory either (NOTE [ Writes through unsafe pieces ]).
+
+NOTE [ Writes through unsafe pieces ]
+    A version counter does not see every write to a kept output's memory. ``unsafe_split``
+    and ``unsafe_chunk`` return pieces that share their input's storage but are not views
+    to autograd: each piece has a version counter of its own. CPU ``nn.GRU`` runs
+    ``addmm`` -> ``unsafe_split`` -> ``add_``/``sigmoid_``/``tanh_`` on the pieces, so a
+    kept ``addmm`` output was changed in forward with its version unmoved; recompute
+    handed back the changed values and wrote them a second time (gradients off by a
+    quarter of their size on a 2 x GRU(16)). So forward also watches storages: every op
+    that writes an argument (its schema says so) and writes the storage of a kept output
+    makes that output *written*, treated as changed in place (``_note_writes``). This is
+    the storage-level rule keep-sets follow too (a node with writers is not kept, NOTE
+    [ Keep-sets by MILP ]). A write after the region's forward (the model changing a
+    kept output the block returned) is seen by the version counter only: through an
+    unsafe piece made outside the region it is not seen at all.
 
 NOTE [ Dead ops ]
     Recompute re-runs a block's Python forward, so every op is dispatched again; but
@@ -94,8 +109,10 @@ class _Kept:
     """What one checkpointed call of a region keeps, shared by its two dispatch modes."""
 
     def __init__(self, save: frozenset[str], keep: frozenset[int] = frozenset(),
-                 skip: frozenset[int] = frozenset(), signature: str = "") -> None:
+                 skip: frozenset[int] = frozenset(), signature: str = "",
+                 label: str = "") -> None:
         self.save = save
+        self.label = label  # the region's name, in warnings
         self.keep = keep  # op positions whose outputs stay saved (a keep-set)
         self.skip = skip  # op positions recompute need not run (NOTE [ Dead ops ])
         self.signature = signature  # op_signature of the region the positions are for
@@ -108,6 +125,11 @@ class _Kept:
         self.placeholders: dict[int, tuple[Any, list[Any]]] = {}  # skip position -> (tree
         # spec, per output (shape, stride, dtype, device))
         self.kept_at: dict[int, Any] = {}  # keep position -> its entry
+        # storage (``_cdata``) of a kept output -> the entries holding it, and the ids of
+        # the entries whose storage forward wrote in place (NOTE [ Writes through unsafe
+        # pieces ])
+        self.storages: dict[int, list[Any]] = defaultdict(list)
+        self.written: set[int] = set()
 
 
 def _is_bernoulli(func: Any) -> bool:
@@ -131,6 +153,14 @@ def _op_info(func: Any) -> tuple[str | None, bool, bool]:
     return (op_kind(name) if keepable else None), random, draws
 
 
+@functools.cache
+def _writes(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an op overload's schema says it writes (in-place
+    and ``out=`` ops); memoised as ``_op_info``. NOTE [ Writes through unsafe pieces ]."""
+    return tuple((i, arg.name) for i, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
+
+
 class _KeepOutputs(TorchDispatchMode):
     """Forward: keep the outputs of the save-set's ops and every Bernoulli draw."""
 
@@ -148,6 +178,10 @@ class _KeepOutputs(TorchDispatchMode):
         if func in IGNORED_OPS:
             return out
         kept = self.kept
+        if kept.storages:
+            writes = _writes(func)
+            if writes:
+                _note_writes(kept, writes, args, kwargs or {})
         position = len(kept.funcs)
         kept.funcs.append(func)
         entry: Any = None
@@ -156,8 +190,12 @@ class _KeepOutputs(TorchDispatchMode):
                 entry = out.to(torch.bool)  # a copy: later in-place ops do not reach it
         elif kind in kept.save or (position in kept.keep and kind is not None):
             detached = tree_map(_detach, out)
+            leaves = tree_flatten(detached)[0]
             entry = (detached, [t._version if isinstance(t, torch.Tensor) else 0
-                                for t in tree_flatten(detached)[0]])
+                                for t in leaves])
+            for t in leaves:
+                if isinstance(t, torch.Tensor):
+                    kept.storages[t.untyped_storage()._cdata].append(entry)
             if position in kept.keep:
                 kept.kept_at[position] = entry
         elif position in kept.keep:  # not keepable after all: re-run it, on real inputs
@@ -173,16 +211,35 @@ class _KeepOutputs(TorchDispatchMode):
         kept = self.kept
         if (kept.keep or kept.skip) and op_signature(map(str, kept.funcs)) != kept.signature:
             _fall_back(kept)  # NOTE [ Dead ops ]
+        written = kept.written
+
+        def stale(e: Any) -> bool:
+            return id(e) in written or _changed(e)
+
         for func, entries in kept.entries.items():
             if not _is_bernoulli(func):  # changed in place later in the region: recomputed
                 # anyway, free it now
-                entries[:] = [None if e is None or _changed(e) else e for e in entries]
-        changed = [p for p, e in kept.kept_at.items() if _changed(e)]
+                entries[:] = [None if e is None or stale(e) else e for e in entries]
+        changed = [p for p, e in kept.kept_at.items() if stale(e)]
         if changed:  # recompute re-runs these, so their inputs must be real; free the copies
             kept.skip = frozenset()
             for position in changed:
                 del kept.kept_at[position]
+        kept.storages.clear()  # forward is over: no more writes to watch
+        written.clear()
         super().__exit__(*exc)
+
+
+def _note_writes(kept: _Kept, writes: tuple[tuple[int, str], ...], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+    """Mark the kept outputs whose storage an op writes as written, whether or not the
+    tensor it writes is a view of them (NOTE [ Writes through unsafe pieces ])."""
+    for i, name in writes:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                for entry in kept.storages.get(t.untyped_storage()._cdata, ()):
+                    kept.written.add(id(entry))
 
 
 def _note_skipped(kept: _Kept, position: int, func: Any, args: tuple[Any, ...],
@@ -219,11 +276,12 @@ def can_stand_in(func: Any, *, returns_first: bool, all_tensors: bool) -> bool:
 def _fall_back(kept: _Kept) -> None:
     """The region ran other ops than the keep-set was planned for: keep no outputs by
     position and skip nothing, so recompute re-runs every op (always correct)."""
+    which = f"selective block {kept.label!r}" if kept.label else "a selective block"
     warnings.warn(
-        "autoremat: a selective block ran a different sequence of ops than when it was "
-        "profiled, so its keep-set does not apply; this call recomputes every op of the "
-        "block (correct, but slower). Profile with the inputs you train on, or plan the "
-        "block with strategy='full'", UserWarning, stacklevel=3)
+        f"autoremat: {which} ran a different sequence of ops than when it was "
+        f"profiled, so its keep-set does not apply; this call recomputes every op of "
+        f"the block (correct, but slower). Profile with the inputs you train on, or plan "
+        f"the block with strategy='full'", UserWarning, stacklevel=3)
     dropped = {id(e) for e in kept.kept_at.values()}
     for func, entries in kept.entries.items():
         if not _is_bernoulli(func):
@@ -327,7 +385,8 @@ def _restore_draw(func: Any, bits: torch.Tensor, args: tuple[Any, ...]) -> torch
 
 
 def selective_context(save_ops: Iterable[str] = (), *, keep_ops: Iterable[int] = (),
-                      skip_ops: Iterable[int] = (), signature: str = "") -> ContextFn:
+                      skip_ops: Iterable[int] = (), signature: str = "",
+                      label: str = "") -> ContextFn:
     """A ``context_fn`` for ``torch.utils.checkpoint`` saving the outputs of ``save_ops``.
 
     Random Bernoulli draws are kept as one byte per element rather than replayed; see
@@ -341,6 +400,7 @@ def selective_context(save_ops: Iterable[str] = (), *, keep_ops: Iterable[int] =
         signature: ``op_signature`` of the ops the positions refer to. Required with
             ``keep_ops`` or ``skip_ops``: a call that runs other ops falls back to
             recomputing every op, with a warning.
+        label: the region's name in that warning.
 
     Example:
         >>> import torch
@@ -366,7 +426,7 @@ def selective_context(save_ops: Iterable[str] = (), *, keep_ops: Iterable[int] =
         raise RematError(f"op positions {sorted(keep & skip)} are both kept and skipped; "
                          "a kept output is handed back, so it cannot be skipped too")
 
-    return _SelectiveContexts(save, keep, skip, signature)
+    return _SelectiveContexts(save, keep, skip, signature, label)
 
 
 @dataclass(frozen=True)
@@ -381,7 +441,8 @@ class _SelectiveContexts:
     keep: frozenset[int]
     skip: frozenset[int]
     signature: str
+    label: str = ""
 
     def __call__(self) -> tuple[_KeepOutputs, _ReuseOutputs]:
-        kept = _Kept(self.save, self.keep, self.skip, self.signature)
+        kept = _Kept(self.save, self.keep, self.skip, self.signature, self.label)
         return _KeepOutputs(kept), _ReuseOutputs(kept)
