@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import autoremat
 from autoremat import zoo
 from autoremat._core.errors import BlockError
 from autoremat._measure.blocks import (
@@ -722,3 +723,230 @@ def test_blocks_that_return_nothing_are_told_so() -> None:
     with pytest.raises(BlockError, match=r"they return no tensor \(None"):
         autoremat.profile(Model(), torch.randn(4, 8), timing=False,
                           blocks=[f"layers.{i}" for i in range(3)])
+
+
+class _PreNormAttention(nn.Module):
+    """lucidrains' pre-norm attention, returning the update (the parent adds the residual)."""
+
+    def __init__(self, width: int = 8, context: int | None = None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(context or width, 2 * width)
+
+    def forward(self, x, context=None):  # type: ignore[no-untyped-def]
+        h = self.norm(x)  # (B, T, C)
+        k, v = self.kv(h if context is None else context).chunk(2, dim=-1)  # (B, S, C)
+        return torch.softmax(self.q(h) @ k.transpose(1, 2), dim=-1) @ v
+
+
+def _feed_forward(width: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                         nn.Linear(4 * width, width))
+
+
+class _Lucidrains(nn.Module):
+    """vit-pytorch's transformer: each layer a ModuleList of its parts, which the forward
+    unpacks and calls, adding the residuals itself. ``ff_first``: the list holds them in
+    another order than they run; ``norms``: ``[norm, attn, norm, ff]``."""
+
+    def __init__(self, depth: int = 3, width: int = 8, *, ff_first: bool = False,
+                 norms: bool = False) -> None:
+        super().__init__()
+        self.ff_first, self.norms = ff_first, norms
+        self.layers = nn.ModuleList(nn.ModuleList(self._parts(width)) for _ in range(depth))
+        self.head = nn.Linear(width, 2)
+
+    def _parts(self, width: int) -> list[nn.Module]:
+        if self.ff_first:
+            return [_feed_forward(width), _PreNormAttention(width)]
+        if self.norms:
+            return [nn.LayerNorm(width), _PreNormAttention(width), nn.LayerNorm(width),
+                    _feed_forward(width)]
+        return [_PreNormAttention(width), _feed_forward(width)]
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        for layer in self.layers:
+            if self.norms:
+                norm1, attn, norm2, ff = layer
+                x = attn(norm1(x)) + x
+                x = ff(norm2(x)) + x
+                continue
+            ff, attn = layer if self.ff_first else reversed(layer)
+            x = attn(x) + x
+            x = ff(x) + x
+        return self.head(x.mean(1)).square().mean()
+
+
+class _Perceiver(nn.Module):
+    """perceiver-pytorch: each layer a ModuleList of a cross-attention to the data, a
+    feed-forward and a ModuleList of self-attention layers, each a ModuleList again."""
+
+    def __init__(self, depth: int = 2, per_cross: int = 2, width: int = 8,
+                 data_width: int = 4) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(4, width))
+        self.layers = nn.ModuleList(nn.ModuleList([
+            _PreNormAttention(width, context=data_width), _feed_forward(width),
+            nn.ModuleList(nn.ModuleList([_PreNormAttention(width), _feed_forward(width)])
+                          for _ in range(per_cross))]) for _ in range(depth))
+
+    def forward(self, data):  # type: ignore[no-untyped-def]
+        x = self.latents.expand(data.shape[0], -1, -1)  # (B, 4, C)
+        for cross_attn, cross_ff, self_attns in self.layers:
+            x = cross_attn(x, context=data) + x
+            x = cross_ff(x) + x
+            for attn, ff in self_attns:
+                x = attn(x) + x
+                x = ff(x) + x
+        return x.square().mean()
+
+
+def test_lists_the_model_iterates_over_give_the_modules_it_calls() -> None:
+    """NOTE [ Lists the model iterates over ]: a ModuleList has no forward, so a layer
+    kept as one (lucidrains' ``[attn, ff]``, ``[norm, attn, norm, ff]``, a Perceiver's
+    lists in lists) is not a block: the chain is the modules inside that the model calls,
+    however deep, and the notes say so. A Sequential of such parts stays a block."""
+    assert discover_blocks(_Lucidrains()) == [f"layers.{i}.{j}" for i in range(3)
+                                              for j in range(2)]
+    assert discover_blocks(_Lucidrains(norms=True)) == [f"layers.{i}.{j}" for i in range(3)
+                                                        for j in range(4)]
+    assert discover_blocks(_Perceiver()) == [
+        name for i in range(2) for name in (
+            f"layers.{i}.0", f"layers.{i}.1",
+            *(f"layers.{i}.2.{j}.{k}" for j in range(2) for k in range(2)))]
+    notes = discovery_notes(_Lucidrains())
+    assert len(notes) == 1 and notes[0].startswith(
+        "blocks: the 6 modules the model calls inside the 3 elements of 'layers' (each a "
+        "ModuleList of _PreNormAttention, Sequential), not the elements themselves")
+    assert "the 12 modules the model calls" in discovery_notes(_Perceiver())[0]
+    called = nn.ModuleList(nn.Sequential(_PreNormAttention(), _feed_forward()) for _ in range(3))
+    assert discover_blocks(called) == ["0", "1", "2"]
+    # a list holding nothing the model calls leaves the model as its own block
+    assert discover_blocks(nn.ModuleList(nn.ModuleList() for _ in range(2))) == [""]
+
+
+@pytest.mark.parametrize("model", [_Lucidrains(), _Lucidrains(ff_first=True),
+                                   _Lucidrains(norms=True), _Perceiver()],
+                         ids=["attn-ff", "listed-ff-first", "norm-attn-norm-ff", "perceiver"])
+def test_lists_the_model_iterates_over_are_planned_over_what_it_calls(
+        model: nn.Module) -> None:
+    """profile plans over the modules the model calls inside its lists, in the order they
+    run (profile refused the model: 'a container the model does not call'), as it does
+    with them named; plans at the least budget and checkpointing every block are exact."""
+    import autoremat
+    from autoremat._plan.strategies import smallest_feasible_bytes
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 4 if isinstance(model, _Perceiver) else 8)
+    tape = autoremat.profile(model, x, repeats=1, timing=False, with_selective=False)
+    names = [b.name for b in tape.blocks]
+    found = discover_blocks(model)
+    if isinstance(model, _Lucidrains) and model.ff_first:  # listed ff, attn; run attn, ff
+        found = [f"layers.{i}.{j}" for i in range(3) for j in (1, 0)]
+    assert names == found
+    assert any("modules the model calls inside" in n for n in tape.notes)
+    named = autoremat.profile(model, x, blocks=found, repeats=1, timing=False,
+                              with_selective=False)
+    assert smallest_feasible_bytes(tape) == smallest_feasible_bytes(named)
+    for plan in (autoremat.plan(tape, budget=smallest_feasible_bytes(tape)),
+                 autoremat.plan(tape, strategy="full")):
+        autoremat.apply(model, plan)
+        report = autoremat.verify(model, x, plan, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+
+
+def _unit(c_in: int, c_out: int, groups: int = 1, act: bool = True) -> nn.Sequential:
+    """torchvision's Conv2dNormActivation: a convolution, its norm and its activation."""
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, groups=groups, bias=False),
+                         nn.BatchNorm2d(c_out), *([nn.Hardswish()] if act else []))
+
+
+class _SqueezeExcite(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(width, 4, 1), nn.Conv2d(4, width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.fc2(self.fc1(x.mean((2, 3), keepdim=True)).relu()).sigmoid()
+
+
+class _InvertedResidualV3(nn.Module):
+    """torchvision's MobileNetV3 block: every convolution a unit of its own (the last
+    without activation), a squeeze-excite between them, in one Sequential."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        wide = 3 * c_in
+        self.block = nn.Sequential(_unit(c_in, wide), _unit(wide, wide, groups=wide),
+                                   _SqueezeExcite(wide), _unit(wide, c_out, act=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return y + x if y.shape == x.shape else y
+
+
+class _MobileNetV3(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(_unit(3, 8), _InvertedResidualV3(8, 8),
+                                      _InvertedResidualV3(8, 16), _InvertedResidualV3(16, 16),
+                                      _unit(16, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x).pow(2).mean()
+
+
+def test_conv_norm_activation_units_are_the_inside_of_a_block() -> None:
+    """NOTE [ Which container is the chain ]: an inverted residual holding its
+    convolutions as conv-norm-activation units (torchvision's MobileNetV3) is a block, as
+    MobileNetV2's is, not a stage of units (the chain went into each ``.block``), and the
+    plans over the inverted residuals are exact. A stage module whose list holds small
+    MLPs (two weighted layers each) is still planned over them."""
+    import autoremat
+    from autoremat._plan.strategies import smallest_feasible_bytes
+
+    torch.manual_seed(0)
+    model, x = _MobileNetV3(), torch.randn(2, 3, 32, 32)
+    assert discover_blocks(model) == [f"features.{i}" for i in range(5)]
+    assert discovery_notes(model) == []
+    tape = autoremat.profile(model, x, repeats=1, timing=False, with_selective=False)
+    assert [b.name for b in tape.blocks] == [f"features.{i}" for i in range(5)]
+    for plan in (autoremat.plan(tape, budget=smallest_feasible_bytes(tape)),
+                 autoremat.plan(tape, strategy="every:2")):
+        autoremat.apply(model, plan)
+        report = autoremat.verify(model, x, plan, repeats=1)
+        autoremat.remove(model)
+        assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+
+    class MLPs(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                                    nn.Linear(2 * width, width))
+                                      for _ in range(2))
+
+    stages = nn.ModuleList([MLPs(8), MLPs(16)])
+    assert discover_blocks(stages) == ["0.mlps.0", "0.mlps.1", "1.mlps.0", "1.mlps.1"]
+
+
+def test_a_shared_module_named_at_its_second_place_is_refused_naming_the_first() -> None:
+    # named_modules() names a module held twice once, at its first place; the second
+    # was "no submodule named", though model.get_submodule finds it
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shared = nn.Linear(8, 8)
+            self.layers = nn.ModuleList([shared, nn.Linear(8, 8), shared])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x.sum()
+
+    with pytest.raises(BlockError, match=r"'layers\.2' in Tied is the module also at "
+                                         r"'layers\.0'.*name it as 'layers\.0'"):
+        autoremat.profile(Tied(), torch.randn(4, 8), blocks=["layers.1", "layers.2"])
+    with pytest.raises(BlockError, match=r"no submodule named 'layers\.3'"):
+        autoremat.profile(Tied(), torch.randn(4, 8), blocks=["layers.3"])

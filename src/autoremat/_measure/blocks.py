@@ -17,8 +17,9 @@ NOTE [ Which container is the chain ]
     plan over single layers, where checkpointing saves nothing (a layer's input is what
     it saves anyway) and its recompute adds to the peak (27% on six such blocks, every
     layer checkpointed). When the elements are containers, :func:`discovery_notes` says
-    which level was taken and why. A model with no such container is its own single
-    block. Explicit names or a predicate override all of this.
+    which level was taken and why. An element the model cannot call (a ModuleList) is
+    never a block: NOTE [ Lists the model iterates over ]. A model with no such container
+    is its own single block. Explicit names or a predicate override all of this.
 
     A stage may also be a module of its own that holds its layers in containers: a CNN's
     stage (Transformers' ResNet and ConvNeXt: ``stages.i.layers``), a hierarchical
@@ -35,13 +36,37 @@ NOTE [ Which container is the chain ]
     as a MobileNet's inverted residual holds its convolutions, is the block's own inside)
     hold at least half its parameters and one kind of them comes at least twice, or they
     are in two containers or more (a residual block and an attention, each in its list:
-    :func:`_stage_layers`): the chain takes those layers, in the order they run.
-    Identical elements (a transformer's layers) stay blocks, and so does an element whose
-    containers hold parts of one each (T5's ``layer``: self-attention, cross-attention,
-    feed-forward). A list of two elements or more, each of its own class, some of them
-    stages (a small U-Net's cross-attention down block, then a plain one), is a repeated
-    container too: the layers inside repeat. Until 2026-11-29 (sixteenth session) such
-    stages were blocks.
+    :func:`_stage_layers`): the chain takes those layers, in the order they run. A plain
+    Sequential of single layers, one of them weighted (a convolution with its norm and
+    activation: torchvision's Conv2dNormActivation) is a single layer here
+    (:func:`_unit`), so torchvision's MobileNetV3, which wraps every convolution of its
+    inverted residual so, is planned over its inverted residuals as MobileNetV2 is (until
+    2026-11-29, seventeenth session, over the units). A segment may span inverted
+    residuals, not the units of two: smallest feasible budget against the plain peak,
+    inverted residuals / units, Large 0.46 / 0.48 and Small 0.40 / 0.45 at 224 pixels
+    (0.375 / 0.43 for a small one at 96). Not everywhere: a stack without strides whose
+    last inverted residual is the widest plans lower over units. Identical elements (a
+    transformer's layers) stay blocks, and so does an element whose containers hold parts
+    of one each (T5's ``layer``: self-attention, cross-attention, feed-forward). A list of
+    two elements or more, each of its own class, some of them stages (a small U-Net's
+    cross-attention down block, then a plain one), is a repeated container too: the
+    layers inside repeat. Until 2026-11-29 (sixteenth session) such stages were blocks.
+
+NOTE [ Lists the model iterates over ]
+    A block is a module the model calls, since a checkpoint wraps its call. A ModuleList
+    or a ModuleDict has no forward: the model iterates over it and calls what it holds.
+    lucidrains' transformers (vit-pytorch, perceiver-pytorch) keep each layer so,
+    ``nn.ModuleList([attn, ff])``, and run ``for attn, ff in self.layers: x = attn(x) + x;
+    x = ff(x) + x``, the residual in the parent. So wherever the rules above take such a
+    list (one without a forward of its own), the chain takes instead the outermost modules
+    inside it that are not such lists, in definition order, however deep (a Perceiver's
+    ``[cross_attn, cross_ff, ModuleList of [self_attn, self_ff]]``); ``profile`` then puts
+    them in the order they run. The parts of such a list need not be of one kind
+    (``[attn, ff]``, ``[norm, attn, norm, ff]``) and nothing coarser can be checkpointed;
+    where the parent adds the residual between them, no segment of several blocks spans
+    two of them (the next one's input is not the last one's output), so the plan
+    checkpoints them one by one. Until 2026-11-29 (seventeenth session) such a list was a
+    block, and ``profile`` refused it as a container the model does not call.
 
 NOTE [ Stacks beside the chain ]
     An encoder-decoder (T5, BART, ``nn.Transformer``) or a two-tower model (CLIP) has
@@ -164,20 +189,42 @@ def _listed(module: nn.Module) -> bool:
         isinstance(module, nn.ModuleDict) and keyed_by_position(module))
 
 
+def _shared_first(model: nn.Module, name: str) -> str | None:
+    """Where ``model.named_modules()`` names the module at ``name``, when that is another
+    name: the module is held at both (tied layers)."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return None
+    return next((n for n, m in model.named_modules() if m is module and n != name), None)
+
+
 def _composite(module: nn.Module) -> bool:
     """Whether ``module`` has children: a block of layers, not a single layer."""
     return next(module.children(), None) is not None
 
 
+def _unit(module: nn.Module) -> bool:
+    """Whether ``module`` is one layer with its norm and activation: a plain Sequential of
+    single layers, one of them weighted (a convolution or a linear layer; a norm's weight
+    is a vector), as torchvision's Conv2dNormActivation is."""
+    return isinstance(module, nn.Sequential) \
+        and type(module).forward is nn.Sequential.forward \
+        and not any(_composite(c) for c in module.children()) \
+        and sum(any(p.dim() >= 2 for p in c.parameters()) for c in module.children()) == 1
+
+
 def _stage_layers(element: nn.Module) -> list[str]:
     """The names, under ``element``, of its layers when it is a stage module (NOTE [ Which
     container is the chain ]): the children of its child containers that hold composite
-    layers only, where they hold at least half its parameters and one kind of them comes
-    at least twice or they come from two containers or more; else none."""
+    layers only (a conv-norm-activation unit is a single layer: :func:`_unit`), where they
+    hold at least half its parameters and one kind of them comes at least twice or they
+    come from two containers or more; else none."""
     if _listed(element) or isinstance(element, nn.ModuleDict):
         return []
     layers = [(f"{name}.{n}", layer) for name, child in element.named_children()
-              if _listed(child) and all(_composite(c) for c in child.children())
+              if _listed(child)
+              and all(_composite(c) and not _unit(c) for c in child.children())
               for n, layer in child.named_children()]
     if not layers or (Counter(type(layer) for _, layer in layers).most_common(1)[0][1] < 2
                       and len({name.split(".")[0] for name, _ in layers}) < 2):
@@ -252,30 +299,52 @@ def discover_blocks(model: nn.Module) -> list[str]:
         >>> discover_blocks(t)
         ['encoder.layers.0', 'encoder.layers.1', 'decoder.layers.0', 'decoder.layers.1']
     """
-    stacks = _stacks(model)
-    if not stacks:
-        return [""]  # the whole model is one block
     names: list[str] = []
-    for root in stacks:
+    for root in _stacks(model):
         prefix = f"{root}." if root else ""
         for child_name, layers in _elements(model.get_submodule(root)):
             names.extend(f"{prefix}{child_name}{layer}" for layer in layers)
-    return names
+    # none found, or lists holding nothing the model calls (a list of ParameterLists):
+    # the whole model is one block
+    return names or [""]
 
 
 def _elements(container: nn.Module) -> Iterator[tuple[str, list[str]]]:
     """Each element of the chain's ``container`` by name, with the names under it the
-    chain takes (``[""]``: the element itself), NOTE [ Which container is the chain ]."""
+    chain takes (``[""]``: the element itself), NOTE [ Which container is the chain ];
+    a container the model does not call stands for the modules inside it that it does
+    (NOTE [ Lists the model iterates over ])."""
     stages = _stages(container)
     children = list(container.named_children())
     differ = len({(type(c), param_signature(c)) for _, c in children}) > 1
     for name, child in children:
         if any(child is stage for stage in stages):
-            yield name, [f".{n}" for n, _ in child.named_children()]
-        elif differ and (layers := _stage_layers(child)):
-            yield name, [f".{n}" for n in layers]
+            layers = [f".{n}" for n, _ in child.named_children()]
+        elif differ and (found := _stage_layers(child)):
+            layers = [f".{n}" for n in found]
         else:
-            yield name, [""]
+            layers = [""]
+        yield name, [called for layer in layers for called in _called_under(
+            child.get_submodule(layer[1:]) if layer else child, layer)]  # (a ScriptModule
+        # has no get_submodule)
+
+
+def _called(module: nn.Module) -> bool:
+    """Whether a model can call ``module``: it is not a ModuleList or ModuleDict without
+    a forward of its own, which the model iterates over (``for attn, ff in self.layers``),
+    calling what it holds (NOTE [ Lists the model iterates over ])."""
+    return not isinstance(module, (nn.ModuleList, nn.ModuleDict)) \
+        or type(module).forward is not nn.Module.forward or "forward" in vars(module)
+
+
+def _called_under(module: nn.Module, name: str) -> list[str]:
+    """``[name]`` where ``module`` is called; else the names (``name`` and below) of the
+    outermost modules inside it that are, in definition order (NOTE [ Lists the model
+    iterates over ])."""
+    if _called(module):
+        return [name]
+    return [called for child_name, child in module.named_children()
+            for called in _called_under(child, f"{name}.{child_name}")]
 
 
 def _kinds(module: nn.Module) -> str:
@@ -302,8 +371,8 @@ def discovery_notes(model: nn.Module) -> list[str]:
         where = repr(root) if root else "the model"
         children = list(container.children())
         stages = _stages(container)
-        blocks = [c for c in children
-                  if _is_repeated_container(c) and not any(c is s for s in stages)]
+        blocks = [c for c in children if _is_repeated_container(c) and _called(c)
+                  and not any(c is s for s in stages)]
         if blocks:
             notes.append(
                 f"blocks: the {len(children)} elements of {where} (each a "
@@ -312,14 +381,26 @@ def discovery_notes(model: nn.Module) -> list[str]:
                 f"saves anyway) and its recompute adds to the peak. Pass blocks=[...] to "
                 f"plan at another level")
         if stages:
-            layers = sum(len(list(c.children())) for c in stages)
+            layers = sum(len(layers) for name, layers in _elements(container)
+                         if any(container.get_submodule(name) is s for s in stages))
             kind = type(next(iter(stages[0].children()))).__name__
             notes.append(
                 f"blocks: the {layers} layers of the {len(stages)} stages in {where} (each "
                 f"stage a run of {kind}), not the stages themselves. Pass blocks=[...] to "
                 f"plan at another level")
+        lists = [(name, layers) for name, layers in _elements(container)
+                 if not _called(module := container.get_submodule(name))
+                 and not any(module is stage for stage in stages)]
+        if lists:
+            first = container.get_submodule(lists[0][0])
+            notes.append(
+                f"blocks: the {sum(len(layers) for _, layers in lists)} modules the model "
+                f"calls inside the {len(lists)} elements of {where} (each a "
+                f"{type(first).__name__} of {_kinds(first)}), not the elements themselves: "
+                f"the model iterates over them and does not call them, so a checkpoint "
+                f"cannot hold one. Pass blocks=[...] to plan at another level")
         modules = [(name, layers) for name, layers in _elements(container)
-                   if layers != [""] and not any(
+                   if layers != [""] and _called(container.get_submodule(name)) and not any(
                        container.get_submodule(name) is stage for stage in stages)]
         if modules:
             kinds = sorted({layer.split(".")[1] for _, layers in modules for layer in layers})
@@ -394,6 +475,13 @@ def resolve_blocks(model: nn.Module, blocks: BlockSpec) -> list[str]:
         names = list(blocks)
         for name in names:
             if name not in modules:
+                first = _shared_first(model, name)
+                if first is not None:
+                    raise BlockError(
+                        f"{name!r} in {type(model).__name__} is the module also at "
+                        f"{first!r} (one module, held twice): name it as {first!r}, whose "
+                        f"calls in the step are planned one by one (its call at {name!r} "
+                        f"among them)")
                 raise BlockError(f"no submodule named {name!r} in {type(model).__name__}."
                                  + did_you_mean(name, [n for n in modules if n]))
         if len(set(names)) != len(names):
