@@ -67,3 +67,26 @@ def test_segments_are_refused_where_layers_are_skipped():
     model.config.layerdrop = 0.0
     autoremat.apply(model, plan)  # without it, the segments run
     autoremat.remove(model)
+
+
+def test_a_layer_drop_of_the_models_own_is_named_where_profile_misses_a_block() -> None:
+    # a parent that skips layers at random (not a config's layerdrop, which profile
+    # turns off itself) made the profile fail at random, saying nothing of skipping
+    class Dropping(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            for i, layer in enumerate(self.layers):
+                if self.training and self.calls > 1 and i == 2:
+                    continue  # (skipped from the second step on)
+                x = torch.relu(layer(x))
+            return x.sum()
+
+    with pytest.raises(autoremat.BlockError, match=r"'layers\.2' never ran.*skips layers "
+                                                   r"at random in training.*probability "
+                                                   r"to 0 while profiling"):
+        autoremat.profile(Dropping(), torch.randn(4, 8), timing=False)

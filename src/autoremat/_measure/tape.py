@@ -256,6 +256,12 @@ class Tape:
     # it returns ] in _profile/runs.py). Empty: none, or a tape saved before it was
     # recorded.
     freed_at_return: dict[str, int] = field(default_factory=dict)
+    # Bytes of tensors a block saves in its forward that blocks two or more after it take
+    # besides their input, by "saver:takers" ("2:6"); a plan that keeps the saver and
+    # checkpoints a taker counts them held (NOTE [ Tensors a block saves that a later
+    # block takes ] in _profile/runs.py). Empty: none, or a tape saved before it was
+    # recorded.
+    saved_by_maker: dict[str, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 

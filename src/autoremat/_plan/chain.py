@@ -328,7 +328,11 @@ def _best_final(tape: Tape, frontier: dict[tuple[int, Decision], _Frontier],
         if best is not None and key(cost, peak) >= key(best.cost, best.peak_bytes):
             break  # (held adds at least nothing: no later row is better)
         segments = _backtrack(frontier, moves, (len(tape.blocks), _ORDER[rank]), row)
-        top = peak + held_beyond_windows(tape, segments)
+        # (the solver's levels leave out the tensors kept blocks save for blocks after
+        # the next, which the plan's own count: NOTE [ Tensors a block saves that a
+        # later block takes ] in _profile/runs.py)
+        top = predict_peak(tape, segments) if tape.saved_by_maker else \
+            peak + held_beyond_windows(tape, segments)
         if top <= budget and (best is None or key(cost, top) < key(best.cost, best.peak_bytes)):
             best = ChainSolution(segments, cost, top)
     return best

@@ -261,8 +261,8 @@ def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray) -> n
     return np.maximum(before + np.maximum(extra, 0), window.peak_bytes + extra)
 
 
-def suffix_z(tape: Tape, release: Sequence[int] | None = None
-             ) -> dict[Decision, list[int]]:
+def suffix_z(tape: Tape, release: Sequence[int] | None = None,
+             kept: set[int] | None = None) -> dict[Decision, list[int]]:
     """``Z[d][j]``: post.delta + net leftovers of the blocks after ``j``, when block
     ``j`` is seen as ``d``, for a plan that releases ``release`` when the forward returns
     (``None``: the least any plan releases). See NOTE [ Who frees a boundary tensor ]
@@ -284,8 +284,23 @@ def suffix_z(tape: Tape, release: Sequence[int] | None = None
         for j in range(n - 1, -1, -1):
             z[j] = acc + held_on[j]
             acc += _net(tape, j, decision)
+        if decision.recomputes and kept is not None:
+            _saved_by_maker(tape, z, kept)
         out[decision] = z
     return out
+
+
+def _saved_by_maker(tape: Tape, z: list[int], kept: set[int]) -> None:
+    """Count held, in the suffixes ``z`` of checkpointed blocks between them, the tensors
+    a block the plan keeps (``kept``) saves that a later block takes (NOTE [ Tensors a
+    block saves that a later block takes ] in ``_profile/runs.py``): the nets of the step
+    with every block checkpointed free them in the taker's backward, where a kept saver
+    holds them on to its own."""
+    for key, size in tape.saved_by_maker.items():
+        saver, takers = key.split(":")
+        if int(saver) in kept:
+            for j in range(int(saver) + 1, max(int(t) for t in takers.split(","))):
+                z[j] += size
 
 
 def fixed_peaks(tape: Tape, first: Decision) -> int:
@@ -453,7 +468,9 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
     """Predicted step peak of a plan given as consecutive ``(start, stop, choice)``."""
     costs = plan_costs(tape, segments)
     release = release_of(tape, segments, costs)
-    z = suffix_z(tape, release)
+    kept = {i for start, stop, choice in segments if not choice.decision.recomputes
+            for i in range(start, stop)}
+    z = suffix_z(tape, release, kept)
     level = tape.pre.delta_bytes
     peak = fixed_peaks(tape, costs[0].seen_as)
     for (_start, stop, _), cost in zip(segments, costs, strict=False):

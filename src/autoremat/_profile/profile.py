@@ -337,6 +337,16 @@ def _freed_at_return(chain: Chain, ran_on: torch.device,
     return out
 
 
+def _saved_by_maker(chain: Chain, ran_on: torch.device,
+                    rounding: Rounding | None) -> dict[str, int]:
+    """``tape.saved_by_maker``: bytes by "saver:takers" ("2:6")."""
+    out: dict[str, int] = {}
+    for saver, takers, size in chain.saved_by_maker:
+        key = f"{saver}:{','.join(map(str, takers))}"
+        out[key] = out.get(key, 0) + counted_bytes(size, ran_on, rounding)
+    return out
+
+
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
@@ -401,6 +411,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         first_release_shared=_first_release_shared(released, n),
         held_past_release=_held_past_release(chain, ran_on, rounding),
         freed_at_return=_freed_at_return(chain, ran_on, rounding),
+        saved_by_maker=_saved_by_maker(chain, ran_on, rounding),
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),

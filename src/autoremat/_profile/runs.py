@@ -111,6 +111,27 @@ NOTE [ Tensors blocks take that the model frees when it returns ]
     made before the chain ] says; those the parent makes between blocks are not looked
     at (none seen to matter).
 
+NOTE [ Tensors a block saves that a later block takes ]
+    A tensor a block's forward saves for its backward and a block two or more after it
+    takes besides its input (a U-Net's skip, the output of a down block's convolutions,
+    which its downsampling convolution saves, taken by the up block) lives until the
+    first's backward when it is kept. A checkpoint of the later block holds it until that
+    block's backward; so where the first is checkpointed too, as in the step that
+    measured the checkpointed windows, it is freed there, and the levels the peak model
+    composes for a checkpointed block between them (from that step's windows of the
+    blocks after it) count it freed. A plan keeping the first and checkpointing a block
+    after it, up to the last taking it, holds it past that: a 1-d U-Net whose blocks were
+    named measured a skip (512 KiB) over plans recomputing an up block. The warm-up step
+    records them (``tape.saved_by_maker``: the block saving each, the blocks taking it,
+    its bytes), and the levels composed for checkpointed blocks between a kept saver
+    and its takers count them held (``_saved_by_maker`` in _plan/peak.py). Whether the
+    saver is kept is the plan's, which the solver's states do not hold: the solver
+    searches without them, and its final plans are predicted with them
+    (``_best_final`` in _plan/chain.py), as what a recompute holds past its release is;
+    it may so drop a plan a little dearer that holds fewer. A tensor saved before it is
+    passed is held by the plain step too, so it is not one of those the two notes above
+    count.
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -321,13 +342,19 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
                 raise BlockError(
                     f"block {name!r} is a {type(container).__name__}, a container the "
                     f"model does not call: name the layers in it, blocks={[*inside, '...']}")
+            ran = [n for n, c in zip(names, probe.calls, strict=False) if c]
             raise BlockError(
                 f"block {name!r} never ran as a module call in one step (its hooks did not "
                 f"fire): the model skipped it, or calls its forward method directly "
                 f"(layer.forward(...), as SqueezeBERT's encoder does), which bypasses "
                 f"nn.Module.__call__. autoremat measures and checkpoints a block through "
                 f"its call: pass blocks=[...] naming modules the model calls (the parts of "
-                f"each layer that it calls, for instance)")
+                f"each layer that it calls, for instance)"
+                + (". If the model skips layers at random in training (a layer drop or "
+                   "stochastic depth of its own, in the loop over them), set its "
+                   "probability to 0 while profiling: the plan holds for the step where "
+                   "none is skipped, and a skipped layer holds nothing"
+                   if ran and step.model.training else ""))
         if calls != 1:
             raise BlockError(f"block {name!r} ran {calls} times in one step, and some block "
                              f"given did not run at all (blocks that run several times are "
@@ -459,6 +486,7 @@ class _Side:
     saved: bool = False  # autograd saved its storage while it was followed
     died: int | None = None  # the event at which every object passed was gone
     made_by: int | None = None  # the block that returned it, if one did
+    saved_in: int | None = None  # the block whose forward saved it before it was passed
 
 
 class _HeldInputs:
@@ -483,6 +511,9 @@ class _HeldInputs:
         self._events = 0  # blocks started and returned so far
         self._returns: dict[int, int] = {}  # block -> the event of its return
         self._outs: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # block -> its output
+        # storage -> what autograd holds of it (alive while saved), and the block whose
+        # forward saved it (None: outside the blocks)
+        self._packed: dict[int, tuple[weakref.ref[torch.Tensor], int | None]] = {}
 
     def _see_deaths(self) -> None:
         for key, side in list(self._live.items()):
@@ -501,16 +532,23 @@ class _HeldInputs:
                 side.made_by = next((k for k, outs in reversed(self._outs.items())
                                      if any(_same_storage(ref(), storage) for ref in outs)),
                                     None)
+                packed = self._packed.get(storage._cdata)
+                if packed is not None and packed[0]() is not None:  # saved before it was
+                    side.saved, side.saved_in = True, packed[1]  # passed: held as saved
                 self._sides.append(side)
             if all(ref() is not t for ref in side.refs):
                 side.refs.append(weakref.ref(t))
             side.takers.add(i)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        side = self._live.get(t.untyped_storage()._cdata)
+        key = t.untyped_storage()._cdata
+        side = self._live.get(key)
         if side is not None:
             side.saved = True
-        return _detached(t)
+        alias = _detached(t)
+        if key not in self._packed or self._packed[key][0]() is None:
+            self._packed[key] = (weakref.ref(alias), self._last if self._inside else None)
+        return alias
 
     def _input_alive(self, i: int) -> bool:
         ref = self._refs.get(i)
@@ -621,6 +659,24 @@ class _HeldInputs:
             made = -1 if side.made_by is None else position.get(side.made_by, -1)
             if 0 <= made < len(ids) - 1:
                 out.append((made + 1, takers, side.nbytes))
+        return tuple(out)
+
+    def saved_by_maker(self, chain: list[str]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+        """The tensors a block of ``chain`` saves in its forward that blocks two or more
+        after it take besides their input (NOTE [ Tensors a block saves that a later
+        block takes ]), as (that block; the blocks taking it; its storage's size)."""
+        index = {name: i for i, name in enumerate(self.names)}
+        ids = [index.get(name, -1) for name in chain]
+        if -1 in ids:
+            return ()
+        position = {block: p for p, block in enumerate(ids)}
+        out = []
+        for side in self._sides:
+            saver = -1 if side.saved_in is None else position.get(side.saved_in, -1)
+            takers = tuple(sorted(position[b] for b in side.takers
+                                  if b in position and position[b] >= saver + 2))
+            if saver >= 0 and takers:
+                out.append((saver, takers, side.nbytes))
         return tuple(out)
 
     def held(self, chain: list[str]) -> list[bool] | None:
@@ -1033,6 +1089,8 @@ class Chain:
     freed_at_return: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block
     # whose input it is or -1, takers, bytes): NOTE [ Tensors blocks take that the
     # model frees when it returns ]
+    saved_by_maker: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block saving
+    # it, takers, bytes): NOTE [ Tensors a block saves that a later block takes ]
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
@@ -1136,4 +1194,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
     return Chain(names=names, held_inputs=held_inputs, output_bytes=held[0], notes=notes,
                   times=times, loss=loss, autocast=autocast[0] if autocast else "",
                   held_past_release=held_inputs_seen.held_past_release(names) if eager else (),
-                  freed_at_return=held_inputs_seen.freed_at_return(names) if eager else ())
+                  freed_at_return=held_inputs_seen.freed_at_return(names) if eager else (),
+                  saved_by_maker=held_inputs_seen.saved_by_maker(names) if eager else ())
