@@ -256,6 +256,46 @@ def test_other_input_shapes_warn_once_and_still_give_equal_gradients(
         assert_same_step(model, longer, plan)
 
 
+class _Prefixed(nn.Module):
+    """Called positionally; a keyword adds prefix tokens or repeats the batch."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width))
+                                    for _ in range(3))
+
+    def forward(self, ids: torch.Tensor, prefix: torch.Tensor | None = None,
+                repeat: int = 1) -> torch.Tensor:
+        if prefix is not None:
+            ids = torch.cat([prefix, ids], 1)
+        x = self.embed(ids).repeat(repeat, 1, 1)
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+def test_keywords_added_to_a_positional_call_are_checked() -> None:
+    # a call with positional arguments and keywords was checked on the positional ones
+    # alone: a keyword tensor, or a keyword that repeats the batch, grew the step past
+    # its budget silently (2.8x on a held-out loop)
+    torch.manual_seed(0)
+    model, ids = _Prefixed(), torch.randint(0, 64, (4, 16))
+    autoremat.auto(model, (ids,), budget="75%")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShapeMismatchWarning)
+        model(ids, prefix=None).backward()  # turns nothing on: silent
+    for kwargs, named in [({"prefix": torch.randint(0, 64, (4, 8))}, "prefix: (4, 8) int64"),
+                          ({"repeat": 3}, None)]:
+        with pytest.warns(ShapeMismatchWarning) as record:
+            model(ids, **kwargs).backward()
+        text = str(record[0].message)
+        assert (f"now runs on (4, 16) int64, {named}" if named else
+                "now runs with repeat=3, which the step profiled did not pass") in text, text
+    autoremat.remove(model)
+
+
 def test_a_batch_within_the_planned_one_is_silent(tapes: Callable[[str], Tape]) -> None:
     # NOTE [ Smaller batches are within the plan ]: the last, smaller batch, padding to
     # each batch's longest sequence; the warning that must still come: larger in any
@@ -625,3 +665,217 @@ def test_a_plan_for_a_narrower_model_of_the_same_class_is_refused() -> None:
         autoremat.apply(small.to(torch.float64), chosen)
     autoremat.apply(small.to(torch.float32), chosen)  # the model it was made for
     assert autoremat.applied_plan(small) is chosen
+
+
+# NOTE [ The modules as the forward found them ] (wrap.py): what a recompute reads of its
+# modules is what their forward found, whatever the loop changed between the two.
+
+_FOUND_PLANS = ["full", "sqrt", "optimal@min"]
+
+
+def _gpt2_grads(model: nn.Module, inputs: Any, between: Callable[[nn.Module], Any],
+                params: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Gradients of one step of ``model`` (of the tensors ``params`` when given, through
+    ``torch.func.functional_call``) with ``between(model)`` run between the forward and
+    the backward."""
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    if params is None:
+        loss = call(model, inputs).loss
+    else:
+        loss = torch.func.functional_call(model, params, (), inputs).loss
+    between(model)
+    loss.backward()
+    return [t.grad for t in (params.values() if params is not None else model.parameters())]
+
+
+@pytest.mark.parametrize("strategy", _FOUND_PLANS)
+def test_a_recompute_reads_the_parameters_functional_call_passed(
+        strategy: str, tapes: Callable[[str], Tape]) -> None:
+    # the tensors passed for the call, not the module's own, which functional_call has
+    # put back by the backward (a hypernetwork's weights, MAML's fast weights): their
+    # gradients differed from the plain model's by up to 70% with no warning
+    model, inputs = build("gpt2")
+    torch.manual_seed(1)
+    other = {n: p.detach() + 0.1 * torch.randn_like(p) for n, p in model.named_parameters()}
+
+    def passed() -> dict[str, torch.Tensor]:
+        return {n: t.clone().requires_grad_() for n, t in other.items()}
+    plain = _gpt2_grads(model, inputs, lambda m: None, passed())
+    plan = make_plan(tapes("gpt2"), strategy)
+    assert recomputing(plan)
+    autoremat.apply(model, plan)
+    try:
+        planned = _gpt2_grads(model, inputs, lambda m: None, passed())
+    finally:
+        autoremat.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    assert all(p.grad is None for p in model.parameters())  # the module's own got none
+
+
+@pytest.mark.parametrize("strategy", _FOUND_PLANS)
+@pytest.mark.parametrize("change", ["dropout p", "eval"])
+def test_a_recompute_reads_the_attributes_its_forward_found(
+        strategy: str, change: str, tapes: Callable[[str], Tape]) -> None:
+    # a schedule that sets dropout's p (or a model put in eval mode) between a forward
+    # and its backward changed the recompute's draws, silently
+    def between(model: nn.Module) -> None:
+        if change == "eval":
+            model.eval()
+            return
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.5
+    model, inputs = build("gpt2")
+    plain = _gpt2_grads(model, inputs, between)
+    model.train()
+    plan = make_plan(tapes("gpt2"), strategy)
+    autoremat.apply(model, plan)
+    try:
+        model.apply(lambda m: setattr(m, "p", 0.1) if isinstance(m, nn.Dropout) else None)
+        planned = _gpt2_grads(model, inputs, between)
+        dropout = next(m for m in model.modules() if isinstance(m, nn.Dropout))
+        assert dropout.p == (0.5 if change == "dropout p" else 0.1)  # as the loop set it
+        assert model.training is (change != "eval")
+    finally:
+        autoremat.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+
+
+@pytest.mark.parametrize("strategy", _FOUND_PLANS)
+def test_a_parameter_changed_in_place_before_the_recompute_is_refused_by_name(
+        strategy: str, tapes: Callable[[str], Tape]) -> None:
+    # an optimizer step between a forward and its backward through it (a GAN stepping
+    # its discriminator first): plain PyTorch raises for the weights it saved, and a
+    # recompute would compute with the new values
+    model, inputs = build("gpt2")
+    plan = make_plan(tapes("gpt2"), strategy)
+    autoremat.apply(model, plan)
+    recomputed = next(b.name for b in plan.blocks if b.decision is not Decision.KEEP)
+    weight = model.get_submodule(recomputed).attn.c_attn.weight
+    try:
+        loss = call(model, inputs).loss
+        with torch.no_grad():
+            weight.add_(1.0)
+        with pytest.raises(RematError, match=r"parameter 'attn\.c_attn\.weight' was changed "
+                                             r"in place after its forward"):
+            loss.backward()
+    finally:
+        autoremat.remove(model)
+
+
+def test_a_plan_is_found_and_removed_from_a_model_holding_its_blocks() -> None:
+    # NOTE [ A plan found from its blocks ]: PEFT's merge_and_unload() returns the base
+    # model from inside the PeftModel a plan was applied to; its blocks stayed wrapped,
+    # applied_plan said None and remove did nothing
+    class Outer(nn.Module):  # holds the model, as a PeftModel does
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.base_model = inner
+
+        def forward(self, **kwargs: Any) -> Any:
+            return self.base_model(**kwargs)
+
+    model, inputs = build("gpt2")
+    before = snapshot(model)
+    outer = Outer(model)
+    tape = autoremat.profile(outer, inputs, timing=False, with_selective=False)
+    plan = autoremat.plan(tape, strategy="full")
+    autoremat.apply(outer, plan)
+    assert autoremat.applied_plan(model) is plan
+    autoremat.remove(model)  # the base model alone
+    assert snapshot(model) == before
+    assert all(is_wrapped(m) is None for m in model.modules())
+    assert autoremat.applied_plan(model) is None and autoremat.applied_plan(outer) is None
+    autoremat.remove(outer)  # (undone already: nothing to do)
+    assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("strategy", ["optimal@mid", "selective", "full"])
+def test_a_backward_inside_the_autocast_region_is_the_profiled_step(strategy: str) -> None:
+    # NOTE [ Backward inside autocast ] (wrap.py): autocast's cached weight casts were
+    # held through the backward and found by the recompute, which then ran no cast: a
+    # selective plan was refused, the others measured up to 27% over their predictions
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm, self.up = nn.LayerNorm(width), nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block(64) for _ in range(4)), nn.Linear(64, 10))
+    x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y)
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_fn(model(x)).backward()  # inside the region
+        return [p.grad for p in model.parameters()]
+    plain = grads()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
+    plan = make_plan(tape, strategy)
+    assert recomputing(plan)
+    autoremat.apply(model, plan)
+    try:
+        with autoremat.track_memory() as mem:
+            planned = grads()
+    finally:
+        autoremat.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    assert mem.peak_bytes <= plan.predicted_peak_bytes
+
+
+class _AuxBlock(nn.Module):
+    """Keeps an auxiliary loss on itself in forward, as fairseq's and DeepSpeed's MoE
+    layers keep their load-balancing loss."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(width, 4), nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        self.aux_loss = (probs.mean(0) ** 2).sum()
+        return x + self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("strategy", ["sqrt", "full", "optimal@min"])
+def test_what_a_recompute_assigns_to_its_modules_is_put_back(strategy: str) -> None:
+    # NOTE [ The modules as the forward found them ] (wrap.py): the recompute of a
+    # segment's inner blocks set their aux_loss again, whose graph held the recompute's
+    # tensors until the next forward (16% over budget on a held-out MoE)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_AuxBlock(64) for _ in range(6)))
+    x = torch.randn(256, 64)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean() + 0.01 * sum(b.aux_loss for b in model)  # type: ignore[misc]
+
+    def run() -> tuple[list[torch.Tensor], list[Any]]:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x)).backward()
+        return [p.grad for p in model.parameters()], [b.aux_loss for b in model]
+    plain, _ = run()
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
+    plan = make_plan(tape, strategy)
+    assert recomputing(plan)
+    autoremat.apply(model, plan)
+    try:
+        with autoremat.track_memory() as mem:
+            planned, kept = run()
+        assert mem.peak_bytes <= plan.predicted_peak_bytes
+        assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+        assert all(aux is not None and aux.grad_fn is not None for aux in kept)
+    finally:
+        autoremat.remove(model)
+    if strategy == "sqrt":  # segments of several blocks
+        assert len({b.segment for b in plan.blocks}) < len(plan.blocks)

@@ -66,14 +66,38 @@ from autoremat._profile.runs import refuse_hf_checkpointing
 __all__ = ["applied_plan", "apply", "compile_model", "remove"]
 
 _ATTR = "_autoremat_applied"
+_OWNER = "_autoremat_owner"  # on each planned block: the state of the plan it is in
+
+# NOTE [ A plan found from its blocks ]
+#     A plan's state lives on the model it was applied to; each planned block also names
+#     it, so that a model holding only the blocks finds it. PEFT's ``merge_and_unload()``
+#     returns the base model from inside the ``PeftModel`` a plan was applied to: its
+#     blocks stayed wrapped (their recompute, ``use_cache`` off), ``applied_plan`` said
+#     None and ``remove`` did nothing, silently (a held-out loop, 2026-11-29). Now both
+#     find the plan through its blocks, and ``remove`` undoes it wherever it was applied.
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model``, or ``None``."""
     if not isinstance(model, nn.Module):
         raise RematError(f"applied_plan() needs an nn.Module, got {type(model).__name__}")
-    state = unwrapped(model)[0].__dict__.get(_ATTR)
-    return state.plan if state is not None else None
+    inner = unwrapped(model)[0]
+    state = inner.__dict__.get(_ATTR)
+    if state is not None and not state.undone:
+        return state.plan  # type: ignore[no-any-return]
+    found = _plans_within(inner)
+    return found[0].plan if found else None
+
+
+def _plans_within(model: nn.Module) -> list[Applied]:
+    """The plans applied to ``model`` or to a model holding its blocks, found from the
+    blocks (NOTE [ A plan found from its blocks ])."""
+    found: list[Applied] = []
+    for module in model.modules():
+        state = module.__dict__.get(_OWNER)
+        if state is not None and not state.undone and all(state is not f for f in found):
+            found.append(state)
+    return found
 
 
 def compile_model(model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -267,7 +291,7 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
                 for b, module in zip(plan.blocks[start:stop], blocks, strict=False):
                     wrap(module, decision, selective=selective_context(
                         b.save_ops, keep_ops=b.keep_ops, skip_ops=b.skip_ops,
-                        signature=b.op_signature),
+                        signature=b.op_signature, label=b.name),
                         compiled=compiled_context(b.save_ops, parse_keep_keys(b.keep_keys)),
                         name=b.name)
                     state.wrapped.append(module)
@@ -292,6 +316,8 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
         _undo(state)
         remove_calls(model)
         raise
+    for _, _, planned_block in state.blocks:
+        planned_block.__dict__[_OWNER] = state  # NOTE [ A plan found from its blocks ]
     setattr(model, _ATTR, state)
     return given
 
@@ -392,6 +418,12 @@ class _SavedAsConfigured:
 
 
 def _undo(state: Applied) -> None:
+    if state.undone:
+        return
+    state.undone = True
+    for _, _, block in state.blocks:
+        if block.__dict__.get(_OWNER) is state:
+            del block.__dict__[_OWNER]
     if state.head is not None:
         uninstall_head(state.head)
         state.head = None
@@ -410,12 +442,17 @@ def _undo(state: Applied) -> None:
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: the model is exactly as before. A no-op without a plan."""
+    """Undo :func:`apply`: the model is exactly as before. A no-op without a plan. Given a
+    model whose blocks are in a plan applied to a model holding it (the base model
+    PEFT's ``merge_and_unload()`` returns), it undoes that plan (NOTE [ A plan found from
+    its blocks ])."""
     if not isinstance(model, nn.Module):
         raise RematError(f"remove() needs an nn.Module, got {type(model).__name__}")
     inner = unwrapped(model)[0]
     state = inner.__dict__.pop(_ATTR, None)
     if state is not None:
         _undo(state)
+    for other in _plans_within(inner):
+        _undo(other)
     remove_calls(inner)
     return model

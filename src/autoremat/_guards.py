@@ -129,6 +129,7 @@ class Applied:
     # the last forward with gradients, until its backward starts or its graph is freed
     # (NOTE [ What a plan is checked against ]: forwards before one backward)
     pending: weakref.ref[_Forward] | None = None
+    undone: bool = False  # removed (NOTE [ A plan found from its blocks ] in _apply.py)
 
     def __getstate__(self) -> dict[str, Any]:
         # a pickled model (torch.save(model)) carries its plan, not the forward in flight:
@@ -145,6 +146,10 @@ class _Forward:
 
 
 def _backward_reached(forward: _Forward, *grads: Any) -> None:
+    if not forward.backward_ran:
+        # a backward inside the autocast region holds its weight casts otherwise (NOTE
+        # [ Backward inside autocast ] in _mechanism/wrap.py)
+        torch.clear_autocast_cache()
     forward.backward_ran = True
 
 
@@ -337,8 +342,7 @@ def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> No
     that a copy of the model checks against the copy's state)."""
     if torch.compiler.is_compiling():
         return  # NOTE [ What a plan is checked against ]: not inside a compiled forward
-    inputs: Any = kwargs if kwargs and not args else (args[0] if len(args) == 1 and
-                                                      not kwargs else args)
+    inputs, keywords = _call_inputs(args, kwargs)
     state.calls = None
     if not torch.is_grad_enabled():
         return  # evaluation: nothing is recomputed, and no prediction to hold
@@ -346,12 +350,14 @@ def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> No
     _check_step(state)
     _check_pending(state)
     state.calls = [0] * len(state.blocks)
-    signature = describe_inputs(inputs)
+    signature = describe_inputs(inputs) if keywords is None else \
+        f"{describe_inputs(args)}, {describe_inputs(keywords)}"  # the keywords named
     if _unnamed(signature) != _unnamed(state.plan.inputs) \
             and not _within(state.plan.inputs, _without_scalars(inputs)) \
             and not any(_within(told, _without_scalars(inputs)) for told in state.warned_batches):
-        state.warned_batches.append(signature)
-        added = _added_settings(state.plan.inputs, inputs)
+        state.warned_batches.append(describe_inputs(inputs))
+        added = _added_settings(state.plan.inputs, inputs) if keywords is None else \
+            _added_settings(state.plan.inputs, args[0] if len(args) == 1 else args, keywords)
         if added:
             warnings.warn(
                 f"autoremat: the model now runs with {', '.join(added)}, which the step "
@@ -367,16 +373,37 @@ def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> No
             f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
 
 
-def _added_settings(planned: str, inputs: Any) -> list[str]:
-    """The keywords, neither tensors nor turned off, that ``inputs`` add to a batch
-    otherwise within the plan's (NOTE [ Smaller batches are within the plan ]): the
-    step they change is one the plan did not measure, which may hold more or less."""
-    if not isinstance(inputs, Mapping):
+def _call_inputs(args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """A call's arguments as a batch is given (its keywords, its one positional argument,
+    or its positional ones), and where it has both, the keywords that turn nothing off,
+    which follow the positional ones in the batch (a keyword tensor added to a positional
+    call grows the step as a positional one does: it went unchecked until 2026-11-29)."""
+    if not args:
+        return kwargs, None
+    added = {k: v for k, v in kwargs.items() if v is not None and v is not False}
+    if added:  # the positional ones by their position, the keywords by name
+        return {**{str(i): arg for i, arg in enumerate(args)}, **added}, added
+    return (args[0] if len(args) == 1 else args), None
+
+
+def _added_settings(planned: str, inputs: Any,
+                    keywords: dict[str, Any] | None = None) -> list[str]:
+    """The keywords, neither tensors nor turned off, that ``inputs`` (or ``keywords``
+    passed besides positional ``inputs``) add to a batch otherwise within the plan's
+    (NOTE [ Smaller batches are within the plan ]): the step they change is one the plan
+    did not measure, which may hold more or less."""
+    if keywords is None and not isinstance(inputs, Mapping):
         return []
+    given = inputs if keywords is None else keywords
     known = {m["name"].split(".")[0] for m in _ENTRY.finditer(planned) if m["name"]}
-    added = {k: v for k, v in inputs.items() if k not in known
+    added = {k: v for k, v in given.items() if k not in known
              and not isinstance(v, torch.Tensor) and v is not None and v is not False}
-    rest = {k: v for k, v in inputs.items() if k not in added}
+    rest = {k: v for k, v in given.items() if k not in added}
+    if keywords is not None:
+        if rest:  # a keyword tensor: not a setting
+            return []
+        rest = inputs
     if not added or not _within(planned, _without_scalars(rest)):
         return []
     return [f"{k}={v!r}" if isinstance(v, (bool, int, float, str)) else k for k, v in added.items()]

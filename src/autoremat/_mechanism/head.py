@@ -114,9 +114,10 @@ def find_head(model: nn.Module, inputs: Any, loss_fn: Any) -> tuple[HeadSite | N
     if not heads and lm_head is None and output is None:
         return None, ""
     if loss_fn is not None:
-        return None, ("the loss is the caller's loss_fn, which reads the logits: the "
-                      "loss head stays as the model computes it (leave loss_fn out to let "
-                      "the plan chunk the model's own loss)")
+        return None, ("the loss is taken by the caller's loss_fn, which a plan cannot "
+                      "compute in chunks (whether it reads the logits or returns a loss "
+                      "the model computed): the loss head stays as the model computes it "
+                      "(leave loss_fn out to let the plan chunk the model's own loss)")
     if len(heads) > 1:
         return None, (f"{len(heads)} LMHead modules ({heads[0][0]}, {heads[1][0]}, ...): "
                       f"the plan chunks one loss head; the heads stay as they are")

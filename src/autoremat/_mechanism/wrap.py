@@ -286,6 +286,7 @@ class _Layout:
     buffers: list[tuple[str, nn.Module, str]]  # other buffers: (qualified name, module, name)
     generators: list[tuple[nn.Module, str]]  # torch.Generator attributes: (module, name)
     submodules: list[tuple[str, nn.Module]]  # every module, by its qualified name
+    parameters: list[tuple[str, nn.Module, str]]  # (qualified name, module, name)
 
     @staticmethod
     def of(modules: list[nn.Module]) -> _Layout:
@@ -293,15 +294,19 @@ class _Layout:
         statistics: list[tuple[nn.Module, str]] = []
         buffers: list[tuple[str, nn.Module, str]] = []
         submodules: list[tuple[str, nn.Module]] = []
+        parameters: list[tuple[str, nn.Module, str]] = []
         for module in modules:
             for prefix, m in module.named_modules():
                 submodules.append((prefix, m))
+                parameters += [(f"{prefix}.{name}" if prefix else name, m, name)
+                               for name in m._parameters]
                 for name in m._buffers:
                     if id(m) in layers and name in _STATISTICS:
                         statistics.append((m, name))
                     else:
                         buffers.append((f"{prefix}.{name}" if prefix else name, m, name))
-        return _Layout(statistics, buffers, rng.generator_slots(modules), submodules)
+        return _Layout(statistics, buffers, rng.generator_slots(modules), submodules,
+                       parameters)
 
     def stashed(self) -> list[torch.Tensor]:
         return [buf for m, name in self.statistics if (buf := m._buffers[name]) is not None]
@@ -309,6 +314,11 @@ class _Layout:
     def plain(self) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
         return [(q, m, name, buf) for q, m, name in self.buffers
                 if (buf := m._buffers[name]) is not None]
+
+    def weights(self) -> list[torch.Tensor | None]:
+        """What each parameter slot holds now (``torch.func.functional_call`` puts other
+        tensors in them for a call)."""
+        return [m._parameters[name] for _, m, name in self.parameters]
 
     def gens(self) -> list[torch.Generator]:
         return [getattr(m, name) for m, name in self.generators]
@@ -423,6 +433,8 @@ class _ForwardContext:
                       if self.region.changes(m, name)]
         self.found_attrs = [(m, name, _slot(m, name)) for m, name, attribute
                             in self.region.changing if attribute and _has_slot(m, name)]
+        self.modules_as_found = _AsFound(self.layout)  # NOTE [ The modules as the forward
+        # found them ]
         _name_the_check(self.region.label)
         self.inner.__enter__()
 
@@ -494,6 +506,96 @@ def _put_attributes(values: list[tuple[nn.Module, str, Any]]) -> None:
             vars(m)[name] = value
 
 
+# NOTE [ The modules as the forward found them ]
+#     A recompute runs the region's modules again in backward; what they hold may have
+#     changed since their forward. ``torch.func.functional_call`` puts other tensors in
+#     their parameter slots for the call only (a hypernetwork's weights, MAML's fast
+#     weights, perturbed or averaged ones): the recompute read the module's own, and the
+#     gradients of the tensors passed were wrong with no warning (3.2 where the largest
+#     was 4.4, on a plan recomputing three of four blocks). A schedule that sets an
+#     attribute between a forward and its backward (``dropout.p``, a temperature), or
+#     ``model.eval()`` there, changed the recompute alike. So a forward notes what each
+#     parameter slot holds, each parameter's version, and each module's Python number and
+#     string attributes (``_AsFound``; a dict copy per module); its recompute puts back
+#     the tensors and values that differ, for the recompute only, and after it every
+#     attribute as it was before it: an MoE layer that keeps its auxiliary loss on itself
+#     (``self.aux_loss = ...``, as fairseq's and DeepSpeed's do) got the recompute's, and
+#     its graph held the recompute's tensors until the next forward (a segment of blocks
+#     measured 16% over its budget; a single block stops its recompute before that
+#     line, at the last tensor backward needs). A parameter changed in
+#     place since (an optimizer step between a forward and its backward: a GAN stepping
+#     its discriminator before the generator's backward through it) is refused naming it:
+#     plain PyTorch raises for a weight it saved ("modified by an inplace operation"), and
+#     a recompute would compute with the new values. Found by held-out training loops on
+#     2026-11-29 (seventeenth session). FSDP2 gathers its parameters into the same tensors
+#     and keeps their versions, so nothing is put back or refused under it.
+
+
+# NOTE [ Backward inside autocast ]
+#     Autocast keeps the low-precision copies of the weights it casts in a cache until
+#     the outermost autocast region exits. PyTorch advises running backward outside the
+#     region, and the profile measures that loop; a loop that calls ``loss.backward()``
+#     inside it keeps the forward's copies through the backward. A recompute then found
+#     them cached and ran no cast where its forward had: a selective block was refused
+#     ("ran aten.view as op 2 ... where its forward ran aten._to_copy"), and plans held
+#     the copies of every block through the backward (a 'full' plan 27% over its
+#     prediction on a held-out MLP). So the cache is cleared when backward reaches a
+#     planned model's output (``_backward_reached`` in ``_guards.py``, as leaving the
+#     region would), and around each recompute, which casts as its forward did: the step
+#     is the profiled one, exact (a cleared cache only makes a later forward in the same
+#     region cast again). Found 2026-11-29 (seventeenth session).
+
+
+class _AsFound:
+    """A region's parameter slots (the tensors in them and their versions) and its
+    modules' Python number and string attributes, as a forward found them (NOTE [ The
+    modules as the forward found them ])."""
+
+    def __init__(self, layout: _Layout) -> None:
+        self.weights = layout.weights()
+        self.versions = [-1 if w is None else w._version for w in self.weights]
+        self.attributes = [dict(vars(m)) for _, m in layout.submodules]
+
+    def put(self, layout: _Layout, label: str, stack: ExitStack) -> None:
+        """Put them back for a recompute, refusing a parameter changed in place since;
+        ``stack`` puts back what is there now when the recompute ends."""
+        for (q, m, name), weight, version in zip(layout.parameters, self.weights,
+                                                 self.versions, strict=True):
+            if weight is None:
+                continue
+            if weight._version != version:
+                raise RematError(
+                    f"block {label}: its parameter {q!r} was changed in place after its "
+                    f"forward and before its recompute in backward (version {version} -> "
+                    f"{weight._version}): an optimizer step or a weight update between a "
+                    "forward and its backward? The recompute would compute with the new "
+                    "values, where plain PyTorch raises for a weight it saved ('modified by "
+                    "an inplace operation'). Call backward before changing the parameters, "
+                    "or keep this block (leave it out of blocks= when profiling)")
+            now = m._parameters.get(name)
+            if now is not weight:
+                m._parameters[name] = weight  # type: ignore[assignment]
+                stack.callback(m._parameters.__setitem__, name, now)
+        for (_, m), found in zip(layout.submodules, self.attributes, strict=True):
+            here = vars(m)
+            stack.callback(_put_back, here, dict(here))  # what the recompute sets, too
+            for name, value in found.items():
+                if type(value) in (bool, int, float, str) \
+                        and (now := here.get(name, value)) is not value and now != value:
+                    here[name] = value
+
+
+def _put_back(here: dict[str, Any], then: dict[str, Any]) -> None:
+    """Put a module's attributes back as ``then`` (NOTE [ The modules as the forward found
+    them ]): what a recompute assigned (an MoE layer's ``self.aux_loss``, whose graph
+    held the recompute's tensors until the next forward) goes."""
+    for name in [name for name in here if name not in then]:
+        del here[name]
+    for name, value in then.items():
+        if here.get(name, value) is not value or name not in here:
+            here[name] = value
+
+
 class _RecomputeContext:
     """A region's recompute, re-entrant (NOTE [ Contexts a backward may enter again ]):
     replays the forward's RNG states, puts BatchNorm statistics and the buffers the
@@ -523,6 +625,9 @@ class _RecomputeContext:
             stack.callback(_put_attributes, [(m, name, _slot(m, name))
                                              for m, name in slots.values()])
             _put_attributes(forward.found_attrs)
+            forward.modules_as_found.put(forward.layout, forward.region.label, stack)
+            torch.clear_autocast_cache()  # NOTE [ Backward inside autocast ]
+            stack.callback(torch.clear_autocast_cache)
             stack.enter_context(rng.replaying(start))
             stack.enter_context(self.inner)
             self.stacks.append(stack.pop_all())
