@@ -427,3 +427,24 @@ def test_200_block_chain_is_close_to_the_exact_optimum(budget: str,
     assert thinned.predicted_peak_bytes <= thinned.budget_bytes == exact.budget_bytes
     assert exact.predicted_recompute_flops <= thinned.predicted_recompute_flops
     assert thinned.predicted_recompute_flops <= 1.10 * exact.predicted_recompute_flops
+
+
+def test_a_budget_the_least_peak_meets_gets_that_plan_where_the_search_drops_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the search keeps rows by their prefix's peak without what a plan holds beyond its
+    # windows (added to the plans it finds), so it may drop the plan that fits; a budget
+    # the least-peak plan meets gets that plan rather than a BudgetError naming it
+    tape = random_tape(6, 3, chained_p=0.5)
+    least = solve(tape, None, objective="peak")
+    found = chain._best_final
+
+    def dropping(tape: Tape, frontier: object, moves: object, finals: list[object],
+                 budget: float, objective: str) -> object:
+        return None if objective == "cost" else found(tape, frontier, moves, finals,  # type: ignore[arg-type]
+                                                      budget, objective)
+    monkeypatch.setattr(chain, "_best_final", dropping)
+    got = solve(tape, least.peak_bytes, objective="cost")
+    assert got.segments == least.segments and got.peak_bytes == least.peak_bytes
+    with pytest.raises(BudgetError) as info:
+        solve(tape, least.peak_bytes - 1, objective="cost")
+    assert info.value.min_feasible_bytes == least.peak_bytes

@@ -300,6 +300,12 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     if best is None:
         internal_assert(budget_bytes is not None, "no plan of the chain without a budget")
         least = solve(tape, None, objective="peak", options=options, max_segment=max_segment)
+        if least.peak_bytes <= budget:
+            # the search keeps rows by the peak of their prefix without what a plan holds
+            # beyond its windows, which is added to the plans it finds (_best_final): it
+            # may drop the one that fits, which the least-peak search finds. A budget at
+            # the smallest feasible one gets that plan, not a BudgetError naming it
+            return least
         raise BudgetError(
             f"no plan fits the budget of {format_bytes(budget_bytes or 0)}. The smallest "
             f"feasible budget is {format_bytes(least.peak_bytes)} ({least.peak_bytes} bytes), "
