@@ -441,6 +441,7 @@ class _ForwardContext:
     def __exit__(self, *exc: Any) -> Any:
         suppress = self.inner.__exit__(*exc)
         if exc[0] is None:
+            self.modules_as_found.forward_ended()
             self._check()
         return suppress
 
@@ -522,8 +523,10 @@ def _put_attributes(values: list[tuple[nn.Module, str, Any]]) -> None:
 #     (``self.aux_loss = ...``, as fairseq's and DeepSpeed's do) got the recompute's, and
 #     its graph held the recompute's tensors until the next forward (a segment of blocks
 #     measured 16% over its budget; a single block stops its recompute before that
-#     line, at the last tensor backward needs). A parameter changed in
-#     place since (an optimizer step between a forward and its backward: a GAN stepping
+#     line, at the last tensor backward needs). A parameter changed in place since the
+#     forward ended (not by the forward itself: ``nn.Embedding(max_norm=...)`` renormalizes
+#     its rows, and its recompute does again, exact as before) (an optimizer step between
+#     a forward and its backward: a GAN stepping
 #     its discriminator before the generator's backward through it) is refused naming it:
 #     plain PyTorch raises for a weight it saved ("modified by an inplace operation"), and
 #     a recompute would compute with the new values. Found by held-out training loops on
@@ -553,17 +556,24 @@ class _AsFound:
 
     def __init__(self, layout: _Layout) -> None:
         self.weights = layout.weights()
-        self.versions = [-1 if w is None else w._version for w in self.weights]
+        self.versions: list[int] = []  # as the forward left them (forward_ended)
         self.attributes = [dict(vars(m)) for _, m in layout.submodules]
+
+    def forward_ended(self) -> None:
+        """Note the parameters' versions as the forward leaves them: it may change a
+        parameter itself (``nn.Embedding(max_norm=...)`` renormalizes its rows, a layer
+        clamps its weight), which its recompute does again."""
+        self.versions = [-1 if w is None else w._version for w in self.weights]
 
     def put(self, layout: _Layout, label: str, stack: ExitStack) -> None:
         """Put them back for a recompute, refusing a parameter changed in place since;
         ``stack`` puts back what is there now when the recompute ends."""
+        versions = self.versions or [-1] * len(self.weights)
         for (q, m, name), weight, version in zip(layout.parameters, self.weights,
-                                                 self.versions, strict=True):
+                                                 versions, strict=True):
             if weight is None:
                 continue
-            if weight._version != version:
+            if version >= 0 and weight._version != version:
                 raise RematError(
                     f"block {label}: its parameter {q!r} was changed in place after its "
                     f"forward and before its recompute in backward (version {version} -> "
