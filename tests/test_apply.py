@@ -9,6 +9,7 @@ a second or two; their tapes come from the session's ``zoo_tapes``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import itertools
@@ -914,3 +915,43 @@ def test_a_parameter_the_forward_changes_itself_is_recomputed_exactly(strategy: 
         assert all(torch.equal(a, b) for a, b in zip(plain, grads(), strict=True))
     finally:
         autoremat.remove(model)
+
+
+class _Unversioned(nn.Module):
+    """Updates a running range in place without moving its version (as torch.ao's fused
+    fake-quantize does), then computes with it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("top", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.top):
+            self.top.mul_(0.9).add_(0.1 * x.abs().max())
+        return x + F.gelu(self.lin(x)) / self.top
+
+
+def test_a_buffer_changed_without_its_version_is_recomputed_as_found() -> None:
+    # NOTE [ Buffers a forward changes ]: the profile's first step compares the buffers'
+    # values too; a QAT model's observers were updated twice per step and its gradients
+    # drifted from the plain model's from the second step, silently
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Unversioned(64) for _ in range(4)))
+    plain_model = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    def steps(m: nn.Module) -> list[torch.Tensor]:
+        out = []
+        for _ in range(3):
+            m.zero_grad(set_to_none=True)
+            loss_fn(m(x)).backward()
+            out += [p.grad.clone() for p in m.parameters()] + [b.clone() for b in m.buffers()]
+        return out
+    plan = autoremat.auto(model, x, budget="75%", loss_fn=loss_fn)
+    assert recomputing(plan)
+    assert all(torch.equal(a, b) for a, b in zip(steps(plain_model), steps(model), strict=True))
+    autoremat.remove(model)

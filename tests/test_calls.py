@@ -278,3 +278,42 @@ def test_the_trainer_callback_trains_albert_as_without_it(tmp_path) -> None:
     for (name, p), q in zip(plain.named_parameters(), planned.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert "forward" not in vars(planned.albert.encoder.albert_layer_groups[0])
+
+
+def test_a_layer_run_several_times_under_autocast_is_profiled_without_selective_options(
+        ) -> None:
+    # NOTE [ Calls of one layer under autocast ] (profile.py): its later calls find the
+    # weights' casts cached where a recompute casts again; profile raised
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 128), \
+                nn.Linear(128, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(4):
+                x = x + self.layers[0](x)
+            return x.float().pow(2).mean()
+
+    torch.manual_seed(0)
+    model, x = Looped(), torch.randn(8, 16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, x, timing=False)
+        assert [b.name for b in tape.blocks] == [f"layers.0@{j}" for j in range(4)]
+        assert not any(b.selective for b in tape.blocks)
+        assert any("no selective options" in note for note in tape.notes)
+        plan = autoremat.plan(tape, budget="70%")
+        autoremat.apply(model, plan)
+        try:
+            report = autoremat.verify(model, x)
+        finally:
+            autoremat.remove(model)
+    assert report.ok, report

@@ -575,12 +575,18 @@ def scalar_attributes(module: nn.Module) -> list[tuple[str, Any]]:
             if type(value) in (bool, int, float, str)]
 
 
+_INTERNAL = frozenset(vars(nn.Module()))  # a module's own bookkeeping (_parameters, ...)
+
+
 @contextmanager
 def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     """Run measurement steps without leaving a trace on the model, the inputs or the RNGs.
 
     Saves and restores: buffers (BatchNorm statistics), the modules' Python number and
-    string attributes (a call counter, an annealed temperature), the ``.grad`` of
+    string attributes (a call counter, an annealed temperature), what their buffers and
+    other attributes hold where a step gave them another object (Transformer-XL's
+    memory, ``self.mems = ...``; until 2026-11-29 it kept the measurement steps'), the
+    ``.grad`` of
     parameters and of the input tensors that are leaves requiring grad (an input whose
     gradient the user wants must not collect the measurement steps'), the Python, CPU
     and CUDA random states, and numpy's global one (models draw from it: Wav2Vec2's
@@ -588,6 +594,10 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     """
     buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
     scalars = [(m, name, value) for m in model.modules() for name, value in scalar_attributes(m)]
+    # what each module holds by identity: a buffer or attribute the forward gives another
+    # object (a memory of past segments, ``self.mems = ...``; an observer's new range)
+    slots = [(m, dict(m._buffers), {k: v for k, v in vars(m).items() if k not in _INTERNAL})
+             for m in model.modules()]
     leaves = [t for t in flat_tensors(inputs) if t.is_leaf and t.requires_grad]
     grads = [(p, p.grad) for p in (*model.parameters(), *leaves)]
     py_state, np_state = random.getstate(), np.random.get_state()
@@ -598,8 +608,18 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
                 p.grad = None
             yield
         finally:
+            for m, held, attributes in slots:
+                for name, buffer in held.items():
+                    if m._buffers.get(name) is not buffer:
+                        m._buffers[name] = buffer
+                here = vars(m)
+                for name, value in attributes.items():
+                    if name not in here or here[name] is not value:
+                        here[name] = value
             with torch.no_grad():
                 for b, saved in buffers:
+                    if b.shape != saved.shape:  # (an observer sized in its first forward)
+                        b.resize_(saved.shape)
                     b.copy_(saved)
             for m, name, value in scalars:
                 vars(m)[name] = value

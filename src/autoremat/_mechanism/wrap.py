@@ -388,12 +388,20 @@ class _Before:
 
 def watch_buffers(module: nn.Module) -> Callable[[], None]:
     """Before a forward of ``module``: returns what to call after it, which notes the
-    buffers and attributes it changed (NOTE [ Buffers a forward changes ])."""
+    buffers and attributes it changed (NOTE [ Buffers a forward changes ]), by version
+    and by value: an op may write a buffer without moving its version (torch.ao's fused
+    fake-quantize updates its observer's range so; its recompute updated it twice, and
+    the gradients of a QAT model drifted from the plain one's, silently)."""
     before = _Before(_Layout.of([module]), attributes=True)
+    values = [None if buf.device.type == "meta" else buf.detach().clone()
+              for *_, buf in before.buffers]  # (meta: no values to compare)
 
     def after() -> None:
         for _, m, name, _ in before.changed_buffers():
             _CHANGED.setdefault(m, set()).add(name)
+        for (_, m, name, buf), value in zip(before.buffers, values, strict=True):
+            if value is not None and (buf.shape != value.shape or not torch.equal(buf, value)):
+                _CHANGED.setdefault(m, set()).add(name)
         for _, m, name in before.changed_attributes():
             _CHANGED_ATTRS.setdefault(m, set()).add(name)
 
