@@ -268,7 +268,9 @@ def suffix_z(tape: Tape, release: Sequence[int] | None = None,
     (``None``: the least any plan releases). See NOTE [ Who frees a boundary tensor ]
     and NOTE [ Released when the forward returns ]: the inputs of blocks after ``j``
     are gone by ``j``'s backward whenever they were released; those of ``j`` and the
-    blocks before it are held on where the plan keeps what the measured step freed."""
+    blocks before it are held on where the plan keeps what the measured step freed.
+    ``kept``: the blocks the plan keeps, whose saved tensors a later block takes are
+    held on too (``_saved_by_maker``); ``None``, the solver's: left out."""
     n = len(tape.blocks)
     release = least_release(tape) if release is None else release
     out = {}

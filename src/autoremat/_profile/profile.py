@@ -333,23 +333,14 @@ def _held_past_release(chain: Chain, ran_on: torch.device,
     return out
 
 
-def _freed_at_return(chain: Chain, ran_on: torch.device,
-                     rounding: Rounding | None) -> dict[str, int]:
-    """``tape.freed_at_return``: bytes by "after:takers", the block after the one that
-    returned them and the blocks taking them ("9:12,15")."""
+def _by_takers(entries: tuple[tuple[int, tuple[int, ...], int], ...], ran_on: torch.device,
+               rounding: Rounding | None) -> dict[str, int]:
+    """``tape.freed_at_return`` and ``tape.saved_by_maker``: bytes by "block:takers", the
+    block (after the one that returned them; the one saving them) and the blocks taking
+    them ("9:12,15")."""
     out: dict[str, int] = {}
-    for after, takers, size in chain.freed_at_return:
-        key = f"{after}:{','.join(map(str, takers))}"
-        out[key] = out.get(key, 0) + counted_bytes(size, ran_on, rounding)
-    return out
-
-
-def _saved_by_maker(chain: Chain, ran_on: torch.device,
-                    rounding: Rounding | None) -> dict[str, int]:
-    """``tape.saved_by_maker``: bytes by "saver:takers" ("2:6")."""
-    out: dict[str, int] = {}
-    for saver, takers, size in chain.saved_by_maker:
-        key = f"{saver}:{','.join(map(str, takers))}"
+    for block, takers, size in entries:
+        key = f"{block}:{','.join(map(str, takers))}"
         out[key] = out.get(key, 0) + counted_bytes(size, ran_on, rounding)
     return out
 
@@ -417,8 +408,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
         first_release_shared=_first_release_shared(released, n),
         held_past_release=_held_past_release(chain, ran_on, rounding),
-        freed_at_return=_freed_at_return(chain, ran_on, rounding),
-        saved_by_maker=_saved_by_maker(chain, ran_on, rounding),
+        freed_at_return=_by_takers(chain.freed_at_return, ran_on, rounding),
+        saved_by_maker=_by_takers(chain.saved_by_maker, ran_on, rounding),
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),

@@ -1087,8 +1087,8 @@ class Chain:
     held_past_release: tuple[tuple[int, int, int], ...] = ()  # (first taker, window,
     # bytes): NOTE [ Tensors blocks take that die later in the chain ]
     freed_at_return: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block
-    # whose input it is or -1, takers, bytes): NOTE [ Tensors blocks take that the
-    # model frees when it returns ]
+    # after the one that returned it, takers, bytes): NOTE [ Tensors blocks take that
+    # the model frees when it returns ]
     saved_by_maker: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block saving
     # it, takers, bytes): NOTE [ Tensors a block saves that a later block takes ]
 
