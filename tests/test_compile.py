@@ -254,6 +254,36 @@ def test_verify_judges_a_plan_from_a_compiled_tape_on_its_blocks_compiled(
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
 
 
+def test_verify_of_blocks_the_user_compiled_leaves_them_compiled() -> None:
+    # a user compiling the planned blocks (module.compile(), docs/compile.md) and then
+    # running verify: its plans, put on and taken off, made Dynamo compile the blocks
+    # again past its recompile limit, and they ran eagerly from then on, silently (22%
+    # over the plan's peak on a held-out model); verify's own measurement, nested in
+    # their compile, judged an exact plan FAILED
+    torch.manual_seed(0)
+    model, x = _Mlps().train(), torch.randn(4, 16, 32)
+    tape = autoremat.profile(model, x, compile="aot_eager", timing=False,
+                             with_selective=False)
+    plan = autoremat.plan(tape, strategy="every:2")
+    autoremat.apply(model, plan)
+    for block in plan.blocks:
+        model.get_submodule(block.name).compile(backend="aot_eager")
+
+    def peak() -> int:
+        for _ in range(2):  # the first step compiles
+            for p in model.parameters():
+                p.grad = None
+            with track_allocations() as mem:
+                run_step(model, x, None, loop=tape.loop)
+        return mem.peak_bytes
+    assert peak() == plan.predicted_peak_bytes
+    for _ in range(3):
+        report = autoremat.verify(model, x, plan, repeats=1)
+        assert report.ok and report.peak_bytes == plan.predicted_peak_bytes, report
+    assert peak() == plan.predicted_peak_bytes
+    autoremat.remove(model)
+
+
 def test_compile_must_name_a_backend() -> None:
     model, inputs = zoo.build("mlp", widths=(8, 8), batch_size=2)
     with pytest.raises(RematError, match=r"a torch\.compile backend name.*'aot_eagr'"):
