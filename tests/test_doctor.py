@@ -220,8 +220,11 @@ def test_does_not_fit_prescribes_remedies_with_their_effect(
     small = {k: torch.empty_like(v[:batch]) for k, v in inputs.items()}
     step = meta_step_peak(model, small, checkpoint_all=micro.checkpointing != "none")
     small_inputs = sum(v.numel() * v.element_size() for v in small.values())
+    # from the second micro-batch on, every gradient is held through the step (the
+    # remedy said "fits" without them until 2026-11-29)
+    accumulating = step.peak_bytes + est.grad_bytes - step.grads_at_peak_bytes
     expected = (est.resting_bytes - est.input_bytes + small_inputs
-                + max(step.peak_bytes, est.grad_bytes + est.optimizer_step_bytes))
+                + max(accumulating, est.grad_bytes + est.optimizer_step_bytes))
     assert micro.total_peak_bytes == expected
     assert f"{math.ceil(4 / batch)} gradient-accumulation steps" in micro.action
 
@@ -234,6 +237,23 @@ def test_does_not_fit_prescribes_remedies_with_their_effect(
         + max(step_peak, est.grad_bytes + est.optimizer_step_bytes // n))
     text = str(p)
     assert "DOES NOT FIT" in text and "Remedies" in text
+
+
+def test_a_micro_batch_step_holds_the_gradients_accumulated_before_it(
+        gpt2: tuple[nn.Module, Any, Any]) -> None:
+    # a step that peaks before any gradient exists (the loss head's backward) holds all
+    # of them from the second micro-batch on: the remedy said "fits" without them
+    from autoremat._estimate.doctor import _device_peak, _Setting
+    from autoremat._estimate.tracked_step import StepPeak
+    _, _, est = gpt2
+    early = StepPeak(peak_bytes=est.step_peak_bytes, grads_at_peak_bytes=0,
+                     chunked_loss_peak_bytes=None)
+    alone = _device_peak(est, _Setting(step=early))
+    accumulated = _device_peak(est, _Setting(step=early, accumulated=True))
+    resting = est.resting_bytes
+    assert alone == resting + max(early.peak_bytes, est.grad_bytes + est.optimizer_step_bytes)
+    assert accumulated == resting + max(early.peak_bytes + est.grad_bytes,
+                                        est.grad_bytes + est.optimizer_step_bytes) > alone
 
 
 @pytest.mark.slow
