@@ -674,6 +674,17 @@ def test_a_plan_for_a_narrower_model_of_the_same_class_is_refused() -> None:
 _FOUND_PLANS = ["full", "sqrt", "optimal@min"]
 
 
+def _planned_run(model: nn.Module, plan: Plan, run: Callable[[], Any]) -> tuple[Any, int]:
+    """``run()`` with ``plan`` applied to ``model`` (removed after, whatever happens): its
+    result and the peak ``track_memory`` measured."""
+    autoremat.apply(model, plan)
+    try:
+        with autoremat.track_memory() as mem:
+            return run(), mem.peak_bytes
+    finally:
+        autoremat.remove(model)
+
+
 def _gpt2_grads(model: nn.Module, inputs: Any, between: Callable[[nn.Module], Any],
                 params: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Gradients of one step of ``model`` (of the tensors ``params`` when given, through
@@ -705,11 +716,8 @@ def test_a_recompute_reads_the_parameters_functional_call_passed(
     plain = _gpt2_grads(model, inputs, lambda m: None, passed())
     plan = make_plan(tapes("gpt2"), strategy)
     assert recomputing(plan)
-    autoremat.apply(model, plan)
-    try:
-        planned = _gpt2_grads(model, inputs, lambda m: None, passed())
-    finally:
-        autoremat.remove(model)
+    planned, _ = _planned_run(model, plan,
+                              lambda: _gpt2_grads(model, inputs, lambda m: None, passed()))
     assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
     assert all(p.grad is None for p in model.parameters())  # the module's own got none
 
@@ -823,14 +831,9 @@ def test_a_backward_inside_the_autocast_region_is_the_profiled_step(strategy: st
         tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
     plan = make_plan(tape, strategy)
     assert recomputing(plan)
-    autoremat.apply(model, plan)
-    try:
-        with autoremat.track_memory() as mem:
-            planned = grads()
-    finally:
-        autoremat.remove(model)
+    planned, peak = _planned_run(model, plan, grads)
     assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
-    assert mem.peak_bytes <= plan.predicted_peak_bytes
+    assert peak <= plan.predicted_peak_bytes
 
 
 class _AuxBlock(nn.Module):
@@ -869,15 +872,10 @@ def test_what_a_recompute_assigns_to_its_modules_is_put_back(strategy: str) -> N
     tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
     plan = make_plan(tape, strategy)
     assert recomputing(plan)
-    autoremat.apply(model, plan)
-    try:
-        with autoremat.track_memory() as mem:
-            planned, kept = run()
-        assert mem.peak_bytes <= plan.predicted_peak_bytes
-        assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
-        assert all(aux is not None and aux.grad_fn is not None for aux in kept)
-    finally:
-        autoremat.remove(model)
+    (planned, kept), peak = _planned_run(model, plan, run)
+    assert peak <= plan.predicted_peak_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    assert all(aux is not None and aux.grad_fn is not None for aux in kept)
     if strategy == "sqrt":  # segments of several blocks
         assert len({b.segment for b in plan.blocks}) < len(plan.blocks)
 
@@ -910,11 +908,8 @@ def test_a_parameter_the_forward_changes_itself_is_recomputed_exactly(strategy: 
         return [p.grad for p in model.parameters()]
     plain = grads()
     tape = autoremat.profile(model, x, timing=False, with_selective=False)
-    autoremat.apply(model, make_plan(tape, strategy))
-    try:
-        assert all(torch.equal(a, b) for a, b in zip(plain, grads(), strict=True))
-    finally:
-        autoremat.remove(model)
+    planned, _ = _planned_run(model, make_plan(tape, strategy), grads)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
 
 
 class _Unversioned(nn.Module):

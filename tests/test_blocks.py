@@ -20,6 +20,8 @@ from autoremat._measure.blocks import (
     resolve_blocks,
 )
 
+from _steps import exact
+
 
 class Layer(nn.Module):
     """A repeated layer with a nested submodule, so "inside a block" is testable."""
@@ -536,11 +538,7 @@ def test_stage_modules_that_differ_are_planned_over_their_layers_in_the_order_th
                                repeats=1, timing=False, with_selective=False)
     least = smallest_feasible_bytes(tape)
     assert least < smallest_feasible_bytes(stages)
-    plan = autoremat.plan(tape, budget=least)
-    autoremat.apply(model, plan)
-    report = autoremat.verify(model, x, plan, repeats=1)
-    autoremat.remove(model)
-    assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+    exact(model, x, autoremat.plan(tape, budget=least), repeats=1)
 
 
 class _SmallUNet(nn.Module):
@@ -655,10 +653,7 @@ def test_blocks_found_that_change_their_input_in_place_run_between_the_others() 
     assert [b.chained for b in tape.blocks[1:]] == [False, False, True, False]
     for plan in (autoremat.plan(tape, budget=smallest_feasible_bytes(tape)),
                  autoremat.plan(tape, strategy="every:2")):
-        autoremat.apply(model, plan)
-        report = autoremat.verify(model, x, plan, repeats=1)
-        autoremat.remove(model)
-        assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+        exact(model, x, plan, repeats=1)
     with pytest.raises(RematError, match="changed its input in place"):
         autoremat.profile(model, x, blocks=[f"features.{i}" for i in range(9)], repeats=1,
                           timing=False, with_selective=False)
@@ -851,10 +846,7 @@ def test_lists_the_model_iterates_over_are_planned_over_what_it_calls(
     assert smallest_feasible_bytes(tape) == smallest_feasible_bytes(named)
     for plan in (autoremat.plan(tape, budget=smallest_feasible_bytes(tape)),
                  autoremat.plan(tape, strategy="full")):
-        autoremat.apply(model, plan)
-        report = autoremat.verify(model, x, plan, repeats=1)
-        autoremat.remove(model)
-        assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+        exact(model, x, plan, repeats=1)
 
 
 def _unit(c_in: int, c_out: int, groups: int = 1, act: bool = True) -> nn.Sequential:
@@ -915,10 +907,7 @@ def test_conv_norm_activation_units_are_the_inside_of_a_block() -> None:
     assert [b.name for b in tape.blocks] == [f"features.{i}" for i in range(5)]
     for plan in (autoremat.plan(tape, budget=smallest_feasible_bytes(tape)),
                  autoremat.plan(tape, strategy="every:2")):
-        autoremat.apply(model, plan)
-        report = autoremat.verify(model, x, plan, repeats=1)
-        autoremat.remove(model)
-        assert report.grads_equal and report.peak_bytes == plan.predicted_peak_bytes
+        exact(model, x, plan, repeats=1)
 
     class MLPs(nn.Module):
         def __init__(self, width: int) -> None:
