@@ -291,13 +291,12 @@ def _device_peak(est: Estimate, s: _Setting, kept: bool = False) -> int:
     peak = step.peak_bytes
     if s.chunked_loss and step.chunked_loss_peak_bytes is not None:
         peak = min(peak, step.chunked_loss_peak_bytes)
-    grads = est.grad_bytes
+    grads, at_peak = est.grad_bytes, step.grads_at_peak_bytes
     if s.zero_stage >= 2:
-        peak -= step.grads_at_peak_bytes - step.grads_at_peak_bytes // n
-        grads //= n
+        peak -= at_peak - at_peak // n
+        grads, at_peak = grads // n, at_peak // n
     if s.accumulated:  # the gradients held from the first micro-batch, besides the peak's
-        peak += grads - (step.grads_at_peak_bytes // n if s.zero_stage >= 2
-                         else step.grads_at_peak_bytes)
+        peak += grads - at_peak
     if kept:
         peak = budget_for(peak, margin_for(est.device))
     optimizer = est.optimizer_bytes // n if s.zero_stage >= 1 else est.optimizer_bytes

@@ -466,13 +466,18 @@ def plan_costs(tape: Tape, segments: Segments) -> list[SegmentCost]:
     return out
 
 
+def _recomputed(segments: Segments) -> set[int]:
+    """The blocks a plan checkpoints (recomputed, selective or with their input
+    offloaded): whose checkpoints hold what they take until their backward."""
+    return {i for start, stop, choice in segments if choice.decision.recomputes
+            for i in range(start, stop)}
+
+
 def predict_peak(tape: Tape, segments: Segments) -> int:
     """Predicted step peak of a plan given as consecutive ``(start, stop, choice)``."""
     costs = plan_costs(tape, segments)
     release = release_of(tape, segments, costs)
-    kept = {i for start, stop, choice in segments if not choice.decision.recomputes
-            for i in range(start, stop)}
-    z = suffix_z(tape, release, kept)
+    z = suffix_z(tape, release, set(range(len(tape.blocks))) - _recomputed(segments))
     level = tape.pre.delta_bytes
     peak = fixed_peaks(tape, costs[0].seen_as)
     for (_start, stop, _), cost in zip(segments, costs, strict=False):
@@ -504,8 +509,7 @@ def held_at_return(tape: Tape, segments: Segments,
         return 0
     costs = plan_costs(tape, segments) if costs is None else costs
     release = release_of(tape, segments, costs) if release is None else release
-    holding = {i for start, stop, choice in segments if choice.decision.recomputes
-               for i in range(start, stop)}
+    holding = _recomputed(segments)
     total = 0
     for key, size in tape.freed_at_return.items():
         after, takers = key.split(":")
@@ -523,8 +527,7 @@ def held_past_release(tape: Tape, segments: Segments) -> int:
     that window with it held)."""
     if not tape.held_past_release:
         return 0
-    recomputed = {i for start, stop, choice in segments if choice.decision.recomputes
-                  for i in range(start, stop)}
+    recomputed = _recomputed(segments)
     alone = {start for start, stop, choice in segments
              if choice.decision is _RECOMPUTE and stop == start + 1}
     total = 0

@@ -611,6 +611,16 @@ class _HeldInputs:
         self._events += 1
         self._see_deaths()
 
+    def _ids(self, chain: list[str], *, returned: bool = False) -> list[int] | None:
+        """The blocks of ``chain`` (some of the blocks installed over, in the order they
+        ran) by their index here; ``None`` where one is not installed over, or, with
+        ``returned``, did not return."""
+        index = {name: i for i, name in enumerate(self.names)}
+        ids = [index.get(name, -1) for name in chain]
+        if -1 in ids or (returned and any(i not in self._returns for i in ids)):
+            return None
+        return ids
+
     def held_past_release(self, chain: list[str]) -> tuple[tuple[int, int, int], ...]:
         """The tensors blocks of ``chain`` (in the order they ran) take besides their input
         that a checkpoint of one of them may hold past where the plain step frees them,
@@ -618,11 +628,8 @@ class _HeldInputs:
         the chain ]), as (the first chain block taking it, the chain block in whose
         forward window the plain step frees it, its storage's size); none where the step
         cannot tell."""
-        index = {name: i for i, name in enumerate(self.names)}
-        if any(name not in index for name in chain):
-            return ()
-        ids = [index[name] for name in chain]
-        if any(i not in self._returns for i in ids):
+        ids = self._ids(chain, returned=True)
+        if ids is None:
             return ()
         returns = [self._returns[i] for i in ids]
         position = {block: p for p, block in enumerate(ids)}
@@ -645,9 +652,8 @@ class _HeldInputs:
         after the one that returned it, whose release when the forward returns counts
         it; the chain blocks taking it; its storage's size); none where the step cannot
         tell."""
-        index = {name: i for i, name in enumerate(self.names)}
-        ids = [index.get(name, -1) for name in chain]
-        if -1 in ids or any(i not in self._returns for i in ids):
+        ids = self._ids(chain, returned=True)
+        if ids is None:
             return ()
         last = self._returns[ids[-1]]
         position = {block: p for p, block in enumerate(ids)}
@@ -665,9 +671,8 @@ class _HeldInputs:
         """The tensors a block of ``chain`` saves in its forward that blocks two or more
         after it take besides their input (NOTE [ Tensors a block saves that a later
         block takes ]), as (that block; the blocks taking it; its storage's size)."""
-        index = {name: i for i, name in enumerate(self.names)}
-        ids = [index.get(name, -1) for name in chain]
-        if -1 in ids:
+        ids = self._ids(chain)
+        if ids is None:
             return ()
         position = {block: p for p, block in enumerate(ids)}
         out = []
@@ -683,10 +688,9 @@ class _HeldInputs:
         """Per block of ``chain`` (some of the blocks installed over, in the order they
         ran), whether its input was held; ``None`` where the step cannot tell: a block
         ran between two of the chain's, or after its last, or a block did not run."""
-        index = {name: i for i, name in enumerate(self.names)}
-        if any(name not in index for name in chain):
+        ids = self._ids(chain)
+        if ids is None:
             return None
-        ids = [index[name] for name in chain]
         following = [*ids[1:], self._END]
         if any(self._next.get(i) != f for i, f in zip(ids, following, strict=True)):
             return None
