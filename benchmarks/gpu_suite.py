@@ -40,6 +40,9 @@ measured figure and PASS, FAIL, NOT RUN or MEASURED. Every file names the device
 (2026-11-28, plans fitted by measuring the model compiled whole).
 
 Run (on a GPU):  PYTHONPATH=src python benchmarks/gpu_suite.py
+On the device tool, which brings back at most 8 files:
+                 PYTHONPATH=src python benchmarks/gpu_suite.py --out /tmp/suite \
+                     --pack $OUT/suite.tar.gz; cp /tmp/suite/summary.md $OUT/
 CPU dry run:     PYTHONPATH=src python benchmarks/gpu_suite.py --device cpu --size tiny --out /tmp/s
 The dry run runs every step at a tiny size on the CPU (the pytest tier is only collected):
 it checks the harness; its PASS lines say nothing about a GPU, and the summary says so.
@@ -60,6 +63,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
@@ -123,13 +127,13 @@ def _pytest_command(ctx: Context, folder: Path) -> list[str]:
     argv = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
             f"--junitxml={folder / 'junit.xml'}",  # its suite named after the device:
             "-o", f"junit_suite_name=gpu tier on {ctx.device_name}"]
-    if ctx.cuda:
-        return [*argv, str(ROOT / "tests")]
-    # no CUDA: only collected, and only from the files that mark a test gpu (collecting
-    # every test file imports all of them: half a minute on a busy CPU)
+    # only the files that mark a test gpu: collecting every file imports the optional
+    # integrations (accelerate, lightning, trl, hypothesis), which the GPU machine lacks,
+    # and each missing one is a collection error that fails the tier (2026-11-30: "2
+    # errors, 0 passed"); without CUDA, only collected (half a minute on a busy CPU)
     marked = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py"))
               if "mark.gpu" in p.read_text()]
-    return [*argv, "--collect-only", *marked]
+    return [*argv, *marked] if ctx.cuda else [*argv, "--collect-only", *marked]
 
 
 def _pytest_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
@@ -686,6 +690,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
                         help=f"comma-separated steps to run, of {[s.name for s in STEPS]}")
     parser.add_argument("--out", default=None,
                         help="folder (default benchmarks/results/gpu_suite-<device>-<date>)")
+    parser.add_argument("--pack", default=None, metavar="FILE.tar.gz",
+                        help="also write the whole folder to this one archive (the device "
+                             "tool brings back at most 8 files from a run)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -716,6 +723,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     tmp = out / ".summary.json.tmp"
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, out / "summary.json")
+    if args.pack:
+        with tarfile.open(args.pack, "w:gz") as tar:
+            tar.add(out, arcname=out.name)
     print(md.read_text())
     return md
 
