@@ -60,7 +60,8 @@ NOTE [ The weight gradient in float32 ]
     bound). So the sum is kept in a float32 buffer, rounded to the weight's dtype once
     at the end. On CUDA each chunk's product takes 16-bit operands and adds into the
     float32 buffer in the same matmul (``addmm`` with ``out_dtype``; where a build lacks
-    it, the chunk's part is rounded once to 16 bits and added: a (V x C) temporary); on
+    it, or cannot trace it (torch 2.11's meta kernel: a fake estimate or a compiled head
+    there), the chunk's part is rounded once to 16 bits and added: a (V x C) temporary); on
     the CPU, whose 16-bit matmuls are emulated and several times slower, the product runs
     in float32 from the float32 softmax. The buffer costs (V x C) x 2 bytes more than a
     16-bit one while the head runs, which the profile measures with the rest of each head
@@ -255,6 +256,29 @@ def _has_kernel(op: str, device: torch.device) -> bool:
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
 
 
+def _dtype_out_on_meta() -> bool:
+    """Whether ``addmm.dtype_out`` runs on meta tensors, which a fake estimate and a
+    compile trace give it. torch 2.11's meta kernel for it is the plain ``addmm``
+    decomposition, which takes ``out_dtype`` for ``beta`` (TypeError "got multiple values
+    for argument 'beta'"); its CUDA kernel is fine."""
+    m = torch.empty(1, 1, device="meta", dtype=torch.bfloat16)
+    out = torch.empty(1, 1, device="meta")
+    try:
+        torch.ops.aten.addmm.dtype_out(out, m, m, torch.float32, beta=0, out=out)
+    except TypeError:  # a capability probe: its answer is the False, not an error
+        return False
+    return True
+
+
+# probed once, at import: outside any step's dispatch mode
+_DTYPE_OUT_ON_META = _dtype_out_on_meta()
+
+
+def _traced(t: Tensor) -> bool:
+    """Whether ``t`` holds no data: a meta tensor or a fake one (estimate, compile)."""
+    return t.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(t)
+
+
 def _accumulate(d_weight: Tensor, d_logits: Tensor, d_low: Tensor, h: Tensor, g: Tensor,
                 first: bool) -> None:
     """``d_weight += d_logits.T @ (g * h)`` (``=`` for the ``first`` chunk): one chunk's
@@ -265,7 +289,8 @@ def _accumulate(d_weight: Tensor, d_logits: Tensor, d_low: Tensor, h: Tensor, g:
         a, b = d_low.t(), (h * g).to(h.dtype)
     elif _float32_matmul(h.device):
         a, b = d_logits.t().float(), h.float() * g
-    elif _has_kernel("aten::addmm.dtype_out", h.device):  # 16-bit products, summed in float32
+    elif _has_kernel("aten::addmm.dtype_out", h.device) and (
+            _DTYPE_OUT_ON_META or not _traced(h)):  # 16-bit products, summed in float32
         torch.ops.aten.addmm.dtype_out(d_weight, d_low.t(), (h * g).to(h.dtype),
                                        torch.float32, beta=0 if first else 1, out=d_weight)
         return
