@@ -265,6 +265,20 @@ def test_meta_attention_follows_cuda_priorities() -> None:
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
+def test_meta_attention_with_a_value_head_of_its_own_size_is_fused_on_cuda() -> None:
+    # multi-head latent attention (DeepSeek-V3: q/k heads 192, v 128): memory-efficient
+    # takes it, flash does not; it was estimated with the math kernel's scores (2.1x)
+    q, k = (torch.empty(2, 4, 16, 24, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    v = torch.empty(2, 4, 16, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with sdpa_as_on("cuda"), OpLog() as log:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+    assert out.shape == (2, 4, 16, 16) and v.grad.shape == v.shape
+    assert "aten._scaled_dot_product_efficient_attention.default" in log.ops
+    assert "aten.bmm.default" not in log.ops
+
+
 def test_cuda_estimate_of_a_long_sequence_does_not_store_the_scores() -> None:
     model, inputs = zoo.build("llama", device="meta", n_layer=2, n_head=8, n_kv_head=8,
                               dropout=0.0, batch_size=1, seq_len=1024, dtype=torch.bfloat16)

@@ -173,7 +173,8 @@ def _resolve_device(model: nn.Module, device: str | torch.device | None) -> str:
 #     PyTorch's own CPU selector (``torch._fused_sdp_choice`` on tiny CPU stand-ins with
 #     the same sizes, dtypes and strides that matter); for ``cuda`` it follows PyTorch's
 #     CUDA priority
-#     (flash for fp16/bf16 without a mask, else memory-efficient, else math), calling the
+#     (flash for fp16/bf16 without a mask and one head size, else memory-efficient where
+#     q and k share one, else math), calling the
 #     CUDA ops' meta kernels, which save the same output and log-sum-exp as on a GPU. A
 #     boolean mask reaches a fused kernel as PyTorch's SDPA passes it: converted to an
 #     additive mask in the query's dtype, a tensor the kernel's backward keeps.
@@ -211,15 +212,21 @@ def _cpu_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: dict[str, 
 
 
 def _cuda_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: dict[str, Any]) -> int:
-    # PyTorch's CUDA order is flash, memory-efficient, math (sdp_utils.cpp, sm80+).
-    same_dim = q.shape[-1] == k.shape[-1] == v.shape[-1]
+    # PyTorch's CUDA order is flash, memory-efficient, math (sdp_utils.cpp, sm80+). Flash
+    # takes one head size for q, k and v; memory-efficient one for q and k and its own for
+    # v (check_head_dim_size_mem_efficient): multi-head latent attention (DeepSeek-V3: q/k
+    # 192, v 128) was estimated with the math kernel's (B, heads, T, T) scores, 2.1x an
+    # H200's profile at 4096 tokens, where a fused kernel ran (cuDNN's, saving the same
+    # output and log-sum-exp rows as memory-efficient's).
+    same_qk = q.shape[-1] == k.shape[-1]
+    same_dim = same_qk and k.shape[-1] == v.shape[-1]
     four_d = q.dim() == k.dim() == v.dim() == 4
     gqa = four_d and q.shape[1] != k.shape[1]
     if (four_d and same_dim and q.dtype in (torch.float16, torch.bfloat16)
             and a["attn_mask"] is None and q.shape[-1] <= 256):
         return _FLASH
-    if four_d and same_dim and not gqa and q.dtype in (torch.float16, torch.bfloat16,
-                                                        torch.float32):
+    if four_d and same_qk and not gqa and q.dtype in (torch.float16, torch.bfloat16,
+                                                       torch.float32):
         return _EFFICIENT
     return _MATH
 
