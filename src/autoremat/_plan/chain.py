@@ -34,7 +34,6 @@ from autoremat._plan.peak import (
     SegmentCost,
     block_costs,
     fixed_peaks,
-    held_beyond_windows,
     least_release,
     post_window,
     predict_peak,
@@ -335,10 +334,10 @@ def _best_final(tape: Tape, frontier: dict[tuple[int, Decision], _Frontier],
             break  # (held adds at least nothing: no later row is better)
         segments = _backtrack(frontier, moves, (len(tape.blocks), _ORDER[rank]), row)
         # (the solver's levels leave out the tensors kept blocks save for blocks after
-        # the next, which the plan's own count: NOTE [ Tensors a block saves that a
-        # later block takes ] in _profile/runs.py)
-        top = predict_peak(tape, segments) if tape.saved_by_maker else \
-            peak + held_beyond_windows(tape, segments)
+        # the next, NOTE [ Tensors a block saves that a later block takes ] in
+        # _profile/runs.py, and net what its blocks hold on and let go of when the
+        # forward returns, released_post_peak: the plan's own prediction counts both)
+        top = predict_peak(tape, segments)
         if top <= budget and (best is None or key(cost, top) < key(best.cost, best.peak_bytes)):
             best = ChainSolution(segments, cost, top)
     return best

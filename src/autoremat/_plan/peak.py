@@ -242,23 +242,31 @@ def post_window(tape: Tape, last: Decision,
     blocks' inputs are released when the forward returns as ``release`` says
     (``None``: the least any plan releases), NOTE [ Released when the forward returns ]."""
     release = least_release(tape) if release is None else release
-    extra = sum(_uniform_release(tape, last)) - sum(release)  # held on, that was freed
+    held = [m - r for m, r in zip(_uniform_release(tape, last), release, strict=True)]
+    extra = sum(held)  # held on, that was freed (less what the plan frees, that was held)
     window = tape.post[last]
-    if extra == 0:
+    if not any(held):
         return window
-    return WindowMemory(peak_bytes=int(released_post_peak(tape, last, extra)),
-                        delta_bytes=window.delta_bytes + extra)
+    return WindowMemory(
+        peak_bytes=int(released_post_peak(tape, last, extra, sum(max(h, 0) for h in held))),
+        delta_bytes=window.delta_bytes + extra)
 
 
-def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray) -> np.ndarray:
+def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray,
+                       held: int | np.ndarray | None = None) -> np.ndarray:
     """The post window's peak where a plan holds ``extra`` bytes more (less, negative)
-    than the step that measured ``tape.post[last]`` from when the forward returns: the
-    levels before the backward starts (``tape.post_fwd_peak``) by at most ``extra`` more,
-    none less (where in them the forward returns is not recorded), those after by
-    ``extra``; one per ``extra`` (a number, or an array of them)."""
+    than the step that measured ``tape.post[last]`` from when the forward returns, of
+    which ``held`` (default ``extra``) are the blocks' bytes it holds more, without those
+    it frees more: the levels before the backward starts (``tape.post_fwd_peak``) by at
+    most ``held`` more, none less (where in them the forward returns is not recorded),
+    those after by ``extra``; one per ``extra`` (a number, or an array of them). Counting
+    ``held`` apart: a BERT under autocast whose first layer is recomputed holds on to
+    32 KiB the model made before it (its checkpoint takes them) and lets go of 64 KiB of
+    the next layer's weight casts; netted, its plan measured 32 KiB over its prediction."""
     window = tape.post[last]
     before = tape.post_fwd_peak.get(last, window.peak_bytes)
-    return np.maximum(before + np.maximum(extra, 0), window.peak_bytes + extra)
+    held = extra if held is None else held
+    return np.maximum(before + np.maximum(held, 0), window.peak_bytes + extra)
 
 
 def suffix_z(tape: Tape, release: Sequence[int] | None = None,

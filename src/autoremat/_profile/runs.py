@@ -108,8 +108,13 @@ NOTE [ Tensors blocks take that the model frees when it returns ]
     step what it counts released of it (``held_at_return`` in _plan/peak.py): exact where
     the step peaks after the forward, over by its bytes where it peaks before. Tensors
     made before the chain are the first block's release, counted as NOTE [ What the model
-    made before the chain ] says; those the parent makes between blocks are not looked
-    at (none seen to matter).
+    made before the chain ] says. One the parent makes between blocks is counted with
+    the release of the first block taking it, as made in the window just before it: a
+    T5 whose encoder and decoder are one chain passes its encoder's output (its final
+    norm's, the parent's) to every decoder layer, and under autocast nothing saves it
+    (the cross-attention saves its bf16 cast); plans recomputing a later decoder layer
+    measured it (2%) over their predictions. One made in an earlier window is counted
+    against the wrong block's release (by at most that release: over or under).
 
 NOTE [ Tensors a block saves that a later block takes ]
     A tensor a block's forward saves for its backward and a block two or more after it
@@ -665,6 +670,8 @@ class _HeldInputs:
             made = -1 if side.made_by is None else position.get(side.made_by, -1)
             if 0 <= made < len(ids) - 1:
                 out.append((made + 1, takers, side.nbytes))
+            elif made < 0 and takers[0] > 0:  # the parent made it, between blocks: in
+                out.append((takers[0], takers, side.nbytes))  # the window before them
         return tuple(out)
 
     def saved_by_maker(self, chain: list[str]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
