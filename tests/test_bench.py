@@ -86,6 +86,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     (["gpt2", "--budgets", ","], "--budgets is empty"),
     (["gpt2", "--repeats", "0"], "--repeats must be at least 1"),
     (["gtp2", "--no-compile"], "Did you mean 'gpt2'?"),
+    # --set holds for every target: a later one that lacks it is named before any runs
+    (["gpt2", "mlp", "--set", "n_layer=2", "--no-compile"], "mlp: unknown option 'n_layer'"),
 ])
 def test_bench_errors(argv: list[str], message: str, tmp_path: Path,
                       capsys: pytest.CaptureFixture[str]) -> None:

@@ -35,6 +35,8 @@ _SMALL_GPT2 = as_options(SMALL["gpt2"])  # two blocks: the tests below count on 
                      marks=pytest.mark.slow),
         (["plan", "no_such_module:factory", "--budget", "50%"], "cannot import 'no_such_module'"),
         (["plan", "mlp", "--deterministic"], "--deterministic only changes how --verify"),
+        (["profile", "gpt2", "--set", _SMALL_GPT2, "--blocks", "blocks.0,"],
+         "--blocks takes module names"),
         (["plan", "mlp", "--budget", "50%", "--margin", "1.5"],
          "margin must be a number in [0, 1)"),  # before any work
     ],
@@ -74,6 +76,15 @@ def test_plan_verifies_and_writes_the_plan(tmp_path: Path,
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert "Plan (optimal) for GPT" in out
     assert json.loads(out_file.read_text())["schema_version"] == plan.schema_version
+
+
+def test_blocks_option_reaches_the_tape(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    tape_file = tmp_path / "tape.json"
+    assert main(["profile", "gpt2", "--set", _SMALL_GPT2, "--blocks", "blocks.1",
+                 "--out", str(tape_file)]) == 0
+    assert [b.name for b in autoremat.Tape.from_json(tape_file).blocks] == ["blocks.1"]
+    capsys.readouterr()
 
 
 def test_loop_option_reaches_the_plan(tmp_path: Path,

@@ -307,12 +307,21 @@ def test_plot_is_a_png(tmp_path: Any, gpt2: tuple[nn.Module, Any, Any]) -> None:
     (["mlp", "--dtype", "bf61"], "Did you mean 'bf16'?"),
     (["no_such_module:f"], "cannot import 'no_such_module' for target 'no_such_module:f'"),
     (["mlp", "--config", "depth=3"], "mlp: unknown option 'depth'"),
+    (["mlp", "--blocks", "layers.0,,layers.1"], "--blocks takes module names"),
+    (["mlp", "--blocks", "no_such.layer"], "no_such.layer"),
 ])
 def test_cli_errors_name_the_problem(argv: list[str], message: str,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert doctor_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("autoremat doctor: error: ") and message in err
+
+
+def test_cli_blocks_reach_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--hf", "llama", "--config", _TINY_LLAMA, "--batch", "2", "--seq", "64", "--json"]
+    assert doctor_main([*argv, "--blocks", "model.layers.1"]) == 0
+    blocks = json.loads(capsys.readouterr().out)["estimate"]["activations_by_block"]
+    assert "model.layers.1" in blocks and "model.layers.0" not in blocks
 
 
 def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:

@@ -219,6 +219,8 @@ def test_offload_refusals(gpt2_offload_tape: Any) -> None:
     here = autoremat.plan(plain_tape, budget, offload=True)
     assert here.offload_blocks == 0 and "host is the device" in here.notes[-1]
     assert dataclasses.replace(here, notes=()) == autoremat.plan(plain_tape, budget)
+    every = autoremat.plan(tape, strategy="offload")  # runs, and says it frees nothing
+    assert every.offload_blocks == len(tape.blocks) and "copies free nothing" in every.notes[-1]
     with pytest.raises(RematError, match=r"profile\(model, inputs, offload=True\)"):
         autoremat.plan(dataclasses.replace(plain_tape, device="cuda"), budget, offload=True)
     with pytest.raises(RematError, match="offload=True"):

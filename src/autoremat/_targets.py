@@ -61,6 +61,22 @@ _SIZE_SUFFIXES = ("size", "_len", "length", "layers", "layer", "heads", "head", 
 _SIZE_PREFIXES = ("n_", "num_")
 
 
+def parse_blocks(text: str | None) -> list[str] | None:
+    """``--blocks``: ``"encoder.layer.0,encoder.layer.1"`` -> the module names, in the
+    order the model runs them (``None``: none given, the chain is found).
+
+        >>> parse_blocks("layers.0, layers.1"), parse_blocks(None)
+        (['layers.0', 'layers.1'], None)
+    """
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise RematError(f"--blocks takes module names separated by commas, in the order "
+                         f"the model runs them (e.g. --blocks layers.0,layers.1), got {text!r}")
+    return names
+
+
 def parse_options(text: str | None) -> dict[str, Any]:
     """``"num_hidden_layers=32,hidden_size=4096,tie_word_embeddings=false"`` -> a dict.
 

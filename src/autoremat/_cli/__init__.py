@@ -35,7 +35,7 @@ from autoremat._measure.blocks import discover_blocks
 from autoremat._measure.tape import ops_table
 from autoremat._plan.strategies import check_head, check_plan_args, plan, smallest_feasible_bytes
 from autoremat._profile.profile import profile
-from autoremat._targets import TARGET_HELP, load_target, parse_options
+from autoremat._targets import TARGET_HELP, load_target, parse_blocks, parse_options
 from autoremat._verify import Report, verify
 
 __all__ = ["main"]
@@ -63,7 +63,8 @@ def _cmd_profile(args: argparse.Namespace, console: Console) -> int:
     if args.ops:
         _check_ops_block(model, args.ops)
     with stages(f"profiling {args.target}") as stage:
-        tape = profile(model, inputs, loop=args.loop, progress=stage)
+        tape = profile(model, inputs, blocks=parse_blocks(args.blocks), loop=args.loop,
+                       progress=stage)
     console.print(str(tape), highlight=False, soft_wrap=True)
     if args.ops:
         console.print(ops_table(tape, args.ops), highlight=False, soft_wrap=True)
@@ -90,7 +91,8 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     require_for_target(args.target)
     model, inputs = load_target(args.target, parse_options(args.set))
     with stages(f"planning {args.target}") as stage:
-        tape = profile(model, inputs, loop=args.loop, progress=stage)
+        tape = profile(model, inputs, blocks=parse_blocks(args.blocks), loop=args.loop,
+                       progress=stage)
         stage("solving the plan")
         chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
                       optimizer=args.optimizer, head=args.head, margin=args.margin)
@@ -191,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--set", help="options of the target, e.g. n_layer=12,batch_size=8 "
                                      "(a tuple: widths=64,128)")
         p.add_argument("--out", help="write the tape/plan JSON here")
+        p.add_argument("--blocks", metavar="NAME,NAME,...",
+                       help="the layers to plan over, in the order the model runs them "
+                            "(default: the chain autoremat finds)")
         p.add_argument("--loop", choices=LOOPS, default="holds_output",
                        help="the training loop the figures hold for: holds_output (default; "
                             "out = model(...); out.loss.backward()) or loss_only (only the "

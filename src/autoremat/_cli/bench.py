@@ -126,6 +126,8 @@ def bench_main(argv: list[str]) -> int:
         targets = list(args.targets) or zoo.names()
         for target in targets:
             require_for_target(target)
+            if target in zoo.names():  # --set holds for each: checked before any runs
+                zoo.build(target, device="meta", **dict(settings.overrides))
         machine = machine_info()
         machine["torch_threads"] = settings.threads or torch.get_num_threads()
         machine.update(device_info(device))

@@ -24,7 +24,13 @@ from autoremat._core.units import parse_size
 from autoremat._estimate.doctor import HF_FAMILIES, build_hf_model, doctor
 from autoremat._estimate.fake import parse_dtype
 from autoremat._measure.optimizers import OPTIMIZERS
-from autoremat._targets import TARGET_HELP, check_not_negative, load_target, parse_options
+from autoremat._targets import (
+    TARGET_HELP,
+    check_not_negative,
+    load_target,
+    parse_blocks,
+    parse_options,
+)
 
 __all__ = ["doctor_main"]
 
@@ -120,6 +126,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="config fields (Transformers config, zoo options or factory "
                              "keyword arguments), e.g. num_hidden_layers=32,hidden_size=4096 "
                              "(a tuple: widths=64,128)")
+    parser.add_argument("--blocks", metavar="NAME,NAME,...",
+                        help="the layers to plan over, in the order the model runs them "
+                             "(default: the chain autoremat finds)")
     parser.add_argument("--batch", type=_positive_int, help="batch size (--hf default 1)")
     parser.add_argument("--seq", type=_positive_int,
                         help="sequence length (--hf default 2048)")
@@ -164,6 +173,7 @@ def doctor_main(argv: Sequence[str], prog: str = "autoremat doctor") -> int:
     args = _parser(prog).parse_args(list(argv))
     try:
         config = parse_options(args.config)
+        blocks = parse_blocks(args.blocks)
         if args.plot:
             require("matplotlib", "--plot")
             check_writable(args.plot)
@@ -179,7 +189,8 @@ def doctor_main(argv: Sequence[str], prog: str = "autoremat doctor") -> int:
             try:
                 result = doctor(model, inputs, memory=args.memory, device=args.device,
                                 dtype=args.dtype, optimizer=_optimizer_arg(args.optimizer),
-                                throughput_flops=args.throughput, plot_path=args.plot,
+                                blocks=blocks, throughput_flops=args.throughput,
+                                plot_path=args.plot,
                                 target=label, progress=stage)
             except Exception as exc:  # a model built from --config that fails in its step
                 where = _in_transformers(exc) if args.hf is not None else ""

@@ -521,7 +521,11 @@ def held_at_return(tape: Tape, segments: Segments,
     total = 0
     for key, size in tape.freed_at_return.items():
         after, takers = key.split(":")
-        if holding.intersection(int(t) for t in takers.split(",")):
+        taking, first = {int(t) for t in takers.split(",")}, int(after)
+        if taking <= holding and {first - 1, first} & holding == {first - 1, first}:
+            continue  # counted held where its release was measured: every taker and the
+            # block before it checkpointed, as in the step that measured that release
+        if holding & taking:
             total += min(size, release[int(after)])
     return total
 

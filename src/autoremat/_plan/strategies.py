@@ -301,6 +301,10 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         offload = False
         notes = ("offload=True on a CPU tape: the host is the device there, offloading "
                  "frees nothing, so no block is offloaded",)
+    if name == "offload" and tape.device == "cpu":
+        notes = ("strategy='offload' on a CPU tape: the host is the device there, so the "
+                 "copies free nothing and the plan's peak is the unplanned one (it runs "
+                 "the mechanism, e.g. to test it before a GPU run)",)
     if (offload or name == "offload") and not tape.offload:
         raise RematError("this tape was measured without offloaded blocks; profile with "
                          "autoremat.profile(model, inputs, offload=True) to plan offload"

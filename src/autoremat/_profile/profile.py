@@ -132,7 +132,8 @@ def compile_backend(compile: bool | str) -> str | None:
     return compile
 
 
-_GIVE_BLOCKS = ": give blocks=[...] with the names of the layers to plan over"
+_GIVE_BLOCKS = (": give blocks=[...] (on the command line, --blocks NAME,NAME,...) with "
+                "the names of the layers to plan over")
 
 
 def _why_no_chain(model: nn.Module) -> str:
