@@ -506,6 +506,29 @@ def test_a_block_recomputes_on_a_list_as_it_was_called_with(strategy: str) -> No
     assert_same_step(model, inputs, plan)
 
 
+def test_a_checkpoint_does_not_hold_the_list_its_block_was_called_with() -> None:
+    """NOTE [ Arguments as they were called ]: a checkpoint holding the caller's list kept
+    every later layer's output alive to its layer's backward, where the plain step frees
+    them when its forward returns: recomputing the first layer and keeping four measured
+    four outputs over the prediction. No plan of single blocks measures over its own."""
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+    from autoremat._core.step import run_step
+
+    torch.manual_seed(0)
+    model, inputs = DenseChain(), (torch.randn(64, 32),)
+    tape = autoremat.profile(model, inputs, repeats=1, timing=False, with_selective=False)
+    for combo in itertools.product((KEEP, RECOMPUTE), repeat=len(tape.blocks)):
+        plan = plan_of_segments(tape, [(i, i + 1, c) for i, c in enumerate(combo)], "t")
+        autoremat.apply(model, plan)
+        try:
+            with autoremat.track_memory() as mem:
+                run_step(model, inputs, None)
+        finally:
+            autoremat.remove(model)
+            model.zero_grad(set_to_none=True)
+        assert mem.peak_bytes <= plan.predicted_peak_bytes, combo
+
+
 def test_tied_weights_stay_tied(tapes: Callable[[str], Tape]) -> None:
     model, inputs = build("gpt2")
     autoremat.apply(model, make_plan(tapes("gpt2"), "full"))

@@ -774,7 +774,12 @@ class _Original:
 #     shared): :func:`as_called`, :class:`_AsCalled`; a segment records its first
 #     block's call so too (``segments.py``), and an offloaded input's recompute reads
 #     them so (``offload.py``). The forward itself runs on the caller's containers, as
-#     without a plan. Found 2026-11-29 (sixteenth session).
+#     without a plan. Found 2026-11-29 (sixteenth session). Nor does the checkpoint hold
+#     the caller's containers (it is given the tensors, and the forward's arguments are
+#     let go of once it ran): holding DenseNet's list, a checkpoint of a layer kept every
+#     later layer's output alive to that layer's backward, where the plain step frees
+#     them when its forward returns: a plan recomputing the first layer and keeping four
+#     measured four feature maps over its prediction (2026-11-30).
 
 
 def _mutable(obj: Any) -> bool:
@@ -800,19 +805,22 @@ def snapshot_arguments(args: tuple[Any, ...],
 
 
 class _AsCalled:
-    """``fn`` called first on the arguments it is given (the forward), and after that on
-    copies of their containers as they were then (NOTE [ Arguments as they were
-    called ])."""
+    """``fn`` called first on the caller's arguments ``first`` (the forward), which it
+    then lets go of, and after that on copies of their containers as they were then
+    (NOTE [ Arguments as they were called ]). The checkpoint is given the tensors alone,
+    which it ignores."""
 
-    def __init__(self, fn: Callable[..., Any], called: tuple[Any, Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], called: tuple[Any, Any],
+                 first: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
         self.fn = fn
         self.called = called  # (snapshot_arguments)
-        self.forward_ran = False
+        self._first: tuple[tuple[Any, ...], dict[str, Any]] | None = first
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.forward_ran:
+    def __call__(self, *_tensors: Any) -> Any:
+        if self._first is None:
             args, kwargs = as_called(*self.called)
-        self.forward_ran = True
+        else:
+            (args, kwargs), self._first = self._first, None
         return self.fn(*args, **kwargs)
 
 
@@ -851,9 +859,15 @@ class _Checkpointed:
             out = self.boxed(*args, **kwargs)
         else:
             called = snapshot_arguments(args, kwargs)
-            fn = original if called is None else _AsCalled(original, called)
-            out = checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn,
-                             preserve_rng_state=False, **kwargs)  # we replay it ourselves
+            if called is None:
+                out = checkpoint(original, *args, use_reentrant=False,
+                                 context_fn=self.context_fn,
+                                 preserve_rng_state=False, **kwargs)  # we replay it ourselves
+            else:  # the checkpoint keeps what it is given until the backward: the tensors,
+                # not the caller's containers (NOTE [ Arguments as they were called ])
+                out = checkpoint(_AsCalled(original, called, (args, kwargs)),
+                                 *flat_tensors(called), use_reentrant=False,
+                                 context_fn=self.context_fn, preserve_rng_state=False)
         refuse_changed_input(self.context_fn.label, tensors, versions)
         return out
 
