@@ -239,6 +239,8 @@ def max_grad_diff(a: Grads, b: Grads) -> tuple[bool, float]:
         if x.shape != y.shape:
             equal, worst = False, math.inf
             continue
+        if x.layout is not torch.strided or y.layout is not torch.strided:
+            x, y = x.to_dense(), y.to_dense()  # nn.Embedding(sparse=True)'s, summed
         if torch.equal(x, y):
             continue
         equal = False

@@ -46,6 +46,7 @@ __all__ = [
     "preserved_state",
     "run_step",
     "scalar_in_output",
+    "sparse_parts",
     "training_config",
     "unique_storage_bytes",
 ]
@@ -427,12 +428,28 @@ def describe_inputs(inputs: Any) -> str:
 
 
 def unique_storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages among the tensors in a (nested) structure."""
+    """Bytes of the distinct storages among the tensors in a (nested) structure (a
+    sparse tensor's: its indices' and values')."""
     seen: dict[int, int] = {}
     for t in flat_tensors(tensors):
-        st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
+        for part in (t,) if t.layout is torch.strided else sparse_parts(t):
+            st = part.untyped_storage()
+            seen[st._cdata] = st.nbytes()
     return sum(seen.values())
+
+
+def sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors holding a sparse tensor's memory (its indices and values; a
+    sparse tensor has no storage of its own: ``nn.Embedding(sparse=True)``'s gradient);
+    none for a layout without them."""
+    if t.layout is torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
+
 
 
 def cache_configs(model: nn.Module) -> dict[str, Any]:

@@ -70,6 +70,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from autoremat._core.errors import RematError, did_you_mean
+from autoremat._core.step import sparse_parts
 from autoremat._measure.flops import FlopCounter
 
 __all__ = [
@@ -283,12 +284,15 @@ def _tensors_in(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch
     fraction of its cost, which the tracker pays on every op."""
     found = [] if found is None else found
     if isinstance(obj, torch.Tensor):
-        found.append(obj)
+        if obj.layout is torch.strided:
+            found.append(obj)
+        else:
+            found.extend(sparse_parts(obj))
     elif isinstance(obj, (tuple, list)):
         for item in obj:
-            if isinstance(item, torch.Tensor):  # the common case, without a call
-                found.append(item)
-            elif isinstance(item, (tuple, list, dict)):
+            if isinstance(item, torch.Tensor) and item.layout is torch.strided:
+                found.append(item)  # the common case, without a call
+            elif isinstance(item, (tuple, list, dict, torch.Tensor)):
                 _tensors_in(item, found)
     elif isinstance(obj, dict):
         for item in obj.values():
@@ -341,7 +345,9 @@ class _StorageAccountant(TorchDispatchMode):
         if name is None:
             name = self._names[func] = str(func)
         input_keys: set[int] | None = None  # the inputs' storages, read once one is needed
-        for t in ((out,) if isinstance(out, torch.Tensor) else _tensors_in(out)):
+        outputs = (out,) if isinstance(out, torch.Tensor) and out.layout is torch.strided \
+            else _tensors_in(out)
+        for t in outputs:
             storage = t.untyped_storage()
             key = storage._cdata
             if input_keys is None and key not in self._live and key not in self._foreign:
