@@ -106,6 +106,29 @@ def test_a_block_between_the_chains_blocks_leaves_the_verdict_to_the_fallback() 
     assert seen.held(["a", "d"]) is None  # not installed over
 
 
+def test_a_storage_at_a_dead_sides_address_does_not_mark_it_saved() -> None:
+    # a side tensor the model dropped (all its objects gone, noticed only at the next
+    # block event) and a new storage autograd saves at the same address: the side was
+    # taken as saved, and left out of tape.freed_at_return, in some processes (a BART's
+    # cross-attention mask and its head's bf16 weight cast: plans 3840 B over)
+    import weakref
+
+    from autoremat._profile.runs import _HeldInputs, _Side
+
+    seen = _HeldInputs(["a"])
+    new = torch.randn(4, requires_grad=True)
+    gone = torch.randn(4)
+    side = _Side([weakref.ref(gone)], 16)
+    del gone
+    seen._live[new.untyped_storage()._cdata] = side
+    seen._pack(new)
+    assert not side.saved
+    alive = torch.randn(4)
+    side.refs.append(weakref.ref(alive))
+    seen._pack(new)
+    assert side.saved  # while one of its objects lives, the storage is its
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", ["75%", "50%"])
 def test_a_unet_plans_at_75_and_50_percent(listed: tuple, budget: str) -> None:

@@ -522,8 +522,9 @@ def held_at_return(tape: Tape, segments: Segments,
     for key, size in tape.freed_at_return.items():
         after, takers = key.split(":")
         taking, first = {int(t) for t in takers.split(",")}, int(after)
-        if taking <= holding and {first - 1, first} & holding == {first - 1, first}:
-            continue  # counted held where its release was measured: every taker and the
+        if len(taking) > 1 and taking <= holding and {first - 1, first} <= holding:
+            continue  # counted held where its release was measured: every taker (two or
+            # more; one alone, Funnel under autocast measured up to 16 KiB over) and the
             # block before it checkpointed, as in the step that measured that release
         if holding & taking:
             total += min(size, release[int(after)])

@@ -548,8 +548,10 @@ class _HeldInputs:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
         side = self._live.get(key)
-        if side is not None:
-            side.saved = True
+        if side is not None and any(ref() is not None for ref in side.refs):
+            side.saved = True  # (all gone: a new storage at a freed one's address, which
+            # deaths are checked for only at block events: a BART's dropped cross-attention
+            # mask and its head's bf16 weight cast, in some processes and not others)
         alias = _detached(t)
         if key not in self._packed or self._packed[key][0]() is None:
             self._packed[key] = (weakref.ref(alias), self._last if self._inside else None)
