@@ -221,6 +221,17 @@ def test_impossible_budget_names_the_smallest_feasible_one() -> None:
     assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes > 1000
 
 
+def test_estimate_inside_autocast_is_refused() -> None:
+    # NOTE [ Autocast on meta ]: no autocast covers meta; the estimate ran the uncast
+    # step and its tape recorded the autocast (a held-out sweep: 1.15-1.55x the profile)
+    model, inputs = zoo.build("mlp", device="meta", widths=(16, 16), batch_size=8)
+    for kind in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        with torch.autocast(kind, dtype=torch.bfloat16), \
+                pytest.raises(RematError, match=rf"inside torch.autocast\('{kind}'\)"):
+            estimate(model, inputs, selective=False)
+    assert estimate(model, inputs, selective=False).step_peak_bytes > 0  # outside: fine
+
+
 def test_max_memory_below_the_fixed_part_is_a_budget_error() -> None:
     model, inputs = zoo.build("mlp", device="meta", widths=(16, 16), batch_size=8)
     with pytest.raises(BudgetError, match="whatever is recomputed"):

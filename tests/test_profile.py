@@ -1034,6 +1034,21 @@ def test_a_tensor_one_checkpointed_block_takes_is_held_past_the_return() -> None
     assert mem.peak_bytes <= plan.predicted_peak_bytes
 
 
+def test_layers_a_model_runs_without_gradients_itself_are_refused_for_what_they_are() -> None:
+    # Reformer's reversible layers run under torch.no_grad() inside its own autograd
+    # function; the refusal said to turn off the model's checkpointing, which was off
+    torch.manual_seed(0)
+    model = transformers.ReformerModelWithLMHead(transformers.ReformerConfig(
+        vocab_size=128, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        feed_forward_size=64, attn_layers=["local", "local"], axial_pos_shape=[8, 8],
+        axial_pos_embds_dim=[16, 16], max_position_embeddings=64, is_decoder=True,
+        local_attn_chunk_length=16, use_cache=False)).train()
+    ids = torch.randint(0, 128, (2, 64))
+    with pytest.raises(BlockError, match="the model's own checkpointing is off") as info:
+        autoremat.profile(model, {"input_ids": ids, "labels": ids}, repeats=1, timing=False)
+    assert "gradient_checkpointing_disable" not in str(info.value)
+
+
 class _SparseEmbedded(nn.Module):
     def __init__(self, vocab: int = 500, d: int = 32, n: int = 3) -> None:
         super().__init__()

@@ -341,6 +341,15 @@ def _recurrent_note(model: nn.Module) -> list[str]:
             f"autoremat.profile on the device"]
 
 
+# NOTE [ Autocast on meta ]
+#     Autocast casts by the device of the tensors an op gets, and no autocast mode covers
+#     ``meta``: inside ``torch.autocast``, ``estimate`` ran the uncast step, and its tape
+#     still recorded the autocast it was called under. A held-out sweep (2026-11-30) found
+#     every bfloat16 estimate at its model's float32 figure (1.15-1.55x the profile), and,
+#     where autocast's bfloat16 weight copies outweigh the activations, under the profile:
+#     a plan at the estimate's smallest budget measured 5.7% over it. It is refused.
+
+
 def estimate(
     model: nn.Module | Step,
     inputs: Any = None,
@@ -414,7 +423,9 @@ def estimate(
 
     Raises:
         BudgetError: the budget cannot be met (``min_feasible_bytes`` says what can).
-        RematError: the model cannot run on ``meta``, or an option is wrong.
+        RematError: the model cannot run on ``meta``, an option is wrong, or it was
+            called inside ``torch.autocast``, which does not cast on ``meta`` (NOTE
+            [ Autocast on meta ]).
 
     Example:
         >>> import autoremat
@@ -441,6 +452,16 @@ def estimate(
     if host_bandwidth is not None and not offload:
         raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
                          "neither")
+    casting = [kind for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+    if casting:  # NOTE [ Autocast on meta ]
+        raise RematError(
+            f"estimate() was called inside torch.autocast({casting[0]!r}): it runs the step "
+            f"on meta tensors, where autocast casts nothing, so its figures would be those "
+            f"of the uncast step (1.15-1.55x a bfloat16 profile on held-out models, and "
+            f"under it where autocast's weight copies dominate), not the autocast step's. "
+            f"Call it outside autocast: with dtype='bf16' for a step in bfloat16 throughout "
+            f"(an approximation of mixed precision), or profile() the step under autocast "
+            f"on a device for its figures")
     target = _resolve_device(step.model, device)
     target_type = torch.device(target).type
     rounding = target_rounding(target_type)  # NOTE [ CUDA allocator rounding ] in memory.py
