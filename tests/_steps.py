@@ -96,6 +96,31 @@ def exact(model: nn.Module, inputs: Any, plan: Plan, **options: Any) -> Any:
     return report
 
 
+def single_block_plans(model: nn.Module, inputs: Any, tape: autoremat.Tape,
+                       loss_fn: Any = None) -> dict[tuple[Any, ...], tuple[int, int]]:
+    """Every plan keeping or recomputing each block alone, applied and run once under
+    ``track_memory`` (in the caller's autocast, if any): ``(predicted, measured)`` peaks
+    by the blocks' choices (``KEEP``, ``RECOMPUTE``)."""
+    import itertools
+
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+    from autoremat._core.step import run_step
+    from autoremat._plan.plan import plan_of_segments
+
+    out = {}
+    for combo in itertools.product((KEEP, RECOMPUTE), repeat=len(tape.blocks)):
+        plan = plan_of_segments(tape, [(i, i + 1, c) for i, c in enumerate(combo)], "t")
+        autoremat.apply(model, plan)
+        try:
+            with autoremat.track_memory() as mem:
+                run_step(model, inputs, loss_fn)
+        finally:
+            autoremat.remove(model)
+            model.zero_grad(set_to_none=True)
+        out[combo] = (plan.predicted_peak_bytes, mem.peak_bytes)
+    return out
+
+
 def recomputing(plan: Plan) -> bool:
     """Whether ``plan`` recomputes anything."""
     return any(b.decision is not Decision.KEEP for b in plan.blocks)

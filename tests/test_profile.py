@@ -26,7 +26,7 @@ from autoremat._measure.tape import WindowMemory
 from autoremat._mechanism.wrap import is_wrapped
 
 import conftest
-from _steps import verified
+from _steps import single_block_plans, verified
 
 # conftest.SMALL with three transformer blocks, not two: these sizes matter, since
 # test_profile_measures_every_block_and_leaves_no_trace asserts at least three blocks and
@@ -886,8 +886,6 @@ def test_what_checkpointed_blocks_release_under_autocast_is_predicted_exactly() 
     # smallest plan's (the planner reported 9% more on a held-out Phi-3, and predicted
     # mixed plans up to 3 blocks' copies over on a GPT-2, whose post window peaks in the
     # head's backward, after the release).
-    from autoremat._core.decisions import KEEP, RECOMPUTE
-    from autoremat._plan.plan import plan_of_segments
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -896,24 +894,13 @@ def test_what_checkpointed_blocks_release_under_autocast_is_predicted_exactly() 
     inputs = {"input_ids": ids, "labels": ids}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
-        n = len(tape.blocks)
         assert all(len(set(b.fwd_end_release.values())) == 2 for b in tape.blocks[1:])
-        measured = {}
-        for combo in itertools.product((KEEP, RECOMPUTE), repeat=n):
-            plan = plan_of_segments(tape, [(i, i + 1, c) for i, c in enumerate(combo)], "t")
-            autoremat.apply(model, plan)
-            try:
-                with autoremat.track_memory() as mem:
-                    run_step(model, inputs, None)
-            finally:
-                autoremat.remove(model)
-                model.zero_grad(set_to_none=True)
-            assert mem.peak_bytes == plan.predicted_peak_bytes, combo
-            measured[combo] = mem.peak_bytes
+        peaks = single_block_plans(model, inputs, tape)
+        assert all(predicted == measured for predicted, measured in peaks.values()), peaks
         with pytest.raises(autoremat.BudgetError) as info:
             autoremat.plan(tape, 1)
     assert info.value.min_feasible_bytes is not None
-    assert info.value.min_feasible_bytes <= min(measured.values())
+    assert info.value.min_feasible_bytes <= min(measured for _, measured in peaks.values())
 
 
 def test_what_a_plan_holds_on_and_lets_go_of_at_return_are_not_netted() -> None:
@@ -923,7 +910,6 @@ def test_what_a_plan_holds_on_and_lets_go_of_at_return_are_not_netted() -> None:
     # levels before the backward were predicted without the first, and the plan measured
     # 32 KiB over its prediction. No plan of whole blocks measures over its prediction.
     from autoremat._core.decisions import KEEP, RECOMPUTE
-    from autoremat._plan.plan import plan_of_segments
 
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(transformers.BertConfig(
@@ -933,18 +919,10 @@ def test_what_a_plan_holds_on_and_lets_go_of_at_return_are_not_netted() -> None:
     inputs = {"input_ids": ids, "labels": ids.flip(1).clone()}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
-        for combo in itertools.product((KEEP, RECOMPUTE), repeat=len(tape.blocks)):
-            plan = plan_of_segments(tape, [(i, i + 1, c) for i, c in enumerate(combo)], "t")
-            autoremat.apply(model, plan)
-            try:
-                with autoremat.track_memory() as mem:
-                    run_step(model, inputs, None)
-            finally:
-                autoremat.remove(model)
-                model.zero_grad(set_to_none=True)
-            assert mem.peak_bytes <= plan.predicted_peak_bytes, combo
-            if combo == (RECOMPUTE, KEEP, KEEP):
-                assert mem.peak_bytes == plan.predicted_peak_bytes
+        peaks = single_block_plans(model, inputs, tape)
+    assert all(measured <= predicted for predicted, measured in peaks.values()), peaks
+    predicted, measured = peaks[(RECOMPUTE, KEEP, KEEP)]
+    assert measured == predicted
 
 
 class _Cross(nn.Module):
@@ -983,7 +961,6 @@ def test_a_tensor_the_parent_makes_between_blocks_and_frees_at_return_is_counted
     # the model frees it when it returns, and a checkpoint of the last decoder layer holds
     # it to its backward: that plan measured it (64 KiB) over its prediction
     from autoremat._core.decisions import KEEP, RECOMPUTE
-    from autoremat._plan.plan import plan_of_segments
 
     torch.manual_seed(0)
     model, x = _EncoderDecoder(), torch.randn(8, 32, 64)
@@ -992,18 +969,10 @@ def test_a_tensor_the_parent_makes_between_blocks_and_frees_at_return_is_counted
                                  blocks=["enc.0", "enc.1", "dec.0", "dec.1"], timing=False,
                                  with_selective=False)
         assert tape.freed_at_return == {"2:2,3": 8 * 32 * 64 * 4}
-        for combo in itertools.product((KEEP, RECOMPUTE), repeat=4):
-            plan = plan_of_segments(tape, [(i, i + 1, c) for i, c in enumerate(combo)], "t")
-            autoremat.apply(model, plan)
-            try:
-                with autoremat.track_memory() as mem:
-                    run_step(model, x, lambda out: out)
-            finally:
-                autoremat.remove(model)
-                model.zero_grad(set_to_none=True)
-            assert mem.peak_bytes <= plan.predicted_peak_bytes, combo
-            if combo == (KEEP, KEEP, KEEP, RECOMPUTE):
-                assert mem.peak_bytes == plan.predicted_peak_bytes
+        peaks = single_block_plans(model, x, tape, lambda out: out)
+    assert all(measured <= predicted for predicted, measured in peaks.values()), peaks
+    predicted, measured = peaks[(KEEP, KEEP, KEEP, RECOMPUTE)]
+    assert measured == predicted
 
 
 def test_a_tensor_one_checkpointed_block_takes_is_held_past_the_return() -> None:
