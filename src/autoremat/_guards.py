@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoremat._core.calls import calls_beyond, held_at
-from autoremat._core.conditions import autocast_state, float_dtypes
+from autoremat._core.conditions import autocast_state, drop_forward_casts, float_dtypes
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError
 from autoremat._core.step import describe_inputs, flat_tensors, input_entries
@@ -521,6 +521,10 @@ def close_segments(state: Applied, module: nn.Module, args: Any, output: Any) ->
             f"that changes which blocks run?). {SEGMENT_ADVICE}")
     if calls is not None:  # a forward with gradients
         _watch_backward(state, output)
+        # the casts only checkpointed blocks used, which a loop running its loss and
+        # backward inside the region kept through the loss's backward (NOTE [ Backward
+        # inside autocast ] in _mechanism/wrap.py)
+        drop_forward_casts()
     again = [] if calls is None else [
         (block.name, n) for block, n in zip(state.plan.blocks, calls, strict=True) if n > 1]
     if again and "calls" not in state.warned:

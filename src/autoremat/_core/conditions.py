@@ -43,7 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["autocast_state", "conditions_line", "float_dtypes", "loop_autocast", "structure_of"]
+__all__ = ["autocast_state", "conditions_line", "drop_forward_casts", "float_dtypes",
+           "loop_autocast", "structure_of"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
@@ -82,6 +83,15 @@ def structure_of(model: nn.Module, names: list[str]) -> str:
         if parent not in parents:
             parents[parent] = len(model.get_submodule(parent)._modules)
     return ",".join(f"{parent}={count}" for parent, count in parents.items())
+
+
+def drop_forward_casts() -> None:
+    """Empty autocast's cache of weight casts where an autocast is on: called when a
+    forward with gradients returns, by a measured step and a planned model alike (NOTE
+    [ Backward inside autocast ] in _mechanism/wrap.py); what autograd saved of them
+    stays."""
+    if _autocast_devices():
+        torch.clear_autocast_cache()
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from autoremat._core.conditions import loop_autocast
+from autoremat._core.conditions import drop_forward_casts, loop_autocast
 from autoremat._core.errors import LoopError, RematError, did_you_mean
 
 __all__ = [
@@ -315,6 +315,7 @@ class Step:
                                  f"in a training step autoremat ran (profile, verify, auto or "
                                  f"bench)")
                 raise
+            drop_forward_casts()  # as a planned model does (NOTE [ Backward inside autocast ])
             loss = (self.loss_fn or default_loss)(output)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise RematError(f"loss_fn must return a scalar tensor, got "

@@ -554,7 +554,13 @@ def _put_attributes(values: list[tuple[nn.Module, str, Any]]) -> None:
 #     planned model's output (``_backward_reached`` in ``_guards.py``, as leaving the
 #     region would), and around each recompute, which casts as its forward did: the step
 #     is the profiled one, exact (a cleared cache only makes a later forward in the same
-#     region cast again). Found 2026-11-29 (seventeenth session).
+#     region cast again). Found 2026-11-29 (seventeenth session). And when a planned
+#     model's forward with gradients returns (``close_segments``): a loss taken after the
+#     forward runs its backward before backward reaches the model's output, and the copies
+#     only checkpointed blocks used (autograd saved none of them) were held through it: an
+#     LM whose head's backward peaks measured 4-15% over its prediction, the more the more
+#     blocks it recomputed (a held-out check, 2026-11-30). A measured step empties it
+#     there too (``Step.run``), so both loops measure the profiled step.
 
 
 class _AsFound:
