@@ -265,6 +265,22 @@ def test_other_input_shapes_warn_once_and_still_give_equal_gradients(
         assert_same_step(model, longer, plan)
 
 
+def test_a_scalar_keyword_does_not_make_every_later_batch_warn() -> None:
+    # the Hugging Face Trainer passes num_items_in_batch, a 0-d tensor: a batch warned
+    # about was kept with it, and every later batch, compared without it, warned again
+    model, inputs = hf_model("llama", None, layers=2, seq_len=16)
+    autoremat.auto(model, inputs, budget="95%", loop="loss_only")
+    ids = inputs["input_ids"]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for length in (48, 20, 32, 40):  # past the profiled 16 once, then within 48
+            longer = ids.repeat(1, 3)[:, :length]
+            model(input_ids=longer, labels=longer,
+                  num_items_in_batch=torch.tensor(float(longer.numel()))).loss.backward()
+    autoremat.remove(model)
+    assert len([w for w in record if issubclass(w.category, ShapeMismatchWarning)]) == 1
+
+
 class _Prefixed(nn.Module):
     """Called positionally; a keyword adds prefix tokens or repeats the batch."""
 

@@ -37,6 +37,7 @@ _SMALL_GPT2 = as_options(SMALL["gpt2"])  # two blocks: the tests below count on 
         (["plan", "mlp", "--deterministic"], "--deterministic only changes how --verify"),
         (["profile", "gpt2", "--set", _SMALL_GPT2, "--blocks", "blocks.0,"],
          "--blocks takes module names"),
+        (["plan", "mlp", "--budget", "60"], "write --budget 60%"),  # before any work
         (["plan", "mlp", "--budget", "50%", "--margin", "1.5"],
          "margin must be a number in [0, 1)"),  # before any work
     ],

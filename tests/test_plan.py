@@ -251,7 +251,11 @@ def test_max_memory_subtracts_parameters_buffers_and_adamw_state(
         device - params - buffers - batch - trainable
     assert autoremat.plan(tape, max_memory=device, optimizer=12345).budget_bytes == \
         device - params - buffers - batch - 12345
-    assert autoremat.plan(tape, max_memory=device).budget_bytes == \
+    with pytest.warns(UserWarning, match="max_memory= without optimizer= counts no "
+                                         "optimizer state"):  # said, not silent
+        assert autoremat.plan(tape, max_memory=device).budget_bytes == \
+            device - params - buffers - batch
+    assert autoremat.plan(tape, max_memory=device, optimizer="none").budget_bytes == \
         device - params - buffers - batch
     assert optimizer_state_bytes(tape, "adam") == 2 * trainable
     # with a budget too, the tighter one wins

@@ -46,6 +46,8 @@ def factories(monkeypatch: pytest.MonkeyPatch) -> str:
     module.good = good  # type: ignore[attr-defined]
     module.bad = lambda: "not a pair"  # type: ignore[attr-defined]
     module.not_callable = 3  # type: ignore[attr-defined]
+    module.triple = lambda: (nn.Linear(2, 2), torch.ones(2), 1)  # type: ignore[attr-defined]
+    module.swapped = lambda: ("a model", nn.Linear(2, 2))  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     return module.__name__
 
@@ -65,8 +67,12 @@ def test_a_zoo_target_gets_options_device_and_dtype() -> None:
     ("gtp2", "unknown target 'gtp2'.*Did you mean 'gpt2'"),
     ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
     ("{m}:goood", "has no callable 'goood'.*Did you mean 'good'"),
-    ("{m}:not_callable", "has no callable 'not_callable'"),
-    ("{m}:bad", "must return \\(model, inputs\\), got str"),
+    # an attribute that is no function: named as what it is, and no "did you mean" itself
+    ("{m}:not_callable", "has no callable 'not_callable' \\('not_callable' is of type int, not a "
+                         "function\\)\\.$"),
+    ("{m}:bad", "must return \\(model, inputs\\).*, got str"),
+    ("{m}:triple", "must return \\(model, inputs\\).*, got a tuple of 3"),
+    ("{m}:swapped", "got a tuple whose first item is a str, not an nn.Module"),
 ])
 def test_target_errors_say_what_to_do(factories: str, target: str, message: str) -> None:
     with pytest.raises(RematError, match=message):

@@ -355,7 +355,9 @@ def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> No
     if _unnamed(signature) != _unnamed(state.plan.inputs) \
             and not _within(state.plan.inputs, _without_scalars(inputs)) \
             and not any(_within(told, _without_scalars(inputs)) for told in state.warned_batches):
-        state.warned_batches.append(describe_inputs(inputs))
+        # (without its scalars, as batches are compared: with them, every later batch
+        # was warned about, the Trainer's num_items_in_batch missing from each)
+        state.warned_batches.append(describe_inputs(_without_scalars(inputs)))
         added = _added_settings(state.plan.inputs, inputs) if keywords is None else \
             _added_settings(state.plan.inputs, args[0] if len(args) == 1 else args, keywords)
         if added:

@@ -283,8 +283,12 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
         module = _import(spec, target)
         factory = getattr(module, attr, None)
         if not callable(factory):
-            public = [n for n in dir(module) if not n.startswith("_")]
-            raise RematError(f"{spec!r} has no callable {attr!r}." + did_you_mean(attr, public))
+            public = [n for n in dir(module) if not n.startswith("_")
+                      and callable(getattr(module, n, None))]
+            what = "" if factory is None else \
+                f" ({attr!r} is of type {type(factory).__name__}, not a function)"
+            raise RematError(f"{spec!r} has no callable {attr!r}{what}."
+                             + did_you_mean(attr, public))
         _check_signature(factory, target, opts)
         try:
             if device is None:
@@ -297,5 +301,9 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
             raise _raised_in_user_code(exc, f"{target}({given})",
                                        "fix the factory or its --set options") from exc
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
-        raise RematError(f"{target} must return (model, inputs), got {type(result).__name__}")
+        got = type(result).__name__ if not isinstance(result, tuple) else (
+            f"a tuple of {len(result)}" if len(result) != 2 else
+            f"a tuple whose first item is a {type(result[0]).__name__}, not an nn.Module")
+        raise RematError(f"{target} must return (model, inputs): an nn.Module and the batch "
+                         f"it is called on, got {got}")
     return result

@@ -81,6 +81,10 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     name, _ = check_plan_args(args.budget, args.strategy, args.max_memory, args.optimizer,
                               margin=args.margin)
     check_head(args.head)
+    if args.budget is not None and args.budget.strip().isdigit() and int(args.budget) <= 100:
+        raise RematError(f"--budget {args.budget} is {args.budget} bytes, which no step "
+                         f"fits; for a share of the plain peak write --budget {args.budget}%, "
+                         f"else give bytes with a unit (e.g. 6GiB)")
     if name in _NEED_A_BUDGET and args.budget is None and args.max_memory is None:
         raise RematError(f"--strategy {args.strategy} needs --budget (e.g. --budget 50%, or "
                          "6GiB) or --max-memory (e.g. 24GiB): without one it keeps every "

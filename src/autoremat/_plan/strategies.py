@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -290,6 +291,13 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
     if not isinstance(tape, Tape):
         raise RematError(f"plan() needs a Tape from autoremat.profile(), got {type(tape).__name__}")
     name, arg = check_plan_args(budget, strategy, max_memory, optimizer, shards, margin)
+    if max_memory is not None and optimizer is None:
+        warnings.warn(
+            "autoremat: max_memory= without optimizer= counts no optimizer state (AdamW "
+            "holds two more copies of the trainable parameters: "
+            f"{format_bytes(2 * tape.trainable_param_bytes)} here, in their dtype); pass "
+            "optimizer='adamw' (or the one the loop steps; 'none' where it holds none)",
+            UserWarning, stacklevel=2)
     check_head(head)
     check_flag("offload", offload)
     dtype_name = _offload_dtype(offload_dtype, offload or name == "offload")
@@ -340,7 +348,7 @@ def check_head(head: Any) -> None:
         return
     raise RematError(f"head must be None, 'keep', 'auto', 'chunked', or an option's name: "
                      f"'chunked:N' (autoremat's head over N chunks of tokens, N >= 1), "
-                     f"'torch:N', 'liger' or 'cce', got {head!r}"
+                     f"'torch:N', 'liger' or 'cce', got {head!r}."
                      + (did_you_mean(head, ["keep", "auto", "chunked", "liger", "cce"])
                         if isinstance(head, str) else ""))
 
