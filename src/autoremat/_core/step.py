@@ -452,7 +452,6 @@ def sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return []
 
 
-
 def cache_configs(model: nn.Module) -> dict[str, Any]:
     """The distinct Hugging Face configs in ``model`` whose ``use_cache`` is on, by the
     name of the first module holding each (``"config"``, ``"decoder.config"``).
