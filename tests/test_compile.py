@@ -441,6 +441,31 @@ def test_a_plan_file_with_a_compiled_peak_over_its_budget_is_refused() -> None:
         Plan.from_json(over.to_json())
 
 
+def test_a_plan_fitted_compiled_whole_warns_once_when_run_eagerly() -> None:
+    # its budget holds for the step compiled whole; run eagerly, a held-out model's step
+    # was 18% over it without a word. autoremat's own steps (verify) stay quiet.
+    import warnings
+
+    from autoremat import StepMismatchWarning
+
+    model, inputs = zoo.build("mlp", widths=(64,) * 4, batch_size=128)
+    plan = autoremat.plan(autoremat.profile(model, inputs, repeats=1), budget="90%")
+    assert plan.budget_bytes is not None
+    fitted = dataclasses.replace(plan, compiled="aot_eager",
+                                 compiled_peak_bytes=plan.budget_bytes)
+    autoremat.apply(model, fitted)
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            run_step(model, inputs, None)  # autoremat's own step: quiet
+            for _ in range(2):
+                default_loss(call_model(model, inputs)).backward()  # the user's: once
+    finally:
+        autoremat.remove(model)
+    told = [w for w in record if issubclass(w.category, StepMismatchWarning)]
+    assert len(told) == 1 and "runs eagerly" in str(told[0].message)
+
+
 def test_auto_refuses_a_bad_backend_before_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
     import autoremat._auto as auto_module
 

@@ -22,7 +22,7 @@ from autoremat._core.calls import calls_beyond, held_at
 from autoremat._core.conditions import autocast_state, drop_forward_casts, float_dtypes
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError
-from autoremat._core.step import describe_inputs, flat_tensors, input_entries
+from autoremat._core.step import OWN_STEP, describe_inputs, flat_tensors, input_entries
 from autoremat._mechanism.head import HeadInstall
 from autoremat._mechanism.segments import SEGMENT_ADVICE, SegmentRunner
 from autoremat._plan.plan import Plan
@@ -319,6 +319,16 @@ def _check_step(state: Applied) -> None:
             "recompute, and the step's memory is not what the plan predicted. Use one: "
             "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
             "Transformers 5), or autoremat.remove(model)", StepMismatchWarning, stacklevel=6)
+    if plan.compiled and plan.compiled_peak_bytes is not None and not OWN_STEP.get() \
+            and "eager" not in state.warned:
+        state.warned.add("eager")
+        warnings.warn(
+            f"autoremat: this plan was chosen by measuring the model compiled whole "
+            f"(torch.compile(model), {plan.compiled}), and its budget holds for that step; "
+            f"this forward runs eagerly, whose step holds what compile's partitioner would "
+            f"have trimmed (a held-out model: 18% over its budget). Compile the model "
+            f"(autoremat.compile_model) or plan for the eager step (auto without compile=)",
+            StepMismatchWarning, stacklevel=6)
     if "hooks" not in state.warned:
         _check_hooks(state)
     if "structure" not in state.warned:

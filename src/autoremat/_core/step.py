@@ -14,6 +14,7 @@ import random
 import reprlib
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
@@ -26,6 +27,7 @@ from autoremat._core.errors import LoopError, RematError, did_you_mean
 
 __all__ = [
     "LOOPS",
+    "OWN_STEP",
     "Loop",
     "Step",
     "as_step",
@@ -52,6 +54,10 @@ __all__ = [
 ]
 
 LossFn = Callable[[Any], torch.Tensor]
+
+# True while autoremat runs a step of its own (Step.run: profile, verify, auto, bench),
+# whose forwards check nothing the user's would be warned about
+OWN_STEP: ContextVar[bool] = ContextVar("autoremat_own_step", default=False)
 
 # NOTE [ Which loop a step models ]
 #     What the user's training loop holds while backward runs is part of the step peak:
@@ -303,6 +309,14 @@ class Step:
             models ]).
         """
         model, inputs = self.model, self.inputs
+        token = OWN_STEP.set(True)
+        try:
+            return self._run(model, inputs, between)
+        finally:
+            OWN_STEP.reset(token)
+
+    def _run(self, model: nn.Module, inputs: Any,
+             between: Callable[[], None] | None) -> torch.Tensor:
         with loop_autocast() as leave_autocast:  # NOTE [ The conditions a step is
             # measured under ] in conditions.py: autocast as a loop enters it
             try:
