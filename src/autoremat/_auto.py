@@ -62,12 +62,13 @@ def auto(model: nn.Module | Step, inputs: Any = None,
         compile: plan for the step as it runs under ``torch.compile`` (``True``:
             Inductor; or a backend name such as ``"aot_eager"``), as for
             :func:`autoremat.profile`: the tape is measured compiled and the plan
-            (``plan.compiled``) checkpoints blocks one by one. Its prediction, and the
-            measurement ``auto`` makes of it, are for regional compilation (each block
-            compiled on its own, ``block.compile()``); under whole-model
-            ``torch.compile(model)`` the peak can differ a little either way (NOTE [
-            Profiling a compiled step ]). ``auto`` compiles only while it measures and
-            leaves no compiled wrapper behind: compile the model as you train it.
+            (``plan.compiled``) checkpoints blocks one by one. The plan is chosen by
+            measuring the model compiled whole, as ``torch.compile(model)`` runs it
+            (``plan.compiled_peak_bytes``, which its budget holds for; NOTE [ Compiled
+            plans are fitted by measurement ]); a budget given as a share is of the
+            tape's peak, measured block by block. ``auto`` compiles only while it
+            measures and leaves no compiled wrapper behind: compile the model as you
+            train it (:func:`autoremat.compile_model`); run eagerly, the plan warns.
         offload: let the plan offload blocks to host memory, as for
             :func:`autoremat.plan` (the profile then measures offloaded blocks too). On
             a CPU the host is the device, so nothing is offloaded there.
