@@ -97,10 +97,11 @@ def exact(model: nn.Module, inputs: Any, plan: Plan, **options: Any) -> Any:
 
 
 def single_block_plans(model: nn.Module, inputs: Any, tape: autoremat.Tape,
-                       loss_fn: Any = None) -> dict[tuple[Any, ...], tuple[int, int]]:
-    """Every plan keeping or recomputing each block alone, applied and run once under
-    ``track_memory`` (in the caller's autocast, if any): ``(predicted, measured)`` peaks
-    by the blocks' choices (``KEEP``, ``RECOMPUTE``)."""
+                       loss_fn: Any = None, combos: Any = None
+                       ) -> dict[tuple[Any, ...], tuple[int, int]]:
+    """Every plan keeping or recomputing each block alone (or those of ``combos``),
+    applied and run once under ``track_memory`` (in the caller's autocast, if any):
+    ``(predicted, measured)`` peaks by the blocks' choices (``KEEP``, ``RECOMPUTE``)."""
     import itertools
 
     from autoremat._core.decisions import KEEP, RECOMPUTE
@@ -108,7 +109,9 @@ def single_block_plans(model: nn.Module, inputs: Any, tape: autoremat.Tape,
     from autoremat._plan.plan import plan_of_segments
 
     out = {}
-    for combo in itertools.product((KEEP, RECOMPUTE), repeat=len(tape.blocks)):
+    if combos is None:
+        combos = itertools.product((KEEP, RECOMPUTE), repeat=len(tape.blocks))
+    for combo in combos:
         plan = plan_of_segments(tape, [(i, i + 1, c) for i, c in enumerate(combo)], "t")
         autoremat.apply(model, plan)
         try:

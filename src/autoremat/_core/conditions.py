@@ -43,13 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["autocast_state", "conditions_line", "drop_forward_casts", "float_dtypes",
-           "loop_autocast", "structure_of"]
+__all__ = ["autocast_devices", "autocast_state", "conditions_line", "drop_forward_casts",
+           "float_dtypes", "loop_autocast", "structure_of"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
-def _autocast_devices() -> list[str]:
+def autocast_devices() -> list[str]:
     """The device types whose autocast is enabled now."""
     enabled = []
     for device in _AUTOCAST_DEVICES:
@@ -64,7 +64,7 @@ def _autocast_devices() -> list[str]:
 def autocast_state() -> str:
     """The autocast regions active now, e.g. ``"cpu:bfloat16"`` (``""``: none)."""
     return ",".join(f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
-                    for device in _autocast_devices())
+                    for device in autocast_devices())
 
 
 def float_dtypes(params: Iterable[torch.Tensor]) -> str:
@@ -90,7 +90,7 @@ def drop_forward_casts() -> None:
     forward with gradients returns, by a measured step and a planned model alike (NOTE
     [ Backward inside autocast ] in _mechanism/wrap.py); what autograd saved of them
     stays."""
-    if _autocast_devices():
+    if autocast_devices():
         torch.clear_autocast_cache()
 
 
@@ -100,7 +100,7 @@ def loop_autocast() -> Iterator[Any]:
     conditions a step is measured under ]): yields a function to call after the loss,
     which leaves the autocast regions (the cache emptied, autocast off) until the step
     ends. Without autocast, a no-op."""
-    devices = _autocast_devices()
+    devices = autocast_devices()
     if not devices:
         yield lambda: None
         return

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat._core.conditions import autocast_devices
 from autoremat._core.errors import (
     BudgetError,
     InternalError,
@@ -452,7 +453,7 @@ def estimate(
     if host_bandwidth is not None and not offload:
         raise RematError("host_bandwidth= only matters with offload=True; pass both, or "
                          "neither")
-    casting = [kind for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+    casting = autocast_devices()
     if casting:  # NOTE [ Autocast on meta ]
         raise RematError(
             f"estimate() was called inside torch.autocast({casting[0]!r}): it runs the step "

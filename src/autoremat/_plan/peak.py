@@ -128,7 +128,6 @@ __all__ = [
     "block_costs",
     "fixed_peaks",
     "held_at_return",
-    "held_beyond_windows",
     "held_past_release",
     "least_release",
     "plan_costs",
@@ -495,13 +494,6 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
     peak = max(peak, level + post_window(tape, costs[-1].seen_as, release).peak_bytes)
     return peak + held_past_release(tape, segments) + held_at_return(tape, segments, costs,
                                                                      release)
-
-
-def held_beyond_windows(tape: Tape, segments: Segments) -> int:
-    """What a plan holds that its composed windows do not count: :func:`held_past_release`
-    and :func:`held_at_return`; it depends on the whole plan (the optimal planner adds
-    it to the plans it finds)."""
-    return held_past_release(tape, segments) + held_at_return(tape, segments)
 
 
 def held_at_return(tape: Tape, segments: Segments,

@@ -466,15 +466,15 @@ def _why_no_backward(model: nn.Module, names: list[str], probe: _Probe) -> str:
                 "blocks whose output carries the computation, since checkpointing a block "
                 "saves its inputs and recomputes what it returns. Pass blocks=[...] naming "
                 "modules that return their result")
-    if all(probe.grad_off[i] for i in ran) and torch.is_grad_enabled() and \
-            not getattr(model, "is_gradient_checkpointing", True):
-        return ("they ran with gradients off while the step had them on, and the model's "
-                "own checkpointing is off: the model runs them under torch.no_grad() "
-                "itself and computes their gradients its own way (Reformer's reversible "
-                "layers recompute their inputs from their outputs in backward), so there "
-                "is nothing for a plan to recompute. Plan over other layers, with "
-                "blocks=[...], or train such a model as it is")
     if all(probe.grad_off[i] for i in ran) and torch.is_grad_enabled():
+        if not getattr(model, "is_gradient_checkpointing", True):
+            return ("they ran with gradients off while the step had them on, and the "
+                    "model's own checkpointing is off: the model runs them under "
+                    "torch.no_grad() itself and computes their gradients its own way "
+                    "(Reformer's reversible layers recompute their inputs from their "
+                    "outputs in backward), so there is nothing for a plan to recompute. "
+                    "Plan over other layers, with blocks=[...], or train such a model as "
+                    "it is")
         return (f"they ran with gradients off while the step had them on, as a reentrant "
                 f"torch.utils.checkpoint runs them: the model checkpoints them itself "
                 f"({_OWN_CHECKPOINTING}). Turn that off and let autoremat's plan decide "
