@@ -105,23 +105,30 @@ def single_block_plans(model: nn.Module, inputs: Any, tape: autoremat.Tape,
     import itertools
 
     from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    if combos is None:
+        combos = itertools.product((KEEP, RECOMPUTE), repeat=len(tape.blocks))
+    return {combo: segments_peaks(model, inputs, tape,
+                                  [(i, i + 1, c) for i, c in enumerate(combo)], loss_fn)
+            for combo in combos}
+
+
+def segments_peaks(model: nn.Module, inputs: Any, tape: autoremat.Tape,
+                   segments: Any, loss_fn: Any = None) -> tuple[int, int]:
+    """The plan of ``segments`` (``(start, stop, choice)``, as the peak model reads
+    them), applied and run once under ``track_memory``: ``(predicted, measured)``."""
     from autoremat._core.step import run_step
     from autoremat._plan.plan import plan_of_segments
 
-    out = {}
-    if combos is None:
-        combos = itertools.product((KEEP, RECOMPUTE), repeat=len(tape.blocks))
-    for combo in combos:
-        plan = plan_of_segments(tape, [(i, i + 1, c) for i, c in enumerate(combo)], "t")
-        autoremat.apply(model, plan)
-        try:
-            with autoremat.track_memory() as mem:
-                run_step(model, inputs, loss_fn)
-        finally:
-            autoremat.remove(model)
-            model.zero_grad(set_to_none=True)
-        out[combo] = (plan.predicted_peak_bytes, mem.peak_bytes)
-    return out
+    plan = plan_of_segments(tape, segments, "t")
+    autoremat.apply(model, plan)
+    try:
+        with autoremat.track_memory() as mem:
+            run_step(model, inputs, loss_fn)
+    finally:
+        autoremat.remove(model)
+        model.zero_grad(set_to_none=True)
+    return plan.predicted_peak_bytes, mem.peak_bytes
 
 
 def recomputing(plan: Plan) -> bool:

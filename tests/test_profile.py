@@ -27,7 +27,7 @@ from autoremat._measure.tape import WindowMemory
 from autoremat._mechanism.wrap import is_wrapped
 
 import conftest
-from _steps import single_block_plans, verified
+from _steps import segments_peaks, single_block_plans, verified
 
 # conftest.SMALL with three transformer blocks, not two: these sizes matter, since
 # test_profile_measures_every_block_and_leaves_no_trace asserts at least three blocks and
@@ -525,6 +525,74 @@ def test_a_segment_records_none_of_the_tensors_the_block_before_returned() -> No
         loss.backward()
     finally:
         autoremat.remove(model)
+
+
+class _Coupling(nn.Module):
+    """A RevNet block: additive coupling of a pair, both halves returned and taken by the
+    next block; ``y1`` is read inside the block too."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
+                               nn.Linear(2 * width, width))
+        self.g = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
+                               nn.Linear(2 * width, width))
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y1 = x1 + self.f(x2)
+        return y1, x2 + self.g(y1)
+
+
+class _RevNet(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, 2 * width)
+        self.blocks = nn.ModuleList(_Coupling(width) for _ in range(depth))
+        self.head = nn.Linear(2 * width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.inp(x).chunk(2, -1)
+        for block in self.blocks:
+            x1, x2 = block(x1, x2)
+        return self.head(torch.cat([x1, x2], -1))
+
+
+def test_segments_and_selective_blocks_that_pass_a_pair_on_hold_their_predictions() -> None:
+    """NOTE [ Where a block's backward starts ], NOTE [ Boundaries held outside the chain ]
+    and NOTE [ A selective block that keeps its output ]: RevNet's blocks pass (y1, y2) on.
+    Marked at y1, whose gradient is complete only after the block's recompute, and with a
+    segment counted to drop y1 alone, segments measured up to 24 KiB over their
+    predictions (over their budgets), and selective blocks keeping y1 8 KiB over."""
+    from autoremat._core.decisions import KEEP, RECOMPUTE, Choice
+
+    torch.manual_seed(0)
+    model, x, y = _RevNet(), torch.randn(64, 32), torch.randint(0, 10, (64,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
+    n = len(tape.blocks)
+    assert n == 4 and all(block.chain_bytes == 2 * 64 * 32 * 4 for block in tape.blocks[1:])
+
+    def peaks(segments: list[tuple[int, int, Any]]) -> tuple[int, int]:
+        return segments_peaks(model, x, tape, segments, loss_fn)
+
+    for rest in (KEEP, RECOMPUTE):
+        for a, b in itertools.combinations(range(n + 1), 2):
+            if b - a >= 2:
+                segments = [(i, i + 1, rest) for i in range(a)] + [(a, b, RECOMPUTE)] + \
+                    [(i, i + 1, rest) for i in range(b, n)]
+                predicted, measured = peaks(segments)
+                assert measured == predicted, (rest, a, b, measured - predicted)
+        for i, block in enumerate(tape.blocks):
+            assert block.selective
+            for key in block.selective:
+                segments = [(j, j + 1, rest) for j in range(n)]
+                segments[i] = (i, i + 1, Choice.selective_from_key(key))
+                predicted, measured = peaks(segments)
+                # never under; over by at most the boundary counted twice
+                assert 0 <= predicted - measured <= block.output_bytes, (rest, i, key)
 
 
 def test_blocks_listed_out_of_running_order_are_rejected() -> None:

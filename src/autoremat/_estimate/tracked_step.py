@@ -115,8 +115,11 @@ def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
             # several times ] in _core/calls.py
             for qualname, module in [*model.named_modules(),
                                       *call_modules(model, names).items()]:
-                def pre(module: nn.Module, args: Any, qualname: str = qualname) -> None:
+                def pre(module: nn.Module, args: Any, kwargs: Any,
+                        qualname: str = qualname) -> None:
                     mark(f"enter:{qualname}")
+                    if qualname in block_set and torch._C._current_graph_task_id() == -1:
+                        starts.took((args, kwargs))  # NOTE [ Where a block's backward starts ]
 
                 def post(module: nn.Module, args: Any, output: Any,
                          qualname: str = qualname) -> None:
@@ -124,7 +127,7 @@ def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
                     if qualname in block_set and torch.is_grad_enabled():
                         starts.watch(f"bwd:{qualname}", _tensors(output))
 
-                stack.callback(module.register_forward_pre_hook(pre).remove)
+                stack.callback(module.register_forward_pre_hook(pre, with_kwargs=True).remove)
                 stack.callback(module.register_forward_hook(post).remove)
             if checkpoint_all:
                 stack.enter_context(checkpointed(model, names))

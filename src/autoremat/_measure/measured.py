@@ -50,27 +50,42 @@ def grad_tensors(obj: Any) -> list[torch.Tensor]:
 
 # NOTE [ Where a block's backward starts ]
 #     A block's backward starts when the gradient of its output arrives: a hook on that
-#     tensor marks it (``bwd:<i>``). A block that returns several tensors needing a
-#     gradient is marked at the first of them that backward reaches, in the order it
-#     returns them: its hidden states, not the router logits an auxiliary loss reads
-#     (whose gradient arrives first, from the loss). An output the model drops gets no
-#     gradient and marked nothing: Flux's single-stream blocks return (text, image)
-#     tokens, the model drops the last block's text tokens, so backward seemed never to
-#     run through that block, and it left the chain ("frozen, with an input that needs
-#     no gradient"). A dropped output's graph node is freed with it, and its hook with
-#     the node: at the end of forward (:meth:`BackwardStarts.settle`) the first output
-#     whose hook is still alive is the one that marks.
+#     tensor marks it (``bwd:<i>``; a hook on a tensor an op made runs when backward
+#     runs that op's node, its gradient complete). A block that returns several tensors
+#     needing a gradient is marked at the first of its outputs the next block takes
+#     whose hook runs, once per backward: RevNet's coupling blocks return (y1, y2) and
+#     the next takes both; y1 is read inside the block too, so its gradient is complete
+#     only after the block's own backward has used y2's, its recompute included. Marked
+#     at y1 (the first output, as before 2026-11-30), a checkpointed block's recompute
+#     fell in the next block's window, and segments of two blocks, which compose their
+#     recompute in the last block's window (NOTE [ The peak model ] in _plan/peak.py),
+#     measured up to 24 KiB over their predictions and budgets. Outputs the next block
+#     does not take (the router logits an auxiliary loss reads, whose node can run
+#     before the block's own backward) do not mark; where the next block takes none of
+#     them (the last block, a block whose outputs the parent changes first), each output
+#     does, the first to run. An output
+#     the model drops gets no gradient and marks nothing: Flux's single-stream blocks
+#     return (text, image) tokens, the model drops the last block's text tokens, so
+#     backward seemed never to run through that block, and it left the chain ("frozen,
+#     with an input that needs no gradient"). A dropped output's graph node is freed
+#     with it, and its hook with the node: at the end of forward
+#     (:meth:`BackwardStarts.settle`) the outputs whose hooks are still alive are the
+#     ones that mark.
 class BackwardStarts:
     """Marks where each watched block's backward starts (NOTE [ Where a block's backward
-    starts ]): :meth:`watch` its output in its forward hook, :meth:`settle` at the end of
-    forward."""
+    starts ]): :meth:`watch` its output in its forward hook, :meth:`took` the next
+    block's inputs in its forward pre-hook, :meth:`settle` at the end of forward."""
 
     def __init__(self, mark: Mark) -> None:
         self.mark = mark
-        # weak references to the gradient hooks of blocks with several outputs, in
-        # output order, until settle() chooses the one that marks
+        # per block with several outputs, until settle() chooses the ones that mark:
+        # weak references to their gradient hooks, in output order, and their ids
         self._pending: dict[str, list[weakref.ref[Callable[[torch.Tensor], None]]]] = {}
-        self._marking: dict[str, int] = {}
+        self._outputs: dict[str, list[int]] = {}
+        self._taken: dict[str, set[int]] = {}  # the outputs the next block took
+        self._last = ""  # the block watched last
+        self._marking: dict[str, set[int]] = {}
+        self._marked: dict[str, int] = {}  # the backward (graph task) each label marked in
 
     def watch(self, label: str, output: Any) -> None:
         """Mark ``label`` when backward reaches ``output`` (a block's)."""
@@ -80,20 +95,39 @@ class BackwardStarts:
             out.register_hook(hook)  # held by the output's graph node only
         if len(outs) > 1:
             self._pending[label] = [weakref.ref(hook) for hook in hooks]
+            self._outputs[label] = [id(t) for t in outs]
+        self._last = label
+
+    def took(self, inputs: Any) -> None:
+        """The next block's forward starts with ``inputs``: which outputs of the block
+        watched last it takes."""
+        ids = self._outputs.get(self._last)
+        if ids is not None:
+            given = {id(t) for t in flat_tensors(inputs)}
+            self._taken[self._last] = {k for k, i in enumerate(ids) if i in given}
 
     def _hook(self, label: str, k: int | None) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if k is None or self._marking.get(label) == k:
+            if k is None:
+                self.mark(label)
+                return
+            task = torch._C._current_graph_task_id()
+            if k in self._marking.get(label, ()) and self._marked.get(label) != task:
+                self._marked[label] = task
                 self.mark(label)
         return hook
 
     def settle(self) -> None:
-        """At the end of forward: for each block with several outputs, the first whose
-        gradient hook is alive (whose output the model kept) is the one that marks."""
+        """At the end of forward: for each block with several outputs, those the next
+        block took whose gradient hooks are alive (whose outputs the model kept) mark,
+        the first to run; where it took none, every alive output does."""
         for label, hooks in self._pending.items():
-            self._marking[label] = next(
-                (k for k, hook in enumerate(hooks) if hook() is not None), 0)
+            alive = [k for k, hook in enumerate(hooks) if hook() is not None]
+            taken = [k for k in alive if k in self._taken.get(label, ())]
+            self._marking[label] = set(taken or alive)
         self._pending.clear()
+        self._outputs.clear()
+        self._taken.clear()
 
     def settle_and(self, mark: Mark, label: str) -> Callable[[], None]:
         """A step's ``between``: :meth:`settle`, then ``mark(label)``."""

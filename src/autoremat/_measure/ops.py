@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -167,6 +168,11 @@ class OpRecorder(FlopCounter):
         self._creators: dict[str, dict[int, int]] = {}  # label -> storage -> creating op
         self._packed: dict[str, set[int]] = {}  # label -> storages autograd saved
         self._info: dict[Any, _OpInfo] = {}  # op overload -> what its schema says
+        # label -> the ops that made the storages of its output the next block takes, and
+        # of those, the ones the next block's forward did not save (_close_forward)
+        self._outputs: dict[str, tuple[int, ...]] = {}
+        self._unsaved: dict[str, tuple[int, ...]] = {}
+        self._taken: dict[str, tuple[str, dict[int, int]]] = {}  # label -> (taker, key -> op)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """A saved-tensors pack hook: note which storages autograd saves in each block's
@@ -243,6 +249,30 @@ class OpRecorder(FlopCounter):
                               value_out), refs))
         return out
 
+    def outputs(self, label: str, tensors: Sequence[torch.Tensor]) -> None:
+        """The next block takes ``tensors`` of ``label``'s output: note the ops of its
+        forward that made their storages (:meth:`block_output_ops`)."""
+        if self._kept is not None:
+            return  # a recompute in backward
+        creators = self._creators.get(label, {})
+        made = {key: creators[key] for t in tensors
+                if (key := t.untyped_storage()._cdata) in creators}
+        self._outputs[label] = tuple(sorted(set(made.values())))
+        self._taken[label] = (self.label, made)  # (the next block's forward runs now)
+
+    def block_output_ops(self, label: str) -> tuple[int, ...] | None:
+        """The indices of ``label``'s forward ops that made the storages of its output
+        that the next block takes (none: the last block, or one whose output the next
+        does not take as it was made); ``None`` where that was not noted."""
+        return self._outputs.get(label)
+
+    def block_unsaved_output_ops(self, label: str) -> tuple[int, ...]:
+        """Of :meth:`block_output_ops`, those whose storages the next block's forward did
+        not save for backward (it lets go of them in its forward)."""
+        if self._kept is None:
+            self._close_forward()
+        return self._unsaved.get(label, ())
+
     def _close_forward(self) -> dict[str, tuple[OpRecord, ...]]:
         def closed(label: str, op: _Traced, refs: list[tuple[Any, int]]) -> OpRecord:
             alive = [(ref(), n) for ref, n in refs if ref() is not None]
@@ -257,6 +287,12 @@ class OpRecorder(FlopCounter):
 
         self._kept = {label: tuple(closed(label, op, refs) for op, refs in rows)
                       for label, rows in self._trace.items()}
+        for label, (taker, made) in self._taken.items():
+            saved = self._packed.get(taker, set())
+            self._unsaved[label] = tuple(sorted(
+                {op for key, op in made.items() if key not in saved}
+                - {op for key, op in made.items() if key in saved}))
+        self._taken.clear()
         self._trace.clear()
         self._creators.clear()
         self._packed.clear()

@@ -129,6 +129,13 @@ class BlockProfile:
     # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.
     stash_bytes: int = 0
+    # The indices of its forward ops (``ops``) that made the storages of its output the
+    # next block takes (NOTE [ A selective block that keeps its output ] in
+    # _plan/peak.py); None: not recorded (tapes made before 2026-11-30)
+    output_ops: tuple[int, ...] | None = None
+    # Of those, the ones whose storages the next block, kept, does not save (it lets go
+    # of them in its forward)
+    output_unsaved: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:
@@ -445,6 +452,9 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             selective[str(k)] = build_dataclass(
                 SelectiveProfile, int_tuples(v, ("keep_ops", "skip_ops"), where_k), where_k)
         raw["selective"] = selective
+        raw = int_tuples(raw, ("output_unsaved",), where)
+        if raw.get("output_ops") is not None:
+            raw = int_tuples(raw, ("output_ops",), where)
         block = build_dataclass(BlockProfile, raw, where)
         _check_types(block, where)
         blocks.append(block)

@@ -39,13 +39,21 @@ NOTE [ A selective block that keeps its output ]
     after ``j`` as measured with ``j`` checkpointed), which count that free in the next
     block's backward; the selective window is measured after a next block that no longer
     frees it, so its backward peak stands on a level one boundary higher than the model's.
-    So when the option keeps the storage its last op created (``_keeps_output``; where
-    the op records cannot tell, it is taken as kept), the block's output bytes are added
-    to its backward peak: exact where the next block would have freed the boundary, an
-    over-prediction by at most one boundary elsewhere. Found on the zoo ResNet
-    (two channels stages, batch 4, 16x16 images): a smallest-feasible plan with two
-    selective blocks before kept ones measured one activation (32 KiB) over its
-    prediction, as much as the plan that checkpoints those blocks.
+    So the bytes of each storage of the output the next block takes that the option
+    keeps (``BlockProfile.output_ops``, the ops that made them) are added to its backward
+    peak: exact where the next block would have freed the boundary, an over-prediction
+    by at most one boundary elsewhere. Found on the zoo ResNet (two channels stages,
+    batch 4, 16x16 images): a smallest-feasible plan with two selective blocks before
+    kept ones measured one activation (32 KiB) over its prediction, as much as the plan
+    that checkpoints those blocks. A kept next block that does not save a storage it
+    takes (``output_unsaved``) lets go of it in its forward: RevNet's coupling blocks
+    return (y1, y2), keep-sets keep y1 (a LayerNorm saves it), and the next block's
+    first op only adds to y1; those bytes are held from the forward on instead
+    (``hold``), counted twice where the next block is checkpointed and holds them too
+    (one storage over, never under; counted in the backward only, they measured 8 KiB
+    over their predictions). Tapes without ``output_ops`` (before 2026-11-30) add the
+    whole output where the option keeps what the block's last op made (through views
+    and in-place writes; unknown counts as kept).
 
 NOTE [ Tensors held across stacks ]
     In an encoder-decoder planned as one chain, the encoder's output is made between
@@ -113,7 +121,7 @@ import numpy as np
 from autoremat._core.decisions import OFFLOAD, OFFLOAD_INPUT, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import internal_assert
 from autoremat._measure.ops import OpRecord
-from autoremat._measure.tape import Tape, WindowKey, WindowMemory
+from autoremat._measure.tape import BlockProfile, Tape, WindowKey, WindowMemory
 from autoremat._plan.costs import (
     CostModel,
     cost_model_for,
@@ -416,11 +424,9 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     sel = block.selective[key]
     # what it keeps that the model would have dropped before the backward stays held
     # (NOTE [ Kept outputs that outlive the forward ] in _profile/derive.py)
-    fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes + sel.held_after
-    bwd_peak = sel.bwd.peak_bytes
-    if _keeps_output(block.ops, choice.save_ops, sel.keep_ops, bool(choice.keep_set)):
-        # see NOTE [ A selective block that keeps its output ]
-        bwd_peak += block.output_bytes
+    held, freed_later = _kept_output_bytes(block, choice, sel.keep_ops)
+    fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes + sel.held_after + held
+    bwd_peak = sel.bwd.peak_bytes + freed_later  # NOTE [ A selective block that keeps ... ]
     ckpt = (_RECOMPUTE, _RECOMPUTE)
     if i > 0 and prev is not _RECOMPUTE:
         f_here, f_ref = _fwd(tape, i, (prev, _RECOMPUTE)), _fwd(tape, i, ckpt)
@@ -433,6 +439,28 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     else:
         cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=choice.save_ops)
     return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, _RECOMPUTE, cost)
+
+
+def _kept_output_bytes(block: BlockProfile, choice: Choice,
+                       keep_ops: tuple[int, ...]) -> tuple[int, int]:
+    """The bytes of the block's output a selective option keeps (NOTE [ A selective
+    block that keeps its output ]), as (those a kept next block lets go of in its
+    forward, the others): each storage of the output the next block takes that the
+    option keeps, where the tape records which ops made them (``output_ops``); else the
+    whole output, among the others, where the option keeps what the block's last op
+    made."""
+    ops, keep_set = block.ops, bool(choice.keep_set)
+    if block.output_ops is None:
+        kept = _keeps_output(ops, choice.save_ops, keep_ops, keep_set)
+        return 0, block.output_bytes if kept else 0
+    held = freed_later = 0
+    for j in block.output_ops:
+        if j in keep_ops if keep_set else ops[j].kind in choice.save_ops:
+            if j in block.output_unsaved:
+                held += ops[j].out_bytes
+            else:
+                freed_later += ops[j].out_bytes
+    return held, freed_later
 
 
 def _keeps_output(ops: Sequence[OpRecord], save: tuple[str, ...], keep_ops: tuple[int, ...],

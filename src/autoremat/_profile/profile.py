@@ -323,6 +323,19 @@ def _first_release_shared(released: dict[Pattern, list[int]], n: int) -> dict[De
     return out
 
 
+def _chain_bytes(chain: Chain, first: list[int], i: int, ran_on: torch.device,
+                 rounding: Rounding | None) -> int:
+    """What a segment drops at block ``i``'s input, not holding it (NOTE [ Boundaries held
+    outside the chain ] in runs.py): its first input tensor where the model does not hold
+    it (``first``: its size, per block), and the tensors the block before returned that
+    only it takes (RevNet's second half of the pair) where the model lets go of them."""
+    if i == 0:
+        return 0
+    sides = chain.chain_sides[i] if chain.chain_sides else ()
+    return (0 if chain.held_inputs[i] else counted_bytes(first[i], ran_on, rounding)) + \
+        sum(counted_bytes(size, ran_on, rounding) for size in sides)
+
+
 def _held_past_release(chain: Chain, ran_on: torch.device,
                        rounding: Rounding | None) -> dict[str, int]:
     """``tape.held_past_release``: bytes by "first:window", the first block taking them
@@ -378,13 +391,14 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             fwd=by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
             bwd=by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
+            output_ops=counter.block_output_ops(name),
+            output_unsaved=counter.block_unsaved_output_ops(name),
             selective=selective[i],
             chained=i > 0 and plain.probe.chained[i] and not skips,
             offload_bytes=offload_stats[i].host_bytes,
             offload_tensors=offload_stats[i].tensors,
             offload_input_bytes=input_stats[i].host_bytes,
-            chain_bytes=counted_bytes(plain.probe.chain_bytes[i], ran_on, rounding)
-            if i > 0 and not chain.held_inputs[i] else 0,  # NOTE [ Boundaries held ... ]
+            chain_bytes=_chain_bytes(chain, plain.probe.chain_bytes, i, ran_on, rounding),
             fwd_end_release={key: v for key, v in by_pairs(
                 runs, i, lambda pattern, _, k: released[pattern][k], base.alike,
                 base.local).items() if v},

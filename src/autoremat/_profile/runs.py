@@ -209,6 +209,9 @@ class _Probe:
     grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
     changes_input: list[bool] = field(default_factory=list)  # its forward wrote an input
     watch: bool = False  # note the buffers each block's forward changes (watch_buffers)
+    # told in forward what the next block takes of each block's output (none for the
+    # last): the op recorder's OpRecorder.outputs
+    on_output: Callable[[int, list[torch.Tensor]], None] | None = None
     _prev_outputs: dict[int, int] = field(default_factory=dict)  # id -> version
     _watched: dict[int, Callable[[], None]] = field(default_factory=dict)
     _inputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
@@ -252,6 +255,11 @@ class _Probe:
                 self._watched[i] = watch_buffers(module)
             self.on_mark(f"fwd:{i}")
             tensors = flat_tensors((args, kwargs))
+            self.starts.took(tensors)  # NOTE [ Where a block's backward starts ]
+            if self.on_output is not None and self.order[:-1]:
+                # what this block takes of the output of the block before
+                self.on_output(self.order[-2], [t for t in tensors if self._prev_outputs.get(
+                    id(t)) == t._version])
             self._inputs[i] = [(t, t._version) for t in tensors]
             self.input_bytes[i] = unique_storage_bytes(tensors)
             # the block before's output, unchanged: an op in place between them (an
@@ -275,6 +283,9 @@ class _Probe:
                                          for t, version in self._inputs.pop(i, ()))
             tensors = flat_tensors(output)
             self.output_bytes[i] = unique_storage_bytes(tensors)
+            if self.on_output is not None and i == len(self.names) - 1 \
+                    and torch._C._current_graph_task_id() == -1:
+                self.on_output(i, [])  # the last block: no block takes its output
             self._prev_outputs = {id(t): t._version for t in tensors}
             self.starts.watch(f"bwd:{i}", tensors)
             self.on_mark(f"post:{i}")  # NOTE [ Ops between blocks ]
@@ -298,15 +309,17 @@ class RepeatedCalls(BlockError):
 
 
 def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
-                in_order: bool = True, watch: bool = False,
-                missing_ok: bool = False) -> _Probe:
+                in_order: bool = True, watch: bool = False, missing_ok: bool = False,
+                on_output: Callable[[int, list[torch.Tensor]], None] | None = None,
+                ) -> _Probe:
     """One step with marks at the block boundaries. Every block must run once; with
     ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``).
     ``watch``: note the buffers each block's forward changes (``watch_buffers``).
     ``missing_ok``: blocks that did not run at all are left to the caller (found blocks
     of a stack the step does not run: a vision tower given no image), as long as some
-    ran."""
-    probe = _Probe(names, on_mark, watch=watch)
+    ran. ``on_output(i, tensors)``: told what the next block takes of block ``i``'s
+    output, in forward."""
+    probe = _Probe(names, on_mark, watch=watch, on_output=on_output)
     with probe.installed(step.model):
         on_mark("start")
         step.run(between=probe.starts.settle_and(on_mark, "backward"))
@@ -496,6 +509,8 @@ class _Side:
     refs: list[weakref.ref[torch.Tensor]]  # the objects passed (a view dies alone)
     nbytes: int
     takers: set[int] = field(default_factory=set)  # the blocks it was passed to
+    beside_first: set[int] = field(default_factory=set)  # the takers whose first input
+    # is not of its storage
     saved: bool = False  # autograd saved its storage while it was followed
     died: int | None = None  # the event at which every object passed was gone
     made_by: int | None = None  # the block that returned it, if one did
@@ -552,6 +567,8 @@ class _HeldInputs:
             if all(ref() is not t for ref in side.refs):
                 side.refs.append(weakref.ref(t))
             side.takers.add(i)
+            if not _same_storage(tensors[0], storage):
+                side.beside_first.add(i)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
@@ -682,6 +699,27 @@ class _HeldInputs:
                 out.append((made + 1, takers, side.nbytes))
             elif made < 0 and takers[0] > 0:  # the parent made it, between blocks: in
                 out.append((takers[0], takers, side.nbytes))  # the window before them
+        return tuple(out)
+
+    def chain_sides(self, chain: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Per block of ``chain`` (in the order they ran), the sizes of the tensors it
+        takes besides its input that the block before returned, that no other block takes
+        and that the model let go of by the time the next block started or the forward
+        returned (NOTE [ Boundaries held outside the chain ]): inner boundaries of a
+        segment, which it drops as it drops the input; none where the step cannot tell."""
+        ids = self._ids(chain, returned=True)
+        if ids is None:
+            return ()
+        position = {block: p for p, block in enumerate(ids)}
+        out: list[tuple[int, ...]] = [()] * len(ids)
+        for side in self._sides:
+            takers = {position[b] for b in side.takers if b in position}
+            made = None if side.made_by is None else position.get(side.made_by)
+            if made is None or takers != {made + 1} or side.died is None \
+                    or ids[made + 1] not in side.beside_first:  # counted as the first
+                continue
+            if side.died <= self._returns[ids[made + 1]] + 1:  # gone at the next event
+                out[made + 1] += (side.nbytes,)
         return tuple(out)
 
     def saved_by_maker(self, chain: list[str]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
@@ -873,7 +911,9 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
             step, memory="storages" if backend is None else "allocations", rounding=rounding,
             counter=counter, isolated=False, warm_up=backend is not None,
             on_mark=None if counter is None else lambda label: _label(counter, names, label),
-            run=lambda step, mark: _run_marked(step, names, mark))
+            run=lambda step, mark: _run_marked(step, names, mark, on_output=(
+                None if not isinstance(counter, OpRecorder)
+                else lambda i, out: counter.outputs(names[i], out))))
     mem, probe = measured.memory, measured.ran
     internal_assert(mem is not None, "a memory run measures memory")
     assert mem is not None  # for mypy: internal_assert raised otherwise
@@ -930,7 +970,8 @@ def recorded_step(step: Step, names: list[str]) -> OpRecorder:
     counter = OpRecorder()
     measure_step(step, counter=counter, isolated=False,
                  on_mark=lambda label: _label(counter, names, label),
-                 run=lambda step, mark: _run_marked(step, names, mark))
+                 run=lambda step, mark: _run_marked(
+                     step, names, mark, on_output=lambda i, out: counter.outputs(names[i], out)))
     for p in step.model.parameters():
         p.grad = None
     return counter
@@ -1112,6 +1153,8 @@ class Chain:
     # the model frees when it returns ]
     saved_by_maker: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block saving
     # it, takers, bytes): NOTE [ Tensors a block saves that a later block takes ]
+    chain_sides: tuple[tuple[int, ...], ...] = ()  # per block, the storages it takes
+    # besides its input that a segment drops with it (_HeldInputs.chain_sides)
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
@@ -1216,4 +1259,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                   times=times, loss=loss, autocast=autocast[0] if autocast else "",
                   held_past_release=held_inputs_seen.held_past_release(names) if eager else (),
                   freed_at_return=held_inputs_seen.freed_at_return(names) if eager else (),
-                  saved_by_maker=held_inputs_seen.saved_by_maker(names) if eager else ())
+                  saved_by_maker=held_inputs_seen.saved_by_maker(names) if eager else (),
+                  chain_sides=held_inputs_seen.chain_sides(names) if eager else ())
