@@ -511,6 +511,8 @@ class _Side:
     takers: set[int] = field(default_factory=set)  # the blocks it was passed to
     beside_first: set[int] = field(default_factory=set)  # the takers whose first input
     # is not of its storage
+    passed_on: bool = False  # the block that returned it had taken it (a residual
+    # stream's first block returns its input as the residual)
     saved: bool = False  # autograd saved its storage while it was followed
     died: int | None = None  # the event at which every object passed was gone
     made_by: int | None = None  # the block that returned it, if one did
@@ -539,6 +541,7 @@ class _HeldInputs:
         self._events = 0  # blocks started and returned so far
         self._returns: dict[int, int] = {}  # block -> the event of its return
         self._outs: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # block -> its output
+        self._ins: dict[int, set[int]] = {}  # block -> the storages of its inputs
         # storage -> what autograd holds of it (alive while saved), and the block whose
         # forward saved it (None: outside the blocks)
         self._packed: dict[int, tuple[weakref.ref[torch.Tensor], int | None]] = {}
@@ -560,6 +563,8 @@ class _HeldInputs:
                 side.made_by = next((k for k, outs in reversed(self._outs.items())
                                      if any(_same_storage(ref(), storage) for ref in outs)),
                                     None)
+                side.passed_on = side.made_by is not None and \
+                    storage._cdata in self._ins.get(side.made_by, ())
                 packed = self._packed.get(storage._cdata)
                 if packed is not None and packed[0]() is not None:  # saved before it was
                     side.saved, side.saved_in = True, packed[1]  # passed: held as saved
@@ -599,6 +604,8 @@ class _HeldInputs:
                 self._check_last(i)
                 tensors = flat_tensors((args, kwargs))
                 self._refs[i] = weakref.ref(tensors[0]) if tensors else None
+                self._ins[i] = {t.untyped_storage()._cdata for t in tensors
+                                if not isinstance(t, nn.Parameter)}
                 self._alive.pop(i, None)
                 self._last = i
                 self._inside += 1
@@ -716,8 +723,8 @@ class _HeldInputs:
             takers = {position[b] for b in side.takers if b in position}
             made = None if side.made_by is None else position.get(side.made_by)
             if made is None or takers != {made + 1} or side.died is None \
-                    or ids[made + 1] not in side.beside_first:  # counted as the first
-                continue
+                    or ids[made + 1] not in side.beside_first or side.passed_on:
+                continue  # (counted as the first input; a segment's input, held)
             if side.died <= self._returns[ids[made + 1]] + 1:  # gone at the next event
                 out[made + 1] += (side.nbytes,)
         return tuple(out)
