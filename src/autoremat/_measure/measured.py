@@ -192,7 +192,8 @@ def measure_step(step: Step, *, memory: Memory | None = None,
         isolated: run inside :func:`~autoremat._core.step.preserved_state` (gradients
             ``None`` before the step; buffers, gradients and RNGs as before, afterwards);
             ``False``: the caller holds that state, gradients included.
-        rng: the CPU RNG state the step starts from (default: the current one).
+        rng: the CPU RNG state the step starts from (default: the current one); with
+            ``warm_up``, both steps do.
         warm_up: run the step once, unmeasured, first (compiling allocates too).
         grads, buffers: return clones of the gradients and buffers after the step.
 
@@ -209,6 +210,8 @@ def measure_step(step: Step, *, memory: Memory | None = None,
             run(step, lambda label: None)
             for p in model.parameters():
                 p.grad = None
+            if rng is not None:  # the measured step starts from it too
+                torch.set_rng_state(rng)
         with ExitStack() as stack:
             peak = stack.enter_context(track_allocator(device)) if allocator else None
             # with the storage tracker, the counter runs each op for it: one dispatch mode

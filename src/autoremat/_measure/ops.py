@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from autoremat._measure.flops import FlopCounter
-from autoremat._measure.memory import _storage_keys
+from autoremat._measure.memory import _storage_keys, _tensors_in
 
 __all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind",
            "result_leaves"]
@@ -144,6 +144,13 @@ def result_leaves(obj: Any, found: list[Any] | None = None) -> list[Any]:
     return found
 
 
+def _dense_leaves(out: Any) -> list[Any]:
+    """:func:`result_leaves` with each sparse tensor as the dense tensors holding it
+    (``sparse_parts``: a sparse tensor has no storage of its own)."""
+    return [part for leaf in result_leaves(out)
+            for part in (_tensors_in(leaf) if isinstance(leaf, torch.Tensor) else (leaf,))]
+
+
 # NOTE [ A pack hook keeps an alias ]
 #     Without hooks, autograd keeps an op's saved output without its grad_fn, so that the
 #     output and its node do not refer to each other. A pack hook that returns the tensor
@@ -179,7 +186,8 @@ class OpRecorder(FlopCounter):
         forward, and keep a detached alias of the tensor (``saved_tensors_hooks(rec.pack,
         rec.unpack)``; NOTE [ A pack hook keeps an alias ])."""
         if self._kept is None and self.label != "<outside>":
-            self._packed.setdefault(self.label, set()).add(tensor.untyped_storage()._cdata)
+            self._packed.setdefault(self.label, set()).update(
+                t.untyped_storage()._cdata for t in _tensors_in(tensor))  # (sparse: parts)
         return tensor.detach()
 
     @staticmethod
@@ -224,7 +232,8 @@ class OpRecorder(FlopCounter):
         random = info.random
         refs = []
         value_out = False  # it returns a non-tensor value
-        for t in ((out,) if isinstance(out, torch.Tensor) else result_leaves(out)):
+        for t in ((out,) if isinstance(out, torch.Tensor) and out.layout is torch.strided
+                  else _dense_leaves(out)):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 key = st._cdata

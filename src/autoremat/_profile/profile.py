@@ -100,6 +100,7 @@ from autoremat._profile.options import (
     selective_runs,
 )
 from autoremat._profile.runs import (
+    SKIPS_SEEN,
     BlockTimes,
     Chain,
     Pattern,
@@ -538,6 +539,18 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
     step = setup.step
     stage = progress or (lambda _: None)
     timed = timing and setup.ran_on.type != "meta"
+    token = SKIPS_SEEN.set({})  # NOTE [ Blocks skipped at random ] in runs.py
+    try:
+        return _profiled(setup, blocks, repeats, with_selective, with_head, timed, stage)
+    finally:
+        SKIPS_SEEN.reset(token)
+
+
+def _profiled(setup: Setup, blocks: BlockSpec, repeats: int, with_selective: bool,
+              with_head: bool | Sequence[str], timed: bool,
+              stage: Callable[[str], None]) -> Tape:
+    """``profile``'s stages, its arguments checked (``setup``)."""
+    step = setup.step
     # the stages: arguments checked (above), the chain found by a warm-up step, the
     # memory runs, the options (selective, head), timing; then the tape built from them
     with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \

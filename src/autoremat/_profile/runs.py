@@ -153,6 +153,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +209,7 @@ class _Probe:
     in_backward: list[int] = field(default_factory=list)  # calls made while backward ran
     grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
     changes_input: list[bool] = field(default_factory=list)  # its forward wrote an input
+    passed: list[bool] = field(default_factory=list)  # it returned what it was given
     watch: bool = False  # note the buffers each block's forward changes (watch_buffers)
     # told in forward what the next block takes of each block's output (none for the
     # last): the op recorder's OpRecorder.outputs
@@ -227,6 +229,7 @@ class _Probe:
         self.in_backward = [0] * n
         self.grad_off = [False] * n
         self.changes_input = [False] * n
+        self.passed = [False] * n
         self.starts = BackwardStarts(self.on_mark)
 
     @contextmanager
@@ -279,9 +282,11 @@ class _Probe:
             watched = self._watched.pop(i, None)
             if watched is not None:
                 watched()
-            self.changes_input[i] |= any(t._version != version
-                                         for t, version in self._inputs.pop(i, ()))
+            inputs = self._inputs.pop(i, ())
+            self.changes_input[i] |= any(t._version != version for t, version in inputs)
             tensors = flat_tensors(output)
+            given = {id(t) for t, _ in inputs}
+            self.passed[i] = bool(tensors) and all(id(t) in given for t in tensors)
             self.output_bytes[i] = unique_storage_bytes(tensors)
             if self.on_output is not None and i == len(self.names) - 1 \
                     and torch._C._current_graph_task_id() == -1:
@@ -308,6 +313,41 @@ class RepeatedCalls(BlockError):
         self.sequence = sequence
 
 
+# NOTE [ Blocks skipped at random ]
+#     A model that skips blocks at random in training (stochastic depth by the whole
+#     batch: ``if self.training and torch.rand(()) < p: return x``) skips other blocks in
+#     each step a profile measures: windows of steps that ran different blocks do not
+#     compose, and the tape misled (held-out, 2026-11-30: "no gradient reached the output
+#     of block(s)", blocks called frozen, or a plan whose later steps went 1.31-1.54x
+#     over its budget without a warning). Hugging Face's LayerDrop is turned off while
+#     measuring (NOTE [ Random layer skipping ] in _core/step.py); for any other, each
+#     step of a profile notes which blocks returned what they were given unchanged
+#     (``_Probe.passed``), and a block that did so in one step and not in another is
+#     refused, saying what to do. A block that always returns its input is planned as
+#     measured.
+SKIPS_SEEN: ContextVar[dict[str, bool] | None] = ContextVar("autoremat_skips_seen",
+                                                            default=None)
+
+
+def _check_skips(names: list[str], probe: _Probe) -> None:
+    """Refuse blocks that returned their input unchanged in one step of this profile
+    (``SKIPS_SEEN``, set by ``profile``) and not in another (NOTE [ Blocks skipped at
+    random ])."""
+    seen = SKIPS_SEEN.get()
+    if seen is None:
+        return
+    for name, calls, passed in zip(names, probe.calls, probe.passed, strict=True):
+        if calls and seen.setdefault(name, passed) != passed:
+            raise BlockError(
+                f"block {name!r} returned its input unchanged in one step of the profile "
+                f"and computed in another: the model skips blocks at random in training "
+                f"(stochastic depth, layer drop), and steps that run different blocks "
+                f"cannot be planned as one. Turn the skipping off while profiling (its "
+                f"drop probability to 0) and back on after: the plan then holds for the "
+                f"step where every block runs, the largest (Hugging Face's LayerDrop is "
+                f"turned off by autoremat itself)")
+
+
 def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
                 in_order: bool = True, watch: bool = False, missing_ok: bool = False,
                 on_output: Callable[[int, list[torch.Tensor]], None] | None = None,
@@ -324,6 +364,7 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
         on_mark("start")
         step.run(between=probe.starts.settle_and(on_mark, "backward"))
         on_mark("end")
+    _check_skips(names, probe)
     again = [name for name, n in zip(names, probe.in_backward, strict=True) if n]
     if again:
         raise BlockError(
@@ -554,8 +595,8 @@ class _HeldInputs:
 
     def _take_sides(self, i: int, tensors: list[torch.Tensor]) -> None:
         for t in tensors[1:]:
-            if isinstance(t, nn.Parameter):
-                continue
+            if isinstance(t, nn.Parameter) or t.layout is not torch.strided:
+                continue  # (a sparse tensor has no storage to follow)
             storage = t.untyped_storage()
             side = self._live.get(storage._cdata)
             if side is None:
@@ -576,6 +617,8 @@ class _HeldInputs:
                 side.beside_first.add(i)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.layout is not torch.strided:  # a sparse tensor has no storage of its own:
+            return _detached(t)  # not a boundary the chain's checks follow
         key = t.untyped_storage()._cdata
         side = self._live.get(key)
         if side is not None and any(ref() is not None for ref in side.refs):
@@ -605,7 +648,8 @@ class _HeldInputs:
                 tensors = flat_tensors((args, kwargs))
                 self._refs[i] = weakref.ref(tensors[0]) if tensors else None
                 self._ins[i] = {t.untyped_storage()._cdata for t in tensors
-                                if not isinstance(t, nn.Parameter)}
+                                if not isinstance(t, nn.Parameter)
+                                and t.layout is torch.strided}
                 self._alive.pop(i, None)
                 self._last = i
                 self._inside += 1
