@@ -144,6 +144,25 @@ def test_trainer_with_the_callback_trains_as_without_it(
     assert moved == [], f"parameters differ from the run without the callback: {moved[:3]}"
 
 
+@pytest.mark.slow
+def test_a_trainer_that_compiles_gets_a_plan_measured_compiled(tmp_path: pathlib.Path) -> None:
+    """NOTE [ A Trainer that compiles ] in hf.py: the callback planned the eager step for a
+    Trainer with torch_compile=True (at 60% a segment, whose first compiled forward
+    raised; elsewhere a plan whose figures were not the compiled step's)."""
+    options = dict(torch_compile=True, torch_compile_backend="aot_eager")
+    plain, _ = _train("llama", tmp_path / "plain", [], **options)
+    callback = AutorematCallback(budget="75%")
+    planned, trainer = _train("llama", tmp_path / "planned", [callback], **options)
+    plan = callback.plan
+    assert trainer.state.global_step == 2 and plan is not None
+    assert plan.compiled == "aot_eager" and plan.compiled_peak_bytes is not None
+    assert plan.budget_bytes is not None and plan.compiled_peak_bytes <= plan.budget_bytes
+    assert all(b.segment == i for i, b in enumerate(plan.blocks))  # no segments compiled
+    moved = [n for n, p in planned.named_parameters()
+             if not torch.equal(p, dict(plain.named_parameters())[n])]
+    assert moved == [], f"parameters differ from the compiled run without it: {moved[:3]}"
+
+
 class _MeasuredTrainer(transformers.Trainer):
     """A Trainer that measures the step peak of each of its training steps (forward,
     loss and backward, as ``training_step`` runs them)."""

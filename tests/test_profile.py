@@ -26,6 +26,7 @@ from autoremat._measure.blocks import discover_blocks
 from autoremat._measure.memory import CUDA_SMALL_BYTES
 from autoremat._measure.tape import WindowMemory
 from autoremat._mechanism.wrap import is_wrapped
+from autoremat._plan.strategies import smallest_feasible_bytes
 
 import conftest
 from _steps import segments_peaks, single_block_plans, verified
@@ -695,6 +696,28 @@ def test_blocks_skipped_at_random_are_refused_saying_what_to_do() -> None:
     assert report.ok and report.peak_bytes == plan.predicted_peak_bytes
 
 
+def test_a_loss_that_runs_the_model_again_without_gradients_is_planned() -> None:
+    """NOTE [ A block run again without gradients ]: a KL term against the model's own
+    output under torch.no_grad() (DPO's reference forward of a PEFT model) called every
+    block twice in the step; profile refused the model as one that "changes how often it
+    runs its blocks from step to step"."""
+    torch.manual_seed(0)
+    model, x = _Stream(), torch.randn(4, 16, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            reference = model(x)
+        return F.mse_loss(out, reference + 1.0)
+
+    tape = autoremat.profile(model, x, loss_fn, timing=False)
+    assert [b.name for b in tape.blocks] == [f"layers.{i}" for i in range(5)]
+    for budget in ("75%", smallest_feasible_bytes(tape)):
+        plan = autoremat.plan(tape, budget)
+        report = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
+        assert report.ok and report.grads_equal, (budget, report)
+        assert report.peak_bytes <= plan.predicted_peak_bytes, (budget, report)
+
+
 def test_blocks_listed_out_of_running_order_are_rejected() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
     x = torch.randn(4, 8)
@@ -869,6 +892,37 @@ def test_pairs_read_from_the_uniform_steps_equal_the_alternating_steps(
             shortcut.ckpt_step_peak_bytes) == (measured.post, measured.tail,
                                                measured.step_peak_bytes,
                                                measured.ckpt_step_peak_bytes)
+
+
+def test_what_the_model_made_before_the_chain_and_frees_at_return_leaves_pairs_local(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Pairs that cannot differ ]: a Hugging Face Llama's position ids, made before
+    the layers and passed to each, are freed when the forward returns in the kept step
+    and by block 0 in the checkpointed one (every checkpoint holds them): its pairs were
+    measured in two more steps (x9.0 plain steps for profile, x7.3 without). Every plan
+    of single blocks predicts as from the measured pairs, and its measured peak."""
+    options_module = importlib.import_module("autoremat._profile.options")
+    pairs_local = options_module._pairs_local
+    found: list[bool] = []
+
+    def seen(*args: Any) -> bool:
+        found.append(pairs_local(*args))
+        return found[-1]
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, use_cache=False))
+    ids = torch.randint(0, 256, (2, 32))
+    inputs = {"input_ids": ids, "labels": ids}
+    monkeypatch.setattr(options_module, "_pairs_local", seen)
+    shortcut = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    monkeypatch.setattr(options_module, "_pairs_local", lambda runs, n: False)
+    measured = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    assert found == [True]
+    ours, theirs = (single_block_plans(model, inputs, tape) for tape in (shortcut, measured))
+    assert {k: v[0] for k, v in ours.items()} == {k: v[0] for k, v in theirs.items()}
+    assert all(predicted == peak for predicted, peak in ours.values()), ours
 
 
 @pytest.mark.parametrize(("agree", "timing_steps"), [(float("inf"), 1), (-1.0, 2)])

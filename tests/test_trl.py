@@ -152,6 +152,8 @@ def test_a_compute_loss_func_is_refused_at_the_first_forward(tmp_path: pathlib.P
                              callbacks=[AutorematCallback(budget="95%")])
     with pytest.raises(RematError, match="without fused_lm_head, labels"):
         trainer.train()
+    # the model as it was: the plan off it (a held-out check found it left on)
+    assert autoremat.applied_plan(model) is None
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -218,6 +218,9 @@ class _Probe:
     _watched: dict[int, Callable[[], None]] = field(default_factory=dict)
     _inputs: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
     starts: BackwardStarts = field(init=False)  # NOTE [ Where a block's backward starts ]
+    # per block that ran with gradients this step, its calls running again without them
+    # now (NOTE [ A block run again without gradients ]); absent: none with gradients yet
+    _reruns: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -248,11 +251,14 @@ class _Probe:
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if _rerun_without_grad(self._reruns, i):
+                return  # NOTE [ A block run again without gradients ]
             self.calls[i] += 1
             if torch._C._current_graph_task_id() != -1:  # a recompute in backward
                 self.in_backward[i] += 1
                 return
             self.grad_off[i] |= not torch.is_grad_enabled()
+            self._reruns[i] = 0 if torch.is_grad_enabled() else -1
             self.order.append(i)
             if self.watch:  # NOTE [ Buffers a forward changes ] in _mechanism/wrap.py
                 self._watched[i] = watch_buffers(module)
@@ -279,6 +285,8 @@ class _Probe:
 
     def _post(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _rerun_returned(self._reruns, i):
+                return
             watched = self._watched.pop(i, None)
             if watched is not None:
                 watched()
@@ -302,6 +310,34 @@ class _Probe:
         def hook(grad: torch.Tensor) -> None:
             self.on_mark(label)
         return hook
+
+
+# NOTE [ A block run again without gradients ]
+#     A loss that runs the model again under ``torch.no_grad()`` (a KL term against the
+#     model's own output, DPO's reference forward of a PEFT model with its adapters
+#     turned off) calls every block a second time in the step. Such a call saves nothing
+#     for backward, and a plan's guards and checkpoints let it run as it is; its memory
+#     is the loss's, in the windows after the forward. The profile's hooks do not count
+#     or mark it: counted, it made every block "run twice in one step", and profile
+#     refused the model as one that changes how often it runs its blocks (a held-out
+#     DPO loop, 2026-11-30). A block first called without gradients (one the model runs
+#     so itself) is counted as ever.
+def _rerun_without_grad(reruns: dict[int, int], i: int) -> bool:
+    """Whether this call of block ``i`` runs it again without gradients after a call
+    with them in this step's forward, noted in ``reruns`` until it returns."""
+    if torch.is_grad_enabled() or reruns.get(i, -1) < 0 \
+            or torch._C._current_graph_task_id() != -1:
+        return False
+    reruns[i] += 1
+    return True
+
+
+def _rerun_returned(reruns: dict[int, int], i: int) -> bool:
+    """Whether block ``i`` returned from a call :func:`_rerun_without_grad` noted."""
+    if reruns.get(i, 0) > 0:
+        reruns[i] -= 1
+        return True
+    return False
 
 
 class RepeatedCalls(BlockError):
