@@ -63,14 +63,13 @@ def grad_tensors(obj: Any) -> list[torch.Tensor]:
 #     does not take (the router logits an auxiliary loss reads, whose node can run
 #     before the block's own backward) do not mark; where the next block takes none of
 #     them (the last block, a block whose outputs the parent changes first), each output
-#     does, the first to run. An output
-#     the model drops gets no gradient and marks nothing: Flux's single-stream blocks
-#     return (text, image) tokens, the model drops the last block's text tokens, so
-#     backward seemed never to run through that block, and it left the chain ("frozen,
-#     with an input that needs no gradient"). A dropped output's graph node is freed
-#     with it, and its hook with the node: at the end of forward
-#     (:meth:`BackwardStarts.settle`) the outputs whose hooks are still alive are the
-#     ones that mark.
+#     does, the first to run. An output the model drops gets no gradient and marks
+#     nothing: Flux's single-stream blocks return (text, image) tokens, the model drops
+#     the last block's text tokens, so backward seemed never to run through that block,
+#     and it left the chain ("frozen, with an input that needs no gradient"). A dropped
+#     output's graph node is freed with it, and its hook with the node: at the end of
+#     forward (:meth:`BackwardStarts.settle`) the outputs whose hooks are still alive are
+#     the ones that mark.
 class BackwardStarts:
     """Marks where each watched block's backward starts (NOTE [ Where a block's backward
     starts ]): :meth:`watch` its output in its forward hook, :meth:`took` the next

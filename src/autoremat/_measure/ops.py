@@ -264,8 +264,8 @@ class OpRecorder(FlopCounter):
         if self._kept is not None:
             return  # a recompute in backward
         creators = self._creators.get(label, {})
-        made = {key: creators[key] for t in tensors
-                if (key := t.untyped_storage()._cdata) in creators}
+        made = {key: creators[key] for t in _tensors_in(list(tensors))
+                if (key := t.untyped_storage()._cdata) in creators}  # (sparse: its parts)
         self._outputs[label] = tuple(sorted(set(made.values())))
         self._taken[label] = (self.label, made)  # (the next block's forward runs now)
 

@@ -293,8 +293,9 @@ class _Probe:
             inputs = self._inputs.pop(i, ())
             self.changes_input[i] |= any(t._version != version for t, version in inputs)
             tensors = flat_tensors(output)
-            given = {id(t) for t, _ in inputs}
-            self.passed[i] = bool(tensors) and all(id(t) in given for t in tensors)
+            if torch._C._current_graph_task_id() == -1:  # (not a recompute's call)
+                given = {id(t) for t, _ in inputs}
+                self.passed[i] = bool(tensors) and all(id(t) in given for t in tensors)
             self.output_bytes[i] = unique_storage_bytes(tensors)
             if self.on_output is not None and i == len(self.names) - 1 \
                     and torch._C._current_graph_task_id() == -1:
