@@ -709,15 +709,16 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
         predicted = plan.compiled_peak_bytes or predicted
     within = plan.budget_bytes is None or peak <= plan.budget_bytes
     compiled_diff: float | None = None
-    compiled_bound = 0.0
+    compiled_bound: float | None = None
+    compiled_ok = True
     if compiled is not None:  # NOTE [ Compiled gradients ]
-        compiled_diff = max_grad_diff(compiled_grads[1], compiled_grads[0])[1]
-        compiled_bound = max(max_grad_diff(plain.grads, compiled_grads[1])[1],
-                             NOISE_MULTIPLE * floor)
+        diff = max_grad_diff(compiled_grads[1], compiled_grads[0])[1]
+        allowed = max(max_grad_diff(plain.grads, compiled_grads[1])[1], NOISE_MULTIPLE * floor)
+        compiled_diff, compiled_bound, compiled_ok = diff, allowed, diff <= allowed
     med, plain_med = statistics.median(planned_ms), statistics.median(plain_ms)
     return Report(
         ok=within and (judged.verdict != "differ" if head_rel is None else head_rel <= bound)
-        and (compiled_diff is None or compiled_diff <= compiled_bound),
+        and compiled_ok,
         grads_equal=judged.grads_equal, head_rel_diff=head_rel,
         head_bound=bound if head_rel is not None else None,
         max_grad_diff=judged.max_grad_diff,
@@ -733,6 +734,5 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
         tracked_peak_bytes=planned.peak_bytes if on_allocator or compiled else None,
         compiled=plan.compiled if compiled is not None else "",
         compiled_as="" if compiled is None else "whole" if fitted_whole else "blocks",
-        compiled_grad_diff=compiled_diff,
-        compiled_grad_bound=compiled_bound if compiled_diff is not None else None,
+        compiled_grad_diff=compiled_diff, compiled_grad_bound=compiled_bound,
     )

@@ -175,11 +175,11 @@ class OpRecorder(FlopCounter):
         self._creators: dict[str, dict[int, int]] = {}  # label -> storage -> creating op
         self._packed: dict[str, set[int]] = {}  # label -> storages autograd saved
         self._info: dict[Any, _OpInfo] = {}  # op overload -> what its schema says
-        # label -> the ops that made the storages of its output the next block takes, and
-        # of those, the ones the next block's forward did not save (_close_forward)
-        self._outputs: dict[str, tuple[int, ...]] = {}
+        # label -> the block taking its output, and the storages of it that block takes
+        # with the ops that made them; and of those ops, the ones the taker's forward did
+        # not save (_close_forward)
+        self._taken: dict[str, tuple[str, dict[int, int]]] = {}
         self._unsaved: dict[str, tuple[int, ...]] = {}
-        self._taken: dict[str, tuple[str, dict[int, int]]] = {}  # label -> (taker, key -> op)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """A saved-tensors pack hook: note which storages autograd saves in each block's
@@ -266,14 +266,14 @@ class OpRecorder(FlopCounter):
         creators = self._creators.get(label, {})
         made = {key: creators[key] for t in _tensors_in(list(tensors))
                 if (key := t.untyped_storage()._cdata) in creators}  # (sparse: its parts)
-        self._outputs[label] = tuple(sorted(set(made.values())))
         self._taken[label] = (self.label, made)  # (the next block's forward runs now)
 
     def block_output_ops(self, label: str) -> tuple[int, ...] | None:
         """The indices of ``label``'s forward ops that made the storages of its output
         that the next block takes (none: the last block, or one whose output the next
         does not take as it was made); ``None`` where that was not noted."""
-        return self._outputs.get(label)
+        taken = self._taken.get(label)
+        return None if taken is None else tuple(sorted(set(taken[1].values())))
 
     def block_unsaved_output_ops(self, label: str) -> tuple[int, ...]:
         """Of :meth:`block_output_ops`, those whose storages the next block's forward did
@@ -301,7 +301,6 @@ class OpRecorder(FlopCounter):
             self._unsaved[label] = tuple(sorted(
                 {op for key, op in made.items() if key not in saved}
                 - {op for key, op in made.items() if key in saved}))
-        self._taken.clear()
         self._trace.clear()
         self._creators.clear()
         self._packed.clear()

@@ -184,7 +184,8 @@ def _pairs_local(runs: dict[Pattern, MemoryRun], n: int) -> bool:
     handed_on: list[list[list[int]]] = []  # per step, per block: bytes block i + 1 frees
     freed_by_first: list[list[int]] = []  # per step: bytes from before the chain block 0 frees
     returned: list[int] = []  # the kept step's: bytes from before the chain freed at return
-    for run in (runs[(Decision.KEEP,) * n], runs[(Decision.RECOMPUTE,) * n]):
+    for kept, run in ((True, runs[(Decision.KEEP,) * n]),
+                      (False, runs[(Decision.RECOMPUTE,) * n])):
         place = _placer(run, n)
         handed: list[list[int]] = [[] for _ in range(n)]
         first: list[int] = []
@@ -197,7 +198,7 @@ def _pairs_local(runs: dict[Pattern, MemoryRun], n: int) -> bool:
                     return False
                 if died == ("B", 0):
                     first.append(record.nbytes)
-                elif died[0] == "post" and not freed_by_first:
+                elif died[0] == "post" and kept:
                     returned.append(record.nbytes)
             elif born == "F":
                 if died in (("F", i), ("B", i)) or (i == n - 1 and died[0] == "post"):
@@ -217,9 +218,9 @@ def _pairs_local(runs: dict[Pattern, MemoryRun], n: int) -> bool:
     # passed to and freed when the forward returns in the kept step (a Hugging Face
     # Llama's position ids), may be freed by block 0 in the checkpointed step only (NOTE
     # [ Pairs that cannot differ ])
-    extra = Counter(freed_by_first[1]) - Counter(freed_by_first[0])
-    return handed_on[0] == handed_on[1] and not Counter(freed_by_first[0]) - Counter(
-        freed_by_first[1]) and not extra - Counter(returned)
+    by_kept, by_checkpointed = Counter(freed_by_first[0]), Counter(freed_by_first[1])
+    return handed_on[0] == handed_on[1] and by_kept <= by_checkpointed \
+        and by_checkpointed - by_kept <= Counter(returned)
 
 
 def _pairs_missing(runs: dict[Pattern, MemoryRun], n: int, alike: Sequence[int],

@@ -544,7 +544,6 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
                            timing=timing, rounding=rounding, device=device, compile=compile,
                            offload=offload, host_bandwidth=host_bandwidth,
                            with_head=with_head)
-    step = setup.step
     stage = progress or (lambda _: None)
     timed = timing and setup.ran_on.type != "meta"
     token = SKIPS_SEEN.set({})  # NOTE [ Blocks skipped at random ] in runs.py

@@ -296,10 +296,9 @@ class _Probe:
             if torch._C._current_graph_task_id() == -1:  # (not a recompute's call)
                 given = {id(t) for t, _ in inputs}
                 self.passed[i] = bool(tensors) and all(id(t) in given for t in tensors)
+                if self.on_output is not None and i == len(self.names) - 1:
+                    self.on_output(i, [])  # the last block: no block takes its output
             self.output_bytes[i] = unique_storage_bytes(tensors)
-            if self.on_output is not None and i == len(self.names) - 1 \
-                    and torch._C._current_graph_task_id() == -1:
-                self.on_output(i, [])  # the last block: no block takes its output
             self._prev_outputs = {id(t): t._version for t in tensors}
             self.starts.watch(f"bwd:{i}", tensors)
             self.on_mark(f"post:{i}")  # NOTE [ Ops between blocks ]
@@ -999,9 +998,8 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
             step, memory="storages" if backend is None else "allocations", rounding=rounding,
             counter=counter, isolated=False, warm_up=backend is not None,
             on_mark=None if counter is None else lambda label: _label(counter, names, label),
-            run=lambda step, mark: _run_marked(step, names, mark, on_output=(
-                None if not isinstance(counter, OpRecorder)
-                else lambda i, out: counter.outputs(names[i], out))))
+            run=lambda step, mark: _run_marked(step, names, mark,
+                                               on_output=_outputs_to(counter, names)))
     mem, probe = measured.memory, measured.ran
     internal_assert(mem is not None, "a memory run measures memory")
     assert mem is not None  # for mypy: internal_assert raised otherwise
@@ -1043,6 +1041,16 @@ def saved_by_block(run: MemoryRun) -> list[dict[str, int]]:
     return out
 
 
+def _outputs_to(counter: FlopCounter | None, names: list[str],
+                ) -> Callable[[int, list[torch.Tensor]], None] | None:
+    """A step's ``on_output`` where ``counter`` records ops (``OpRecorder.outputs``,
+    by block name), else ``None``."""
+    if not isinstance(counter, OpRecorder):
+        return None
+    recorder = counter
+    return lambda i, tensors: recorder.outputs(names[i], tensors)
+
+
 def _label(counter: FlopCounter, names: list[str], label: str) -> None:
     """File the ops after mark ``label`` under the block whose forward or backward it
     starts, and the rest under ``<outside>`` (NOTE [ Ops between blocks ])."""
@@ -1058,8 +1066,8 @@ def recorded_step(step: Step, names: list[str]) -> OpRecorder:
     counter = OpRecorder()
     measure_step(step, counter=counter, isolated=False,
                  on_mark=lambda label: _label(counter, names, label),
-                 run=lambda step, mark: _run_marked(
-                     step, names, mark, on_output=lambda i, out: counter.outputs(names[i], out)))
+                 run=lambda step, mark: _run_marked(step, names, mark,
+                                                    on_output=_outputs_to(counter, names)))
     for p in step.model.parameters():
         p.grad = None
     return counter
