@@ -540,7 +540,7 @@ def _rounding_level(grads: Grads) -> float:
     which no plan can be judged (NOTE [ Judging gradients ])."""
     level = 0.0
     for g in grads.values():
-        if g is not None and g.numel() and g.is_floating_point():
+        if g is not None and g.numel() and (g.is_floating_point() or g.is_complex()):
             level = max(level, _ROUNDING_EPS * torch.finfo(g.dtype).eps
                         * float(g.detach().abs().max()))
     return level

@@ -40,10 +40,11 @@ Mark = Callable[[str], None]  # labels a point of the step (``"backward"``, ``"f
 
 
 def grad_tensors(obj: Any) -> list[torch.Tensor]:
-    """The floating tensors in ``obj`` that need a gradient, each once, in order."""
+    """The floating (or complex) tensors in ``obj`` that need a gradient, each once, in
+    order."""
     found: dict[int, torch.Tensor] = {}
     for t in flat_tensors(obj):
-        if t.requires_grad and t.is_floating_point():
+        if t.requires_grad and (t.is_floating_point() or t.is_complex()):
             found.setdefault(id(t), t)
     return list(found.values())
 

@@ -315,7 +315,8 @@ class _Prefetch:
             return
         group = self.state.group
         for t in torch.utils._pytree.tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            if isinstance(t, torch.Tensor) and t.requires_grad and \
+                    (t.is_floating_point() or t.is_complex()):
                 if group is not None:
                     t.register_hook(functools.partial(_prefetch, group))
                 return
