@@ -11,6 +11,7 @@ import re
 import sys
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,13 @@ import torch
 from torch import nn
 
 from autoremat._core.calls import calls_beyond, held_at
-from autoremat._core.conditions import autocast_state, drop_forward_casts, float_dtypes
+from autoremat._core.conditions import (
+    autocast_state,
+    drop_forward_casts,
+    float_dtypes,
+    hook_name,
+    user_hooks,
+)
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import PlanMismatchError, RematError
 from autoremat._core.step import OWN_STEP, describe_inputs, flat_tensors, input_entries
@@ -168,6 +175,8 @@ def watch_blocks(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
         p for _, _, module in state.blocks for p in list(module.parameters())[:1]]
     state.flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
     state.hooks = [{key for hooks in dicts for key in hooks} for _, dicts in _hooks(state)]
+    if plan.dtypes:  # its tape recorded the step's conditions
+        _check_hooks_since_profile(model, plan)
     for i, (_, _, module) in enumerate(state.blocks):
         state.handles.append(module.register_forward_pre_hook(
             functools.partial(_count_call, state, i)))
@@ -242,21 +251,6 @@ def _watch_backward(state: Applied, output: Any) -> None:
     state.pending = weakref.ref(forward)
 
 
-# the libraries whose hooks are theirs, not the user's: FSDP2 and DeepSpeed gather
-# parameters in hooks, and autoremat installs its own
-_FRAMEWORKS = ("torch", "autoremat", "deepspeed", "accelerate", "transformers", "peft",
-               "lightning", "pytorch_lightning", "trl")
-
-
-def _hook_name(hook: Any) -> str | None:
-    """``hook``'s qualified name, or None where a framework installed it."""
-    fn = hook.func if isinstance(hook, functools.partial) else hook
-    module = getattr(fn, "__module__", None) or ""
-    if module.split(".")[0] in _FRAMEWORKS:
-        return None
-    return f"{module}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-
-
 def _hooks(state: Applied) -> list[tuple[str, tuple[Mapping[int, Any], ...]]]:
     """The forward hooks (pre and post) of each planned block, by its name, then the
     global ones (``nn.modules.module.register_module_forward_hook``)."""
@@ -265,6 +259,32 @@ def _hooks(state: Applied) -> list[tuple[str, tuple[Mapping[int, Any], ...]]]:
             for b, (_, _, m) in zip(state.plan.blocks, state.blocks, strict=True)] + [
         ("every module (a global hook)",
          (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks))]
+
+
+def _check_hooks_since_profile(model: nn.Module, plan: Plan) -> None:
+    """Warn where users registered forward hooks on planned blocks (or global ones) after
+    the step was profiled and before apply() (NOTE [ The conditions a step is measured
+    under ]: hooks)."""
+    def entries(hooks: str) -> Counter[str]:
+        return Counter(entry for entry in hooks.split(";") if entry)
+
+    added = entries(user_hooks(model, [b.name for b in plan.blocks])) - entries(plan.hooks)
+    if added:
+        _warn_hooks(sorted({entry.partition("=")[0] for entry in added}),
+                    sorted({entry.partition("=")[2] for entry in added}),
+                    "after the step was profiled", stacklevel=4)
+
+
+def _warn_hooks(blocks: list[str], hooks: list[str], when: str, stacklevel: int) -> None:
+    where = ", ".join("every module (a global hook)" if b == "*" else b for b in blocks[:3])
+    warnings.warn(
+        f"autoremat: forward hooks were registered on {where}"
+        f"{', ...' if len(blocks) > 3 else ''} {when} ({', '.join(hooks[:3])}): what a "
+        "hook keeps or makes (a block's output kept for a distillation or probing loss, an "
+        "input rescaled) is held beyond the plan's prediction, which was measured without "
+        "it. Register the hooks first and then plan (autoremat.auto profiles the step with "
+        "them); a hook that keeps and makes nothing changes nothing", StepMismatchWarning,
+        stacklevel=stacklevel + 1)
 
 
 def _check_hooks(state: Applied) -> None:
@@ -279,20 +299,14 @@ def _check_hooks(state: Applied) -> None:
         if not new:
             continue
         known.update(key for key, _ in new)
-        users = [found for _, hook in new if (found := _hook_name(hook)) is not None]
+        users = [found for _, hook in new if (found := hook_name(hook)) is not None]
         if users:
             added.append((name, users))
     if not added:
         return
     state.warned.add("hooks")
-    blocks = ", ".join(name for name, _ in added[:3]) + (", ..." if len(added) > 3 else "")
-    hooks = ", ".join(sorted({h for _, found in added for h in found})[:3])
-    warnings.warn(
-        f"autoremat: forward hooks were registered on {blocks} after apply() ({hooks}): "
-        "what a hook keeps (a block's output kept for a distillation or probing loss) is "
-        "held beyond the plan's prediction, which was measured without it. Register the "
-        "hooks first and then plan (autoremat.auto profiles the step with them); a hook "
-        "that keeps nothing changes nothing", StepMismatchWarning, stacklevel=6)
+    _warn_hooks([name for name, _ in added], sorted({h for _, found in added for h in found}),
+                "after apply()", stacklevel=6)
 
 
 def _check_step(state: Applied) -> None:

@@ -231,11 +231,13 @@ class Tape:
     # What else the step ran under (NOTE [ The conditions a step is measured under ] in
     # _core/conditions.py): the autocast regions ("cpu:bfloat16"; "": none), the floating
     # dtypes of the parameters ("float32"), the loss it took, and how many modules each
-    # parent of a block holds ("blocks=4"). dtypes "": saved before these were recorded.
+    # parent of a block holds ("blocks=4"), the users' forward hooks on its blocks
+    # ("blocks.0=train.tap;..."). dtypes "": saved before these were recorded.
     autocast: str = ""
     dtypes: str = ""
     loss: str = ""
     structure: str = ""
+    hooks: str = ""
     # The post window's peak before the backward starts (above the window's start), by
     # the last block's decision: what a plan releases when the forward returns lowers
     # only what comes after (NOTE [ Released when the forward returns ] in

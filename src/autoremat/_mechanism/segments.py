@@ -23,6 +23,22 @@ NOTE [ Segments without a wrapper module ]
     Anything the parent computes between two grouped blocks that autograd must save
     would break the replay, and PyTorch's check of the number and shapes of recomputed
     tensors raises an error rather than returning wrong grads.
+
+NOTE [ Hooks on a segment's blocks ]
+    The replay calls each block's ``forward``, not the module, so a block's own forward
+    hooks do not run in it (they would run twice: a hook that keeps activations for a
+    probing loss would keep the recompute's too). A hook that replaces a block's output
+    (``out * 0.9``), or changes it in place, hands the next block a tensor the replay
+    does not make: registered after profile, the recompute fed the next block the
+    unhooked output and gradients came out wrong with nothing said (6.7e-4 on a held-out
+    MLP, 2026-11-30). So the runner's forward hook runs first among the block's, seeing
+    the output as ``forward`` returned it, and a next block that does not take that
+    tensor, at the version it had, is refused; the profile's probe sees blocks alike
+    (first among the forward hooks) and marks them unchained, so a hook registered before
+    profiling is planned around. The arguments are recorded by the runner's pre-hook,
+    after the pre-hooks registered before ``apply``; one registered after it that changes
+    the tensors the forward gets is refused when the block returns (the forward hook
+    compares them).
 """
 
 from __future__ import annotations
@@ -104,6 +120,8 @@ class SegmentRunner:
     _gen: Any = None
     _calls: list[_Call] = field(default_factory=list)
     _prev_out: list[Any] = field(default_factory=list)
+    _prev_versions: list[int] = field(default_factory=list)
+    _given: list[int] = field(default_factory=list)  # ids of the tensors the block got
     _replaying: bool = False
     _inputs: list[torch.Tensor] = field(default_factory=list)  # the first block's, and
     _versions: list[int] = field(default_factory=list)  # their versions when it started
@@ -115,16 +133,20 @@ class SegmentRunner:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_gen=None, _calls=[], _prev_out=[], _replaying=False, _inputs=[],
-                     _versions=[])  # one step's
+        state.update(_gen=None, _calls=[], _prev_out=[], _prev_versions=[], _given=[],
+                     _replaying=False, _inputs=[], _versions=[])  # one step's
         return state
 
     def install(self) -> None:
         for i, module in enumerate(self.modules):
             self._handles.append(module.register_forward_pre_hook(
                 functools.partial(self._pre_hook, i), with_kwargs=True))
+            # first among the forward hooks: it sees the output as the block's forward
+            # returns it, which is what the replay makes (NOTE [ Hooks on a segment's
+            # blocks ])
             self._handles.append(module.register_forward_hook(
-                functools.partial(self._post_hook, i), always_call=True))
+                functools.partial(self._post_hook, i), prepend=True, with_kwargs=True,
+                always_call=True))
 
     def uninstall(self) -> None:
         self.abort()
@@ -142,6 +164,7 @@ class SegmentRunner:
         block)."""
         gen, self._gen = self._gen, None
         self._calls, self._prev_out, self._inputs, self._versions = [], [], [], []
+        self._prev_versions, self._given = [], []
         if gen is not None:
             gen.close()
 
@@ -167,6 +190,7 @@ class SegmentRunner:
             self._calls = calls  # this step's calls; the frame replays exactly these
             self._inputs = flat_tensors((args, kwargs))
             self._versions = [t._version for t in self._inputs]
+            self._given = [id(t) for t in self._inputs]
             # The input tensors go to the frame only so that it infers the device
             # type (autocast is replayed for it); the replay ignores them. RNG is
             # ours: NOTE [ Replaying the forward's RNG ] (rng.py).
@@ -191,21 +215,38 @@ class SegmentRunner:
 
     def _record(self, module: nn.Module, args: Any, kwargs: Any, i: int) -> _Call:
         flat = flat_tensors((args, kwargs))
+        self._given = [id(t) for t in flat]
         ids = [id(t) for t in self._prev_out]
-        if not flat or id(flat[0]) not in ids:
+        if not flat or id(flat[0]) not in ids \
+                or flat[0]._version != self._prev_versions[ids.index(id(flat[0]))]:
             self.abort()
             raise PlanMismatchError(
                 f"block {self.names[i]!r} does not take the previous block's output as its "
-                f"first tensor argument, so it cannot share a checkpoint segment with "
-                f"{self.names[i - 1]!r}; re-plan (the profile marks such blocks unchained)")
+                f"first tensor argument (as the block's forward returned it: a forward "
+                f"hook of {self.names[i - 1]!r} that replaces or changes its output, or a "
+                f"pre-hook of {self.names[i]!r} that replaces its input, makes another "
+                f"tensor), so it cannot share a checkpoint segment with "
+                f"{self.names[i - 1]!r}. Register such hooks first, then profile and plan "
+                f"(the profile marks such blocks unchained)")
         recorded = tree_map(lambda x: _Slot(ids.index(id(x))) if isinstance(x, torch.Tensor)
                             and id(x) in ids else x, (args, kwargs))
         return _Call(module, recorded[0], recorded[1])
 
-    def _post_hook(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_hook(self, i: int, module: nn.Module, args: Any, kwargs: Any,
+                   output: Any) -> None:
         if self._replaying or self._gen is None:
             return
+        if [id(t) for t in flat_tensors((args, kwargs))] != self._given:
+            self.abort()
+            raise PlanMismatchError(
+                f"the forward of {self.names[i]!r} got other tensors than the block was "
+                f"called with (a forward pre-hook registered after apply() that replaces "
+                f"them, or a full backward hook registered after profile, which wraps "
+                f"them), which the segment {self.names[0]}..{self.names[-1]} would not "
+                f"replay in its recompute (gradients would be wrong). Register the hooks "
+                f"first, then profile and plan the step with them (autoremat.auto)")
         self._prev_out = flat_tensors(output)
+        self._prev_versions = [t._version for t in self._prev_out]
         if i == len(self.modules) - 1:
             gen, self._gen = self._gen, None
             self._prev_out = []

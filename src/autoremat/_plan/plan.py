@@ -138,11 +138,13 @@ class Plan:
     # What its tape's step ran under, as the tape records it (NOTE [ The conditions a
     # step is measured under ] in _core/conditions.py): autocast ("cpu:bfloat16"; "":
     # none), the parameters' floating dtypes, the loss taken, the blocks' parents' sizes
-    # ("blocks=4"). dtypes "": made from a tape that did not record them (not checked).
+    # ("blocks=4"), the users' forward hooks on the blocks ("blocks.0=train.tap;...").
+    # dtypes "": made from a tape that did not record them (not checked).
     autocast: str = ""
     dtypes: str = ""
     loss: str = ""
     structure: str = ""
+    hooks: str = ""
     # The loss head: kept (as the model computes it) or chunked over N chunks of tokens
     # (NOTE [ A chunked head ] in _core/head.py; files write "keep" or "chunked:N"), and
     # where it is (files write "hf:lm_head", "module:<name>"; None: the head is kept).
@@ -258,7 +260,7 @@ class Plan:
             raise SchemaError(f"plan.offload_dtype must be one of "
                               f"{['', *_OFFLOAD_DTYPES]}, got {loaded.offload_dtype!r}")
         for key in ("strategy", "model", "inputs", "compiled", "device", "autocast",
-                    "dtypes", "loss", "structure"):
+                    "dtypes", "loss", "structure", "hooks"):
             _expect(getattr(loaded, key), str, f"plan.{key}")
         _check_head(loaded)
         _expect(loaded.training, bool, "plan.training")
@@ -682,7 +684,7 @@ def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
         unplanned_peak_bytes=tape.step_peak_bytes, step_flops=tape.step_flops,
         model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
         device=tape.device, training=tape.training, autocast=tape.autocast,
-        dtypes=tape.dtypes, loss=tape.loss, structure=tape.structure,
+        dtypes=tape.dtypes, loss=tape.loss, structure=tape.structure, hooks=tape.hooks,
     )
 
 

@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from autoremat._core.calls import calls_for, unrolled
-from autoremat._core.conditions import float_dtypes, structure_of
+from autoremat._core.conditions import float_dtypes, structure_of, user_hooks
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import BlockError, RematError, check_flag, check_whole, did_you_mean
 from autoremat._core.step import (
@@ -440,7 +440,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         step_ms=times.step_ms, loop=setup.step.loop, output_bytes=chain.output_bytes,
         compiled=setup.backend or "", head=head, notes=tuple(notes),
         autocast=chain.autocast, dtypes=float_dtypes(model.parameters()), loss=chain.loss,
-        structure=structure_of(model, names),
+        structure=structure_of(model, names), hooks=user_hooks(model, names),
     )
 
 
