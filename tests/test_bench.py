@@ -95,6 +95,15 @@ def test_bench_errors(argv: list[str], message: str, tmp_path: Path,
     assert message in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("target", ["nosuch", "autoremat_no_such_module:make"])
+def test_a_bench_of_an_unknown_target_writes_nothing(target: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """It made its output folder first (an empty ./bench-results), then refused."""
+    out = tmp_path / "results"
+    assert bench_main([target, "--quick", "--out", str(out)]) == 2
+    assert target.partition(":")[0] in capsys.readouterr().out and not out.exists()
+
+
 @pytest.mark.parametrize(("name", "expected"), [
     ("mlp", 12),  # model.blocks is an nn.Sequential
     ("resnet", 6),  # model.stages: a Sequential of Sequentials, flattened

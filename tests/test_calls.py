@@ -218,6 +218,47 @@ def test_a_model_whose_number_of_calls_changes_from_step_to_step_is_refused() ->
     assert "forward" not in vars(model.core[0])  # the calls taken off again
 
 
+class _Tower(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(d), _Block(d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Siamese(nn.Module):
+    """Both views through one tower in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = _Tower()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (self.tower(a) * self.tower(b)).sum()
+
+
+def test_a_loss_that_runs_the_model_again_with_gradients_is_refused_saying_what_to_do() -> None:
+    """NOTE [ Two forwards in one step ] (_profile/runs.py): a siamese loss whose second
+    view ran in loss_fn was refused as a model changing its calls from step to step,
+    naming 'blocks.0@0'. It is refused for what it is; the views in one forward (the
+    fix the message gives) are planned call by call, exact."""
+    torch.manual_seed(0)
+    tower, a, b = _Tower(), torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    with pytest.raises(autoremat.BlockError, match=re.escape(
+            "_Tower's forward ran 2 times with gradients in one step (a loss_fn that runs "
+            "the model again")):
+        autoremat.profile(tower, a, lambda z: (z * tower(b)).sum(), timing=False)
+    siamese = _Siamese()
+    siamese.tower = tower
+    tape = autoremat.profile(siamese, (a, b), timing=False)
+    assert [block.name for block in tape.blocks] == [
+        "tower.blocks.0@0", "tower.blocks.1@0", "tower.blocks.0@1", "tower.blocks.1@1"]
+    exact(siamese, (a, b), autoremat.plan(tape, "60%"))
+
+
 class _WarmLoops(_Looped):
     """Runs its core twice without gradients, then once with (as a hierarchical reasoning
     model runs most of its cycles)."""

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,18 @@ def test_margin_option_reaches_the_plan(tmp_path: Path,
     assert chosen.budget_bytes is not None and chosen.margin_bytes > 0
     assert chosen.predicted_peak_bytes <= chosen.budget_bytes - chosen.margin_bytes
     assert "kept as margin" in capsys.readouterr().out
+
+
+def test_max_memory_without_optimizer_is_noted_in_the_commands_words(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The library's warning named its keyword (``optimizer='adamw'``), which the command
+    line does not take."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["plan", "gpt2", "--set", _SMALL_GPT2, "--max-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "--max-memory without --optimizer counts no optimizer state" in out
+    assert "pass --optimizer adamw" in out and "optimizer='adamw'" not in out
 
 
 def test_an_unknown_loop_option_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:

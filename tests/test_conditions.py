@@ -27,7 +27,15 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat import Plan, PlanMismatchError, RematError, StepMismatchWarning, Tape, zoo
+from autoremat import (
+    Plan,
+    PlanMismatchError,
+    RematError,
+    ShapeMismatchWarning,
+    StepMismatchWarning,
+    Tape,
+    zoo,
+)
 from autoremat._plan.plan import UnsealedPlanWarning
 
 _GPT2 = dict(n_layer=4, batch_size=2, seq_len=16)
@@ -345,6 +353,97 @@ def test_a_pre_hook_registered_after_apply_inside_a_segment_is_refused(block: in
             model(x)
     finally:
         autoremat.remove(model)
+
+
+def test_an_input_that_requires_a_gradient_is_part_of_the_step() -> None:
+    """An adversarial loop (FGSM: ``x.requires_grad_()`` to read ``x.grad``) with a plan
+    profiled on the plain batch went 4.3% over its budget by the input's gradient, with
+    nothing said: the inputs' signature says which require a gradient, a plan made
+    without is warned about, one made with holds, and a smaller such batch is within."""
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(32, 16)
+    tape = autoremat.profile(model, x, timing=False)
+    assert tape.inputs == "(32, 16) float32"
+    plan = autoremat.plan(tape, None, "full")
+    autoremat.apply(model, plan)
+    try:
+        with pytest.warns(ShapeMismatchWarning, match=r"runs on \(32, 16\) float32 requires_grad "
+                          r"\(an input now requires a gradient"):
+            model(x.clone().requires_grad_()).backward()
+    finally:
+        autoremat.remove(model)
+    wanted = x.clone().requires_grad_()
+    tape = autoremat.profile(model, wanted, timing=False)
+    assert tape.inputs == "(32, 16) float32 requires_grad"
+    plan = autoremat.plan(tape, None, "full")
+    autoremat.apply(model, plan)
+    try:
+        with _no_warning():
+            for batch in (wanted, x[:8].clone().requires_grad_(), x):
+                with autoremat.track_memory() as mem:
+                    model(batch).backward()
+                assert mem.peak_bytes <= plan.predicted_peak_bytes
+    finally:
+        autoremat.remove(model)
+
+
+class _Normed(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        weight_norm = nn.utils.parametrizations.weight_norm
+        self.up, self.down = weight_norm(nn.Linear(d, 2 * d)), weight_norm(nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def test_a_step_under_parametrize_cached_is_profiled_as_the_loop_runs_it() -> None:
+    """NOTE [ The conditions a step is measured under ]: ``cached``. Profiled inside
+    ``parametrize.cached()``, profile raised torch's "backward through the graph a second
+    time" at its second step; a plan profiled outside it went 6.9-14% over its budget in a
+    loop under it, with nothing said. Each measured step now runs as such a loop does
+    (the cache empty at the forward, left after the loss), every plan measures its
+    prediction, and the other case is warned about."""
+    from torch.nn.utils import parametrize
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(32, 16)
+    model.blocks = nn.ModuleList(_Normed(16) for _ in range(4))
+
+    def loop_step() -> int:
+        with autoremat.track_memory() as mem:
+            with parametrize.cached():
+                loss = model(x)
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        return mem.peak_bytes
+
+    def grads() -> list[torch.Tensor]:
+        with parametrize.cached():
+            loss = model(x)
+        loss.backward()
+        found = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return found
+
+    with parametrize.cached():  # (the output is the loss, as loop_step takes it)
+        tape = autoremat.profile(model, x, lambda loss: loss, timing=False)
+    assert tape.cached and not parametrize._cache_enabled and not parametrize._cache
+    plain = grads()
+    for plan in (autoremat.plan(tape, "80%"), autoremat.plan(tape, None, "full")):
+        assert plan.cached and plan.recompute_blocks
+        autoremat.apply(model, plan)
+        try:
+            with _no_warning():
+                assert loop_step() == plan.predicted_peak_bytes
+                assert all(torch.equal(a, b) for a, b in zip(plain, grads(), strict=True))
+            with parametrize.cached(), pytest.raises(RematError, match=r"backward runs under "
+                                                     r"torch\.nn\.utils\.parametrize\.cached"):
+                _grads(model, x)  # its backward inside cached(): the recompute finds the weights
+            with pytest.warns(StepMismatchWarning, match=r"profiled under torch\.nn\.utils\."
+                              r"parametrize\.cached\(\), and the model now runs outside it"):
+                _grads(model, x)
+        finally:
+            autoremat.remove(model)
 
 
 class _Twice(nn.Module):

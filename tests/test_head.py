@@ -509,7 +509,8 @@ def test_a_faster_chunked_head_is_chosen_where_memory_is_not_short():
     plan = autoremat.plan(tape, head="auto")  # no budget: the least cost
     assert plan.head.head_key == name and plan.recompute_blocks == 0
     assert plan.predicted_cost < 0 and autoremat.Plan.from_json(plan.to_json()) == plan
-    assert autoremat.plan(tape).head.decision is Decision.KEEP  # chunking is asked for
+    with pytest.warns(UserWarning, match="no budget keeps every block"):
+        assert autoremat.plan(tape).head.decision is Decision.KEEP  # chunking is asked for
 
 
 def test_auto_that_kept_the_head_says_chunking_it_would_reach_further():

@@ -414,6 +414,24 @@ def test_a_kv_cache_asked_for_in_training_is_refused_up_front() -> None:
     assert model.config.use_cache and model.decoder.config.use_cache  # left as they were
 
 
+def test_a_decoder_left_in_eval_mode_is_profiled_without_its_cache() -> None:
+    """A causal LM in eval() mode (as ``from_pretrained`` returns it) built its KV cache
+    in the profiled step, whose checkpoints refused it as the loop's ("drop use_cache"),
+    though the batch asked for none (a held-out OLMo). Its cache is off for the step as
+    in train mode; the eval mode is what the profile warns about."""
+    from conftest import hf_model
+    model, inputs = hf_model("llama", None, layers=2)
+    model.eval()
+    with pytest.warns(UserWarning, match=r"profiled in eval\(\) mode"):
+        tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
+    assert tape.training is False and model.config.use_cache  # left as it was
+    with torch.device("meta"):
+        fake = copy.deepcopy(model).to("meta")
+    with pytest.warns(UserWarning, match=r"profiled in eval\(\) mode"):
+        est = autoremat.estimate(fake, inputs, device="cpu")
+    assert est.step_peak_bytes == tape.step_peak_bytes
+
+
 def _xlm() -> nn.Module:
     """A tiny XLM, which builds a KV cache in every forward, training or not."""
     torch.manual_seed(0)

@@ -694,6 +694,25 @@ def test_api_misuse_is_a_clear_error(call: Any, error: type[Exception], fragment
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("strategy", ["full", "sqrt"])
+@pytest.mark.parametrize("caller", ["profile", "estimate"])
+def test_profile_and_estimate_refuse_an_applied_model_before_any_work(
+        caller: str, strategy: str) -> None:
+    """estimate ran the planned model's forward on meta (warning of a plan made for cpu
+    running on meta) before refusing "before profiling it"; a plan of segments alone
+    (hooks, no wrapper) went unseen."""
+    model, inputs = _mlp()
+    autoremat.apply(model, autoremat.plan(_tape(), None, strategy))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RematError, match=rf"^{caller}\(\) measures the plain step, "
+                               r"and MLPChain has a plan applied: call autoremat.remove"):
+                getattr(autoremat, caller)(model, inputs)
+    finally:
+        autoremat.remove(model)
+
+
 def test_optimizer_none_by_name_is_no_optimizer_state() -> None:
     # "none", as the command line's --optimizer takes it, means what None means
     tape = _tape()

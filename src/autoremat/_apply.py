@@ -59,14 +59,14 @@ from autoremat._mechanism.head import HeadSite, install_head, uninstall_head
 from autoremat._mechanism.offload import offload
 from autoremat._mechanism.segments import SegmentRunner, refuse_under_fsdp
 from autoremat._mechanism.selective import selective_context
-from autoremat._mechanism.wrap import is_wrapped, unwrap, wrap
+from autoremat._mechanism.wrap import PLAN_OWNER, is_wrapped, unwrap, wrap
 from autoremat._plan.plan import Plan
 from autoremat._profile.runs import refuse_hf_checkpointing
 
 __all__ = ["applied_plan", "apply", "compile_model", "remove"]
 
 _ATTR = "_autoremat_applied"
-_OWNER = "_autoremat_owner"  # on each planned block: the state of the plan it is in
+_OWNER = PLAN_OWNER  # on each planned block: the state of the plan it is in
 
 # NOTE [ A plan found from its blocks ]
 #     A plan's state lives on the model it was applied to; each planned block also names

@@ -25,6 +25,7 @@ from autoremat._core.conditions import (
     drop_forward_casts,
     float_dtypes,
     hook_name,
+    parametrize_cached,
     user_hooks,
 )
 from autoremat._core.decisions import Decision
@@ -195,8 +196,21 @@ def _check_autocast(state: Applied) -> None:
     (a forward may enter autocast itself: Accelerate's mixed precision wraps it) against
     the one the plan's tape measured (NOTE [ What a plan is checked against ])."""
     plan = state.plan
+    if not plan.dtypes:
+        return  # made from a tape that did not record the conditions
+    cached = parametrize_cached(block for _, _, block in state.blocks)
+    if cached != plan.cached and "cached" not in state.warned:
+        state.warned.add("cached")
+        warnings.warn(
+            "autoremat: this plan was profiled "
+            + ("under" if plan.cached else "outside")
+            + " torch.nn.utils.parametrize.cached(), and the model now runs "
+            + ("under it" if cached else "outside it")
+            + ": the forward holds each parametrized weight once, where a recompute makes "
+            f"it again, so the memory prediction does not hold; {_REDO}",
+            StepMismatchWarning, stacklevel=5)
     here = autocast_state()
-    if not plan.dtypes or here == plan.autocast:
+    if here == plan.autocast:
         return
     if plan.head.decision is Decision.CHUNKED and here:
         raise RematError(
@@ -393,10 +407,12 @@ def shape_check(state: Applied, module: nn.Module, args: Any, kwargs: Any) -> No
                 f"profile and plan with the arguments the loop passes (autoremat.auto).",
                 ShapeMismatchWarning, stacklevel=2)
             return
+        grads = " (an input now requires a gradient, which the step then makes)" if \
+            "requires_grad" in signature and "requires_grad" not in state.plan.inputs else ""
         warnings.warn(
             f"autoremat: this plan was made for inputs {state.plan.inputs}; the model now "
-            f"runs on {signature}. Its memory prediction no longer holds: re-plan "
-            f"(autoremat.auto) for the new shapes.", ShapeMismatchWarning, stacklevel=2)
+            f"runs on {signature}{grads}. Its memory prediction no longer holds: re-plan "
+            f"(autoremat.auto) for these inputs.", ShapeMismatchWarning, stacklevel=2)
 
 
 def _call_inputs(args: tuple[Any, ...],
@@ -477,8 +493,8 @@ def _check_setting(module: nn.Module, inputs: Any, state: Applied) -> None:
 #     A batch within one already warned about is not warned about again: a loop padding
 #     to each batch's longest sequence, profiled on a short one, is told at each new
 #     longest length, not at every length it runs (``Applied.warned_batches``).
-_ENTRY = re.compile(r"(?:(?P<name>[\w.]+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)|"
-                    r"(?P<type>\w+))(?:, |$)")
+_ENTRY = re.compile(r"(?:(?P<name>[\w.]+): )?(?:\((?P<shape>[0-9, ]*)\) (?P<dtype>\w+)"
+                    r"(?P<grad> requires_grad)?|(?P<type>\w+))(?:, |$)")
 
 
 def _within(planned: str, inputs: Any) -> bool:
@@ -489,10 +505,10 @@ def _within(planned: str, inputs: Any) -> bool:
     for m in _ENTRY.finditer(planned):
         shape = None if m["shape"] is None else \
             tuple(int(d) for d in m["shape"].replace(",", " ").split())
-        entries.append((m["name"], shape, m["dtype"] or m["type"]))
+        entries.append((m["name"], shape, m["dtype"] or m["type"], bool(m["grad"])))
     items = [(k, v) for k, v in input_entries(inputs)
              if not (v is None or v is False)]  # turns off
-    names = [name for name, _, _ in entries]
+    names = [name for name, _, _, _ in entries]
     if all(names) and all(k is not None for k, _ in items):
         by_name = dict(zip(names, entries, strict=True))
         pairs = [(by_name.get(k), v) for k, v in items]
@@ -506,12 +522,13 @@ def _within(planned: str, inputs: Any) -> bool:
     for entry, value in pairs:
         if entry is None:
             return False  # a tensor or a setting the plan did not have
-        _, shape, kind = entry
+        _, shape, kind, grad = entry
         if not isinstance(value, torch.Tensor):
             if shape is not None or kind != type(value).__name__:
                 return False
             continue
         if shape is None or kind != str(value.dtype).removeprefix("torch.") \
+                or (value.requires_grad and not grad) \
                 or len(shape) != value.dim() \
                 or any(n > p for n, p in zip(value.shape, shape, strict=True)):
             return False

@@ -245,6 +245,37 @@ def _check_signature(factory: Callable[..., Any], target: str, opts: Mapping[str
                          f"are ({params}): pass those with --set key=value") from None
 
 
+def _factory(target: str) -> Callable[..., Any]:
+    """The factory ``module:factory`` (or ``file.py:factory``) names, its module imported
+    (the caller puts its folder first on ``sys.path``)."""
+    spec, _, attr = target.rpartition(":")
+    module = _import(spec, target)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        public = [n for n in dir(module) if not n.startswith("_")
+                  and callable(getattr(module, n, None))]
+        what = "" if factory is None else \
+            f" ({attr!r} is of type {type(factory).__name__}, not a function)"
+        raise RematError(f"{spec!r} has no callable {attr!r}{what}."
+                         + did_you_mean(attr, public))
+    return factory  # type: ignore[no-any-return]
+
+
+def check_target(target: str) -> None:
+    """Raise a :class:`RematError` where ``target`` names no zoo model and no factory
+    (a command checks its targets before it writes anything; nothing is built)."""
+    if ":" not in target:
+        if target not in zoo.ZOO:
+            raise RematError(f"unknown target {target!r}: use a zoo name "
+                             f"({', '.join(zoo.names())}), module:factory or "
+                             f"path/to/file.py:factory." + did_you_mean(target, zoo.ZOO))
+        return
+    spec = target.rpartition(":")[0]
+    folder = str(Path(spec).resolve().parent) if spec.endswith(".py") else os.getcwd()
+    with _first_on_path(folder):
+        _factory(target)
+
+
 def load_target(target: str, options: Mapping[str, Any] | None = None, *,
                 device: str | torch.device | None = None,
                 dtype: torch.dtype | None = None) -> tuple[nn.Module, Any]:
@@ -265,10 +296,7 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
     """
     opts = dict(options or {})
     if ":" not in target:
-        if target not in zoo.ZOO:
-            raise RematError(f"unknown target {target!r}: use a zoo name "
-                             f"({', '.join(zoo.names())}), module:factory or "
-                             f"path/to/file.py:factory." + did_you_mean(target, zoo.ZOO))
+        check_target(target)
         check_not_negative(opts, every_number=True)
         placement: dict[str, Any] = {k: v for k, v in (("device", device), ("dtype", dtype))
                                      if v is not None}
@@ -277,18 +305,10 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
         raise RematError(f"dtype= applies to zoo models only; make the factory of {target!r} "
                          "take a dtype option and pass it with the options instead")
     check_not_negative(opts)
-    spec, _, attr = target.rpartition(":")  # rpartition: a Windows path has a colon
+    spec = target.rpartition(":")[0]  # rpartition: a Windows path has a colon
     folder = str(Path(spec).resolve().parent) if spec.endswith(".py") else os.getcwd()
     with _first_on_path(folder):
-        module = _import(spec, target)
-        factory = getattr(module, attr, None)
-        if not callable(factory):
-            public = [n for n in dir(module) if not n.startswith("_")
-                      and callable(getattr(module, n, None))]
-            what = "" if factory is None else \
-                f" ({attr!r} is of type {type(factory).__name__}, not a function)"
-            raise RematError(f"{spec!r} has no callable {attr!r}{what}."
-                             + did_you_mean(attr, public))
+        factory = _factory(target)
         _check_signature(factory, target, opts)
         try:
             if device is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,8 +99,15 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         tape = profile(model, inputs, blocks=parse_blocks(args.blocks), loop=args.loop,
                        progress=stage)
         stage("solving the plan")
-        chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
-                      optimizer=args.optimizer, head=args.head, margin=args.margin)
+        with warnings.catch_warnings():  # said below in the command's own words
+            warnings.filterwarnings("ignore", message="autoremat: max_memory= without optimizer=")
+            chosen = plan(tape, args.budget, args.strategy, max_memory=args.max_memory,
+                          optimizer=args.optimizer, head=args.head, margin=args.margin)
+    if args.max_memory is not None and args.optimizer is None:
+        console.print("note: --max-memory without --optimizer counts no optimizer state "
+                      "(AdamW holds two more copies of the trainable parameters); pass "
+                      "--optimizer adamw (or the one the loop steps; none where it holds "
+                      "none)", highlight=False, soft_wrap=True)
     console.print(str(chosen), highlight=False, soft_wrap=True)
     if args.verify:
         apply(model, chosen, check_ranks=False)

@@ -25,7 +25,7 @@ from autoremat._core.errors import RematError
 from autoremat._core.files import check_writable
 from autoremat._core.units import parse_budget
 from autoremat._profile.profile import compile_backend
-from autoremat._targets import TARGET_HELP, parse_options
+from autoremat._targets import TARGET_HELP, check_target, parse_options
 
 __all__ = ["bench_main"]
 
@@ -125,6 +125,7 @@ def bench_main(argv: list[str]) -> int:
                              f"{args.threads}")
         targets = list(args.targets) or zoo.names()
         for target in targets:
+            check_target(target)  # before the output folder is made
             require_for_target(target)
             if target in zoo.names():  # --set holds for each: checked before any runs
                 zoo.build(target, device="meta", **dict(settings.overrides))

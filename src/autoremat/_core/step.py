@@ -22,7 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from autoremat._core.conditions import drop_forward_casts, loop_autocast
+from autoremat._core.conditions import (
+    drop_forward_casts,
+    loop_autocast,
+    loop_parametrize_cache,
+)
 from autoremat._core.errors import LoopError, RematError, did_you_mean
 
 __all__ = [
@@ -317,8 +321,10 @@ class Step:
 
     def _run(self, model: nn.Module, inputs: Any,
              between: Callable[[], None] | None) -> torch.Tensor:
-        with loop_autocast() as leave_autocast:  # NOTE [ The conditions a step is
-            # measured under ] in conditions.py: autocast as a loop enters it
+        with loop_autocast() as leave_autocast, \
+                loop_parametrize_cache() as leave_cache:  # NOTE [ The conditions a step
+            # is measured under ] in conditions.py: autocast and cached() as a loop enters
+            # them
             try:
                 output = call_model(model, inputs)
             except Exception as exc:
@@ -340,6 +346,7 @@ class Step:
             held = output if self.loop == "holds_output" else None
             del output
             leave_autocast()
+            leave_cache()
             if between is not None:
                 between()
             loss.backward()
@@ -433,10 +440,12 @@ def _inside(path: str, value: Any) -> list[tuple[str | None, Any]]:
 
 def describe_inputs(inputs: Any) -> str:
     """``"idx: (4, 128) int64, targets: (4, 128) int64"``-style signature of the inputs
-    (:func:`input_entries`)."""
+    (:func:`input_entries`); a tensor that requires a gradient says so (``"(8, 3, 32, 32)
+    float32 requires_grad"``: an adversarial loop's input, whose gradient the step makes)."""
     def one(t: Any) -> str:
-        if isinstance(t, torch.Tensor):
-            return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        if isinstance(t, torch.Tensor):  # a gradient wanted for it is part of the step
+            return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" + \
+                (" requires_grad" if t.requires_grad else "")
         return type(t).__name__
     return ", ".join(f"{name}: {one(v)}" if name is not None else one(v)
                      for name, v in input_entries(inputs))
@@ -535,7 +544,10 @@ def training_config(model: nn.Module) -> Iterator[list[str]]:
     off when gradient checkpointing is enabled; we do the same, on the configs of every
     stack (NOTE [ Every stack has its own config ]), and say so.
     """
-    configs = list(cache_configs(model).values()) if model.training else []
+    # in eval() mode too: the step measured still runs backward, and the cache built
+    # there was refused by the checkpoints as the loop's (a held-out OLMo left in eval(),
+    # as from_pretrained returns it, 2026-11-30); apply turns it off in either mode
+    configs = list(cache_configs(model).values())
     notes: list[str] = []
     if configs:
         notes.append("config.use_cache was turned off while training (a KV cache is "

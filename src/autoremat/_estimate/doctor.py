@@ -276,8 +276,9 @@ class _Setting:
     step: StepPeak | None = None  # measured at another micro-batch (None: the estimate's)
     input_bytes: int | None = None
     # micro-batches with gradient accumulation: from the second on, every gradient is
-    # held through the step, which was measured with none before it (the remedy said
-    # "fits" 2.8 GiB short on a held-out OLMo2 until 2026-11-29)
+    # held through the step, which then peaks elsewhere (the remedy said "fits" 2.8 GiB
+    # short on a held-out OLMo2 until 2026-11-29, 3.8% short on an OLMo until
+    # 2026-11-30: NOTE [ Steps that accumulate ] in tracked_step.py)
     accumulated: bool = False
 
 
@@ -289,14 +290,20 @@ def _device_peak(est: Estimate, s: _Setting, kept: bool = False) -> int:
     step = s.step or _steps(est)[s.ckpt]
     n = s.ranks if s.zero_stage else 1
     peak = step.peak_bytes
-    if s.chunked_loss and step.chunked_loss_peak_bytes is not None:
-        peak = min(peak, step.chunked_loss_peak_bytes)
+    chunked = s.chunked_loss and step.chunked_loss_peak_bytes is not None
+    if chunked:
+        peak = min(peak, step.chunked_loss_peak_bytes or peak)
     grads, at_peak = est.grad_bytes, step.grads_at_peak_bytes
     if s.zero_stage >= 2:
         peak -= at_peak - at_peak // n
         grads, at_peak = grads // n, at_peak // n
-    if s.accumulated:  # the gradients held from the first micro-batch, besides the peak's
-        peak += grads - at_peak
+    if s.accumulated:  # the gradients held from the first micro-batch, besides the later
+        # steps' peak (NOTE [ Steps that accumulate ] in tracked_step.py)
+        later = step.accumulating_peak_bytes
+        if chunked and step.accumulating_chunked_peak_bytes is not None:
+            later = min(later or step.accumulating_chunked_peak_bytes,
+                        step.accumulating_chunked_peak_bytes)
+        peak = peak + grads - at_peak if later is None else max(peak, grads + later)
     if kept:
         peak = budget_for(peak, margin_for(est.device))
     optimizer = est.optimizer_bytes // n if s.zero_stage >= 1 else est.optimizer_bytes
@@ -528,7 +535,7 @@ def doctor(model: nn.Module | Step, inputs: Any = None, *, memory: int | str = "
         def measure(small: Any, ckpt_all: bool) -> StepPeak:
             return meta_step_peak(step.model, small, loss_fn=step.loss_fn, blocks=blocks,
                                   device=est.device, dtype=dtype, checkpoint_all=ckpt_all,
-                                  loop=step.loop)
+                                  loop=step.loop, accumulating=True)  # (micro-batches)
 
         stage("remedies: fake steps at other settings")
         remedies = _remedies(est, limit, step.model, step.inputs, measure)

@@ -91,6 +91,7 @@ from autoremat._estimate.tracked_step import (
 from autoremat._measure.blocks import BlockSpec, resolve_blocks
 from autoremat._measure.optimizers import _optimizer_class, optimizer_memory
 from autoremat._measure.tape import Tape
+from autoremat._mechanism.wrap import refuse_applied
 from autoremat._plan.budget import (
     IterationMemory,
     check_shards,
@@ -438,6 +439,7 @@ def estimate(
         True
     """
     step = as_step(model, inputs, loss_fn, loop, caller="estimate", keyword="budget")
+    refuse_applied(step.model, "estimate")
     if budget is not None and max_memory is not None:
         raise BudgetError("give either budget= (the step's own budget) or max_memory= (the "
                           "whole device, parameters and optimizer included), not both")

@@ -238,6 +238,7 @@ class Tape:
     loss: str = ""
     structure: str = ""
     hooks: str = ""
+    cached: bool = False  # under parametrize.cached(), on a parametrized model
     # The post window's peak before the backward starts (above the window's start), by
     # the last block's decision: what a plan releases when the forward returns lowers
     # only what comes after (NOTE [ Released when the forward returns ] in

@@ -676,6 +676,13 @@ class _RecomputeContext:
     def _message(self, what: str, *, raised: bool = False) -> str:
         did = ("raised when it was recomputed in backward, where its forward had run" if raised
                else "ran other ops when it was recomputed in backward than in its forward")
+        from torch.nn.utils import parametrize
+        if parametrize._cache_enabled:  # the recompute took the weights its forward made
+            return (f"block {self.forward.region.label} {did} ({what}): backward runs under "
+                    "torch.nn.utils.parametrize.cached(), and the recompute took from its "
+                    "cache the weights its forward computed (and saved for backward). Leave "
+                    "cached() before backward: with cached(): loss = loss_fn(model(x)); then "
+                    "loss.backward()")
         return (f"block {self.forward.region.label} {did} ({what}): a recompute must run "
                 "the same ops. "
                 "Its forward depends on something besides its inputs and torch's RNG: a "
@@ -929,6 +936,26 @@ def unwrap(module: nn.Module) -> bool:
     else:
         del module.__dict__["forward"]
     return True
+
+
+PLAN_OWNER = "_autoremat_owner"  # on each block of an applied plan: that plan's state
+
+
+def refuse_applied(model: nn.Module, caller: str) -> None:
+    """Raise a :class:`RematError` before any work where ``model`` has a plan applied
+    (a block wrapped, or owned by a plan not undone): ``caller`` (profile, estimate)
+    measures the plain step, and ran a forward of the planned one before refusing (a
+    held-out check, 2026-11-30: estimate warned of a plan made for cpu running on meta,
+    then refused as "profiling")."""
+    if not isinstance(model, nn.Module):
+        return
+    for module in model.modules():
+        owner = module.__dict__.get(PLAN_OWNER)
+        if is_wrapped(module) or (owner is not None and not getattr(owner, "undone", True)):
+            raise RematError(
+                f"{caller}() measures the plain step, and {type(model).__name__} has a plan "
+                f"applied: call autoremat.remove(model) first (and apply the plan again "
+                f"after, or use autoremat.auto, which does both)")
 
 
 def is_wrapped(module: nn.Module) -> Decision | None:

@@ -145,6 +145,7 @@ class Plan:
     loss: str = ""
     structure: str = ""
     hooks: str = ""
+    cached: bool = False  # its step ran under parametrize.cached(), on a parametrized model
     # The loss head: kept (as the model computes it) or chunked over N chunks of tokens
     # (NOTE [ A chunked head ] in _core/head.py; files write "keep" or "chunked:N"), and
     # where it is (files write "hf:lm_head", "module:<name>"; None: the head is kept).
@@ -264,6 +265,7 @@ class Plan:
             _expect(getattr(loaded, key), str, f"plan.{key}")
         _check_head(loaded)
         _expect(loaded.training, bool, "plan.training")
+        _expect(loaded.cached, bool, "plan.cached")
         check_loop_field(loaded.loop, "plan.loop")
         _expect(loaded.shards, int, "plan.shards")
         if loaded.shards < 1:
@@ -685,6 +687,7 @@ def plan_of_segments(tape: Tape, segments: Segments, strategy: str,
         model=tape.model, inputs=tape.inputs, loop=tape.loop, compiled=tape.compiled,
         device=tape.device, training=tape.training, autocast=tape.autocast,
         dtypes=tape.dtypes, loss=tape.loss, structure=tape.structure, hooks=tape.hooks,
+        cached=tape.cached,
     )
 
 

@@ -299,6 +299,12 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
             "optimizer='adamw' (or the one the loop steps; 'none' where it holds none)",
             UserWarning, stacklevel=2)
     check_head(head)
+    if name == "optimal" and budget is None and max_memory is None and head in (None, "keep"):
+        warnings.warn(
+            "autoremat: plan() with strategy 'optimal' and no budget keeps every block: "
+            "the least recompute is none where no memory limit is set, and the plan "
+            "changes nothing. Pass budget= (bytes, '6GiB', '50%') or max_memory=, or "
+            "another strategy ('full', 'sqrt', 'selective')", UserWarning, stacklevel=2)
     check_flag("offload", offload)
     dtype_name = _offload_dtype(offload_dtype, offload or name == "offload")
     notes: tuple[str, ...] = ()

@@ -61,8 +61,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoremat._core.calls import calls_for, unrolled
-from autoremat._core.conditions import float_dtypes, structure_of, user_hooks
+from autoremat._core.calls import call_of, calls_for, unrolled
+from autoremat._core.conditions import (
+    float_dtypes,
+    parametrize_cached,
+    structure_of,
+    user_hooks,
+)
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import BlockError, RematError, check_flag, check_whole, did_you_mean
 from autoremat._core.step import (
@@ -97,7 +102,7 @@ from autoremat._measure.tape import (
 )
 from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.offload import OffloadStats
-from autoremat._mechanism.wrap import stashed_buffers
+from autoremat._mechanism.wrap import refuse_applied, stashed_buffers
 from autoremat._plan.costs import cost_model_for
 from autoremat._profile.options import (
     BaseRuns,
@@ -441,6 +446,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         compiled=setup.backend or "", head=head, notes=tuple(notes),
         autocast=chain.autocast, dtypes=float_dtypes(model.parameters()), loss=chain.loss,
         structure=structure_of(model, names), hooks=user_hooks(model, names),
+        cached=parametrize_cached(model.get_submodule(call_of(name)[0]) for name in names),
     )
 
 
@@ -540,6 +546,7 @@ def profile(model: nn.Module | Step, inputs: Any = None, loss_fn: LossFn | None 
         * Times on a busy machine are noisy; planning uses FLOPs and bytes, not times.
     """
     step = as_step(model, inputs, loss_fn, loop, caller="profile", keyword="blocks")
+    refuse_applied(step.model, "profile")
     setup = _checked_setup(step, blocks, repeats=repeats, with_selective=with_selective,
                            timing=timing, rounding=rounding, device=device, compile=compile,
                            offload=offload, host_bandwidth=host_bandwidth,

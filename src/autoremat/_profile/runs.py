@@ -221,6 +221,7 @@ class _Probe:
     # per block that ran with gradients this step, its calls running again without them
     # now (NOTE [ A block run again without gradients ]); absent: none with gradients yet
     _reruns: dict[int, int] = field(default_factory=dict)
+    forwards: int = 0  # the model's forwards with gradients in this step, before backward
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -238,6 +239,7 @@ class _Probe:
     @contextmanager
     def installed(self, model: nn.Module) -> Iterator[None]:
         with ExitStack() as stack:
+            stack.callback(model.register_forward_pre_hook(self._forward).remove)
             for i, name in enumerate(self.names):
                 module = model.get_submodule(name)
                 pre = module.register_forward_pre_hook(self._pre(i), with_kwargs=True)
@@ -248,6 +250,10 @@ class _Probe:
                 stack.callback(pre.remove)
                 stack.callback(post.remove)
             yield
+
+    def _forward(self, model: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.forwards += 1
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -349,6 +355,18 @@ class RepeatedCalls(BlockError):
         self.sequence = sequence
 
 
+# NOTE [ Two forwards in one step ]
+#     A loss that runs the model again with gradients (``loss_fn=lambda z1: (z1 *
+#     model(v2)).sum()``, a siamese loss's second view) calls every block twice in one
+#     step, each forward starting the blocks' calls anew: profile took it for a model
+#     that changes how often it runs its blocks, naming calls the user never wrote
+#     (``'blocks.0@0' ran 2 times``; a held-out check, 2026-11-30). The probe counts the
+#     model's forwards with gradients before backward and refuses two or more, saying
+#     what to profile instead; a wrapper whose forward runs the model on each view is one
+#     forward, planned call by call. A rerun without gradients is no forward of the step
+#     (NOTE [ A block run again without gradients ]).
+
+
 # NOTE [ Blocks skipped at random ]
 #     A model that skips blocks at random in training (stochastic depth by the whole
 #     batch: ``if self.training and torch.rand(()) < p: return x``) skips other blocks in
@@ -409,6 +427,14 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
             f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
             f"and let the plan decide what to recompute")
     missing_ok = missing_ok and any(probe.calls)
+    if probe.forwards > 1:  # NOTE [ Two forwards in one step ]
+        raise BlockError(
+            f"{type(step.model).__name__}'s forward ran {probe.forwards} times with gradients "
+            f"in one step (a loss_fn that runs the model again, on a second view: a "
+            f"siamese or contrastive loss): a plan is made for one forward per backward. "
+            f"Run the views in one forward: a module whose forward calls the model on each "
+            f"(autoremat plans its blocks call by call), or one batch (torch.cat), and "
+            f"profile that")
     if (all(probe.calls) or missing_ok) and max(probe.calls) > 1:
         # NOTE [ A block that runs several times ] in _core/calls.py: profile plans it
         # call by call
