@@ -128,3 +128,10 @@ def test_a_head_option_the_tape_lacks_is_refused_with_the_ones_it_has():
         autoremat.plan(tape, head="torch:4")
     with pytest.raises(RematError, match="head must be"):
         autoremat.plan(tape, head="fused:4")
+    # a tape that measured none offers none (it listed 'chunked', then suggested it)
+    bare = autoremat.profile(model, inputs, timing=False, with_selective=False,
+                             with_head=False)
+    for head in ("chunked", "chunked:4"):
+        with pytest.raises(RematError, match=rf"^head '{head}': this tape measured no chunked "
+                           r"head option, so it offers 'keep' and 'auto'"):
+            autoremat.plan(bare, head=head)

@@ -379,10 +379,14 @@ def head_choices(tape: Tape, head: str | None, strategy: str = "optimal") -> lis
         return [Choice.head_from_key(head)]  # type: ignore[arg-type]
     if not isinstance(head, str):
         raise RematError(f"head must be a string such as 'keep' or 'chunked:32', got {head!r}")
-    have = ["keep", "auto", "chunked", *options]
-    why = (" (the tape measured no head options; see its notes for why)" if not options
-           else "")
-    raise RematError(f"unknown head {head!r}; this tape offers {have}{why}."
+    if not options and (head == "chunked" or head.startswith("chunked:")):
+        notes = [n for n in tape.notes if "head" in n]
+        raise RematError(f"head {head!r}: this tape measured no chunked head option, so it "
+                         f"offers 'keep' and 'auto' (which keeps the head) only"
+                         + (f"; its note says why: {notes[0]}" if notes else
+                            "; see its notes for why"))
+    have = ["keep", "auto", *(["chunked"] if options else []), *options]
+    raise RematError(f"unknown head {head!r}; this tape offers {have}."
                      + did_you_mean(head, have))
 
 

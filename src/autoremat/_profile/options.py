@@ -539,6 +539,17 @@ def _head_options(names: list[str], site: HeadSite, setup: Setup,
                                       rounding=setup.rounding)
             except HeadNotFollowedError as e:  # the model's own head, noted
                 return None, f"{e.what}: the loss head {site} stays as the model computes it"
+            except RematError:
+                raise
+            except Exception as e:  # noqa: BLE001 (the model's own error, said in the note)
+                # a forward that reads the logits besides the loss (a z-loss over an
+                # LMHead's logits, None when chunked): it ran with the head as it is
+                for p in model.parameters():
+                    p.grad = None
+                return None, (f"the model's forward raised {type(e).__name__} ({e}) with the "
+                              f"loss head {site} chunked, whose logits are None in a step "
+                              f"with gradients (does it read them besides the loss?): the "
+                              f"head stays as the model computes it")
             if install is None or install.calls != 1:
                 count = 0 if install is None else install.calls
                 return None, (f"the loss head {site} took {count} losses in one step, not "
