@@ -541,7 +541,7 @@ def _head_options(names: list[str], site: HeadSite, setup: Setup,
                 return None, f"{e.what}: the loss head {site} stays as the model computes it"
             except RematError:
                 raise
-            except Exception as e:  # noqa: BLE001 (the model's own error, said in the note)
+            except Exception as e:  # the model's own error, said in the note
                 # a forward that reads the logits besides the loss (a z-loss over an
                 # LMHead's logits, None when chunked): it ran with the head as it is
                 for p in model.parameters():
