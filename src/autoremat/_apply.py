@@ -47,6 +47,7 @@ from autoremat._guards import (
 )
 from autoremat._measure.blocks import param_signature
 from autoremat._mechanism.compiled import (
+    LEAST_COMPILE_BUDGET,
     budgeted_inductor,
     compile_budget,
     compile_budget_hook,
@@ -186,6 +187,14 @@ def apply(model: nn.Module, plan: Plan, *, check_ranks: bool = True,
     """
     if not isinstance(plan, Plan):
         raise RematError(f"apply() needs a Plan from autoremat.plan(), got {type(plan).__name__}")
+    fraction = plan.compile_memory_budget
+    if fraction is not None and not 0 < fraction < 1:  # NOTE [ Compile's own memory
+        # budget, exact ] in _mechanism/compiled.py
+        raise PlanMismatchError(
+            f"this plan rests on compile's own memory budget {fraction!r}, which must be "
+            f"in (0, 1): at 0 compile's partitioner saves the graph's inputs alone and "
+            f"draws dropout again in backward (wrong gradients). Plan again "
+            f"(autoremat.auto(..., compile=True) tries {LEAST_COMPILE_BUDGET} at least)")
     given, (model, compiled_whole) = model, unwrapped(model)
     if not (isinstance(rank_timeout_s, (int, float)) and not isinstance(rank_timeout_s, bool)
             and rank_timeout_s > 0):

@@ -20,6 +20,7 @@ from autoremat._core.units import format_bytes
 from autoremat._measure.blocks import BlockSpec
 from autoremat._measure.measured import measure_step
 from autoremat._measure.tape import Tape
+from autoremat._mechanism.compiled import LEAST_COMPILE_BUDGET
 from autoremat._mechanism.head import find_head
 from autoremat._plan.plan import Plan, plan_key, plan_of_segments
 from autoremat._plan.strategies import (
@@ -301,10 +302,12 @@ def _uniform_save_sets(tape: Tape) -> list[tuple[str, Plan]]:
 
 def _next_fraction(fraction: float, fits: bool) -> float | None:
     """The next of compile's budgets to try after ``fraction`` (0.5 first): 0.75 after a
-    fit, to find a faster one; 0.25 then 0 after an overrun; ``None``: done."""
+    fit, to find a faster one; 0.25 then the least (never 0, where compile's partitioner
+    drops the random draws autoremat saves: NOTE [ Compile's own memory budget, exact ])
+    after an overrun; ``None``: done."""
     if fits:
         return 0.75 if fraction == 0.5 else None
-    return {0.5: 0.25, 0.25: 0.0}.get(fraction)
+    return {0.5: 0.25, 0.25: LEAST_COMPILE_BUDGET}.get(fraction)
 
 
 _FIT_ATTEMPTS = 3  # plans fit_compiled measures below the plain step (NOTE above)

@@ -357,6 +357,19 @@ def _check_step(state: Applied) -> None:
             f"have trimmed (a held-out model: 18% over its budget). Compile the model "
             f"(autoremat.compile_model) or plan for the eager step (auto without compile=)",
             StepMismatchWarning, stacklevel=6)
+    if plan.compiled and plan.compiled_peak_bytes is None and not OWN_STEP.get() \
+            and "eager" not in state.warned and not any(
+                getattr(m, "_compiled_call_impl", None) is not None for _, _, m in state.blocks):
+        # the model's forward runs eagerly (compiled whole, this hook would not run), and
+        # no block was compiled on its own (block.compile())
+        state.warned.add("eager")
+        warnings.warn(
+            f"autoremat: this plan was made from a profile of the step with each block "
+            f"compiled ({plan.compiled}), and this forward runs its blocks eagerly, whose "
+            f"step holds what compile's partitioner would have trimmed (a held-out model: "
+            f"1.24x its budget). Compile the blocks (block.compile() on each, or "
+            f"torch.compile(model)), or profile the eager step", StepMismatchWarning,
+            stacklevel=6)
     if "hooks" not in state.warned:
         _check_hooks(state)
     if "structure" not in state.warned:

@@ -275,11 +275,12 @@ class Plan:
         if loaded.compile_memory_budget is not None:
             fraction = loaded.compile_memory_budget
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-                    or not 0 <= fraction < 1 or not loaded.compiled \
+                    or not 0 < fraction < 1 or not loaded.compiled \
                     or loaded.recompute_blocks or loaded.offload_blocks:
                 raise SchemaError(
-                    f"plan.compile_memory_budget must be a number in [0, 1) on a compiled "
-                    f"plan that keeps every block, got {fraction!r} (compiled "
+                    f"plan.compile_memory_budget must be a number in (0, 1) on a compiled "
+                    f"plan that keeps every block (at 0 compile's partitioner drops the "
+                    f"random draws autoremat saves), got {fraction!r} (compiled "
                     f"{loaded.compiled!r}, {loaded.recompute_blocks} block(s) recomputed). "
                     f"{_REPLAN}")
         if loaded.budget_bytes is not None:
