@@ -138,7 +138,8 @@ def test_the_smallest_feasible_budget_holds_the_margin() -> None:
     least, bare = smallest_feasible_bytes(tape), smallest_feasible_bytes(tape, margin=0)
     assert least == -(-bare * 103 // 100)  # ceil(peak * 1.03)
     assert autoremat.plan(tape, least).predicted_peak_bytes == bare
-    with pytest.raises(BudgetError, match=r"less the 3\.0% of it kept as margin") as info:
+    with pytest.raises(BudgetError, match=r"less the margin kept \(plans predict at most "
+                       r"the budget / 1\.03: plan.s margin=0\.03") as info:
         autoremat.plan(tape, least - 1)
     assert info.value.min_feasible_bytes == least
     assert f"({least} bytes)" in str(info.value)

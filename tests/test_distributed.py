@@ -135,6 +135,33 @@ def test_rank_timeout_must_be_positive_seconds(tiny_tape: autoremat.Tape, timeou
     assert autoremat.applied_plan(model) is None
 
 
+def test_ranks_whose_plans_differ_only_in_the_loss_head_disagree(
+        tiny_tape: autoremat.Tape, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose head is chunked returns no logits: a collective over them on the
+    others would pair with nothing. apply's rank check compared the blocks only."""
+    import dataclasses
+    import json
+
+    import autoremat._apply as apply_module
+    from autoremat._core.decisions import Choice, Decision
+
+    plan = autoremat.plan(tiny_tape, None, "full")
+    chunked = dataclasses.replace(plan, head=Choice(Decision.CHUNKED, chunks=4))
+    texts: list[str] = []
+
+    def gather(text: str, **_: Any) -> list[str]:
+        texts.append(text)
+        return [texts[0], text]
+
+    monkeypatch.setattr(apply_module, "gather_texts", gather)
+    monkeypatch.setattr(apply_module, "rank_and_size", lambda: (1, 2))
+    apply_module._check_ranks_agree(plan, 1.0)  # rank 0's, as the first text
+    with pytest.raises(autoremat.PlanMismatchError, match=r"the loss head 'keep' on rank 0, "
+                       r"'chunked:4' on the other"):
+        apply_module._check_ranks_agree(chunked, 1.0)
+    assert json.loads(texts[1])["head"] == "chunked:4"
+
+
 # --- in two processes --------------------------------------------------------------------
 
 def _build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

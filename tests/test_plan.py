@@ -6,6 +6,7 @@ sizes of the planner issue); the cheap API checks use a small GPT-2 tape.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -280,6 +281,29 @@ def test_frozen_parameters_carry_no_optimizer_state() -> None:
               + tape.input_bytes + tape.step_peak_bytes)
     assert autoremat.plan(tape, max_memory=device, optimizer="adamw").budget_bytes == \
         tape.step_peak_bytes
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_max_memory_refused_says_the_least_one_in_the_same_units(small_tape: Tape,
+                                                                    shards: int) -> None:
+    """Below what the iteration holds whatever is recomputed, min_feasible_bytes was that
+    lower bound as a max_memory, and below the smallest plan it was a step budget: a
+    retry with one was refused with the other, back and forth (a held-out check).
+    min_feasible_bytes is always a step budget, min_feasible_max_memory the max_memory
+    that holds it, which a retry with it fits."""
+    from autoremat._plan.strategies import smallest_feasible_bytes
+    least = smallest_feasible_bytes(dataclasses.replace(small_tape, blocks=tuple(
+        dataclasses.replace(b, chained=shards == 1 and b.chained) for b in small_tape.blocks)))
+    found = []
+    for max_memory in (1000, None):
+        with pytest.raises(BudgetError) as info:
+            autoremat.plan(small_tape, max_memory=max_memory or found[0] - 1,
+                           optimizer="adamw", shards=shards)
+        assert info.value.min_feasible_bytes == least
+        found.append(info.value.min_feasible_max_memory)
+    assert found[0] == found[1] is not None
+    plan = autoremat.plan(small_tape, max_memory=found[0], optimizer="adamw", shards=shards)
+    assert plan.budget_bytes == least
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -356,8 +356,10 @@ def _check_conditions(model: nn.Module, plan: Plan) -> None:
 def _check_ranks_agree(plan: Plan, timeout_s: float) -> None:
     """Every rank's decisions against rank 0's (NOTE [ Every rank applies one plan ])."""
     rank, size = rank_and_size()
-    mine = json.dumps({"model": plan.model, "blocks": [asdict(b) for b in plan.blocks]},
-                      sort_keys=True)
+    # the loss head too: a rank whose head is chunked returns no logits, and a collective
+    # over them (a metric's all-reduce) would pair with nothing (a held-out check)
+    mine = json.dumps({"model": plan.model, "blocks": [asdict(b) for b in plan.blocks],
+                       "head": plan.head.head_key}, sort_keys=True)
     texts = gather_texts(mine, timeout_s=timeout_s, what="autoremat.apply")
     differ = [r for r, text in enumerate(texts) if text != texts[0]]
     if not differ:
@@ -377,6 +379,8 @@ def _first_difference(first: dict[str, Any], other: dict[str, Any]) -> str:
     """Where two ranks' decisions part, in words."""
     if first["model"] != other["model"]:
         return f"model {first['model']!r} on rank 0, {other['model']!r} on the other"
+    if first.get("head") != other.get("head"):
+        return f"the loss head {first.get('head')!r} on rank 0, {other.get('head')!r} on the other"
     a, b = first["blocks"], other["blocks"]
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -18,22 +18,29 @@ class BudgetError(RematError):
     """The memory budget is malformed, or no plan of the requested strategy fits it.
 
     Attributes:
-        min_feasible_bytes: the smallest step peak any plan reaches (``None`` when the
-            budget string itself was malformed).
+        min_feasible_bytes: the smallest step peak any plan reaches, a step budget
+            (``None`` when the budget string itself was malformed).
         strategy: the strategy that reaches ``min_feasible_bytes``.
+        min_feasible_max_memory: where ``max_memory=`` set the limit, the smallest
+            ``max_memory`` that holds the iteration with that step (``None`` otherwise).
     """
 
     def __init__(
-        self, message: str, *, min_feasible_bytes: int | None = None, strategy: str | None = None
+        self, message: str, *, min_feasible_bytes: int | None = None, strategy: str | None = None,
+        min_feasible_max_memory: int | None = None,
     ) -> None:
         super().__init__(message)
         self.min_feasible_bytes = min_feasible_bytes
         self.strategy = strategy
+        self.min_feasible_max_memory = min_feasible_max_memory
 
-    def with_message(self, message: str) -> BudgetError:
+    def with_message(self, message: str, *,
+                     min_feasible_max_memory: int | None = None) -> BudgetError:
         """The same error (its smallest feasible budget and strategy) told as ``message``."""
         return BudgetError(message, min_feasible_bytes=self.min_feasible_bytes,
-                           strategy=self.strategy)
+                           strategy=self.strategy,
+                           min_feasible_max_memory=min_feasible_max_memory
+                           or self.min_feasible_max_memory)
 
 
 class BlockError(RematError):

@@ -239,8 +239,8 @@ def step_budget_bytes(max_memory: int | str, memory: IterationMemory) -> int:
             f"max_memory {format_bytes(limit)} does not even hold the parameters, buffers "
             f"and optimizer state ({format_bytes(resting)} with the batch) plus the "
             f"gradients and the optimizer step's temporaries ({format_bytes(update)}), "
-            f"which an iteration needs whatever is recomputed: at least {format_bytes(need)} "
-            f"({need} bytes). Shard the model or the optimizer state, use a smaller "
-            f"optimizer or batch, or a device with more memory",
+            f"which an iteration needs whatever is recomputed: {format_bytes(need)} "
+            f"({need} bytes) before the step's own. Shard the model or the optimizer state, "
+            f"use a smaller optimizer or batch, or a device with more memory",
             min_feasible_bytes=need)
     return limit - resting

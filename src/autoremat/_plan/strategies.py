@@ -48,15 +48,26 @@ __all__ = [
 
 
 def budget_bytes_of(tape: Tape, budget: int | float | str | None, max_memory: Any = None,
-                    optimizer: str | int | None = None, shards: int = 1) -> int | None:
+                    optimizer: str | int | None = None, shards: int = 1, *,
+                    offload: bool = False, head: str | None = None,
+                    margin: float | None = None) -> int | None:
     """The step-peak budget in bytes that ``budget`` and ``max_memory`` set on ``tape``
-    (the smaller of the two), or ``None`` without either."""
+    (the smaller of the two), or ``None`` without either. A ``max_memory`` below what
+    the iteration holds whatever is recomputed raises a :class:`BudgetError` whose
+    smallest feasible figures are those of the plans ``offload``, ``head`` and ``margin``
+    allow, as for :func:`plan`."""
     limits = []
     if budget is not None:
         limits.append(parse_budget(budget, tape.step_peak_bytes))
     if max_memory is not None:  # optimizer= without it: refused by check_plan_args
-        limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer,
-                                                                     shards)))
+        try:
+            limits.append(step_budget_bytes(max_memory, iteration_memory(tape, optimizer,
+                                                                         shards)))
+        except BudgetError as exc:
+            if exc.min_feasible_bytes is None:
+                raise
+            raise _below_resting(exc, tape, optimizer, shards, offload, head,
+                                 margin) from None
     return min(limits) if limits else None
 
 
@@ -132,7 +143,8 @@ def _infeasible(strategy: str, budget: int | None, least_peak: int, margin: Frac
     ``least_peak``, and the smallest feasible budget holds it with ``margin``."""
     need = budget_for(least_peak, margin)
     got = f" (it predicts {format_bytes(predicted)})" if predicted is not None else ""
-    kept = (f", less the {float(margin):.1%} of it kept as margin (plan's margin=, by "
+    kept = (f", less the margin kept (plans predict at most the budget / "
+            f"{1 + float(margin):g}: plan's margin={float(margin):g}, by "
             f"default 3% on a CUDA tape for the allocator's blocks: NOTE [ The margin kept "
             f"for the CUDA allocator ]; margin=0 plans without it)" if margin else "")
     return BudgetError(
@@ -147,7 +159,8 @@ def _in_max_memory(exc: BudgetError, tape: Tape, budget_bytes: int | None, max_m
                    optimizer: str | int | None, shards: int) -> BudgetError:
     """``exc``, for a budget that ``max_memory`` set, told in its terms too: what the
     iteration holds besides the step, and the ``max_memory`` the smallest feasible
-    budget needs (``exc.min_feasible_bytes`` stays a step budget)."""
+    budget needs (``exc.min_feasible_bytes`` stays a step budget, and
+    ``min_feasible_max_memory`` is that ``max_memory``)."""
     memory = iteration_memory(tape, optimizer, shards)
     if budget_bytes != step_budget_bytes(max_memory, memory):
         return exc  # budget= was the tighter limit
@@ -158,7 +171,25 @@ def _in_max_memory(exc: BudgetError, tape: Tape, budget_bytes: int | None, max_m
         f"step budget of {format_bytes(budget_bytes or 0)}: the iteration holds "
         f"{format_bytes(memory.resting_bytes)} besides the step (parameters, buffers, "
         f"{held}, the batch). {str(exc).rstrip('.')}. As max_memory: at least "
-        f"{format_bytes(memory.peak_bytes(need))} ({memory.peak_bytes(need)} bytes)")
+        f"{format_bytes(memory.peak_bytes(need))} ({memory.peak_bytes(need)} bytes)",
+        min_feasible_max_memory=memory.peak_bytes(need))
+
+
+def _below_resting(exc: BudgetError, tape: Tape, optimizer: str | int | None, shards: int,
+                   offload: bool, head: str | None, margin: float | None) -> BudgetError:
+    """``exc`` (``max_memory`` below what the iteration holds whatever is recomputed),
+    with the smallest feasible figures in the units of every other ``BudgetError``: the
+    step budget (``min_feasible_bytes``) and the ``max_memory`` holding it. It gave
+    their lower bound as a step budget, which a retry with it refused in turn (a
+    held-out check, 2026-11-30)."""
+    least = smallest_feasible_bytes(tape, offload, head, margin)
+    memory = iteration_memory(tape, optimizer, shards)
+    whole = memory.peak_bytes(least)
+    return BudgetError(
+        f"{str(exc).rstrip('.')}. With the smallest step any plan reaches "
+        f"({format_bytes(least)}), max_memory must be at least {format_bytes(whole)} "
+        f"({whole} bytes)", min_feasible_bytes=least, strategy="optimal",
+        min_feasible_max_memory=whole)
 
 
 def smallest_feasible_bytes(tape: Tape, offload: bool = False,
@@ -323,12 +354,14 @@ def plan(tape: Tape, budget: int | float | str | None = None, strategy: str = "o
         raise RematError("this tape was measured without offloaded blocks; profile with "
                          "autoremat.profile(model, inputs, offload=True) to plan offload"
                          + (" (a compiled step cannot offload)" if tape.compiled else ""))
-    budget_bytes = budget_bytes_of(tape, budget, max_memory, optimizer, shards)
-    kept = margin_for(tape.device, margin)
-    room = None if budget_bytes is None else room_bytes(budget_bytes, kept)
     if shards > 1:  # no multi-block segments under FSDP: no block joins its predecessor
         tape = dataclasses.replace(tape, blocks=tuple(
             dataclasses.replace(b, chained=False) for b in tape.blocks))
+    budget_bytes = budget_bytes_of(tape, budget, max_memory, optimizer, shards,
+                                   offload=offload or name == "offload", head=head,
+                                   margin=margin)
+    kept = margin_for(tape.device, margin)
+    room = None if budget_bytes is None else room_bytes(budget_bytes, kept)
     heads = head_choices(tape, head, name)
     try:
         found = _best_over_heads(tape, heads, name, arg, strategy,
