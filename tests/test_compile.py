@@ -530,6 +530,25 @@ def test_a_plan_file_with_a_compiled_peak_over_its_budget_is_refused() -> None:
         Plan.from_json(over.to_json())
 
 
+def _eager_warnings(model: nn.Module, inputs: Any, plan: Plan) -> list[Any]:
+    """The StepMismatchWarnings of autoremat's own step and then two of the user's, run
+    eagerly with ``plan`` applied (removed after)."""
+    import warnings
+
+    from autoremat import StepMismatchWarning
+
+    autoremat.apply(model, plan)
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            run_step(model, inputs, None)  # autoremat's own step: quiet
+            for _ in range(2):
+                default_loss(call_model(model, inputs)).backward()  # the user's: once
+    finally:
+        autoremat.remove(model)
+    return [w for w in record if issubclass(w.category, StepMismatchWarning)]
+
+
 def test_a_plan_from_a_compiled_tape_warns_once_when_its_blocks_run_eagerly() -> None:
     """Its prediction is for each block compiled; run eagerly, a held-out model measured
     1.24x its budget with nothing said. Blocks compiled on their own (block.compile())
@@ -541,17 +560,8 @@ def test_a_plan_from_a_compiled_tape_warns_once_when_its_blocks_run_eagerly() ->
     model, inputs = zoo.build("mlp", widths=(32,) * 4, batch_size=16)
     tape = autoremat.profile(model, inputs, timing=False, with_selective=False)
     plan = dataclasses.replace(autoremat.plan(tape, None, "full"), compiled="aot_eager")
-    autoremat.apply(model, plan)
-    try:
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            run_step(model, inputs, None)  # autoremat's own step: quiet
-            for _ in range(2):
-                default_loss(call_model(model, inputs)).backward()  # the user's: once
-        told = [w for w in record if issubclass(w.category, StepMismatchWarning)]
-        assert len(told) == 1 and "runs its blocks eagerly" in str(told[0].message)
-    finally:
-        autoremat.remove(model)
+    told = _eager_warnings(model, inputs, plan)
+    assert len(told) == 1 and "runs its blocks eagerly" in str(told[0].message)
     for block in model.blocks:
         block.compile(backend="aot_eager")
     autoremat.apply(model, plan)
@@ -567,25 +577,14 @@ def test_a_plan_from_a_compiled_tape_warns_once_when_its_blocks_run_eagerly() ->
 def test_a_plan_fitted_compiled_whole_warns_once_when_run_eagerly() -> None:
     # its budget holds for the step compiled whole; run eagerly, a held-out model's step
     # was 18% over it without a word. autoremat's own steps (verify) stay quiet.
-    import warnings
 
-    from autoremat import StepMismatchWarning
 
     model, inputs = zoo.build("mlp", widths=(64,) * 4, batch_size=128)
     plan = autoremat.plan(autoremat.profile(model, inputs, repeats=1), budget="90%")
     assert plan.budget_bytes is not None
     fitted = dataclasses.replace(plan, compiled="aot_eager",
                                  compiled_peak_bytes=plan.budget_bytes)
-    autoremat.apply(model, fitted)
-    try:
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            run_step(model, inputs, None)  # autoremat's own step: quiet
-            for _ in range(2):
-                default_loss(call_model(model, inputs)).backward()  # the user's: once
-    finally:
-        autoremat.remove(model)
-    told = [w for w in record if issubclass(w.category, StepMismatchWarning)]
+    told = _eager_warnings(model, inputs, fitted)
     assert len(told) == 1 and "runs eagerly" in str(told[0].message)
 
 
