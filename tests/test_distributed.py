@@ -70,12 +70,12 @@ def test_shards_need_the_whole_model_less_under_max_memory(tiny_tape: autoremat.
     tape = tiny_tape
     with pytest.raises(autoremat.BudgetError) as unsharded:
         autoremat.plan(tape, max_memory=tape.param_bytes * 2, optimizer="adamw")
-    need = unsharded.value.min_feasible_bytes
+    need = unsharded.value.min_feasible_max_memory  # (min_feasible_bytes: a step budget)
     assert need is not None
     with pytest.raises(autoremat.BudgetError) as sharded:
         autoremat.plan(tape, max_memory=tape.param_bytes * 2, optimizer="adamw", shards=4)
-    assert sharded.value.min_feasible_bytes is not None
-    assert sharded.value.min_feasible_bytes < need  # parameters, grads, adam state / 4
+    assert sharded.value.min_feasible_max_memory is not None
+    assert sharded.value.min_feasible_max_memory < need  # parameters, grads, adam state / 4
 
 
 @pytest.mark.parametrize("shards", [0, -1, 1.5, True, "2", None])
