@@ -60,7 +60,7 @@ from autoremat._mechanism.head import HeadSite, install_head, uninstall_head
 from autoremat._mechanism.offload import offload
 from autoremat._mechanism.segments import SegmentRunner, refuse_under_fsdp
 from autoremat._mechanism.selective import selective_context
-from autoremat._mechanism.wrap import PLAN_OWNER, is_wrapped, unwrap, wrap
+from autoremat._mechanism.wrap import PLAN_OWNER, is_wrapped, plan_states, unwrap, wrap
 from autoremat._plan.plan import Plan
 from autoremat._profile.runs import refuse_hf_checkpointing
 
@@ -86,19 +86,8 @@ def applied_plan(model: nn.Module) -> Plan | None:
     state = inner.__dict__.get(_ATTR)
     if state is not None and not state.undone:
         return state.plan  # type: ignore[no-any-return]
-    found = _plans_within(inner)
+    found = plan_states(inner)
     return found[0].plan if found else None
-
-
-def _plans_within(model: nn.Module) -> list[Applied]:
-    """The plans applied to ``model`` or to a model holding its blocks, found from the
-    blocks (NOTE [ A plan found from its blocks ])."""
-    found: list[Applied] = []
-    for module in model.modules():
-        state = module.__dict__.get(_OWNER)
-        if state is not None and not state.undone and all(state is not f for f in found):
-            found.append(state)
-    return found
 
 
 def compile_model(model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -465,7 +454,7 @@ def remove(model: nn.Module) -> nn.Module:
     state = inner.__dict__.pop(_ATTR, None)
     if state is not None:
         _undo(state)
-    for other in _plans_within(inner):
+    for other in plan_states(inner):
         _undo(other)
     remove_calls(inner)
     return model

@@ -187,14 +187,15 @@ def _count_call(state: Applied, i: int, module: nn.Module, args: Any) -> None:
     if state.calls is None:
         return  # no forward with gradients running (or a recompute, in backward)
     if not any(state.calls):  # the first block of this forward
-        _check_autocast(state)
+        _check_first_block(state)
     state.calls[i] += 1
 
 
-def _check_autocast(state: Applied) -> None:
-    """At the first block of a forward with gradients, the autocast its blocks run under
-    (a forward may enter autocast itself: Accelerate's mixed precision wraps it) against
-    the one the plan's tape measured (NOTE [ What a plan is checked against ])."""
+def _check_first_block(state: Applied) -> None:
+    """At the first block of a forward with gradients, whether ``parametrize.cached()`` is
+    on, and the autocast its blocks run under (a forward may enter autocast itself:
+    Accelerate's mixed precision wraps it), against what the plan's tape measured (NOTE
+    [ What a plan is checked against ])."""
     plan = state.plan
     if not plan.dtypes:
         return  # made from a tape that did not record the conditions
@@ -267,12 +268,12 @@ def _watch_backward(state: Applied, output: Any) -> None:
 
 def _hooks(state: Applied) -> list[tuple[str, tuple[Mapping[int, Any], ...]]]:
     """The forward hooks (pre and post) of each planned block, by its name, then the
-    global ones (``nn.modules.module.register_module_forward_hook``)."""
+    global ones (``nn.modules.module.register_module_forward_hook``) as ``"*"``, as
+    :func:`~autoremat._core.conditions.user_hooks` names them."""
     from torch.nn.modules import module as torch_module
     return [(b.name, (m._forward_pre_hooks, m._forward_hooks))
             for b, (_, _, m) in zip(state.plan.blocks, state.blocks, strict=True)] + [
-        ("every module (a global hook)",
-         (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks))]
+        ("*", (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks))]
 
 
 def _check_hooks_since_profile(model: nn.Module, plan: Plan) -> None:
@@ -290,6 +291,8 @@ def _check_hooks_since_profile(model: nn.Module, plan: Plan) -> None:
 
 
 def _warn_hooks(blocks: list[str], hooks: list[str], when: str, stacklevel: int) -> None:
+    """Warn that users' forward hooks ``hooks`` on ``blocks`` (``"*"``: global ones) were
+    registered ``when``."""
     where = ", ".join("every module (a global hook)" if b == "*" else b for b in blocks[:3])
     warnings.warn(
         f"autoremat: forward hooks were registered on {where}"

@@ -164,9 +164,12 @@ def check_not_negative(options: Mapping[str, Any], *, every_number: bool = False
 
 
 @contextmanager
-def _first_on_path(folder: str) -> Iterator[None]:
-    """``folder`` first on ``sys.path`` inside the block, as it was after (NOTE [ Importing
-    a factory from the current folder ])."""
+def _first_on_path(target: str) -> Iterator[None]:
+    """The folder a ``module:factory`` or ``file.py:factory`` target imports from (the
+    file's, else the current one) first on ``sys.path`` inside the block, as it was
+    after (NOTE [ Importing a factory from the current folder ])."""
+    spec = target.rpartition(":")[0]  # rpartition: a Windows path has a colon
+    folder = str(Path(spec).resolve().parent) if spec.endswith(".py") else os.getcwd()
     if folder in sys.path or (folder == os.getcwd() and "" in sys.path):
         yield
         return
@@ -270,9 +273,7 @@ def check_target(target: str) -> None:
                              f"({', '.join(zoo.names())}), module:factory or "
                              f"path/to/file.py:factory." + did_you_mean(target, zoo.ZOO))
         return
-    spec = target.rpartition(":")[0]
-    folder = str(Path(spec).resolve().parent) if spec.endswith(".py") else os.getcwd()
-    with _first_on_path(folder):
+    with _first_on_path(target):
         _factory(target)
 
 
@@ -305,9 +306,7 @@ def load_target(target: str, options: Mapping[str, Any] | None = None, *,
         raise RematError(f"dtype= applies to zoo models only; make the factory of {target!r} "
                          "take a dtype option and pass it with the options instead")
     check_not_negative(opts)
-    spec = target.rpartition(":")[0]  # rpartition: a Windows path has a colon
-    folder = str(Path(spec).resolve().parent) if spec.endswith(".py") else os.getcwd()
-    with _first_on_path(folder):
+    with _first_on_path(target):
         factory = _factory(target)
         _check_signature(factory, target, opts)
         try:

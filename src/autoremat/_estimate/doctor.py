@@ -299,10 +299,9 @@ def _device_peak(est: Estimate, s: _Setting, kept: bool = False) -> int:
         grads, at_peak = grads // n, at_peak // n
     if s.accumulated:  # the gradients held from the first micro-batch, besides the later
         # steps' peak (NOTE [ Steps that accumulate ] in tracked_step.py)
-        later = step.accumulating_peak_bytes
-        if chunked and step.accumulating_chunked_peak_bytes is not None:
-            later = min(later or step.accumulating_chunked_peak_bytes,
-                        step.accumulating_chunked_peak_bytes)
+        later = step.accumulating_peak_bytes  # (measured with its chunked figure)
+        if later is not None and chunked and step.accumulating_chunked_peak_bytes is not None:
+            later = min(later, step.accumulating_chunked_peak_bytes)
         peak = peak + grads - at_peak if later is None else max(peak, grads + later)
     if kept:
         peak = budget_for(peak, margin_for(est.device))

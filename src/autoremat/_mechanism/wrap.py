@@ -941,6 +941,17 @@ def unwrap(module: nn.Module) -> bool:
 PLAN_OWNER = "_autoremat_owner"  # on each block of an applied plan: that plan's state
 
 
+def plan_states(model: nn.Module) -> list[Any]:
+    """The states of the plans applied (not undone) that own blocks of ``model``, each
+    once (``PLAN_OWNER``; NOTE [ A plan found from its blocks ] in ``_apply.py``)."""
+    found: list[Any] = []
+    for module in model.modules():
+        state = module.__dict__.get(PLAN_OWNER)
+        if state is not None and not state.undone and all(state is not f for f in found):
+            found.append(state)
+    return found
+
+
 def refuse_applied(model: nn.Module, caller: str) -> None:
     """Raise a :class:`RematError` before any work where ``model`` has a plan applied
     (a block wrapped, or owned by a plan not undone): ``caller`` (profile, estimate)
@@ -949,13 +960,11 @@ def refuse_applied(model: nn.Module, caller: str) -> None:
     then refused as "profiling")."""
     if not isinstance(model, nn.Module):
         return
-    for module in model.modules():
-        owner = module.__dict__.get(PLAN_OWNER)
-        if is_wrapped(module) or (owner is not None and not getattr(owner, "undone", True)):
-            raise RematError(
-                f"{caller}() measures the plain step, and {type(model).__name__} has a plan "
-                f"applied: call autoremat.remove(model) first (and apply the plan again "
-                f"after, or use autoremat.auto, which does both)")
+    if plan_states(model) or any(is_wrapped(module) for module in model.modules()):
+        raise RematError(
+            f"{caller}() measures the plain step, and {type(model).__name__} has a plan "
+            f"applied: call autoremat.remove(model) first (and apply the plan again "
+            f"after, or use autoremat.auto, which does both)")
 
 
 def is_wrapped(module: nn.Module) -> Decision | None:
