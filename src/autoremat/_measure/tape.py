@@ -125,6 +125,11 @@ class BlockProfile:
     # step (its input, when neither it nor the block before keeps it): a segment's
     # recompute keeps them (NOTE [ The peak model ] in _plan/peak.py). -1: not measured.
     fwd_frees: int = -1
+    # Its forward window with the tensors made before it that die in it held on (keyed
+    # like ``fwd``, keys where none die left out): what the first block of a segment of
+    # several, whose input the segment holds, does (NOTE [ A block that lets its input
+    # go ] in _plan/peak.py). Empty in tapes made before 2026-12-01.
+    fwd_held: dict[WindowKey, WindowMemory] = field(default_factory=dict)
     # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
     # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.
@@ -306,7 +311,7 @@ class Tape:
         """The JSON fields, decisions by name (NOTE [ Decisions in files ])."""
         data = asdict(self)
         for block in data["blocks"]:
-            for key in ("fwd", "bwd", "fwd_end_release"):
+            for key in ("fwd", "bwd", "fwd_end_release", "fwd_held"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
         for key in ("post", "tail", "post_fwd_peak", "first_release_shared"):
             data[key] = {d.value: v for d, v in data[key].items()}
@@ -435,6 +440,8 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
         raw = dict(raw)
         for key in ("fwd", "bwd"):
             raw[key] = _windows(raw.get(key), f"{where}.{key}", version)
+        if raw.get("fwd_held"):  # absent or empty: none die, or an older tape
+            raw["fwd_held"] = _windows(raw["fwd_held"], f"{where}.fwd_held", version)
         if "fwd_end_release" in raw:
             raw["fwd_end_release"] = _releases(raw["fwd_end_release"],
                                                f"{where}.fwd_end_release", version)

@@ -55,6 +55,27 @@ NOTE [ A selective block that keeps its output ]
     whole output where the option keeps what the block's last op made (through views
     and in-place writes; unknown counts as kept).
 
+NOTE [ A block that lets its input go ]
+    A block whose forward saves nothing for its backward (a parameter-free pool
+    ``x.view(B, L // 2, 2, C).mean(2)``, a scale by a constant) holds nothing when it
+    is checkpointed alone: no saved tensor refers to the checkpoint, so its input dies
+    in its forward as in the plain step, and its measured checkpointed window shows
+    that free. In a segment of several blocks the segment holds its first input (a later
+    block's saved tensors keep the checkpoint alive), and an inner block's input is the
+    boundary the composition drops itself (``chain_bytes``). Composed from the lone
+    windows, a segment starting with such a block counted its input freed, and one
+    holding such a block inside counted its input freed twice: one activation under
+    the measured step (a fuzzed pooling model's ``optimal`` plans measured up to 9.9%
+    over their budgets). So the profile also records each forward window with what it
+    frees of the tensors made before it held on to the window's end
+    (``BlockProfile.fwd_held``, from the same runs), and the segment's forward is
+    composed from those. The recompute keeps the first block's freed input
+    (``fwd_frees``), not an inner block's (its input, a tensor the recompute made,
+    dies in the recompute as in the plain forward: counted held, segments with such a
+    block inside were over by it). A segment ending in such a block is predicted above
+    its step by up to a boundary: the recompute stops at the last saved tensor, before
+    the block before it makes its output.
+
 NOTE [ Tensors held across stacks ]
     In an encoder-decoder planned as one chain, the encoder's output is made between
     the stacks (so in the last encoder block's forward window, NOTE [ Ops between
@@ -99,9 +120,10 @@ NOTE [ Released when the forward returns ]
     checkpointed is the first that takes it, else over by it until then). The solver
     counts it held in every plan but the one that keeps every block, which
     ``chain.solve`` checks by itself first. Likewise a segment's
-    recompute keeps what the plain forward of its blocks freed (``fwd_frees``: an input
-    nothing else keeps), so the composed recompute counts it held, and before it starts
-    it copies the BatchNorm statistics of all its blocks (``stash_bytes``), counted over
+    recompute keeps what the plain forward of its first block freed (``fwd_frees``: an
+    input nothing else keeps; NOTE [ A block that lets its input go ]), so the composed
+    recompute counts it held, and before it starts it copies the BatchNorm statistics
+    of all its blocks (``stash_bytes``), counted over
     the composed backward (an over-count of the last block's, which its measured window
     holds already). Found by the
     property test (``tests/test_properties.py``): a frozen block after one whose output
@@ -175,6 +197,14 @@ class SegmentCost:
 def _fwd(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
     windows = tape.blocks[k].fwd
     return windows[key] if key in windows else windows[key[1], key[1]]
+
+
+def _fwd_held(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
+    """Block ``k``'s forward window with what it lets go of that was made before it held
+    on (NOTE [ A block that lets its input go ])."""
+    b = tape.blocks[k]
+    found = key if key in b.fwd else (key[1], key[1])
+    return b.fwd_held.get(found, b.fwd[found])
 
 
 def _bwd(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
@@ -381,7 +411,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         b = blocks[k]
         cost += costs[k]
         stash += b.stash_bytes
-        window = _fwd(tape, k, (prev if k == start else _RECOMPUTE, _RECOMPUTE))
+        # NOTE [ A block that lets its input go ]
+        window = _fwd_held(tape, k, (prev if k == start else _RECOMPUTE, _RECOMPUTE))
         f_peak = max(f_peak, f_level + window.peak_bytes)
         f_level += window.delta_bytes
         if k > start:
@@ -404,9 +435,9 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
-        # the recompute keeps what the plain forward freed in this block (its input,
-        # held by the segment): counted held from the window's start
-        kept = max(b.fwd_frees, 0)
+        # the recompute keeps what the plain forward freed in the first block (its
+        # input, held by the segment): counted held from the window's start
+        kept = max(b.fwd_frees, 0) if k == start else 0
         r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes + kept)
         r_level += b.keep_fwd.delta_bytes + kept
         back = b.keep_bwd.peak_bytes if k == start else \

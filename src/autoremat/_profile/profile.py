@@ -122,6 +122,7 @@ from autoremat._profile.runs import (
     compile_settings,
     find_chain,
     freed_in_forward,
+    held_forward_windows,
     refuse_hf_checkpointing,
     released_at_fwd_end,
     saved_by_block,
@@ -384,6 +385,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
     released = {pattern: released_at_fwd_end(run, n) for pattern, run in runs.items()}
     frees = freed_in_forward(plain, n)
+    held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
     saved = saved_by_block(plain)
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
                                    if setup.offload else OffloadStats() for name in names]
@@ -417,6 +419,9 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                 runs, i, lambda pattern, _, k: released[pattern][k], base.alike,
                 base.local).items() if v},
             fwd_frees=frees[i],
+            fwd_held={key: v for key, v in by_pairs(
+                runs, i, lambda pattern, _, k: held[pattern][k], base.alike,
+                base.local).items() if v is not None},
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
         ))

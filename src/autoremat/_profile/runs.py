@@ -1229,16 +1229,45 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     return out
 
 
-def freed_in_forward(run: MemoryRun, n: int) -> list[int]:
-    """Per block, bytes of forward-made tensors born before its forward window that die
-    in it (its input, when nothing keeps it for backward)."""
-    out = [0] * n
+def _freed_in_forward(run: MemoryRun, n: int) -> list[list[tuple[int, int]]]:
+    """Per block, ``(event, bytes)`` of the forward-made tensors born before its forward
+    window that die in it."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for record in run.mem.records:
         if record.backward or record.died is None:
             continue
         freed_in = forward_window(run, record.died)
         if freed_in is not None and record.born <= run.bounds[freed_in]:
-            out[freed_in] += record.nbytes
+            out[freed_in].append((record.died, record.nbytes))
+    return out
+
+
+def freed_in_forward(run: MemoryRun, n: int) -> list[int]:
+    """Per block, bytes of forward-made tensors born before its forward window that die
+    in it (its input, when nothing keeps it for backward)."""
+    return [sum(size for _, size in frees) for frees in _freed_in_forward(run, n)]
+
+
+def held_forward_windows(run: MemoryRun, n: int) -> list[WindowMemory | None]:
+    """Per block, its forward window with the tensors born before it that die in it held
+    on to its end (NOTE [ A block that lets its input go ] in _plan/peak.py); ``None``
+    where none die."""
+    out: list[WindowMemory | None] = []
+    for k, frees in enumerate(_freed_in_forward(run, n)):
+        if not frees:
+            out.append(None)
+            continue
+        start, stop = run.bounds[k], run.bounds[k + 1]
+        added = [0] * (stop - start + 1)  # bytes held on from each event on
+        for died, size in frees:
+            added[died - start] += size
+        held = peak = 0
+        for offset, level in enumerate(run.mem.levels[start : stop + 1]):
+            held += added[offset]
+            peak = max(peak, level + held)
+        base = run.mem.levels[start]
+        out.append(WindowMemory(peak_bytes=peak - base,
+                                delta_bytes=run.mem.levels[stop] + held - base))
     return out
 
 
