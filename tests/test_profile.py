@@ -724,6 +724,71 @@ def test_a_segment_holds_the_input_its_first_block_alone_lets_go_of(kinds: str) 
                     assert measured == predicted, (rest, a, b, measured - predicted)
 
 
+class _Attention(nn.Module):
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.norm, self.heads = nn.LayerNorm(width), heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.norm(x)).split(width, dim=2))
+        y = ((q @ k.transpose(-2, -1)) / (width // self.heads) ** 0.5).softmax(-1) @ v
+        return x + self.out(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class _TokenMixer(nn.Module):
+    """MLP-Mixer's token mixing: a Linear over the sequence, through a transpose."""
+
+    def __init__(self, width: int, length: int) -> None:
+        super().__init__()
+        self.norm, self.mix = nn.LayerNorm(width), nn.Linear(length, length)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(self.norm(x).transpose(1, 2)).transpose(1, 2)
+
+
+class _Mixer(nn.Module):
+    def __init__(self, width: int = 16, length: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Attention(width), _TokenMixer(width, length),
+                                     _Attention(width), _TokenMixer(width, length)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recompute() -> None:
+    """``BlockProfile.recompute_after``: a token mixer's backward computes its bias's
+    gradient and a contiguous copy of the transposed gradient, which need no saved
+    tensor, before its recompute starts; in a segment they stay held while every block
+    of it is recomputed. A ``sqrt`` plan of [attention, mixer] segments measured them
+    (1056 B) over its prediction (a fuzzed model's)."""
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    torch.manual_seed(0)
+    model = _Mixer()
+    x, y = torch.randn(2, 8, 16), torch.randint(0, 4, (2,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.mean(1), y)
+
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
+    assert tape.blocks[1].recompute_after > 0
+    n = len(tape.blocks)
+    for rest in (KEEP, RECOMPUTE):
+        for a, b in itertools.combinations(range(n + 1), 2):
+            if b - a >= 2:
+                segments = [(i, i + 1, rest) for i in range(a)] + [(a, b, RECOMPUTE)] + \
+                    [(i, i + 1, rest) for i in range(b, n)]
+                predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
+                assert measured == predicted, (rest, a, b, measured - predicted)
+
+
 class _SkippedAtRandom(nn.Module):
     """Stochastic depth by the whole batch: in training, skipped with probability ``p``."""
 

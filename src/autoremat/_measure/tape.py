@@ -141,6 +141,12 @@ class BlockProfile:
     # Of those, the ones whose storages the next block, kept, does not save (it lets go
     # of them in its forward)
     output_unsaved: tuple[int, ...] = ()
+    # Bytes its checkpointed backward holds when its recompute starts, above the
+    # window's start: the backward ops that need no saved tensor run first (a bias's
+    # gradient, the contiguous copy of a transposed gradient in a token mixer) and hold
+    # their outputs through the recompute, in a segment through the recompute of the
+    # blocks before it too (NOTE [ The peak model ] in _plan/peak.py). 0: not measured.
+    recompute_after: int = 0
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:

@@ -28,7 +28,12 @@ NOTE [ The peak model ]
     the last block's backward: HGNetV2's stages end in a ReLU, and its segments measured
     up to 0.25% over a composition that took the window after a checkpointed block),
     then the others' plain backward windows. BatchNorm statistics are copied aside
-    while the recompute runs only.
+    while the recompute runs only. Before the recompute starts, the last block's
+    backward runs the ops that need no saved tensor (the residual's gradient, a bias's
+    gradient, the contiguous copy of a token mixer's transposed gradient), whose outputs
+    stay held through the recompute of every block of the segment
+    (``BlockProfile.recompute_after``; without it, a segment of an attention block and a
+    token mixer measured their bytes over its prediction).
 
 NOTE [ A selective block that keeps its output ]
     A selective block whose save-set keeps the output of its last op (a keep-set that
@@ -430,7 +435,10 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             # backward); then the plain backward of the others. The statistics are
             # stashed while the recompute runs, and put back when it ends.
             last = _bwd(tape, k, (_KEEP, _RECOMPUTE))
-            bwd_peak = max(stash + r_peak, stash - b.stash_bytes + r_level + last.peak_bytes,
+            # the last block's backward ops that need no saved tensor run before the
+            # recompute starts, and hold their outputs through it (recompute_after)
+            bwd_peak = max(stash + b.recompute_after + r_peak,
+                           stash - b.stash_bytes + r_level + last.peak_bytes,
                            r_level + last.delta_bytes + back)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))

@@ -374,6 +374,20 @@ def _by_takers(entries: tuple[tuple[int, tuple[int, ...], int], ...], ran_on: to
     return out
 
 
+def _recompute_after(base: BaseRuns, i: int) -> int:
+    """``BlockProfile.recompute_after``: in the step with every block checkpointed, the
+    level when block ``i``'s recompute starts above its backward window's start (0 where
+    the step did not tag the block: NOTE [ Selective windows from the checkpointed
+    step ] in derive.py)."""
+    tags = base.tags[i] if base.tags else None
+    if tags is None or tags.mem is None or not tags.recompute:
+        return 0
+    run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
+    levels, start = run.mem.levels, run.ends[i + 1]
+    first = tags.recompute[0].first  # the recompute's first op made events first..
+    return max(0, levels[first - 1] - levels[start]) if first > start else 0
+
+
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
@@ -422,6 +436,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             fwd_held={key: v for key, v in by_pairs(
                 runs, i, lambda pattern, _, k: held[pattern][k], base.alike,
                 base.local).items() if v is not None},
+            recompute_after=_recompute_after(base, i),
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
         ))
