@@ -789,6 +789,58 @@ def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recomp
                 assert measured == predicted, (rest, a, b, measured - predicted)
 
 
+class _Feedforward(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class _Skips(nn.Module):
+    """Feed-forward blocks without residuals, the first half's outputs added back in
+    the second half (``skips``: a U-Net's), then a linear head."""
+
+    def __init__(self, skips: bool, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Feedforward(width) for _ in range(depth))
+        self.head, self.skips = nn.Linear(width, 4), skips
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held, half = [], len(self.blocks) // 2
+        for i, block in enumerate(self.blocks):
+            if self.skips and i >= half:
+                x = x + held.pop()
+            x = block(x)
+            if i < half:
+                held.append(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("skips", [False, True], ids=["chain", "u-net"])
+def test_a_selective_last_block_keeps_the_output_the_head_saves(skips: bool) -> None:
+    """NOTE [ A selective block that keeps its output ] in _plan/peak.py, for the last
+    block: its last op is a matmul, which ``selective`` keeps, and the head saves the
+    same output. In the checkpointed step the head's backward frees it; kept by the
+    selective block it lives to the block's backward. The last block's output the step
+    after the chain saves is now recorded (``output_ops``); every ``selective`` plan of
+    these models measured one output (2048 B) over its prediction before."""
+    torch.manual_seed(0)
+    model, x, y = _Skips(skips), torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
+    assert tape.blocks[-1].output_ops
+    for strategy in ("selective", "none", "full"):
+        plan = autoremat.plan(tape, strategy=strategy)
+        report = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
+        assert report.grads_equal, (strategy, report)
+        assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+
+
 class _SkippedAtRandom(nn.Module):
     """Stochastic depth by the whole batch: in training, skipped with probability ``p``."""
 
@@ -1508,7 +1560,12 @@ def test_a_sparse_tensor_autograd_saves_is_profiled(layout: torch.layout, inside
             plan = autoremat.plan(tape, None, strategy)
             report = verified(model, (x, edges, adj), plan, loss_fn=loss_fn, repeats=1)
             assert report.ok and report.grads_equal, (strategy, report)
-            assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+            over = plan.predicted_peak_bytes - report.peak_bytes
+            # selective keeps the last layer's output, which the sparse product after
+            # the chain saves too: counted held to its backward, at most that over
+            # (NOTE [ A selective block that keeps its output ] in _plan/peak.py)
+            limit = tape.blocks[-1].output_bytes if strategy == "selective" else 0
+            assert 0 <= over <= limit, (strategy, report)
 
 
 

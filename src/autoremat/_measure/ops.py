@@ -185,7 +185,7 @@ class OpRecorder(FlopCounter):
         """A saved-tensors pack hook: note which storages autograd saves in each block's
         forward, and keep a detached alias of the tensor (``saved_tensors_hooks(rec.pack,
         rec.unpack)``; NOTE [ A pack hook keeps an alias ])."""
-        if self._kept is None and self.label != "<outside>":
+        if self._kept is None:  # (under "<outside>" too: a head saving the chain's output)
             self._packed.setdefault(self.label, set()).update(
                 t.untyped_storage()._cdata for t in _tensors_in(tensor))  # (sparse: parts)
         return tensor.detach()
@@ -270,8 +270,9 @@ class OpRecorder(FlopCounter):
 
     def block_output_ops(self, label: str) -> tuple[int, ...] | None:
         """The indices of ``label``'s forward ops that made the storages of its output
-        that the next block takes (none: the last block, or one whose output the next
-        does not take as it was made); ``None`` where that was not noted."""
+        that the next block takes (none: one whose output the next does not take as it
+        was made; for the last block, those the step after the chain saves for
+        backward); ``None`` where that was not noted."""
         taken = self._taken.get(label)
         return None if taken is None else tuple(sorted(set(taken[1].values())))
 
@@ -298,6 +299,13 @@ class OpRecorder(FlopCounter):
                       for label, rows in self._trace.items()}
         for label, (taker, made) in self._taken.items():
             saved = self._packed.get(taker, set())
+            if taker == "<outside>":
+                # the last block's output: only what the step after the chain saves
+                # matters (it frees it in its backward, which a kept copy outlives); what
+                # it does not save is freed before the backward, or held by the loop,
+                # whatever the block does (held_after counts the first)
+                for key in [k for k in made if k not in saved]:
+                    del made[key]
             self._unsaved[label] = tuple(sorted(
                 {op for key, op in made.items() if key not in saved}
                 - {op for key, op in made.items() if key in saved}))

@@ -302,13 +302,17 @@ class _Probe:
             if torch._C._current_graph_task_id() == -1:  # (not a recompute's call)
                 given = {id(t) for t, _ in inputs}
                 self.passed[i] = bool(tensors) and all(id(t) in given for t in tensors)
-                if self.on_output is not None and i == len(self.names) - 1:
-                    self.on_output(i, [])  # the last block: no block takes its output
             self.output_bytes[i] = unique_storage_bytes(tensors)
             self._prev_outputs = {id(t): t._version for t in tensors}
             self.starts.watch(f"bwd:{i}", tensors)
             self.on_mark(f"post:{i}")  # NOTE [ Ops between blocks ]
             if i == len(self.names) - 1:
+                if self.on_output is not None and torch._C._current_graph_task_id() == -1:
+                    # the last block: no block takes its output, but what the model and
+                    # the loss do after the chain (a head) may save it; told under the
+                    # label after the chain (NOTE [ A selective block that keeps its
+                    # output ] in _plan/peak.py)
+                    self.on_output(i, tensors)
                 self.on_mark("fwd_end")
         return hook
 
