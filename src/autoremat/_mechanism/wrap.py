@@ -101,6 +101,17 @@ class StatefulBlockWarning(UserWarning):
     [ What a recompute cannot see ])."""
 
 
+def _write_unversioned(buf: torch.Tensor, value: torch.Tensor) -> None:
+    """``buf.copy_(value)`` without moving ``buf``'s version counter. A recompute puts a
+    buffer as its forward found it and back as the forward left it, all in backward: a
+    module that runs at two positions of a step (a block listed twice) saved the buffer
+    for the backward of its other call, kept, and a moved version made autograd refuse
+    that backward ("modified by an inplace operation"), where the plain step, whose
+    BatchNorm updates its statistics without moving their versions, runs. The value the
+    other call finds is the one it would in the plain step: what the forward left."""
+    buf.data.copy_(value)
+
+
 class _RestoredBuffers:
     """Puts ``buffers`` back as they were when entered. Re-entrant: each ``with`` copies
     them afresh (NOTE [ Contexts a backward may enter again ])."""
@@ -115,7 +126,7 @@ class _RestoredBuffers:
     def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
             for buf, value in self.saved.pop():
-                buf.copy_(value)
+                _write_unversioned(buf, value)
 
 
 # NOTE [ Contexts a backward may enter again ]
@@ -643,7 +654,7 @@ class _RecomputeContext:
             stack.enter_context(_RestoredBuffers([*forward.layout.stashed(), *changed.values()]))
             with torch.no_grad():  # as the forward found them (NOTE [ Buffers a forward ...])
                 for buf, value in forward.found:
-                    buf.copy_(value)
+                    _write_unversioned(buf, value)
             slots = {(id(m), name): (m, name) for m, name, _ in forward.found_attrs} | \
                 {(id(m), name): (m, name) for m, name in forward.changed_attrs}
             stack.callback(_put_attributes, [(m, name, _slot(m, name))
