@@ -71,6 +71,19 @@ def grad_tensors(obj: Any) -> list[torch.Tensor]:
 #     output's graph node is freed with it, and its hook with the node: at the end of
 #     forward (:meth:`BackwardStarts.settle`) the outputs whose hooks are still alive are
 #     the ones that mark.
+# NOTE [ An output view changed in place ]
+#     A block's output may be a view: nn.Linear on a (batch, tokens, width) input returns
+#     one, and so do ``h.add_(x)`` on it, a slice, ``view_as``. When a later op writes the
+#     view in place (an ``nn.ReLU(inplace=True)`` after the block, a next block that
+#     starts with ``x.mul_(2)``), autograd rebases the view's history on its base
+#     (CopySlices) and gives the view a new node: the hook registered on the view stays
+#     on the old node, which leaves the graph, and never ran. The block seemed never
+#     reached by backward, and profile refused a model the plain step trains ("no
+#     gradient reached the output of block(s)", "backward runs through none of the blocks
+#     found"). So a view output is watched on its base too, whose node stays in the
+#     graph (the in-place op's backward runs before it, as for an output that is no
+#     view); a label marks once per backward, at the first of its hooks to run: the
+#     view's where it ran (its node runs before its base's), else the base's.
 class BackwardStarts:
     """Marks where each watched block's backward starts (NOTE [ Where a block's backward
     starts ]): :meth:`watch` its output in its forward hook, :meth:`took` the next
@@ -91,8 +104,13 @@ class BackwardStarts:
         """Mark ``label`` when backward reaches ``output`` (a block's)."""
         outs = grad_tensors(output)
         hooks = [self._hook(label, None if len(outs) == 1 else k) for k in range(len(outs))]
-        for out, hook in zip(outs, hooks, strict=True):
+        for k, (out, hook) in enumerate(zip(outs, hooks, strict=True)):
             out.register_hook(hook)  # held by the output's graph node only
+            base = out._base if out._is_view() else None
+            if base is not None and base.requires_grad:
+                # NOTE [ An output view changed in place ]: should the view be written in
+                # place later, its hook's node leaves the graph; its base's does not
+                base.register_hook(self._hook(label, None if len(outs) == 1 else k))
         if len(outs) > 1:
             self._pending[label] = [weakref.ref(hook) for hook in hooks]
             self._outputs[label] = [id(t) for t in outs]
@@ -108,12 +126,10 @@ class BackwardStarts:
 
     def _hook(self, label: str, k: int | None) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if k is None:
-                self.mark(label)
-                return
             task = torch._C._current_graph_task_id()
-            if k in self._marking.get(label, ()) and self._marked.get(label) != task:
-                self._marked[label] = task
+            if (k is None or k in self._marking.get(label, ())) \
+                    and self._marked.get(label) != task:
+                self._marked[label] = task  # once per backward: the view's, else its base's
                 self.mark(label)
         return hook
 
