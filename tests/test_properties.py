@@ -55,6 +55,8 @@ class BlockSpec:
     act: str  # "relu" | "relu_" (in place) | "gelu" | "tanh"
     residual: bool  # add the input (when the widths agree)
     frozen: bool
+    scale: bool = False  # parameter-free, saves nothing: its input times 2 (NOTE [ A block
+    # that lets its input go ] in _plan/peak.py)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class ModelSpec:
 class Block(nn.Module):
     def __init__(self, d_in: int, spec: BlockSpec) -> None:
         super().__init__()
-        self.fc = nn.Linear(d_in, spec.width)
+        self.scale = spec.scale
+        self.fc: nn.Module = nn.Identity() if spec.scale else nn.Linear(d_in, spec.width)
         self.norm: nn.Module = {"none": nn.Identity(), "batch": nn.BatchNorm1d(spec.width),
                                 "layer": nn.LayerNorm(spec.width)}[spec.norm]
         self.act: nn.Module = {"relu": nn.ReLU(), "relu_": nn.ReLU(inplace=True),
@@ -83,7 +86,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None, *,
                 gain: float = 1.0) -> torch.Tensor:
-        y = self.drop(self.act(self.norm(self.fc(x)))) * gain
+        y = x * 2.0 if self.scale else self.drop(self.act(self.norm(self.fc(x)))) * gain
         if self.residual:
             y = y + x
         if skip is not None:
@@ -117,23 +120,28 @@ class RandomNet(nn.Module):
 def model_specs(draw: st.DrawFn) -> ModelSpec:
     n = draw(st.integers(2, 5))
     width = draw(st.sampled_from([4, 8, 16]))
-    blocks = []
+    blocks: list[BlockSpec] = []
+    d_in = draw(st.sampled_from([4, 8]))
     for _ in range(n):
         same = draw(st.booleans())
-        blocks.append(BlockSpec(
+        block = BlockSpec(
             width=width if same else draw(st.sampled_from([4, 8, 16, 32])),
             dropout=draw(st.sampled_from([0.0, 0.1, 0.5])),
             norm=draw(st.sampled_from(["none", "batch", "layer"])),
             act=draw(st.sampled_from(["relu", "relu_", "gelu", "tanh"])),
             residual=draw(st.booleans()),
             frozen=draw(st.booleans()) and draw(st.booleans()),  # one in four
-        ))
+        )
+        if draw(st.integers(0, 4)) == 0:  # one in five: a block that saves nothing
+            block = dataclasses.replace(block, scale=True, frozen=False,
+                                        width=blocks[-1].width if blocks else d_in)
+        blocks.append(block)
     # a skip from block a's output to block b's input needs equal widths there
     pairs = [(a, b) for a in range(n) for b in range(a + 2, n)
              if blocks[a].width == blocks[b].width]
     skips = tuple(sorted(draw(st.sets(st.sampled_from(pairs), max_size=2)))) if pairs else ()
     skips = tuple({b: (a, b) for a, b in skips}.values())  # one skip into a block
-    return ModelSpec(d_in=draw(st.sampled_from([4, 8])), batch=draw(st.integers(2, 16)),
+    return ModelSpec(d_in=d_in, batch=draw(st.integers(2, 16)),
                      blocks=tuple(blocks), skips=skips, flag=draw(st.booleans()),
                      hold_all=draw(st.booleans()))
 
@@ -151,7 +159,7 @@ def _build(spec: ModelSpec) -> tuple[RandomNet, tuple[torch.Tensor, torch.Tensor
 def test_random_models_fit_their_budget_with_plain_gradients(
         spec: ModelSpec, where: float, selective: bool, strategy: str) -> None:
     model, inputs = _build(spec)
-    trainable_after = [i for i, b in enumerate(spec.blocks) if not b.frozen]
+    trainable_after = [i for i, b in enumerate(spec.blocks) if not (b.frozen or b.scale)]
     try:
         tape = autoremat.profile(model, inputs, repeats=1, timing=False,
                                  with_selective=selective)
