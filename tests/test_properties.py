@@ -2,7 +2,8 @@
 
 Each example builds a chain of blocks from drawn parts (widths, dropout, BatchNorm,
 in-place activations, residual adds, keyword flags, skip connections held in the
-parent's list outside the chain, frozen blocks), profiles it, plans it under a budget
+parent's list outside the chain, frozen blocks, parameter-free blocks that save nothing),
+profiles it, plans it under a budget
 drawn between the smallest feasible one and the plain peak, and checks what autoremat
 promises: the measured step peak is within the budget, and the loss, every gradient and
 every buffer equal the plain model's (``torch.equal``, dropout on), and that the plan's
@@ -14,7 +15,9 @@ in a list, released when the forward returns or not depending on the modes of bl
 away (NOTE [ Released when the forward returns ]); a segment whose recompute keeps an
 input the plain forward freed; and a segment whose recompute first copies the BatchNorm
 statistics of all its blocks (``stash_bytes``). Each made plans measure over their
-prediction by a tensor or two.
+prediction by a tensor or two. The blocks that save nothing came from a fuzzer's finding
+(NOTE [ A block that lets its input go ]): with segments composed from their lone
+windows, these examples' first failure measured 408 B against 392 predicted.
 
 CI runs the ``ci`` profile: 200 examples from a fixed seed. A longer search:
 ``AUTOREMAT_HYPOTHESIS=long python -m pytest -q tests/test_properties.py`` (1000 random
