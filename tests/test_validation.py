@@ -220,6 +220,21 @@ def test_only_recomputed_blocks_share_a_segment(selective_plan: autoremat.Plan) 
         assert autoremat.Plan.from_json(json.dumps(data)).blocks[1].segment == 0
 
 
+def test_an_offloaded_block_is_refused_against_a_tape_measured_without_offload(
+        zoo_tapes: Callable[..., autoremat.Tape]) -> None:
+    """A plan file edited to offload a block, checked against a tape profiled without
+    ``offload=True``: the peak model raised an internal error (found by the property
+    test of edited plan files); the plan is refused for what it asks."""
+    tape = zoo_tapes("gpt2", n_layer=2, batch_size=2, seq_len=16)
+    data = json.loads(autoremat.plan(tape, None, "full").to_json())
+    data["blocks"][1].update(decision="offload", segment=1)
+    del data["seal"]
+    with pytest.warns(UnsealedPlanWarning), \
+            pytest.raises(SchemaError, match=re.escape("plan.blocks[1] (blocks.1) is 'offload'"
+                                                       ", which this tape did not measure")):
+        autoremat.Plan.from_json(json.dumps(data), tape=tape)
+
+
 class _IntegerOutput(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

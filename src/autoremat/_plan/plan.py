@@ -587,6 +587,9 @@ def _choice_of(tape: Tape, plan: Plan, start: int, stop: int, decision: Decision
             raise SchemaError(f"plan.blocks[{k}] ({plan.blocks[k].name}) shares a segment "
                               f"with the block before it, which this tape does not allow "
                               f"(they are not chained, or the step is compiled). {_REPLAN}")
+    if decision.offloads and not tape.offload:
+        raise SchemaError(f"{where} is {decision.value!r}, which this tape did not measure "
+                          f"(it was profiled without offload=True). {_REPLAN}")
     if decision is not Decision.SELECTIVE:
         return Choice(decision)
     measured = tape.blocks[start].selective
