@@ -40,6 +40,7 @@ __all__ = [
     "call_model",
     "check_loop",
     "check_no_cache",
+    "clear_grads",
     "default_loss",
     "describe_inputs",
     "describe_loss",
@@ -670,6 +671,20 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[None]:
                 p.grad = g
             random.setstate(py_state)
             np.random.set_state(np_state)
+
+
+def clear_grads(model: nn.Module, inputs: Any = None) -> None:
+    """``.grad = None`` on the parameters of ``model`` and on the tensors of ``inputs``
+    that are leaves requiring grad, before (or after) a measured step: a step starts with
+    gradients ``None`` (DESIGN: step peak), the input's included. An input gradient left
+    by an earlier step is accumulated into in place, so the next step would not allocate
+    it (nor, for a non-contiguous input, AccumulateGrad's copy into the input's layout)
+    and would measure low."""
+    for p in model.parameters():
+        p.grad = None
+    for t in flat_tensors(inputs) if inputs is not None else ():
+        if t.is_leaf and t.requires_grad:
+            t.grad = None
 
 
 def device_of(model: nn.Module, inputs: Any = None) -> torch.device:

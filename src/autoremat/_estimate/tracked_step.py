@@ -24,6 +24,7 @@ from autoremat._core.step import (
     LossFn,
     Step,
     check_loop,
+    clear_grads,
     flat_tensors,
     preserved_state,
 )
@@ -141,8 +142,8 @@ def _tracked_step(step: Step, names: list[str], *, checkpoint_all: bool,
     mem = measure_step(step, memory="storages", rounding=rounding, isolated=False,
                        run=run).memory
     assert mem is not None  # for mypy: asked for
-    for p in model.parameters():
-        p.grad = None  # inside preserved_state: the caller's gradients come back after
+    # inside preserved_state: the caller's gradients come back after
+    clear_grads(model, step.inputs)
 
     walk = _MarkWalk(list(mem.marks))  # in event order already; never sort them
     where: list[str] = []

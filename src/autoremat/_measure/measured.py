@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from autoremat._core.errors import internal_assert
-from autoremat._core.step import Step, flat_tensors, preserved_state
+from autoremat._core.step import Step, clear_grads, flat_tensors, preserved_state
 from autoremat._measure.allocations import track_allocations
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import MemoryTracker, Rounding, _tracked, track_allocator
@@ -224,8 +224,7 @@ def measure_step(step: Step, *, memory: Memory | None = None,
             torch.set_rng_state(rng)
         if warm_up:
             run(step, lambda label: None)
-            for p in model.parameters():
-                p.grad = None
+            clear_grads(model, step.inputs)
             if rng is not None:  # the measured step starts from it too
                 torch.set_rng_state(rng)
         with ExitStack() as stack:

@@ -59,7 +59,7 @@ from autoremat._core.decisions import Choice, Decision
 from autoremat._core.errors import RematError, internal_assert
 from autoremat._core.head import HEAD_KERNELS, HEAD_WATCH, HeadCall, backend_unavailable
 from autoremat._core.saves import keep_keys, keep_set_name, op_signature, save_set_name, save_sets
-from autoremat._core.step import unique_storage_bytes
+from autoremat._core.step import clear_grads, unique_storage_bytes
 from autoremat._measure.blocks import param_signature
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import Rounding, active_tracker, track_memory
@@ -472,8 +472,7 @@ def base_runs(names: list[str], setup: Setup,
             if setup.offload:
                 bandwidth = float(setup.host_bandwidth) \
                     if setup.host_bandwidth is not None else measure_host_bandwidth(setup.ran_on)
-    for p in model.parameters():
-        p.grad = None
+    clear_grads(model, step.inputs)
     if len(alike) != n:  # a chain of one block
         if not eager:
             counter = recorded_step(step, names)
@@ -544,8 +543,7 @@ def _head_options(names: list[str], site: HeadSite, setup: Setup,
             except Exception as e:  # the model's own error, said in the note
                 # a forward that reads the logits besides the loss (a z-loss over an
                 # LMHead's logits, None when chunked): it ran with the head as it is
-                for p in model.parameters():
-                    p.grad = None
+                clear_grads(model, step.inputs)
                 return None, (f"the model's forward raised {type(e).__name__} ({e}) with the "
                               f"loss head {site} chunked, whose logits are None in a step "
                               f"with gradients (does it read them besides the loss?): the "
@@ -562,8 +560,7 @@ def _head_options(names: list[str], site: HeadSite, setup: Setup,
         options[choice.head_key] = HeadOption(
             chunks=chunks, post=post, tail=tail, step_peak_bytes=peak, backend=backend,
             cost=head_cost(chunks, weight_bytes, setup.cost_model, tokens * site.vocab * 4))
-    for p in model.parameters():
-        p.grad = None
+    clear_grads(model, step.inputs)
     if first is not None and first[1].hidden[2].type in ("cpu", "cuda"):
         costs = _head_costs(first[1], options, setup.cost_model)
         options = {k: dataclasses.replace(o, cost=costs[k]) for k, o in options.items()}

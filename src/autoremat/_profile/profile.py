@@ -76,6 +76,7 @@ from autoremat._core.step import (
     Step,
     as_step,
     call_model,
+    clear_grads,
     describe_inputs,
     flat_tensors,
     layer_drops,
@@ -649,8 +650,8 @@ def _found_chain(setup: Setup, given: str | None, calls: ExitStack, *,
     try:
         chain = find_chain(setup, given=given, timed=timed)
     except RepeatedCalls as exc:
-        for p in model.parameters():
-            p.grad = None  # the step that found the calls ran its backward
+        # the step that found the calls ran its backward
+        clear_grads(model, setup.step.inputs)
         names = unrolled(exc.sequence)
         calls.enter_context(calls_for(model, names))
         setup = dataclasses.replace(setup, names=names)

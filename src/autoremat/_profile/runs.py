@@ -168,6 +168,7 @@ from autoremat._core.step import (
     Step,
     call_model,
     check_no_cache,
+    clear_grads,
     default_loss,
     describe_loss,
     flat_tensors,
@@ -911,8 +912,7 @@ def _fails_for_the_hooks(step: Step, names: list[str], exc: RuntimeError) -> boo
         note("autoremat: the step ran when tried again, with saved-tensor hooks and without")
         return False
     finally:
-        for p in step.model.parameters():
-            p.grad = None
+        clear_grads(step.model, step.inputs)
 
 
 def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bool]:
@@ -1012,8 +1012,7 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
                     f"{len(decisions)} decisions for {len(names)} blocks")
     internal_assert(counter is None or backend is None, "FLOPs are counted in eager steps only")
     model = step.model
-    for p in model.parameters():
-        p.grad = None
+    clear_grads(model, step.inputs)
 
     def under(decision: Decision) -> list[str]:
         return [n for n, d in zip(names, decisions, strict=True) if d is decision]
@@ -1098,8 +1097,7 @@ def recorded_step(step: Step, names: list[str]) -> OpRecorder:
                  on_mark=lambda label: _label(counter, names, label),
                  run=lambda step, mark: _run_marked(step, names, mark,
                                                     on_output=_outputs_to(counter, names)))
-    for p in step.model.parameters():
-        p.grad = None
+    clear_grads(step.model, step.inputs)
     return counter
 
 
@@ -1122,8 +1120,7 @@ def checkpointed_flops(step: Step, names: list[str], plain: FlopCounter,
         measure_step(step, counter=counter, isolated=False,
                      on_mark=lambda label: _label(counter, names, label),
                      run=lambda step, mark: _run_marked(step, names, mark))
-    for p in step.model.parameters():
-        p.grad = None
+    clear_grads(step.model, step.inputs)
     return recompute_flops_by_block(counter, plain, names)
 
 
@@ -1197,8 +1194,7 @@ def timings(step: Step, names: list[str], repeats: int, *,
         _run_marked(step, names, stamps)
         clock.sync()
         samples.append(stamps.times(n))
-        for p in step.model.parameters():
-            p.grad = None
+        clear_grads(step.model, step.inputs)
     return BlockTimes([statistics.median(s.fwd_ms[i] for s in samples) for i in range(n)],
                   [statistics.median(s.bwd_ms[i] for s in samples) for i in range(n)],
                   statistics.median(s.step_ms for s in samples))
@@ -1381,8 +1377,7 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
     # the blocks it stamped, in the same order
     stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))
     times = stamps.times(len(names)) if timed and stamped else None
-    for p in model.parameters():
-        p.grad = None
+    clear_grads(model, inputs)
     held_inputs = held_inputs_seen.held(names) if eager else None
     if held_inputs is None:
         held_inputs = _held_boundaries(model, inputs, names)
