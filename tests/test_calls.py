@@ -396,3 +396,69 @@ def test_a_layer_run_several_times_under_autocast_is_profiled_without_selective_
         finally:
             autoremat.remove(model)
     assert report.ok, report
+
+
+class _CastBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), \
+            nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _SharedAt(nn.Module):
+    """A ModuleList holding one layer at two positions (0 and 2), not neighbours."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        shared = _CastBlock(d)
+        self.blocks = nn.ModuleList([shared, _CastBlock(d), shared, _CastBlock(d)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_layer_listed_twice_under_autocast_holds_its_casts_for_a_later_kept_call() -> None:
+    # NOTE [ Saves shared by calls of a layer ] (peak.py): its first call casts its
+    # weights, its later kept call saves the casts autocast cached; a plan recomputing
+    # the first call and keeping the later one measured the casts (8 KiB) over its
+    # prediction, and `optimal` plans under budgets with it
+    import itertools
+
+    from tests._steps import single_block_plans
+
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    torch.manual_seed(0)
+    model, x, y = _SharedAt().train(), torch.randn(64, 32), torch.randint(0, 4, (64,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
+        assert [b.name for b in tape.blocks] == ["blocks.0@0", "blocks.1", "blocks.0@1",
+                                                 "blocks.3"]
+        casts = 2 * (32 * 64) * 2  # up's and down's bf16 weights
+        found = single_block_plans(model, x, tape, loss_fn,
+                                   itertools.product((KEEP, RECOMPUTE), repeat=4))
+        for budget in ("90%", "70%"):
+            plan = autoremat.plan(tape, budget, strategy="optimal")
+            autoremat.apply(model, plan)
+            try:
+                report = autoremat.verify(model, x, loss_fn=loss_fn)
+            finally:
+                autoremat.remove(model)
+            assert report.ok and report.max_grad_diff == 0.0, report
+            assert report.peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
+    for combo, (predicted, measured) in found.items():
+        assert measured <= predicted <= measured + casts, combo
+        if combo[0] == combo[2]:  # the layer's calls share a decision
+            assert measured == predicted, combo
+    assert tape.shared_saves == {"0:2": casts}  # (first call, later calls): bytes
+    assert autoremat.Tape.from_json(tape.to_json()).shared_saves == tape.shared_saves

@@ -283,6 +283,14 @@ class Tape:
     # block takes ] in _profile/runs.py). Empty: none, or a tape saved before it was
     # recorded.
     saved_by_maker: dict[str, int] = field(default_factory=dict)
+    # Bytes of storages a block saves in its forward that later blocks save too without
+    # taking them (the bf16 casts of a layer called several times under autocast, which
+    # its later calls find in autocast's cache), by "first:savers" ("0:2": block 0 saved
+    # it first, block 2 too); a plan that does not keep the first and keeps a later one
+    # counts them held until the backward of the first kept (NOTE [ Saves shared by
+    # calls through a cache ] in _profile/runs.py). Empty: none, or a tape saved before
+    # it was recorded.
+    shared_saves: dict[str, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 

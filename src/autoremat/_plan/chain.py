@@ -40,6 +40,7 @@ from autoremat._plan.peak import (
     released_post_peak,
     segment_cost,
     segment_runs,
+    shared_saves,
     suffix_z,
 )
 
@@ -93,6 +94,9 @@ class _Moves:
     first: np.ndarray  # (moves,) bytes: the fixed peak when it is the first segment
     rel: np.ndarray  # (moves,) bytes its first block releases when the forward returns,
     # beyond the least any decision releases (NOTE [ Releases in the DP ])
+    sets: np.ndarray  # (moves,) bits of the shared saves whose first block it does not
+    # keep (NOTE [ Saves shared by calls of a layer ] in peak.py)
+    holds: np.ndarray  # (moves,) bits of the shared saves a later block of which it keeps
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,10 @@ class _Frontier:
     peak: np.ndarray  # (rows,) bytes: the prefix's peak so far
     E: np.ndarray  # (rows,) bytes the prefix releases when the forward returns, beyond
     # the least (it lowers the backward levels of these blocks and the post window)
+    P: np.ndarray  # (rows,) bits of the shared saves the prefix holds no longer than the
+    # forward but a later kept block would (its first block not kept, no later one yet)
+    C: np.ndarray  # (rows,) bytes of shared saves the prefix holds past the forward,
+    # counted in E (NOTE [ Saves shared by calls of a layer ] in peak.py)
     prev: np.ndarray  # (rows,) row in the source state's frontier (-1 at the start)
     move: np.ndarray  # (rows,) index into the source's _Moves.steps (-1 at the start)
     from_index: np.ndarray  # (rows,) block index of the source state (-1 at the start)
@@ -120,6 +128,8 @@ class _Part:
     cost: np.ndarray
     peak: np.ndarray
     E: np.ndarray
+    P: np.ndarray
+    C: np.ndarray
     prev: np.ndarray
     move: np.ndarray
     from_index: int
@@ -136,6 +146,7 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
     costs_of_blocks = block_costs(tape)
     seen = tape.window_decisions  # what a block can be seen as by the next one
     fixed = {d: fixed_peaks(tape, d) for d in seen}
+    shared = shared_saves(tape)[:_MAX_SHARED]
     moves: list[dict[Decision, _Moves]] = []
     for i in range(n):
         by_prev = {}
@@ -159,6 +170,10 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                 first=np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
                 rel=np.array([_extra_release(tape, i, prev, m[2], least) for m in here],
                              dtype=np.int64),
+                sets=np.array([_shared_bits(shared, i, m[0], m[1])[0] for m in here],
+                              dtype=np.int64),
+                holds=np.array([_shared_bits(shared, i, m[0], m[1])[1] for m in here],
+                               dtype=np.int64),
             )
         moves.append(by_prev)
     return moves
@@ -183,7 +198,27 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 #     whose every block releases plans in 1.2 s, 15 s with ``E`` compared exactly);
 #     where every row's ``E`` is the same (no release differs, most steps) the frontier
 #     is the (F, cost) one it always was. The brute-force test on random chains with
-#     releases (``test_chain.py``) checks both objectives.
+#     releases (``test_chain.py``) checks both objectives. Shared saves (NOTE [ Saves
+#     shared by calls of a layer ] in ``peak.py``) are a release less from the first
+#     kept later block on: each row carries the bits of those whose first block it did
+#     not keep and no later block has held yet (``P``), and what it counts held of them
+#     (``C``, also in ``E``; the post window's levels before the forward returns hold them
+#     in every plan); a row dominates only rows of the same ``P`` and ``C``.
+
+
+_MAX_SHARED = 62  # shared saves the DP follows (bits of an int64); predict_peak counts all
+
+
+def _shared_bits(shared: list[tuple[int, tuple[int, ...], int]], start: int, stop: int,
+                 choice: Choice) -> tuple[int, int]:
+    """Of the shared saves ``(first, savers, bytes)``, the bits of those whose first
+    block the segment ``[start, stop)`` under ``choice`` does not keep, and of those a
+    later block of which it keeps (NOTE [ Releases in the DP ])."""
+    kept = choice.decision is Decision.KEEP
+    sets = sum(1 << e for e, (first, _, _) in enumerate(shared)
+               if not kept and start <= first < stop)
+    holds = sum(1 << e for e, (_, savers, _) in enumerate(shared) if kept and start in savers)
+    return sets, holds
 
 
 def _extra_release(tape: Tape, i: int, prev: Decision, cost: SegmentCost,
@@ -203,15 +238,25 @@ def _start(tape: Tape) -> _Frontier:
                      cost=np.array([0], dtype=np.int64),
                      peak=np.array([tape.pre.peak_bytes], dtype=np.int64),
                      E=np.array([0], dtype=np.int64),
+                     P=np.array([0], dtype=np.int64), C=np.array([0], dtype=np.int64),
                      prev=none, move=none, from_index=none, from_seen=none)
 
 
 def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float,
-            incoming: dict[tuple[int, Decision], list[_Part]]) -> None:
+            incoming: dict[tuple[int, Decision], list[_Part]],
+            shared_bytes: Sequence[int] = ()) -> None:
     """Every row of ``cur`` (state ``(i, prev)``) by every move that fits ``budget``;
-    the rows that fit go to ``incoming``, grouped by target state."""
+    the rows that fit go to ``incoming``, grouped by target state. ``shared_bytes``: the
+    bytes of each shared save the rows' bits name."""
     F = cur.F[:, None]  # (rows, 1) against (moves,)
-    released = cur.E[:, None] + moves.rel  # (rows, moves): NOTE [ Releases in the DP ]
+    # NOTE [ Saves shared by calls of a layer ] in peak.py: a kept later block of a save
+    # whose first block the prefix did not keep holds it from the forward's end on
+    hit = cur.P[:, None] & moves.holds  # (rows, moves)
+    charge = np.zeros(hit.shape, dtype=np.int64)
+    if hit.any():
+        for e, size in enumerate(shared_bytes):
+            charge += ((hit >> e) & 1) * size
+    released = cur.E[:, None] + moves.rel - charge  # NOTE [ Releases in the DP ]
     peak = np.maximum(np.maximum(cur.peak[:, None], F + moves.fwd),
                       F + moves.bwd - released)
     if i == 0:
@@ -226,13 +271,16 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
     cost_new = cur.cost[rows] + moves.cost[cols]
     peak_new = peak[rows, cols]
     E_new = released[rows, cols]
+    C_new = cur.C[rows] + charge[rows, cols]
+    P_new = (cur.P[rows] & ~moves.holds[cols]) | moves.sets[cols]
     edges = [0, *(np.flatnonzero(np.diff(targets)) + 1).tolist(), len(targets)]
     for a, b in itertools.pairwise(edges):  # one group per target state (views)
         c0 = cols[a]
         stop, as_seen = int(moves.stop[c0]), _ORDER[int(moves.seen[c0])]
         incoming.setdefault((stop, as_seen), []).append(_Part(
             F=F_new[a:b], cost=cost_new[a:b], peak=peak_new[a:b], E=E_new[a:b],
-            prev=rows[a:b], move=cols[a:b], from_index=i, from_seen=_RANK[prev]))
+            P=P_new[a:b], C=C_new[a:b], prev=rows[a:b], move=cols[a:b], from_index=i,
+            from_seen=_RANK[prev]))
 
 
 def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
@@ -263,6 +311,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         return ChainSolution(keep_all, 0, kept_peak)
     seen = tape.window_decisions
     moves = _all_moves(tape, options, max_segment)
+    shared_bytes = [size for _, _, size in shared_saves(tape)[:_MAX_SHARED]]
 
     # A state is (index, what the block before it is seen as); each holds a Pareto
     # frontier. NOTE [ Who frees a boundary tensor ]: a block's output is freed in the
@@ -275,7 +324,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         for prev in seen:
             cur = frontier.get((i, prev))
             if cur is not None:
-                _extend(cur, moves[i][prev], i, prev, budget, incoming)
+                _extend(cur, moves[i][prev], i, prev, budget, incoming, shared_bytes)
         for decision in seen:
             parts = incoming.pop((i + 1, decision), None)
             if parts:
@@ -286,7 +335,7 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
         f = frontier.get((n, last))
         if f is None:
             continue
-        peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E))
+        peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E, f.C))
         for found in np.nonzero(peak <= budget)[0]:
             finals.append((int(f.cost[found]), int(peak[found]), _RANK[last], int(found)))
     best = _best_final(tape, frontier, moves, finals, budget, objective)
@@ -343,12 +392,13 @@ def _best_final(tape: Tape, frontier: dict[tuple[int, Decision], _Frontier],
     return best
 
 
-def _post_peaks(tape: Tape, last: Decision, E: np.ndarray) -> np.ndarray:
+def _post_peaks(tape: Tape, last: Decision, E: np.ndarray, C: np.ndarray) -> np.ndarray:
     """The post window's peak above ``F_n`` for rows that release ``E`` beyond the least
     when the forward returns (``post_window`` with the plan's releases, NOTE [ Releases
-    in the DP ])."""
+    in the DP ]), ``C`` of that less for shared saves held past it, which the levels
+    before it hold in every plan (NOTE [ Saves shared by calls of a layer ] in peak.py)."""
     extra = post_window(tape, last).delta_bytes - tape.post[last].delta_bytes  # at least
-    return released_post_peak(tape, last, extra - E)
+    return released_post_peak(tape, last, extra - E, extra - E - C)
 
 
 def _backtrack(frontier: dict[tuple[int, Decision], _Frontier],
@@ -376,13 +426,39 @@ def _prune(parts: list[_Part], objective: str) -> _Frontier:
     cost = np.concatenate([p.cost for p in parts])
     peak = np.concatenate([p.peak for p in parts])
     E = np.concatenate([p.E for p in parts])
+    P = np.concatenate([p.P for p in parts])
+    C = np.concatenate([p.C for p in parts])
     primary = cost if objective == "cost" else peak
     secondary = peak if objective == "cost" else cost
     # Candidates arrive in a deterministic order (by source index), and the sort is
     # stable, so remaining ties go to the earliest segment boundary.
     order = np.lexsort((-E, secondary, primary, F))
+    if P.min() == P.max() and C.min() == C.max():
+        sel = _pareto(order, primary, E, F)
+    else:  # NOTE [ Saves shared by calls of a layer ] in peak.py: a row dominates only
+        # rows that hold as much of the shared saves past the forward and may come to
+        group = np.unique(np.stack([P, C]), axis=1, return_inverse=True)[1].reshape(-1)
+        picked = np.concatenate([_pareto(order[group[order] == g], primary, E, F)
+                                 for g in range(int(group.max()) + 1)])
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        sel = picked[np.argsort(rank[picked], kind="stable")]
+    # one source state per part: expand its scalars to its rows, then select
+    return _Frontier(
+        F=F[sel], cost=cost[sel], peak=peak[sel], E=E[sel], P=P[sel], C=C[sel],
+        prev=np.concatenate([p.prev for p in parts])[sel],
+        move=np.concatenate([p.move for p in parts])[sel],
+        from_index=np.repeat(np.array([p.from_index for p in parts]), sizes)[sel],
+        from_seen=np.repeat(np.array([p.from_seen for p in parts]), sizes)[sel])
+
+
+def _pareto(order: np.ndarray, primary: np.ndarray, E: np.ndarray,
+            F: np.ndarray) -> np.ndarray:
+    """The rows of ``order`` (by F ascending, then objective, then release descending)
+    on the Pareto frontier of (F, objective), and of release where releases differ;
+    thinned past :data:`_MAX_FRONTIER` rows."""
     ranked = primary[order]
-    if E.min() == E.max():
+    if E[order].min() == E[order].max():
         # By F ascending, keep a row only if it beats every row of smaller (or equal) F.
         best_before = np.concatenate(([np.inf], np.minimum.accumulate(ranked)[:-1]))
         sel = order[ranked < best_before]
@@ -390,13 +466,7 @@ def _prune(parts: list[_Part], objective: str) -> _Frontier:
         sel = _pareto_with_releases(order, ranked, E[order])
     if len(sel) > _MAX_FRONTIER:
         sel = _thin(sel, F, primary)
-    # one source state per part: expand its scalars to its rows, then select
-    return _Frontier(
-        F=F[sel], cost=cost[sel], peak=peak[sel], E=E[sel],
-        prev=np.concatenate([p.prev for p in parts])[sel],
-        move=np.concatenate([p.move for p in parts])[sel],
-        from_index=np.repeat(np.array([p.from_index for p in parts]), sizes)[sel],
-        from_seen=np.repeat(np.array([p.from_seen for p in parts]), sizes)[sel])
+    return sel
 
 
 def _pareto_with_releases(order: np.ndarray, ranked: np.ndarray,

@@ -100,6 +100,7 @@ from autoremat._measure.tape import (
     HeadProfile,
     SelectiveProfile,
     Tape,
+    WindowMemory,
 )
 from autoremat._mechanism.compiled import forget_compiled, uncompiled
 from autoremat._mechanism.offload import OffloadStats
@@ -117,6 +118,7 @@ from autoremat._profile.runs import (
     SKIPS_SEEN,
     BlockTimes,
     Chain,
+    MemoryRun,
     Pattern,
     RepeatedCalls,
     Setup,
@@ -339,6 +341,29 @@ def _first_release_shared(released: dict[Pattern, list[int]], n: int) -> dict[De
     return out
 
 
+def _as_if_unshared(runs: dict[Pattern, MemoryRun], released: dict[Pattern, list[int]],
+                    shared: Sequence[tuple[int, tuple[int, ...], int]],
+                    ) -> dict[Pattern, list[WindowMemory]]:
+    """Per run, its blocks' backward windows, and (in place) its releases when the
+    forward returns, as if no later block held what an earlier one saved first (NOTE
+    [ Saves shared by calls through a cache ] in runs.py): in a run that does not keep
+    that block and keeps a later one saving it, the first of those frees it in its
+    backward, and the release of the block after the first saver lacks it; moved to the
+    release, and counted held through that backward window (its peak by all of it: where
+    in the window it died is not kept)."""
+    out = {pattern: list(run.bwd) for pattern, run in runs.items()}
+    for pattern, windows in out.items():
+        for p, savers, size in shared:
+            holders = [q for q in savers if pattern[q] is Decision.KEEP]
+            if pattern[p] is Decision.KEEP or not holders or p + 1 >= len(pattern):
+                continue
+            released[pattern][p + 1] += size
+            w = windows[holders[0]]
+            windows[holders[0]] = WindowMemory(peak_bytes=w.peak_bytes + size,
+                                               delta_bytes=w.delta_bytes + size)
+    return out
+
+
 def _chain_bytes(chain: Chain, first: list[int], i: int, ran_on: torch.device,
                  rounding: Rounding | None) -> int:
     """What a segment drops at block ``i``'s input, not holding it (NOTE [ Boundaries held
@@ -399,6 +424,9 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
     measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
     released = {pattern: released_at_fwd_end(run, n) for pattern, run in runs.items()}
+    shared = [(p, savers, counted_bytes(size, ran_on, rounding))
+              for p, savers, size in chain.shared_saves]
+    bwd = _as_if_unshared(runs, released, shared)  # NOTE [ Saves shared by calls ... ]
     frees = freed_in_forward(plain, n)
     held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
     saved = saved_by_block(plain)
@@ -420,7 +448,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             param_signature=param_signature(module),
             grad_bytes=base.block_grad_bytes[i],
             fwd=by_pairs(runs, i, lambda _, run, k: run.fwd[k], base.alike, base.local),
-            bwd=by_pairs(runs, i, lambda _, run, k: run.bwd[k], base.alike, base.local),
+            bwd=by_pairs(runs, i, lambda pattern, _, k: bwd[pattern][k], base.alike,
+                         base.local),
             op_stats=counter.block_stats(name), ops=counter.block_ops(name),
             output_ops=counter.block_output_ops(name),
             output_unsaved=counter.block_unsaved_output_ops(name),
@@ -460,6 +489,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         held_past_release=_held_past_release(chain, ran_on, rounding),
         freed_at_return=_by_takers(chain.freed_at_return, ran_on, rounding),
         saved_by_maker=_by_takers(chain.saved_by_maker, ran_on, rounding),
+        shared_saves=_by_takers(chain.shared_saves, ran_on, rounding),
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),
@@ -629,7 +659,9 @@ def _profiled(setup: Setup, blocks: BlockSpec, repeats: int, with_selective: boo
 #     measured (its recompute is refused: "selective recompute ran aten._to_copy as op 2
 #     of the block, where its forward ran aten.view"). Such a profile measures no
 #     selective option and says so in a note; whole-block decisions are exact (a held-out
-#     check, 2026-11-29: profile raised before).
+#     check, 2026-11-29: profile raised before), with the casts a later kept call holds
+#     for a first call that is not kept counted (NOTE [ Saves shared by calls through a
+#     cache ] in runs.py).
 
 
 def _cached_casts(exc: RematError, chain: Chain) -> bool:

@@ -137,6 +137,23 @@ NOTE [ Tensors a block saves that a later block takes ]
     passed is held by the plain step too, so it is not one of those the two notes above
     count.
 
+NOTE [ Saves shared by calls through a cache ]
+    A layer called at several blocks of the chain under autocast (a ModuleList holding
+    one layer twice, ALBERT's) casts its weights in its first call; its later calls find
+    the casts in autocast's cache, which holds them until the forward returns, and save
+    them too. Kept, the first call holds them to its backward, the last of them; not
+    kept, a kept later call holds them to its own. The profile's steps put calls an even
+    number of blocks apart under one decision, so no window sees the mix, and the
+    alternating steps that do (calls an odd number apart) see it in the release and the
+    backward window they measured. The warm-up step records, by storage, what a block
+    saves that an earlier block saved first and still holds, without taking it (not a
+    parameter or buffer): ``tape.shared_saves`` (the first, the later blocks, its bytes).
+    ``_as_if_unshared`` in profile.py puts every run's figures as if no later block held
+    them (released when the forward returns where the first is not kept), and the peak
+    model counts what a plan holds past that (NOTE [ Saves shared by calls of a layer ]
+    in _plan/peak.py). Where the warm-up step cannot tell (a compiled step), none is
+    counted.
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -653,6 +670,10 @@ class _HeldInputs:
         # storage -> what autograd holds of it (alive while saved), and the block whose
         # forward saved it (None: outside the blocks)
         self._packed: dict[int, tuple[weakref.ref[torch.Tensor], int | None]] = {}
+        # storage -> (the block that saved it first, the later blocks that saved it too
+        # without taking it, its size): NOTE [ Saves shared by calls through a cache ]
+        self._shared: dict[int, tuple[int, set[int], int]] = {}
+        self._resting: set[int] = set()  # the storages of parameters and buffers
 
     def _see_deaths(self) -> None:
         for key, side in list(self._live.items()):
@@ -695,7 +716,22 @@ class _HeldInputs:
         alias = _detached(t)
         if key not in self._packed or self._packed[key][0]() is None:
             self._packed[key] = (weakref.ref(alias), self._last if self._inside else None)
+        else:
+            self._saved_again(key, t)
         return alias
+
+    def _saved_again(self, key: int, t: torch.Tensor) -> None:
+        """A block saves a storage an earlier block saved and still holds, that it did
+        not take (NOTE [ Saves shared by calls through a cache ])."""
+        first, here = self._packed[key][1], self._last if self._inside else None
+        if first is None or here is None or here == first or key in self._resting \
+                or key in self._ins.get(here, ()):
+            return
+        entry = self._shared.get(key)
+        if entry is None:
+            entry = self._shared[key] = (first, set(), t.untyped_storage().nbytes())
+        if entry[0] == first:
+            entry[1].add(here)
 
     def _input_alive(self, i: int) -> bool:
         ref = self._refs.get(i)
@@ -743,6 +779,8 @@ class _HeldInputs:
                 self._returned = None
                 self._alive[returned] = self._input_alive(returned)
 
+        self._resting = {t.untyped_storage()._cdata
+                         for t in [*model.parameters(), *model.buffers()]}
         with ExitStack() as stack:
             for i, name in enumerate(self.names):
                 module = model.get_submodule(name)
@@ -855,6 +893,23 @@ class _HeldInputs:
                                   if b in position and position[b] >= saver + 2))
             if saver >= 0 and takers:
                 out.append((saver, takers, side.nbytes))
+        return tuple(out)
+
+    def shared_saves(self, chain: list[str]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+        """The storages a block of ``chain`` saves in its forward that later blocks save
+        too without taking them (NOTE [ Saves shared by calls through a cache ]), as (the
+        block that saved it first; the later blocks saving it; its storage's size)."""
+        ids = self._ids(chain)
+        if ids is None:
+            return ()
+        position = {block: p for p, block in enumerate(ids)}
+        out = []
+        for first, later, size in self._shared.values():
+            p = position.get(first, -1)
+            savers = tuple(sorted(position[b] for b in later
+                                  if b in position and position[b] > p))
+            if p >= 0 and savers:
+                out.append((p, savers, size))
         return tuple(out)
 
     def held(self, chain: list[str]) -> list[bool] | None:
@@ -1306,6 +1361,9 @@ class Chain:
     # it, takers, bytes): NOTE [ Tensors a block saves that a later block takes ]
     chain_sides: tuple[tuple[int, ...], ...] = ()  # per block, the storages it takes
     # besides its input that a segment drops with it (_HeldInputs.chain_sides)
+    shared_saves: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block saving
+    # it first, the later blocks saving it, bytes): NOTE [ Saves shared by calls through
+    # a cache ]
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
@@ -1410,4 +1468,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                   held_past_release=held_inputs_seen.held_past_release(names) if eager else (),
                   freed_at_return=held_inputs_seen.freed_at_return(names) if eager else (),
                   saved_by_maker=held_inputs_seen.saved_by_maker(names) if eager else (),
-                  chain_sides=held_inputs_seen.chain_sides(names) if eager else ())
+                  chain_sides=held_inputs_seen.chain_sides(names) if eager else (),
+                  shared_saves=held_inputs_seen.shared_saves(names) if eager else ())
