@@ -34,6 +34,7 @@ from autoremat._plan.peak import (
     SegmentCost,
     block_costs,
     fixed_peaks,
+    last_inner_release,
     least_release,
     post_window,
     predict_peak,
@@ -142,6 +143,9 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
     n = len(tape.blocks)
     z = suffix_z(tape)
     least = least_release(tape)
+    # NOTE [ The last block's input after the chain ] in peak.py: a segment of several
+    # blocks ending at the last releases less there
+    last_inner = last_inner_release(tape, least) - least[-1]
     stops = _allowed_stops(tape, max_segment)
     costs_of_blocks = block_costs(tape)
     seen = tape.window_decisions  # what a block can be seen as by the next one
@@ -168,8 +172,9 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                               for m in here], dtype=np.int64),
                 cost=np.array([m[2].rank_cost for m in here], dtype=np.int64),
                 first=np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
-                rel=np.array([_extra_release(tape, i, prev, m[2], least) for m in here],
-                             dtype=np.int64),
+                rel=np.array([_extra_release(tape, i, prev, m[2], least)
+                              + (last_inner if m[0] == n and m[0] - i > 1 else 0)
+                              for m in here], dtype=np.int64),
                 sets=np.array([_shared_bits(shared, i, m[0], m[1])[0] for m in here],
                               dtype=np.int64),
                 holds=np.array([_shared_bits(shared, i, m[0], m[1])[1] for m in here],

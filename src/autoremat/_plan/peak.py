@@ -164,6 +164,7 @@ __all__ = [
     "fixed_peaks",
     "held_at_return",
     "held_past_release",
+    "last_inner_release",
     "least_release",
     "plan_costs",
     "post_window",
@@ -254,9 +255,11 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
     least = least_release(tape)
     out = list(least)
     prev = _KEEP
-    for (start, _, _), cost in zip(segments, costs, strict=True):
+    for (start, stop, _), cost in zip(segments, costs, strict=True):
         out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
         prev = cost.seen_as
+        if stop == len(tape.blocks) and stop - start > 1:
+            out[-1] = last_inner_release(tape, least)
     if any(choice.decision.recomputes for _, _, choice in segments):
         out[0] = least[0]  # what the model made before the first block, any
         # checkpoint of a block it is passed to may hold (NOTE [ Released when ... ])
@@ -265,6 +268,27 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
         first = costs[0].seen_as
         out[0] = max(0, out[0] - tape.first_release_shared.get(first, 0))
     return out
+
+
+def last_inner_release(tape: Tape, least: Sequence[int]) -> int:
+    """What the last block releases when the forward returns as an inner block of a
+    segment, which drops its input itself (NOTE [ The last block's input after the
+    chain ])."""
+    last = tape.blocks[-1]
+    return max(0, least[-1] - last.chain_bytes)
+
+
+# NOTE [ The last block's input after the chain ]
+#     The model lets go of a block's input when it binds the block's output in its
+#     place, after the block returns: for every block but the last, in the next block's
+#     forward window; for the last, after the chain ends, where it is counted as released
+#     when the forward returns (``fwd_end_release``) wherever the last block saves none
+#     of it (a pool, a scale). A segment of several blocks ending at the last drops that
+#     input itself (``chain_bytes``): counted released there as well, it was counted
+#     twice, and such segments measured one activation over their predictions (a fuzzed
+#     model's [Linear, scale] segment before an in-place ReLU: 4 KiB, 1.4x its prediction,
+#     over its budget). As an inner block the last block releases the least it does less
+#     its chain bytes (the solver's moves count it likewise, NOTE [ Releases in the DP ]).
 
 
 # NOTE [ What the model made before the chain ]
