@@ -449,3 +449,76 @@ def test_a_budget_the_least_peak_meets_gets_that_plan_where_the_search_drops_it(
     with pytest.raises(BudgetError) as info:
         solve(tape, least.peak_bytes - 1, objective="cost")
     assert info.value.min_feasible_bytes == least.peak_bytes
+
+
+# --- tensors held past their release (NOTE [ Held past release in the DP ]) ---------------
+
+
+def _with_held_past_release(tape: Tape, seed: int) -> Tape:
+    """``tape`` with one to three tensors taken from a block and freed two or more blocks
+    later (``held_past_release``), which ``predict_peak`` charges by the whole plan."""
+    rng, n = random.Random(seed), len(tape.blocks)
+    held: dict[str, int] = {}
+    for _ in range(rng.randint(1, 3)):
+        first = rng.randrange(n - 2)
+        key = f"{first}:{rng.randrange(first + 2, n)}"
+        held[key] = held.get(key, 0) + rng.randint(1, 12)
+    return dataclasses.replace(tape, held_past_release=held)
+
+
+def _with_shared_saves(tape: Tape, seed: int) -> Tape:
+    """``tape`` with one to three sets of saves a block makes first and one or two later
+    blocks save too (``shared_saves``; NOTE [ Saves shared by calls of a layer ] in
+    ``_plan/peak.py``)."""
+    rng, n = random.Random(7 * seed + 1), len(tape.blocks)
+    shared: dict[str, int] = {}
+    for _ in range(rng.randint(1, 3)):
+        first = rng.randrange(n - 1)
+        savers = sorted(rng.sample(range(first + 1, n), rng.randint(1, min(2, n - 1 - first))))
+        key = f"{first}:{','.join(str(q) for q in savers)}"
+        shared[key] = shared.get(key, 0) + rng.randint(1, 12)
+    return dataclasses.replace(tape, shared_saves=shared)
+
+
+def _assert_matches_brute_force(tape: Tape, seed: int) -> None:
+    """The least feasible budget is the least peak of any plan (and a budget below it
+    names it), and each budget a plan meets is met at the least cost."""
+    table = _brute(tape)
+    peaks = [peak for peak, _, _ in table]
+    least = min(peaks)
+    got = solve(tape, None, objective="peak")
+    assert got.peak_bytes == predict_peak(tape, got.segments) == least, \
+        (tape.held_past_release, tape.shared_saves)
+    with pytest.raises(BudgetError) as info:
+        solve(tape, least - 1, objective="cost")
+    assert info.value.min_feasible_bytes == least
+    for budget in _budgets(random.Random(seed), peaks):
+        fits = [cost for peak, cost, _ in table if peak <= budget]
+        if not fits:
+            continue
+        got = solve(tape, budget, objective="cost")
+        check_valid(tape, got.segments)
+        assert got.cost == min(fits), f"budget={budget}: {got.segments}"
+        assert predict_peak(tape, got.segments) == got.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_held_past_release_matches_brute_force(seed: int) -> None:
+    """The DP keeps, per state, what the prefix decided of each tensor held past its
+    release: the least feasible budget is the least peak of any plan, and a budget a plan
+    meets is met at the least cost (pruning by the prefix's peak alone dropped the plan
+    that avoids the charge: min_feasible_bytes 1 KiB above a plan's prediction)."""
+    n = 3 + seed % 6
+    _assert_matches_brute_force(_with_held_past_release(
+        random_tape(n, seed, chained_p=[0.5, 0.8, 1.0][seed % 3]), seed), seed)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_held_past_release_and_shared_saves_match_brute_force(seed: int) -> None:
+    """Tensors held past their release (in the DP's states) and saves shared by calls of
+    a layer (in its rows, NOTE [ Saves shared by calls of a layer ] in ``_plan/peak.py``)
+    together, with releases when the forward returns on odd seeds."""
+    n = 3 + seed % 6
+    tape = random_tape(n, seed, chained_p=[0.5, 0.8, 1.0][seed % 3], releases=bool(seed % 2))
+    _assert_matches_brute_force(_with_shared_saves(_with_held_past_release(tape, seed), seed),
+                                seed)

@@ -118,6 +118,7 @@ class _Frontier:
     move: np.ndarray  # (rows,) index into the source's _Moves.steps (-1 at the start)
     from_index: np.ndarray  # (rows,) block index of the source state (-1 at the start)
     from_seen: np.ndarray  # (rows,) _RANK of the source state's decision (-1 at the start)
+    from_status: np.ndarray  # (rows,) the source state's held status id (-1 at the start)
 
 
 @dataclass(slots=True)
@@ -135,6 +136,7 @@ class _Part:
     move: np.ndarray
     from_index: int
     from_seen: int
+    from_status: int
 
 
 def _all_moves(tape: Tape, options: ExtraOptions | None,
@@ -236,6 +238,126 @@ def _extra_release(tape: Tape, i: int, prev: Decision, cost: SegmentCost,
     return tape.blocks[i].fwd_end_release.get((prev, cost.seen_as), 0) - least[i]
 
 
+# NOTE [ Held past release in the DP ]
+#     ``held_past_release`` (``peak.py``) charges a tensor that block ``first`` takes and
+#     block ``window``'s forward window frees to a plan that recomputes a block from
+#     ``first`` to ``window - 2``, unless blocks ``window - 1`` and ``window`` are each
+#     checkpointed alone: it depends on the whole plan, and was added only to the plans
+#     the DP found (``_best_final``). Pruning by the prefix's peak without it dropped the
+#     plan that avoids it for one that pays it: a BudgetError named a smallest budget
+#     1 KiB (the tensor) above a plan that met it, and refused a budget that plan met.
+#     The charge adds to the whole step's peak, so a state must know it before it
+#     compares rows by (F, cost): the DP starts from one state per set of such tensors
+#     it pays for (up to :data:`_HELD_IN_STATE` of them, the largest), their bytes added
+#     to every level it checks against the budget, and follows in each state what its
+#     prefix decided of the others (not taken by a recomputed block yet; taken, and
+#     whether block ``window - 1`` was checkpointed alone, at ``window``; settled free):
+#     a move that would charge one it does not pay for is not taken. Every plan is in the
+#     start that pays for exactly what it is charged, where its figures are exact; in the
+#     others it pays for more, or is not found. The tensors past the cap are added to
+#     the plans found, as before; a tape without them (most) has one start, and the DP
+#     is what it was. The shared saves a row holds (``P``, ``C``: NOTE [ Releases in the
+#     DP ]) are followed per row within each state, apart from this. A 200-block chain
+#     plans about 2x slower with one such tensor, 8x with three (2 ** 3 starts).
+#     ``test_held_past_release_matches_brute_force``, and with shared saves
+#     ``test_held_past_release_and_shared_saves_match_brute_force``.
+
+
+_HELD_IN_STATE = 3  # held-past-release tensors the DP's states follow; predict_peak counts all
+_UNTAKEN, _TAKEN, _TAKEN_ALONE, _FREE, _PAID = range(5)  # what a state knows of one
+
+_State = tuple[int, Decision, int]  # (block index, what the block before is seen as,
+# held status id: NOTE [ Held past release in the DP ])
+
+
+class _Held:
+    """The held-past-release tensors the DP's states follow and their statuses, by id
+    (NOTE [ Held past release in the DP ]); a status is one code per tensor."""
+
+    def __init__(self, tape: Tape) -> None:
+        entries = []
+        for key, size in tape.held_past_release.items():
+            first, window = (int(part) for part in key.split(":"))
+            if size > 0 and first <= window - 2:
+                entries.append((first, window, size))
+        entries.sort(key=lambda e: (-e[2], e[0], e[1]))
+        self.entries = entries[:_HELD_IN_STATE]
+        self.statuses: list[tuple[int, ...]] = []
+        self.index: dict[tuple[int, ...], int] = {}
+        for paid in itertools.product((_UNTAKEN, _PAID), repeat=len(self.entries)):
+            self._id(paid)  # the starts: 0 pays for none
+        self.width = 5 ** len(self.entries)  # more ids than statuses
+        self._moved: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
+
+    def starts(self) -> range:
+        """The status ids the DP starts from."""
+        return range(2 ** len(self.entries))
+
+    def ids(self) -> range:
+        """Every status id met so far, in the order they were met."""
+        return range(len(self.statuses))
+
+    def charged(self, status: int) -> int:
+        """The bytes a state of ``status`` pays for, added to every level it checks."""
+        return sum(size for (_, _, size), code in zip(self.entries, self.statuses[status],
+                                                      strict=True) if code == _PAID)
+
+    def settled(self, status: int) -> bool:
+        """Whether a plan that ends in ``status`` is charged no tensor it does not pay
+        for (none is left taken: one freed past the chain's end)."""
+        return _TAKEN not in self.statuses[status] and \
+            _TAKEN_ALONE not in self.statuses[status]
+
+    def moved(self, status: int, i: int,
+              steps: list[tuple[int, Choice]]) -> tuple[np.ndarray, int]:
+        """Per move from block ``i`` (``(stop, choice)``), the status id it leads to (-1:
+        it would be charged a tensor ``status`` does not pay for), and the bytes paid."""
+        if not self.entries:
+            return np.zeros(len(steps), dtype=np.int64), 0
+        key = (status, i, id(steps))
+        found = self._moved.get(key)
+        if found is None:
+            after = [self._next(self.statuses[status], i, stop, choice)
+                     for stop, choice in steps]
+            found = (np.array([-1 if a is None else self._id(a) for a in after],
+                              dtype=np.int64), self.charged(status))
+            self._moved[key] = found
+        return found
+
+    def _id(self, status: tuple[int, ...]) -> int:
+        found = self.index.get(status)
+        if found is None:
+            found = self.index[status] = len(self.statuses)
+            self.statuses.append(status)
+        return found
+
+    def _next(self, status: tuple[int, ...], start: int, stop: int,
+              choice: Choice) -> tuple[int, ...] | None:
+        """``status`` after segment ``[start, stop)`` under ``choice``, as
+        ``held_past_release`` counts each tensor once the plan is whole; ``None`` where
+        that charges one it does not pay for."""
+        recomputes = choice.decision.recomputes
+        alone = choice.decision is Decision.RECOMPUTE and stop == start + 1
+        out = []
+        for (first, window, _), code in zip(self.entries, status, strict=True):
+            if code >= _FREE:
+                out.append(code)
+                continue
+            taken = code != _UNTAKEN or (recomputes and start <= window - 2
+                                         and stop - 1 >= first)
+            if not taken:  # free once every block up to window - 2 is decided
+                out.append(_FREE if stop >= window - 1 else _UNTAKEN)
+            elif stop < window:
+                out.append(_TAKEN)
+            elif stop == window:  # did it end with block window - 1 checkpointed alone?
+                out.append(_TAKEN_ALONE if alone else _TAKEN)
+            elif alone and start == window and code == _TAKEN_ALONE:
+                out.append(_FREE)  # blocks window - 1 and window each checkpointed alone
+            else:
+                return None
+        return tuple(out)
+
+
 def _start(tape: Tape) -> _Frontier:
     """The one state before the first block: the stem's level and peak, seen as kept."""
     none = np.array([-1])
@@ -244,15 +366,18 @@ def _start(tape: Tape) -> _Frontier:
                      peak=np.array([tape.pre.peak_bytes], dtype=np.int64),
                      E=np.array([0], dtype=np.int64),
                      P=np.array([0], dtype=np.int64), C=np.array([0], dtype=np.int64),
-                     prev=none, move=none, from_index=none, from_seen=none)
+                     prev=none, move=none, from_index=none, from_seen=none,
+                     from_status=none)
 
 
 def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float,
-            incoming: dict[tuple[int, Decision], list[_Part]],
+            incoming: dict[_State, list[_Part]], held: _Held, status: int,
             shared_bytes: Sequence[int] = ()) -> None:
-    """Every row of ``cur`` (state ``(i, prev)``) by every move that fits ``budget``;
-    the rows that fit go to ``incoming``, grouped by target state. ``shared_bytes``: the
-    bytes of each shared save the rows' bits name."""
+    """Every row of ``cur`` (state ``(i, prev, status)``) by every move that fits
+    ``budget`` (with what the plan holds past its release, as far as the target state
+    knows it: NOTE [ Held past release in the DP ]); the rows that fit go to
+    ``incoming``, grouped by target state. ``shared_bytes``: the bytes of each shared
+    save the rows' bits name."""
     F = cur.F[:, None]  # (rows, 1) against (moves,)
     # NOTE [ Saves shared by calls of a layer ] in peak.py: a kept later block of a save
     # whose first block the prefix did not keep holds it from the forward's end on
@@ -266,10 +391,12 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
                       F + moves.bwd - released)
     if i == 0:
         peak = np.maximum(peak, moves.first)
-    rows, cols = np.nonzero(peak <= budget)
+    next_status, charged = held.moved(status, i, moves.steps)
+    rows, cols = np.nonzero((peak + charged <= budget) & (next_status >= 0))
     if rows.size == 0:
         return
-    targets = moves.stop[cols] * 256 + moves.seen[cols]  # (stop, seen), ordered
+    # (stop, seen, status), ordered
+    targets = (moves.stop[cols] * 256 + moves.seen[cols]) * held.width + next_status[cols]
     order = np.argsort(targets, kind="stable")
     rows, cols, targets = rows[order], cols[order], targets[order]
     F_new = cur.F[rows] + moves.hold[cols]
@@ -282,10 +409,10 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
     for a, b in itertools.pairwise(edges):  # one group per target state (views)
         c0 = cols[a]
         stop, as_seen = int(moves.stop[c0]), _ORDER[int(moves.seen[c0])]
-        incoming.setdefault((stop, as_seen), []).append(_Part(
+        incoming.setdefault((stop, as_seen, int(next_status[c0])), []).append(_Part(
             F=F_new[a:b], cost=cost_new[a:b], peak=peak_new[a:b], E=E_new[a:b],
             P=P_new[a:b], C=C_new[a:b], prev=rows[a:b], move=cols[a:b], from_index=i,
-            from_seen=_RANK[prev]))
+            from_seen=_RANK[prev], from_status=status))
 
 
 def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
@@ -323,26 +450,36 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     # backward of the last block that holds it, the producer (kept, saving its output)
     # or the consumer. So the leftovers after block j's backward depend on block j's own
     # decision (known when the segment is chosen), and the head's on the last block's.
-    frontier: dict[tuple[int, Decision], _Frontier] = {(0, Decision.KEEP): _start(tape)}
-    incoming: dict[tuple[int, Decision], list[_Part]] = {}
+    # A state also holds what the plan's prefix decides of the tensors held past their
+    # release it follows (NOTE [ Held past release in the DP ]): status 0 where none.
+    held = _Held(tape)
+    frontier: dict[_State, _Frontier] = {(0, Decision.KEEP, status): _start(tape)
+                                         for status in held.starts()}
+    incoming: dict[_State, list[_Part]] = {}
     for i in range(n):
         for prev in seen:
-            cur = frontier.get((i, prev))
-            if cur is not None:
-                _extend(cur, moves[i][prev], i, prev, budget, incoming, shared_bytes)
+            for status in held.ids():
+                cur = frontier.get((i, prev, status))
+                if cur is not None:
+                    _extend(cur, moves[i][prev], i, prev, budget, incoming, held, status,
+                            shared_bytes)
         for decision in seen:
-            parts = incoming.pop((i + 1, decision), None)
-            if parts:
-                frontier[(i + 1, decision)] = _prune(parts, objective)
+            for status in held.ids():
+                parts = incoming.pop((i + 1, decision, status), None)
+                if parts:
+                    frontier[(i + 1, decision, status)] = _prune(parts, objective)
 
     finals = []
     for last in seen:
-        f = frontier.get((n, last))
-        if f is None:
-            continue
-        peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E, f.C))
-        for found in np.nonzero(peak <= budget)[0]:
-            finals.append((int(f.cost[found]), int(peak[found]), _RANK[last], int(found)))
+        for status in held.ids():
+            f = frontier.get((n, last, status))
+            if f is None or not held.settled(status):
+                continue
+            peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E, f.C)) + \
+                held.charged(status)
+            for found in np.nonzero(peak <= budget)[0]:
+                finals.append((int(f.cost[found]), int(peak[found]), _RANK[last], status,
+                               int(found)))
     best = _best_final(tape, frontier, moves, finals, budget, objective)
     if objective == "peak" and kept_peak <= budget and (
             best is None or kept_peak <= best.peak_bytes):
@@ -367,26 +504,28 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
     return best
 
 
-def _best_final(tape: Tape, frontier: dict[tuple[int, Decision], _Frontier],
+def _best_final(tape: Tape, frontier: dict[_State, _Frontier],
                 moves: list[dict[Decision, _Moves]],
-                finals: list[tuple[int, int, int, int]], budget: float,
+                finals: list[tuple[int, int, int, int, int]], budget: float,
                 objective: str) -> ChainSolution | None:
-    """The best of the DP's final rows ``(cost, peak, rank of the last decision, row)``
-    whose peak fits ``budget`` with what its plan holds past its release added (NOTE
-    [ Tensors blocks take that die later in the chain ]): that depends on the whole
-    plan, which the DP's states do not hold, so it is added to each row's plan as
-    backtracked, in the order of the objective, until no later row can be better
-    (``None``: none fits). Until 2026-11-29 (sixteenth session) every row was charged all
-    of it, and the smallest feasible budget was that much above the least."""
+    """The best of the DP's final rows ``(cost, peak, rank of the last decision, held
+    status, row)`` whose plan's own prediction fits ``budget``: what it holds past its
+    release (NOTE [ Tensors blocks take that die later in the chain ]) beyond the
+    tensors the states follow (NOTE [ Held past release in the DP ]) depends on the
+    whole plan, so each row's plan is predicted as backtracked, in the order of the
+    objective, until no later row can be better (``None``: none fits). Until 2026-11-29
+    (sixteenth session) every row was charged all of it, and the smallest feasible
+    budget was that much above the least."""
     def key(cost: int, peak: int) -> tuple[int, int]:
         return (cost, peak) if objective == "cost" else (peak, cost)
 
-    finals.sort(key=lambda final: (*key(final[0], final[1]), final[2], final[3]))
+    finals.sort(key=lambda final: (*key(final[0], final[1]), final[2], final[3], final[4]))
     best: ChainSolution | None = None
-    for cost, peak, rank, row in finals:
+    for cost, peak, rank, status, row in finals:
         if best is not None and key(cost, peak) >= key(best.cost, best.peak_bytes):
-            break  # (held adds at least nothing: no later row is better)
-        segments = _backtrack(frontier, moves, (len(tape.blocks), _ORDER[rank]), row)
+            break  # (a row's plan predicts no less than its figures in the start that
+            # pays for what it is charged, which sort no later: no later row is better)
+        segments = _backtrack(frontier, moves, (len(tape.blocks), _ORDER[rank], status), row)
         # (the solver's levels leave out the tensors kept blocks save for blocks after
         # the next, NOTE [ Tensors a block saves that a later block takes ] in
         # _profile/runs.py, and net what its blocks hold on and let go of when the
@@ -406,20 +545,20 @@ def _post_peaks(tape: Tape, last: Decision, E: np.ndarray, C: np.ndarray) -> np.
     return released_post_peak(tape, last, extra - E, extra - E - C)
 
 
-def _backtrack(frontier: dict[tuple[int, Decision], _Frontier],
-               moves: list[dict[Decision, _Moves]], state: tuple[int, Decision],
+def _backtrack(frontier: dict[_State, _Frontier],
+               moves: list[dict[Decision, _Moves]], state: _State,
                row: int) -> tuple[tuple[int, int, Choice], ...]:
     """The segments of the plan that ends at ``row`` of ``state``, by its back-pointers."""
     segments: list[tuple[int, int, Choice]] = []
     while state[0] > 0:
         f = frontier[state]
         start, move = int(f.from_index[row]), int(f.move[row])
-        prev_seen = _ORDER[int(f.from_seen[row])]
+        prev_seen, status = _ORDER[int(f.from_seen[row])], int(f.from_status[row])
         stop, choice = moves[start][prev_seen].steps[move]
         internal_assert(stop == state[0], "back-pointer mismatch")
         segments.append((start, stop, choice))
         row = int(f.prev[row])
-        state = (start, prev_seen)
+        state = (start, prev_seen, status)
     segments.reverse()
     return tuple(segments)
 
@@ -454,7 +593,8 @@ def _prune(parts: list[_Part], objective: str) -> _Frontier:
         prev=np.concatenate([p.prev for p in parts])[sel],
         move=np.concatenate([p.move for p in parts])[sel],
         from_index=np.repeat(np.array([p.from_index for p in parts]), sizes)[sel],
-        from_seen=np.repeat(np.array([p.from_seen for p in parts]), sizes)[sel])
+        from_seen=np.repeat(np.array([p.from_seen for p in parts]), sizes)[sel],
+        from_status=np.repeat(np.array([p.from_status for p in parts]), sizes)[sel])
 
 
 def _pareto(order: np.ndarray, primary: np.ndarray, E: np.ndarray,

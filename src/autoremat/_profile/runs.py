@@ -89,8 +89,9 @@ NOTE [ Tensors blocks take that die later in the chain ]
     ``test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held``: every
     pattern measured to the byte); an over-count by their bytes where it recomputes only
     blocks in that range that do not take them. Where the warm-up step cannot tell (a
-    compiled step), none is counted. The optimal planner adds them to each plan it
-    finds as that plan holds them (``_best_final`` in _plan/chain.py).
+    compiled step), none is counted. The optimal planner follows the three largest in
+    its states (NOTE [ Held past release in the DP ] in _plan/chain.py) and adds the
+    others to each plan it finds as that plan holds them (``_best_final``).
 
 NOTE [ Tensors blocks take that the model frees when it returns ]
     A block's output that later blocks take besides their input, held by the model until
