@@ -270,9 +270,10 @@ class OpRecorder(FlopCounter):
 
     def block_output_ops(self, label: str) -> tuple[int, ...] | None:
         """The indices of ``label``'s forward ops that made the storages of its output
-        that the next block takes (none: one whose output the next does not take as it
-        was made; for the last block, those the step after the chain saves for
-        backward); ``None`` where that was not noted."""
+        that the next block takes, as made or through views and in-place writes between
+        them (NOTE [ What the next block takes of an output ] in _profile/runs.py; none:
+        one whose output storages the next does not take; for the last block, those the
+        step after the chain saves for backward); ``None`` where that was not noted."""
         taken = self._taken.get(label)
         return None if taken is None else tuple(sorted(set(taken[1].values())))
 
