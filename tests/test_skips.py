@@ -247,3 +247,87 @@ def test_the_last_blocks_input_named_for_the_head_is_held() -> None:
     assert [b.chain_bytes for b in tape.blocks] == [0, 0, 0, 0]
     for strategy in ("sqrt", "every:2"):
         exact(model, (x,), autoremat.plan(tape, None, strategy), repeats=1)
+
+
+class _Gated(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.g = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.a(x) * torch.sigmoid(self.g(x))
+
+
+class _Conv(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(width, width, 3, padding=1)
+        self.norm = torch.nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x.transpose(1, 2))).relu().transpose(1, 2)
+
+
+class _SkipNet(torch.nn.Module):
+    """Block ``first``'s input waits in a list until the add after block 3, and nothing
+    in block ``first`` saves it: block 1 frozen, or (``embed``) block 0 a convolution
+    under bf16 autocast, which saves its input's cast."""
+
+    def __init__(self, embed: bool, width: int = 16) -> None:
+        super().__init__()
+        self.stem = torch.nn.Embedding(32, width) if embed else torch.nn.Identity()
+        self.first = 0 if embed else 1
+        blocks = [_Conv(width) if embed else _Gated(width) for _ in range(1)]
+        blocks += [_Gated(width) for _ in range(4)]
+        if not embed:
+            blocks[1].requires_grad_(False)
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.head = torch.nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, skips = self.stem(x), []
+        for i, block in enumerate(self.blocks):
+            if i == self.first:
+                skips.append(x)
+            x = block(x)
+            if i == 3:
+                x = x + skips.pop()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("embed", [False, True], ids=["frozen", "autocast"])
+def test_an_input_the_model_frees_later_in_the_chain_is_held_by_its_checkpoint(
+        embed: bool) -> None:
+    # NOTE [ Inputs the model frees later in the chain ] in _plan/peak.py: a checkpoint
+    # of the block whose input waits in the list holds it until that block's backward,
+    # past the window that frees it in the plain step; every single-block plan was
+    # predicted to the byte after, 1 KiB under (checkpointing it, keeping the next) or
+    # over (the other way round) before, and the optimal plan measured over its budget
+    from _steps import single_block_plans
+
+    torch.manual_seed(0)
+    model = _SkipNet(embed)
+    inputs = torch.randint(0, 32, (2, 8)) if embed else torch.randn(2, 8, 16)
+    blocks = [f"blocks.{i}" for i in range(5)]
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if embed else torch.autocast(
+        "cpu", enabled=False)
+    labels = torch.randint(0, 5, (2 * 8,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.float().reshape(-1, 5), labels)
+
+    with ctx:
+        tape = autoremat.profile(model, inputs, loss_fn=loss_fn, blocks=blocks, repeats=1,
+                                 timing=False, with_selective=False, with_head=False)
+        peaks = {"".join(c.decision.value[0] for c in combo): p for combo, p in
+                 single_block_plans(model, inputs, tape, loss_fn).items()}
+        assert {k: p for k, p in peaks.items() if p[0] < p[1]} == {}  # none under
+        # exact; under autocast, where the last block is kept (checkpointed, it is
+        # predicted over by its weights' casts, as before: NOTE [ Released when the
+        # forward returns ])
+        assert {k: p for k, p in peaks.items()
+                if p[0] != p[1] and not (embed and k.endswith("r"))} == {}
+        plan = autoremat.plan(tape, budget=smallest_feasible_bytes(tape))
+        report = exact(model, inputs, plan, loss_fn=loss_fn)
+    assert report.peak_bytes <= plan.budget_bytes
+    assert tape.freed_later == {f"{model.first}:3": 2 * 8 * 16 * 4}  # its input, fp32

@@ -269,6 +269,12 @@ class Tape:
     # window); plans count them held (NOTE [ Tensors blocks take that die later in the
     # chain ] in _profile/runs.py). Empty: none, or a tape saved before it was recorded.
     held_past_release: dict[str, int] = field(default_factory=dict)
+    # Bytes of block i's input that the model holds outside the chain (a U-Net's list of
+    # skips) and the plain step frees in the forward window of a block w >= i + 2, where
+    # a checkpoint of block i holds them until its backward, by "i:w" ("1:3"): NOTE
+    # [ Inputs the model frees later in the chain ] in _plan/peak.py. Empty: none, or a
+    # tape saved before it was recorded.
+    freed_later: dict[str, int] = field(default_factory=dict)
     # Bytes of tensors blocks take besides their input that the model frees when its
     # forward returns, which a checkpoint of a block taking them holds until its
     # backward, by "after:takers" ("9:15": block 8 returned it, so block 9's release

@@ -34,7 +34,10 @@ from autoremat._plan.peak import (
     SegmentCost,
     block_costs,
     fixed_peaks,
+    freed_later,
+    holds_input,
     last_inner_release,
+    later_terms,
     least_release,
     post_window,
     predict_peak,
@@ -98,6 +101,12 @@ class _Moves:
     sets: np.ndarray  # (moves,) bits of the shared saves whose first block it does not
     # keep (NOTE [ Saves shared by calls of a layer ] in peak.py)
     holds: np.ndarray  # (moves,) bits of the shared saves a later block of which it keeps
+    # NOTE [ Inputs the model frees later in the chain ] in peak.py, for the inputs of
+    # blocks before the segment (their bits in the row):
+    later_sets: np.ndarray  # (moves,) bits of those whose block the segment starts, holding
+    later_done: np.ndarray  # (moves,) bits of those freed in a window of the segment
+    later_on: np.ndarray  # (3, inputs, moves) bytes added to fwd, hold, bwd where held
+    later_off: np.ndarray  # (3, inputs, moves) the same where not held
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,8 @@ class _Frontier:
     # forward but a later kept block would (its first block not kept, no later one yet)
     C: np.ndarray  # (rows,) bytes of shared saves the prefix holds past the forward,
     # counted in E (NOTE [ Saves shared by calls of a layer ] in peak.py)
+    Q: np.ndarray  # (rows,) bits of the inputs the prefix holds whose window it has not
+    # reached (NOTE [ Inputs the model frees later in the chain ] in peak.py)
     prev: np.ndarray  # (rows,) row in the source state's frontier (-1 at the start)
     move: np.ndarray  # (rows,) index into the source's _Moves.steps (-1 at the start)
     from_index: np.ndarray  # (rows,) block index of the source state (-1 at the start)
@@ -132,6 +143,7 @@ class _Part:
     E: np.ndarray
     P: np.ndarray
     C: np.ndarray
+    Q: np.ndarray
     prev: np.ndarray
     move: np.ndarray
     from_index: int
@@ -153,6 +165,7 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
     seen = tape.window_decisions  # what a block can be seen as by the next one
     fixed = {d: fixed_peaks(tape, d) for d in seen}
     shared = shared_saves(tape)[:_MAX_SHARED]
+    later = freed_later(tape)[:_MAX_SHARED]
     moves: list[dict[Decision, _Moves]] = []
     for i in range(n):
         by_prev = {}
@@ -164,14 +177,15 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
             if options is not None:
                 here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
                          for opt in options[i]]
+            terms = _later_moves(tape, later, i, prev, here)
             by_prev[prev] = _Moves(
                 steps=[(m[0], m[1]) for m in here],
                 stop=np.array([m[0] for m in here]),
                 seen=np.array([_RANK[m[2].seen_as] for m in here]),
-                fwd=np.array([m[2].fwd_peak for m in here], dtype=np.int64),
-                hold=np.array([m[2].hold for m in here], dtype=np.int64),
+                fwd=np.array([m[2].fwd_peak for m in here], dtype=np.int64) + terms[0][0],
+                hold=np.array([m[2].hold for m in here], dtype=np.int64) + terms[0][1],
                 bwd=np.array([m[2].hold + z[m[2].seen_as][m[0] - 1] + m[2].bwd_peak
-                              for m in here], dtype=np.int64),
+                              for m in here], dtype=np.int64) + terms[0][2],
                 cost=np.array([m[2].rank_cost for m in here], dtype=np.int64),
                 first=np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
                 rel=np.array([_extra_release(tape, i, prev, m[2], least)
@@ -181,6 +195,8 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                               dtype=np.int64),
                 holds=np.array([_shared_bits(shared, i, m[0], m[1])[1] for m in here],
                                dtype=np.int64),
+                later_sets=terms[1], later_done=terms[2], later_on=terms[3],
+                later_off=terms[4],
             )
         moves.append(by_prev)
     return moves
@@ -210,10 +226,53 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 #     kept later block on: each row carries the bits of those whose first block it did
 #     not keep and no later block has held yet (``P``), and what it counts held of them
 #     (``C``, also in ``E``; the post window's levels before the forward returns hold them
-#     in every plan); a row dominates only rows of the same ``P`` and ``C``.
+#     in every plan); a row dominates only rows of the same ``P`` and ``C``. Inputs the
+#     model frees later in the chain (NOTE [ Inputs the model frees later in the chain ]
+#     in ``peak.py``) change the figures of the segments up to their window by whether
+#     the plan holds them (its segment starting at their block checkpoints it): each row
+#     carries the bits of those it holds whose window it has not reached (``Q``), a
+#     move's figures for those of blocks before it come in two (held or not, picked per
+#     row), and a row dominates only rows of the same ``Q``.
 
 
 _MAX_SHARED = 62  # shared saves the DP follows (bits of an int64); predict_peak counts all
+
+
+def _later_moves(tape: Tape, later: list[tuple[int, int, int]], i: int, prev: Decision,
+                 here: list[tuple[int, Choice, SegmentCost]],
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The moves' figures for the inputs the model frees later in the chain (NOTE
+    [ Inputs the model frees later in the chain ] in peak.py, ``later``: ``(block,
+    window, bytes)``): what the moves add to (fwd, hold, bwd above F) for those whose
+    block is in the segment, which the move decides, as a (3, moves) array; the bits of
+    those whose block the segment starts and holds, and of those freed in a window of the
+    segment; and for the others, before the segment, what it adds where the row holds
+    them and where it does not, as (3, inputs, moves) arrays."""
+    m = len(here)
+    own = np.zeros((3, m), dtype=np.int64)
+    on = np.zeros((3, len(later), m), dtype=np.int64)
+    off = np.zeros((3, len(later), m), dtype=np.int64)
+    sets = np.zeros(m, dtype=np.int64)
+    done = np.zeros(m, dtype=np.int64)
+    for c, (stop, choice, cost) in enumerate(here):
+        for e, entry in enumerate(later):
+            block, window, _ = entry
+            if block >= stop or window < i:
+                continue
+            if window < stop:
+                done[c] |= 1 << e
+            args = (tape, entry, i, stop, choice, prev, cost.seen_as)
+            if block >= i:  # the move decides whether it holds it
+                held = block == i and holds_input(choice.decision)
+                if held and window >= stop:
+                    sets[c] |= 1 << e
+                f, h, b = later_terms(*args, held)
+                own[:, c] += (f, h, h + b)
+            else:
+                for out, held in ((on, True), (off, False)):
+                    f, h, b = later_terms(*args, held)
+                    out[:, e, c] = (f, h, h + b)
+    return own, sets, done, on, off
 
 
 def _shared_bits(shared: list[tuple[int, tuple[int, ...], int]], start: int, stop: int,
@@ -366,8 +425,8 @@ def _start(tape: Tape) -> _Frontier:
                      peak=np.array([tape.pre.peak_bytes], dtype=np.int64),
                      E=np.array([0], dtype=np.int64),
                      P=np.array([0], dtype=np.int64), C=np.array([0], dtype=np.int64),
-                     prev=none, move=none, from_index=none, from_seen=none,
-                     from_status=none)
+                     Q=np.array([0], dtype=np.int64), prev=none, move=none,
+                     from_index=none, from_seen=none, from_status=none)
 
 
 def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float,
@@ -387,8 +446,16 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
         for e, size in enumerate(shared_bytes):
             charge += ((hit >> e) & 1) * size
     released = cur.E[:, None] + moves.rel - charge  # NOTE [ Releases in the DP ]
-    peak = np.maximum(np.maximum(cur.peak[:, None], F + moves.fwd),
-                      F + moves.bwd - released)
+    # NOTE [ Inputs the model frees later in the chain ] in peak.py: by whether the row
+    # holds each input of a block before the segment
+    extra = np.zeros((3, *hit.shape), dtype=np.int64)
+    for e in range(moves.later_on.shape[1]):
+        if moves.later_on[:, e].any() or moves.later_off[:, e].any():
+            bit = ((cur.Q >> e) & 1)[None, :, None]
+            extra += np.where(bit == 1, moves.later_on[:, e][:, None, :],
+                              moves.later_off[:, e][:, None, :])
+    peak = np.maximum(np.maximum(cur.peak[:, None], F + moves.fwd + extra[0]),
+                      F + moves.bwd + extra[2] - released)
     if i == 0:
         peak = np.maximum(peak, moves.first)
     next_status, charged = held.moved(status, i, moves.steps)
@@ -399,20 +466,21 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
     targets = (moves.stop[cols] * 256 + moves.seen[cols]) * held.width + next_status[cols]
     order = np.argsort(targets, kind="stable")
     rows, cols, targets = rows[order], cols[order], targets[order]
-    F_new = cur.F[rows] + moves.hold[cols]
+    F_new = cur.F[rows] + moves.hold[cols] + extra[1][rows, cols]
     cost_new = cur.cost[rows] + moves.cost[cols]
     peak_new = peak[rows, cols]
     E_new = released[rows, cols]
     C_new = cur.C[rows] + charge[rows, cols]
     P_new = (cur.P[rows] & ~moves.holds[cols]) | moves.sets[cols]
+    Q_new = (cur.Q[rows] & ~moves.later_done[cols]) | moves.later_sets[cols]
     edges = [0, *(np.flatnonzero(np.diff(targets)) + 1).tolist(), len(targets)]
     for a, b in itertools.pairwise(edges):  # one group per target state (views)
         c0 = cols[a]
         stop, as_seen = int(moves.stop[c0]), _ORDER[int(moves.seen[c0])]
         incoming.setdefault((stop, as_seen, int(next_status[c0])), []).append(_Part(
             F=F_new[a:b], cost=cost_new[a:b], peak=peak_new[a:b], E=E_new[a:b],
-            P=P_new[a:b], C=C_new[a:b], prev=rows[a:b], move=cols[a:b], from_index=i,
-            from_seen=_RANK[prev], from_status=status))
+            P=P_new[a:b], C=C_new[a:b], Q=Q_new[a:b], prev=rows[a:b], move=cols[a:b],
+            from_index=i, from_seen=_RANK[prev], from_status=status))
 
 
 def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
@@ -572,16 +640,19 @@ def _prune(parts: list[_Part], objective: str) -> _Frontier:
     E = np.concatenate([p.E for p in parts])
     P = np.concatenate([p.P for p in parts])
     C = np.concatenate([p.C for p in parts])
+    Q = np.concatenate([p.Q for p in parts])
     primary = cost if objective == "cost" else peak
     secondary = peak if objective == "cost" else cost
     # Candidates arrive in a deterministic order (by source index), and the sort is
     # stable, so remaining ties go to the earliest segment boundary.
     order = np.lexsort((-E, secondary, primary, F))
-    if P.min() == P.max() and C.min() == C.max():
+    if P.min() == P.max() and C.min() == C.max() and Q.min() == Q.max():
         sel = _pareto(order, primary, E, F)
     else:  # NOTE [ Saves shared by calls of a layer ] in peak.py: a row dominates only
-        # rows that hold as much of the shared saves past the forward and may come to
-        group = np.unique(np.stack([P, C]), axis=1, return_inverse=True)[1].reshape(-1)
+        # rows that hold as much of the shared saves past the forward and may come to,
+        # and the same inputs the model frees later in the chain (NOTE [ Inputs the
+        # model frees later in the chain ])
+        group = np.unique(np.stack([P, C, Q]), axis=1, return_inverse=True)[1].reshape(-1)
         picked = np.concatenate([_pareto(order[group[order] == g], primary, E, F)
                                  for g in range(int(group.max()) + 1)])
         rank = np.empty(len(order), dtype=np.int64)
@@ -589,7 +660,7 @@ def _prune(parts: list[_Part], objective: str) -> _Frontier:
         sel = picked[np.argsort(rank[picked], kind="stable")]
     # one source state per part: expand its scalars to its rows, then select
     return _Frontier(
-        F=F[sel], cost=cost[sel], peak=peak[sel], E=E[sel], P=P[sel], C=C[sel],
+        F=F[sel], cost=cost[sel], peak=peak[sel], E=E[sel], P=P[sel], C=C[sel], Q=Q[sel],
         prev=np.concatenate([p.prev for p in parts])[sel],
         move=np.concatenate([p.move for p in parts])[sel],
         from_index=np.repeat(np.array([p.from_index for p in parts]), sizes)[sel],

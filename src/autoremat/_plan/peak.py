@@ -135,6 +135,34 @@ NOTE [ Released when the forward returns ]
     the model keeps in a list, checkpointed, measured one boundary tensor over its
     prediction; so did a segment that starts with a frozen block, and one of blocks
     with BatchNorm.
+
+NOTE [ Inputs the model frees later in the chain ]
+    A model may hold a block's input outside the chain and let go of it in a later
+    block's window (a U-Net pushes block ``i``'s input on a list of skips and pops it
+    into an add after block ``w >= i + 2``). Where block ``i`` does not save its input
+    (it is frozen, or under autocast it saves a cast), the plain step frees it in
+    ``w``'s forward window; a checkpoint of block ``i`` (a segment starting there,
+    recomputed or selective) holds it until ``i``'s backward. No window key sees that:
+    ``w``'s windows are keyed by ``w - 1`` and ``w``, and the nets in ``Z_j`` come from the
+    uniform steps, whose block ``i`` is kept (frees it in ``w``'s window) or checkpointed
+    (frees it in ``i``'s backward). The profile records those bytes
+    (``tape.freed_later``, "i:w": what the kept step frees there and the checkpointed
+    one does not), and each segment's figures are corrected for whether the plan holds
+    them (``later_terms``): the segment holding block ``w`` holds them on from there
+    where its window was measured freeing them and the plan holds them (the step that
+    measured key ``(a, b)`` had block ``i`` under ``b`` at an even distance, else ``a``;
+    a composed segment's held windows never free them), and lets them go where it is
+    the other way round; a segment ending at ``j``, ``i < j < w``, has ``Z_j`` from the
+    uniform step of its own decision, which holds them at ``j``'s backward where that
+    decision checkpoints block ``i``, corrected to what the plan holds. The forward
+    peak of ``w``'s window is raised by what its held window shows (``fwd_held``, at
+    most the bytes). Found on a model holding a frozen block's input in a list of skips
+    (and on a bf16-autocast one holding the first block's fp32 input): plans that
+    checkpoint block ``i`` and keep ``i + 1`` measured the input (1 KiB) over their
+    predictions, and the optimal plan over its budget; plans that keep ``i`` and
+    checkpoint ``i + 1`` were over-predicted by as much. The solver carries, per row,
+    the bits of the inputs its plan holds whose window it has not reached (NOTE
+    [ Releases in the DP ] in ``chain.py``).
 """
 
 from __future__ import annotations
@@ -162,9 +190,12 @@ __all__ = [
     "Segments",
     "block_costs",
     "fixed_peaks",
+    "freed_later",
     "held_at_return",
     "held_past_release",
+    "holds_input",
     "last_inner_release",
+    "later_terms",
     "least_release",
     "plan_costs",
     "post_window",
@@ -631,6 +662,75 @@ def shared_held(tape: Tape, segments: Segments) -> list[tuple[int, int]]:
     return out
 
 
+def freed_later(tape: Tape) -> list[tuple[int, int, int]]:
+    """``tape.freed_later`` as (block ``i``, window ``w``, bytes), in a fixed order (NOTE
+    [ Inputs the model frees later in the chain ])."""
+    out = []
+    for key, size in tape.freed_later.items():
+        i, w = (int(part) for part in key.split(":"))
+        out.append((i, w, size))
+    return sorted(out)
+
+
+def holds_input(decision: Decision) -> bool:
+    """Whether a block under ``decision``, first of its segment, holds its input on
+    the device until its backward (its checkpoint does; an offloaded input is on host)."""
+    return decision is _RECOMPUTE or decision is Decision.SELECTIVE
+
+
+def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
+                choice: Choice, prev: Decision, seen_as: Decision,
+                held: bool) -> tuple[int, int, int]:
+    """What to add to the ``(fwd_peak, hold, bwd_peak)`` of segment ``[start, stop)``
+    under ``choice`` (after a block seen as ``prev``; its last block seen as
+    ``seen_as``) for block ``i``'s input that the model frees in block ``w``'s window
+    (``later``: ``(i, w, bytes)``), where the plan holds it (``held``: block ``i``
+    starts a segment that holds its input) or not (NOTE [ Inputs the model frees later
+    in the chain ]); ``bwd_peak``'s is above the level with the hold's added."""
+    i, w, size = later
+    fwd = hold = bwd = 0
+    if start <= w < stop:
+        decision = choice.decision
+        if stop - start > 1:
+            measured = True  # composed of held windows, or the checkpointed step's
+        else:
+            key = (prev, _RECOMPUTE if decision is Decision.SELECTIVE else decision)
+            if key not in tape.blocks[w].fwd:
+                key = (key[1], key[1])
+            measured = holds_input(key[1] if (w - i) % 2 == 0 else key[0])
+        hold = size * (int(held) - int(measured))
+        if held and not measured:
+            fwd = size
+            if stop - start == 1 and decision is not Decision.SELECTIVE:
+                plain, kept = _fwd(tape, w, key), _fwd_held(tape, w, key)
+                fwd = min(size, max(0, kept.peak_bytes - plain.peak_bytes))
+    if i < stop - 1 < w:
+        bwd = size * (int(held) - int(holds_input(seen_as)))
+    return fwd, hold, bwd
+
+
+def _with_later(tape: Tape, segments: Segments,
+                costs: Sequence[SegmentCost]) -> list[SegmentCost]:
+    """``costs`` with ``later_terms`` added (NOTE [ Inputs the model frees later in
+    the chain ])."""
+    later = freed_later(tape)
+    if not later:
+        return list(costs)
+    holding = {start for start, _, choice in segments if holds_input(choice.decision)}
+    out = []
+    prev = _KEEP
+    for (start, stop, choice), cost in zip(segments, costs, strict=True):
+        fwd = hold = bwd = 0
+        for entry in later:
+            f, h, b = later_terms(tape, entry, start, stop, choice, prev, cost.seen_as,
+                                  entry[0] in holding)
+            fwd, hold, bwd = fwd + f, hold + h, bwd + b
+        out.append(dataclasses.replace(cost, fwd_peak=cost.fwd_peak + fwd,
+                                       hold=cost.hold + hold, bwd_peak=cost.bwd_peak + bwd))
+        prev = cost.seen_as
+    return out
+
+
 def predict_peak(tape: Tape, segments: Segments) -> int:
     """Predicted step peak of a plan given as consecutive ``(start, stop, choice)``."""
     costs = plan_costs(tape, segments)
@@ -642,6 +742,7 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
     z = suffix_z(tape, release, set(range(len(tape.blocks))) - _recomputed(segments))
     level = tape.pre.delta_bytes
     peak = fixed_peaks(tape, costs[0].seen_as)
+    costs = _with_later(tape, segments, costs)  # NOTE [ Inputs the model frees later ... ]
     for (_start, stop, _), cost in zip(segments, costs, strict=False):
         bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak
         peak = max(peak, level + cost.fwd_peak, bwd)

@@ -126,6 +126,7 @@ from autoremat._profile.runs import (
     find_chain,
     freed_in_forward,
     held_forward_windows,
+    inputs_freed_later,
     refuse_hf_checkpointing,
     released_at_fwd_end,
     saved_by_block,
@@ -388,6 +389,24 @@ def _held_past_release(chain: Chain, ran_on: torch.device,
     return out
 
 
+def _freed_later(runs: dict[Pattern, MemoryRun], n: int,
+                 past_release: dict[str, int]) -> dict[str, int]:
+    """``tape.freed_later``: by "i:w", the bytes of block ``i``'s input that the plain
+    step frees in block ``w``'s forward window and the step with every block
+    checkpointed does not (block ``i``'s checkpoint holds them until its backward), less
+    what ``tape.held_past_release`` counts of them (a tensor taken besides the input):
+    NOTE [ Inputs the model frees later in the chain ] in _plan/peak.py."""
+    kept = inputs_freed_later(runs[(Decision.KEEP,) * n], n)
+    ckpt = inputs_freed_later(runs[(Decision.RECOMPUTE,) * n], n)
+    out = {}
+    for (i, w), size in sorted(kept.items()):
+        key = f"{i}:{w}"
+        held = size - ckpt.get((i, w), 0) - past_release.get(key, 0)
+        if held > 0:
+            out[key] = held
+    return out
+
+
 def _by_takers(entries: tuple[tuple[int, tuple[int, ...], int], ...], ran_on: torch.device,
                rounding: Rounding | None) -> dict[str, int]:
     """``tape.freed_at_return`` and ``tape.saved_by_maker``: bytes by "block:takers", the
@@ -424,6 +443,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     n, ran_on, rounding = len(names), setup.ran_on, setup.rounding
     measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
     released = {pattern: released_at_fwd_end(run, n) for pattern, run in runs.items()}
+    past_release = _held_past_release(chain, ran_on, rounding)
     shared = [(p, savers, counted_bytes(size, ran_on, rounding))
               for p, savers, size in chain.shared_saves]
     bwd = _as_if_unshared(runs, released, shared)  # NOTE [ Saves shared by calls ... ]
@@ -486,7 +506,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         pre=plain.pre, post={d: runs[(d,) * n].post for d in measured},
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
         first_release_shared=_first_release_shared(released, n),
-        held_past_release=_held_past_release(chain, ran_on, rounding),
+        held_past_release=past_release,
+        freed_later=_freed_later(runs, n, past_release),
         freed_at_return=_by_takers(chain.freed_at_return, ran_on, rounding),
         saved_by_maker=_by_takers(chain.saved_by_maker, ran_on, rounding),
         shared_saves=_by_takers(chain.shared_saves, ran_on, rounding),

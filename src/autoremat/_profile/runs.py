@@ -1320,6 +1320,31 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     return out
 
 
+def inputs_freed_later(run: MemoryRun, n: int) -> dict[tuple[int, int], int]:
+    """Bytes made in the forward window of the block before block ``i`` (before the
+    first block, for ``i == 0``) that die in the forward window of a block ``w >= i + 2``,
+    by ``(i, w)``: block ``i``'s input the model held outside the chain and let go of
+    later in the chain (NOTE [ Inputs the model frees later in the chain ] in
+    _plan/peak.py)."""
+    out: dict[tuple[int, int], int] = {}
+    for record in run.mem.records:
+        if record.backward or record.died is None:
+            continue
+        freed_in = forward_window(run, record.died)
+        if freed_in is None:
+            continue
+        made_in = forward_window(run, record.born)
+        if made_in is not None:
+            i = made_in + 1
+        elif record.born <= run.bounds[0]:
+            i = 0  # made before the first block
+        else:
+            continue
+        if freed_in >= i + 2:
+            out[i, freed_in] = out.get((i, freed_in), 0) + record.nbytes
+    return out
+
+
 def _freed_in_forward(run: MemoryRun, n: int) -> list[list[tuple[int, int]]]:
     """Per block, ``(event, bytes)`` of the forward-made tensors born before its forward
     window that die in it."""
