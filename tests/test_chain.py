@@ -457,13 +457,8 @@ def test_a_budget_the_least_peak_meets_gets_that_plan_where_the_search_drops_it(
 def _with_held_past_release(tape: Tape, seed: int) -> Tape:
     """``tape`` with one to three tensors taken from a block and freed two or more blocks
     later (``held_past_release``), which ``predict_peak`` charges by the whole plan."""
-    rng, n = random.Random(seed), len(tape.blocks)
-    held: dict[str, int] = {}
-    for _ in range(rng.randint(1, 3)):
-        first = rng.randrange(n - 2)
-        key = f"{first}:{rng.randrange(first + 2, n)}"
-        held[key] = held.get(key, 0) + rng.randint(1, 12)
-    return dataclasses.replace(tape, held_past_release=held)
+    return dataclasses.replace(
+        tape, held_past_release=_later_pairs(random.Random(seed), len(tape.blocks), 3))
 
 
 def _with_shared_saves(tape: Tape, seed: int) -> Tape:
@@ -531,13 +526,19 @@ def test_held_past_release_and_shared_saves_match_brute_force(seed: int) -> None
 def _with_freed_later(tape: Tape, seed: int) -> Tape:
     """``tape`` with one or two inputs of a block that the model frees in a later block's
     window (``freed_later``), which a checkpoint of their block holds until its backward."""
-    rng, n = random.Random(11 * seed + 3), len(tape.blocks)
-    later: dict[str, int] = {}
-    for _ in range(rng.randint(1, 2)):
+    return dataclasses.replace(
+        tape, freed_later=_later_pairs(random.Random(11 * seed + 3), len(tape.blocks), 2))
+
+
+def _later_pairs(rng: random.Random, n: int, most: int) -> dict[str, int]:
+    """One to ``most`` random "first:window" entries (``window >= first + 2``) of 1-12
+    bytes over ``n`` blocks."""
+    out: dict[str, int] = {}
+    for _ in range(rng.randint(1, most)):
         first = rng.randrange(n - 2)
         key = f"{first}:{rng.randrange(first + 2, n)}"
-        later[key] = later.get(key, 0) + rng.randint(1, 12)
-    return dataclasses.replace(tape, freed_later=later)
+        out[key] = out.get(key, 0) + rng.randint(1, 12)
+    return out
 
 
 @pytest.mark.parametrize("seed", range(60))

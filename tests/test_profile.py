@@ -789,6 +789,16 @@ def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recomp
                 assert measured == predicted, (rest, a, b, measured - predicted)
 
 
+def _exact_plans(model: nn.Module, x: Any, tape: autoremat.Tape, loss_fn: Any,
+                 strategies: tuple[str, ...]) -> None:
+    """Each strategy's plan gives the plain gradients and measures its prediction."""
+    for strategy in strategies:
+        plan = autoremat.plan(tape, strategy=strategy)
+        report = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
+        assert report.grads_equal, (strategy, report)
+        assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+
+
 class _Feedforward(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -834,11 +844,7 @@ def test_a_selective_last_block_keeps_the_output_the_head_saves(skips: bool) -> 
 
     tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
     assert tape.blocks[-1].output_ops
-    for strategy in ("selective", "none", "full"):
-        plan = autoremat.plan(tape, strategy=strategy)
-        report = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
-        assert report.grads_equal, (strategy, report)
-        assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+    _exact_plans(model, x, tape, loss_fn, ("selective", "none", "full"))
 
 
 class _Affine(nn.Module):
@@ -955,11 +961,7 @@ def test_a_selective_block_keeps_the_output_the_next_block_takes_after_an_op_bet
     tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False,
                              blocks=["blocks.0", "blocks.2"])
     assert tape.blocks[0].output_ops
-    for strategy in ("selective", "none", "full"):
-        plan = autoremat.plan(tape, strategy=strategy)
-        report = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
-        assert report.grads_equal, (strategy, report)
-        assert report.peak_bytes == plan.predicted_peak_bytes, (strategy, report)
+    _exact_plans(model, x, tape, loss_fn, ("selective", "none", "full"))
 
 
 class _SkippedAtRandom(nn.Module):
