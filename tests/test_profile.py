@@ -8,7 +8,7 @@ import random
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -560,6 +560,18 @@ class _RevNet(nn.Module):
         return self.head(torch.cat([x1, x2], -1))
 
 
+def _one_segment_plans(n: int) -> Iterator[tuple[Any, int, int, list[Any]]]:
+    """Every plan of ``n`` blocks with one segment of two or more, the other blocks all
+    kept or all recomputed alone: ``(rest, start, stop, segments)``."""
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    for rest in (KEEP, RECOMPUTE):
+        for a, b in itertools.combinations(range(n + 1), 2):
+            if b - a >= 2:
+                yield rest, a, b, [(i, i + 1, rest) for i in range(a)] + \
+                    [(a, b, RECOMPUTE)] + [(i, i + 1, rest) for i in range(b, n)]
+
+
 def test_segments_and_selective_blocks_that_pass_a_pair_on_hold_their_predictions() -> None:
     """NOTE [ Where a block's backward starts ], NOTE [ Boundaries held outside the chain ]
     and NOTE [ A selective block that keeps its output ]: RevNet's blocks pass (y1, y2) on.
@@ -633,7 +645,6 @@ def test_a_segment_holds_what_its_first_block_passes_on_of_its_input() -> None:
     which the next block takes beside its hidden states; a segment of the two holds it
     (it is the segment's input). Counted dropped, a segment of blocks 0 and 1 measured
     6784 B over its prediction, and plans at that budget over it (a held-out check)."""
-    from autoremat._core.decisions import KEEP, RECOMPUTE
 
     torch.manual_seed(0)
     model, x, y = _Stream(), torch.randn(4, 16, 32), torch.randn(4, 16, 32)
@@ -644,13 +655,9 @@ def test_a_segment_holds_what_its_first_block_passes_on_of_its_input() -> None:
     tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False, with_selective=False)
     n = len(tape.blocks)
     assert tape.blocks[1].chain_bytes == 4 * 16 * 32 * 4  # the hidden states alone
-    for rest in (KEEP, RECOMPUTE):
-        for a, b in itertools.combinations(range(n + 1), 2):
-            if b - a >= 2:
-                segments = [(i, i + 1, rest) for i in range(a)] + [(a, b, RECOMPUTE)] + \
-                    [(i, i + 1, rest) for i in range(b, n)]
-                predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
-                assert measured <= predicted, (rest, a, b, measured - predicted)
+    for rest, a, b, segments in _one_segment_plans(n):
+        predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
+        assert measured <= predicted, (rest, a, b, measured - predicted)
 
 
 class _Residual(nn.Module):
@@ -699,7 +706,6 @@ def test_a_segment_holds_the_input_its_first_block_alone_lets_go_of(kinds: str) 
     model's, 9.9% over its budget) or holding one inside measured one activation (128 KiB
     here) over its prediction. Segments ending in such a block are over-predicted (their
     recompute stops before the block), never under."""
-    from autoremat._core.decisions import KEEP, RECOMPUTE
 
     torch.manual_seed(0)
     model, tokens = _Tokens(kinds), torch.randint(0, 8, (32, 32))
@@ -712,16 +718,12 @@ def test_a_segment_holds_the_input_its_first_block_alone_lets_go_of(kinds: str) 
     n = len(tape.blocks)
     saves_nothing = {i for i, kind in enumerate(kinds) if kind != "M"}
     assert all(tape.blocks[i].fwd_held for i in saves_nothing)
-    for rest in (KEEP, RECOMPUTE):
-        for a, b in itertools.combinations(range(n + 1), 2):
-            if b - a >= 2:
-                segments = [(i, i + 1, rest) for i in range(a)] + [(a, b, RECOMPUTE)] + \
-                    [(i, i + 1, rest) for i in range(b, n)]
-                predicted, measured = segments_peaks(model, tokens, tape, segments, loss_fn)
-                if b - 1 in saves_nothing:
-                    assert measured <= predicted, (rest, a, b, measured - predicted)
-                else:
-                    assert measured == predicted, (rest, a, b, measured - predicted)
+    for rest, a, b, segments in _one_segment_plans(n):
+        predicted, measured = segments_peaks(model, tokens, tape, segments, loss_fn)
+        if b - 1 in saves_nothing:
+            assert measured <= predicted, (rest, a, b, measured - predicted)
+        else:
+            assert measured == predicted, (rest, a, b, measured - predicted)
 
 
 class _Attention(nn.Module):
@@ -768,7 +770,6 @@ def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recomp
     tensor, before its recompute starts; in a segment they stay held while every block
     of it is recomputed. A ``sqrt`` plan of [attention, mixer] segments measured them
     (1056 B) over its prediction (a fuzzed model's)."""
-    from autoremat._core.decisions import KEEP, RECOMPUTE
 
     torch.manual_seed(0)
     model = _Mixer()
@@ -780,13 +781,9 @@ def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recomp
     tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
     assert tape.blocks[1].recompute_after > 0
     n = len(tape.blocks)
-    for rest in (KEEP, RECOMPUTE):
-        for a, b in itertools.combinations(range(n + 1), 2):
-            if b - a >= 2:
-                segments = [(i, i + 1, rest) for i in range(a)] + [(a, b, RECOMPUTE)] + \
-                    [(i, i + 1, rest) for i in range(b, n)]
-                predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
-                assert measured == predicted, (rest, a, b, measured - predicted)
+    for rest, a, b, segments in _one_segment_plans(n):
+        predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
+        assert measured == predicted, (rest, a, b, measured - predicted)
 
 
 def _exact_plans(model: nn.Module, x: Any, tape: autoremat.Tape, loss_fn: Any,
