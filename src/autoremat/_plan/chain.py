@@ -33,6 +33,7 @@ from autoremat._measure.tape import Tape
 from autoremat._plan.peak import (
     SegmentCost,
     block_costs,
+    block_entries,
     fixed_peaks,
     freed_later,
     holds_input,
@@ -178,6 +179,7 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                 here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
                          for opt in options[i]]
             terms = _later_moves(tape, later, i, prev, here)
+            bits = [_shared_bits(shared, i, m[0], m[1]) for m in here]
             by_prev[prev] = _Moves(
                 steps=[(m[0], m[1]) for m in here],
                 stop=np.array([m[0] for m in here]),
@@ -191,10 +193,8 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                 rel=np.array([_extra_release(tape, i, prev, m[2], least)
                               + (last_inner if m[0] == n and m[0] - i > 1 else 0)
                               for m in here], dtype=np.int64),
-                sets=np.array([_shared_bits(shared, i, m[0], m[1])[0] for m in here],
-                              dtype=np.int64),
-                holds=np.array([_shared_bits(shared, i, m[0], m[1])[1] for m in here],
-                               dtype=np.int64),
+                sets=np.array([sets for sets, _ in bits], dtype=np.int64),
+                holds=np.array([holds for _, holds in bits], dtype=np.int64),
                 later_sets=terms[1], later_done=terms[2], later_on=terms[3],
                 later_off=terms[4],
             )
@@ -334,11 +334,9 @@ class _Held:
     (NOTE [ Held past release in the DP ]); a status is one code per tensor."""
 
     def __init__(self, tape: Tape) -> None:
-        entries = []
-        for key, size in tape.held_past_release.items():
-            first, window = (int(part) for part in key.split(":"))
-            if size > 0 and first <= window - 2:
-                entries.append((first, window, size))
+        entries = [(first, window, size)
+                   for first, (window,), size in block_entries(tape.held_past_release)
+                   if size > 0 and first <= window - 2]
         entries.sort(key=lambda e: (-e[2], e[0], e[1]))
         self.entries = entries[:_HELD_IN_STATE]
         self.statuses: list[tuple[int, ...]] = []

@@ -189,6 +189,7 @@ __all__ = [
     "SegmentCost",
     "Segments",
     "block_costs",
+    "block_entries",
     "fixed_peaks",
     "freed_later",
     "held_at_return",
@@ -233,22 +234,28 @@ class SegmentCost:
         return self.flops if self.cost is None else self.cost
 
 
+def _measured_key(block: BlockProfile, key: WindowKey) -> WindowKey:
+    """``key``, or where the tape measured no window for it, the key of the step with
+    both blocks under this block's decision."""
+    return key if key in block.fwd else (key[1], key[1])
+
+
 def _fwd(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
-    windows = tape.blocks[k].fwd
-    return windows[key] if key in windows else windows[key[1], key[1]]
+    b = tape.blocks[k]
+    return b.fwd[_measured_key(b, key)]
 
 
 def _fwd_held(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
     """Block ``k``'s forward window with what it lets go of that was made before it held
     on (NOTE [ A block that lets its input go ])."""
     b = tape.blocks[k]
-    found = key if key in b.fwd else (key[1], key[1])
+    found = _measured_key(b, key)
     return b.fwd_held.get(found, b.fwd[found])
 
 
 def _bwd(tape: Tape, k: int, key: WindowKey) -> WindowMemory:
-    windows = tape.blocks[k].bwd
-    return windows[key] if key in windows else windows[key[1], key[1]]
+    b = tape.blocks[k]
+    return b.bwd[_measured_key(b, key)]
 
 
 def _uniform(i: int, decision: Decision) -> WindowKey:
@@ -412,10 +419,9 @@ def _saved_by_maker(tape: Tape, z: list[int], kept: set[int]) -> None:
     block saves that a later block takes ] in ``_profile/runs.py``): the nets of the step
     with every block checkpointed free them in the taker's backward, where a kept saver
     holds them on to its own."""
-    for key, size in tape.saved_by_maker.items():
-        saver, takers = key.split(":")
-        if int(saver) in kept:
-            for j in range(int(saver) + 1, max(int(t) for t in takers.split(","))):
+    for saver, takers, size in block_entries(tape.saved_by_maker):
+        if saver in kept:
+            for j in range(saver + 1, max(takers)):
                 z[j] += size
 
 
@@ -634,14 +640,21 @@ def _recomputed(segments: Segments) -> set[int]:
 #     the DP ] in ``chain.py``).
 
 
+def block_entries(entries: dict[str, int]) -> list[tuple[int, tuple[int, ...], int]]:
+    """A tape's entries keyed by blocks, ``"first:later[,later...]"`` (``saved_by_maker``,
+    ``freed_at_return``, ``held_past_release``, ``shared_saves``, ``freed_later``), as
+    (first, the later blocks, bytes), in the order of their keys."""
+    out = []
+    for key, size in sorted(entries.items()):
+        first, later = key.split(":")
+        out.append((int(first), tuple(int(b) for b in later.split(",")), size))
+    return out
+
+
 def shared_saves(tape: Tape) -> list[tuple[int, tuple[int, ...], int]]:
     """``tape.shared_saves`` as (the block that saves them first, the later blocks
     saving them, bytes), in a fixed order (NOTE [ Saves shared by calls of a layer ])."""
-    out = []
-    for key, size in sorted(tape.shared_saves.items()):
-        first, savers = key.split(":")
-        out.append((int(first), tuple(int(q) for q in savers.split(",")), size))
-    return out
+    return block_entries(tape.shared_saves)
 
 
 def shared_held(tape: Tape, segments: Segments) -> list[tuple[int, int]]:
@@ -665,11 +678,7 @@ def shared_held(tape: Tape, segments: Segments) -> list[tuple[int, int]]:
 def freed_later(tape: Tape) -> list[tuple[int, int, int]]:
     """``tape.freed_later`` as (block ``i``, window ``w``, bytes), in a fixed order (NOTE
     [ Inputs the model frees later in the chain ])."""
-    out = []
-    for key, size in tape.freed_later.items():
-        i, w = (int(part) for part in key.split(":"))
-        out.append((i, w, size))
-    return sorted(out)
+    return sorted((i, w, size) for i, (w,), size in block_entries(tape.freed_later))
 
 
 def holds_input(decision: Decision) -> bool:
@@ -694,9 +703,8 @@ def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
         if stop - start > 1:
             measured = True  # composed of held windows, or the checkpointed step's
         else:
-            key = (prev, _RECOMPUTE if decision is Decision.SELECTIVE else decision)
-            if key not in tape.blocks[w].fwd:
-                key = (key[1], key[1])
+            key = _measured_key(tape.blocks[w], (
+                prev, _RECOMPUTE if decision is Decision.SELECTIVE else decision))
             measured = holds_input(key[1] if (w - i) % 2 == 0 else key[0])
         hold = size * (int(held) - int(measured))
         if held and not measured:
@@ -767,15 +775,14 @@ def held_at_return(tape: Tape, segments: Segments,
     release = release_of(tape, segments, costs) if release is None else release
     holding = _recomputed(segments)
     total = 0
-    for key, size in tape.freed_at_return.items():
-        after, takers = key.split(":")
-        taking, first = {int(t) for t in takers.split(",")}, int(after)
+    for first, takers, size in block_entries(tape.freed_at_return):
+        taking = set(takers)
         if len(taking) > 1 and taking <= holding and {first - 1, first} <= holding:
             continue  # counted held where its release was measured: every taker (two or
             # more; one alone, Funnel under autocast measured up to 16 KiB over) and the
             # block before it checkpointed, as in the step that measured that release
         if holding & taking:
-            total += min(size, release[int(after)])
+            total += min(size, release[first])
     return total
 
 
@@ -792,8 +799,7 @@ def held_past_release(tape: Tape, segments: Segments) -> int:
     alone = {start for start, stop, choice in segments
              if choice.decision is _RECOMPUTE and stop == start + 1}
     total = 0
-    for key, size in tape.held_past_release.items():
-        first, window = (int(part) for part in key.split(":"))
+    for first, (window,), size in block_entries(tape.held_past_release):
         if any(first <= i <= window - 2 for i in recomputed) \
                 and not {window - 1, window} <= alone:
             total += size
