@@ -130,6 +130,11 @@ class BlockProfile:
     # several, whose input the segment holds, does (NOTE [ A block that lets its input
     # go ] in _plan/peak.py). Empty in tapes made before 2026-12-01.
     fwd_held: dict[WindowKey, WindowMemory] = field(default_factory=dict)
+    # Its forward saves nothing for backward (a scale, a pool), so a checkpoint of it
+    # alone holds none of its inputs, and a segment of several starting with it holds
+    # them all (NOTE [ A block that lets its input go ] in _plan/peak.py). False in tapes
+    # made before 2026-11-30.
+    lets_input_go: bool = False
     # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
     # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.

@@ -36,17 +36,18 @@ from autoremat._plan.peak import (
     block_entries,
     fixed_peaks,
     freed_later,
-    holds_input,
-    last_inner_release,
+    holds_later,
     later_terms,
     least_release,
     post_window,
     predict_peak,
     released_post_peak,
     segment_cost,
+    segment_release,
     segment_runs,
     shared_saves,
     suffix_z,
+    uniform_release,
 )
 
 __all__ = ["ChainSolution", "ExtraOptions", "solve"]
@@ -97,8 +98,11 @@ class _Moves:
     bwd: np.ndarray  # (moves,) bytes: backward peak above F (hold, suffix, transient)
     cost: np.ndarray  # (moves,) the objective's cost (FLOP-equivalents)
     first: np.ndarray  # (moves,) bytes: the fixed peak when it is the first segment
-    rel: np.ndarray  # (moves,) bytes its first block releases when the forward returns,
-    # beyond the least any decision releases (NOTE [ Releases in the DP ])
+    rel: np.ndarray  # (moves,) bytes its blocks release when the forward returns, beyond
+    # the least any decision releases (NOTE [ Releases in the DP ])
+    over: np.ndarray  # (decisions, moves) bytes its blocks hold past the forward's return
+    # that the uniform step of each decision (by _RANK) released there, their own
+    # releases' shortfalls each at least 0 (NOTE [ Releases in the DP ])
     sets: np.ndarray  # (moves,) bits of the shared saves whose first block it does not
     # keep (NOTE [ Saves shared by calls of a layer ] in peak.py)
     holds: np.ndarray  # (moves,) bits of the shared saves a later block of which it keeps
@@ -122,8 +126,8 @@ class _Frontier:
     # the least (it lowers the backward levels of these blocks and the post window)
     P: np.ndarray  # (rows,) bits of the shared saves the prefix holds no longer than the
     # forward but a later kept block would (its first block not kept, no later one yet)
-    C: np.ndarray  # (rows,) bytes of shared saves the prefix holds past the forward,
-    # counted in E (NOTE [ Saves shared by calls of a layer ] in peak.py)
+    H: np.ndarray  # (rows, decisions) the prefix's moves' ``over``: what the levels of
+    # the post window before the backward starts hold more, by the last block's decision
     Q: np.ndarray  # (rows,) bits of the inputs the prefix holds whose window it has not
     # reached (NOTE [ Inputs the model frees later in the chain ] in peak.py)
     prev: np.ndarray  # (rows,) row in the source state's frontier (-1 at the start)
@@ -143,7 +147,7 @@ class _Part:
     peak: np.ndarray
     E: np.ndarray
     P: np.ndarray
-    C: np.ndarray
+    H: np.ndarray
     Q: np.ndarray
     prev: np.ndarray
     move: np.ndarray
@@ -158,9 +162,9 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
     n = len(tape.blocks)
     z = suffix_z(tape)
     least = least_release(tape)
-    # NOTE [ The last block's input after the chain ] in peak.py: a segment of several
-    # blocks ending at the last releases less there
-    last_inner = last_inner_release(tape, least) - least[-1]
+    uniform = np.zeros((len(_ORDER), n), dtype=np.int64)  # NOTE [ Releases in the DP ]
+    for d in tape.window_decisions:
+        uniform[_RANK[d]] = uniform_release(tape, d)
     stops = _allowed_stops(tape, max_segment)
     costs_of_blocks = block_costs(tape)
     seen = tape.window_decisions  # what a block can be seen as by the next one
@@ -179,6 +183,8 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                 here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
                          for opt in options[i]]
             terms = _later_moves(tape, later, i, prev, here)
+            released = [segment_release(tape, i, m[0], m[1], prev, m[2].seen_as, least)
+                        for m in here]
             bits = [_shared_bits(shared, i, m[0], m[1]) for m in here]
             by_prev[prev] = _Moves(
                 steps=[(m[0], m[1]) for m in here],
@@ -190,9 +196,10 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                               for m in here], dtype=np.int64) + terms[0][2],
                 cost=np.array([m[2].rank_cost for m in here], dtype=np.int64),
                 first=np.array([fixed[m[2].seen_as] for m in here], dtype=np.int64),
-                rel=np.array([_extra_release(tape, i, prev, m[2], least)
-                              + (last_inner if m[0] == n and m[0] - i > 1 else 0)
-                              for m in here], dtype=np.int64),
+                rel=np.array([sum(r) - sum(least[i:i + len(r)]) for r in released],
+                             dtype=np.int64),
+                over=np.array([np.maximum(uniform[:, i:i + len(r)] - r, 0).sum(1)
+                               for r in released], dtype=np.int64).T,
                 sets=np.array([sets for sets, _ in bits], dtype=np.int64),
                 holds=np.array([holds for _, holds in bits], dtype=np.int64),
                 later_sets=terms[1], later_done=terms[2], later_on=terms[3],
@@ -221,12 +228,23 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 #     whose every block releases plans in 1.2 s, 15 s with ``E`` compared exactly);
 #     where every row's ``E`` is the same (no release differs, most steps) the frontier
 #     is the (F, cost) one it always was. The brute-force test on random chains with
-#     releases (``test_chain.py``) checks both objectives. Shared saves (NOTE [ Saves
-#     shared by calls of a layer ] in ``peak.py``) are a release less from the first
-#     kept later block on: each row carries the bits of those whose first block it did
-#     not keep and no later block has held yet (``P``), and what it counts held of them
-#     (``C``, also in ``E``; the post window's levels before the forward returns hold them
-#     in every plan); a row dominates only rows of the same ``P`` and ``C``. Inputs the
+#     releases (``test_chain.py``) checks both objectives. The post window's levels
+#     before the backward starts hold, on those of the uniform step of the last block's
+#     decision, each block's shortfall on that step's release, at least 0
+#     (``post_window``: a block that holds more is not offset by one that lets go of
+#     more, which may happen after them); netted into ``E``, a plan's figures came out
+#     under its prediction, dominated the plan's own rows and dropped the cheapest plan
+#     for a pricier one (random chains whose first block releases, 2026-11-30). Each row
+#     carries those sums, one per last decision (``H``, each move's ``over``); where
+#     rows differ in them, a row dominates only one of no larger cost and no larger
+#     level at any point of the rest: ``F``, ``F - E``, and ``F + H`` for each decision
+#     (exact, without levels; a 200-block chain whose every block releases plans in
+#     0.4 s, 0.2 s netted). Shared saves (NOTE [ Saves shared by calls of a layer ] in
+#     ``peak.py``) are a release less from the first kept later block on: each row
+#     carries the bits of those whose first block it did not keep and no later block has
+#     held yet (``P``); what it counts held of them is in ``E`` and not in ``H`` (the
+#     levels before the forward returns hold them in every plan); a row dominates only
+#     rows of the same ``P``. Inputs the
 #     model frees later in the chain (NOTE [ Inputs the model frees later in the chain ]
 #     in ``peak.py``) change the figures of the segments up to their window by whether
 #     the plan holds them (its segment starting at their block checkpoints it): each row
@@ -263,7 +281,7 @@ def _later_moves(tape: Tape, later: list[tuple[int, int, int]], i: int, prev: De
                 done[c] |= 1 << e
             args = (tape, entry, i, stop, choice, prev, cost.seen_as)
             if block >= i:  # the move decides whether it holds it
-                held = block == i and holds_input(choice.decision)
+                held = holds_later(tape, block, i, stop, choice.decision)
                 if held and window >= stop:
                     sets[c] |= 1 << e
                 f, h, b = later_terms(*args, held)
@@ -285,16 +303,6 @@ def _shared_bits(shared: list[tuple[int, tuple[int, ...], int]], start: int, sto
                if not kept and start <= first < stop)
     holds = sum(1 << e for e, (_, savers, _) in enumerate(shared) if kept and start in savers)
     return sets, holds
-
-
-def _extra_release(tape: Tape, i: int, prev: Decision, cost: SegmentCost,
-                   least: list[int]) -> int:
-    """What a move from block ``i`` (after a block seen as ``prev``; any kind of move,
-    ``cost`` its figures) releases when the forward returns beyond the least, as
-    ``release_of`` counts its first block (NOTE [ Releases in the DP ])."""
-    if i == 0:
-        return 0
-    return tape.blocks[i].fwd_end_release.get((prev, cost.seen_as), 0) - least[i]
 
 
 # NOTE [ Held past release in the DP ]
@@ -422,7 +430,8 @@ def _start(tape: Tape) -> _Frontier:
                      cost=np.array([0], dtype=np.int64),
                      peak=np.array([tape.pre.peak_bytes], dtype=np.int64),
                      E=np.array([0], dtype=np.int64),
-                     P=np.array([0], dtype=np.int64), C=np.array([0], dtype=np.int64),
+                     P=np.array([0], dtype=np.int64),
+                     H=np.zeros((1, len(_ORDER)), dtype=np.int64),
                      Q=np.array([0], dtype=np.int64), prev=none, move=none,
                      from_index=none, from_seen=none, from_status=none)
 
@@ -468,7 +477,7 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
     cost_new = cur.cost[rows] + moves.cost[cols]
     peak_new = peak[rows, cols]
     E_new = released[rows, cols]
-    C_new = cur.C[rows] + charge[rows, cols]
+    H_new = cur.H[rows] + moves.over[:, cols].T
     P_new = (cur.P[rows] & ~moves.holds[cols]) | moves.sets[cols]
     Q_new = (cur.Q[rows] & ~moves.later_done[cols]) | moves.later_sets[cols]
     edges = [0, *(np.flatnonzero(np.diff(targets)) + 1).tolist(), len(targets)]
@@ -477,7 +486,7 @@ def _extend(cur: _Frontier, moves: _Moves, i: int, prev: Decision, budget: float
         stop, as_seen = int(moves.stop[c0]), _ORDER[int(moves.seen[c0])]
         incoming.setdefault((stop, as_seen, int(next_status[c0])), []).append(_Part(
             F=F_new[a:b], cost=cost_new[a:b], peak=peak_new[a:b], E=E_new[a:b],
-            P=P_new[a:b], C=C_new[a:b], Q=Q_new[a:b], prev=rows[a:b], move=cols[a:b],
+            P=P_new[a:b], H=H_new[a:b], Q=Q_new[a:b], prev=rows[a:b], move=cols[a:b],
             from_index=i, from_seen=_RANK[prev], from_status=status))
 
 
@@ -541,7 +550,8 @@ def solve(tape: Tape, budget_bytes: int | None, *, objective: str = "cost",
             f = frontier.get((n, last, status))
             if f is None or not held.settled(status):
                 continue
-            peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E, f.C)) + \
+            peak = np.maximum(f.peak, f.F + _post_peaks(tape, last, f.E,
+                                                        f.H[:, _RANK[last]])) + \
                 held.charged(status)
             for found in np.nonzero(peak <= budget)[0]:
                 finals.append((int(f.cost[found]), int(peak[found]), _RANK[last], status,
@@ -602,13 +612,14 @@ def _best_final(tape: Tape, frontier: dict[_State, _Frontier],
     return best
 
 
-def _post_peaks(tape: Tape, last: Decision, E: np.ndarray, C: np.ndarray) -> np.ndarray:
+def _post_peaks(tape: Tape, last: Decision, E: np.ndarray, H: np.ndarray) -> np.ndarray:
     """The post window's peak above ``F_n`` for rows that release ``E`` beyond the least
     when the forward returns (``post_window`` with the plan's releases, NOTE [ Releases
-    in the DP ]), ``C`` of that less for shared saves held past it, which the levels
-    before it hold in every plan (NOTE [ Saves shared by calls of a layer ] in peak.py)."""
+    in the DP ]) and hold ``H`` more in the levels before the backward starts than the
+    uniform step of ``last`` did (the sum of their blocks' shortfalls, each at least 0,
+    as ``post_window`` counts them)."""
     extra = post_window(tape, last).delta_bytes - tape.post[last].delta_bytes  # at least
-    return released_post_peak(tape, last, extra - E, extra - E - C)
+    return released_post_peak(tape, last, extra - E, H)
 
 
 def _backtrack(frontier: dict[_State, _Frontier],
@@ -637,28 +648,28 @@ def _prune(parts: list[_Part], objective: str) -> _Frontier:
     peak = np.concatenate([p.peak for p in parts])
     E = np.concatenate([p.E for p in parts])
     P = np.concatenate([p.P for p in parts])
-    C = np.concatenate([p.C for p in parts])
+    H = np.concatenate([p.H for p in parts])
     Q = np.concatenate([p.Q for p in parts])
     primary = cost if objective == "cost" else peak
     secondary = peak if objective == "cost" else cost
     # Candidates arrive in a deterministic order (by source index), and the sort is
     # stable, so remaining ties go to the earliest segment boundary.
     order = np.lexsort((-E, secondary, primary, F))
-    if P.min() == P.max() and C.min() == C.max() and Q.min() == Q.max():
-        sel = _pareto(order, primary, E, F)
+    if P.min() == P.max() and Q.min() == Q.max():
+        sel = _pareto(order, primary, E, F, H)
     else:  # NOTE [ Saves shared by calls of a layer ] in peak.py: a row dominates only
-        # rows that hold as much of the shared saves past the forward and may come to,
-        # and the same inputs the model frees later in the chain (NOTE [ Inputs the
-        # model frees later in the chain ])
-        group = np.unique(np.stack([P, C, Q]), axis=1, return_inverse=True)[1].reshape(-1)
-        picked = np.concatenate([_pareto(order[group[order] == g], primary, E, F)
+        # rows that may come to hold as much of the shared saves past the forward, and
+        # the same inputs the model frees later in the chain (NOTE [ Inputs the model
+        # frees later in the chain ])
+        group = np.unique(np.stack([P, Q]), axis=1, return_inverse=True)[1].reshape(-1)
+        picked = np.concatenate([_pareto(order[group[order] == g], primary, E, F, H)
                                  for g in range(int(group.max()) + 1)])
         rank = np.empty(len(order), dtype=np.int64)
         rank[order] = np.arange(len(order))
         sel = picked[np.argsort(rank[picked], kind="stable")]
     # one source state per part: expand its scalars to its rows, then select
     return _Frontier(
-        F=F[sel], cost=cost[sel], peak=peak[sel], E=E[sel], P=P[sel], C=C[sel], Q=Q[sel],
+        F=F[sel], cost=cost[sel], peak=peak[sel], E=E[sel], P=P[sel], H=H[sel], Q=Q[sel],
         prev=np.concatenate([p.prev for p in parts])[sel],
         move=np.concatenate([p.move for p in parts])[sel],
         from_index=np.repeat(np.array([p.from_index for p in parts]), sizes)[sel],
@@ -667,12 +678,14 @@ def _prune(parts: list[_Part], objective: str) -> _Frontier:
 
 
 def _pareto(order: np.ndarray, primary: np.ndarray, E: np.ndarray,
-            F: np.ndarray) -> np.ndarray:
+            F: np.ndarray, H: np.ndarray) -> np.ndarray:
     """The rows of ``order`` (by F ascending, then objective, then release descending)
-    on the Pareto frontier of (F, objective), and of release where releases differ;
-    thinned past :data:`_MAX_FRONTIER` rows."""
+    on the Pareto frontier of (F, objective), and of release and what the post window
+    holds more (``H``) where those differ; thinned past :data:`_MAX_FRONTIER` rows."""
     ranked = primary[order]
-    if E[order].min() == E[order].max():
+    if (H[order] != H[order[:1]]).any():  # NOTE [ Releases in the DP ]
+        sel = _pareto_with_holds(order, ranked, F[order], E[order], H[order])
+    elif E[order].min() == E[order].max():
         # By F ascending, keep a row only if it beats every row of smaller (or equal) F.
         best_before = np.concatenate(([np.inf], np.minimum.accumulate(ranked)[:-1]))
         sel = order[ranked < best_before]
@@ -691,10 +704,7 @@ def _pareto_with_releases(order: np.ndarray, ranked: np.ndarray,
     :data:`_RELEASE_LEVELS` of them (exact where they take no more values; else
     quantiles, and a row may fall to one that releases a little less: the plan found
     still fits, as under NOTE [ Large frontiers ])."""
-    levels = np.unique(released)
-    if len(levels) > _RELEASE_LEVELS:
-        levels = levels[np.linspace(0, len(levels) - 1, _RELEASE_LEVELS).round().astype(int)]
-    level = np.searchsorted(levels, released, side="right") - 1
+    level = _release_levels(released)
     keep = np.zeros(len(order), dtype=bool)
     for floor in range(int(level.max()), -1, -1):
         pool = np.flatnonzero(level >= floor)  # rows that release at least this level
@@ -703,6 +713,41 @@ def _pareto_with_releases(order: np.ndarray, ranked: np.ndarray,
         best = pool[ranks < best_before]
         keep[best[level[best] == floor]] = True
     return order[keep]
+
+
+def _release_levels(released: np.ndarray) -> np.ndarray:
+    """The level of each release, among at most :data:`_RELEASE_LEVELS` (quantiles of
+    the values where they take more)."""
+    levels = np.unique(released)
+    if len(levels) > _RELEASE_LEVELS:
+        levels = levels[np.linspace(0, len(levels) - 1, _RELEASE_LEVELS).round().astype(int)]
+    return np.searchsorted(levels, released, side="right") - 1
+
+
+def _pareto_with_holds(order: np.ndarray, ranked: np.ndarray, F: np.ndarray,
+                       released: np.ndarray, holds: np.ndarray) -> np.ndarray:
+    """The rows of ``order`` (by F ascending, then objective, then release descending)
+    that no earlier row dominates, in the order given: one of no larger objective
+    (``ranked``) and no larger level at any point of the rest of the plan: ``F`` in the
+    forward, ``F`` less its release in the backward, ``F`` and what it holds in the post
+    window before the backward starts (``holds``, one per last decision) there, the
+    same later moves added to both (NOTE [ Releases in the DP ])."""
+    after = F - released
+    varies = (holds != holds[:1]).any(axis=0)
+    before = F[:, None] + holds[:, varies]
+    keep = np.ones(len(order), dtype=bool)
+    for lo in range(0, len(order), _CHUNK):  # (dominance is transitive: any earlier row)
+        hi = min(lo + _CHUNK, len(order))
+        worse = (ranked[:hi, None] <= ranked[None, lo:hi]) & \
+            (after[:hi, None] <= after[None, lo:hi]) & \
+            (np.arange(hi)[:, None] < np.arange(lo, hi)[None, :])
+        for column in before.T:
+            worse &= column[:hi, None] <= column[None, lo:hi]
+        keep[lo:hi] = ~worse.any(axis=0)
+    return order[keep]
+
+
+_CHUNK = 512  # rows compared at once by _pareto_with_holds
 
 
 _RELEASE_LEVELS = 16  # NOTE [ Releases in the DP ]
@@ -720,11 +765,15 @@ def _thin(sel: np.ndarray, F: np.ndarray, primary: np.ndarray) -> np.ndarray:
         still fits (every check uses exact bytes) but may cost slightly more than the
         optimum. Identical blocks never get there.
     """
-    values = F[sel]  # ascending, with primary strictly decreasing
+    values = F[sel]  # ascending
     lo, hi = int(values[0]), int(values[-1])
     width = max(1, -(-(hi - lo) // _MAX_FRONTIER))
     bucket = (values - lo) // width
-    last_of_bucket = np.append(bucket[1:] != bucket[:-1], True)  # the cheapest in each
-    keep = last_of_bucket.copy()
+    # the cheapest in each (the last, where the objective falls as F grows; not so
+    # where rows differ in what they release: NOTE [ Releases in the DP ])
+    by_cost = np.lexsort((primary[sel], bucket))
+    first = by_cost[np.append(True, bucket[by_cost][1:] != bucket[by_cost][:-1])]
+    keep = np.zeros(len(sel), dtype=bool)
+    keep[first] = True
     keep[0] = True
     return sel[keep]

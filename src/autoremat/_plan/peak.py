@@ -80,6 +80,17 @@ NOTE [ A block that lets its input go ]
     block inside were over by it). A segment ending in such a block is predicted above
     its step by up to a boundary: the recompute stops at the last saved tensor, before
     the block before it makes its output.
+    Where the model holds such a block's input past the block (a list of skips popped
+    after a later block, or when the forward returns), the plain step and the lone
+    checkpoint free it there, and a segment of several starting at the block holds it
+    until its backward: counted as the lone block's, such segments measured the input
+    over their predictions (13 fuzzed models, up to 1 KiB; ``optimal`` at its smallest
+    budget over it). The profile marks the blocks whose forward saves nothing
+    (``BlockProfile.lets_input_go``, from the saved-tensor hooks of the step that finds
+    the chain); their entries in ``tape.freed_later`` are what the plain step frees
+    later, held by such segments only (``holds_later``), and a segment of several starting
+    at one releases its inputs' bytes (``input_bytes``) less when the forward returns
+    (``held_by_segment``).
 
 NOTE [ Tensors held across stacks ]
     In an encoder-decoder planned as one chain, the encoder's output is made between
@@ -162,7 +173,10 @@ NOTE [ Inputs the model frees later in the chain ]
     predictions, and the optimal plan over its budget; plans that keep ``i`` and
     checkpoint ``i + 1`` were over-predicted by as much. The solver carries, per row,
     the bits of the inputs its plan holds whose window it has not reached (NOTE
-    [ Releases in the DP ] in ``chain.py``).
+    [ Releases in the DP ] in ``chain.py``). A block that saves nothing holds none of
+    its input checkpointed alone, only as the first of a segment of several (NOTE [ A
+    block that lets its input go ]): its entries are what the plain step frees, and
+    no uniform step's window or ``Z_j`` holds them.
 """
 
 from __future__ import annotations
@@ -193,8 +207,10 @@ __all__ = [
     "fixed_peaks",
     "freed_later",
     "held_at_return",
+    "held_by_segment",
     "held_past_release",
     "holds_input",
+    "holds_later",
     "last_inner_release",
     "later_terms",
     "least_release",
@@ -204,11 +220,13 @@ __all__ = [
     "release_of",
     "released_post_peak",
     "segment_cost",
+    "segment_release",
     "segment_runs",
     "selective_options",
     "shared_held",
     "shared_saves",
     "suffix_z",
+    "uniform_release",
     "with_head",
 ]
 
@@ -271,7 +289,7 @@ def _net(tape: Tape, k: int, decision: Decision) -> int:
     return b.fwd[key].delta_bytes + b.bwd[key].delta_bytes
 
 
-def _uniform_release(tape: Tape, decision: Decision) -> list[int]:
+def uniform_release(tape: Tape, decision: Decision) -> list[int]:
     """Per block, the bytes of its input released when the forward returns in the step
     with every block under ``decision``, which measured ``post[decision]`` and its nets."""
     return [b.fwd_end_release.get(_uniform(i, decision), 0) for i, b in enumerate(tape.blocks)]
@@ -285,26 +303,43 @@ def least_release(tape: Tape) -> list[int]:
 
 def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> list[int]:
     """Per block, the bytes of its input a plan's step releases when the forward
-    returns: a kept, checkpointed or offloaded block as measured under its decision
-    after its predecessor's; a segment's first block as checkpointed, and a selective
-    block too (what it keeps of that, its option's ``held_after``, it holds on: NOTE
-    [ Kept outputs that outlive the forward ]); inner blocks the least any decision
-    releases."""
+    returns: each segment's as :func:`segment_release` counts them, but the first
+    block's in a plan that recomputes nothing, as measured (NOTE [ What the model made
+    before the chain ])."""
     least = least_release(tape)
     out = list(least)
     prev = _KEEP
-    for (start, stop, _), cost in zip(segments, costs, strict=True):
-        out[start] = tape.blocks[start].fwd_end_release.get((prev, cost.seen_as), 0)
+    for (start, stop, choice), cost in zip(segments, costs, strict=True):
+        out[start:stop] = segment_release(tape, start, stop, choice, prev, cost.seen_as, least)
         prev = cost.seen_as
-        if stop == len(tape.blocks) and stop - start > 1:
-            out[-1] = last_inner_release(tape, least)
-    if any(choice.decision.recomputes for _, _, choice in segments):
-        out[0] = least[0]  # what the model made before the first block, any
-        # checkpoint of a block it is passed to may hold (NOTE [ Released when ... ])
-    elif len({choice.decision for _, _, choice in segments}) > 1:
-        # NOTE [ What the model made before the chain ]
+    if not any(choice.decision.recomputes for _, _, choice in segments):
         first = costs[0].seen_as
-        out[0] = max(0, out[0] - tape.first_release_shared.get(first, 0))
+        out[0] = tape.blocks[0].fwd_end_release.get((_KEEP, first), 0)
+        if len({choice.decision for _, _, choice in segments}) > 1:
+            # NOTE [ What the model made before the chain ]
+            out[0] = max(0, out[0] - tape.first_release_shared.get(first, 0))
+    return out
+
+
+def segment_release(tape: Tape, start: int, stop: int, choice: Choice, prev: Decision,
+                    seen_as: Decision, least: Sequence[int]) -> list[int]:
+    """The bytes of their inputs the blocks of segment ``[start, stop)`` under
+    ``choice`` (after a block seen as ``prev``; its last block seen as ``seen_as``)
+    release when the forward returns, in a plan that recomputes (the solver's moves
+    count each as this): its first block as measured under its decision after its
+    predecessor's (a segment's as checkpointed, a selective block's too: what it keeps
+    of that, its option's ``held_after``, it holds on, NOTE [ Kept outputs that outlive
+    the forward ]), less what a segment of several holds of what that block lets go
+    (``held_by_segment``); block 0 the least (any checkpoint of a block what the model
+    made before the chain is passed to may hold it, NOTE [ Released when the forward
+    returns ]); inner blocks the least any decision releases, the last block less its
+    chain bytes (NOTE [ The last block's input after the chain ])."""
+    first = least[0] if start == 0 else \
+        tape.blocks[start].fwd_end_release.get((prev, seen_as), 0)
+    out = [max(0, first - held_by_segment(tape, start, stop, choice.decision)),
+           *least[start + 1:stop]]
+    if stop == len(tape.blocks) and stop - start > 1:
+        out[-1] = last_inner_release(tape, least)
     return out
 
 
@@ -351,7 +386,7 @@ def post_window(tape: Tape, last: Decision, release: Sequence[int] | None = None
     ``release`` counts held what was alive before it in every step (NOTE [ Saves shared
     by calls of a layer ]); default ``release``."""
     release = least_release(tape) if release is None else release
-    measured = _uniform_release(tape, last)
+    measured = uniform_release(tape, last)
     held = [m - r for m, r in zip(measured, release, strict=True)]
     extra = sum(held)  # held on, that was freed (less what the plan frees, that was held)
     window = tape.post[last]
@@ -396,7 +431,7 @@ def suffix_z(tape: Tape, release: Sequence[int] | None = None,
     release = least_release(tape) if release is None else release
     out = {}
     for decision in tape.window_decisions:
-        measured = _uniform_release(tape, decision)
+        measured = uniform_release(tape, decision)
         held_on = [0] * n  # prefix sums of (measured - plan's) release up to j
         acc_held = 0
         for j in range(n):
@@ -687,6 +722,25 @@ def holds_input(decision: Decision) -> bool:
     return decision is _RECOMPUTE or decision is Decision.SELECTIVE
 
 
+def holds_later(tape: Tape, i: int, start: int, stop: int, decision: Decision) -> bool:
+    """Whether segment ``[start, stop)`` under ``decision`` holds block ``i``'s input
+    until its backward (NOTE [ Inputs the model frees later in the chain ]): it starts
+    there and checkpoints, and the block saves something or the segment has more blocks
+    (NOTE [ A block that lets its input go ])."""
+    return start == i and holds_input(decision) and (
+        stop - start > 1 or not tape.blocks[i].lets_input_go)
+
+
+def held_by_segment(tape: Tape, start: int, stop: int, decision: Decision) -> int:
+    """The bytes of its first block's inputs a segment of several blocks holds that the
+    block's own checkpoint lets go (it saves nothing: NOTE [ A block that lets its input
+    go ]); 0 for any other segment."""
+    block = tape.blocks[start]
+    if stop - start > 1 and holds_input(decision) and block.lets_input_go:
+        return block.input_bytes
+    return 0
+
+
 def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
                 choice: Choice, prev: Decision, seen_as: Decision,
                 held: bool) -> tuple[int, int, int]:
@@ -697,6 +751,7 @@ def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
     starts a segment that holds its input) or not (NOTE [ Inputs the model frees later
     in the chain ]); ``bwd_peak``'s is above the level with the hold's added."""
     i, w, size = later
+    alone = not tape.blocks[i].lets_input_go  # block i's own checkpoint holds them
     fwd = hold = bwd = 0
     if start <= w < stop:
         decision = choice.decision
@@ -705,7 +760,7 @@ def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
         else:
             key = _measured_key(tape.blocks[w], (
                 prev, _RECOMPUTE if decision is Decision.SELECTIVE else decision))
-            measured = holds_input(key[1] if (w - i) % 2 == 0 else key[0])
+            measured = alone and holds_input(key[1] if (w - i) % 2 == 0 else key[0])
         hold = size * (int(held) - int(measured))
         if held and not measured:
             fwd = size
@@ -713,7 +768,7 @@ def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
                 plain, kept = _fwd(tape, w, key), _fwd_held(tape, w, key)
                 fwd = min(size, max(0, kept.peak_bytes - plain.peak_bytes))
     if i < stop - 1 < w:
-        bwd = size * (int(held) - int(holds_input(seen_as)))
+        bwd = size * (int(held) - int(alone and holds_input(seen_as)))
     return fwd, hold, bwd
 
 
@@ -724,7 +779,8 @@ def _with_later(tape: Tape, segments: Segments,
     later = freed_later(tape)
     if not later:
         return list(costs)
-    holding = {start for start, _, choice in segments if holds_input(choice.decision)}
+    holding = {start for start, stop, choice in segments
+               if holds_later(tape, start, start, stop, choice.decision)}
     out = []
     prev = _KEEP
     for (start, stop, choice), cost in zip(segments, costs, strict=True):

@@ -389,19 +389,21 @@ def _held_past_release(chain: Chain, ran_on: torch.device,
     return out
 
 
-def _freed_later(runs: dict[Pattern, MemoryRun], n: int,
-                 past_release: dict[str, int]) -> dict[str, int]:
+def _freed_later(runs: dict[Pattern, MemoryRun], n: int, past_release: dict[str, int],
+                 lets_go: Sequence[bool]) -> dict[str, int]:
     """``tape.freed_later``: by "i:w", the bytes of block ``i``'s input that the plain
     step frees in block ``w``'s forward window and the step with every block
-    checkpointed does not (block ``i``'s checkpoint holds them until its backward), less
-    what ``tape.held_past_release`` counts of them (a tensor taken besides the input):
-    NOTE [ Inputs the model frees later in the chain ] in _plan/peak.py."""
+    checkpointed does not (block ``i``'s checkpoint holds them until its backward), or,
+    where block ``i`` saves nothing (``lets_go``; its checkpoint alone holds nothing, a
+    segment of several starting there holds them), that the plain step frees there;
+    less what ``tape.held_past_release`` counts of them (a tensor taken besides the
+    input): NOTE [ Inputs the model frees later in the chain ] in _plan/peak.py."""
     kept = inputs_freed_later(runs[(Decision.KEEP,) * n], n)
     ckpt = inputs_freed_later(runs[(Decision.RECOMPUTE,) * n], n)
     out = {}
     for (i, w), size in sorted(kept.items()):
         key = f"{i}:{w}"
-        held = size - ckpt.get((i, w), 0) - past_release.get(key, 0)
+        held = size - (0 if lets_go[i] else ckpt.get((i, w), 0)) - past_release.get(key, 0)
         if held > 0:
             out[key] = held
     return out
@@ -450,6 +452,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     frees = freed_in_forward(plain, n)
     held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
     saved = saved_by_block(plain)
+    lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
                                    if setup.offload else OffloadStats() for name in names]
                                   for d in (Decision.OFFLOAD, Decision.OFFLOAD_INPUT))
@@ -487,6 +490,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                 runs, i, lambda pattern, _, k: held[pattern][k], base.alike,
                 base.local).items() if v is not None},
             recompute_after=_recompute_after(base, i),
+            lets_input_go=lets_go[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
         ))
@@ -507,7 +511,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
         first_release_shared=_first_release_shared(released, n),
         held_past_release=past_release,
-        freed_later=_freed_later(runs, n, past_release),
+        freed_later=_freed_later(runs, n, past_release, lets_go),
         freed_at_return=_by_takers(chain.freed_at_return, ran_on, rounding),
         saved_by_maker=_by_takers(chain.saved_by_maker, ran_on, rounding),
         shared_saves=_by_takers(chain.shared_saves, ran_on, rounding),

@@ -710,6 +710,7 @@ class _HeldInputs:
         # without taking it, its size): NOTE [ Saves shared by calls through a cache ]
         self._shared: dict[int, tuple[int, set[int], int]] = {}
         self._resting: set[int] = set()  # the storages of parameters and buffers
+        self._saving: set[int] = set()  # the blocks whose forward saved anything
 
     def _see_deaths(self) -> None:
         for key, side in list(self._live.items()):
@@ -741,6 +742,8 @@ class _HeldInputs:
                 side.beside_first.add(i)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._inside and self._last is not None:
+            self._saving.add(self._last)
         if t.layout is not torch.strided:  # a sparse tensor has no storage of its own:
             return _detached(t)  # not a boundary the chain's checks follow
         key = t.untyped_storage()._cdata
@@ -947,6 +950,16 @@ class _HeldInputs:
             if p >= 0 and savers:
                 out.append((p, savers, size))
         return tuple(out)
+
+    def saves_nothing(self, chain: list[str]) -> tuple[bool, ...]:
+        """Per block of ``chain`` (in the order they ran), whether its forward saved
+        nothing for backward, so that a checkpoint of it alone holds none of its inputs
+        (NOTE [ A block that lets its input go ] in _plan/peak.py); none where the step
+        cannot tell."""
+        ids = self._ids(chain, returned=True)
+        if ids is None:
+            return ()
+        return tuple(i not in self._saving for i in ids)
 
     def held(self, chain: list[str]) -> list[bool] | None:
         """Per block of ``chain`` (some of the blocks installed over, in the order they
@@ -1425,6 +1438,8 @@ class Chain:
     shared_saves: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block saving
     # it first, the later blocks saving it, bytes): NOTE [ Saves shared by calls through
     # a cache ]
+    saves_nothing: tuple[bool, ...] = ()  # per block, whether its forward saved nothing
+    # (_HeldInputs.saves_nothing; empty: not seen)
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
@@ -1530,4 +1545,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                   freed_at_return=held_inputs_seen.freed_at_return(names) if eager else (),
                   saved_by_maker=held_inputs_seen.saved_by_maker(names) if eager else (),
                   chain_sides=held_inputs_seen.chain_sides(names) if eager else (),
-                  shared_saves=held_inputs_seen.shared_saves(names) if eager else ())
+                  shared_saves=held_inputs_seen.shared_saves(names) if eager else (),
+                  saves_nothing=held_inputs_seen.saves_nothing(names) if eager else ())
