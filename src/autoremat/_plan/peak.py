@@ -92,6 +92,17 @@ NOTE [ A block that lets its input go ]
     at one releases its inputs' bytes (``input_bytes``) less when the forward returns
     (``held_by_segment``).
 
+NOTE [ A segment's last block that saves nothing ]
+    A segment's recompute starts when its backward first needs a tensor the checkpoint
+    saved. Where the last block saves nothing (a pool, a scale), its whole backward runs
+    first and the gradient it makes stays through the recompute of the blocks before
+    it (with the BatchNorm statistics copied aside), which the segment's backward
+    counted from the level where the last block's own recompute would start
+    (``recompute_after``, 0 for a block with no recompute): a fuzzed [Conv+BatchNorm,
+    pool] segment measured that gradient less what the composition counted elsewhere
+    (72-136 B, the statistics' bytes) over its prediction. It counts the last block's
+    measured backward there (its window's delta).
+
 NOTE [ Tensors held across stacks ]
     In an encoder-decoder planned as one chain, the encoder's output is made between
     the stacks (so in the last encoder block's forward window, NOTE [ Ops between
@@ -541,8 +552,11 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             # stashed while the recompute runs, and put back when it ends.
             last = _bwd(tape, k, (_KEEP, _RECOMPUTE))
             # the last block's backward ops that need no saved tensor run before the
-            # recompute starts, and hold their outputs through it (recompute_after)
-            bwd_peak = max(stash + b.recompute_after + r_peak,
+            # recompute starts, and hold their outputs through it (recompute_after);
+            # all of them where it saves nothing (NOTE [ A segment's last block that
+            # saves nothing ])
+            after = last.delta_bytes if b.lets_input_go else b.recompute_after
+            bwd_peak = max(stash + after + r_peak,
                            stash - b.stash_bytes + r_level + last.peak_bytes,
                            r_level + last.delta_bytes + back)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
