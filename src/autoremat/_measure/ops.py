@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.memory import _storage_keys, _tensors_in
 
-__all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "is_random_op", "op_kind",
-           "result_leaves"]
+__all__ = ["IGNORED_OPS", "OpRecord", "OpRecorder", "OpStats", "hook_views", "is_random_op",
+           "op_kind", "result_leaves"]
 
 # Ops that checkpoint itself may dispatch a different number of times in forward and in
 # recompute (as SAC_IGNORED_OPS in torch/utils/checkpoint.py): never traced, counted or
@@ -161,6 +162,34 @@ def _dense_leaves(out: Any) -> list[Any]:
 #     alias: the same storage and version counter, no grad_fn.
 
 
+# NOTE [ A block with a full backward hook ]
+#     A module with a full backward hook (``register_full_backward_hook``) or a backward
+#     pre-hook has torch wrap its positional tensor arguments in views
+#     (``BackwardHookFunction``) after its forward pre-hooks and before its ``forward``.
+#     Those views were recorded as the block's first ops; a selective block's region
+#     wraps ``forward`` and never sees them, so its keep-set did not match its ops
+#     ("ran a different sequence of ops"), and it was recomputed whole (a held-out MLP:
+#     gradients equal, the step slower than its figure). The recorded step tells the
+#     recorder, from a pre-hook on each block, how many such views come
+#     (:func:`hook_views`), and it skips them.
+
+
+def hook_views(module: nn.Module, args: tuple[Any, ...]) -> int:
+    """How many views torch makes of ``module``'s positional arguments before its
+    ``forward`` runs (NOTE [ A block with a full backward hook ]): one per tensor among
+    them where it has full backward hooks or backward pre-hooks (its own or global) and
+    one of them needs a gradient, with gradients on; else none."""
+    from torch.nn.modules import module as _module
+
+    hooked = bool(module._backward_pre_hooks or _module._global_backward_pre_hooks)
+    if not hooked and (module._backward_hooks or _module._global_backward_hooks):
+        hooked = bool(module._get_backward_hooks()[0])  # the full ones
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not hooked or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return 0
+    return len(tensors)
+
+
 class OpRecorder(FlopCounter):
     """FLOPs by label and phase, plus per-kind stats and a per-op trace of each label's
     forward."""
@@ -180,6 +209,9 @@ class OpRecorder(FlopCounter):
         # not save (_close_forward)
         self._taken: dict[str, tuple[str, dict[int, int]]] = {}
         self._unsaved: dict[str, tuple[int, ...]] = {}
+        # views torch makes of the block about to run's arguments before its forward,
+        # not the block's ops (NOTE [ A block with a full backward hook ])
+        self.hook_views = 0
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """A saved-tensors pack hook: note which storages autograd saves in each block's
@@ -200,6 +232,9 @@ class OpRecorder(FlopCounter):
         if in_backward and self._kept is None:
             self._close_forward()  # backward started: what is alive now was kept
         label = self.label
+        if self.hook_views and not in_backward and func.is_view:
+            self.hook_views -= 1  # NOTE [ A block with a full backward hook ]
+            return super().dispatch(func, types, args, kwargs)
         if (in_backward or self._kept is not None or label == "<outside>"
                 or func in IGNORED_OPS):
             # FLOPs only: forward stats cover the forward before backward, not ops that

@@ -214,7 +214,7 @@ from autoremat._core.step import (
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import BackwardStarts, grad_tensors, measure_step
 from autoremat._measure.memory import MemoryTracker, Rounding, _tensors_in
-from autoremat._measure.ops import OpRecorder, op_kind
+from autoremat._measure.ops import OpRecorder, hook_views, op_kind
 from autoremat._measure.tape import WindowMemory
 from autoremat._measure.timing import Clock, clock_for
 from autoremat._mechanism.compiled import compiled_forwards
@@ -251,6 +251,9 @@ class _Probe:
     # (NOTE [ What the next block takes of an output ]), and of the last block's output
     # when it returns: the op recorder's OpRecorder.outputs
     on_output: Callable[[int, list[torch.Tensor]], None] | None = None
+    # told each block's module and positional arguments as its forward starts: the op
+    # recorder's views to skip (NOTE [ A block with a full backward hook ] in ops.py)
+    on_args: Callable[[nn.Module, tuple[Any, ...]], None] | None = None
     _prev_outputs: dict[int, int] = field(default_factory=dict)  # id -> version
     # the storages of the block before's output, by key, as weak references (NOTE [ What
     # the next block takes of an output ])
@@ -306,6 +309,8 @@ class _Probe:
             self.grad_off[i] |= not torch.is_grad_enabled()
             self._reruns[i] = 0 if torch.is_grad_enabled() else -1
             self.order.append(i)
+            if self.on_args is not None:
+                self.on_args(module, args)
             if self.watch:  # NOTE [ Buffers a forward changes ] in _mechanism/wrap.py
                 self._watched[i] = watch_buffers(module)
             self.on_mark(f"fwd:{i}")
@@ -463,6 +468,7 @@ def _check_skips(names: list[str], probe: _Probe) -> None:
 def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
                 in_order: bool = True, watch: bool = False, missing_ok: bool = False,
                 on_output: Callable[[int, list[torch.Tensor]], None] | None = None,
+                on_args: Callable[[nn.Module, tuple[Any, ...]], None] | None = None,
                 ) -> _Probe:
     """One step with marks at the block boundaries. Every block must run once; with
     ``in_order``, in the order of ``names`` (``False``: the caller reads ``probe.order``).
@@ -470,8 +476,9 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
     ``missing_ok``: blocks that did not run at all are left to the caller (found blocks
     of a stack the step does not run: a vision tower given no image), as long as some
     ran. ``on_output(i, tensors)``: told what the next block takes of block ``i``'s
-    output, in forward."""
-    probe = _Probe(names, on_mark, watch=watch, on_output=on_output)
+    output, in forward. ``on_args(module, args)``: told each block's positional
+    arguments as its forward starts."""
+    probe = _Probe(names, on_mark, watch=watch, on_output=on_output, on_args=on_args)
     with probe.installed(step.model):
         on_mark("start")
         step.run(between=probe.starts.settle_and(on_mark, "backward"))
@@ -1132,7 +1139,8 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
             counter=counter, isolated=False, warm_up=backend is not None,
             on_mark=None if counter is None else lambda label: _label(counter, names, label),
             run=lambda step, mark: _run_marked(step, names, mark,
-                                               on_output=_outputs_to(counter, names)))
+                                               on_output=_outputs_to(counter, names),
+                                               on_args=_views_to(counter)))
     mem, probe = measured.memory, measured.ran
     internal_assert(mem is not None, "a memory run measures memory")
     assert mem is not None  # for mypy: internal_assert raised otherwise
@@ -1184,6 +1192,20 @@ def _outputs_to(counter: FlopCounter | None, names: list[str],
     return lambda i, tensors: recorder.outputs(names[i], tensors)
 
 
+def _views_to(counter: FlopCounter | None,
+              ) -> Callable[[nn.Module, tuple[Any, ...]], None] | None:
+    """A step's ``on_args`` where ``counter`` records ops: how many views of a block's
+    arguments torch makes before its forward, which it skips (NOTE [ A block with a full
+    backward hook ] in ops.py), else ``None``."""
+    if not isinstance(counter, OpRecorder):
+        return None
+    recorder = counter
+
+    def told(module: nn.Module, args: tuple[Any, ...]) -> None:
+        recorder.hook_views = hook_views(module, args)
+    return told
+
+
 def _label(counter: FlopCounter, names: list[str], label: str) -> None:
     """File the ops after mark ``label`` under the block whose forward or backward it
     starts, and the rest under ``<outside>`` (NOTE [ Ops between blocks ])."""
@@ -1200,7 +1222,8 @@ def recorded_step(step: Step, names: list[str]) -> OpRecorder:
     measure_step(step, counter=counter, isolated=False,
                  on_mark=lambda label: _label(counter, names, label),
                  run=lambda step, mark: _run_marked(step, names, mark,
-                                                    on_output=_outputs_to(counter, names)))
+                                                    on_output=_outputs_to(counter, names),
+                                               on_args=_views_to(counter)))
     clear_grads(step.model, step.inputs)
     return counter
 
