@@ -538,3 +538,70 @@ def test_a_block_with_a_full_backward_hook_keeps_its_keep_sets() -> None:
             assert report.grads_equal and calls, name
             assert report.peak_bytes == report.predicted_peak_bytes, name
             assert report.recompute_flops == plan.predicted_recompute_flops, name
+
+
+class _SharingBlock(nn.Module):
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.shared, self.fc = shared, nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(torch.relu(self.shared(x)))
+
+
+class _Sharing(nn.Module):
+    """Blocks 0 and 2 call one Linear (weights shared by reuse), block 1 its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(16, 16)
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([_SharingBlock(shared), _SharingBlock(nn.Linear(16, 16)),
+                                     _SharingBlock(shared)])
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.emb(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["backward-in-autocast", "outside"])
+def test_keep_sets_of_blocks_sharing_a_layer_under_autocast(inside: bool) -> None:
+    # NOTE [ Weight casts autocast caches ] in _mechanism/selective.py: block 2 finds
+    # the shared weight's bf16 cast cached in forward and casts it in its recompute;
+    # profile raised "selective recompute ran aten._to_copy.default as op 1 of the block"
+    # on every such model (128 of 6,803 fuzzed). Its keep-sets now give the plain
+    # model's gradients, with the backward inside autocast or outside it (where a later
+    # block's recompute may have cached a cast an earlier one's forward ran)
+    import copy
+
+    from autoremat._core.saves import is_keep_set
+    from autoremat._plan.plan import plan_of_segments
+
+    torch.manual_seed(0)
+    model, x = _Sharing(), torch.randint(0, 32, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, x, repeats=1, timing=False)
+    keys = sorted(k for k in tape.blocks[2].selective if is_keep_set(k))
+    assert keys
+    plain = copy.deepcopy(model)
+    for key in keys:
+        plan = plan_of_segments(tape, [(i, i + 1, Choice.selective_from_key(key))
+                                       for i in range(3)], key)
+        autoremat.apply(model, plan)
+        grads = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for each in (plain, model):
+                each.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = each(x)
+                    if inside:
+                        loss.backward()
+                if not inside:
+                    loss.backward()
+                grads.append([p.grad for p in each.parameters()])
+        autoremat.remove(model)
+        assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True)), key

@@ -130,6 +130,9 @@ class _Kept:
         # pieces ])
         self.storages: dict[int, list[Any]] = defaultdict(list)
         self.written: set[int] = set()
+        # positions of forward's casts of parameters, which autocast caches (NOTE
+        # [ Weight casts autocast caches ])
+        self.casts: set[int] = set()
 
 
 def _is_bernoulli(func: Any) -> bool:
@@ -185,7 +188,9 @@ class _KeepOutputs(TorchDispatchMode):
         position = len(kept.funcs)
         kept.funcs.append(func)
         entry: Any = None
-        if random:
+        if _cached_cast(func, args):  # never kept: NOTE [ Weight casts autocast caches ]
+            kept.casts.add(position)
+        elif random:
             if _is_bernoulli(func) and isinstance(out, torch.Tensor):
                 entry = out.to(torch.bool)  # a copy: later in-place ops do not reach it
         elif kind in kept.save or (position in kept.keep and kind is not None):
@@ -321,10 +326,18 @@ class _ReuseOutputs(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in IGNORED_OPS:
             return func(*args, **kwargs)
-        position = self.position
-        self.position += 1
         funcs = self.kept.funcs
         positional = self.kept.keep or self.kept.skip  # (save-sets by kind match by op)
+        if _cached_cast(func, args):  # NOTE [ Weight casts autocast caches ]: re-run
+            if self.position in self.kept.casts:
+                self.position += 1  # forward's cast there
+                self.calls[func] += 1
+            return func(*args, **kwargs)
+        while self.position in self.kept.casts:  # forward's cast, cached now
+            self.calls[funcs[self.position]] += 1
+            self.position += 1
+        position = self.position
+        self.position += 1
         if positional and (position >= len(funcs) or funcs[position] is not func):
             ran = funcs[position] if position < len(funcs) else "nothing"
             raise RematError(
@@ -348,6 +361,29 @@ class _ReuseOutputs(TorchDispatchMode):
         if states is not None:
             states.restore()
         return func(*args, **kwargs)
+
+
+# NOTE [ Weight casts autocast caches ]
+#     Under autocast, the first use of a parameter in a forward casts it (``_to_copy``)
+#     and autocast caches the cast (for leaves that need a gradient) until the outermost
+#     autocast region exits; later uses in the same forward find it cached and dispatch
+#     nothing. A block that uses a parameter an earlier block used (a layer shared by two
+#     blocks) ran no cast in forward, and its recompute, under a cache emptied since,
+#     ran one: a keep-set, matched by position, refused it ("selective recompute ran
+#     aten._to_copy.default as op 1 of the block, where its forward ran
+#     aten.view.default"), and profile failed on every such model under autocast (128 of
+#     6,803 fuzzed models, 2026-11-30). So such casts are never kept (forward notes where
+#     it ran them) and always re-run: a recompute's cast that forward did not run takes
+#     no position, and a forward's cast that the recompute finds cached (a backward run
+#     inside the autocast region, after another block's recompute cast it) is passed
+#     over.
+
+
+def _cached_cast(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``func`` is a cast autocast may cache: a copy of a leaf that needs a
+    gradient (NOTE [ Weight casts autocast caches ])."""
+    return func is torch.ops.aten._to_copy.default and bool(args) \
+        and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad
 
 
 def _placeholder(func: Any, args: tuple[Any, ...],
