@@ -864,12 +864,17 @@ class _Mixer(nn.Module):
         return self.head(x)
 
 
-def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recompute() -> None:
+@pytest.mark.parametrize("with_selective", [True, False])
+def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recompute(
+        with_selective: bool) -> None:
     """``BlockProfile.recompute_after``: a token mixer's backward computes its bias's
     gradient and a contiguous copy of the transposed gradient, which need no saved
     tensor, before its recompute starts; in a segment they stay held while every block
     of it is recomputed. A ``sqrt`` plan of [attention, mixer] segments measured them
-    (1056 B) over its prediction (a fuzzed model's)."""
+    (1056 B) over its prediction (a fuzzed model's). It comes from the tags of the
+    checkpointed step, which a profile without selective options did not take until
+    2026-11-30 (fuzzed segments up to 8 KiB under: an in-place ReLU's backward copies
+    its gradient before the recompute too)."""
 
     torch.manual_seed(0)
     model = _Mixer()
@@ -878,7 +883,8 @@ def test_a_segment_counts_what_its_last_block_s_backward_makes_before_the_recomp
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.mean(1), y)
 
-    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False)
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False,
+                             with_selective=with_selective)
     assert tape.blocks[1].recompute_after > 0
     n = len(tape.blocks)
     for rest, a, b, segments in _one_segment_plans(n):

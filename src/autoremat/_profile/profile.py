@@ -651,7 +651,9 @@ def _profiled(setup: Setup, blocks: BlockSpec, repeats: int, with_selective: boo
         # (compiled: timed compiled, in _timing)
         chain, setup = _found_chain(setup, given, calls, timed=timed and setup.backend is None)
         try:
-            base = base_runs(chain.names, setup, stage, tag=with_selective)
+            # (tagged also without selective options: a segment's last block's
+            # recompute_after comes from the tags)
+            base = base_runs(chain.names, setup, stage, tag=True)
             selective = selective_runs(chain.names, base, setup, stage) \
                 if with_selective else [{} for _ in chain.names]
             skipped: list[str] = []
@@ -686,7 +688,10 @@ def _profiled(setup: Setup, blocks: BlockSpec, repeats: int, with_selective: boo
 #     selective option and says so in a note; whole-block decisions are exact (a held-out
 #     check, 2026-11-29: profile raised before), with the casts a later kept call holds
 #     for a first call that is not kept counted (NOTE [ Saves shared by calls through a
-#     cache ] in runs.py).
+#     cache ] in runs.py). Since 2026-11-30 the recompute re-runs such casts and takes
+#     no position for them (NOTE [ Weight casts autocast caches ] in
+#     _mechanism/selective.py), so these options are measured; this stays a guard for
+#     a recompute still refused so.
 
 
 def _cached_casts(exc: RematError, chain: Chain) -> bool:
