@@ -103,6 +103,17 @@ NOTE [ A segment's last block that saves nothing ]
     (72-136 B, the statistics' bytes) over its prediction. It counts the last block's
     measured backward there (its window's delta).
 
+NOTE [ Casts a segment's recompute makes again ]
+    Under autocast, a layer called at several blocks casts its weights in its first call
+    and finds the casts cached in the later ones (``tape.shared_saves``: the later calls
+    save the first's cast). A segment's recompute runs under a cache emptied since, so a
+    later call recomputed inside a segment that does not hold the first call casts them
+    again and holds the cast until its backward; the segment's recompute is composed of
+    the plain forward windows, which found it cached: a [later call, attention] segment
+    measured the bf16 weight (128 B; 2 KiB at width 32) over its prediction (fuzzed:
+    78 models). Each such block of the segment but its last (whose measured checkpointed
+    window casts) holds those bytes from its recompute on.
+
 NOTE [ Tensors held across stacks ]
     In an encoder-decoder planned as one chain, the encoder's output is made between
     the stacks (so in the last encoder block's forward window, NOTE [ Ops between
@@ -528,6 +539,12 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     back = 0  # ...then their plain backward: max over k of (deltas after k + peak of k)
     flops = cost = 0
     stash = 0  # a segment's recompute copies every block's BatchNorm statistics first
+    # NOTE [ Casts a segment's recompute makes again ]
+    recast = [0] * (last_stop - start)
+    for first, savers, size in shared_saves(tape) if tape.shared_saves else ():
+        for k in savers:
+            if first < start <= k < last_stop:
+                recast[k - start] += size
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
@@ -564,7 +581,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         flops += b.fwd_flops
         # the recompute keeps what the plain forward freed in the first block (its
         # input, held by the segment): counted held from the window's start
-        kept = max(b.fwd_frees, 0) if k == start else 0
+        kept = (max(b.fwd_frees, 0) if k == start else 0) + recast[k - start]
         r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes + kept)
         r_level += b.keep_fwd.delta_bytes + kept
         back = b.keep_bwd.peak_bytes if k == start else \
