@@ -1,0 +1,21 @@
+"""The fuzzer (``benchmarks/fuzz.py``): a few of its random models, whose plans measure
+at or under their predictions with the plain model's gradients. Its long runs found the
+defects the twentieth to twenty-second sessions fixed (CHANGELOG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import load_benchmark
+
+
+def test_the_fuzzer_runs_and_its_first_models_hold_their_predictions(tmp_path: Path) -> None:
+    fuzz = load_benchmark("fuzz")
+    log = tmp_path / "fuzz.jsonl"
+    fuzz.run(0, 3, str(log))
+    found = fuzz.summary(str(log))
+    assert found["models"] == 3 and found["plans"] > 30
+    assert not found["refused"]
+    assert dict(found["under"]) == {} and found["over_budget"] == []
+    assert found["grads_differ"] == []
+    assert sum(found["exact"].values()) > found["plans"] // 2
