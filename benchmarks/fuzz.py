@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,37 +39,10 @@ from torch import nn
 import autoremat
 from autoremat._core.decisions import KEEP, RECOMPUTE
 from autoremat._core.errors import BlockError, BudgetError
-from autoremat._core.step import run_step
-from autoremat._plan.plan import plan_of_segments
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-
-def segments_peaks(model: nn.Module, inputs: Any, tape: autoremat.Tape, segments: Any,
-                   loss_fn: Any) -> tuple[int, int]:
-    """The plan of ``segments`` (``(start, stop, choice)``) applied and run once under
-    ``track_memory``: ``(predicted, measured)``."""
-    plan = plan_of_segments(tape, segments, "fuzz")
-    autoremat.apply(model, plan)
-    try:
-        with autoremat.track_memory() as mem:
-            run_step(model, inputs, loss_fn)
-    finally:
-        autoremat.remove(model)
-        model.zero_grad(set_to_none=True)
-    return plan.predicted_peak_bytes, mem.peak_bytes
-
-
-def verified(model: nn.Module, inputs: Any, plan: autoremat.Plan, **options: Any) -> Any:
-    """``autoremat.verify`` of ``plan`` applied to ``model`` (removed after)."""
-    autoremat.apply(model, plan)
-    try:
-        return autoremat.verify(model, inputs, plan, **options)
-    finally:
-        autoremat.remove(model)
-
-
-torch.set_num_threads(1)
-warnings.simplefilter("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _steps import segments_peaks, verified
 
 KINDS = ["mlp", "linear", "linrelu", "attn", "sdpa", "mixer", "convbn", "convgn", "lnlin",
          "pool", "scale", "gated", "frozen", "shared"]
