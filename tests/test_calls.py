@@ -539,3 +539,51 @@ def test_a_segment_recomputing_a_later_call_of_a_layer_under_autocast_holds_its_
                              [(0, 1, first), (1, 2, RECOMPUTE), (2, 3, RECOMPUTE)]):
                 predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
                 assert measured == predicted, (segments, measured - predicted)
+
+
+class _FirstCallWithoutGradient(nn.Module):
+    """Blocks 0 and 2 call one Linear; the batch needs no gradient, so block 0's call
+    saves its input only, not the weight's cast that block 2 saves."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        shared = nn.Linear(width, width)
+        self.blocks = nn.ModuleList([_Uses(shared), nn.Linear(width, width), _Uses(shared)])
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_cast_a_later_call_saves_is_held_by_that_call() -> None:
+    # NOTE [ Casts a block makes that a later block saves ] (_profile/runs.py): block 0
+    # casts the shared weight and does not save it, block 2 saves it from autocast's
+    # cache; recomputing block 0 and keeping block 2 measured the bf16 weight (832 B
+    # here) over, and the optimal plan at its smallest budget over it
+    import itertools
+
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+    from autoremat._plan.strategies import smallest_feasible_bytes
+
+    from _steps import segments_peaks, verified
+
+    torch.manual_seed(0)
+    model, x = _FirstCallWithoutGradient(), torch.randn(4, 6, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).mean()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, x, loss_fn=loss_fn, repeats=1, timing=False,
+                                 with_selective=False, with_head=False,
+                                 blocks=["blocks.0", "blocks.1", "blocks.2"])
+        assert tape.shared_saves == {"0:2": 32 * 32 * 2}
+        for combo in itertools.product((KEEP, RECOMPUTE), repeat=3):
+            predicted, measured = segments_peaks(
+                model, x, tape, [(i, i + 1, c) for i, c in enumerate(combo)], loss_fn)
+            assert measured <= predicted, (combo, measured - predicted)
+        plan = autoremat.plan(tape, budget=smallest_feasible_bytes(tape))
+        report = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
+    assert report.ok and report.peak_bytes <= plan.budget_bytes, report
