@@ -422,7 +422,19 @@ class _CastBlock(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-class _SharedAt(nn.Module):
+class _Listed(nn.Module):
+    """Its ``blocks`` one after the other, then its ``head``."""
+
+    blocks: nn.ModuleList
+    head: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _SharedAt(_Listed):
     """A ModuleList holding one layer at two positions (0 and 2), not neighbours."""
 
     def __init__(self, d: int = 32) -> None:
@@ -430,11 +442,6 @@ class _SharedAt(nn.Module):
         shared = _CastBlock(d)
         self.blocks = nn.ModuleList([shared, _CastBlock(d), shared, _CastBlock(d)])
         self.head = nn.Linear(d, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def test_a_layer_listed_twice_under_autocast_holds_its_casts_for_a_later_kept_call() -> None:
@@ -513,6 +520,18 @@ class _SharedThenAttention(nn.Module):
         return self.head(x)
 
 
+def _squared(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _three_blocks(model: nn.Module, x: torch.Tensor) -> autoremat.Tape:
+    """The tape of ``model``'s three blocks, its loss :func:`_squared`, without selective
+    options or head options, under the caller's autocast."""
+    return autoremat.profile(model, x, loss_fn=_squared, repeats=1, timing=False,
+                             with_selective=False, with_head=False,
+                             blocks=["blocks.0", "blocks.1", "blocks.2"])
+
+
 def test_a_segment_recomputing_a_later_call_of_a_layer_under_autocast_holds_its_casts(
         ) -> None:
     # NOTE [ Casts a segment's recompute makes again ] (_plan/peak.py): the later call
@@ -524,15 +543,9 @@ def test_a_segment_recomputing_a_later_call_of_a_layer_under_autocast_holds_its_
     from _steps import segments_peaks
 
     torch.manual_seed(0)
-    model, x = _SharedThenAttention(), torch.randn(4, 8, 32)
-
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return out.float().pow(2).mean()
-
+    model, x, loss_fn = _SharedThenAttention(), torch.randn(4, 8, 32), _squared
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        tape = autoremat.profile(model, x, loss_fn=loss_fn, repeats=1, timing=False,
-                                 with_selective=False, with_head=False,
-                                 blocks=["blocks.0", "blocks.1", "blocks.2"])
+        tape = _three_blocks(model, x)
         assert tape.shared_saves == {"0:1": 32 * 32 * 2}
         for first in (KEEP, RECOMPUTE):
             for segments in ([(0, 1, first), (1, 3, RECOMPUTE)],
@@ -541,7 +554,7 @@ def test_a_segment_recomputing_a_later_call_of_a_layer_under_autocast_holds_its_
                 assert measured == predicted, (segments, measured - predicted)
 
 
-class _FirstCallWithoutGradient(nn.Module):
+class _FirstCallWithoutGradient(_Listed):
     """Blocks 0 and 2 call one Linear; the batch needs no gradient, so block 0's call
     saves its input only, not the weight's cast that block 2 saves."""
 
@@ -550,11 +563,6 @@ class _FirstCallWithoutGradient(nn.Module):
         shared = nn.Linear(width, width)
         self.blocks = nn.ModuleList([_Uses(shared), nn.Linear(width, width), _Uses(shared)])
         self.head = nn.Linear(width, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def test_a_cast_a_later_call_saves_is_held_by_that_call() -> None:
@@ -570,15 +578,9 @@ def test_a_cast_a_later_call_saves_is_held_by_that_call() -> None:
     from _steps import segments_peaks, verified
 
     torch.manual_seed(0)
-    model, x = _FirstCallWithoutGradient(), torch.randn(4, 6, 32)
-
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return out.float().pow(2).mean()
-
+    model, x, loss_fn = _FirstCallWithoutGradient(), torch.randn(4, 6, 32), _squared
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        tape = autoremat.profile(model, x, loss_fn=loss_fn, repeats=1, timing=False,
-                                 with_selective=False, with_head=False,
-                                 blocks=["blocks.0", "blocks.1", "blocks.2"])
+        tape = _three_blocks(model, x)
         assert tape.shared_saves == {"0:2": 32 * 32 * 2}
         for combo in itertools.product((KEEP, RECOMPUTE), repeat=3):
             predicted, measured = segments_peaks(
