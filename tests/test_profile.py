@@ -253,6 +253,21 @@ def test_flop_counter_counts_what_torchs_flop_counter_counts() -> None:
     assert ours.total == theirs.get_total_flops() > 0
 
 
+def test_an_addmm_with_an_output_dtype_counts_as_an_addmm() -> None:
+    # the chunked head's weight gradient on CUDA (``addmm.dtype_out``, bf16 into fp32):
+    # its ``out_dtype`` took the formula's ``out_shape``, and the head's GPU step raised
+    # "addmm_flop() got multiple values for argument 'out_shape'" (H200, 2026-11-30);
+    # the op runs on CUDA and meta only
+    from autoremat._measure.flops import FlopCounter
+
+    a, b = (torch.empty(shape, dtype=torch.bfloat16, device="meta") for shape in ((4, 8), (8, 3)))
+    c, out = torch.empty(4, 3, device="meta"), torch.empty(4, 3, device="meta")
+    ours = FlopCounter()
+    with ours:
+        torch.ops.aten.addmm.dtype_out(c, a, b, torch.float32, out=out)
+    assert ours.total == 2 * 4 * 8 * 3
+
+
 def test_shapes_for_the_formulas_are_pytrees_shapes() -> None:
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import get_shape

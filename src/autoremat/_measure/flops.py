@@ -124,7 +124,10 @@ def _shapes(obj: Any) -> Any:
 def _over_shapes(formula: Callable[..., int]) -> Callable[..., int]:
     """A formula over shapes, given the op's tensors (NOTE [ Shapes for the formulas ])."""
     def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-        return formula(*_shapes(args), out_shape=_shapes(out_val), **_shapes(kwargs))
+        # (a dtype among the positional arguments, ``addmm.dtype_out``'s ``out_dtype``
+        # on CUDA, would take the formula's ``out_shape``: it raised in the head's step)
+        shapes = [_shapes(a) for a in args if not isinstance(a, torch.dtype)]
+        return formula(*shapes, out_shape=_shapes(out_val), **_shapes(kwargs))
 
     return counted
 
