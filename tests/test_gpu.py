@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -192,18 +193,19 @@ def test_verify_judges_gpt2_against_its_noise_floor(
 
 
 class _Redraw(nn.Module):
-    """Linear + a dropout mask seeded by a count of its calls (a buffer, which verify
-    restores between steps): its recompute sees the count one higher and draws another
-    mask (a wrong plan on purpose)."""
+    """Linear + a dropout mask seeded from numpy's global RNG, which verify restores
+    between steps and a recompute does not replay: the recompute draws another mask (a
+    wrong plan on purpose). A count of calls in a buffer would not do: autoremat puts a
+    block's buffers back as the forward found them before its recompute (NOTE [ Buffers a
+    forward changes ]), so that plan is right (the 2026-11-30 GPU run's two failures)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(64, 64)
-        self.register_buffer("draws", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.draws += 1
-        gen = torch.Generator(device=x.device).manual_seed(int(self.draws))
+        seed = int(np.random.randint(0, 2**31 - 1))
+        gen = torch.Generator(device=x.device).manual_seed(seed)
         keep = torch.rand(x.shape, generator=gen, device=x.device) > 0.5
         return torch.tanh(self.fc(x)) * keep * 2.0
 
