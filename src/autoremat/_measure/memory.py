@@ -278,22 +278,35 @@ class MemoryTracker:
             self._peak_event = len(self.levels) - 1
 
 
+# what ATen ops take besides tensors and containers: skipped by type, without the
+# isinstance checks against torch.Tensor (whose metaclass makes them dear) that the
+# tracker would pay for every number of a shape on every op
+_ATOMS: frozenset[type] = frozenset({int, float, bool, str, complex, type(None), torch.dtype,
+                                     torch.device, torch.layout, torch.memory_format,
+                                     torch.SymInt, torch.SymFloat, torch.SymBool})
+
+
 def _tensors_in(obj: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The tensors in an op's arguments or results, in order: ``tree_flatten``'s tensors
     for what ATen ops take and return (tensors inside tuples, lists and dicts), at a
     fraction of its cost, which the tracker pays on every op."""
     found = [] if found is None else found
-    if isinstance(obj, torch.Tensor):
-        if obj.layout is torch.strided:
-            found.append(obj)
-        else:
-            found.extend(sparse_parts(obj))
-    elif isinstance(obj, (tuple, list)):
+    kind = type(obj)
+    if kind in _ATOMS:
+        return found
+    if kind is tuple or kind is list or isinstance(obj, (tuple, list)):
         for item in obj:
+            if type(item) in _ATOMS:
+                continue
             if isinstance(item, torch.Tensor) and item.layout is torch.strided:
                 found.append(item)  # the common case, without a call
             elif isinstance(item, (tuple, list, dict, torch.Tensor)):
                 _tensors_in(item, found)
+    elif isinstance(obj, torch.Tensor):
+        if obj.layout is torch.strided:
+            found.append(obj)
+        else:
+            found.extend(sparse_parts(obj))
     elif isinstance(obj, dict):
         for item in obj.values():
             _tensors_in(item, found)
