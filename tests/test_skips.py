@@ -331,3 +331,55 @@ def test_an_input_the_model_frees_later_in_the_chain_is_held_by_its_checkpoint(
         report = exact(model, inputs, plan, loss_fn=loss_fn)
     assert report.peak_bytes <= plan.budget_bytes
     assert tape.freed_later == {f"{model.first}:3": 2 * 8 * 16 * 4}  # its input, fp32
+
+
+class _KeptSkipNet(torch.nn.Module):
+    """Block 1's input, block 0's ReLU output (saved by block 0 kept), waits in a list
+    until the add after block ``pop``; block 1, frozen, saves none of it."""
+
+    def __init__(self, pop: int, width: int = 16) -> None:
+        super().__init__()
+        self.pop = pop
+        self.blocks = torch.nn.ModuleList([_Conv(width)] + [_Gated(width) for _ in range(4)])
+        self.blocks[1].requires_grad_(False)
+        self.head = torch.nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for i, block in enumerate(self.blocks):
+            if i == 1:
+                skips.append(x)
+            x = block(x)
+            if i == self.pop:
+                x = x + skips.pop()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("pop", [2, 3])
+def test_an_input_a_kept_block_saves_and_the_model_frees_later_is_held_by_it(pop: int) -> None:
+    # NOTE [ Inputs the model frees later in the chain ] in _plan/peak.py
+    # (``maker_freed_later``): block 0 kept holds its output past the window that frees
+    # it where block 0 is recomputed and block 1 kept; the window of block ``pop`` was
+    # keyed without block 0's decision: keeping block 0 and checkpointing block 2 alone
+    # measured one activation (1 KiB) over its prediction (fuzzed: 14 models, the
+    # optimal plan 3.9 KiB over its budget once), checkpointing block 0 and keeping the
+    # rest was over-predicted by as much
+    from _steps import single_block_plans
+
+    torch.manual_seed(0)
+    model, inputs = _KeptSkipNet(pop), torch.randn(2, 8, 16)
+    labels = torch.randint(0, 5, (2 * 8,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.reshape(-1, 5), labels)
+
+    tape = autoremat.profile(model, inputs, loss_fn=loss_fn,
+                             blocks=[f"blocks.{i}" for i in range(5)], repeats=1,
+                             timing=False, with_selective=False, with_head=False)
+    assert tape.maker_freed_later == {f"1:{pop}": 2 * 8 * 16 * 4}
+    peaks = {"".join(c.decision.value[0] for c in combo): p for combo, p in
+             single_block_plans(model, inputs, tape, loss_fn).items()}
+    assert {k: p for k, p in peaks.items() if p[0] != p[1]} == {}  # every one exact
+    plan = autoremat.plan(tape, budget=smallest_feasible_bytes(tape))
+    report = exact(model, inputs, plan, loss_fn=loss_fn)
+    assert report.peak_bytes <= plan.budget_bytes

@@ -280,6 +280,13 @@ class Tape:
     # [ Inputs the model frees later in the chain ] in _plan/peak.py. Empty: none, or a
     # tape saved before it was recorded.
     freed_later: dict[str, int] = field(default_factory=dict)
+    # Bytes of block i's input that block i - 1 saves kept (a ReLU's output), that the
+    # model holds outside the chain and that a step with block i - 1 recomputed and block
+    # i kept (block i saves none of them) frees in the forward window of a block
+    # w >= i + 1, by "i:w"; held where block i - 1 is kept or a checkpoint of block i
+    # holds them: NOTE [ Inputs the model frees later in the chain ] in _plan/peak.py.
+    # Empty: none, or a tape saved before it was recorded (2026-11-30).
+    maker_freed_later: dict[str, int] = field(default_factory=dict)
     # Bytes of tensors blocks take besides their input that the model frees when its
     # forward returns, which a checkpoint of a block taking them holds until its
     # backward, by "after:takers" ("9:15": block 8 returned it, so block 9's release

@@ -31,6 +31,7 @@ from autoremat._core.errors import BudgetError, internal_assert
 from autoremat._core.units import format_bytes
 from autoremat._measure.tape import Tape
 from autoremat._plan.peak import (
+    Later,
     SegmentCost,
     block_costs,
     block_entries,
@@ -39,6 +40,7 @@ from autoremat._plan.peak import (
     holds_later,
     later_terms,
     least_release,
+    maker_holds,
     post_window,
     predict_peak,
     released_post_peak,
@@ -257,16 +259,17 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 _MAX_SHARED = 62  # shared saves the DP follows (bits of an int64); predict_peak counts all
 
 
-def _later_moves(tape: Tape, later: list[tuple[int, int, int]], i: int, prev: Decision,
+def _later_moves(tape: Tape, later: list[Later], i: int, prev: Decision,
                  here: list[tuple[int, Choice, SegmentCost]],
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The moves' figures for the inputs the model frees later in the chain (NOTE
     [ Inputs the model frees later in the chain ] in peak.py, ``later``: ``(block,
-    window, bytes)``): what the moves add to (fwd, hold, bwd above F) for those whose
-    block is in the segment, which the move decides, as a (3, moves) array; the bits of
-    those whose block the segment starts and holds, and of those freed in a window of the
-    segment; and for the others, before the segment, what it adds where the row holds
-    them and where it does not, as (3, inputs, moves) arrays."""
+    window, bytes, maker)``): what the moves add to (fwd, hold, bwd above F) for those
+    whose block is in the segment, which the move decides, as a (3, moves) array; the
+    bits of those whose block the segment starts and holds (or, ``maker``, whose block
+    the segment is the one before, and keeps on its own), and of those freed in a window
+    of the segment; and for the others, before the segment, what it adds where the row
+    holds them and where it does not, as (3, inputs, moves) arrays."""
     m = len(here)
     own = np.zeros((3, m), dtype=np.int64)
     on = np.zeros((3, len(later), m), dtype=np.int64)
@@ -275,14 +278,21 @@ def _later_moves(tape: Tape, later: list[tuple[int, int, int]], i: int, prev: De
     done = np.zeros(m, dtype=np.int64)
     for c, (stop, choice, cost) in enumerate(here):
         for e, entry in enumerate(later):
-            block, window, _ = entry
+            block, window, _, maker = entry
+            if maker and i == block - 1 and stop == block:
+                # block i - 1 on its own, which saves them kept; no terms of its own
+                if maker_holds(choice.decision):
+                    sets[c] |= 1 << e
+                continue
             if block >= stop or window < i:
                 continue
             if window < stop:
                 done[c] |= 1 << e
             args = (tape, entry, i, stop, choice, prev, cost.seen_as)
-            if block >= i:  # the move decides whether it holds it
-                held = holds_later(tape, block, i, stop, choice.decision)
+            held = holds_later(tape, block, i, stop, choice.decision)
+            # the move decides whether it holds it, or it holds it whatever block i - 1
+            # did (one that saves it kept: by the row's bit, else)
+            if block > i or (block == i and (held or not maker)):
                 if held and window >= stop:
                     sets[c] |= 1 << e
                 f, h, b = later_terms(*args, held)

@@ -199,6 +199,23 @@ NOTE [ Inputs the model frees later in the chain ]
     its input checkpointed alone, only as the first of a segment of several (NOTE [ A
     block that lets its input go ]): its entries are what the plain step frees, and
     no uniform step's window or ``Z_j`` holds them.
+    Block ``i - 1`` may save block ``i``'s input itself (its last op a ReLU, whose output
+    the model pushes on the list: a view of it after a transpose). Kept, it holds it
+    until its own backward, so neither uniform step frees it in the forward; a step
+    with block ``i - 1`` recomputed and block ``i`` kept (one that saves none of it)
+    frees it in block ``w``'s window, ``w >= i + 1``, and an alternating step measured
+    that window keyed by ``w - 1`` and ``w`` alone: a plan keeping block ``i - 1`` and
+    checkpointing block ``i + 1`` measured the input over its prediction (fuzzed: 14
+    models, up to 8 KiB; ``optimal`` 3.9 KiB over its budget once), and one
+    checkpointing block ``i - 1`` and keeping the rest was over-predicted by as much.
+    The profile reads those bytes from the alternating steps (``tape.maker_freed_later``,
+    what such a step frees there and the plain one does not), and the plan holds them
+    where block ``i - 1`` is kept (or selective: held, over at worst) in a segment of
+    its own or a checkpoint of block ``i`` holds them (``later_held``); the measuring
+    step held them where its block ``i - 1`` was kept, and ``Z_j`` of a segment ending
+    at ``j``, ``i <= j < w``, holds them in both uniform steps (by block ``i - 1``
+    kept, by block ``i``'s checkpoint). In the solver, block ``i - 1`` kept on its own
+    sets the row's bit that a checkpoint of block ``i`` sets otherwise.
 """
 
 from __future__ import annotations
@@ -234,8 +251,10 @@ __all__ = [
     "holds_input",
     "holds_later",
     "last_inner_release",
+    "later_held",
     "later_terms",
     "least_release",
+    "maker_holds",
     "plan_costs",
     "post_window",
     "predict_peak",
@@ -741,10 +760,35 @@ def shared_held(tape: Tape, segments: Segments) -> list[tuple[int, int]]:
     return out
 
 
-def freed_later(tape: Tape) -> list[tuple[int, int, int]]:
-    """``tape.freed_later`` as (block ``i``, window ``w``, bytes), in a fixed order (NOTE
-    [ Inputs the model frees later in the chain ])."""
-    return sorted((i, w, size) for i, (w,), size in block_entries(tape.freed_later))
+# An input the model frees later in the chain: (block i, window w, bytes, whether block
+# i - 1 saves it kept: from ``tape.maker_freed_later``)
+Later = tuple[int, int, int, bool]
+
+
+def freed_later(tape: Tape) -> list[Later]:
+    """``tape.freed_later`` and ``tape.maker_freed_later`` as (block ``i``, window ``w``,
+    bytes, from the latter), in a fixed order (NOTE [ Inputs the model frees later in
+    the chain ])."""
+    return sorted([(i, w, size, False) for i, (w,), size in block_entries(tape.freed_later)]
+                  + [(i, w, size, True)
+                     for i, (w,), size in block_entries(tape.maker_freed_later)])
+
+
+def maker_holds(decision: Decision) -> bool:
+    """Whether block ``i - 1``, a segment of its own under ``decision``, may hold an
+    input of block ``i`` it saves (``tape.maker_freed_later``): kept, it saves it; a
+    selective block may keep the op that made it (counted held: over, never under)."""
+    return decision is _KEEP or decision is Decision.SELECTIVE
+
+
+def later_held(tape: Tape, later: Later, segments: Segments) -> bool:
+    """Whether ``segments`` hold ``later``'s input past its window: a checkpoint of its
+    block holds it (``holds_later``), or, for one block ``i - 1`` saves, that block is
+    kept in a segment of its own (``maker_holds``)."""
+    i, _, _, maker = later
+    return any(holds_later(tape, i, start, stop, choice.decision) or (
+        maker and start == i - 1 and stop == i and maker_holds(choice.decision))
+        for start, stop, choice in segments)
 
 
 def holds_input(decision: Decision) -> bool:
@@ -772,16 +816,16 @@ def held_by_segment(tape: Tape, start: int, stop: int, decision: Decision) -> in
     return 0
 
 
-def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
+def later_terms(tape: Tape, later: Later, start: int, stop: int,
                 choice: Choice, prev: Decision, seen_as: Decision,
                 held: bool) -> tuple[int, int, int]:
     """What to add to the ``(fwd_peak, hold, bwd_peak)`` of segment ``[start, stop)``
     under ``choice`` (after a block seen as ``prev``; its last block seen as
     ``seen_as``) for block ``i``'s input that the model frees in block ``w``'s window
-    (``later``: ``(i, w, bytes)``), where the plan holds it (``held``: block ``i``
-    starts a segment that holds its input) or not (NOTE [ Inputs the model frees later
-    in the chain ]); ``bwd_peak``'s is above the level with the hold's added."""
-    i, w, size = later
+    (``later``: ``(i, w, bytes, maker)``), where the plan holds it (``held``:
+    ``later_held``) or not (NOTE [ Inputs the model frees later in the chain ]);
+    ``bwd_peak``'s is above the level with the hold's added."""
+    i, w, size, maker = later
     alone = not tape.blocks[i].lets_input_go  # block i's own checkpoint holds them
     fwd = hold = bwd = 0
     if start <= w < stop:
@@ -791,15 +835,22 @@ def later_terms(tape: Tape, later: tuple[int, int, int], start: int, stop: int,
         else:
             key = _measured_key(tape.blocks[w], (
                 prev, _RECOMPUTE if decision is Decision.SELECTIVE else decision))
-            measured = alone and holds_input(key[1] if (w - i) % 2 == 0 else key[0])
+
+            def under(k: int) -> Decision:  # block k's decision in the step measuring key
+                return key[1] if (w - k) % 2 == 0 else key[0]
+
+            measured = (alone and holds_input(under(i))) or (maker and under(i - 1) is _KEEP)
         hold = size * (int(held) - int(measured))
         if held and not measured:
             fwd = size
             if stop - start == 1 and decision is not Decision.SELECTIVE:
                 plain, kept = _fwd(tape, w, key), _fwd_held(tape, w, key)
                 fwd = min(size, max(0, kept.peak_bytes - plain.peak_bytes))
-    if i < stop - 1 < w:
-        bwd = size * (int(held) - int(alone and holds_input(seen_as)))
+    # Z of a segment ending before w comes from the uniform step of its last block: that
+    # step's block i holds them checkpointed, its block i - 1 (one that saves them) kept
+    if (i < stop - 1 or (maker and i == stop - 1)) and stop - 1 < w:
+        uniform = (alone and holds_input(seen_as)) or (maker and seen_as is _KEEP)
+        bwd = size * (int(held) - int(uniform))
     return fwd, hold, bwd
 
 
@@ -810,15 +861,14 @@ def _with_later(tape: Tape, segments: Segments,
     later = freed_later(tape)
     if not later:
         return list(costs)
-    holding = {start for start, stop, choice in segments
-               if holds_later(tape, start, start, stop, choice.decision)}
+    held = [later_held(tape, entry, segments) for entry in later]
     out = []
     prev = _KEEP
     for (start, stop, choice), cost in zip(segments, costs, strict=True):
         fwd = hold = bwd = 0
-        for entry in later:
+        for entry, entry_held in zip(later, held, strict=True):
             f, h, b = later_terms(tape, entry, start, stop, choice, prev, cost.seen_as,
-                                  entry[0] in holding)
+                                  entry_held)
             fwd, hold, bwd = fwd + f, hold + h, bwd + b
         out.append(dataclasses.replace(cost, fwd_peak=cost.fwd_peak + fwd,
                                        hold=cost.hold + hold, bwd_peak=cost.bwd_peak + bwd))

@@ -409,6 +409,31 @@ def _freed_later(runs: dict[Pattern, MemoryRun], n: int, past_release: dict[str,
     return out
 
 
+def _maker_freed_later(runs: dict[Pattern, MemoryRun], n: int,
+                       past_release: dict[str, int]) -> dict[str, int]:
+    """``tape.maker_freed_later``: by "i:w", the bytes of block ``i``'s input that a
+    step with block ``i - 1`` checkpointed and block ``i`` kept frees in block ``w``'s
+    forward window, ``w >= i + 1``, and the plain step does not (block ``i - 1``, kept,
+    saves them: a ReLU's output the model also holds in a list of skips), less what
+    ``tape.held_past_release`` counts of them: NOTE [ Inputs the model frees later in the
+    chain ] in _plan/peak.py. Read from the alternating steps; none where the profile
+    took none (NOTE [ Pairs that cannot differ ])."""
+    kept = inputs_freed_later(runs[(Decision.KEEP,) * n], n, gap=1)
+    out: dict[str, int] = {}
+    for pattern, run in runs.items():
+        if len(set(pattern)) == 1:
+            continue
+        for (i, w), size in inputs_freed_later(run, n, gap=1).items():
+            if i == 0 or pattern[i - 1] is not Decision.RECOMPUTE or \
+                    pattern[i] is not Decision.KEEP:
+                continue
+            key = f"{i}:{w}"
+            held = size - kept.get((i, w), 0) - past_release.get(key, 0)
+            if held > out.get(key, 0):
+                out[key] = held
+    return out
+
+
 def _by_takers(entries: tuple[tuple[int, tuple[int, ...], int], ...], ran_on: torch.device,
                rounding: Rounding | None) -> dict[str, int]:
     """``tape.freed_at_return`` and ``tape.saved_by_maker``: bytes by "block:takers", the
@@ -512,6 +537,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         first_release_shared=_first_release_shared(released, n),
         held_past_release=past_release,
         freed_later=_freed_later(runs, n, past_release, lets_go),
+        maker_freed_later=_maker_freed_later(runs, n, past_release),
         freed_at_return=_by_takers(chain.freed_at_return, ran_on, rounding),
         saved_by_maker=_by_takers(chain.saved_by_maker, ran_on, rounding),
         shared_saves=_by_takers(chain.shared_saves, ran_on, rounding),

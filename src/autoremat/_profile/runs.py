@@ -1400,12 +1400,12 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     return out
 
 
-def inputs_freed_later(run: MemoryRun, n: int) -> dict[tuple[int, int], int]:
+def inputs_freed_later(run: MemoryRun, n: int, gap: int = 2) -> dict[tuple[int, int], int]:
     """Bytes made in the forward window of the block before block ``i`` (before the
-    first block, for ``i == 0``) that die in the forward window of a block ``w >= i + 2``,
-    by ``(i, w)``: block ``i``'s input the model held outside the chain and let go of
-    later in the chain (NOTE [ Inputs the model frees later in the chain ] in
-    _plan/peak.py)."""
+    first block, for ``i == 0``) that die in the forward window of a block
+    ``w >= i + gap``, by ``(i, w)``: block ``i``'s input the model held outside the chain
+    and let go of later in the chain (NOTE [ Inputs the model frees later in the chain ]
+    in _plan/peak.py)."""
     out: dict[tuple[int, int], int] = {}
     for record in run.mem.records:
         if record.backward or record.died is None:
@@ -1420,7 +1420,7 @@ def inputs_freed_later(run: MemoryRun, n: int) -> dict[tuple[int, int], int]:
             i = 0  # made before the first block
         else:
             continue
-        if freed_in >= i + 2:
+        if freed_in >= i + gap:
             out[i, freed_in] = out.get((i, freed_in), 0) + record.nbytes
     return out
 
