@@ -508,9 +508,15 @@ def _cost_parse(ctx: Context, folder: Path, rc: int) -> list[Claim]:
         return [Claim("profile-cost", "cost of profile and auto, in plain steps",
                       f"no results (exit {rc})", "NOT RUN")]
     out = []
-    for r in json.loads(path.read_text())["rows"]:
+    payload = json.loads(path.read_text())
+    probe = payload.get("probe_us")
+    for r in payload["rows"]:
         figure = f"plain step {r['plain_step_s'] * 1e3:.1f} ms; " + ", ".join(
             f"{k} x{v['plain_steps']:.0f}" for k, v in r["calls"].items())
+        if "ops_per_step" in r:  # what one probe per op costs a memory step
+            figure += f"; {r['ops_per_step']:,} ops per step" + (
+                "" if probe is None else f", probe {probe:.1f} us (x"
+                f"{r['ops_per_step'] * probe / 1e6 / r['plain_step_s']:.2f} per memory step)")
         out.append(Claim("profile-cost", f"{r['model']}: cost of profile and auto, in "
                          "plain steps (no target)", figure, "MEASURED"))
     return out

@@ -200,6 +200,46 @@ def first_use_imports_s() -> float:
     return time.perf_counter() - start
 
 
+def ops_per_step(model: nn.Module, inputs: Any) -> int:
+    """ATen ops one plain step runs (forward, loss, backward): each costs the instruments
+    of a memory step their own work, and on CUDA one allocator probe."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model.zero_grad(set_to_none=True)
+    with _Count():
+        run_step(model, inputs, None)
+    model.zero_grad(set_to_none=True)
+    return _Count.ops
+
+
+def probe_us(device: torch.device, reads: int = 2000) -> float | None:
+    """Microseconds of one allocator probe around an op (``AllocatorProbe.before`` and
+    ``after``: a peak reset and a read of the allocator's statistics), the median of 5
+    batches of ``reads``; ``None`` off CUDA, where there is no probe."""
+    if device.type != "cuda":
+        return None
+    from autoremat._measure.memory import AllocatorProbe
+
+    probe = AllocatorProbe(device.index if device.index is not None
+                           else torch.cuda.current_device())
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(reads):
+            probe.before(0)
+            probe.after()
+        times.append((time.perf_counter() - start) / reads * 1e6)
+    probe.close()
+    return statistics.median(times)
+
+
 def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: int,
              warmup: int, rounds: int = 1) -> dict[str, Any]:
     """One model's row: the plain step and what each call costs, in seconds and steps.
@@ -217,6 +257,7 @@ def cost_row(name: str, build: Builder, size: str, device: torch.device, steps: 
              for k in runs[0]["calls"]}
     stages = runs[0]["stages"]  # the names, in the order profile reported them
     return {"model": name, "class": type(model).__name__, "blocks": runs[0]["blocks"],
+            "ops_per_step": ops_per_step(model, inputs),
             "auto_outcome": runs[0]["outcome"], "rounds": rounds,
             "plain_step_s": statistics.median(plains),
             "plain_step_all_s": [t for r in runs for t in r["times"]],
@@ -318,6 +359,11 @@ def _load() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
+def _probe_steps(payload: dict[str, Any], row: dict[str, Any]) -> float:
+    """What one probe per op of a step costs, in the row's plain steps."""
+    return float(row["ops_per_step"] * payload["probe_us"] / 1e6 / row["plain_step_s"])
+
+
 def cost_markdown(payload: dict[str, Any]) -> str:
     calls = list(payload["rows"][0]["calls"]) if payload["rows"] else []
     lines = [f"# The cost of knowing ({payload['device']})", "",
@@ -346,6 +392,15 @@ def cost_markdown(payload: dict[str, Any]) -> str:
         lines += ["", f"Not in the rows: the first profile of a process also imports scipy's "
                   f"optimize and sparse (NOTE [ scipy on first use ]), timed before the "
                   f"rows: {payload['first_use_imports_s']:.2f} s{steps}, once per process."]
+    lines += ["", "Ops per plain step (ATen, forward + loss + backward): " + ", ".join(
+        f"{r['model']} {r['ops_per_step']:,}" for r in payload["rows"] if "ops_per_step" in r)
+        + "."]
+    if payload.get("probe_us") is not None:
+        lines += ["", f"One allocator probe around an op (a peak reset and a read of the "
+                  f"allocator's statistics, NOTE [ Memory a kernel allocates inside an op ]):"
+                  f" {payload['probe_us']:.1f} us; per memory step, in plain steps: "
+                  + ", ".join(f"{r['model']} x{_probe_steps(payload, r):.2f}"
+                              for r in payload["rows"] if "ops_per_step" in r) + "."]
     lines += ["", "Where `profile`'s time goes: each stage it reports (`progress=`), in plain "
               "steps, until the next stage starts (stages one model lacks are blank).", ""]
     names: list[str] = []  # every row's stages, each row's in its order
@@ -460,6 +515,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         md = _write(Path(args.out), stem, payload, heldout_markdown(payload))
     else:
         imports_s = first_use_imports_s()
+        probe = probe_us(device)
         rows = []
         for name in models:
             rows.append(cost_row(name, MODELS[name], args.size, device, steps, args.warmup,
@@ -470,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
                 for k, v in r["calls"].items()), flush=True)
         payload = {**_header(args, device), "command": command, "steps": steps,
                    "warmup": args.warmup, "rounds": rounds, "rows": rows,
-                   "first_use_imports_s": imports_s,
+                   "first_use_imports_s": imports_s, "probe_us": probe,
                    "seconds": time.perf_counter() - start}
         md = _write(Path(args.out), f"profile_cost{suffix}", payload, cost_markdown(payload))
     print(md.read_text())

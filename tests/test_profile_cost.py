@@ -63,6 +63,10 @@ def test_cost_table_tiny(tmp_path: Path) -> None:
     # differ ]; hf-llama's position ids took it two more until 2026-11-30)
     assert not any(line.startswith("| memory runs 3/4 |") for line in text.splitlines())
     assert text.index("| memory runs 2/4 |") < text.index("| selective keep-sets |")
+    # what the first profile of a process pays once, apart; ops per step; no probe on CPU
+    assert payload["first_use_imports_s"] >= 0 and "once per process" in text
+    assert all(r["ops_per_step"] > 100 for r in payload["rows"])
+    assert payload["probe_us"] is None and "allocator probe" not in text
 
 
 @pytest.mark.slow
