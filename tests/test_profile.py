@@ -790,6 +790,68 @@ def test_a_segment_whose_last_block_saves_nothing_holds_its_gradient_through_the
     assert off == {}
 
 
+class _Transposed(nn.Module):
+    """Linear + ReLU, returned transposed (its output a view the next Linear copies)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)).transpose(1, 2)
+
+
+class _InPlaceRelu(nn.Module):
+    """Linear + an in-place ReLU on its output (a view of the product): its backward
+    makes the base's gradient buffers (``CopySlices``) before it needs the saved output."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(width, width), nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+class _InPlaceThenScale(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Transposed(width), nn.Linear(width, width), _PairPool(),
+                                     _InPlaceRelu(width), _Scale()])
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_segment_ending_in_blocks_that_save_nothing_holds_the_next_ones_first_grads(
+        ) -> None:
+    """NOTE [ A segment's last block that saves nothing ] in _plan/peak.py: the backward
+    runs on into the block before the scale, whose ops that need no saved tensor (the
+    in-place ReLU's ``CopySlices`` buffers) run before the recompute and hold their
+    outputs through it. Counted without them, the segments of the last four or five
+    blocks measured 2 KiB over their predictions (a fuzzed model's); none is under
+    now (segments ending in the pool are over, as before)."""
+    torch.manual_seed(0)
+    model, x = _InPlaceThenScale(), torch.randn(4, 16, 16)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False, with_selective=False,
+                             with_head=False)
+    assert [b.lets_input_go for b in tape.blocks] == [False, False, True, False, True]
+    assert tape.blocks[3].recompute_after > 0
+    off = {}
+    for rest, a, b, segments in _one_segment_plans(len(tape.blocks)):
+        predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
+        if measured > predicted or (b == 5 and measured != predicted):
+            off[rest.decision.value, a, b] = measured - predicted
+    assert off == {}
+
+
 class _SkipTokens(_Tokens):
     """:class:`_Tokens` whose model pushes block ``push``'s input on a list of skips and
     adds it back after block ``pop`` (``pop`` the last block: after the chain)."""

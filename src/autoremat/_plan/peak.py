@@ -101,7 +101,13 @@ NOTE [ A segment's last block that saves nothing ]
     (``recompute_after``, 0 for a block with no recompute): a fuzzed [Conv+BatchNorm,
     pool] segment measured that gradient less what the composition counted elsewhere
     (72-136 B, the statistics' bytes) over its prediction. It counts the last block's
-    measured backward there (its window's delta).
+    measured backward there (its window's delta). The backward runs on likewise through
+    the blocks before it that save nothing (their plain windows' deltas) and into the
+    ops of the first block that saves something that need no saved tensor (its
+    ``recompute_after``, less its statistics' copy, which the segment counts apart): a
+    Linear with an in-place ReLU makes the gradient buffers of the product it wrote
+    over (``CopySlices``) before it needs the ReLU's output, and a fuzzed [Linear, pool,
+    that, scale] segment measured them (2 KiB) over its prediction.
 
 NOTE [ Casts a segment's recompute makes again ]
     Under autocast, a layer called at several blocks casts its weights in its first call
@@ -591,7 +597,17 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             # recompute starts, and hold their outputs through it (recompute_after);
             # all of them where it saves nothing (NOTE [ A segment's last block that
             # saves nothing ])
-            after = last.delta_bytes if b.lets_input_go else b.recompute_after
+            after = b.recompute_after
+            if b.lets_input_go:
+                # NOTE [ A segment's last block that saves nothing ]: the backward runs on
+                # into the blocks before it that save nothing, and those of the first
+                # that saves something that need no saved tensor, before the recompute
+                after, j = last.delta_bytes, k - 1
+                while j > start and blocks[j].lets_input_go:
+                    after += blocks[j].keep_bwd.delta_bytes
+                    j -= 1
+                # (its figure counts its statistics' copy, which stash counts here)
+                after += max(0, blocks[j].recompute_after - blocks[j].stash_bytes)
             bwd_peak = max(stash + after + r_peak,
                            stash - b.stash_bytes + r_level + last.peak_bytes,
                            r_level + last.delta_bytes + back)
