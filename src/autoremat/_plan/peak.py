@@ -566,7 +566,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     stash = 0  # a segment's recompute copies every block's BatchNorm statistics first
     # NOTE [ Casts a segment's recompute makes again ]
     recast = [0] * (last_stop - start)
-    for first, savers, size in shared_saves(tape) if tape.shared_saves else ():
+    for first, savers, size in shared_saves(tape):
         for k in savers:
             if first < start <= k < last_stop:
                 recast[k - start] += size
@@ -753,16 +753,19 @@ def block_entries(entries: dict[str, int]) -> list[tuple[int, tuple[int, ...], i
 
 
 def shared_saves(tape: Tape) -> list[tuple[int, tuple[int, ...], int]]:
-    """``tape.shared_saves`` as (the block that saves them first, the later blocks
+    """``tape.shared_saves`` and ``tape.cast_saves`` (the profile put the latter's as if
+    their first block saved them) as (the block that saves them first, the later blocks
     saving them, bytes), in a fixed order (NOTE [ Saves shared by calls of a layer ])."""
-    return block_entries(tape.shared_saves)
+    if not tape.shared_saves and not tape.cast_saves:
+        return []
+    return sorted(block_entries(tape.shared_saves) + block_entries(tape.cast_saves))
 
 
 def shared_held(tape: Tape, segments: Segments) -> list[tuple[int, int]]:
     """What a plan holds of the shared saves past where the tape's windows release them,
     as (the block whose backward frees them, bytes): NOTE [ Saves shared by calls of a
     layer ]."""
-    if not tape.shared_saves:
+    if not tape.shared_saves and not tape.cast_saves:
         return []
     decision = [_KEEP] * len(tape.blocks)
     for start, stop, choice in segments:

@@ -343,7 +343,7 @@ def _first_release_shared(released: dict[Pattern, list[int]], n: int) -> dict[De
 
 
 def _as_if_unshared(runs: dict[Pattern, MemoryRun], released: dict[Pattern, list[int]],
-                    shared: Sequence[tuple[int, tuple[int, ...], int]],
+                    shared: Sequence[tuple[int, tuple[int, ...], int, bool]],
                     ) -> dict[Pattern, list[WindowMemory]]:
     """Per run, its blocks' backward windows, and (in place) its releases when the
     forward returns, as if no later block held what an earlier one saved first (NOTE
@@ -351,17 +351,33 @@ def _as_if_unshared(runs: dict[Pattern, MemoryRun], released: dict[Pattern, list
     that block and keeps a later one saving it, the first of those frees it in its
     backward, and the release of the block after the first saver lacks it; moved to the
     release, and counted held through that backward window (its peak by all of it: where
-    in the window it died is not kept)."""
+    in the window it died is not kept). A cast the first block made and did not save
+    (``cast``: NOTE [ Casts a block makes that a later block saves ] in runs.py) is put
+    as if that block saved it: in a run keeping it, freed in its backward window, not
+    in the first kept later block's, nor when the forward returns where none is kept."""
     out = {pattern: list(run.bwd) for pattern, run in runs.items()}
+
+    def held(windows: list[WindowMemory], q: int, size: int, peak: bool = True) -> None:
+        w = windows[q]
+        windows[q] = WindowMemory(peak_bytes=w.peak_bytes + (size if peak else 0),
+                                  delta_bytes=w.delta_bytes + size)
+
     for pattern, windows in out.items():
-        for p, savers, size in shared:
+        for p, savers, size, cast in shared:
             holders = [q for q in savers if pattern[q] is Decision.KEEP]
-            if pattern[p] is Decision.KEEP or not holders or p + 1 >= len(pattern):
+            if p + 1 >= len(pattern):
                 continue
-            released[pattern][p + 1] += size
-            w = windows[holders[0]]
-            windows[holders[0]] = WindowMemory(peak_bytes=w.peak_bytes + size,
-                                               delta_bytes=w.delta_bytes + size)
+            if pattern[p] is Decision.KEEP:
+                if not cast:
+                    continue  # it holds them to its backward: as if unshared
+                if holders:
+                    held(windows, holders[0], size)
+                else:
+                    released[pattern][p + 1] -= size
+                held(windows, p, -size, peak=False)  # freed in its backward
+            elif holders:
+                released[pattern][p + 1] += size
+                held(windows, holders[0], size)
     return out
 
 
@@ -471,8 +487,9 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     measured = WINDOW_DECISIONS if setup.offload else WINDOW_DECISIONS[:2]
     released = {pattern: released_at_fwd_end(run, n) for pattern, run in runs.items()}
     past_release = _held_past_release(chain, ran_on, rounding)
-    shared = [(p, savers, counted_bytes(size, ran_on, rounding))
-              for p, savers, size in chain.shared_saves]
+    shared = [(p, savers, counted_bytes(size, ran_on, rounding), cast)
+              for cast, entries in ((False, chain.shared_saves), (True, chain.cast_saves))
+              for p, savers, size in entries]
     bwd = _as_if_unshared(runs, released, shared)  # NOTE [ Saves shared by calls ... ]
     frees = freed_in_forward(plain, n)
     held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
@@ -541,6 +558,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         freed_at_return=_by_takers(chain.freed_at_return, ran_on, rounding),
         saved_by_maker=_by_takers(chain.saved_by_maker, ran_on, rounding),
         shared_saves=_by_takers(chain.shared_saves, ran_on, rounding),
+        cast_saves=_by_takers(chain.cast_saves, ran_on, rounding),
         tail={d: runs[(d,) * n].tail for d in measured},
         offload=setup.offload, host_bandwidth=base.host_bandwidth,
         step_fwd_flops=counter.phase_total("fwd"), step_bwd_flops=counter.phase_total("bwd"),

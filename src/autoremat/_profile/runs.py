@@ -182,8 +182,17 @@ NOTE [ Casts a block makes that a later block saves ]
     parameter's gradient accumulator), so that a plan recomputing the first call and
     keeping the later one counts it held: fuzzed models with an input that needs no
     gradient measured one bf16 weight over such plans (16 models, up to 1.6 KiB, an
-    ``optimal`` plan over its budget). A plan keeping the first call and recomputing
-    the later ones is over-predicted by it, as it was.
+    ``optimal`` plan over its budget). Recorded apart (``tape.cast_saves``), it is put
+    in every step as if the first call saved it (``_as_if_unshared`` in profile.py): in
+    a step keeping the first call, the first kept later call's backward window does not
+    free it (its gradient's level keeps it) and the first call's frees it, or, where no
+    later call is kept, the forward's return does not; it was left as measured there,
+    and a plan recomputing the first call and keeping the later ones took the later
+    call's window from such a step, which freed it, with the release of the step that
+    did not keep it, which freed it again: one bf16 weight under (8 of 9,742 fuzzed
+    models after the fix above, up to 1.1 KiB; ``optimal`` over its budget in 5 of
+    1,832). Plans keeping the first call, the plain step's included, are over-predicted
+    by it (held to the first call's backward, where the step frees it in a later call's).
 
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
@@ -729,6 +738,8 @@ class _HeldInputs:
         # storage -> (the block that saved it first, the later blocks that saved it too
         # without taking it, its size): NOTE [ Saves shared by calls through a cache ]
         self._shared: dict[int, tuple[int, set[int], int]] = {}
+        self._casts: set[int] = set()  # of those, casts the first did not save (NOTE
+        # [ Casts a block makes that a later block saves ])
         self._resting: set[int] = set()  # the storages of parameters and buffers
         self._saving: set[int] = set()  # the blocks whose forward saved anything
         # parameter (by id) -> the blocks holding it; the blocks in the order they started
@@ -804,6 +815,7 @@ class _HeldInputs:
         if first is not None and first != here:
             self._shared.setdefault(key, (first, set(), t.untyped_storage().nbytes()))[1] \
                 .add(here)
+            self._casts.add(key)
 
     def _saved_again(self, key: int, t: torch.Tensor) -> None:
         """A block saves a storage an earlier block saved and still holds, that it did
@@ -985,16 +997,22 @@ class _HeldInputs:
                 out.append((saver, takers, side.nbytes))
         return tuple(out)
 
-    def shared_saves(self, chain: list[str]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    def shared_saves(self, chain: list[str], casts: bool = False,
+                     ) -> tuple[tuple[int, tuple[int, ...], int], ...]:
         """The storages a block of ``chain`` saves in its forward that later blocks save
         too without taking them (NOTE [ Saves shared by calls through a cache ]), as (the
-        block that saved it first; the later blocks saving it; its storage's size)."""
+        block that saved it first; the later blocks saving it; its storage's size);
+        ``casts``: instead the casts a block made and did not save that later blocks save
+        (NOTE [ Casts a block makes that a later block saves ]), the block that made it
+        first."""
         ids = self._ids(chain)
         if ids is None:
             return ()
         position = {block: p for p, block in enumerate(ids)}
         out = []
-        for first, later, size in self._shared.values():
+        for key, (first, later, size) in self._shared.items():
+            if (key in self._casts) != casts:
+                continue
             p = position.get(first, -1)
             savers = tuple(sorted(position[b] for b in later
                                   if b in position and position[b] > p))
@@ -1505,6 +1523,9 @@ class Chain:
     shared_saves: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block saving
     # it first, the later blocks saving it, bytes): NOTE [ Saves shared by calls through
     # a cache ]
+    cast_saves: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block making
+    # it, the later blocks saving it, bytes): NOTE [ Casts a block makes that a later
+    # block saves ]
     saves_nothing: tuple[bool, ...] = ()  # per block, whether its forward saved nothing
     # (_HeldInputs.saves_nothing; empty: not seen)
 
@@ -1613,4 +1634,6 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                   saved_by_maker=held_inputs_seen.saved_by_maker(names) if eager else (),
                   chain_sides=held_inputs_seen.chain_sides(names) if eager else (),
                   shared_saves=held_inputs_seen.shared_saves(names) if eager else (),
+                  cast_saves=held_inputs_seen.shared_saves(names, casts=True)
+                  if eager else (),
                   saves_nothing=held_inputs_seen.saves_nothing(names) if eager else ())
