@@ -774,20 +774,29 @@ def test_a_segment_whose_last_block_saves_nothing_holds_its_gradient_through_the
     prediction (a fuzzed model's, 72-136 B); such segments are exact now, and none is
     under (those of all three blocks are over by up to 264 B, as before)."""
     torch.manual_seed(0)
-    model, x = _NormPool(), torch.randn(2, 8, 16)
+    tape, off = _one_segment_misses(_NormPool(), torch.randn(2, 8, 16), exact_stop=2)
+    assert [b.lets_input_go for b in tape.blocks] == [False, True, False]
+    assert off == {}
+
+
+def _one_segment_misses(model: nn.Module, x: torch.Tensor, exact_stop: int,
+                        ) -> tuple[autoremat.Tape, dict[tuple[str, int, int], int]]:
+    """``model``'s tape (a squared loss, its list of distinct layers as the chain: NOTE
+    [ A list of distinct layers ]) and, of its one-segment plans, those measured over
+    their predictions or, ending at ``exact_stop``, off them: by (the other blocks'
+    decision, start, stop), measured less predicted."""
 
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return out.pow(2).mean()
 
     tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False, with_selective=False,
-                             with_head=False)  # NOTE [ A list of distinct layers ]
-    assert [b.lets_input_go for b in tape.blocks] == [False, True, False]
+                             with_head=False)
     off = {}
     for rest, a, b, segments in _one_segment_plans(len(tape.blocks)):
         predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
-        if measured > predicted or (b == 2 and measured != predicted):
+        if measured > predicted or (b == exact_stop and measured != predicted):
             off[rest.decision.value, a, b] = measured - predicted
-    assert off == {}
+    return tape, off
 
 
 class _Transposed(nn.Module):
@@ -835,20 +844,9 @@ def test_a_segment_ending_in_blocks_that_save_nothing_holds_the_next_ones_first_
     blocks measured 2 KiB over their predictions (a fuzzed model's); none is under
     now (segments ending in the pool are over, as before)."""
     torch.manual_seed(0)
-    model, x = _InPlaceThenScale(), torch.randn(4, 16, 16)
-
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return out.pow(2).mean()
-
-    tape = autoremat.profile(model, x, loss_fn=loss_fn, timing=False, with_selective=False,
-                             with_head=False)
+    tape, off = _one_segment_misses(_InPlaceThenScale(), torch.randn(4, 16, 16), exact_stop=5)
     assert [b.lets_input_go for b in tape.blocks] == [False, False, True, False, True]
     assert tape.blocks[3].recompute_after > 0
-    off = {}
-    for rest, a, b, segments in _one_segment_plans(len(tape.blocks)):
-        predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
-        if measured > predicted or (b == 5 and measured != predicted):
-            off[rest.decision.value, a, b] = measured - predicted
     assert off == {}
 
 
