@@ -310,10 +310,11 @@ class Tape:
     # it was recorded.
     shared_saves: dict[str, int] = field(default_factory=dict)
     # Bytes of casts a block made under autocast and did not save (its input needs no
-    # gradient) that later blocks save, found in autocast's cache, by "first:savers":
-    # held where a later saver is kept, whatever the first's decision (NOTE [ Casts a
-    # block makes that a later block saves ] in _profile/runs.py). Empty: none, or a tape
-    # saved before it was recorded (2026-11-30; such casts were in ``shared_saves``).
+    # gradient) that later blocks save, found in autocast's cache, by "first:savers";
+    # the windows count them as if the first block saved them, and plans as
+    # ``shared_saves`` (NOTE [ Casts a block makes that a later block saves ] in
+    # _profile/runs.py). Empty: none, or a tape saved before it was recorded
+    # (2026-11-30; such casts were in ``shared_saves``).
     cast_saves: dict[str, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)

@@ -184,9 +184,10 @@ NOTE [ Casts a block makes that a later block saves ]
     gradient measured one bf16 weight over such plans (16 models, up to 1.6 KiB, an
     ``optimal`` plan over its budget). Recorded apart (``tape.cast_saves``), it is put
     in every step as if the first call saved it (``_as_if_unshared`` in profile.py): in
-    a step keeping the first call, the first kept later call's backward window does not
-    free it (its gradient's level keeps it) and the first call's frees it, or, where no
-    later call is kept, the forward's return does not; it was left as measured there,
+    a step keeping the first call, it is counted held through the backward window of
+    the first kept later call (which freed it) and freed in the first call's, and where
+    no later call is kept, not freed when the forward returns but in the first call's
+    backward too; it was left as measured there,
     and a plan recomputing the first call and keeping the later ones took the later
     call's window from such a step, which freed it, with the release of the step that
     did not keep it, which freed it again: one bf16 weight under (8 of 9,742 fuzzed
