@@ -13,6 +13,10 @@ counted. Found 13 defects in three rounds (2026-11-29/30; CHANGELOG).
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/fuzz.py run START COUNT LOG [SECONDS]
     python benchmarks/fuzz.py summary LOG
 
+``FUZZ_DEVICE=cuda`` builds and runs the models on the GPU (a spec's autocast is CUDA's
+there): predictions against the tracker's figures with CUDA's rounding and the allocator
+probe, as ``profile`` measures there. Not run on a GPU yet (2026-11-30).
+
 ``run`` appends one JSON line per model (its spec, seed = model index, and each plan's
 predicted and measured peaks) to LOG; ``summary`` counts them. A model's plans and its
 spec are enough to rebuild it: ``build(make_spec(seed))``.
@@ -24,6 +28,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -197,16 +202,22 @@ def make_spec(seed: int) -> dict:
             "selective": r.random() < 0.4}
 
 
-def build(spec: dict):
+def device() -> torch.device:
+    """Where the models run: ``FUZZ_DEVICE`` (default cpu)."""
+    return torch.device(os.environ.get("FUZZ_DEVICE", "cpu"))
+
+
+def build(spec: dict, on: torch.device | None = None):
+    on = device() if on is None else on
     torch.manual_seed(spec["seed"])
-    model = Fuzz(spec).train()
+    model = Fuzz(spec).train().to(on)
     B, L, C = spec["B"], spec["L"], spec["C"]
     if spec["stem"] == "emb":
-        x = torch.randint(0, spec["vocab"], (B, L))
+        x = torch.randint(0, spec["vocab"], (B, L)).to(on)
     else:
-        x = torch.randn(B, L, C)
+        x = torch.randn(B, L, C).to(on)
     Lf = L // (2 ** spec["kinds"].count("pool"))
-    labels = torch.randint(0, spec["classes"], (B * Lf,))
+    labels = torch.randint(0, spec["classes"], (B * Lf,)).to(on)
     if spec["loss"] == "pow":
         def loss_fn(out):
             return out.float().pow(2).mean()
@@ -220,7 +231,7 @@ def run_model(spec: dict) -> dict:
     rec: dict = {"spec": spec, "plans": [], "exc": None}
     model, x, loss_fn = build(spec)
     names = [f"blocks.{i}" for i in range(len(spec["kinds"]))]
-    ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if spec["autocast"]
+    ctx = (torch.autocast(x.device.type, dtype=torch.bfloat16) if spec["autocast"]
            else contextlib.nullcontext())
     with ctx:
         try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import load_benchmark
 
 
@@ -19,3 +21,13 @@ def test_the_fuzzer_runs_and_its_first_models_hold_their_predictions(tmp_path: P
     assert dict(found["under"]) == {} and found["over_budget"] == []
     assert found["grads_differ"] == []
     assert sum(found["exact"].values()) > found["plans"] // 2
+
+
+def test_the_fuzzer_builds_on_the_device_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    # FUZZ_DEVICE=cuda runs it on a GPU; meta shows the models and batches go there
+    fuzz = load_benchmark("fuzz")
+    monkeypatch.setenv("FUZZ_DEVICE", "meta")
+    for seed in range(4):
+        model, x, loss_fn = fuzz.build(fuzz.make_spec(seed))
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+        assert x.device.type == "meta" and loss_fn(model(x)).device.type == "meta"
