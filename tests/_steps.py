@@ -4,7 +4,8 @@
 asserts ``torch.equal`` on the loss and on every gradient (independently of ``verify``);
 ``snapshot`` records what ``apply`` installs and ``remove`` must take away again. Shared by
 test_apply.py and test_auto.py. ``Tokens`` is the token data set the training-framework
-tests (test_hf.py, test_lightning.py) train on.
+tests (test_hf.py, test_lightning.py) train on; ``ResidualMlp`` a block several tests
+build chains of.
 """
 
 from __future__ import annotations
@@ -164,6 +165,18 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class ResidualMlp(nn.Module):
+    """``x + down(relu(up(x)))``, ``expand`` times as wide inside: a residual MLP block."""
+
+    def __init__(self, width: int, expand: int = 2) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, expand * width)
+        self.down = nn.Linear(expand * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
 
 
 class DenseLayer(nn.Module):

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from tests._steps import exact, snapshot, verified
+from tests._steps import ResidualMlp, exact, snapshot, verified
 from torch import nn
 
 import autoremat
@@ -554,15 +554,6 @@ def test_a_segment_recomputing_a_later_call_of_a_layer_under_autocast_holds_its_
                 assert measured == predicted, (segments, measured - predicted)
 
 
-class _Mlp(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
 class _FirstCallWithoutGradient(_Listed):
     """The first and the last block call one Linear, one Linear or ``between`` MLPs
     apart; the batch
@@ -573,7 +564,7 @@ class _FirstCallWithoutGradient(_Listed):
         super().__init__()
         shared = nn.Linear(width, width)
         middle = [nn.Linear(width, width)] if between == 1 else \
-            [_Mlp(width) for _ in range(between)]
+            [ResidualMlp(width) for _ in range(between)]
         self.blocks = nn.ModuleList([_Uses(shared), *middle, _Uses(shared)])
         self.head = nn.Linear(width, 5)
 

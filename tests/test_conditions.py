@@ -38,6 +38,8 @@ from autoremat import (
 )
 from autoremat._plan.plan import UnsealedPlanWarning
 
+from _steps import ResidualMlp
+
 _GPT2 = dict(n_layer=4, batch_size=2, seq_len=16)
 
 
@@ -263,19 +265,10 @@ def test_a_forward_hook_registered_after_apply_warns_once(
             handle.remove()
 
 
-class _Residual(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
 class _Stack(nn.Module):
     def __init__(self, d: int = 16, n: int = 4) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Residual(d) for _ in range(n))
+        self.blocks = nn.ModuleList(ResidualMlp(d, expand=4) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

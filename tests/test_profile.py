@@ -29,7 +29,7 @@ from autoremat._mechanism.wrap import is_wrapped
 from autoremat._plan.strategies import smallest_feasible_bytes
 
 import conftest
-from _steps import segments_peaks, single_block_plans, verified
+from _steps import ResidualMlp, segments_peaks, single_block_plans, verified
 
 # conftest.SMALL with three transformer blocks, not two: these sizes matter, since
 # test_profile_measures_every_block_and_leaves_no_trace asserts at least three blocks and
@@ -675,15 +675,6 @@ def test_a_segment_holds_what_its_first_block_passes_on_of_its_input() -> None:
         assert measured <= predicted, (rest, a, b, measured - predicted)
 
 
-class _Residual(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
 class _PairPool(nn.Module):
     """Mean over pairs of tokens: parameter-free, saves nothing for its backward."""
 
@@ -701,7 +692,7 @@ class _Tokens(nn.Module):
     def __init__(self, kinds: str, width: int = 32, vocab: int = 8) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList({"M": _Residual, "P": _PairPool, "S": _Scale}[k](
+        self.blocks = nn.ModuleList({"M": ResidualMlp, "P": _PairPool, "S": _Scale}[k](
             *((width,) if k == "M" else ())) for k in kinds)
         self.head = nn.Linear(width, vocab)
 
@@ -755,7 +746,7 @@ class _NormPool(nn.Module):
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([_ConvNorm(width), _PairPool(), _Residual(width)])
+        self.blocks = nn.ModuleList([_ConvNorm(width), _PairPool(), ResidualMlp(width)])
         self.head = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1048,7 +1039,7 @@ class _ThenRelu(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("first", [_Affine, _Residual])
+@pytest.mark.parametrize("first", [_Affine, ResidualMlp])
 def test_a_segment_ending_at_the_last_block_drops_its_input_once(
         first: type[nn.Module]) -> None:
     """NOTE [ The last block's input after the chain ] in _plan/peak.py: the model lets
