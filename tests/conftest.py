@@ -16,7 +16,7 @@ import importlib.util
 import os
 import random
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -150,6 +150,30 @@ def tiny_tape() -> Tape:
     """The tape of a three-block MLP (milliseconds to profile)."""
     model, inputs = zoo.build("mlp", widths=(32, 16, 24), d_in=16, batch_size=8)
     return profile(model, inputs, repeats=1)
+
+
+def plans_with_options(tape: Tape, options: Sequence[Sequence[Any]]) -> Iterator[list[Any]]:
+    """Every plan of ``tape``: segments of one block kept or under one of its
+    ``options`` (choices), and checkpointed runs across chained links."""
+    n = len(tape.blocks)
+
+    def from_(i: int) -> Iterator[list[Any]]:
+        if i == n:
+            yield []
+            return
+        for choice in [KEEP, *options[i]]:
+            for rest in from_(i + 1):
+                yield [(i, i + 1, choice), *rest]
+        stop = i + 1
+        while True:
+            for rest in from_(stop):
+                yield [(i, stop, RECOMPUTE), *rest]
+            if stop < n and tape.blocks[stop].chained:
+                stop += 1
+            else:
+                break
+
+    return from_(0)
 
 
 # --- synthetic tapes: built from BlockProfile / WindowMemory directly, no model ----------

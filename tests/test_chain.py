@@ -21,19 +21,30 @@ import dataclasses
 import random
 from collections.abc import Iterator, Sequence
 from functools import cache
+from typing import Any
 
 import pytest
 
 import autoremat
 from autoremat._core.decisions import KEEP, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import BudgetError
-from autoremat._measure.tape import Tape
+from autoremat._measure.ops import OpRecord, OpStats
+from autoremat._measure.tape import SelectiveProfile, Tape, WindowMemory
 from autoremat._plan import chain
 from autoremat._plan.chain import solve
 from autoremat._plan.peak import Segments, plan_costs, predict_peak
 from autoremat._plan.strategies import smallest_feasible_bytes
 
-from conftest import PAIRS, C, K, random_tape, synthetic_block, synthetic_tape, window
+from conftest import (
+    PAIRS,
+    C,
+    K,
+    plans_with_options,
+    random_tape,
+    synthetic_block,
+    synthetic_tape,
+    window,
+)
 
 # --- the brute-force reference -----------------------------------------------------------
 
@@ -582,6 +593,87 @@ def test_inputs_a_kept_block_saves_freed_later_match_brute_force(seed: int) -> N
     tape = dataclasses.replace(
         tape, maker_freed_later=_maker_pairs(random.Random(17 * seed + 1), n, 2))
     _assert_matches_brute_force(_letting_go(tape, seed) if seed % 4 == 0 else tape, seed)
+
+
+# --- a selective block that keeps its output (NOTE [ The next block's backward under a
+# selective block that keeps its output ] in _plan/peak.py) --------------------------------
+
+
+def _with_selective(tape: Tape, seed: int) -> tuple[Tape, list[list[Choice]]]:
+    """``tape`` with two selective options per block: one saving nothing, one saving its
+    last op, a matmul that made its output (1-12 bytes), which the next block's backward
+    frees (a lift of 0-30 bytes by window, where it is held), the cheaper by that op
+    (costing far more than the rest of the block)."""
+    rng = random.Random(19 * seed + 7)
+    blocks = []
+    for b in tape.blocks:
+        out = rng.randint(1, 12)
+        matmul = OpRecord(op="aten.mm.default", kind="matmul", out_bytes=out, flops=1,
+                          ms=0.0, random=False, view=False, inplace=False, kept_bytes=out)
+        key = (C, C) if (C, C) in b.fwd else (K, C)  # (the first block follows the stem)
+        flops = rng.randint(0, b.fwd_flops)
+        blocks.append(dataclasses.replace(
+            b, ops=(matmul,), output_ops=(0,),
+            op_stats={"matmul": OpStats(count=1, flops=rng.randint(1, 9) * 10 ** 8,
+                                        out_bytes=out, ms=0.0),
+                      "pointwise": OpStats(count=1, flops=flops, out_bytes=0, ms=0.0)},
+            selective={"": _option(b.fwd[key], b.bwd[key], 0, rng.randint(0, 4), flops),
+                       "matmul": _option(b.fwd[key], b.bwd[key], out, rng.randint(0, 4),
+                                         flops)},
+            bwd_input_held={key: rng.randint(0, 30) for key in PAIRS if rng.random() < 0.7}))
+    tape = dataclasses.replace(tape, blocks=tuple(blocks))
+    return tape, [[Choice.selective_from_key(k) for k in sorted(b.selective)]
+                  for b in tape.blocks]
+
+
+def _option(fwd: WindowMemory, bwd: WindowMemory, kept: int, more: int,
+            flops: int) -> SelectiveProfile:
+    """A selective option's windows: the checkpointed ones, holding ``kept`` bytes more
+    from the forward to the backward, which peaks ``more`` above."""
+    return SelectiveProfile(fwd=window(fwd.peak_bytes + kept, fwd.delta_bytes + kept),
+                            bwd=window(bwd.peak_bytes + more, bwd.delta_bytes - kept),
+                            recompute_flops=flops, recompute_bytes=0, recompute_ops=1)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_selective_blocks_that_keep_their_output_match_brute_force(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A selective block that keeps its output holds it through the next block's
+    backward, which the next block's window after a checkpointed one frees: the DP's
+    rows carry whether the block before keeps it, and its plans come out as
+    ``predict_peak`` counts them (the least peak of any plan, and at each budget a plan
+    meets, the least cost); inputs freed later in the chain on odd seeds. Without the
+    rows' bits the plans found were the same (the plans the DP under-counted were
+    predicted and passed over), but the DP's figures fell under the predictions."""
+    n = 2 + seed % 5
+    tape = random_tape(n, seed, chained_p=[0.5, 0.8, 1.0][seed % 3])
+    if seed % 2 and n >= 3:
+        tape = _with_freed_later(tape, seed)
+    tape, options = _with_selective(tape, seed)
+    table = [(predict_peak(tape, p), sum(c.rank_cost for c in plan_costs(tape, p)))
+             for p in plans_with_options(tape, options)]
+    peaks = sorted({peak for peak, _ in table})
+    finals: list[tuple[int, int]] = []  # (the DP's peak, its plan's prediction)
+    best_final = chain._best_final
+
+    def checked(tape: Tape, frontier: Any, moves: Any, rows: Any, *args: Any) -> Any:
+        for _, peak, rank, status, row in rows:
+            plan = chain._backtrack(frontier, moves, (n, chain._ORDER[rank], status), row)
+            finals.append((peak, predict_peak(tape, plan)))
+        return best_final(tape, frontier, moves, rows, *args)
+
+    monkeypatch.setattr(chain, "_best_final", checked)
+    got = solve(tape, None, objective="peak", options=options)
+    assert got.peak_bytes == predict_peak(tape, got.segments) == peaks[0]
+    with pytest.raises(BudgetError):
+        solve(tape, peaks[0] - 1, objective="cost", options=options)
+    for budget in peaks:  # every plan's peak
+        fits = [cost for peak, cost in table if peak <= budget]
+        got = solve(tape, budget, objective="cost", options=options)
+        assert got.cost == min(fits), f"budget={budget}: {got.segments}"
+        assert predict_peak(tape, got.segments) == got.peak_bytes <= budget
+    # the DP's own figures are its plans' predictions (not only the plans it returns)
+    assert finals and all(peak == predicted for peak, predicted in finals)
 
 
 def _letting_go(tape: Tape, seed: int) -> Tape:

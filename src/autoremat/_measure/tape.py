@@ -152,6 +152,12 @@ class BlockProfile:
     # their outputs through the recompute, in a segment through the recompute of the
     # blocks before it too (NOTE [ The peak model ] in _plan/peak.py). 0: not measured.
     recompute_after: int = 0
+    # What its backward window's peak rises by where the block before holds the
+    # storages of its input that the window frees (a selective block before it that
+    # keeps its output: NOTE [ A selective block that keeps its output ] in
+    # _plan/peak.py), keyed like ``bwd`` (keys with none left out). Empty in tapes made
+    # before 2026-12-01.
+    bwd_input_held: dict[WindowKey, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:
@@ -350,7 +356,7 @@ class Tape:
         """The JSON fields, decisions by name (NOTE [ Decisions in files ])."""
         data = asdict(self)
         for block in data["blocks"]:
-            for key in ("fwd", "bwd", "fwd_end_release", "fwd_held"):
+            for key in ("fwd", "bwd", "fwd_end_release", "fwd_held", "bwd_input_held"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
         for key in ("post", "tail", "post_fwd_peak", "first_release_shared"):
             data[key] = {d.value: v for d, v in data[key].items()}
@@ -457,7 +463,7 @@ def _peaks_by_decision(data: Any, where: str, version: int) -> dict[Decision, in
 
 
 def _releases(data: Any, where: str, version: int) -> dict[WindowKey, int]:
-    """``fwd_end_release``: bytes keyed like a block's windows."""
+    """``fwd_end_release``, ``bwd_input_held``: bytes keyed like a block's windows."""
     out = {}
     for k, v in _mapping(data, where).items():
         if not isinstance(v, int) or isinstance(v, bool):
@@ -481,9 +487,9 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             raw[key] = _windows(raw.get(key), f"{where}.{key}", version)
         if raw.get("fwd_held"):  # absent or empty: none die, or an older tape
             raw["fwd_held"] = _windows(raw["fwd_held"], f"{where}.fwd_held", version)
-        if "fwd_end_release" in raw:
-            raw["fwd_end_release"] = _releases(raw["fwd_end_release"],
-                                               f"{where}.fwd_end_release", version)
+        for key in ("fwd_end_release", "bwd_input_held"):
+            if key in raw:
+                raw[key] = _releases(raw[key], f"{where}.{key}", version)
         raw["op_stats"] = {
             str(k): build_dataclass(OpStats, v, f"{where}.op_stats.{k}")
             for k, v in _mapping(raw.get("op_stats", {}), f"{where}.op_stats").items()

@@ -38,6 +38,9 @@ from autoremat._plan.peak import (
     fixed_peaks,
     freed_later,
     holds_later,
+    input_held_lift,
+    kept_output_bytes,
+    kept_outputs,
     later_terms,
     least_release,
     maker_holds,
@@ -131,7 +134,9 @@ class _Frontier:
     H: np.ndarray  # (rows, decisions) the prefix's moves' ``over``: what the levels of
     # the post window before the backward starts hold more, by the last block's decision
     Q: np.ndarray  # (rows,) bits of the inputs the prefix holds whose window it has not
-    # reached (NOTE [ Inputs the model frees later in the chain ] in peak.py)
+    # reached (NOTE [ Inputs the model frees later in the chain ] in peak.py), and of
+    # its last block keeping its output (NOTE [ The next block's backward under a
+    # selective block that keeps its output ] there)
     prev: np.ndarray  # (rows,) row in the source state's frontier (-1 at the start)
     move: np.ndarray  # (rows,) index into the source's _Moves.steps (-1 at the start)
     from_index: np.ndarray  # (rows,) block index of the source state (-1 at the start)
@@ -173,6 +178,7 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
     fixed = {d: fixed_peaks(tape, d) for d in seen}
     shared = shared_saves(tape)[:_MAX_SHARED]
     later = freed_later(tape)[:_MAX_SHARED]
+    kept = kept_outputs(tape)[:_MAX_SHARED - len(later)]
     moves: list[dict[Decision, _Moves]] = []
     for i in range(n):
         by_prev = {}
@@ -185,6 +191,12 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                 here += [(i + 1, opt, segment_cost(tape, i, i + 1, opt, prev))
                          for opt in options[i]]
             terms = _later_moves(tape, later, i, prev, here)
+            if kept:  # their bits follow those of ``later``
+                sets, done, on, off = _kept_moves(tape, kept, i, here)
+                terms = (terms[0], terms[1] | (sets << len(later)),
+                         terms[2] | (done << len(later)),
+                         np.concatenate([terms[3], on], axis=1),
+                         np.concatenate([terms[4], off], axis=1))
             released = [segment_release(tape, i, m[0], m[1], prev, m[2].seen_as, least)
                         for m in here]
             bits = [_shared_bits(shared, i, m[0], m[1]) for m in here]
@@ -253,7 +265,10 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
 #     the plan holds them (its segment starting at their block checkpoints it): each row
 #     carries the bits of those it holds whose window it has not reached (``Q``), a
 #     move's figures for those of blocks before it come in two (held or not, picked per
-#     row), and a row dominates only rows of the same ``Q``.
+#     row), and a row dominates only rows of the same ``Q``. A selective block that
+#     keeps its output sets a bit of ``Q`` too, which the next move reads and clears: its
+#     backward is lifted where the bit is set (NOTE [ The next block's backward under a
+#     selective block that keeps its output ] in ``peak.py``).
 
 
 _MAX_SHARED = 62  # shared saves the DP follows (bits of an int64); predict_peak counts all
@@ -302,6 +317,30 @@ def _later_moves(tape: Tape, later: list[Later], i: int, prev: Decision,
                     f, h, b = later_terms(*args, held)
                     out[:, e, c] = (f, h, h + b)
     return own, sets, done, on, off
+
+
+def _kept_moves(tape: Tape, kept: list[tuple[int, int]], i: int,
+                here: list[tuple[int, Choice, SegmentCost]],
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The moves' figures for the inputs a selective block before may keep
+    (``kept``: ``(block, bytes)``, NOTE [ The next block's backward under a selective
+    block that keeps its output ] in peak.py), as ``_later_moves`` gives them: the bits
+    of those whose block the move, selective, keeps the output of the block before; of
+    those whose block it starts; and what it adds to (fwd, hold, bwd above F) where the
+    row holds them and where it does not, as (3, inputs, moves) arrays."""
+    m = len(here)
+    on = np.zeros((3, len(kept), m), dtype=np.int64)
+    off = np.zeros((3, len(kept), m), dtype=np.int64)
+    sets = np.zeros(m, dtype=np.int64)
+    done = np.zeros(m, dtype=np.int64)
+    for c, (stop, choice, _) in enumerate(here):
+        for e, (block, size) in enumerate(kept):
+            if i == block - 1 and stop == block and kept_output_bytes(tape, i, choice):
+                sets[c] |= 1 << e
+            elif i == block:
+                done[c] |= 1 << e
+                on[2, e, c] = input_held_lift(tape, block, stop, choice, size)
+    return sets, done, on, off
 
 
 def _shared_bits(shared: list[tuple[int, tuple[int, ...], int]], start: int, stop: int,

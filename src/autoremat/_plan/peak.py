@@ -60,6 +60,26 @@ NOTE [ A selective block that keeps its output ]
     whole output where the option keeps what the block's last op made (through views
     and in-place writes; unknown counts as kept).
 
+NOTE [ The next block's backward under a selective block that keeps its output ]
+    What such a block keeps (above) also outlives the next block's backward, whose
+    windows after a checkpointed block (the ones a selective block is seen as) free it
+    there: where that window's peak comes after the free (a layer shared by the next
+    blocks, whose weight's gradient the next block adds to the other call's once it has
+    freed its input), the peak stood one boundary above its prediction (fuzz seed 4593:
+    a LayerNorm + Linear block under ``matmul``, then a residual call of a shared
+    Linear, kept: 1,344 B, the block's output; 3160 and 6151 likewise). The profile
+    records, per block and window, how far the window's peak rises where the storages
+    the block before made and this window frees are held to its end
+    (``BlockProfile.bwd_input_held``, from the same runs), and a segment after a
+    selective block that keeps some of its output is lifted by that, at most by what
+    it keeps: the most any selective option of that block keeps (``kept_outputs``), so
+    that the DP, whose rows carry a bit for "the block before keeps its output" as for
+    the inputs freed later in the chain (NOTE [ Releases in the DP ] in ``chain.py``),
+    counts what ``predict_peak`` counts. A segment of several blocks is lifted by the
+    larger of its first block's checkpointed and plain windows (it is recomputed, then
+    runs its plain backward). Tapes without the field (before 2026-12-01) lift nothing,
+    as before.
+
 NOTE [ A block that lets its input go ]
     A block whose forward saves nothing for its backward (a parameter-free pool
     ``x.view(B, L // 2, 2, C).mean(2)``, a scale by a constant) holds nothing when it
@@ -692,6 +712,71 @@ def _keeps_output(ops: Sequence[OpRecord], save: tuple[str, ...], keep_ops: tupl
     return True
 
 
+def kept_output_bytes(tape: Tape, i: int, choice: Choice) -> int:
+    """The bytes of block ``i``'s output that ``choice`` keeps and a next block, kept,
+    would free in its backward (``_kept_output_bytes``'s second figure); 0 for every
+    choice but a selective one."""
+    if choice.decision is not Decision.SELECTIVE:
+        return 0
+    block = tape.blocks[i]
+    sel = block.selective.get(choice.selective_key)
+    internal_assert(sel is not None, f"no selective profile {choice.selective_key!r} "
+                    f"for {block.name}")
+    assert sel is not None  # for mypy: internal_assert raised otherwise
+    return _kept_output_bytes(block, choice, sel.keep_ops)[1]
+
+
+def kept_outputs(tape: Tape) -> list[tuple[int, int]]:
+    """``(block b, bytes)`` for each block whose backward frees the storages of its
+    input that the block before it, selective, may keep (NOTE [ The next block's
+    backward under a selective block that keeps its output ]): the most any selective
+    option of that block keeps of them."""
+    out = []
+    for b in range(1, len(tape.blocks)):
+        if not tape.blocks[b].bwd_input_held:
+            continue
+        size = max((kept_output_bytes(tape, b - 1, Choice.selective_from_key(key))
+                    for key in sorted(tape.blocks[b - 1].selective)), default=0)
+        if size:
+            out.append((b, size))
+    return out
+
+
+def input_held_lift(tape: Tape, b: int, stop: int, choice: Choice, size: int) -> int:
+    """What the backward peak of segment ``[b, stop)`` under ``choice`` rises by where
+    the block before holds ``size`` bytes of block ``b``'s input through block ``b``'s
+    backward (NOTE [ The next block's backward under a selective block that keeps its
+    output ]): at most ``size``, by block ``b``'s window after a checkpointed block
+    (that lets them go), under its decision; the first block of a segment of several is
+    recomputed and then runs its plain backward, so both windows count."""
+    block = tape.blocks[b]
+    decision = choice.decision
+    if stop - b > 1:
+        keys = [(_RECOMPUTE, _RECOMPUTE), (_KEEP, _KEEP)]
+    else:
+        keys = [(_RECOMPUTE, _RECOMPUTE if decision is Decision.SELECTIVE else decision)]
+    lift = max(block.bwd_input_held.get(_measured_key(block, key), 0) for key in keys)
+    return min(size, lift)
+
+
+def _with_kept_outputs(tape: Tape, segments: Segments,
+                       costs: Sequence[SegmentCost]) -> list[SegmentCost]:
+    """``costs`` with each segment after a selective block that keeps its output lifted
+    by ``input_held_lift`` (NOTE [ The next block's backward under a selective block
+    that keeps its output ])."""
+    sizes = dict(kept_outputs(tape))
+    if not sizes:
+        return list(costs)
+    out = list(costs)
+    for k in range(1, len(segments)):
+        start, stop, choice = segments[k]
+        before = segments[k - 1]
+        if start in sizes and kept_output_bytes(tape, before[0], before[2]):
+            lift = input_held_lift(tape, start, stop, choice, sizes[start])
+            out[k] = dataclasses.replace(out[k], bwd_peak=out[k].bwd_peak + lift)
+    return out
+
+
 def selective_options(tape: Tape, offload: bool = False) -> list[list[Choice]]:
     """Per block, the selective options its tape measured, and with ``offload`` (on a
     tape measured offloaded) offloading it."""
@@ -907,6 +992,7 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
     level = tape.pre.delta_bytes
     peak = fixed_peaks(tape, costs[0].seen_as)
     costs = _with_later(tape, segments, costs)  # NOTE [ Inputs the model frees later ... ]
+    costs = _with_kept_outputs(tape, segments, costs)
     for (_start, stop, _), cost in zip(segments, costs, strict=False):
         bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak
         peak = max(peak, level + cost.fwd_peak, bwd)

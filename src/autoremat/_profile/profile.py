@@ -126,6 +126,7 @@ from autoremat._profile.runs import (
     find_chain,
     freed_in_forward,
     held_forward_windows,
+    held_input_lifts,
     inputs_freed_later,
     refuse_hf_checkpointing,
     released_at_fwd_end,
@@ -493,6 +494,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     bwd = _as_if_unshared(runs, released, shared)  # NOTE [ Saves shared by calls ... ]
     frees = freed_in_forward(plain, n)
     held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
+    lifts = {pattern: held_input_lifts(run, n) for pattern, run in runs.items()}
     saved = saved_by_block(plain)
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
@@ -531,6 +533,9 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             fwd_held={key: v for key, v in by_pairs(
                 runs, i, lambda pattern, _, k: held[pattern][k], base.alike,
                 base.local).items() if v is not None},
+            bwd_input_held={key: v for key, v in by_pairs(
+                runs, i, lambda pattern, _, k: lifts[pattern][k], base.alike,
+                base.local).items() if v},
             recompute_after=_recompute_after(base, i),
             lets_input_go=lets_go[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)

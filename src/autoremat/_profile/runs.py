@@ -1486,6 +1486,40 @@ def held_forward_windows(run: MemoryRun, n: int) -> list[WindowMemory | None]:
     return out
 
 
+def held_input_lifts(run: MemoryRun, n: int) -> list[int]:
+    """Per block, what its backward window's peak rises by where the storages the block
+    before made in its forward and this block's backward frees (its input, saved by
+    it) are held on to the window's end, as a selective block before it that keeps its
+    output holds them (NOTE [ A selective block that keeps its output ] in
+    _plan/peak.py); 0 for the first block, and where none die there."""
+    mem, bounds, ends = run.mem, run.bounds, run.ends
+    frees: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for record in mem.records:
+        if record.backward or record.transient or record.died is None:
+            continue
+        k = bisect.bisect_right(bounds, record.born) - 1  # the window it was born in
+        if not 0 <= k < n - 1:
+            continue
+        start, stop = ends[k + 2], ends[k + 1]  # block k + 1's backward window
+        if start <= record.died <= stop:
+            frees[k + 1].append((record.died, record.nbytes))
+    out = []
+    for k, died in enumerate(frees):
+        if not died:
+            out.append(0)
+            continue
+        start, stop = ends[k + 1], ends[k]
+        added = [0] * (stop - start + 1)  # bytes held on from each event on
+        for event, size in died:
+            added[event - start] += size
+        held = lifted = 0
+        for offset, level in enumerate(mem.levels[start : stop + 1]):
+            held += added[offset]
+            lifted = max(lifted, level + held)
+        out.append(max(0, lifted - mem.window_peak(start, stop)))
+    return out
+
+
 @dataclass(frozen=True)
 class Setup:
     """What ``profile``'s arguments come to once checked, before any step runs."""
