@@ -4,6 +4,7 @@ measuring ``plan()`` + ``apply()`` on the zoo (NOTE [ The peak model ] in
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -175,6 +176,52 @@ def test_a_tensor_blocks_take_that_dies_later_in_the_chain_is_counted_held(
     assert best.predicted_peak_bytes == least <= min(p.predicted_peak_bytes
                                                      for p in plans.values())
     assert _applied_peak(model, inputs, best) == least
+
+
+class _Alternating(nn.Module):
+    """Gemma 2's shape in small: two masks made before the layers (a local window and a
+    causal one), each layer given its kind's."""
+
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Attention(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        i = torch.arange(n)
+        causal = (i[None, :] > i[:, None]).float().mul(-1e9).expand(x.shape[0], n, n)
+        local = causal.masked_fill(i[:, None] - i[None, :] > 4, -1e9)
+        masks = [local, causal.contiguous()]
+        for k, layer in enumerate(self.layers):
+            x = layer(x, masks[k % 2])
+        return self.head(x).pow(2).mean()
+
+
+def test_masks_made_before_the_chain_are_released_where_no_layer_taking_them_recomputes(
+        ) -> None:
+    # NOTE [ Tensors made before the chain that later blocks take ] in _plan/peak.py:
+    # counted at the least, plans keeping the layers given one mask and recomputing
+    # others were that mask (8 KiB) over their predictions: 11 of the 16 plans were
+    # over, now 5, and those keeping every layer given a mask are exact. The rest hold
+    # a mask in the backward where the last checkpointed layer taking it frees it: the
+    # levels composed from the step checkpointing every layer hold it to layer 0's
+    torch.manual_seed(0)
+    model, x = _Alternating(), torch.randn(2, 32, 32)
+    tape = autoremat.profile(model, x, timing=False, with_selective=False)
+    mask = 2 * 32 * 32 * 4
+    assert tape.freed_at_return == {"0:0,2": mask, "1:1,3": mask}
+    over = []
+    for pattern in itertools.product("kr", repeat=len(tape.blocks)):
+        segments = [(i, i + 1, RECOMPUTE if c == "r" else KEEP)
+                    for i, c in enumerate(pattern)]
+        plan = plan_of_segments(tape, segments, "test")
+        measured = _applied_peak(model, x, plan)
+        assert measured <= plan.predicted_peak_bytes, pattern
+        if measured < plan.predicted_peak_bytes:
+            over.append(("".join(pattern), plan.predicted_peak_bytes - measured))
+    assert len(over) <= 5 and all(size <= mask for _, size in over), over
+    assert not {"kkkr", "kkrk", "krkk", "rkkk", "krkr", "rkrk"} & {p for p, _ in over}
 
 
 class _Fuse(nn.Module):

@@ -385,7 +385,27 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
         if len({choice.decision for _, _, choice in segments}) > 1:
             # NOTE [ What the model made before the chain ]
             out[0] = max(0, out[0] - tape.first_release_shared.get(first, 0))
+    else:
+        out[0] += made_before_released(tape, segments, least)
     return out
+
+
+def made_before_released(tape: Tape, segments: Segments, least: Sequence[int]) -> int:
+    """What the first block's release when the forward returns holds beyond the least in
+    a plan that recomputes, of the tensors the model made before the chain and later
+    blocks take that no block of the plan checkpoints (NOTE [ Tensors made before the
+    chain that later blocks take ])."""
+    if not tape.freed_at_return:
+        return 0
+    recomputed = _recomputed(segments)
+    blocks = tape.blocks
+    total = 0
+    for first, takers, size in block_entries(tape.freed_at_return):
+        if takers[0] == first and not recomputed & set(takers) and (
+                first == 0 or blocks[first].fwd_end_release.get((_KEEP, _KEEP), 0) < size):
+            total += size
+    room = blocks[0].fwd_end_release.get((_KEEP, _KEEP), 0) - least[0]
+    return max(0, min(room, total))
 
 
 def segment_release(tape: Tape, start: int, stop: int, choice: Choice, prev: Decision,
@@ -429,6 +449,29 @@ def last_inner_release(tape: Tape, least: Sequence[int]) -> int:
 #     model's [Linear, scale] segment before an in-place ReLU: 4 KiB, 1.4x its prediction,
 #     over its budget). As an inner block the last block releases the least it does less
 #     its chain bytes (the solver's moves count it likewise, NOTE [ Releases in the DP ]).
+
+
+# NOTE [ Tensors made before the chain that later blocks take ]
+#     A model whose layers alternate kinds makes a mask per kind before its first layer
+#     and passes each layer its own (Gemma 2's sliding and full masks, ModernBERT's local
+#     and global ones). The step with every block kept lets go of them when the forward
+#     returns, in the first block's release; the checkpoint of a layer taking one holds
+#     it to that layer's backward; so a plan that recomputes releases the first block's
+#     least (every layer checkpointed, every mask held) and, of the masks, those no
+#     checkpointed layer takes. The warm-up step records each with the layers taking it
+#     (``tape.freed_at_return``, keyed by its first taker: it cannot tell when the parent
+#     made one the first block does not take, and keys it as made between blocks just
+#     before its first taker); one the first block takes, or its first taker's own
+#     release (block ``first``'s, every block kept) is too small to hold, was made before
+#     the chain: counted in the first block's release (``made_before_released``) where
+#     no block taking it is checkpointed, at most what that release holds beyond its
+#     least.
+#     Counted at the least, plans keeping a block that takes one and recomputing another
+#     were one mask over their predictions (Gemma 2, 3 layers at 2 x 32 tokens: 8 KiB, 6
+#     of 8 plans; ModernBERT: 1 KiB); a mask is ``batch x length^2`` elements, a GiB at
+#     4 x 8192 tokens in float32. The solver counts the least (over, never under): its
+#     plans are predicted with it (``_best_final`` in ``chain.py``), and the smallest
+#     feasible budget it names may be above the least by a mask.
 
 
 # NOTE [ What the model made before the chain ]
@@ -1018,6 +1061,10 @@ def held_at_return(tape: Tape, segments: Segments,
     holding = _recomputed(segments)
     total = 0
     for first, takers, size in block_entries(tape.freed_at_return):
+        if first == 0:
+            continue  # the model made it before the chain: the first block's release
+            # counts it by its takers (NOTE [ Tensors made before the chain that later
+            # blocks take ])
         taking = set(takers)
         if len(taking) > 1 and taking <= holding and {first - 1, first} <= holding:
             continue  # counted held where its release was measured: every taker (two or

@@ -956,8 +956,10 @@ class _HeldInputs:
             made = -1 if side.made_by is None else position.get(side.made_by, -1)
             if 0 <= made < len(ids) - 1:
                 out.append((made + 1, takers, side.nbytes))
-            elif made < 0 and takers[0] > 0:  # the parent made it, between blocks: in
-                out.append((takers[0], takers, side.nbytes))  # the window before them
+            elif made < 0:  # the parent made it, between blocks (in the window before
+                # them) or before the chain (NOTE [ Tensors made before the chain that
+                # later blocks take ] in _plan/peak.py)
+                out.append((takers[0], takers, side.nbytes))
         return tuple(out)
 
     def chain_sides(self, chain: list[str]) -> tuple[tuple[int, ...], ...]:
