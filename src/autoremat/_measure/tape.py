@@ -322,6 +322,13 @@ class Tape:
     # _profile/runs.py). Empty: none, or a tape saved before it was recorded
     # (2026-11-30; such casts were in ``shared_saves``).
     cast_saves: dict[str, int] = field(default_factory=dict)
+    # Bytes of casts of a shared layer's parameters a block made under autocast that
+    # later blocks take from autocast's cache without saving them (a Linear's bias), by
+    # "first:takers"; a segment's recompute of a later taker makes them again and holds
+    # them to its end (NOTE [ Casts a later call takes from the cache and does not save ]
+    # in _profile/runs.py). Empty: none, or a tape saved before it was recorded
+    # (2026-12-01).
+    cached_casts: dict[str, int] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
 

@@ -633,6 +633,15 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         for k in savers:
             if first < start <= k < last_stop:
                 recast[k - start] += size
+    # NOTE [ Casts a later call takes from the cache and does not save ] in
+    # _profile/runs.py: held by the cache from their block's recompute to the recompute's
+    # end, not into the backward
+    cached = [0] * (last_stop - start)
+    for first, takers, size in block_entries(tape.cached_casts):
+        for k in takers:
+            if first < start <= k < last_stop:
+                cached[k - start] += size
+    cache = 0  # what the cache holds of them in the recompute of the blocks so far
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
@@ -672,7 +681,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                 # (its figure counts its statistics' copy, which stash counts here)
                 after += max(0, blocks[j].recompute_after - blocks[j].stash_bytes)
             bwd_peak = max(stash + after + r_peak,
-                           stash - b.stash_bytes + r_level + last.peak_bytes,
+                           stash - b.stash_bytes + r_level + cache + last.peak_bytes,
                            r_level + last.delta_bytes + back)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))
@@ -680,7 +689,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         # the recompute keeps what the plain forward freed in the first block (its
         # input, held by the segment): counted held from the window's start
         kept = (max(b.fwd_frees, 0) if k == start else 0) + recast[k - start]
-        r_peak = max(r_peak, r_level + b.keep_fwd.peak_bytes + kept)
+        cache += cached[k - start]
+        r_peak = max(r_peak, r_level + cache + b.keep_fwd.peak_bytes + kept)
         r_level += b.keep_fwd.delta_bytes + kept
         back = b.keep_bwd.peak_bytes if k == start else \
             max(b.keep_bwd.peak_bytes, back + b.keep_bwd.delta_bytes)

@@ -195,6 +195,25 @@ NOTE [ Casts a block makes that a later block saves ]
     1,832). Plans keeping the first call, the plain step's included, are over-predicted
     by it (held to the first call's backward, where the step frees it in a later call's).
 
+NOTE [ Casts a later call takes from the cache and does not save ]
+    A later call of a shared layer also takes from autocast's cache casts it does not
+    save (a Linear's bias: ``addmm`` saves its input and weight only). The plain
+    forward's window of that call makes none; a segment's recompute, run under a cache
+    emptied since (NOTE [ Backward inside autocast ] in _mechanism/wrap.py), casts them
+    again, and the cache holds them to the recompute's end: fuzzed [later call, gated
+    block] segments measured the bias's cast (16-56 B) over their predictions (4 of
+    1,200 models). Nothing saves them, so the saved-tensor hooks do not see them: where
+    blocks share a parameter and autocast is on, the warm-up step walks the autograd
+    nodes each block's forward made (from its output, through the nodes no earlier walk
+    met) and notes the edges to the cast of a shared parameter (``ToCopyBackward0`` of
+    its gradient accumulator) an earlier block made, less those the block saves:
+    ``tape.cached_casts`` (the block that made it, the later blocks taking it, its
+    bytes: the parameter's elements at autocast's dtype). A segment's recompute holds
+    them from their block on (``segment_runs`` in _plan/peak.py), through the last
+    block's checkpointed window: over by them where that window peaks in its
+    backward. The walk costs one visit per autograd node, in that step only, and only
+    where a parameter is shared.
+
 NOTE [ Block boundaries in backward ]
     A forward post-hook registers a tensor hook on the block's output; it fires when
     that gradient is complete, which is when the block's backward starts. The block's
@@ -219,7 +238,7 @@ import torch
 from torch import nn
 
 from autoremat._core.calls import calls_beyond
-from autoremat._core.conditions import autocast_state
+from autoremat._core.conditions import autocast_devices, autocast_state
 from autoremat._core.decisions import Decision
 from autoremat._core.errors import BlockError, RematError, internal_assert
 from autoremat._core.step import (
@@ -747,6 +766,16 @@ class _HeldInputs:
         # (NOTE [ Casts a block makes that a later block saves ])
         self._holding: dict[int, list[int]] = {}
         self._started: list[int] = []
+        # NOTE [ Casts a later call takes from the cache and does not save ]: parameters
+        # (by id) blocks share; autograd nodes seen so far (by id), and of those, the
+        # casts of shared parameters, by the block whose walk met them first; the casts
+        # saved, as (node id, block); what later blocks took unsaved: (first, later,
+        # parameter id) -> bytes
+        self._shared_params: dict[int, torch.Tensor] = {}
+        self._nodes: set[int] = set()
+        self._cast_nodes: dict[int, tuple[int, int]] = {}
+        self._saved_casts: set[tuple[int, int]] = set()
+        self._cached: dict[tuple[int, int, int], int] = {}
 
     def _see_deaths(self) -> None:
         for key, side in list(self._live.items()):
@@ -789,6 +818,10 @@ class _HeldInputs:
             # deaths are checked for only at block events: a BART's dropped cross-attention
             # mask and its head's bf16 weight cast, in some processes and not others)
         alias = _detached(t)
+        if self._shared_params and self._inside and self._last is not None:
+            node = _cast_node(t)  # NOTE [ Casts a later call takes from the cache ... ]
+            if node is not None:
+                self._saved_casts.add((id(node), self._last))
         if key not in self._packed or self._packed[key][0]() is None:
             self._packed[key] = (weakref.ref(alias), self._last if self._inside else None)
             self._cast_before(key, t)
@@ -801,13 +834,8 @@ class _HeldInputs:
         which cast it and did not save it (NOTE [ Casts a block makes that a later block
         saves ])."""
         here = self._last if self._inside else None
-        node = t.grad_fn
-        for _ in range(3):  # through the views of the cast a matmul saves (its .t())
-            if node is None or type(node).__name__ == "ToCopyBackward0" \
-                    or len(node.next_functions) != 1:
-                break
-            node = node.next_functions[0][0]
-        if here is None or node is None or type(node).__name__ != "ToCopyBackward0":
+        node = _cast_node(t)
+        if here is None or node is None:
             return
         leaf = getattr(node.next_functions[0][0], "variable", None) \
             if node.next_functions else None
@@ -869,6 +897,8 @@ class _HeldInputs:
                 self._returns[i] = self._events
                 self._outs[i] = [weakref.ref(t) for t in flat_tensors(output)]
                 self._see_deaths()
+                if self._shared_params:
+                    self._walk_casts(i, output)
             return hook
 
         def any_call(module: nn.Module, args: Any) -> None:
@@ -884,6 +914,8 @@ class _HeldInputs:
         for i, name in enumerate(self.names):
             for param in model.get_submodule(name).parameters():
                 self._holding.setdefault(id(param), []).append(i)
+                if len(self._holding[id(param)]) == 2 and param.is_floating_point():
+                    self._shared_params[id(param)] = param
         with ExitStack() as stack:
             for i, name in enumerate(self.names):
                 module = model.get_submodule(name)
@@ -901,6 +933,36 @@ class _HeldInputs:
         self._last = None
         self._events += 1
         self._see_deaths()
+        self._nodes.clear()  # (ids of nodes the backward frees may be reused)
+        self._cast_nodes.clear()
+
+    def _walk_casts(self, i: int, output: Any) -> None:
+        """Block ``i`` returned ``output``: walk the autograd nodes its forward made (the
+        ones no earlier walk met), noting the casts of shared parameters they met first,
+        and those an earlier block made that they take, under autocast (NOTE [ Casts a
+        later call takes from the cache and does not save ])."""
+        device = next(iter(self._shared_params.values())).device.type
+        if device not in autocast_devices():  # (a meta step has no autocast)
+            return
+        itemsize = torch.get_autocast_dtype(device).itemsize
+        stack = [t.grad_fn for t in flat_tensors(output) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in self._nodes:
+                continue
+            self._nodes.add(id(node))
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                if type(nxt).__name__ == "ToCopyBackward0" and nxt.next_functions:
+                    leaf = getattr(nxt.next_functions[0][0], "variable", None)
+                    param = self._shared_params.get(id(leaf))
+                    if param is not None and i in self._holding[id(param)]:
+                        made = self._cast_nodes.setdefault(id(nxt), (i, id(param)))
+                        if made[0] != i and (id(nxt), i) not in self._saved_casts:
+                            self._cached[(made[0], i, id(param))] = \
+                                param.numel() * itemsize
+                stack.append(nxt)
 
     def _ids(self, chain: list[str], *, returned: bool = False) -> list[int] | None:
         """The blocks of ``chain`` (some of the blocks installed over, in the order they
@@ -1022,6 +1084,24 @@ class _HeldInputs:
             if p >= 0 and savers:
                 out.append((p, savers, size))
         return tuple(out)
+
+    def cached_casts(self, chain: list[str]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+        """The casts of a shared layer's parameters a block of ``chain`` made under
+        autocast that later blocks took from autocast's cache and did not save (NOTE
+        [ Casts a later call takes from the cache and does not save ]), as (the block that
+        made it; the later blocks taking it; its bytes)."""
+        ids = self._ids(chain)
+        if ids is None or not self._cached:
+            return ()
+        position = {block: p for p, block in enumerate(ids)}
+        later: dict[tuple[int, int], set[int]] = {}
+        sizes: dict[tuple[int, int], int] = {}
+        for (first, taker, param), size in self._cached.items():
+            if first in position and taker in position and position[taker] > position[first]:
+                later.setdefault((position[first], param), set()).add(position[taker])
+                sizes[(position[first], param)] = size
+        return tuple((first, tuple(sorted(takers)), sizes[(first, param)])
+                     for (first, param), takers in sorted(later.items()))
 
     def saves_nothing(self, chain: list[str]) -> tuple[bool, ...]:
         """Per block of ``chain`` (in the order they ran), whether its forward saved
@@ -1488,6 +1568,20 @@ def held_forward_windows(run: MemoryRun, n: int) -> list[WindowMemory | None]:
     return out
 
 
+def _cast_node(t: torch.Tensor) -> Any:
+    """The ``ToCopyBackward0`` node of the cast ``t`` is or views (a matmul saves the
+    ``.t()`` of its weight's cast), or ``None``."""
+    node = t.grad_fn
+    for _ in range(3):
+        if node is None or type(node).__name__ == "ToCopyBackward0" \
+                or len(node.next_functions) != 1:
+            break
+        node = node.next_functions[0][0]
+    if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+        return None
+    return node
+
+
 def held_input_lifts(run: MemoryRun, n: int) -> list[int]:
     """Per block, what its backward window's peak rises by where the storages the block
     before made in its forward and this block's backward frees (its input, saved by
@@ -1565,6 +1659,9 @@ class Chain:
     # block saves ]
     saves_nothing: tuple[bool, ...] = ()  # per block, whether its forward saved nothing
     # (_HeldInputs.saves_nothing; empty: not seen)
+    cached_casts: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block making
+    # it, the later blocks taking it unsaved, bytes): NOTE [ Casts a later call takes
+    # from the cache and does not save ]
 
 
 def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
@@ -1673,4 +1770,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                   shared_saves=held_inputs_seen.shared_saves(names) if eager else (),
                   cast_saves=held_inputs_seen.shared_saves(names, casts=True)
                   if eager else (),
-                  saves_nothing=held_inputs_seen.saves_nothing(names) if eager else ())
+                  saves_nothing=held_inputs_seen.saves_nothing(names) if eager else (),
+                  cached_casts=held_inputs_seen.cached_casts(names) if eager else ())
