@@ -519,3 +519,44 @@ def test_the_callback_checks_its_arguments() -> None:
         AutorematCallback(budget="50%", loss_fn="loss")
     assert AutorematCallback(strategy="full").planning.budget is None
     assert AutorematCallback(budget="60%", margin=0.05).planning.margin == 0.05
+
+
+def test_kept_layers_casts_under_autocast_are_not_counted_twice_in_the_post_window(
+        ) -> None:
+    # NOTE [ Released when the forward returns ] in _plan/peak.py: a ModernBERT under
+    # bf16 autocast computes its loss in its forward; a layer checkpointed lets go of
+    # its weights' casts when autocast's cache is emptied after the loss, a kept one
+    # saves them. Against the step checkpointing every layer, a plan keeping layers 0
+    # and 1 holds their casts more from the forward's return, which the post window's
+    # levels before the backward starts were raised by, though that step held them too
+    # until after its peak there: predicted above keeping every layer (72 KiB, 8% over
+    # its step) before. The tape now records that peak with the releases held
+    # (``post_fwd_held_peak``) and the peak from where the backward starts
+    # (``post_bwd_peak``).
+    from autoremat._plan.plan import plan_of_segments
+
+    from _steps import segments_peaks
+
+    torch.manual_seed(0)
+    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        vocab_size=128, max_position_embeddings=64, global_attn_every_n_layers=2,
+        local_attention=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=3,
+        sep_token_id=4)).train()
+    ids = torch.randint(0, 128, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    keep, recompute = Choice(Decision.KEEP), Choice(Decision.RECOMPUTE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, batch, timing=False, with_selective=False)
+        assert tape.post_fwd_held_peak and tape.post_bwd_peak
+        assert autoremat.Tape.from_json(tape.to_json()) == tape
+        predicted = {}
+        for pattern in ("kkk", "kkr", "krk", "rkr", "rrr"):
+            segments = [(i, i + 1, recompute if c == "r" else keep)
+                        for i, c in enumerate(pattern)]
+            predicted[pattern], measured = segments_peaks(model, batch, tape, segments)
+            assert measured <= predicted[pattern], pattern
+        assert predicted["kkr"] < predicted["kkk"]
+        before = dataclasses.replace(tape, post_fwd_held_peak={}, post_bwd_peak={})
+        kkr = [(0, 1, keep), (1, 2, keep), (2, 3, recompute)]
+        assert plan_of_segments(before, kkr, "t").predicted_peak_bytes > predicted["kkk"]

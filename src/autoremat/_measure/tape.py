@@ -267,6 +267,15 @@ class Tape:
     # _plan/peak.py). Empty: a tape saved before it was recorded (the whole window's
     # peak is taken).
     post_fwd_peak: dict[Decision, int] = field(default_factory=dict)
+    # That peak with what the blocks released when the forward returned held from where
+    # it died on: the most a plan holding some of it raises it (autocast's weight casts
+    # die when its cache is emptied after the loss, past that peak). Empty: a tape saved
+    # before it was recorded (2026-12-01; held bytes raise it by all of them).
+    post_fwd_held_peak: dict[Decision, int] = field(default_factory=dict)
+    # The post window's peak from where the backward starts (above the window's start):
+    # the levels a plan's releases move by all of them. Empty: a tape saved before it
+    # was recorded (2026-12-01; the whole window's peak is moved).
+    post_bwd_peak: dict[Decision, int] = field(default_factory=dict)
     # Of the first block's fwd_end_release under each decision (as every block was in
     # the step that measured it), the bytes made before the chain that are released only
     # where every block is under that decision: shared inputs another block may hold
@@ -365,7 +374,8 @@ class Tape:
         for block in data["blocks"]:
             for key in ("fwd", "bwd", "fwd_end_release", "fwd_held", "bwd_input_held"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
-        for key in ("post", "tail", "post_fwd_peak", "first_release_shared"):
+        for key in ("post", "tail", "post_fwd_peak", "post_fwd_held_peak", "post_bwd_peak",
+                    "first_release_shared"):
             data[key] = {d.value: v for d, v in data[key].items()}
         return data
 
@@ -458,13 +468,16 @@ def _by_decision(data: Any, where: str, version: int) -> dict[Decision, WindowMe
             for k, v in data.items()}
 
 
-def _peaks_by_decision(data: Any, where: str, version: int) -> dict[Decision, int]:
-    """``post_fwd_peak``, ``first_release_shared``: bytes keyed by one decision (empty in
-    older files)."""
+def _peaks_by_decision(data: Any, where: str, version: int,
+                       signed: bool = False) -> dict[Decision, int]:
+    """``post_fwd_peak``, ``first_release_shared`` and the like: bytes keyed by one
+    decision (empty in older files); ``signed``: below 0 too (``post_bwd_peak``, above
+    a start it may end below)."""
     out = {}
     for k, v in _mapping(data, where).items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise SchemaError(f"{where} must be an object of integers >= 0, got {data!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or (v < 0 and not signed):
+            kind = "integers" if signed else "integers >= 0"
+            raise SchemaError(f"{where} must be an object of {kind}, got {data!r}")
         out[_window_decision(str(k), version, where)] = v
     return out
 
@@ -530,8 +543,10 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
     data["pre"] = _window(data.get("pre"), "tape.pre")
     for key in ("post", "tail"):
         data[key] = _by_decision(data.get(key), f"tape.{key}", version)
-    for key in ("post_fwd_peak", "first_release_shared"):
-        data[key] = _peaks_by_decision(data.get(key, {}), f"tape.{key}", version)
+    for key in ("post_fwd_peak", "post_fwd_held_peak", "post_bwd_peak",
+                "first_release_shared"):
+        data[key] = _peaks_by_decision(data.get(key, {}), f"tape.{key}", version,
+                                       signed=key == "post_bwd_peak")
     if data.get("head") is not None:
         data["head"] = _head(data["head"])
     tape = build_dataclass(Tape, data, "tape")

@@ -1501,6 +1501,34 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     return out
 
 
+def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
+    """The post window's peak before the backward starts (above the window's start) with
+    what ``released_at_fwd_end`` counts held from where it dies on: the most a plan that
+    holds some of it raises those levels (NOTE [ Released when the forward returns ] in
+    _plan/peak.py)."""
+    start, stop = run.bounds[-1], run.backward
+    added = [0] * (stop - start + 1)
+    for record in run.mem.records:
+        if record.backward or record.died is None or not start < record.died <= stop:
+            continue
+        made_in = forward_window(run, record.born)
+        if (made_in is not None and made_in < n - 1) or (
+                made_in is None and record.born <= run.bounds[0]):
+            added[record.died - start] += record.nbytes
+    held = peak = 0
+    for offset, level in enumerate(run.mem.levels[start : stop + 1]):
+        held += added[offset]
+        peak = max(peak, level + held)
+    return peak - run.mem.levels[start]
+
+
+def post_bwd_peak(run: MemoryRun, n: int) -> int:
+    """The post window's peak from where the backward starts (above the window's start):
+    where all a plan releases more or less when the forward returns has moved the level
+    (NOTE [ Released when the forward returns ] in _plan/peak.py)."""
+    return run.mem.window_peak(run.backward, run.ends[n]) - run.mem.levels[run.bounds[-1]]
+
+
 def inputs_freed_later(run: MemoryRun, n: int, gap: int = 2) -> dict[tuple[int, int], int]:
     """Bytes made in the forward window of the block before block ``i`` (before the
     first block, for ``i == 0``) that die in the forward window of a block
