@@ -1840,7 +1840,9 @@ def test_a_loss_taken_after_the_forward_and_its_backward_inside_autocast_is_plan
                     loss.backward()
                 del out, loss
             model.zero_grad(set_to_none=True)
-            assert mem.peak_bytes == plan.predicted_peak_bytes, inside
+            # (a segment of several blocks: over by up to a bias's gradient, 1,280 B;
+            # NOTE [ Inner blocks' releases ] in _plan/peak.py made it the cheapest)
+            assert 0 <= plan.predicted_peak_bytes - mem.peak_bytes <= 2048, inside
     finally:
         autoremat.remove(model)
 
