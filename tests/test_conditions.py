@@ -427,7 +427,10 @@ def test_a_step_under_parametrize_cached_is_profiled_as_the_loop_runs_it() -> No
         autoremat.apply(model, plan)
         try:
             with _no_warning():
-                assert loop_step() == plan.predicted_peak_bytes
+                # (the 80% plan is a segment of blocks 0 and 1, predicted 2 KiB over, 4
+                # KiB before NOTE [ Inner blocks' releases ] in _plan/peak.py, when it
+                # was over the budget and single blocks were chosen, exact)
+                assert 0 <= plan.predicted_peak_bytes - loop_step() <= 2048
                 assert all(torch.equal(a, b) for a, b in zip(plain, grads(), strict=True))
             with parametrize.cached(), pytest.raises(RematError, match=r"backward runs under "
                                                      r"torch\.nn\.utils\.parametrize\.cached"):
