@@ -1204,6 +1204,47 @@ def test_the_next_block_s_backward_under_a_selective_block_that_keeps_its_output
         assert predict_peak(tape, got.segments) == got.peak_bytes <= budget
 
 
+class _ConvNormed(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(width, width, 3, padding=1), nn.GroupNorm(4, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(x.transpose(1, 2)))).transpose(1, 2)
+
+
+class _LinearThenConvs(nn.Module):
+    def __init__(self, width: int = 20) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width), _ConvNormed(width),
+                                     _ConvNormed(width)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_an_output_made_by_a_block_s_last_op_is_its_own_in_the_next_block_s_window() -> None:
+    """NOTE [ The next block's backward under a selective block that keeps its output ]
+    in _plan/peak.py: block 0's last op (an ``addmm``, under autocast) is counted at the
+    event the next block's window starts at; taken for the next block's, the lift of the
+    next block's backward, which frees it, was not measured, and block 0 under ``matmul``
+    before kept blocks measured 160 B over its prediction (fuzz seeds 13290, 5613)."""
+    torch.manual_seed(0)
+    model, x = _LinearThenConvs(), torch.randn(2, 6, 20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, x, loss_fn=_mean_square, timing=False,
+                                 blocks=["blocks.0", "blocks.1", "blocks.2"])
+        assert tape.blocks[1].bwd_input_held
+        for key in sorted(tape.blocks[0].selective):
+            segments = [(0, 1, Choice.selective_from_key(key)), (1, 2, KEEP), (2, 3, KEEP)]
+            predicted, measured = segments_peaks(model, x, tape, segments, _mean_square)
+            assert measured <= predicted, (key, measured - predicted)
+
+
 def _mean_square(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 

@@ -1616,13 +1616,13 @@ def held_input_lifts(run: MemoryRun, n: int) -> list[int]:
     it) are held on to the window's end, as a selective block before it that keeps its
     output holds them (NOTE [ A selective block that keeps its output ] in
     _plan/peak.py); 0 for the first block, and where none die there."""
-    mem, bounds, ends = run.mem, run.bounds, run.ends
+    mem, ends = run.mem, run.ends
     frees: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for record in mem.records:
         if record.backward or record.transient or record.died is None:
             continue
-        k = bisect.bisect_right(bounds, record.born) - 1  # the window it was born in
-        if not 0 <= k < n - 1:
+        k = forward_window(run, record.born)  # the window it was born in
+        if k is None or k >= n - 1:
             continue
         start, stop = ends[k + 2], ends[k + 1]  # block k + 1's backward window
         if start <= record.died <= stop:
