@@ -192,11 +192,11 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                          for opt in options[i]]
             terms = _later_moves(tape, later, i, prev, here)
             if kept:  # their bits follow those of ``later``
-                sets, done, on, off = _kept_moves(tape, kept, i, here)
+                sets, done, on = _kept_moves(tape, kept, i, here)
                 terms = (terms[0], terms[1] | (sets << len(later)),
                          terms[2] | (done << len(later)),
                          np.concatenate([terms[3], on], axis=1),
-                         np.concatenate([terms[4], off], axis=1))
+                         np.concatenate([terms[4], np.zeros_like(on)], axis=1))
             released = [segment_release(tape, i, m[0], m[1], prev, m[2].seen_as, least)
                         for m in here]
             bits = [_shared_bits(shared, i, m[0], m[1]) for m in here]
@@ -321,16 +321,15 @@ def _later_moves(tape: Tape, later: list[Later], i: int, prev: Decision,
 
 def _kept_moves(tape: Tape, kept: list[tuple[int, int]], i: int,
                 here: list[tuple[int, Choice, SegmentCost]],
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The moves' figures for the inputs a selective block before may keep
     (``kept``: ``(block, bytes)``, NOTE [ The next block's backward under a selective
     block that keeps its output ] in peak.py), as ``_later_moves`` gives them: the bits
     of those whose block the move, selective, keeps the output of the block before; of
     those whose block it starts; and what it adds to (fwd, hold, bwd above F) where the
-    row holds them and where it does not, as (3, inputs, moves) arrays."""
+    row holds them, as a (3, inputs, moves) array (nothing where it does not)."""
     m = len(here)
     on = np.zeros((3, len(kept), m), dtype=np.int64)
-    off = np.zeros((3, len(kept), m), dtype=np.int64)
     sets = np.zeros(m, dtype=np.int64)
     done = np.zeros(m, dtype=np.int64)
     for c, (stop, choice, _) in enumerate(here):
@@ -340,7 +339,7 @@ def _kept_moves(tape: Tape, kept: list[tuple[int, int]], i: int,
             elif i == block:
                 done[c] |= 1 << e
                 on[2, e, c] = input_held_lift(tape, block, stop, choice, size)
-    return sets, done, on, off
+    return sets, done, on
 
 
 def _shared_bits(shared: list[tuple[int, tuple[int, ...], int]], start: int, stop: int,

@@ -386,8 +386,8 @@ def release_of(tape: Tape, segments: Segments, costs: Sequence[SegmentCost]) -> 
             # NOTE [ What the model made before the chain ]
             out[0] = max(0, out[0] - tape.first_release_shared.get(first, 0))
     else:
-        for last, size in made_before_released(tape, segments, least):
-            out[last] += size
+        for block, size in made_before_released(tape, segments, least):
+            out[block] += size
     return out
 
 
@@ -669,19 +669,11 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     flops = cost = 0
     stash = 0  # a segment's recompute copies every block's BatchNorm statistics first
     # NOTE [ Casts a segment's recompute makes again ]
-    recast = [0] * (last_stop - start)
-    for first, savers, size in shared_saves(tape):
-        for k in savers:
-            if first < start <= k < last_stop:
-                recast[k - start] += size
+    recast = _recast(shared_saves(tape), start, last_stop)
     # NOTE [ Casts a later call takes from the cache and does not save ] in
     # _profile/runs.py: held by the cache from their block's recompute to the recompute's
     # end, not into the backward
-    cached = [0] * (last_stop - start)
-    for first, takers, size in block_entries(tape.cached_casts):
-        for k in takers:
-            if first < start <= k < last_stop:
-                cached[k - start] += size
+    cached = _recast(block_entries(tape.cached_casts), start, last_stop)
     cache = 0  # what the cache holds of them in the recompute of the blocks so far
     for k in range(start, last_stop):
         b = blocks[k]
@@ -735,6 +727,20 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         r_level += b.keep_fwd.delta_bytes + kept
         back = b.keep_bwd.peak_bytes if k == start else \
             max(b.keep_bwd.peak_bytes, back + b.keep_bwd.delta_bytes)
+    return out
+
+
+def _recast(entries: Sequence[tuple[int, tuple[int, ...], int]], start: int,
+            last_stop: int) -> list[int]:
+    """Per block ``start..last_stop - 1``, the bytes of ``entries`` (casts: ``(the block
+    that made them, the later blocks taking them, bytes)``) its recompute in a segment
+    from ``start`` makes again: those of a later taker whose first is before
+    ``start``."""
+    out = [0] * (last_stop - start)
+    for first, takers, size in entries:
+        for k in takers:
+            if first < start <= k < last_stop:
+                out[k - start] += size
     return out
 
 

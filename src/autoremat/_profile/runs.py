@@ -1488,17 +1488,41 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     the model held outside the chain and released when its forward returned
     (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
     was made before the first block's forward (``before_chain=False``: not that)."""
-    start, stop = run.bounds[-1], first_marks(run.mem)[f"bwd:{n - 1}"]
     out = [0] * n
+    for block, _, size in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"],
+                                    before_chain):
+        out[block] += size
+    return out
+
+
+def _released(run: MemoryRun, n: int, stop: int,
+              before_chain: bool = True) -> Iterator[tuple[int, int, int]]:
+    """What ``released_at_fwd_end`` counts that dies by event ``stop``: (the block whose
+    release counts it, the event it dies at, its bytes)."""
+    start = run.bounds[-1]
     for record in run.mem.records:
         if record.backward or record.died is None or not start < record.died <= stop:
             continue
         made_in = forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
-            out[made_in + 1] += record.nbytes
+            yield made_in + 1, record.died, record.nbytes
         elif before_chain and made_in is None and record.born <= run.bounds[0]:
-            out[0] += record.nbytes  # made before the first block (position ids)
-    return out
+            yield 0, record.died, record.nbytes  # made before the first block (position ids)
+
+
+def _held_peak(mem: MemoryTracker, start: int, stop: int,
+               frees: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The highest level over events ``start..stop`` with each of ``frees`` (``(event,
+    bytes)``, events in that range) held from its event on, and the bytes held at
+    ``stop``."""
+    added = [0] * (stop - start + 1)  # bytes held on from each event on
+    for event, size in frees:
+        added[event - start] += size
+    held = peak = 0
+    for offset, level in enumerate(mem.levels[start : stop + 1]):
+        held += added[offset]
+        peak = max(peak, level + held)
+    return peak, held
 
 
 def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
@@ -1507,18 +1531,8 @@ def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
     holds some of it raises those levels (NOTE [ Released when the forward returns ] in
     _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
-    added = [0] * (stop - start + 1)
-    for record in run.mem.records:
-        if record.backward or record.died is None or not start < record.died <= stop:
-            continue
-        made_in = forward_window(run, record.born)
-        if (made_in is not None and made_in < n - 1) or (
-                made_in is None and record.born <= run.bounds[0]):
-            added[record.died - start] += record.nbytes
-    held = peak = 0
-    for offset, level in enumerate(run.mem.levels[start : stop + 1]):
-        held += added[offset]
-        peak = max(peak, level + held)
+    frees = [(died, size) for _, died, size in _released(run, n, stop)]
+    peak, _ = _held_peak(run.mem, start, stop, frees)
     return peak - run.mem.levels[start]
 
 
@@ -1583,13 +1597,7 @@ def held_forward_windows(run: MemoryRun, n: int) -> list[WindowMemory | None]:
             out.append(None)
             continue
         start, stop = run.bounds[k], run.bounds[k + 1]
-        added = [0] * (stop - start + 1)  # bytes held on from each event on
-        for died, size in frees:
-            added[died - start] += size
-        held = peak = 0
-        for offset, level in enumerate(run.mem.levels[start : stop + 1]):
-            held += added[offset]
-            peak = max(peak, level + held)
+        peak, held = _held_peak(run.mem, start, stop, frees)
         base = run.mem.levels[start]
         out.append(WindowMemory(peak_bytes=peak - base,
                                 delta_bytes=run.mem.levels[stop] + held - base))
@@ -1633,13 +1641,7 @@ def held_input_lifts(run: MemoryRun, n: int) -> list[int]:
             out.append(0)
             continue
         start, stop = ends[k + 1], ends[k]
-        added = [0] * (stop - start + 1)  # bytes held on from each event on
-        for event, size in died:
-            added[event - start] += size
-        held = lifted = 0
-        for offset, level in enumerate(mem.levels[start : stop + 1]):
-            held += added[offset]
-            lifted = max(lifted, level + held)
+        lifted, _ = _held_peak(mem, start, stop, died)
         out.append(max(0, lifted - mem.window_peak(start, stop)))
     return out
 
