@@ -4,11 +4,12 @@ Draws small chains of blocks (residual and plain MLPs, attention, a token mixer,
 Conv+BatchNorm/GroupNorm, pools, scales, gated units, in-place ReLUs, frozen blocks,
 dropout, a layer shared by blocks, skips held in a list, bf16 autocast), profiles each
 and measures, against its prediction, every plan of one multi-block segment, the
-single-block combinations of short chains, and ``optimal`` (at the smallest feasible
-budget and halfway to the plain peak), ``sqrt``, ``every:2`` and ``selective`` verified
-(gradients against the plain model's). A plan measured above its prediction, one over
-its budget, or gradients that differ are the defects it looks for; over-predictions are
-counted. Found 13 defects in three rounds (2026-11-29/30; CHANGELOG).
+single-block combinations of short chains, six random plans of several segments
+(single blocks kept, recomputed or selective between them), and ``optimal`` (at the
+smallest feasible budget and halfway to the plain peak), ``sqrt``, ``every:2`` and
+``selective`` verified (gradients against the plain model's). A plan measured above
+its prediction, one over its budget, or gradients that differ are the defects it looks
+for; over-predictions are counted. Found 13 defects in three rounds (2026-11-29/30; CHANGELOG).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/fuzz.py run START COUNT LOG [SECONDS]
     python benchmarks/fuzz.py summary LOG
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoremat
-from autoremat._core.decisions import KEEP, RECOMPUTE
+from autoremat._core.decisions import KEEP, RECOMPUTE, Choice
 from autoremat._core.errors import BlockError, BudgetError
 from autoremat._plan.strategies import smallest_feasible_bytes
 
@@ -227,6 +228,34 @@ def build(spec: dict, on: torch.device | None = None):
     return model, x, loss_fn
 
 
+MIXED_PLANS = 6  # random multi-segment plans measured per model
+
+
+def _label(choice: Choice) -> str:
+    """A segment's choice as the log writes it: "keep", "recompute", "selective:matmul"."""
+    if choice.decision.value == "selective":
+        return f"selective:{choice.selective_key}"
+    return choice.decision.value
+
+
+def _mixed_segments(tape: autoremat.Tape, draw: random.Random) -> list[tuple]:
+    """A random plan: the chain cut into segments (several blocks only where chained,
+    recomputed), each single block kept, recomputed or one of its selective options."""
+    n, segments, a = len(tape.blocks), [], 0
+    while a < n:
+        b = a + 1
+        while (b < n and tape.blocks[b].chained and draw.random() < 0.45):
+            b += 1
+        if b - a > 1:
+            segments.append((a, b, RECOMPUTE))
+        else:
+            options = [KEEP, RECOMPUTE] + [Choice.selective_from_key(key)
+                                           for key in tape.blocks[a].selective]
+            segments.append((a, b, draw.choice(options)))
+        a = b
+    return segments
+
+
 def run_model(spec: dict) -> dict:
     rec: dict = {"spec": spec, "plans": [], "exc": None}
     model, x, loss_fn = build(spec)
@@ -250,7 +279,7 @@ def run_model(spec: dict) -> dict:
         rec["step_peak"] = tape.step_peak_bytes
 
         def seg(kind, segments):
-            entry = {"kind": kind, "segs": [(a, b, str(c)) for a, b, c in segments]}
+            entry = {"kind": kind, "segs": [(a, b, _label(c)) for a, b, c in segments]}
             try:
                 p, m = segments_peaks(model, x, tape, segments, loss_fn)
                 entry.update(pred=p, meas=m)
@@ -270,6 +299,12 @@ def run_model(spec: dict) -> dict:
         if n <= 4:
             for combo in itertools.product((KEEP, RECOMPUTE), repeat=n):
                 seg("single", [(i, i + 1, c) for i, c in enumerate(combo)])
+
+        # (c) random plans of several segments, single blocks kept, recomputed or
+        # selective among them
+        draw = random.Random(spec["seed"] + 7919)
+        for _ in range(MIXED_PLANS if n >= 3 else 0):
+            seg("mixed", _mixed_segments(tape, draw))
 
         # (b) strategies, verified
         try:

@@ -21,6 +21,33 @@ def test_the_fuzzer_runs_and_its_first_models_hold_their_predictions(tmp_path: P
     assert dict(found["under"]) == {} and found["over_budget"] == []
     assert found["grads_differ"] == []
     assert sum(found["exact"].values()) > found["plans"] // 2
+    assert found["exact"]["mixed"] > 0  # random plans of several segments among them
+
+
+def test_its_mixed_plans_cut_the_chain_into_segments_of_every_kind() -> None:
+    # what `mixed` draws: consecutive segments covering the chain, several blocks only
+    # where chained (recomputed), single blocks kept, recomputed or selective
+    import random
+
+    import autoremat
+    from autoremat._core.decisions import Decision
+
+    fuzz = load_benchmark("fuzz")
+    spec = fuzz.make_spec(1)
+    model, x, loss_fn = fuzz.build(spec)
+    names = [f"blocks.{i}" for i in range(len(spec["kinds"]))]
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, blocks=names, repeats=1,
+                             timing=False, with_selective=True, with_head=False)
+    draw, seen = random.Random(0), set()
+    for _ in range(60):
+        segments = fuzz._mixed_segments(tape, draw)
+        assert [a for a, _, _ in segments] == [0] + [b for _, b, _ in segments[:-1]]
+        assert segments[-1][1] == len(tape.blocks)
+        for a, b, choice in segments:
+            assert b - a == 1 or (choice.decision is Decision.RECOMPUTE and all(
+                tape.blocks[j].chained for j in range(a + 1, b)))
+            seen.add("several" if b - a > 1 else choice.decision.value)
+    assert seen == {"several", "keep", "recompute", "selective"}
 
 
 def test_the_fuzzer_builds_on_the_device_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
