@@ -14,6 +14,11 @@ for; over-predictions are counted. Found 13 defects in three rounds (2026-11-29/
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/fuzz.py run START COUNT LOG [SECONDS]
     python benchmarks/fuzz.py summary LOG
 
+``FUZZ_MAX_BLOCKS=N`` draws chains of 3 to N blocks (default 6: the seeds' models of
+the logged rounds; longer chains draw other models from the same seeds).
+``FUZZ_MASK=1`` gives 60% of the models a causal mask made before the chain, which
+their attention blocks before the first pool take (added to the scores; ``sdpa`` as a
+boolean mask).
 ``FUZZ_DEVICE=cuda`` builds and runs the models on the GPU (a spec's autocast is CUDA's
 there): predictions against the tracker's figures with CUDA's rounding and the allocator
 probe, as ``profile`` measures there. Not run on a GPU yet (2026-11-30).
@@ -83,7 +88,7 @@ class Block(nn.Module):
         if kind == "frozen":
             self.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         k = self.kind
         if k in ("mlp", "frozen"):
             h = torch.relu(self.up(x))
@@ -96,13 +101,15 @@ class Block(nn.Module):
             y = self.act(self.lin(x))
         elif k == "attn":
             q, kk, v = self.qkv(x).chunk(3, -1)
-            att = torch.softmax(q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
+            scores = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+            att = torch.softmax(scores if mask is None else scores + mask, -1)
             y = x + self.proj(att @ v)
         elif k == "sdpa":
             B, L, C = x.shape
             q, kk, v = (t.reshape(B, L, self.heads, C // self.heads).transpose(1, 2)
                         for t in self.qkv(x).chunk(3, -1))
-            o = F.scaled_dot_product_attention(q, kk, v)
+            o = F.scaled_dot_product_attention(
+                q, kk, v, attn_mask=None if mask is None else mask == 0)
             y = x + self.proj(o.transpose(1, 2).reshape(B, L, C))
         elif k == "mixer":
             y = x + self.mix(x.transpose(1, 2)).transpose(1, 2)
@@ -143,14 +150,24 @@ class Fuzz(nn.Module):
         self.head = nn.Linear(C, spec["classes"])
         self.push = {i for i, _ in spec["skips"]}
         self.pop = {j for _, j in spec["skips"]}
+        # a causal mask made before the chain, given to the attention blocks before the
+        # first pool (FUZZ_MASK)
+        pooled = [i for i, k in enumerate(spec["kinds"]) if k == "pool"]
+        self.masked = {i for i, k in enumerate(spec["kinds"])
+                       if spec.get("mask") and k in ("attn", "sdpa")
+                       and (not pooled or i < pooled[0])}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
+        mask = None
+        if self.masked:
+            i = torch.arange(x.shape[1], device=x.device)
+            mask = (i[None, :] > i[:, None]).float().mul(-1e4)
         skips: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
             if i in self.push:
                 skips.append(x)
-            x = block(x)
+            x = block(x, mask) if i in self.masked else block(x)
             if i in self.pop:
                 x = x + skips.pop()
         return self.head(x)
@@ -161,7 +178,7 @@ def make_spec(seed: int) -> dict:
     C = r.choice([8, 12, 16, 20, 24, 28, 32])
     B = r.randint(2, 4)
     L = r.choice([4, 6, 8, 10, 12, 16])
-    n = r.randint(3, 6)
+    n = r.randint(3, int(os.environ.get("FUZZ_MAX_BLOCKS", "6")))
     kinds, cur = [], L
     for _ in range(n):
         choices = [k for k in KINDS if not (k == "pool" and (cur % 2 or cur < 4))]
@@ -196,7 +213,10 @@ def make_spec(seed: int) -> dict:
                 continue
             if all((j < a or i > b) or (a < i and j < b) or (i < a and b < j) for a, b in skips):
                 skips.append((i, j))
+    # drawn apart, so that the seeds' other fields stay those of the logged rounds
+    mask = os.environ.get("FUZZ_MASK") == "1" and random.Random(seed + 104_729).random() < 0.6
     return {"seed": seed, "C": C, "B": B, "L": L, "kinds": kinds, "drops": drops,
+            "mask": mask,
             "skips": skips, "stem": r.choice(["emb", "lin", "id"]), "vocab": 11,
             "heads": r.choice([1, 2, 4]), "classes": 5,
             "autocast": r.random() < 0.25, "loss": r.choice(["pow", "ce"]),

@@ -603,7 +603,8 @@ def _with_selective(tape: Tape, seed: int) -> tuple[Tape, list[list[Choice]]]:
     """``tape`` with two selective options per block: one saving nothing, one saving its
     last op, a matmul that made its output (1-12 bytes), which the next block's backward
     frees (a lift of 0-30 bytes by window, where it is held), the cheaper by that op
-    (costing far more than the rest of the block)."""
+    (costing far more than the rest of the block); on even seeds, windows that free
+    0-20 bytes made before the chain."""
     rng = random.Random(19 * seed + 7)
     blocks = []
     for b in tape.blocks:
@@ -620,7 +621,13 @@ def _with_selective(tape: Tape, seed: int) -> tuple[Tape, list[list[Choice]]]:
             selective={"": _option(b.fwd[key], b.bwd[key], 0, rng.randint(0, 4), flops),
                        "matmul": _option(b.fwd[key], b.bwd[key], out, rng.randint(0, 4),
                                          flops)},
-            bwd_input_held={key: rng.randint(0, 30) for key in PAIRS if rng.random() < 0.7}))
+            bwd_input_held={key: rng.randint(0, 30) for key in PAIRS if rng.random() < 0.7},
+            # a mask made before the chain that a segment holds (NOTE [ A segment holds
+            # what its blocks take ] in _plan/peak.py), on every other seed
+            bwd_made_before_freed={key: rng.randint(0, 20) for key in PAIRS
+                                   if seed % 2 == 0 and rng.random() < 0.5},
+            bwd_made_before_held={key: rng.randint(0, 20) for key in PAIRS
+                                  if seed % 2 == 0 and rng.random() < 0.5}))
     tape = dataclasses.replace(tape, blocks=tuple(blocks))
     return tape, [[Choice.selective_from_key(k) for k in sorted(b.selective)]
                   for b in tape.blocks]

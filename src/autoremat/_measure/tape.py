@@ -158,6 +158,13 @@ class BlockProfile:
     # _plan/peak.py), keyed like ``bwd`` (keys with none left out). Empty in tapes made
     # before 2026-12-01.
     bwd_input_held: dict[WindowKey, int] = field(default_factory=dict)
+    # The bytes of the tensors the model made before the chain (a mask, position ids)
+    # that its backward window frees, and how far that window's peak rises where they
+    # are held on to its end, keyed like ``bwd`` (keys with none left out): what a
+    # segment of several blocks holds to its end (NOTE [ A segment holds what its blocks
+    # take ] in _plan/peak.py). Empty in tapes made before 2026-12-01.
+    bwd_made_before_freed: dict[WindowKey, int] = field(default_factory=dict)
+    bwd_made_before_held: dict[WindowKey, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:
@@ -372,7 +379,8 @@ class Tape:
         """The JSON fields, decisions by name (NOTE [ Decisions in files ])."""
         data = asdict(self)
         for block in data["blocks"]:
-            for key in ("fwd", "bwd", "fwd_end_release", "fwd_held", "bwd_input_held"):
+            for key in ("fwd", "bwd", "fwd_end_release", "fwd_held", "bwd_input_held",
+                        "bwd_made_before_freed", "bwd_made_before_held"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
         for key in ("post", "tail", "post_fwd_peak", "post_fwd_held_peak", "post_bwd_peak",
                     "first_release_shared"):
@@ -483,7 +491,8 @@ def _peaks_by_decision(data: Any, where: str, version: int,
 
 
 def _releases(data: Any, where: str, version: int) -> dict[WindowKey, int]:
-    """``fwd_end_release``, ``bwd_input_held``: bytes keyed like a block's windows."""
+    """``fwd_end_release``, ``bwd_input_held``, ``bwd_made_before_*``: bytes keyed like a
+    block's windows."""
     out = {}
     for k, v in _mapping(data, where).items():
         if not isinstance(v, int) or isinstance(v, bool):
@@ -507,7 +516,8 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             raw[key] = _windows(raw.get(key), f"{where}.{key}", version)
         if raw.get("fwd_held"):  # absent or empty: none die, or an older tape
             raw["fwd_held"] = _windows(raw["fwd_held"], f"{where}.fwd_held", version)
-        for key in ("fwd_end_release", "bwd_input_held"):
+        for key in ("fwd_end_release", "bwd_input_held", "bwd_made_before_freed",
+                    "bwd_made_before_held"):
             if key in raw:
                 raw[key] = _releases(raw[key], f"{where}.{key}", version)
         raw["op_stats"] = {

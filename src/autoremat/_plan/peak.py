@@ -129,6 +129,29 @@ NOTE [ A segment's last block that saves nothing ]
     over (``CopySlices``) before it needs the ReLU's output, and a fuzzed [Linear, pool,
     that, scale] segment measured them (2 KiB) over its prediction.
 
+NOTE [ A segment holds what its blocks take ]
+    A checkpoint of several blocks keeps every tensor its blocks were given until its
+    backward ends, not only its first input. A tensor the model made before the chain
+    and gives some blocks (a mask, position ids) dies in the plain step where the last
+    block holding it runs its backward, or when the forward returns where no block
+    saves it; a lone checkpoint of a block taking it holds it to that block's backward.
+    A segment is composed of its last block's checkpointed window, which frees such a
+    tensor where that block's checkpoint held it last in the step that measured it,
+    then the plain windows of the blocks before it, which free it where a kept block
+    saved it: in the segment it is held on through the windows of the blocks before.
+    Jamba with a padded batch (a mask given to its attention layers, which add it and
+    save none of it) measured its segments of a Mamba layer and the attention layer
+    after it 2,304 B over their predictions (the mask and a 256-byte tensor; 18 of 169
+    plans of several segments, the smallest feasible one over its budget). The profile
+    records, per block and window, what its backward frees of the tensors made before
+    the chain and how far its peak rises where they are held on
+    (``BlockProfile.bwd_made_before_freed`` and ``bwd_made_before_held``, from the same
+    runs), and a segment holds what its last block's checkpointed window and its inner
+    blocks' plain windows free of them on through the windows after; its first block's
+    window runs last, where the segment lets go of them. Tensors the model makes between
+    blocks are not followed (NOTE [ Tensors held across stacks ]). Tapes without the
+    fields (before 2026-12-01) add nothing.
+
 NOTE [ Casts a segment's recompute makes again ]
     Under autocast, a layer called at several blocks casts its weights in its first call
     and finds the casts cached in the later ones (``tape.shared_saves``: the later calls
@@ -675,6 +698,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     # end, not into the backward
     cached = _recast(block_entries(tape.cached_casts), start, last_stop)
     cache = 0  # what the cache holds of them in the recompute of the blocks so far
+    # NOTE [ A segment holds what its blocks take ]
+    freed_before = held_before = 0  # of the last block's window, measured below
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
@@ -698,6 +723,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             # backward); then the plain backward of the others. The statistics are
             # stashed while the recompute runs, and put back when it ends.
             last = _bwd(tape, k, (_KEEP, _RECOMPUTE))
+            freed_before, held_before = _made_before(b, (_KEEP, _RECOMPUTE))
             # the last block's backward ops that need no saved tensor run before the
             # recompute starts, and hold their outputs through it (recompute_after);
             # all of them where it saves nothing (NOTE [ A segment's last block that
@@ -714,8 +740,9 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                 # (its figure counts its statistics' copy, which stash counts here)
                 after += max(0, blocks[j].recompute_after - blocks[j].stash_bytes)
             bwd_peak = max(stash + after + r_peak,
-                           stash - b.stash_bytes + r_level + cache + last.peak_bytes,
-                           r_level + last.delta_bytes + back)
+                           stash - b.stash_bytes + r_level + cache + last.peak_bytes
+                           + held_before,
+                           r_level + last.delta_bytes + back + freed_before)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
@@ -725,9 +752,22 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         cache += cached[k - start]
         r_peak = max(r_peak, r_level + cache + b.keep_fwd.peak_bytes + kept)
         r_level += b.keep_fwd.delta_bytes + kept
-        back = b.keep_bwd.peak_bytes if k == start else \
-            max(b.keep_bwd.peak_bytes, back + b.keep_bwd.delta_bytes)
+        if k == start:  # its window runs last: what it frees goes with the segment
+            back = b.keep_bwd.peak_bytes
+        else:  # an inner block: held on through the windows of the blocks before it
+            freed_before, held_before = _made_before(b, (_KEEP, _KEEP))
+            back = max(b.keep_bwd.peak_bytes + held_before,
+                       back + b.keep_bwd.delta_bytes + freed_before)
     return out
+
+
+def _made_before(block: BlockProfile, key: WindowKey) -> tuple[int, int]:
+    """What ``block``'s backward window under ``key`` frees of the tensors the model made
+    before the chain, and how far its peak rises where they are held on (NOTE [ A segment
+    holds what its blocks take ])."""
+    key = _measured_key(block, key)
+    return (block.bwd_made_before_freed.get(key, 0),
+            block.bwd_made_before_held.get(key, 0))
 
 
 def _recast(entries: Sequence[tuple[int, tuple[int, ...], int]], start: int,

@@ -128,6 +128,7 @@ from autoremat._profile.runs import (
     held_forward_windows,
     held_input_lifts,
     inputs_freed_later,
+    made_before_frees,
     post_bwd_peak,
     post_fwd_held_peak,
     refuse_hf_checkpointing,
@@ -497,6 +498,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     frees = freed_in_forward(plain, n)
     held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
     lifts = {pattern: held_input_lifts(run, n) for pattern, run in runs.items()}
+    before = {pattern: made_before_frees(run, n) for pattern, run in runs.items()}
     saved = saved_by_block(plain)
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
@@ -537,6 +539,12 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                 base.local).items() if v is not None},
             bwd_input_held={key: v for key, v in by_pairs(
                 runs, i, lambda pattern, _, k: lifts[pattern][k], base.alike,
+                base.local).items() if v},
+            bwd_made_before_freed={key: v for key, v in by_pairs(
+                runs, i, lambda pattern, _, k: before[pattern][0][k], base.alike,
+                base.local).items() if v},
+            bwd_made_before_held={key: v for key, v in by_pairs(
+                runs, i, lambda pattern, _, k: before[pattern][1][k], base.alike,
                 base.local).items() if v},
             recompute_after=_recompute_after(base, i),
             lets_input_go=lets_go[i],

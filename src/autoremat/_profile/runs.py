@@ -1646,6 +1646,33 @@ def held_input_lifts(run: MemoryRun, n: int) -> list[int]:
     return out
 
 
+def made_before_frees(run: MemoryRun, n: int) -> tuple[list[int], list[int]]:
+    """Per block, the bytes of the storages the model made before the chain (a mask,
+    position ids) that its backward window frees, and how far the window's peak rises
+    where those are held on to its end: what a segment the block is inside holds to its
+    own end (NOTE [ A segment holds what its blocks take ] in _plan/peak.py)."""
+    mem, ends, first = run.mem, run.ends, run.bounds[0]
+    frees: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for record in mem.records:
+        if record.backward or record.transient or record.died is None \
+                or record.born > first:
+            continue
+        for k in range(n):  # block k's backward window: events ends[k + 1] .. ends[k]
+            if ends[k + 1] < record.died <= ends[k]:
+                frees[k].append((record.died, record.nbytes))
+                break
+    freed, lifts = [], []
+    for k, died in enumerate(frees):
+        freed.append(sum(size for _, size in died))
+        if not died:
+            lifts.append(0)
+            continue
+        start, stop = ends[k + 1], ends[k]
+        lifted, _ = _held_peak(mem, start, stop, died)
+        lifts.append(max(0, lifted - mem.window_peak(start, stop)))
+    return freed, lifts
+
+
 @dataclass(frozen=True)
 class Setup:
     """What ``profile``'s arguments come to once checked, before any step runs."""
