@@ -698,8 +698,6 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     # end, not into the backward
     cached = _recast(block_entries(tape.cached_casts), start, last_stop)
     cache = 0  # what the cache holds of them in the recompute of the blocks so far
-    # NOTE [ A segment holds what its blocks take ]
-    freed_before = held_before = 0  # of the last block's window, measured below
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
@@ -723,7 +721,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             # backward); then the plain backward of the others. The statistics are
             # stashed while the recompute runs, and put back when it ends.
             last = _bwd(tape, k, (_KEEP, _RECOMPUTE))
-            freed_before, held_before = _made_before(b, (_KEEP, _RECOMPUTE))
+            # NOTE [ A segment holds what its blocks take ]
+            last_freed, last_held = _made_before(b, (_KEEP, _RECOMPUTE))
             # the last block's backward ops that need no saved tensor run before the
             # recompute starts, and hold their outputs through it (recompute_after);
             # all of them where it saves nothing (NOTE [ A segment's last block that
@@ -741,8 +740,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                 after += max(0, blocks[j].recompute_after - blocks[j].stash_bytes)
             bwd_peak = max(stash + after + r_peak,
                            stash - b.stash_bytes + r_level + cache + last.peak_bytes
-                           + held_before,
-                           r_level + last.delta_bytes + back + freed_before)
+                           + last_held,
+                           r_level + last.delta_bytes + back + last_freed)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
@@ -755,9 +754,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         if k == start:  # its window runs last: what it frees goes with the segment
             back = b.keep_bwd.peak_bytes
         else:  # an inner block: held on through the windows of the blocks before it
-            freed_before, held_before = _made_before(b, (_KEEP, _KEEP))
-            back = max(b.keep_bwd.peak_bytes + held_before,
-                       back + b.keep_bwd.delta_bytes + freed_before)
+            freed, held = _made_before(b, (_KEEP, _KEEP))
+            back = max(b.keep_bwd.peak_bytes + held, back + b.keep_bwd.delta_bytes + freed)
     return out
 
 
