@@ -430,12 +430,20 @@ def made_before_released(tape: Tape, segments: Segments,
     room = blocks[0].fwd_end_release.get((_KEEP, _KEEP), 0) - least[0]
     out = []
     for first, takers, size in block_entries(tape.freed_at_return):
-        if takers[0] == first and not recomputed & set(takers) and (
-                first == 0 or blocks[first].fwd_end_release.get((_KEEP, _KEEP), 0) < size):
+        if takers[0] == first and not recomputed & set(takers) \
+                and _made_before_chain(tape, first, size):
             size = max(0, min(room, size))
             room -= size
             out.append((first, size))
     return out
+
+
+def _made_before_chain(tape: Tape, first: int, size: int) -> bool:
+    """Whether a tensor of ``size`` bytes blocks take besides their input, first block
+    ``first``, was made before the chain: taken by the first block, or one the first
+    taker's own release (every block kept) is too small to hold (NOTE [ Tensors made
+    before the chain that later blocks take ])."""
+    return first == 0 or tape.blocks[first].fwd_end_release.get((_KEEP, _KEEP), 0) < size
 
 
 def segment_release(tape: Tape, start: int, stop: int, choice: Choice, prev: Decision,
@@ -1156,10 +1164,11 @@ def held_at_return(tape: Tape, segments: Segments,
     holding = _recomputed(segments)
     total = 0
     for first, takers, size in block_entries(tape.freed_at_return):
-        if first == 0:
-            continue  # the model made it before the chain: the first block's release
-            # counts it by its takers (NOTE [ Tensors made before the chain that later
-            # blocks take ])
+        if _made_before_chain(tape, first, size):
+            continue  # the first block's release counts it by its takers (NOTE
+            # [ Tensors made before the chain that later blocks take ]); the plan's
+            # release of its first taker does not hold it (under autocast it holds the
+            # block before's casts: Jamba's mask was counted held over them, 2 KiB over)
         taking = set(takers)
         if len(taking) > 1 and taking <= holding and {first - 1, first} <= holding:
             continue  # counted held where its release was measured: every taker (two or
