@@ -562,6 +562,35 @@ def test_kept_layers_casts_under_autocast_are_not_counted_twice_in_the_post_wind
         assert plan_of_segments(before, kkr, "t").predicted_peak_bytes > predicted["kkk"]
 
 
+def test_a_mask_made_before_the_chain_is_not_held_over_the_casts_under_autocast() -> None:
+    # NOTE [ Tensors made before the chain that later blocks take ] in _plan/peak.py:
+    # ModernBERT's global mask (1 KiB), made before its layers, first taken by layer 1,
+    # was counted held through the step up to layer 1's release when the forward
+    # returns, which under autocast holds layer 0's weight casts: every plan
+    # checkpointing layer 1 was the mask over its step; made before the chain, it is
+    # the first block's release's (released where no layer taking it is checkpointed)
+    from _steps import segments_peaks
+
+    torch.manual_seed(0)
+    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        vocab_size=128, max_position_embeddings=64, global_attn_every_n_layers=2,
+        local_attention=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=3,
+        sep_token_id=4)).train()
+    ids = torch.randint(0, 128, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    keep, recompute = Choice(Decision.KEEP), Choice(Decision.RECOMPUTE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, batch, timing=False, with_selective=False)
+        assert tape.freed_at_return == {"1:1": 1024}
+        for segments in ([(0, 1, recompute), (1, 2, recompute), (2, 3, keep)],
+                         [(0, 1, recompute), (1, 2, recompute), (2, 3, recompute)],
+                         [(0, 3, recompute)], [(0, 2, recompute), (2, 3, recompute)],
+                         [(0, 1, recompute), (1, 3, recompute)]):
+            predicted, measured = segments_peaks(model, batch, tape, segments)
+            assert measured == predicted, (segments, predicted - measured)
+
+
 def test_segments_under_autocast_release_their_inner_blocks_casts() -> None:
     # NOTE [ Inner blocks' releases ] in _plan/peak.py: a segment's inner blocks let go
     # of the block before's weight casts after the loss, as checkpointed blocks do;
