@@ -521,6 +521,19 @@ def test_the_callback_checks_its_arguments() -> None:
     assert AutorematCallback(budget="60%", margin=0.05).planning.margin == 0.05
 
 
+def _modernbert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A three-layer ModernBERT (local and global attention, masks made before its
+    layers) and a batch of 2 x 32 tokens, seed 0."""
+    torch.manual_seed(0)
+    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        vocab_size=128, max_position_embeddings=64, global_attn_every_n_layers=2,
+        local_attention=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=3,
+        sep_token_id=4)).train()
+    ids = torch.randint(0, 128, (2, 32))
+    return model, {"input_ids": ids, "labels": ids}
+
+
 def test_kept_layers_casts_under_autocast_are_not_counted_twice_in_the_post_window(
         ) -> None:
     # NOTE [ Released when the forward returns ] in _plan/peak.py: a ModernBERT under
@@ -537,14 +550,7 @@ def test_kept_layers_casts_under_autocast_are_not_counted_twice_in_the_post_wind
 
     from _steps import segments_peaks
 
-    torch.manual_seed(0)
-    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
-        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        vocab_size=128, max_position_embeddings=64, global_attn_every_n_layers=2,
-        local_attention=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=3,
-        sep_token_id=4)).train()
-    ids = torch.randint(0, 128, (2, 32))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = _modernbert()
     keep, recompute = Choice(Decision.KEEP), Choice(Decision.RECOMPUTE)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tape = autoremat.profile(model, batch, timing=False, with_selective=False)
@@ -571,14 +577,7 @@ def test_a_mask_made_before_the_chain_is_not_held_over_the_casts_under_autocast(
     # the first block's release's (released where no layer taking it is checkpointed)
     from _steps import segments_peaks
 
-    torch.manual_seed(0)
-    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
-        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        vocab_size=128, max_position_embeddings=64, global_attn_every_n_layers=2,
-        local_attention=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=3,
-        sep_token_id=4)).train()
-    ids = torch.randint(0, 128, (2, 32))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = _modernbert()
     keep, recompute = Choice(Decision.KEEP), Choice(Decision.RECOMPUTE)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tape = autoremat.profile(model, batch, timing=False, with_selective=False)

@@ -1635,14 +1635,20 @@ def held_input_lifts(run: MemoryRun, n: int) -> list[int]:
         start, stop = ends[k + 2], ends[k + 1]  # block k + 1's backward window
         if start <= record.died <= stop:
             frees[k + 1].append((record.died, record.nbytes))
+    return _backward_lifts(run, frees)
+
+
+def _backward_lifts(run: MemoryRun, frees: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """Per block, how far its backward window's peak rises where its ``frees``
+    (``(event, bytes)``) are held on to the window's end; 0 where it has none."""
     out = []
     for k, died in enumerate(frees):
         if not died:
             out.append(0)
             continue
-        start, stop = ends[k + 1], ends[k]
-        lifted, _ = _held_peak(mem, start, stop, died)
-        out.append(max(0, lifted - mem.window_peak(start, stop)))
+        start, stop = run.ends[k + 1], run.ends[k]
+        lifted, _ = _held_peak(run.mem, start, stop, died)
+        out.append(max(0, lifted - run.mem.window_peak(start, stop)))
     return out
 
 
@@ -1661,16 +1667,7 @@ def made_before_frees(run: MemoryRun, n: int) -> tuple[list[int], list[int]]:
             if ends[k + 1] < record.died <= ends[k]:
                 frees[k].append((record.died, record.nbytes))
                 break
-    freed, lifts = [], []
-    for k, died in enumerate(frees):
-        freed.append(sum(size for _, size in died))
-        if not died:
-            lifts.append(0)
-            continue
-        start, stop = ends[k + 1], ends[k]
-        lifted, _ = _held_peak(mem, start, stop, died)
-        lifts.append(max(0, lifted - mem.window_peak(start, stop)))
-    return freed, lifts
+    return [sum(size for _, size in died) for died in frees], _backward_lifts(run, frees)
 
 
 @dataclass(frozen=True)
