@@ -590,6 +590,35 @@ def test_a_mask_made_before_the_chain_is_not_held_over_the_casts_under_autocast(
             assert measured == predicted, (segments, predicted - measured)
 
 
+def test_a_kept_first_layer_lets_its_input_go_when_the_forward_returns() -> None:
+    # NOTE [ The first block's own input ] in _plan/peak.py: OLMo 2 (norms after its
+    # attention and MLP) under bf16 autocast saves only casts of its layers' inputs; the
+    # model holds the embeddings (float32) until its forward returns. Plans keeping the
+    # first layer and recomputing others counted them held through the backward: one
+    # boundary (16 KiB) over their steps before, two with a segment
+    from _steps import segments_peaks
+
+    torch.manual_seed(0)
+    model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2)).train()
+    ids = torch.randint(0, 128, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    keep, recompute = Choice(Decision.KEEP), Choice(Decision.RECOMPUTE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, batch, timing=False, with_selective=False,
+                                 with_head=False)
+        for segments in ([(0, 1, keep), (1, 2, recompute), (2, 3, recompute)],
+                         [(0, 1, keep), (1, 2, keep), (2, 3, recompute)],
+                         [(0, 1, recompute), (1, 2, recompute), (2, 3, recompute)]):
+            predicted, measured = segments_peaks(model, batch, tape, segments)
+            assert measured == predicted, (segments, predicted - measured)
+        predicted, measured = segments_peaks(model, batch, tape,
+                                             [(0, 1, keep), (1, 3, recompute)])
+        assert measured <= predicted <= measured + 16384  # a segment: one boundary over
+
+
 def test_segments_under_autocast_release_their_inner_blocks_casts() -> None:
     # NOTE [ Inner blocks' releases ] in _plan/peak.py: a segment's inner blocks let go
     # of the block before's weight casts after the loss, as checkpointed blocks do;
