@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import load_benchmark
 
@@ -58,3 +59,28 @@ def test_the_fuzzer_builds_on_the_device_it_is_given(monkeypatch: pytest.MonkeyP
         model, x, loss_fn = fuzz.build(fuzz.make_spec(seed))
         assert {p.device.type for p in model.parameters()} == {"meta"}
         assert x.device.type == "meta" and loss_fn(model(x)).device.type == "meta"
+
+
+def test_a_segment_ending_the_chain_whose_last_input_a_skip_holds_past_it() -> None:
+    # NOTE [ The last block's input after the chain ] in _plan/peak.py: fuzz seed 70276
+    # (attention, a gated unit, a frozen block, Linear + in-place ReLU, a scale whose
+    # input a skip holds until after the chain, bf16 autocast): a segment of its last
+    # two blocks dropped the scale's input in its forward, which the skip holds to the
+    # add after the chain, and measured 892 B over its prediction
+    import autoremat
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    from _steps import segments_peaks
+
+    fuzz = load_benchmark("fuzz")
+    spec = fuzz.make_spec(70276)
+    assert spec["kinds"][-2:] == ["linrelu", "scale"] and spec["skips"] == [(4, 4)]
+    model, x, loss_fn = fuzz.build(spec)
+    names = [f"blocks.{i}" for i in range(len(spec["kinds"]))]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape = autoremat.profile(model, x, loss_fn=loss_fn, blocks=names, timing=False,
+                                 with_selective=False, with_head=False)
+        for last in ([(3, 5, RECOMPUTE)], [(3, 4, RECOMPUTE), (4, 5, RECOMPUTE)]):
+            segments = [(0, 1, KEEP), (1, 2, KEEP), (2, 3, KEEP), *last]
+            predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
+            assert measured == predicted, (last, predicted - measured)
