@@ -5,7 +5,7 @@ measuring ``plan()`` + ``apply()`` on the zoo (NOTE [ The peak model ] in
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,7 +20,7 @@ from autoremat._plan.plan import plan_of_segments
 from autoremat._plan.strategies import smallest_feasible_bytes
 from autoremat._verify import step_measure
 
-from conftest import SMALL
+from conftest import SMALL, plans_with_options
 
 
 def _measured(name: str, plan: autoremat.Plan) -> int:
@@ -252,21 +252,6 @@ class _Hybrid(nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def _segmentations(tape: Tape, start: int = 0) -> Iterator[list[tuple[int, int, Choice]]]:
-    """Every plan of ``tape``'s chain of single blocks kept or recomputed and recomputed
-    segments of several."""
-    n = len(tape.blocks)
-    if start == n:
-        yield []
-        return
-    for stop in range(start + 1, n + 1):
-        if stop > start + 1 and not tape.blocks[stop - 1].chained:
-            break
-        for choice in (KEEP, RECOMPUTE) if stop == start + 1 else (RECOMPUTE,):
-            for rest in _segmentations(tape, stop):
-                yield [(start, stop, choice), *rest]
-
-
 def test_a_segment_holds_the_tensors_its_blocks_take_to_its_end() -> None:
     # NOTE [ A segment holds what its blocks take ] in _plan/peak.py: a segment of an MLP
     # and the attention after it holds the mask made before the layers to its end; the
@@ -283,7 +268,7 @@ def test_a_segment_holds_the_tensors_its_blocks_take_to_its_end() -> None:
     assert tape.blocks[1].bwd_made_before_freed[Decision.KEEP, Decision.RECOMPUTE] == mask
     assert Tape.from_json(tape.to_json()).blocks[1] == tape.blocks[1]
     exact = 0
-    for segments in _segmentations(tape):
+    for segments in plans_with_options(tape, [()] * len(tape.blocks)):
         if all(stop == start + 1 for start, stop, _ in segments):
             continue  # single blocks: measured windows (the test above)
         plan = plan_of_segments(tape, segments, "test")

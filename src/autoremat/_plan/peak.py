@@ -782,7 +782,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             # stashed while the recompute runs, and put back when it ends.
             last = _bwd(tape, k, (_KEEP, _RECOMPUTE))
             # NOTE [ A segment holds what its blocks take ]
-            last_freed, last_held = _made_before(b, (_KEEP, _RECOMPUTE))
+            last_freed, last_held = _frees_made_before(b, (_KEEP, _RECOMPUTE))
             # the last block's backward ops that need no saved tensor run before the
             # recompute starts, and hold their outputs through it (recompute_after);
             # all of them where it saves nothing (NOTE [ A segment's last block that
@@ -814,12 +814,12 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         if k == start:  # its window runs last: what it frees goes with the segment
             back = b.keep_bwd.peak_bytes
         else:  # an inner block: held on through the windows of the blocks before it
-            freed, held = _made_before(b, (_KEEP, _KEEP))
+            freed, held = _frees_made_before(b, (_KEEP, _KEEP))
             back = max(b.keep_bwd.peak_bytes + held, back + b.keep_bwd.delta_bytes + freed)
     return out
 
 
-def _made_before(block: BlockProfile, key: WindowKey) -> tuple[int, int]:
+def _frees_made_before(block: BlockProfile, key: WindowKey) -> tuple[int, int]:
     """What ``block``'s backward window under ``key`` frees of the tensors the model made
     before the chain, and how far its peak rises where they are held on (NOTE [ A segment
     holds what its blocks take ])."""
