@@ -165,6 +165,14 @@ class BlockProfile:
     # take ] in _plan/peak.py). Empty in tapes made before 2026-12-01.
     bwd_made_before_freed: dict[WindowKey, int] = field(default_factory=dict)
     bwd_made_before_held: dict[WindowKey, int] = field(default_factory=dict)
+    # The post window's peak before the backward starts (above its start) in the step
+    # with every block under its key's second decision, with what this block released
+    # when the forward returned (``fwd_end_release``) held from where it died on, keyed
+    # by the block's key in that step (keys where it released nothing left out): the
+    # most a plan holding some of this block's release raises those levels (NOTE [ A
+    # release that holds one tensor and lets go of another ] in _plan/peak.py). Empty
+    # in tapes made before 2026-12-01.
+    post_held_peak: dict[WindowKey, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.recompute_flops < 0:
@@ -380,7 +388,7 @@ class Tape:
         data = asdict(self)
         for block in data["blocks"]:
             for key in ("fwd", "bwd", "fwd_end_release", "fwd_held", "bwd_input_held",
-                        "bwd_made_before_freed", "bwd_made_before_held"):
+                        "bwd_made_before_freed", "bwd_made_before_held", "post_held_peak"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
         for key in ("post", "tail", "post_fwd_peak", "post_fwd_held_peak", "post_bwd_peak",
                     "first_release_shared"):
@@ -517,7 +525,7 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
         if raw.get("fwd_held"):  # absent or empty: none die, or an older tape
             raw["fwd_held"] = _windows(raw["fwd_held"], f"{where}.fwd_held", version)
         for key in ("fwd_end_release", "bwd_input_held", "bwd_made_before_freed",
-                    "bwd_made_before_held"):
+                    "bwd_made_before_held", "post_held_peak"):
             if key in raw:
                 raw[key] = _releases(raw[key], f"{where}.{key}", version)
         raw["op_stats"] = {

@@ -37,6 +37,7 @@ from autoremat._plan.peak import (
     block_entries,
     fixed_peaks,
     freed_later,
+    held_by_segment,
     holds_later,
     input_held_lift,
     kept_output_bytes,
@@ -46,6 +47,7 @@ from autoremat._plan.peak import (
     maker_holds,
     post_window,
     predict_peak,
+    release_hidden,
     released_post_peak,
     segment_cost,
     segment_release,
@@ -170,8 +172,12 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
     z = suffix_z(tape)
     least = least_release(tape)
     uniform = np.zeros((len(_ORDER), n), dtype=np.int64)  # NOTE [ Releases in the DP ]
+    # inner blocks' release_hidden, by the last decision: prefix sums
+    inner = np.zeros((len(_ORDER), n + 1), dtype=np.int64)
     for d in tape.window_decisions:
         uniform[_RANK[d]] = uniform_release(tape, d)
+        inner[_RANK[d], 1:] = np.cumsum([release_hidden(tape, k, (Decision.RECOMPUTE,) * 2, d)
+                                         for k in range(n)])
     stops = _allowed_stops(tape, max_segment)
     costs_of_blocks = block_costs(tape)
     seen = tape.window_decisions  # what a block can be seen as by the next one
@@ -213,7 +219,12 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                 rel=np.array([sum(r) - sum(least[i:i + len(r)]) for r in released],
                              dtype=np.int64),
                 over=np.array([np.maximum(uniform[:, i:i + len(r)] - r, 0).sum(1)
-                               for r in released], dtype=np.int64).T,
+                               + inner[:, i + len(r)] - inner[:, i + 1]
+                               + [release_hidden(tape, i, (prev, m[2].seen_as), d,
+                                                 held_by_segment(tape, i, m[0], m[1].decision))
+                                  for d in _ORDER]
+                               for r, m in zip(released, here, strict=True)],
+                              dtype=np.int64).T,
                 sets=np.array([sets for sets, _ in bits], dtype=np.int64),
                 holds=np.array([holds for _, holds in bits], dtype=np.int64),
                 later_sets=terms[1], later_done=terms[2], later_on=terms[3],

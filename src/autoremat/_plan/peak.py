@@ -307,9 +307,11 @@ __all__ = [
     "plan_costs",
     "post_window",
     "predict_peak",
+    "release_hidden",
     "release_of",
     "released_post_peak",
     "segment_cost",
+    "segment_hidden",
     "segment_release",
     "segment_runs",
     "selective_options",
@@ -608,31 +610,85 @@ def _held_past_chain(tape: Tape, k: int) -> bool:
 #     (``made_before_released``).
 
 
+# NOTE [ A release that holds one tensor and lets go of another ]
+#     What a block releases when the forward returns depends on its own decision (its
+#     input, where the model holds it past the chain: a checkpoint holds it to the
+#     block's backward) and on the block before's (under autocast, that block's weight
+#     casts: a kept block saves them, a checkpointed one lets them go when autocast's
+#     cache is emptied). The levels before the backward starts hold each block's
+#     shortfall on the measured step's release (``post_window``), a net: a block under
+#     both decisions other than the measured step's may hold its input, which the model
+#     let go of before the head ran, and let go of the casts, which go after it. Netted,
+#     a fuzzed [gated, mixer, Conv+BN] model under autocast whose skip holds block 1's
+#     input past the chain measured that input less the casts (474 B) over the plan
+#     checkpointing blocks 0 and 1 (seed 51087). Where a block's key differs from the
+#     measured step's in both decisions, the keys between (one decision changed) part its
+#     release: what it holds on the way through either beyond the net is held as well
+#     (``release_hidden``; the larger of the two ways, over, never under), and the
+#     solver's moves count it in ``over`` likewise.
+
+
 def post_window(tape: Tape, last: Decision, release: Sequence[int] | None = None,
-                before: Sequence[int] | None = None) -> WindowMemory:
+                before: Sequence[int] | None = None,
+                hidden: Sequence[int] | None = None) -> WindowMemory:
     """``tape.post[last]`` (``last``: what the last block is seen as) for a plan whose
     blocks' inputs are released when the forward returns as ``release`` says
     (``None``: the least any plan releases), NOTE [ Released when the forward returns ].
     ``before``: the release that tells the levels before the forward returns, where
     ``release`` counts held what was alive before it in every step (NOTE [ Saves shared
-    by calls of a layer ]); default ``release``."""
+    by calls of a layer ]); default ``release``. ``hidden``: per block, what the plan
+    holds of the measured step's release beyond its shortfall (``release_hidden``)."""
     release = least_release(tape) if release is None else release
     measured = uniform_release(tape, last)
     held = [m - r for m, r in zip(measured, release, strict=True)]
     extra = sum(held)  # held on, that was freed (less what the plan frees, that was held)
     window = tape.post[last]
-    if not any(held):
+    hidden = [0] * len(held) if hidden is None else hidden
+    if not any(held) and not any(hidden):
         return window
     held_before = held if before is None else [
         m - r for m, r in zip(measured, before, strict=True)]
+    by_block = [max(h, 0) + more for h, more in zip(held_before, hidden, strict=True)]
     return WindowMemory(
-        peak_bytes=int(released_post_peak(tape, last, extra,
-                                          sum(max(h, 0) for h in held_before))),
+        peak_bytes=int(released_post_peak(tape, last, extra, sum(by_block), by_block)),
         delta_bytes=window.delta_bytes + extra)
 
 
+def release_hidden(tape: Tape, k: int, key: WindowKey, last: Decision, held: int = 0) -> int:
+    """What block ``k`` under ``key`` holds of what it releases when the forward returns
+    in the uniform step of ``last`` beyond its shortfall on that release (NOTE [ A
+    release that holds one tensor and lets go of another ]): where its key differs from
+    that step's in both decisions, the larger sum of the shortfalls on the way through
+    either key between (a key not measured: the shortfall), and ``held``, what its
+    segment holds of the release under ``key`` (``held_by_segment``), less the plan's
+    shortfall."""
+    release = tape.blocks[k].fwd_end_release
+    measured = _uniform(k, last)
+    at_measured, at_key = release.get(measured, 0), release.get(key, 0)
+    held = min(held, at_key)
+    ways = [max(0, at_measured - release[at]) + max(0, release[at] - at_key)
+            for at in ((measured[0], key[1]), (key[0], measured[1]))
+            if at in release and at not in (measured, key)]
+    most = max(ways, default=max(0, at_measured - at_key))
+    # (of what that step released: no more than all of it)
+    return min(most + held, at_measured) - max(0, at_measured - at_key + held)
+
+
+def segment_hidden(tape: Tape, start: int, stop: int, choice: Choice, prev: Decision,
+                   seen_as: Decision, last: Decision) -> list[int]:
+    """``release_hidden`` of each block of segment ``[start, stop)`` under ``choice``
+    (after a block seen as ``prev``, its first block seen as ``seen_as``; its inner
+    blocks checkpointed after a checkpointed block, as ``segment_release`` counts
+    them)."""
+    first = release_hidden(tape, start, (_KEEP if start == 0 else prev, seen_as), last,
+                           held_by_segment(tape, start, stop, choice.decision))
+    return [first, *(release_hidden(tape, k, (_RECOMPUTE, _RECOMPUTE), last)
+                     for k in range(start + 1, stop))]
+
+
 def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray,
-                       held: int | np.ndarray | None = None) -> np.ndarray:
+                       held: int | np.ndarray | None = None,
+                       by_block: Sequence[int] | None = None) -> np.ndarray:
     """The post window's peak where a plan holds ``extra`` bytes more (less, negative)
     than the step that measured ``tape.post[last]`` from when the forward returns, of
     which ``held`` (default ``extra``) are the blocks' bytes it holds more, without those
@@ -641,13 +697,20 @@ def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray,
     those after by ``extra``; one per ``extra`` (a number, or an array of them). Counting
     ``held`` apart: a BERT under autocast whose first layer is recomputed holds on to
     32 KiB the model made before it (its checkpoint takes them) and lets go of 64 KiB of
-    the next layer's weight casts; netted, its plan measured 32 KiB over its prediction."""
+    the next layer's weight casts; netted, its plan measured 32 KiB over its prediction.
+    ``by_block``: ``held`` by block, where known: the levels rise by no more than all of
+    one block's release held and the rest held by all of them (``post_held_peak``; NOTE
+    [ A release that holds one tensor and lets go of another ])."""
     window = tape.post[last]
     before = tape.post_fwd_peak.get(last, window.peak_bytes)
     held = extra if held is None else held
     raised = before + np.maximum(held, 0)
     if last in tape.post_fwd_held_peak:  # by no more than all of it held
         raised = np.minimum(raised, max(before, tape.post_fwd_held_peak[last]))
+        for k, size in enumerate(by_block or ()):  # (of the same window: not a head's)
+            one = tape.blocks[k].post_held_peak.get(_uniform(k, last))
+            if size > 0 and one is not None:
+                raised = np.minimum(raised, max(before, one) + held - size)
     return np.maximum(raised, tape.post_bwd_peak.get(last, window.peak_bytes) + extra)
 
 
@@ -1195,8 +1258,12 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
         bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak
         peak = max(peak, level + cost.fwd_peak, bwd)
         level += cost.hold
-    peak = max(peak, level + post_window(tape, costs[-1].seen_as, release,
-                                         unshared).peak_bytes)
+    last = costs[-1].seen_as
+    prev, hidden = _KEEP, []
+    for (start, stop, choice), cost in zip(segments, costs, strict=True):
+        hidden += segment_hidden(tape, start, stop, choice, prev, cost.seen_as, last)
+        prev = cost.seen_as
+    peak = max(peak, level + post_window(tape, last, release, unshared, hidden).peak_bytes)
     return peak + held_past_release(tape, segments) + at_return
 
 

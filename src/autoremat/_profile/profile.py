@@ -546,6 +546,10 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             bwd_made_before_held={key: v for key, v in by_pairs(
                 runs, i, lambda pattern, _, k: before[pattern][1][k], base.alike,
                 base.local).items() if v},
+            post_held_peak={key: post_fwd_held_peak(runs[(d,) * n], n, i)
+                            for d in measured
+                            for key in [(Decision.KEEP if i == 0 else d, d)]
+                            if released[(d,) * n][i]},
             recompute_after=_recompute_after(base, i),
             lets_input_go=lets_go[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
