@@ -131,6 +131,7 @@ from autoremat._profile.runs import (
     made_before_frees,
     post_bwd_peak,
     post_fwd_held_peak,
+    post_fwd_held_peaks,
     refuse_hf_checkpointing,
     released_at_fwd_end,
     saved_by_block,
@@ -499,6 +500,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
     lifts = {pattern: held_input_lifts(run, n) for pattern, run in runs.items()}
     before = {pattern: made_before_frees(run, n) for pattern, run in runs.items()}
+    one = {d: post_fwd_held_peaks(runs[(d,) * n], n) for d in measured}
     saved = saved_by_block(plain)
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
@@ -546,10 +548,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             bwd_made_before_held={key: v for key, v in by_pairs(
                 runs, i, lambda pattern, _, k: before[pattern][1][k], base.alike,
                 base.local).items() if v},
-            post_held_peak={key: post_fwd_held_peak(runs[(d,) * n], n, i)
-                            for d in measured
-                            for key in [(Decision.KEEP if i == 0 else d, d)]
-                            if released[(d,) * n][i]},
+            post_held_peak={(Decision.KEEP if i == 0 else d, d): one[d][i]
+                            for d in measured if i in one[d]},
             recompute_after=_recompute_after(base, i),
             lets_input_go=lets_go[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)

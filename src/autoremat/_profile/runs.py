@@ -1525,17 +1525,28 @@ def _held_peak(mem: MemoryTracker, start: int, stop: int,
     return peak, held
 
 
-def post_fwd_held_peak(run: MemoryRun, n: int, block: int | None = None) -> int:
+def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
     """The post window's peak before the backward starts (above the window's start) with
-    what ``released_at_fwd_end`` counts held from where it dies on (of ``block`` alone,
-    where given): the most a plan that holds some of it raises those levels (NOTE
-    [ Released when the forward returns ] and NOTE [ A release that holds one tensor and
-    lets go of another ] in _plan/peak.py)."""
+    what ``released_at_fwd_end`` counts held from where it dies on: the most a plan that
+    holds some of it raises those levels (NOTE [ Released when the forward returns ] in
+    _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
-    frees = [(died, size) for k, died, size in _released(run, n, stop)
-             if block is None or k == block]
+    frees = [(died, size) for _, died, size in _released(run, n, stop)]
     peak, _ = _held_peak(run.mem, start, stop, frees)
     return peak - run.mem.levels[start]
+
+
+def post_fwd_held_peaks(run: MemoryRun, n: int) -> dict[int, int]:
+    """``post_fwd_held_peak`` with one block's release held, by block (those that
+    release something there): the most a plan that holds some of that block's release
+    raises those levels (NOTE [ A release that holds one tensor and lets go of another ]
+    in _plan/peak.py)."""
+    start, stop = run.bounds[-1], run.backward
+    frees: dict[int, list[tuple[int, int]]] = {}
+    for block, died, size in _released(run, n, stop):
+        frees.setdefault(block, []).append((died, size))
+    return {block: _held_peak(run.mem, start, stop, held)[0] - run.mem.levels[start]
+            for block, held in frees.items()}
 
 
 def post_bwd_peak(run: MemoryRun, n: int) -> int:
