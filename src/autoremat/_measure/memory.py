@@ -477,6 +477,15 @@ def active_tracker() -> MemoryTracker | None:
     return None
 
 
+def live_record(storage: torch.UntypedStorage) -> StorageRecord | None:
+    """The record of ``storage`` in the innermost ``track_memory`` on the dispatch mode
+    stack here, where it made the storage and the storage is alive; ``None`` otherwise."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _StorageAccountant):
+            return mode._live.get(storage._cdata)
+    return None
+
+
 @contextmanager
 def track_memory(rounding: Rounding | None = None) -> Iterator[MemoryTracker]:
     """Measure the peak of live tensor-storage bytes inside the ``with`` block.

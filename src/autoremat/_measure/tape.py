@@ -135,6 +135,14 @@ class BlockProfile:
     # them all (NOTE [ A block that lets its input go ] in _plan/peak.py). False in tapes
     # made before 2026-11-30.
     lets_input_go: bool = False
+    # Where autograd saved none of its first input (the block before's output) in the
+    # forward: its backward window's peak in the step with every block checkpointed
+    # with that input gone from where its recompute ends (above the window's start),
+    # as a segment of several ending at it lets its recompute's copy go there, where
+    # its checkpoint alone holds the input on. -1: saved, or not measured (tapes made
+    # before 2026-12-01). NOTE [ A segment's last input its recompute lets go ] in
+    # _plan/peak.py.
+    bwd_input_gone_peak: int = -1
     # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
     # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.

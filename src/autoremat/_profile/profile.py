@@ -481,6 +481,25 @@ def _recompute_after(base: BaseRuns, i: int) -> int:
     return max(0, levels[first - 1] - levels[start]) if first > start else 0
 
 
+def _input_gone_peak(base: BaseRuns, i: int) -> int:
+    """``BlockProfile.bwd_input_gone_peak`` of block ``i``, whose input autograd does not
+    save: in the step with every block checkpointed, its backward window's peak with
+    the input's storage counted gone from where its recompute ends (-1 where the step
+    did not tag the block or its input was not made in the step)."""
+    tags = base.tags[i] if base.tags else None
+    run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
+    record = run.probe.chain_records[i] if run.probe.chain_records else None
+    if tags is None or tags.mem is None or not tags.recompute or record is None:
+        return -1
+    start, stop, gone = run.ends[i + 1], run.ends[i], tags.recompute[-1].stop
+    if not start < gone <= stop:
+        return -1
+    died = stop + 1 if record.died is None else record.died
+    levels = run.mem.levels
+    return max(levels[t] - (record.nbytes if gone <= t < died else 0)
+               for t in range(start, stop + 1)) - levels[start]
+
+
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
@@ -552,6 +571,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                             for d in measured if i in one[d]},
             recompute_after=_recompute_after(base, i),
             lets_input_go=lets_go[i],
+            bwd_input_gone_peak=_input_gone_peak(base, i)
+            if chain.input_saved and not chain.input_saved[i] else -1,
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
         ))

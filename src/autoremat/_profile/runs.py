@@ -255,7 +255,13 @@ from autoremat._core.step import (
 )
 from autoremat._measure.flops import FlopCounter
 from autoremat._measure.measured import BackwardStarts, grad_tensors, measure_step
-from autoremat._measure.memory import MemoryTracker, Rounding, _tensors_in
+from autoremat._measure.memory import (
+    MemoryTracker,
+    Rounding,
+    StorageRecord,
+    _tensors_in,
+    live_record,
+)
 from autoremat._measure.ops import OpRecorder, hook_views, op_kind
 from autoremat._measure.tape import WindowMemory
 from autoremat._measure.timing import Clock, clock_for
@@ -283,6 +289,9 @@ class _Probe:
     output_bytes: list[int] = field(default_factory=list)
     chained: list[bool] = field(default_factory=list)
     chain_bytes: list[int] = field(default_factory=list)
+    # per chained block, the tracker's record of its first input's storage (None: not
+    # made in the step)
+    chain_records: list[StorageRecord | None] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # block indices in the order they ran
     in_backward: list[int] = field(default_factory=list)  # calls made while backward ran
     grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
@@ -315,6 +324,7 @@ class _Probe:
         self.output_bytes = [0] * n
         self.chained = [False] * n
         self.chain_bytes = [0] * n
+        self.chain_records = [None] * n
         self.in_backward = [0] * n
         self.grad_off = [False] * n
         self.changes_input = [False] * n
@@ -370,6 +380,7 @@ class _Probe:
                 self._prev_outputs.get(id(tensors[0])) == tensors[0]._version
             if self.chained[i]:
                 self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
+                self.chain_records[i] = live_record(tensors[0].untyped_storage())
             if i == 0:
                 first = _first_grad_tensor((args, kwargs))
                 if first is not None:
@@ -762,6 +773,11 @@ class _HeldInputs:
         # [ Casts a block makes that a later block saves ])
         self._resting: set[int] = set()  # the storages of parameters and buffers
         self._saving: set[int] = set()  # the blocks whose forward saved anything
+        # the blocks whose first input's storage autograd saved (before it was passed, or
+        # while it was alive after), and each block's first input storage (NOTE [ A
+        # segment's last input its recompute lets go ] in _plan/peak.py)
+        self._input_saved: set[int] = set()
+        self._in_first: dict[int, int] = {}  # storage key -> the block it was passed to
         # parameter (by id) -> the blocks holding it; the blocks in the order they started
         # (NOTE [ Casts a block makes that a later block saves ])
         self._holding: dict[int, list[int]] = {}
@@ -812,6 +828,10 @@ class _HeldInputs:
         if t.layout is not torch.strided:  # a sparse tensor has no storage of its own:
             return _detached(t)  # not a boundary the chain's checks follow
         key = t.untyped_storage()._cdata
+        taker = self._in_first.get(key)
+        if taker is not None and _same_storage(_ref_value(self._refs.get(taker)),
+                                               t.untyped_storage()):
+            self._input_saved.add(taker)
         side = self._live.get(key)
         if side is not None and any(ref() is not None for ref in side.refs):
             side.saved = True  # (all gone: a new storage at a freed one's address, which
@@ -876,6 +896,12 @@ class _HeldInputs:
                 self._check_last(i)
                 tensors = flat_tensors((args, kwargs))
                 self._refs[i] = weakref.ref(tensors[0]) if tensors else None
+                if tensors and tensors[0].layout is torch.strided:
+                    key = tensors[0].untyped_storage()._cdata
+                    self._in_first[key] = i
+                    packed = self._packed.get(key)
+                    if packed is not None and packed[0]() is not None:
+                        self._input_saved.add(i)  # saved before (by the block before)
                 self._ins[i] = {t.untyped_storage()._cdata for t in tensors
                                 if not isinstance(t, nn.Parameter)
                                 and t.layout is torch.strided}
@@ -1113,6 +1139,15 @@ class _HeldInputs:
             return ()
         return tuple(i not in self._saving for i in ids)
 
+    def input_saved(self, chain: list[str]) -> tuple[bool, ...]:
+        """Per block of ``chain`` (in the order they ran), whether autograd saved the
+        storage of its first input in the forward (the block before saved its output, or
+        the block, or a later one, saved its input); none where the step cannot tell."""
+        ids = self._ids(chain, returned=True)
+        if ids is None:
+            return ()
+        return tuple(i in self._input_saved for i in ids)
+
     def held(self, chain: list[str]) -> list[bool] | None:
         """Per block of ``chain`` (some of the blocks installed over, in the order they
         ran), whether its input was held; ``None`` where the step cannot tell: a block
@@ -1124,6 +1159,10 @@ class _HeldInputs:
         if any(self._next.get(i) != f for i, f in zip(ids, following, strict=True)):
             return None
         return [self._alive[i] for i in ids]
+
+
+def _ref_value(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
+    return None if ref is None else ref()
 
 
 def _same_storage(t: torch.Tensor | None, storage: torch.UntypedStorage) -> bool:
@@ -1726,6 +1765,8 @@ class Chain:
     # block saves ]
     saves_nothing: tuple[bool, ...] = ()  # per block, whether its forward saved nothing
     # (_HeldInputs.saves_nothing; empty: not seen)
+    input_saved: tuple[bool, ...] = ()  # per block, whether autograd saved its first
+    # input's storage (_HeldInputs.input_saved; empty: not seen)
     cached_casts: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (the block making
     # it, the later blocks taking it unsaved, bytes): NOTE [ Casts a later call takes
     # from the cache and does not save ]
@@ -1838,4 +1879,5 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                   cast_saves=held_inputs_seen.shared_saves(names, casts=True)
                   if eager else (),
                   saves_nothing=held_inputs_seen.saves_nothing(names) if eager else (),
+                  input_saved=held_inputs_seen.input_saved(names) if eager else (),
                   cached_casts=held_inputs_seen.cached_casts(names) if eager else ())
