@@ -646,8 +646,17 @@ def _held_past_chain(tape: Tape, k: int) -> bool:
 #     checkpointing blocks 0 and 1 (seed 51087). Where a block's key differs from the
 #     measured step's in both decisions, the keys between (one decision changed) part its
 #     release: what it holds on the way through either beyond the net is held as well
-#     (``release_hidden``; the larger of the two ways, over, never under), and the
-#     solver's moves count it in ``over`` likewise.
+#     (``release_hidden``; the larger of the two ways, over, never under). A segment of
+#     several starting at a block that saves nothing holds its input, which the block's
+#     own keys count released (``held_by_segment``): held too (a fuzzed [attention,
+#     attention, scale, Linear, frozen] model whose skip holds the scale's input past
+#     the chain, 690 B under the plan with the scale and the Linear one segment after
+#     checkpointed blocks; seed 51294 with a mask, 654 B, its `optimal` plan over its
+#     budget). Held in all, that input raised the levels by its bytes where it had been
+#     alive at their peak anyway (2,240 B over): each block's release held alone has its
+#     measured peak (``BlockProfile.post_held_peak``), and the levels rise by no more
+#     than that block's with the others' held added. The solver's moves count what they
+#     hold in ``over`` likewise, without the per-block peaks (over, never under).
 
 
 def post_window(tape: Tape, last: Decision, release: Sequence[int] | None = None,
