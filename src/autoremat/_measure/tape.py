@@ -143,6 +143,12 @@ class BlockProfile:
     # before 2026-12-01). NOTE [ A segment's last input its recompute lets go ] in
     # _plan/peak.py.
     bwd_input_gone_peak: int = -1
+    # Whether autograd saved its first input's storage in the forward (the block before
+    # saved its output, or a block saved it as its input): where neither did and it
+    # saves nothing, a segment ending at it never recomputes that input (NOTE [ A
+    # segment's last block that saves nothing ] in _plan/peak.py). True in tapes made
+    # before 2026-12-01, and where the step could not tell.
+    input_saved: bool = True
     # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
     # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.

@@ -881,7 +881,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             # recompute starts, and hold their outputs through it (recompute_after);
             # all of them where it saves nothing (NOTE [ A segment's last block that
             # saves nothing ])
-            after = b.recompute_after
+            after, unmade = b.recompute_after, 0
             if b.lets_input_go:
                 # NOTE [ A segment's last block that saves nothing ]: the backward runs on
                 # into the blocks before it that save nothing, and those of the first
@@ -892,10 +892,11 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                     j -= 1
                 # (its figure counts its statistics' copy, which stash counts here)
                 after += max(0, blocks[j].recompute_after - blocks[j].stash_bytes)
+                unmade = 0 if b.input_saved else b.chain_bytes
             bwd_peak = max(stash + after + r_peak,
-                           stash - b.stash_bytes + r_level + cache
+                           stash - b.stash_bytes + r_level - unmade + cache
                            + _recomputed_input_gone(b, last) + last_held,
-                           r_level + last.delta_bytes + back + last_freed)
+                           r_level - unmade + last.delta_bytes + back + last_freed)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops

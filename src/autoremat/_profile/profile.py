@@ -573,6 +573,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             lets_input_go=lets_go[i],
             bwd_input_gone_peak=_input_gone_peak(base, i)
             if chain.input_saved and not chain.input_saved[i] else -1,
+            input_saved=not chain.input_saved or chain.input_saved[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
         ))
