@@ -127,6 +127,33 @@ def test_a_segment_that_holds_a_skipped_input_through_the_head() -> None:
             assert measured == predicted, (rest, predicted - measured)
 
 
+def test_a_segment_ending_in_a_block_that_saves_nothing_never_remakes_its_input() -> None:
+    # NOTE [ A segment's last block that saves nothing ] in _plan/peak.py: fuzz seed
+    # 120063 ([Linear + in-place ReLU, attention, scale]). The scale saves nothing and the
+    # attention block does not save its output, so a segment's recompute stops at the
+    # attention's last saved tensor and never remakes the scale's input; counted as the
+    # blocks before it recomputed whole, segments ending at the scale were one boundary
+    # (1,152 B, 8%) over their steps
+    import autoremat
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    from _steps import segments_peaks
+
+    fuzz = load_benchmark("fuzz")
+    spec = fuzz.make_spec(120063)
+    assert spec["kinds"] == ["linrelu", "sdpa", "scale"] and not spec["autocast"]
+    model, x, loss_fn = fuzz.build(spec)
+    names = [f"blocks.{i}" for i in range(3)]
+    tape = autoremat.profile(model, x, loss_fn=loss_fn, blocks=names, timing=False,
+                             with_selective=False, with_head=False)
+    last = tape.blocks[2]
+    assert last.lets_input_go and not last.input_saved and tape.blocks[1].input_saved
+    for segments in ([(0, 1, KEEP), (1, 3, RECOMPUTE)], [(0, 1, RECOMPUTE), (1, 3, RECOMPUTE)],
+                     [(0, 3, RECOMPUTE)], [(0, 2, RECOMPUTE), (2, 3, KEEP)]):
+        predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
+        assert measured == predicted, (segments, predicted - measured)
+
+
 def test_a_segment_ending_the_chain_whose_last_input_a_skip_holds_past_it() -> None:
     # NOTE [ The last block's input after the chain ] in _plan/peak.py: fuzz seed 70276
     # (attention, a gated unit, a frozen block, Linear + in-place ReLU, a scale whose

@@ -128,6 +128,7 @@ from autoremat._profile.runs import (
     held_forward_windows,
     held_input_lifts,
     inputs_freed_later,
+    made_before_freed,
     made_before_frees,
     post_bwd_peak,
     post_fwd_held_peak,
@@ -481,11 +482,13 @@ def _recompute_after(base: BaseRuns, i: int) -> int:
     return max(0, levels[first - 1] - levels[start]) if first > start else 0
 
 
-def _input_gone_peak(base: BaseRuns, i: int) -> int:
+def _input_gone_peak(base: BaseRuns, i: int, before: list[tuple[int, int]]) -> int:
     """``BlockProfile.bwd_input_gone_peak`` of block ``i``, whose input autograd does not
     save: in the step with every block checkpointed, its backward window's peak with
-    the input's storage counted gone from where its recompute ends (-1 where the step
-    did not tag the block or its input was not made in the step)."""
+    the input's storage counted gone from where its recompute ends and what the window
+    frees of the tensors made before the chain (``before``: ``(event, bytes)``) held on
+    to its end, as a segment holds them (-1 where the step did not tag the block or its
+    input was not made in the step)."""
     tags = base.tags[i] if base.tags else None
     run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
     record = run.probe.chain_records[i] if run.probe.chain_records else None
@@ -496,8 +499,15 @@ def _input_gone_peak(base: BaseRuns, i: int) -> int:
         return -1
     died = stop + 1 if record.died is None else record.died
     levels = run.mem.levels
-    return max(levels[t] - (record.nbytes if gone <= t < died else 0)
-               for t in range(start, stop + 1)) - levels[start]
+    held = [0] * (stop - start + 2)
+    for event, size in before:
+        held[event - start] += size
+    peak = lifted = 0
+    for t in range(start, stop + 1):
+        lifted += held[t - start]
+        level = levels[t] + lifted - (record.nbytes if gone <= t < died else 0)
+        peak = max(peak, level) if t > start else level
+    return peak - levels[start]
 
 
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
@@ -520,6 +530,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     lifts = {pattern: held_input_lifts(run, n) for pattern, run in runs.items()}
     before = {pattern: made_before_frees(run, n) for pattern, run in runs.items()}
     one = {d: post_fwd_held_peaks(runs[(d,) * n], n) for d in measured}
+    made_before = made_before_freed(runs[(Decision.RECOMPUTE,) * n], n)
     saved = saved_by_block(plain)
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
@@ -571,7 +582,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                             for d in measured if i in one[d]},
             recompute_after=_recompute_after(base, i),
             lets_input_go=lets_go[i],
-            bwd_input_gone_peak=_input_gone_peak(base, i)
+            bwd_input_gone_peak=_input_gone_peak(base, i, made_before[i])
             if chain.input_saved and not chain.input_saved[i] else -1,
             input_saved=not chain.input_saved or chain.input_saved[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)

@@ -1704,11 +1704,9 @@ def _backward_lifts(run: MemoryRun, frees: Sequence[Sequence[tuple[int, int]]]) 
     return out
 
 
-def made_before_frees(run: MemoryRun, n: int) -> tuple[list[int], list[int]]:
-    """Per block, the bytes of the storages the model made before the chain (a mask,
-    position ids) that its backward window frees, and how far the window's peak rises
-    where those are held on to its end: what a segment the block is inside holds to its
-    own end (NOTE [ A segment holds what its blocks take ] in _plan/peak.py)."""
+def made_before_freed(run: MemoryRun, n: int) -> list[list[tuple[int, int]]]:
+    """Per block, ``(event, bytes)`` of the storages the model made before the chain (a
+    mask, position ids) that its backward window frees."""
     mem, ends, first = run.mem, run.ends, run.bounds[0]
     frees: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for record in mem.records:
@@ -1719,6 +1717,15 @@ def made_before_frees(run: MemoryRun, n: int) -> tuple[list[int], list[int]]:
             if ends[k + 1] < record.died <= ends[k]:
                 frees[k].append((record.died, record.nbytes))
                 break
+    return frees
+
+
+def made_before_frees(run: MemoryRun, n: int) -> tuple[list[int], list[int]]:
+    """Per block, the bytes of the storages the model made before the chain that its
+    backward window frees (``made_before_freed``), and how far the window's peak rises
+    where those are held on to its end: what a segment the block is inside holds to its
+    own end (NOTE [ A segment holds what its blocks take ] in _plan/peak.py)."""
+    frees = made_before_freed(run, n)
     return [sum(size for _, size in died) for died in frees], _backward_lifts(run, frees)
 
 
