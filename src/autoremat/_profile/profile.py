@@ -127,6 +127,7 @@ from autoremat._profile.runs import (
     freed_in_forward,
     held_forward_windows,
     held_input_lifts,
+    held_peak,
     inputs_freed_later,
     made_before_freed,
     made_before_frees,
@@ -497,17 +498,14 @@ def _input_gone_peak(base: BaseRuns, i: int, before: list[tuple[int, int]]) -> i
     start, stop, gone = run.ends[i + 1], run.ends[i], tags.recompute[-1].stop
     if not start < gone <= stop:
         return -1
-    died = stop + 1 if record.died is None else record.died
-    levels = run.mem.levels
-    held = [0] * (stop - start + 2)
-    for event, size in before:
-        held[event - start] += size
-    peak = lifted = 0
-    for t in range(start, stop + 1):
-        lifted += held[t - start]
-        level = levels[t] + lifted - (record.nbytes if gone <= t < died else 0)
-        peak = max(peak, level) if t > start else level
-    return peak - levels[start]
+    # the input gone from the recompute's end until it dies (a negative hold)
+    moves = [*before, (gone, -record.nbytes)]
+    if record.died is not None and gone < record.died <= stop:
+        moves.append((record.died, record.nbytes))
+    elif record.died is not None and record.died <= gone:
+        moves.pop()  # gone before the recompute ended: as measured
+    peak, _ = held_peak(run.mem, start, stop, moves)
+    return peak - run.mem.levels[start]
 
 
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,

@@ -1549,7 +1549,7 @@ def _released(run: MemoryRun, n: int, stop: int,
             yield 0, record.died, record.nbytes  # made before the first block (position ids)
 
 
-def _held_peak(mem: MemoryTracker, start: int, stop: int,
+def held_peak(mem: MemoryTracker, start: int, stop: int,
                frees: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """The highest level over events ``start..stop`` with each of ``frees`` (``(event,
     bytes)``, events in that range) held from its event on, and the bytes held at
@@ -1571,7 +1571,7 @@ def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
     _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
     frees = [(died, size) for _, died, size in _released(run, n, stop)]
-    peak, _ = _held_peak(run.mem, start, stop, frees)
+    peak, _ = held_peak(run.mem, start, stop, frees)
     return peak - run.mem.levels[start]
 
 
@@ -1584,7 +1584,7 @@ def post_fwd_held_peaks(run: MemoryRun, n: int) -> dict[int, int]:
     frees: dict[int, list[tuple[int, int]]] = {}
     for block, died, size in _released(run, n, stop):
         frees.setdefault(block, []).append((died, size))
-    return {block: _held_peak(run.mem, start, stop, held)[0] - run.mem.levels[start]
+    return {block: held_peak(run.mem, start, stop, held)[0] - run.mem.levels[start]
             for block, held in frees.items()}
 
 
@@ -1649,7 +1649,7 @@ def held_forward_windows(run: MemoryRun, n: int) -> list[WindowMemory | None]:
             out.append(None)
             continue
         start, stop = run.bounds[k], run.bounds[k + 1]
-        peak, held = _held_peak(run.mem, start, stop, frees)
+        peak, held = held_peak(run.mem, start, stop, frees)
         base = run.mem.levels[start]
         out.append(WindowMemory(peak_bytes=peak - base,
                                 delta_bytes=run.mem.levels[stop] + held - base))
@@ -1699,7 +1699,7 @@ def _backward_lifts(run: MemoryRun, frees: Sequence[Sequence[tuple[int, int]]]) 
             out.append(0)
             continue
         start, stop = run.ends[k + 1], run.ends[k]
-        lifted, _ = _held_peak(run.mem, start, stop, died)
+        lifted, _ = held_peak(run.mem, start, stop, died)
         out.append(max(0, lifted - run.mem.window_peak(start, stop)))
     return out
 
