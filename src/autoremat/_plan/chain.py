@@ -206,6 +206,7 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
             released = [segment_release(tape, i, m[0], m[1], prev, m[2].seen_as, least)
                         for m in here]
             bits = [_shared_bits(shared, i, m[0], m[1]) for m in here]
+            segment_held = [held_by_segment(tape, i, m[0], m[1].decision) for m in here]
             by_prev[prev] = _Moves(
                 steps=[(m[0], m[1]) for m in here],
                 stop=np.array([m[0] for m in here]),
@@ -220,10 +221,10 @@ def _all_moves(tape: Tape, options: ExtraOptions | None,
                              dtype=np.int64),
                 over=np.array([np.maximum(uniform[:, i:i + len(r)] - r, 0).sum(1)
                                + inner[:, i + len(r)] - inner[:, i + 1]
-                               + [release_hidden(tape, i, (prev, m[2].seen_as), d,
-                                                 held_by_segment(tape, i, m[0], m[1].decision))
+                               + [release_hidden(tape, i, (prev, m[2].seen_as), d, held)
                                   for d in _ORDER]
-                               for r, m in zip(released, here, strict=True)],
+                               for r, m, held in zip(released, here, segment_held,
+                                                     strict=True)],
                               dtype=np.int64).T,
                 sets=np.array([sets for sets, _ in bits], dtype=np.int64),
                 holds=np.array([holds for _, holds in bits], dtype=np.int64),

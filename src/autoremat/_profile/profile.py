@@ -483,7 +483,7 @@ def _recompute_after(base: BaseRuns, i: int) -> int:
     return max(0, levels[first - 1] - levels[start]) if first > start else 0
 
 
-def _input_gone_peak(base: BaseRuns, i: int, before: list[tuple[int, int]]) -> int:
+def _input_gone_peak(base: BaseRuns, i: int, before: Sequence[tuple[int, int]]) -> int:
     """``BlockProfile.bwd_input_gone_peak`` of block ``i``, whose input autograd does not
     save: in the step with every block checkpointed, its backward window's peak with
     the input's storage counted gone from where its recompute ends and what the window
@@ -498,12 +498,11 @@ def _input_gone_peak(base: BaseRuns, i: int, before: list[tuple[int, int]]) -> i
     start, stop, gone = run.ends[i + 1], run.ends[i], tags.recompute[-1].stop
     if not start < gone <= stop:
         return -1
-    # the input gone from the recompute's end until it dies (a negative hold)
-    moves = [*before, (gone, -record.nbytes)]
-    if record.died is not None and gone < record.died <= stop:
-        moves.append((record.died, record.nbytes))
-    elif record.died is not None and record.died <= gone:
-        moves.pop()  # gone before the recompute ended: as measured
+    moves = list(before)
+    if record.died is None or record.died > gone:  # alive when the recompute ended:
+        moves.append((gone, -record.nbytes))  # gone from there (a negative hold)...
+        if record.died is not None and record.died <= stop:
+            moves.append((record.died, record.nbytes))  # ...until it dies
     peak, _ = held_peak(run.mem, start, stop, moves)
     return peak - run.mem.levels[start]
 
@@ -526,9 +525,10 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     frees = freed_in_forward(plain, n)
     held = {pattern: held_forward_windows(run, n) for pattern, run in runs.items()}
     lifts = {pattern: held_input_lifts(run, n) for pattern, run in runs.items()}
-    before = {pattern: made_before_frees(run, n) for pattern, run in runs.items()}
+    made_before = {pattern: made_before_freed(run, n) for pattern, run in runs.items()}
+    before = {pattern: made_before_frees(run, made_before[pattern])
+              for pattern, run in runs.items()}
     one = {d: post_fwd_held_peaks(runs[(d,) * n], n) for d in measured}
-    made_before = made_before_freed(runs[(Decision.RECOMPUTE,) * n], n)
     saved = saved_by_block(plain)
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
@@ -580,7 +580,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                             for d in measured if i in one[d]},
             recompute_after=_recompute_after(base, i),
             lets_input_go=lets_go[i],
-            bwd_input_gone_peak=_input_gone_peak(base, i, made_before[i])
+            bwd_input_gone_peak=_input_gone_peak(
+                base, i, made_before[(Decision.RECOMPUTE,) * n][i])
             if chain.input_saved and not chain.input_saved[i] else -1,
             input_saved=not chain.input_saved or chain.input_saved[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)

@@ -1550,7 +1550,7 @@ def _released(run: MemoryRun, n: int, stop: int,
 
 
 def held_peak(mem: MemoryTracker, start: int, stop: int,
-               frees: Sequence[tuple[int, int]]) -> tuple[int, int]:
+              frees: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """The highest level over events ``start..stop`` with each of ``frees`` (``(event,
     bytes)``, events in that range) held from its event on, and the bytes held at
     ``stop``."""
@@ -1720,12 +1720,13 @@ def made_before_freed(run: MemoryRun, n: int) -> list[list[tuple[int, int]]]:
     return frees
 
 
-def made_before_frees(run: MemoryRun, n: int) -> tuple[list[int], list[int]]:
+def made_before_frees(run: MemoryRun, frees: Sequence[Sequence[tuple[int, int]]],
+                      ) -> tuple[list[int], list[int]]:
     """Per block, the bytes of the storages the model made before the chain that its
-    backward window frees (``made_before_freed``), and how far the window's peak rises
-    where those are held on to its end: what a segment the block is inside holds to its
-    own end (NOTE [ A segment holds what its blocks take ] in _plan/peak.py)."""
-    frees = made_before_freed(run, n)
+    backward window frees (``frees``: ``made_before_freed`` of ``run``), and how far the
+    window's peak rises where those are held on to its end: what a segment the block is
+    inside holds to its own end (NOTE [ A segment holds what its blocks take ] in
+    _plan/peak.py)."""
     return [sum(size for _, size in died) for died in frees], _backward_lifts(run, frees)
 
 
