@@ -149,6 +149,13 @@ class BlockProfile:
     # segment's last block that saves nothing ] in _plan/peak.py). True in tapes made
     # before 2026-12-01, and where the step could not tell.
     input_saved: bool = True
+    # Of ``fwd_end_release`` with both blocks kept, the bytes of its first input (the
+    # model held it past the block and let it go when the forward returned): the rest
+    # is what the block before made that only the forward held (autocast's casts of
+    # weights no op saved), which a segment's recompute lets go when it ends (NOTE
+    # [ What a segment's recompute lets go when it ends ] in _plan/peak.py). -1: not
+    # measured (tapes made before 2026-12-01).
+    input_released: int = -1
     # Bytes a recompute of it copies aside and puts back (BatchNorm statistics,
     # NOTE [ BatchNorm under recompute ] in _mechanism/wrap.py): in a segment of several
     # blocks, all of them are copied when its recompute starts.

@@ -129,6 +129,7 @@ from autoremat._profile.runs import (
     held_input_lifts,
     held_peak,
     inputs_freed_later,
+    inputs_released_at_fwd_end,
     made_before_freed,
     made_before_frees,
     post_bwd_peak,
@@ -530,6 +531,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
               for pattern, run in runs.items()}
     one = {d: post_fwd_held_peaks(runs[(d,) * n], n) for d in measured}
     saved = saved_by_block(plain)
+    released_inputs = inputs_released_at_fwd_end(plain, n)
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
                                    if setup.offload else OffloadStats() for name in names]
@@ -584,6 +586,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                 base, i, made_before[(Decision.RECOMPUTE,) * n][i])
             if chain.input_saved and not chain.input_saved[i] else -1,
             input_saved=not chain.input_saved or chain.input_saved[i],
+            input_released=released_inputs[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
                             for buf in stashed_buffers([module])),
         ))

@@ -1528,25 +1528,38 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
     was made before the first block's forward (``before_chain=False``: not that)."""
     out = [0] * n
-    for block, _, size in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"],
-                                    before_chain):
-        out[block] += size
+    for block, _, record in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"],
+                                      before_chain):
+        out[block] += record.nbytes
+    return out
+
+
+def inputs_released_at_fwd_end(run: MemoryRun, n: int) -> list[int]:
+    """Of ``released_at_fwd_end``, per block, the bytes of its own first input's storage
+    (the block before's output, which the model held past the block; 0 where it was
+    not released then; -1 where the step has no record of it): NOTE [ What a segment's
+    recompute lets go when it ends ] in _plan/peak.py."""
+    records = {id(r): i for i, r in enumerate(run.probe.chain_records) if r is not None}
+    out = [0 if i in records.values() else -1 for i in range(n)]
+    for block, _, record in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"]):
+        if records.get(id(record)) == block:
+            out[block] += record.nbytes
     return out
 
 
 def _released(run: MemoryRun, n: int, stop: int,
-              before_chain: bool = True) -> Iterator[tuple[int, int, int]]:
+              before_chain: bool = True) -> Iterator[tuple[int, int, StorageRecord]]:
     """What ``released_at_fwd_end`` counts that dies by event ``stop``: (the block whose
-    release counts it, the event it dies at, its bytes)."""
+    release counts it, the event it dies at, its record)."""
     start = run.bounds[-1]
     for record in run.mem.records:
         if record.backward or record.died is None or not start < record.died <= stop:
             continue
         made_in = forward_window(run, record.born)
         if made_in is not None and made_in < n - 1:
-            yield made_in + 1, record.died, record.nbytes
+            yield made_in + 1, record.died, record
         elif before_chain and made_in is None and record.born <= run.bounds[0]:
-            yield 0, record.died, record.nbytes  # made before the first block (position ids)
+            yield 0, record.died, record  # made before the first block (position ids)
 
 
 def held_peak(mem: MemoryTracker, start: int, stop: int,
@@ -1570,7 +1583,7 @@ def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
     holds some of it raises those levels (NOTE [ Released when the forward returns ] in
     _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
-    frees = [(died, size) for _, died, size in _released(run, n, stop)]
+    frees = [(died, record.nbytes) for _, died, record in _released(run, n, stop)]
     peak, _ = held_peak(run.mem, start, stop, frees)
     return peak - run.mem.levels[start]
 
@@ -1582,8 +1595,8 @@ def post_fwd_held_peaks(run: MemoryRun, n: int) -> dict[int, int]:
     in _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
     frees: dict[int, list[tuple[int, int]]] = {}
-    for block, died, size in _released(run, n, stop):
-        frees.setdefault(block, []).append((died, size))
+    for block, died, record in _released(run, n, stop):
+        frees.setdefault(block, []).append((died, record.nbytes))
     return {block: held_peak(run.mem, start, stop, held)[0] - run.mem.levels[start]
             for block, held in frees.items()}
 
