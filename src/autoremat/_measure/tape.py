@@ -173,6 +173,13 @@ class BlockProfile:
     # their outputs through the recompute, in a segment through the recompute of the
     # blocks before it too (NOTE [ The peak model ] in _plan/peak.py). 0: not measured.
     recompute_after: int = 0
+    # The peak of its recompute in the step with every block checkpointed (its first op
+    # to its last: it stops at the last tensor the block saves), above the level where
+    # that recompute starts: a segment's recompute stops there too where the blocks after
+    # it in the segment save nothing (NOTE [ A segment's last block that saves nothing ]
+    # in _plan/peak.py). -1: not measured (tapes made before 2026-12-01, or the step did
+    # not tag the block).
+    recompute_peak: int = -1
     # What its backward window's peak rises by where the block before holds the
     # storages of its input that the window frees (a selective block before it that
     # keeps its output: NOTE [ A selective block that keeps its output ] in

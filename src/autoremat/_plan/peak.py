@@ -135,9 +135,14 @@ NOTE [ A segment's last block that saves nothing ]
     it recomputed whole): segments ending at a scale after an attention block (fuzz
     seed 120063) were one boundary (1,152 B, 8%) over their steps, now exact; on 14
     fuzzed models whose segments ending at a pool or a scale were over by about a
-    boundary, the plans' over-predictions in all 141 KiB, 253 KiB before. The recompute's
-    own peak (``r_peak``) is counted as before (over, where it came when the block
-    before made its output).
+    boundary, the plans' over-predictions in all 141 KiB, 253 KiB before. The
+    recompute's own peak stops there too: the block before's recompute stops at the
+    last tensor it saves, before it makes its output where nothing saves that, as its
+    recompute in the step with every block checkpointed did (``recompute_peak``, its
+    peak there above where it starts; -1 in older tapes, which count its whole plain
+    forward). The segment counts the less of that and its plain forward's peak: a
+    fuzzed [LayerNorm + Linear, pool, attention] model's segments ending at the pool were
+    its Linear's output (4,608 B, 14%) over their steps (seed 160038), now exact.
 
 NOTE [ A segment holds what its blocks take ]
     A checkpoint of several blocks keeps every tensor its blocks were given until its
@@ -889,6 +894,10 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     # NOTE [ What a segment's recompute lets go when it ends ]: of the blocks recomputed
     # whole so far, what the plain step held until its forward returned
     let_go = 0
+    # per block so far: the recompute's peak before it, the level the block's recompute
+    # starts at, and what it holds beyond its plain forward (NOTE [ A segment's last
+    # block that saves nothing ])
+    before: list[tuple[int, int, int]] = []
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
@@ -899,6 +908,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         f_level += window.delta_bytes
         if k > start and not _held_past_chain(tape, k):
             f_level -= b.chain_bytes
+        peak_so_far = r_peak  # the recompute of the blocks before k
         if k == start:  # a single block: its measured checkpointed windows
             fwd, bwd = _fwd(tape, k, (prev, _RECOMPUTE)), _bwd(tape, k, (prev, _RECOMPUTE))
             out.append(SegmentCost(fwd.peak_bytes, fwd.delta_bytes, bwd.peak_bytes,
@@ -930,7 +940,12 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                 # (its figure counts its statistics' copy, which stash counts here)
                 after += max(0, blocks[j].recompute_after - blocks[j].stash_bytes)
                 unmade = 0 if b.input_saved else b.chain_bytes
-            bwd_peak = max(stash + after + r_peak,
+                # the recompute stops in block j, at the last tensor it saves
+                if blocks[j].recompute_peak >= 0:
+                    prior, level, held = before[j - start]
+                    peak_so_far = max(prior, level + min(
+                        blocks[j].keep_fwd.peak_bytes + held, blocks[j].recompute_peak))
+            bwd_peak = max(stash + after + peak_so_far,
                            stash - b.stash_bytes + r_level - unmade + cache
                            + _recomputed_input_gone(b, last, last_held),
                            r_level - unmade - let_go - _let_go(b) + last.delta_bytes
@@ -942,6 +957,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         # input, held by the segment): counted held from the window's start
         kept = (max(b.fwd_frees, 0) if k == start else 0) + recast[k - start]
         cache += cached[k - start]
+        before.append((r_peak, r_level + cache, kept))
         r_peak = max(r_peak, r_level + cache + b.keep_fwd.peak_bytes + kept)
         r_level += b.keep_fwd.delta_bytes + kept
         if k > start:  # (block k's release counts what block k - 1 made)

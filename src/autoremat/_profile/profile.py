@@ -470,18 +470,42 @@ def _by_takers(entries: tuple[tuple[int, tuple[int, ...], int], ...], ran_on: to
     return out
 
 
+def _recompute_events(base: BaseRuns, i: int) -> tuple[MemoryRun, int, int] | None:
+    """Block ``i``'s recompute in the step with every block checkpointed: that run, and
+    the events its first op made to the event after its last's (``None`` where the step
+    did not tag the block, or it recomputed nothing: NOTE [ Selective windows from the
+    checkpointed step ] in derive.py)."""
+    tags = base.tags[i] if base.tags else None
+    if tags is None or tags.mem is None or not tags.recompute:
+        return None
+    run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
+    return run, tags.recompute[0].first, tags.recompute[-1].stop
+
+
 def _recompute_after(base: BaseRuns, i: int) -> int:
     """``BlockProfile.recompute_after``: in the step with every block checkpointed, the
     level when block ``i``'s recompute starts above its backward window's start (0 where
-    the step did not tag the block: NOTE [ Selective windows from the checkpointed
-    step ] in derive.py)."""
-    tags = base.tags[i] if base.tags else None
-    if tags is None or tags.mem is None or not tags.recompute:
+    the step did not tag the block)."""
+    found = _recompute_events(base, i)
+    if found is None:
         return 0
-    run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
+    run, first, _ = found
     levels, start = run.mem.levels, run.ends[i + 1]
-    first = tags.recompute[0].first  # the recompute's first op made events first..
     return max(0, levels[first - 1] - levels[start]) if first > start else 0
+
+
+def _recompute_peak(base: BaseRuns, i: int) -> int:
+    """``BlockProfile.recompute_peak``: in the step with every block checkpointed, the
+    peak of block ``i``'s recompute above the level where it starts (-1 where the step
+    did not tag the block, or it recomputed nothing)."""
+    found = _recompute_events(base, i)
+    if found is None:
+        return -1
+    run, first, stop = found
+    levels = run.mem.levels
+    if not 0 < first < stop <= len(levels):
+        return -1
+    return max(levels[first:stop]) - levels[first - 1]
 
 
 def _input_gone_peak(base: BaseRuns, i: int, before: Sequence[tuple[int, int]]) -> int:
@@ -491,12 +515,14 @@ def _input_gone_peak(base: BaseRuns, i: int, before: Sequence[tuple[int, int]]) 
     frees of the tensors made before the chain (``before``: ``(event, bytes)``) held on
     to its end, as a segment holds them (-1 where the step did not tag the block or its
     input was not made in the step)."""
-    tags = base.tags[i] if base.tags else None
-    run = base.runs[(Decision.RECOMPUTE,) * len(base.recompute_flops)]
-    record = run.probe.chain_records[i] if run.probe.chain_records else None
-    if tags is None or tags.mem is None or not tags.recompute or record is None:
+    found = _recompute_events(base, i)
+    if found is None:
         return -1
-    start, stop, gone = run.ends[i + 1], run.ends[i], tags.recompute[-1].stop
+    run, _, gone = found
+    record = run.probe.chain_records[i] if run.probe.chain_records else None
+    if record is None:
+        return -1
+    start, stop = run.ends[i + 1], run.ends[i]
     if not start < gone <= stop:
         return -1
     moves = list(before)
@@ -581,6 +607,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             post_held_peak={(Decision.KEEP if i == 0 else d, d): one[d][i]
                             for d in measured if i in one[d]},
             recompute_after=_recompute_after(base, i),
+            recompute_peak=_recompute_peak(base, i),
             lets_input_go=lets_go[i],
             bwd_input_gone_peak=_input_gone_peak(
                 base, i, made_before[(Decision.RECOMPUTE,) * n][i])
