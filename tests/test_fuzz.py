@@ -206,3 +206,21 @@ def test_a_segment_recompute_stops_where_the_block_before_a_pool_saves_last() ->
         assert 0 <= first.recompute_peak < first.keep_fwd.peak_bytes
         for rest in (KEEP, RECOMPUTE):
             exact([(0, 2, RECOMPUTE), (2, 3, rest)])
+
+
+def test_a_segment_last_window_after_its_recompute_stands_without_those_casts() -> None:
+    # NOTE [ What a segment's recompute lets go when it ends ] in _plan/peak.py: fuzz seed
+    # 160234 ([gated unit, attention, Conv+GroupNorm, attention, LayerNorm + Linear],
+    # bf16 autocast). The segment's last block's window peaks after the recompute ends,
+    # when the casts of the blocks before that only the forward held are gone; counted
+    # on the recompute's level, segments were up to 1,376 B over their steps
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    spec = load_benchmark("fuzz").make_spec(160234)
+    assert spec["kinds"] == ["gated", "sdpa", "convgn", "attn", "lnlin"] and spec["autocast"]
+    with _fuzzed(spec) as (tape, exact):
+        until, then = tape.blocks[1].bwd_recompute_split
+        assert 0 <= until and 0 <= then
+        for segments in ([(0, 2, RECOMPUTE), (2, 3, KEEP), (3, 4, KEEP), (4, 5, KEEP)],
+                         [(0, 5, RECOMPUTE)], [(0, 1, KEEP), (1, 5, RECOMPUTE)]):
+            exact(segments)

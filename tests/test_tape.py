@@ -148,6 +148,10 @@ def test_missing_field_is_named(
         (_set(7, "post"), "tape.post"),
         (_set("yes", "blocks", 0, "ops", 0, "random"), "tape.blocks[0].ops[0].random"),
         (_set({}, "blocks", 0, "ops"), "tape.blocks[0].ops"),
+        (_set([1, 2, 3], "blocks", 1, "bwd_recompute_split"),
+         "tape.blocks[1].bwd_recompute_split must be two integers"),
+        (_set(["1", 2], "blocks", 1, "bwd_recompute_split"),
+         "tape.blocks[1].bwd_recompute_split must be a list of integers"),
         # containers
         (_set("big", "peak_breakdown"), "peak_breakdown"),
         (_set({"activations": "x"}, "peak_breakdown"), "peak_breakdown"),

@@ -143,6 +143,15 @@ class BlockProfile:
     # before 2026-12-01). NOTE [ A segment's last input its recompute lets go ] in
     # _plan/peak.py.
     bwd_input_gone_peak: int = -1
+    # Its backward window in the step with every block checkpointed, split where its
+    # recompute ends: the peak until then and the peak from there on (above the
+    # window's start; with the input gone from there where autograd saved none of it,
+    # and what it frees of the tensors made before the chain held on). A segment ending
+    # at it lets go, when the recompute ends, of what only the forward held of the
+    # blocks before it (NOTE [ What a segment's recompute lets go when it ends ] in
+    # _plan/peak.py). (-1, -1): not measured (tapes made before 2026-12-01, or the step
+    # did not tag the block).
+    bwd_recompute_split: tuple[int, int] = (-1, -1)
     # Whether autograd saved its first input's storage in the forward (the block before
     # saved its output, or a block saved it as its input): where neither did and it
     # saves nothing, a segment ending at it never recomputes that input (NOTE [ A
@@ -573,7 +582,10 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             selective[str(k)] = build_dataclass(
                 SelectiveProfile, int_tuples(v, ("keep_ops", "skip_ops"), where_k), where_k)
         raw["selective"] = selective
-        raw = int_tuples(raw, ("output_unsaved",), where)
+        raw = int_tuples(raw, ("output_unsaved", "bwd_recompute_split"), where)
+        if len(raw.get("bwd_recompute_split", (-1, -1))) != 2:
+            raise SchemaError(f"{where}.bwd_recompute_split must be two integers, got "
+                              f"{list(raw['bwd_recompute_split'])!r}")
         if raw.get("output_ops") is not None:
             raw = int_tuples(raw, ("output_ops",), where)
         block = build_dataclass(BlockProfile, raw, where)

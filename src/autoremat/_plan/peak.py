@@ -605,11 +605,19 @@ def _held_past_chain(tape: Tape, k: int) -> bool:
 #     counted without what each recomputed block's next block released when the plain
 #     step's forward returned (``fwd_end_release`` with both kept), but the last
 #     block's own input, which its window counts gone already (``input_released``:
-#     the bytes of that release that were the block's input). The levels while the
-#     recompute runs, and the last block's window, which peaks in it or after, are
-#     counted as before. A fuzzed [attention, Linear, attention] model under bf16
-#     autocast whose input needs no gradient (seed 161139): segments of the first two
-#     blocks were 4,928 B (14%) over their steps, the first block's casts; now exact.
+#     the bytes of that release that were the block's input). A fuzzed [attention,
+#     Linear, attention] model under bf16 autocast whose input needs no gradient (seed
+#     161139): segments of the first two blocks were 4,928 B (14%) over their steps, the
+#     first block's casts; now exact. The last block's window runs across the end: its
+#     recompute is the last of the segment's. The step with every block checkpointed
+#     splits that block's window where its recompute ends (``bwd_recompute_split``: the
+#     peak until then, and from there on, with its input gone where autograd saves none
+#     of it); where its peak there is the window's after a kept block, the levels until
+#     the end count what the recompute holds (its cache, the statistics' copies) and
+#     those after it count without what it let go: a fuzzed [gated unit, attention,
+#     Conv+GroupNorm, attention, LayerNorm + Linear] model under bf16 autocast (seed
+#     160234) had segments up to 1,376 B over their steps, now exact. Elsewhere (older
+#     tapes, other windows) the window's peak is counted on the recompute's level.
 
 
 # NOTE [ Tensors made before the chain that later blocks take ]
@@ -945,11 +953,12 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                     prior, level, held = before[j - start]
                     peak_so_far = max(prior, level + min(
                         blocks[j].keep_fwd.peak_bytes + held, blocks[j].recompute_peak))
+            gone = let_go + _let_go(b)  # NOTE [ What a segment's recompute lets go ... ]
+            until, then = _last_window(b, last, last_held)
             bwd_peak = max(stash + after + peak_so_far,
-                           stash - b.stash_bytes + r_level - unmade + cache
-                           + _recomputed_input_gone(b, last, last_held),
-                           r_level - unmade - let_go - _let_go(b) + last.delta_bytes
-                           + back + last_freed)
+                           stash - b.stash_bytes + r_level - unmade + cache + until,
+                           r_level - unmade - gone + then,
+                           r_level - unmade - gone + last.delta_bytes + back + last_freed)
             out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
@@ -983,6 +992,22 @@ def _let_go(block: BlockProfile, whole: bool = False) -> int:
     if block.input_released >= 0:
         return release - block.input_released
     return release if block.input_saved else max(0, release - block.chain_bytes)
+
+
+def _last_window(block: BlockProfile, last: WindowMemory, held: int) -> tuple[int, int]:
+    """The peak of ``last``, the checkpointed backward window of a segment's last block
+    ``block`` after a kept one, while the segment's recompute runs and after it ends
+    (``_recomputed_input_gone`` for both where they are not told apart): from the
+    window split where its recompute ends in the step with every block checkpointed,
+    where its peak there is ``last``'s (NOTE [ What a segment's recompute lets go when
+    it ends ])."""
+    whole = _recomputed_input_gone(block, last, held)
+    until, then = block.bwd_recompute_split
+    alone = block.bwd.get((_RECOMPUTE, _RECOMPUTE))  # where the split was seen
+    if until < 0 or block.lets_input_go or alone is None or \
+            alone.peak_bytes != last.peak_bytes:
+        return whole, whole
+    return min(whole, until), min(whole, then)
 
 
 def _recomputed_input_gone(block: BlockProfile, last: WindowMemory, held: int) -> int:

@@ -515,23 +515,40 @@ def _input_gone_peak(base: BaseRuns, i: int, before: Sequence[tuple[int, int]]) 
     frees of the tensors made before the chain (``before``: ``(event, bytes)``) held on
     to its end, as a segment holds them (-1 where the step did not tag the block or its
     input was not made in the step)."""
+    split = _recompute_split(base, i, before, input_gone=True)
+    return -1 if split is None else max(split)
+
+
+def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], *,
+                     input_gone: bool) -> tuple[int, int] | None:
+    """In the step with every block checkpointed, block ``i``'s backward window's peak
+    until its recompute ends and from there on (above the window's start), what the
+    window frees of the tensors made before the chain (``before``: ``(event, bytes)``)
+    held on to its end; with ``input_gone``, the input's storage counted gone from where
+    the recompute ends (NOTE [ A segment's last input its recompute lets go ] and NOTE
+    [ What a segment's recompute lets go when it ends ] in _plan/peak.py). ``None``
+    where the step did not tag the block, or (``input_gone``) its input was not made in
+    the step."""
     found = _recompute_events(base, i)
     if found is None:
-        return -1
+        return None
     run, _, gone = found
-    record = run.probe.chain_records[i] if run.probe.chain_records else None
-    if record is None:
-        return -1
     start, stop = run.ends[i + 1], run.ends[i]
     if not start < gone <= stop:
-        return -1
+        return None
     moves = list(before)
-    if record.died is None or record.died > gone:  # alive when the recompute ended:
-        moves.append((gone, -record.nbytes))  # gone from there (a negative hold)...
-        if record.died is not None and record.died <= stop:
-            moves.append((record.died, record.nbytes))  # ...until it dies
-    peak, _ = held_peak(run.mem, start, stop, moves)
-    return peak - run.mem.levels[start]
+    if input_gone:
+        record = run.probe.chain_records[i] if run.probe.chain_records else None
+        if record is None:
+            return None
+        if record.died is None or record.died > gone:  # alive when the recompute ended:
+            moves.append((gone, -record.nbytes))  # gone from there (a negative hold)...
+            if record.died is not None and record.died <= stop:
+                moves.append((record.died, record.nbytes))  # ...until it dies
+    until, held = held_peak(run.mem, start, gone - 1, [m for m in moves if m[0] < gone])
+    after, _ = held_peak(run.mem, gone, stop, [m for m in moves if m[0] >= gone])
+    level = run.mem.levels[start]
+    return until - level, after + held - level
 
 
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
@@ -612,6 +629,9 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             bwd_input_gone_peak=_input_gone_peak(
                 base, i, made_before[(Decision.RECOMPUTE,) * n][i])
             if chain.input_saved and not chain.input_saved[i] else -1,
+            bwd_recompute_split=_recompute_split(
+                base, i, made_before[(Decision.RECOMPUTE,) * n][i],
+                input_gone=bool(chain.input_saved) and not chain.input_saved[i]) or (-1, -1),
             input_saved=not chain.input_saved or chain.input_saved[i],
             input_released=released_inputs[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)
