@@ -224,3 +224,22 @@ def test_a_segment_last_window_after_its_recompute_stands_without_those_casts() 
         for segments in ([(0, 2, RECOMPUTE), (2, 3, KEEP), (3, 4, KEEP), (4, 5, KEEP)],
                          [(0, 5, RECOMPUTE)], [(0, 1, KEEP), (1, 5, RECOMPUTE)]):
             exact(segments)
+
+
+def test_a_segment_recompute_holds_its_first_input_from_where_the_forward_let_it_go() -> None:
+    # NOTE [ The peak model ] in _plan/peak.py: fuzz seed 160039 (a Linear, a gated unit,
+    # two token mixers, Linear + in-place ReLU, Conv+BatchNorm). A token mixer lets go
+    # of its input after its peak; a segment of the two mixers holds that input through
+    # its recompute, counted held from the window's start it was one input (4,032 B)
+    # over its steps: it is held from where it died (the first block's held window)
+    from autoremat._core.decisions import KEEP, RECOMPUTE, Decision
+
+    spec = load_benchmark("fuzz").make_spec(160039)
+    assert spec["kinds"][2:4] == ["mixer", "mixer"]
+    with _fuzzed(spec) as (tape, exact):
+        mixer = tape.blocks[2]
+        held = mixer.fwd_held[(Decision.KEEP, Decision.KEEP)]
+        assert held.peak_bytes < mixer.keep_fwd.peak_bytes + mixer.fwd_frees
+        for rest in (KEEP, RECOMPUTE):
+            exact([(0, 1, rest), (1, 2, rest), (2, 4, RECOMPUTE), (4, 5, rest),
+                   (5, 6, rest)])

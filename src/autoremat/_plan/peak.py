@@ -28,7 +28,12 @@ NOTE [ The peak model ]
     the last block's backward: HGNetV2's stages end in a ReLU, and its segments measured
     up to 0.25% over a composition that took the window after a checkpointed block),
     then the others' plain backward windows. BatchNorm statistics are copied aside
-    while the recompute runs only. Before the recompute starts, the last block's
+    while the recompute runs only. The recompute holds the segment's first input
+    throughout, which the first block's plain forward lets go of: its window is counted
+    with that input held from where it died (``fwd_held``). Counted held from the
+    window's start (as tapes without that window still are), a segment of two token
+    mixers, which let go of their input after their peak, was that input (4,032 B) over
+    its step (fuzz seed 160039). Before the recompute starts, the last block's
     backward runs the ops that need no saved tensor (the residual's gradient, a bias's
     gradient, the contiguous copy of a token mixer's transposed gradient), whose outputs
     stay held through the recompute of every block of the segment
@@ -903,8 +908,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     # whole so far, what the plain step held until its forward returned
     let_go = 0
     # per block so far: the recompute's peak before it, the level the block's recompute
-    # starts at, and what it holds beyond its plain forward (NOTE [ A segment's last
-    # block that saves nothing ])
+    # starts at, and the block's own peak above it (NOTE [ A segment's last block that
+    # saves nothing ])
     before: list[tuple[int, int, int]] = []
     for k in range(start, last_stop):
         b = blocks[k]
@@ -950,9 +955,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                 unmade = 0 if b.input_saved else b.chain_bytes
                 # the recompute stops in block j, at the last tensor it saves
                 if blocks[j].recompute_peak >= 0:
-                    prior, level, held = before[j - start]
-                    peak_so_far = max(prior, level + min(
-                        blocks[j].keep_fwd.peak_bytes + held, blocks[j].recompute_peak))
+                    prior, level, own = before[j - start]
+                    peak_so_far = max(prior, level + min(own, blocks[j].recompute_peak))
             gone = let_go + _let_go(b)  # NOTE [ What a segment's recompute lets go ... ]
             until, then = _last_window(b, last, last_held)
             bwd_peak = max(stash + after + peak_so_far,
@@ -963,11 +967,12 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
         # the recompute keeps what the plain forward freed in the first block (its
-        # input, held by the segment): counted held from the window's start
+        # input, held by the segment): counted held from where it died
         kept = (max(b.fwd_frees, 0) if k == start else 0) + recast[k - start]
+        own = _recomputed_fwd_peak(b, first=k == start) + recast[k - start]
         cache += cached[k - start]
-        before.append((r_peak, r_level + cache, kept))
-        r_peak = max(r_peak, r_level + cache + b.keep_fwd.peak_bytes + kept)
+        before.append((r_peak, r_level + cache, own))
+        r_peak = max(r_peak, r_level + cache + own)
         r_level += b.keep_fwd.delta_bytes + kept
         if k > start:  # (block k's release counts what block k - 1 made)
             let_go += _let_go(b, whole=True)
@@ -977,6 +982,18 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             freed, held = _frees_made_before(b, (_KEEP, _KEEP))
             back = max(b.keep_bwd.peak_bytes + held, back + b.keep_bwd.delta_bytes + freed)
     return out
+
+
+def _recomputed_fwd_peak(block: BlockProfile, first: bool) -> int:
+    """The peak of ``block``'s plain forward as a segment's recompute runs it: the
+    segment's ``first`` block with what its plain forward lets go of that was made
+    before it (its input) held from where it died (its held window with both kept;
+    where not measured, held from the window's start), the others as measured."""
+    if not first or block.fwd_frees <= 0:
+        return block.keep_fwd.peak_bytes
+    held = block.fwd_held.get((_KEEP, _KEEP))
+    return held.peak_bytes if held is not None else \
+        block.keep_fwd.peak_bytes + block.fwd_frees
 
 
 def _let_go(block: BlockProfile, whole: bool = False) -> int:
