@@ -588,7 +588,7 @@ def _held_past_chain(tape: Tape, k: int) -> bool:
 #     its tags and the input's storage record: the checkpoint alone may let go of it
 #     before its window peaks, when its first op's backward has run). Where the last
 #     block's window after a kept block peaks as it does there, the segment counts that
-#     peak (``_recomputed_input_gone``). Counted as the peak less the input, a fuzzed
+#     peak (``_last_window``). Counted as the peak less the input, a fuzzed
 #     [token mixer, Linear with a residual] segment under autocast measured 536 B over
 #     its prediction (seed 2): alone, its window peaks with the input gone already. The
 #     figure holds what the window frees of the tensors made before the chain to its
@@ -1013,32 +1013,23 @@ def _let_go(block: BlockProfile, whole: bool = False) -> int:
 
 def _last_window(block: BlockProfile, last: WindowMemory, held: int) -> tuple[int, int]:
     """The peak of ``last``, the checkpointed backward window of a segment's last block
-    ``block`` after a kept one, while the segment's recompute runs and after it ends
-    (``_recomputed_input_gone`` for both where they are not told apart): from the
-    window split where its recompute ends in the step with every block checkpointed,
-    where its peak there is ``last``'s (NOTE [ What a segment's recompute lets go when
-    it ends ])."""
-    whole = _recomputed_input_gone(block, last, held)
-    until, then = block.bwd_recompute_split
-    alone = block.bwd.get((_RECOMPUTE, _RECOMPUTE))  # where the split was seen
-    if until < 0 or block.lets_input_go or alone is None or \
-            alone.peak_bytes != last.peak_bytes:
-        return whole, whole
-    return min(whole, until), min(whole, then)
-
-
-def _recomputed_input_gone(block: BlockProfile, last: WindowMemory, held: int) -> int:
-    """The peak of ``last``, the checkpointed backward window of a segment's last block
     ``block`` after a kept one, with what it frees of the tensors made before the chain
     held on (raising it by ``held``), after the blocks before it recomputed as kept
-    ones: with its input gone from where its recompute ends, where autograd saves none
-    of it (NOTE [ A segment's last input its recompute lets go ])."""
-    if block.bwd_input_gone_peak < 0 or block.lets_input_go:
-        return last.peak_bytes + held
+    ones: while the segment's recompute runs, and after it ends. Where its peak is the
+    one seen in the step with every block checkpointed, from that window split where its
+    recompute ends (NOTE [ What a segment's recompute lets go when it ends ]), or, in
+    older tapes, that window's peak with its input gone from there, where autograd
+    saves none of it, for both (NOTE [ A segment's last input its recompute lets go ])."""
+    whole = last.peak_bytes + held
     alone = block.bwd.get((_RECOMPUTE, _RECOMPUTE))  # where the recompute's end was seen
-    if alone is None or alone.peak_bytes != last.peak_bytes:
-        return last.peak_bytes + held
-    return min(last.peak_bytes + held, block.bwd_input_gone_peak)
+    if block.lets_input_go or alone is None or alone.peak_bytes != last.peak_bytes:
+        return whole, whole
+    until, then = block.bwd_recompute_split
+    if until >= 0:
+        return min(whole, until), min(whole, then)
+    if block.bwd_input_gone_peak >= 0:
+        whole = min(whole, block.bwd_input_gone_peak)
+    return whole, whole
 
 
 def _frees_made_before(block: BlockProfile, key: WindowKey) -> tuple[int, int]:

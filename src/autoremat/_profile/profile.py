@@ -508,17 +508,6 @@ def _recompute_peak(base: BaseRuns, i: int) -> int:
     return max(levels[first:stop]) - levels[first - 1]
 
 
-def _input_gone_peak(base: BaseRuns, i: int, before: Sequence[tuple[int, int]]) -> int:
-    """``BlockProfile.bwd_input_gone_peak`` of block ``i``, whose input autograd does not
-    save: in the step with every block checkpointed, its backward window's peak with
-    the input's storage counted gone from where its recompute ends and what the window
-    frees of the tensors made before the chain (``before``: ``(event, bytes)``) held on
-    to its end, as a segment holds them (-1 where the step did not tag the block or its
-    input was not made in the step)."""
-    split = _recompute_split(base, i, before, input_gone=True)
-    return -1 if split is None else max(split)
-
-
 def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], *,
                      input_gone: bool) -> tuple[int, int] | None:
     """In the step with every block checkpointed, block ``i``'s backward window's peak
@@ -528,7 +517,8 @@ def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], 
     the recompute ends (NOTE [ A segment's last input its recompute lets go ] and NOTE
     [ What a segment's recompute lets go when it ends ] in _plan/peak.py). ``None``
     where the step did not tag the block, or (``input_gone``) its input was not made in
-    the step."""
+    the step. With ``input_gone``, the higher of the two is the block's
+    ``bwd_input_gone_peak``."""
     found = _recompute_events(base, i)
     if found is None:
         return None
@@ -575,12 +565,17 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     one = {d: post_fwd_held_peaks(runs[(d,) * n], n) for d in measured}
     saved = saved_by_block(plain)
     released_inputs = inputs_released_at_fwd_end(plain, n)
+    # the backward windows of the step with every block checkpointed, split where each
+    # block's recompute ends, with the input gone there where autograd saved none of it
+    gone = [bool(chain.input_saved) and not chain.input_saved[i] for i in range(n)]
+    splits = [_recompute_split(base, i, made_before[(Decision.RECOMPUTE,) * n][i],
+                               input_gone=gone[i]) for i in range(n)]
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
                                    if setup.offload else OffloadStats() for name in names]
                                   for d in (Decision.OFFLOAD, Decision.OFFLOAD_INPUT))
     block_list = []
-    for i, name in enumerate(names):
+    for i, (name, split) in enumerate(zip(names, splits, strict=True)):
         module = model.get_submodule(name)
         block_list.append(BlockProfile(
             name=name, fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
@@ -626,12 +621,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
             recompute_after=_recompute_after(base, i),
             recompute_peak=_recompute_peak(base, i),
             lets_input_go=lets_go[i],
-            bwd_input_gone_peak=_input_gone_peak(
-                base, i, made_before[(Decision.RECOMPUTE,) * n][i])
-            if chain.input_saved and not chain.input_saved[i] else -1,
-            bwd_recompute_split=_recompute_split(
-                base, i, made_before[(Decision.RECOMPUTE,) * n][i],
-                input_gone=bool(chain.input_saved) and not chain.input_saved[i]) or (-1, -1),
+            bwd_input_gone_peak=max(split) if gone[i] and split is not None else -1,
+            bwd_recompute_split=split or (-1, -1),
             input_saved=not chain.input_saved or chain.input_saved[i],
             input_released=released_inputs[i],
             stash_bytes=sum(counted_bytes(buf.untyped_storage().nbytes(), ran_on, rounding)

@@ -1540,7 +1540,8 @@ def inputs_released_at_fwd_end(run: MemoryRun, n: int) -> list[int]:
     not released then; -1 where the step has no record of it): NOTE [ What a segment's
     recompute lets go when it ends ] in _plan/peak.py."""
     records = {id(r): i for i, r in enumerate(run.probe.chain_records) if r is not None}
-    out = [0 if i in records.values() else -1 for i in range(n)]
+    seen = set(records.values())
+    out = [0 if i in seen else -1 for i in range(n)]
     for block, _, record in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"]):
         if records.get(id(record)) == block:
             out[block] += record.nbytes
