@@ -7,6 +7,7 @@ A step is checked once, when it is made; every public entry point takes one in p
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from autoremat import LoopError, RematError, Step, zoo
 from autoremat._bench.measure import bench_measure, time_step
 from autoremat._core.errors import InternalError
 from autoremat._core.step import run_step
-from autoremat._measure.measured import measure_step
+from autoremat._measure.measured import heap_frozen, measure_step
 from autoremat._measure.memory import track_memory
 from autoremat._verify import step_measure
 
@@ -192,6 +193,53 @@ def test_measure_step_leaves_no_trace_and_starts_from_the_rng_given() -> None:
     assert timed.wall_ms is not None and timed.wall_ms > 0 and timed.cpu_ms is not None
     with pytest.raises(InternalError, match="a timed step runs without instruments"):
         measure_step(step, memory="storages", timed=True)
+
+
+class _Cyclic(nn.Module):
+    """A linear layer whose forward notes whether the heap is frozen and leaves a tensor
+    of its own in a reference cycle, which it collects before it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.frozen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.frozen.append(gc.get_freeze_count() > 0)
+        cycle: list[Any] = [torch.ones(1 << 20)]  # 4 MiB, held only by the cycle
+        cycle.append(cycle)
+        del cycle
+        gc.collect()  # the step's own garbage is collected as in a plain step
+        return self.fc(x)
+
+
+def test_steps_are_measured_with_the_heap_frozen_and_their_own_garbage_collected() -> None:
+    # NOTE [ The heap frozen while steps are measured ]
+    model, x = _Cyclic(), torch.randn(8, 64)
+    measured = measure_step(Step(model, x), memory="storages")
+    assert model.frozen == [True] and gc.get_freeze_count() == 0  # let go afterwards
+    assert measured.memory is not None
+    freed = [r for r in measured.memory.records if r.nbytes == 1 << 22]
+    assert len(freed) == 1 and freed[0].died is not None  # collected inside the step
+    # profile's steps, nested: one freeze
+    autoremat.profile(model, x, lambda out: out.pow(2).mean(), blocks=["fc"])
+    assert all(model.frozen) and len(model.frozen) > 1 and gc.get_freeze_count() == 0
+    # a heap the process froze itself, or a collector it turned off, stays as it was
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with heap_frozen():
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        model.frozen.clear()
+        measure_step(Step(model, x))
+        assert model.frozen == [False] and not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_every_tool_measures_the_same_step_peak() -> None:

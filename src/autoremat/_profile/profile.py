@@ -93,6 +93,7 @@ from autoremat._measure.blocks import (
     param_signature,
     resolve_blocks,
 )
+from autoremat._measure.measured import heap_frozen
 from autoremat._measure.memory import Rounding, counted_bytes
 from autoremat._measure.tape import (
     WINDOW_DECISIONS,
@@ -782,9 +783,10 @@ def _profiled(setup: Setup, blocks: BlockSpec, repeats: int, with_selective: boo
     step = setup.step
     # the stages: arguments checked (above), the chain found by a warm-up step, the
     # memory runs, the options (selective, head), timing; then the tape built from them
-    with preserved_state(step.model, step.inputs), training_config(step.model) as cache_notes, \
-            compile_settings(setup.backend), _forgetting(step.model, setup.backend), \
-            ExitStack() as calls:
+    # (the heap frozen for all of it: NOTE [ The heap frozen while steps are measured ])
+    with heap_frozen(), preserved_state(step.model, step.inputs), \
+            training_config(step.model) as cache_notes, compile_settings(setup.backend), \
+            _forgetting(step.model, setup.backend), ExitStack() as calls:
         stage("warm-up step")
         given = None if blocks is None else "predicate" if callable(blocks) else "list"
         # (compiled: timed compiled, in _timing)
