@@ -26,6 +26,8 @@ Run:        OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py -
             OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_cost.py --heldout \
                 --tag before
 Quick test: python benchmarks/profile_cost.py --size tiny --out /tmp/pc
+A CPU stand-in for a GPU's short steps: ``--size launch`` (the ``gpu`` size's 12 layers,
+64 wide, batch 2 x 64 tokens: ops of a few microseconds, as on a GPU).
 Writes ``<out>/profile_cost[_<tag>].json`` and ``.md`` (``profile_cost_heldout[_<tag>]`` with
 ``--heldout``); device, torch version, date and thread count in both. Times are wall
 clocks on whatever else the machine is running: on a shared CPU they move by 10-30%.
@@ -71,10 +73,14 @@ _ZOO_SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"n_layer": 2, "n_embd": 32, "n_head": 2, "batch_size": 2, "seq_len": 32,
              "vocab_size": 64},
     "gpu": {"n_layer": 12, "n_embd": 768, "n_head": 12, "batch_size": 8, "seq_len": 1024},
+    # the GPU size's 12 layers at a width a CPU steps through in tens of ms: each op takes
+    # a few microseconds, so, as on a GPU, a profile's per-op Python is what it pays for
+    "launch": {"n_layer": 12, "n_embd": 64, "n_head": 4, "batch_size": 2, "seq_len": 64,
+               "vocab_size": 256},
 }
 # HF: (layers, width, heads, seq, batch, vocab)
 _HF_SIZES = {"default": (6, 256, 4, 256, 4, 8192), "tiny": (2, 32, 2, 32, 2, 64),
-             "gpu": (12, 768, 12, 1024, 8, 50257)}
+             "gpu": (12, 768, 12, 1024, 8, 50257), "launch": (12, 64, 4, 64, 2, 256)}
 
 
 def _zoo(name: str) -> Builder:
@@ -459,8 +465,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
     """Run the benchmark; returns the path of the Markdown report."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", choices=("default", "tiny", "gpu"), default="default",
-                        help="gpu: GPT-2 small's shape at batch 8 x 1024 (not for --heldout)")
+    parser.add_argument("--size", choices=("default", "tiny", "gpu", "launch"),
+                        default="default",
+                        help="gpu: GPT-2 small's shape at batch 8 x 1024; launch: its 12 "
+                             "layers 64 wide, a CPU stand-in for a GPU's short steps (neither "
+                             "for --heldout)")
     parser.add_argument("--models", default=None,
                         help=f"comma-separated; default: all of {list(MODELS)} "
                              f"(with --heldout: {list(HELDOUT)})")
