@@ -16,10 +16,12 @@ from conftest import load_benchmark
 
 
 @contextlib.contextmanager
-def _fuzzed(spec: dict[str, Any]) -> Iterator[tuple[Any, Callable[[Any], int]]]:
-    """The fuzzed model of ``spec`` profiled as a test of one defect needs it (no timing,
-    selective or head options), under bf16 autocast where ``spec`` says: its tape, and a
-    check that the plan of ``segments`` measures its prediction (returned) exactly."""
+def _fuzzed(spec: dict[str, Any], selective: bool = False,
+            ) -> Iterator[tuple[Any, Callable[[Any], int]]]:
+    """The fuzzed model of ``spec`` profiled as a test of one defect needs it (no timing
+    or head options; selective options where ``selective``), under bf16 autocast where
+    ``spec`` says: its tape, and a check that the plan of ``segments`` measures its
+    prediction (returned) exactly."""
     import autoremat
 
     from _steps import segments_peaks
@@ -29,7 +31,7 @@ def _fuzzed(spec: dict[str, Any]) -> Iterator[tuple[Any, Callable[[Any], int]]]:
     with torch.autocast("cpu", dtype=torch.bfloat16) if spec["autocast"] else \
             contextlib.nullcontext():
         tape = autoremat.profile(model, x, loss_fn=loss_fn, blocks=names, timing=False,
-                                 with_selective=False, with_head=False)
+                                 with_selective=selective, with_head=False)
 
         def exact(segments: Any) -> int:
             predicted, measured = segments_peaks(model, x, tape, segments, loss_fn)
@@ -243,3 +245,26 @@ def test_a_segment_recompute_holds_its_first_input_from_where_the_forward_let_it
         for rest in (KEEP, RECOMPUTE):
             exact([(0, 1, rest), (1, 2, rest), (2, 4, RECOMPUTE), (4, 5, rest),
                    (5, 6, rest)])
+
+
+def test_alike_blocks_derive_their_own_selective_options() -> None:
+    # NOTE [ Alike blocks derive their own options ] in _profile/options.py: fuzz seed
+    # 242196, two gated units alike in the kept and the checkpointed step, the second the
+    # chain's last, whose output a skip adds to its input. The incoming gradient is the
+    # skip's too, so its backward frees one tensor fewer before its sigmoid's backward:
+    # the option keeping the matmuls' outputs, taken from the first unit, was one
+    # activation (960 B) under its step in every plan choosing it for the last
+    from autoremat._core.decisions import KEEP, RECOMPUTE, Choice, Decision
+
+    spec = load_benchmark("fuzz").make_spec(242196)
+    assert spec["kinds"] == ["gated", "mixer", "gated"] and list(map(tuple, spec["skips"])) \
+        == [(2, 2)]
+    with _fuzzed(spec, selective=True) as (tape, exact):
+        first, last = tape.blocks[0], tape.blocks[2]
+        k, r = Decision.KEEP, Decision.RECOMPUTE
+        assert (first.keep_bwd, first.bwd[k, r]) == (last.keep_bwd, last.bwd[r, r])  # alike
+        assert last.selective["matmul"].bwd.peak_bytes > first.selective["matmul"].bwd.peak_bytes
+        matmul = Choice.selective_from_key("matmul")
+        for rest in (KEEP, RECOMPUTE):
+            exact([(0, 1, rest), (1, 2, rest), (2, 3, matmul)])
+            exact([(0, 1, matmul), (1, 2, rest), (2, 3, matmul)])

@@ -59,16 +59,63 @@ NOTE [ Kept outputs that outlive the forward ]
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import numpy as np
 
 from autoremat._core.saves import is_keep_set, save_set_of
-from autoremat._measure.memory import Rounding, StorageRecord, counted_bytes
+from autoremat._measure.memory import MemoryTracker, Rounding, StorageRecord, counted_bytes
 from autoremat._measure.ops import OpRecord
 from autoremat._measure.regions import RegionCall
 from autoremat._measure.tape import SelectiveProfile, WindowMemory
 from autoremat._mechanism.selective import _op_info, can_stand_in
 
 __all__ = ["derive", "held_after"]
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """A step's timeline as ``derive`` reads it: its levels, and its storages by the
+    event that made them (those a kernel held inside an op apart)."""
+
+    levels: np.ndarray
+    born: dict[int, StorageRecord]
+    inside: dict[int, StorageRecord]
+    checked: dict[int, bool]  # id(tags) -> _ran_as_forward, each block's read once
+
+
+_last: tuple[weakref.ref[MemoryTracker], _Timeline] | None = None
+
+
+def _timeline(mem: MemoryTracker) -> _Timeline:
+    """``mem``'s timeline, made once for the step every block's options are derived
+    from (a profile derives each block's own: NOTE [ Alike blocks derive their own
+    options ] in ``options.py``)."""
+    global _last
+    if _last is not None and _last[0]() is mem and len(_last[1].levels) == len(mem.levels):
+        return _last[1]
+    born: dict[int, StorageRecord] = {}
+    inside: dict[int, StorageRecord] = {}
+    for record in mem.records:
+        (inside if record.transient else born)[record.born] = record
+    found = _Timeline(np.asarray(mem.levels, dtype=np.int64), born, inside, {})
+    _last = (weakref.ref(mem), found)
+    return found
+
+
+def _ran_as_forward(tags: RegionCall, ops: tuple[OpRecord, ...], timeline: _Timeline) -> bool:
+    """Whether the block's tagged forward ran the plain step's ops (``ops``) and its
+    recompute a prefix of them: read once per block (its options all ask)."""
+    found = timeline.checked.get(id(tags))
+    if found is None:
+        forward, recompute = tags.forward, tags.recompute
+        found = timeline.checked[id(tags)] = not (
+            len(forward) != len(ops)
+            or any(str(op.func) != record.op for op, record in zip(forward, ops, strict=True))
+            or len(recompute) > len(forward)
+            or any(r.func is not f.func for r, f in zip(recompute, forward, strict=False)))
+    return found
 
 
 def _kept_positions(key: str, option: SelectiveProfile, tags: RegionCall) -> set[int] | None:
@@ -92,7 +139,7 @@ def held_after(tags: RegionCall, key: str, option: SelectiveProfile, *,
     kept = _kept_positions(key, option, tags)
     if tags.mem is None or kept is None:
         return 0
-    born = {r.born: r for r in tags.mem.records if not r.transient}
+    born = _timeline(tags.mem).born
     total = 0
     for p in sorted(kept):
         if p < len(tags.forward):
@@ -115,10 +162,7 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
     forward and backward windows and recompute FLOPs, or ``None`` where they must be
     measured (NOTE [ Selective windows from the checkpointed step ])."""
     mem, forward, recompute = tags.mem, tags.forward, tags.recompute
-    if mem is None or tags.freed is None or len(forward) != len(ops) or \
-            any(str(op.func) != record.op for op, record in zip(forward, ops, strict=True)) \
-            or len(recompute) > len(forward) \
-            or any(r.func is not f.func for r, f in zip(recompute, forward, strict=False)):
+    if mem is None or tags.freed is None or not _ran_as_forward(tags, ops, _timeline(mem)):
         return None
     kept = _kept_positions(key, option, tags)
     skipped = set(option.skip_ops)
@@ -131,12 +175,11 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
         return None  # changed in place after it was kept: neither kept nor skipping
     if sum(r.flops for r in ops[:len(recompute)]) != recompute_flops:
         return None  # recompute ran something else than forward's ops
-    born: dict[int, StorageRecord] = {}  # storages, by the event that made them
+    timeline = _timeline(mem)
+    born = timeline.born  # storages, by the event that made them
     # what a kernel held inside an op (CUDA; NOTE [ Memory a kernel allocates inside an
     # op ] in memory.py): gone from recompute with the op
-    inside: dict[int, StorageRecord] = {}
-    for record in mem.records:
-        (inside if record.transient else born)[record.born] = record
+    inside = timeline.inside
     freed = tags.freed + 1  # the first event after the frame was freed
     never = len(mem.levels)
     changes: list[tuple[int, int, int]] = []  # +bytes over events [start, stop)
@@ -174,7 +217,7 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
             assert position.device is not None  # for mypy: set with drawn
             changes.append((position.stop - 1, freed,
                             counted_bytes(position.drawn, position.device, rounding)))
-    levels = np.asarray(mem.levels, dtype=np.int64)
+    levels = timeline.levels
     out = []
     for start, stop in windows:
         level = levels[start:stop + 1].copy()

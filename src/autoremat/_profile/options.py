@@ -241,7 +241,8 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
     derived from the checkpointed step where its tags allow (NOTE [ Selective windows
     from the checkpointed step ]), else measured in steps where every other block is
     checkpointed or selective, several blocks' options in one step (NOTE [ Options
-    measured together ]); block ``i`` takes the figures of block ``alike[i]``. Recompute
+    measured together ]); block ``i`` takes the figures of block ``alike[i]`` where its
+    own could not be derived (NOTE [ Alike blocks derive their own options ]). Recompute
     FLOPs are measured, as for whole blocks: checkpoint's early stop skips the ops after
     the last one backward needs."""
     step, plain = setup.step, base.counter
@@ -259,11 +260,12 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
     measured: dict[tuple[int, str], tuple[WindowMemory, WindowMemory, int]] = {}
     if any(base.tags):  # NOTE [ Selective windows from the checkpointed step ]
         stage("selective options derived")
-        for like in members:
-            for key in options[like]:
-                found = _derived(base, like, key, options[like][key][2], ops[like], setup)
+        # every block from its own tags (NOTE [ Alike blocks derive their own options ])
+        for i, block_options in enumerate(options):
+            for key in block_options:
+                found = _derived(base, i, key, block_options[key][2], ops[i], setup)
                 if found is not None:
-                    measured[like, key] = found
+                    measured[i, key] = found
     pending = {like: sorted(k for k in options[like] if (like, k) not in measured)
                for like in members}
     steps = max((len(keys) for keys in pending.values()), default=0)
@@ -283,16 +285,31 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
             checkpointed_flops(step, names, plain, contexts.eager)
         for i, key in chosen.items():
             measured[alike[i], key] = (run.fwd[i], run.bwd[i], flops[i])
-    held = {(like, key): _held_after(base, like, key, options[like][key][2])
-            for like in members for key in options[like]}
     out: list[dict[str, SelectiveProfile]] = [{} for _ in names]
     for i, block_options in enumerate(options):
+        # its own figures where its tags gave them, else those of the block it is alike to
+        own = _tagged(base, i) is not None
         for key in sorted(block_options):
-            fwd, bwd, flops_i = measured[alike[i], key]
+            fwd, bwd, flops_i = measured.get((i, key)) or measured[alike[i], key]
+            held = _held_after(base, i if own else alike[i], key,
+                               options[i if own else alike[i]][key][2])
             out[i][key] = dataclasses.replace(block_options[key][2], fwd=fwd, bwd=bwd,
-                                              recompute_flops=flops_i,
-                                              held_after=held[alike[i], key])
+                                              recompute_flops=flops_i, held_after=held)
     return out
+
+
+# NOTE [ Alike blocks derive their own options ]
+#     Blocks alike (``_alike``: the same ops and the same figures in the kept and the
+#     checkpointed step) share the selective options measured in steps of their own
+#     (NOTE [ Options measured together ]). Options derived from the checkpointed step
+#     are not shared: two blocks with the same windows there can free in another order
+#     (fuzz seed 242196: two gated units, the second the chain's last, whose output a
+#     skip adds to its input; the incoming gradient is the skip's too, so that block's
+#     backward frees one tensor fewer before its sigmoid's backward), and an option moves
+#     the levels of each by its own events. Taken from the first block, the last
+#     block's option keeping the matmuls' outputs was one activation (960 B) under its
+#     step in every plan choosing it; each block derived from its own tags, exact. The
+#     derivation reads the step's timeline only, no step of its own.
 
 
 def _derived(base: BaseRuns, i: int, key: str, option: SelectiveProfile,
