@@ -268,3 +268,28 @@ def test_alike_blocks_derive_their_own_selective_options() -> None:
         for rest in (KEEP, RECOMPUTE):
             exact([(0, 1, rest), (1, 2, rest), (2, 3, matmul)])
             exact([(0, 1, matmul), (1, 2, rest), (2, 3, matmul)])
+
+
+def test_a_segment_last_block_holds_the_input_the_block_before_saves() -> None:
+    # NOTE [ A segment's last block whose input the block before holds ] in
+    # _plan/peak.py: fuzz seed 250385 reduced to a Linear with an in-place ReLU (which
+    # saves its output, the next block's input) before an attention block given a mask
+    # made before the chain, under bf16 autocast. The step with every block checkpointed
+    # lets the attention's input go with its checkpoint; a segment of both blocks holds
+    # it through the attention's backward, whose peak comes after (the weight
+    # gradient's cast): the segment was 336 B under its step
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+
+    spec = {"seed": 250385, "C": 28, "B": 2, "L": 10, "kinds": ["linrelu", "sdpa"],
+            "drops": [False, False], "mask": True, "skips": [], "stem": "emb", "vocab": 11,
+            "heads": 1, "classes": 5, "autocast": True, "loss": "pow", "selective": False}
+    with _fuzzed(spec) as (tape, exact):
+        attention = tape.blocks[1]
+        assert attention.bwd_recompute_then_held > attention.bwd_recompute_split[1] >= 0
+        exact([(0, 2, RECOMPUTE)])
+        for rest in (KEEP, RECOMPUTE):
+            exact([(0, 1, rest), (1, 2, RECOMPUTE)])
+    spec = dict(spec, kinds=["linear", "sdpa"])  # a Linear saves no output: not held
+    with _fuzzed(spec) as (tape, exact):
+        assert tape.blocks[1].bwd_recompute_then_held == -1
+        exact([(0, 2, RECOMPUTE)])

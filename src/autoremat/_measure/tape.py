@@ -189,6 +189,15 @@ class BlockProfile:
     # in _plan/peak.py). -1: not measured (tapes made before 2026-12-01, or the step did
     # not tag the block).
     recompute_peak: int = -1
+    # As the second part of ``bwd_recompute_split`` (the peak from where its recompute
+    # ends), with what the window frees of its input's storage held on too, where the
+    # plain step holds that input past the block's backward window (the block before
+    # saves it as its output: an in-place ReLU, a sigmoid), as a segment ending at it
+    # does. -1: the plain step does not hold it, the step with every block checkpointed
+    # does not free it in that window, or not measured (tapes made before 2026-12-01).
+    # NOTE [ A segment's last block whose input the block before holds ] in
+    # _plan/peak.py.
+    bwd_recompute_then_held: int = -1
     # What its backward window's peak rises by where the block before holds the
     # storages of its input that the window frees (a selective block before it that
     # keeps its output: NOTE [ A selective block that keeps its output ] in

@@ -1026,12 +1026,27 @@ def _last_window(block: BlockProfile, last: WindowMemory, held: int) -> tuple[in
         return whole, whole
     until, then = block.bwd_recompute_split
     if until >= 0:
-        return min(whole, until), min(whole, then)
+        # NOTE [ A segment's last block whose input the block before holds ]
+        return min(whole, until), min(whole, max(then, block.bwd_recompute_then_held))
     if block.bwd_input_gone_peak >= 0:
         whole = min(whole, block.bwd_input_gone_peak)
     return whole, whole
 
 
+# NOTE [ A segment's last block whose input the block before holds ]
+#     The split of the last block's window where its recompute ends comes from the step
+#     with every block checkpointed, where the block's own checkpoint alone holds its
+#     input and lets it go when its backward no longer needs it. In a segment the input
+#     is the block before's output, recomputed as the plain forward runs it: where that
+#     block saves it (an in-place ReLU, a sigmoid), it outlives the last block's window.
+#     Counted freed, the levels after the recompute were under the step by the input
+#     wherever they peak after that free (fuzz seed 250385, reduced to a Linear with an
+#     in-place ReLU before an attention block given a mask made before the chain, bf16
+#     autocast: the segment of both 336 B under, its peak at the attention's weight
+#     gradient's cast, after its checkpoint let the input and the mask go). The profile
+#     measures that part of the window with the input held on too, where the plain step
+#     holds it past the window (``bwd_recompute_then_held``); the whole window's figure
+#     (the window after a kept block, the made-before tensors held) still bounds it.
 def _frees_made_before(block: BlockProfile, key: WindowKey) -> tuple[int, int]:
     """What ``block``'s backward window under ``key`` frees of the tensors the model made
     before the chain, and how far its peak rises where they are held on (NOTE [ A segment

@@ -542,6 +542,34 @@ def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], 
     return until - level, after + held - level
 
 
+def _recompute_then_held(base: BaseRuns, i: int, before: Sequence[tuple[int, int]],
+                         plain: MemoryRun) -> int:
+    """``BlockProfile.bwd_recompute_then_held``: in the step with every block
+    checkpointed, block ``i``'s backward window's peak from where its recompute ends
+    (above the window's start), what it frees of the tensors made before the chain
+    (``before``) and of its input's storage held on to its end, where the plain step
+    (``plain``) holds that input past the block's backward window (the block before
+    saves it as its output, or the model holds it); -1 where it does not, where the
+    checkpointed step does not free the input in the window, or where the step did not
+    tag the block (NOTE [ A segment's last block whose input the block before holds ]
+    in _plan/peak.py)."""
+    found = _recompute_events(base, i)
+    mine = plain.probe.chain_records[i] if plain.probe.chain_records else None
+    if found is None or mine is None or \
+            (mine.died is not None and mine.died <= plain.ends[i]):
+        return -1
+    run, _, gone = found
+    start, stop = run.ends[i + 1], run.ends[i]
+    record = run.probe.chain_records[i] if run.probe.chain_records else None
+    if not start < gone <= stop or record is None or record.died is None \
+            or not start < record.died <= stop:
+        return -1
+    moves = [*before, (record.died, record.nbytes)]
+    _, held = held_peak(run.mem, start, gone - 1, [m for m in moves if m[0] < gone])
+    after, _ = held_peak(run.mem, gone, stop, [m for m in moves if m[0] >= gone])
+    return after + held - run.mem.levels[start]
+
+
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
           selective: list[dict[str, SelectiveProfile]], times: BlockTimes, *,
           notes: list[str], head: HeadProfile | None = None) -> Tape:
@@ -621,6 +649,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                             for d in measured if i in one[d]},
             recompute_after=_recompute_after(base, i),
             recompute_peak=_recompute_peak(base, i),
+            bwd_recompute_then_held=_recompute_then_held(
+                base, i, made_before[(Decision.RECOMPUTE,) * n][i], plain),
             lets_input_go=lets_go[i],
             bwd_input_gone_peak=max(split) if gone[i] and split is not None else -1,
             bwd_recompute_split=split or (-1, -1),
