@@ -162,7 +162,10 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
     forward and backward windows and recompute FLOPs, or ``None`` where they must be
     measured (NOTE [ Selective windows from the checkpointed step ])."""
     mem, forward, recompute = tags.mem, tags.forward, tags.recompute
-    if mem is None or tags.freed is None or not _ran_as_forward(tags, ops, _timeline(mem)):
+    if mem is None or tags.freed is None:
+        return None
+    timeline = _timeline(mem)
+    if not _ran_as_forward(tags, ops, timeline):
         return None
     kept = _kept_positions(key, option, tags)
     skipped = set(option.skip_ops)
@@ -175,7 +178,6 @@ def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: Select
         return None  # changed in place after it was kept: neither kept nor skipping
     if sum(r.flops for r in ops[:len(recompute)]) != recompute_flops:
         return None  # recompute ran something else than forward's ops
-    timeline = _timeline(mem)
     born = timeline.born  # storages, by the event that made them
     # what a kernel held inside an op (CUDA; NOTE [ Memory a kernel allocates inside an
     # op ] in memory.py): gone from recompute with the op

@@ -536,6 +536,13 @@ def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], 
             moves.append((gone, -record.nbytes))  # gone from there (a negative hold)...
             if record.died is not None and record.died <= stop:
                 moves.append((record.died, record.nbytes))  # ...until it dies
+    return _split_peaks(run, start, gone, stop, moves)
+
+
+def _split_peaks(run: MemoryRun, start: int, gone: int, stop: int,
+                 moves: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The peaks of events ``start..gone-1`` and ``gone..stop`` of ``run`` above the level
+    at ``start``, each of ``moves`` (``(event, bytes)``) held from its event on."""
     until, held = held_peak(run.mem, start, gone - 1, [m for m in moves if m[0] < gone])
     after, _ = held_peak(run.mem, gone, stop, [m for m in moves if m[0] >= gone])
     level = run.mem.levels[start]
@@ -564,10 +571,7 @@ def _recompute_then_held(base: BaseRuns, i: int, before: Sequence[tuple[int, int
     if not start < gone <= stop or record is None or record.died is None \
             or not start < record.died <= stop:
         return -1
-    moves = [*before, (record.died, record.nbytes)]
-    _, held = held_peak(run.mem, start, gone - 1, [m for m in moves if m[0] < gone])
-    after, _ = held_peak(run.mem, gone, stop, [m for m in moves if m[0] >= gone])
-    return after + held - run.mem.levels[start]
+    return _split_peaks(run, start, gone, stop, [*before, (record.died, record.nbytes)])[1]
 
 
 def _tape(setup: Setup, chain: Chain, base: BaseRuns,
