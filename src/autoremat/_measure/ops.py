@@ -208,6 +208,9 @@ class OpRecorder(FlopCounter):
         # with the ops that made them; and of those ops, the ones the taker's forward did
         # not save (_close_forward)
         self._taken: dict[str, tuple[str, dict[int, int]]] = {}
+        # label -> its output's storages the next block takes, by key: alive or not when
+        # backward starts (NOTE [ A storage's key outlives the storage ])
+        self._taken_refs: dict[str, dict[int, Any]] = {}
         self._unsaved: dict[str, tuple[int, ...]] = {}
         # views torch makes of the block about to run's arguments before its forward,
         # not the block's ops (NOTE [ A block with a full backward hook ])
@@ -299,9 +302,11 @@ class OpRecorder(FlopCounter):
         if self._kept is not None:
             return  # a recompute in backward
         creators = self._creators.get(label, {})
-        made = {key: creators[key] for t in _tensors_in(list(tensors))
-                if (key := t.untyped_storage()._cdata) in creators}  # (sparse: its parts)
+        storages = {t.untyped_storage()._cdata: t.untyped_storage()
+                    for t in _tensors_in(list(tensors))}  # (sparse: its parts)
+        made = {key: creators[key] for key in storages if key in creators}
         self._taken[label] = (self.label, made)  # (the next block's forward runs now)
+        self._taken_refs[label] = {key: weakref.ref(storages[key]) for key in made}
 
     def block_output_ops(self, label: str) -> tuple[int, ...] | None:
         """The indices of ``label``'s forward ops that made the storages of its output
@@ -334,7 +339,10 @@ class OpRecorder(FlopCounter):
         self._kept = {label: tuple(closed(label, op, refs) for op, refs in rows)
                       for label, rows in self._trace.items()}
         for label, (taker, made) in self._taken.items():
-            saved = self._packed.get(taker, set())
+            # NOTE [ A storage's key outlives the storage ]: saved only if still alive
+            refs = self._taken_refs.get(label, {})
+            saved = {key for key in self._packed.get(taker, set())
+                     if key not in refs or refs[key]() is not None}
             if taker == "<outside>":
                 # the last block's output: only what the step after the chain saves
                 # matters (it frees it in its backward, which a kept copy outlives); what
@@ -350,6 +358,17 @@ class OpRecorder(FlopCounter):
         self._packed.clear()
         return self._kept
 
+    # NOTE [ A storage's key outlives the storage ]
+    #     Storages are keyed by their address (``_cdata``), which the allocator hands to
+    #     the next storage once one is freed. What autograd saved is noted by key as the
+    #     forward goes, so the key of a block's output that the step freed before its
+    #     backward can be that of a later tensor something saved: fuzz seed 240932's
+    #     last block's output, freed after the skip added to it, had the address of the
+    #     head's output, which the loss saves, and was taken as saved after the chain
+    #     (its `selective` options were counted holding it through the backward: 2,560 B
+    #     over in every plan choosing one). A saved storage lives until backward uses
+    #     it, so a key counts as saved only where its storage is alive when backward
+    #     starts.
     def block_stats(self, label: str) -> dict[str, OpStats]:
         rows = self.stats.get(label, {})
         return {k: OpStats(int(r[0]), int(r[1]), int(r[2]), round(float(r[3]), 4))
