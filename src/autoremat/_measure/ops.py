@@ -202,14 +202,17 @@ class OpRecorder(FlopCounter):
         self._trace: dict[str, list[tuple[_Traced, list[tuple[Any, int]]]]] = {}
         self._kept: dict[str, tuple[OpRecord, ...]] | None = None  # set when backward starts
         self._creators: dict[str, dict[int, int]] = {}  # label -> storage -> creating op
-        self._packed: dict[str, set[int]] = {}  # label -> storages autograd saved
+        # label -> the storages autograd saved, by key: a weak reference to each, so
+        # that a later storage at its address is not taken for it (NOTE [ A storage's
+        # key outlives the storage ])
+        self._packed: dict[str, dict[int, Any]] = {}
         self._info: dict[Any, _OpInfo] = {}  # op overload -> what its schema says
         # label -> the block taking its output, and the storages of it that block takes
         # with the ops that made them; and of those ops, the ones the taker's forward did
         # not save (_close_forward)
         self._taken: dict[str, tuple[str, dict[int, int]]] = {}
-        # label -> its output's storages the next block takes, by key: alive or not when
-        # backward starts (NOTE [ A storage's key outlives the storage ])
+        # label -> its output's storages the next block takes, by key, as weak references
+        # (NOTE [ A storage's key outlives the storage ])
         self._taken_refs: dict[str, dict[int, Any]] = {}
         self._unsaved: dict[str, tuple[int, ...]] = {}
         # views torch makes of the block about to run's arguments before its forward,
@@ -221,9 +224,19 @@ class OpRecorder(FlopCounter):
         forward, and keep a detached alias of the tensor (``saved_tensors_hooks(rec.pack,
         rec.unpack)``; NOTE [ A pack hook keeps an alias ])."""
         if self._kept is None:  # (under "<outside>" too: a head saving the chain's output)
-            self._packed.setdefault(self.label, set()).update(
-                t.untyped_storage()._cdata for t in _tensors_in(tensor))  # (sparse: parts)
+            saved = self._packed.setdefault(self.label, {})
+            for t in _tensors_in(tensor):  # (sparse: its parts)
+                storage = t.untyped_storage()
+                saved[storage._cdata] = weakref.ref(storage)
         return tensor.detach()
+
+    @staticmethod
+    def _holds(saved: dict[int, Any], storage: Any) -> bool:
+        """Whether ``saved`` (a label's saved storages) holds ``storage`` itself, not a
+        storage at its address before it (NOTE [ A storage's key outlives the
+        storage ])."""
+        ref = saved.get(storage._cdata)
+        return ref is not None and ref() is storage
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -302,8 +315,8 @@ class OpRecorder(FlopCounter):
         if self._kept is not None:
             return  # a recompute in backward
         creators = self._creators.get(label, {})
-        storages = {t.untyped_storage()._cdata: t.untyped_storage()
-                    for t in _tensors_in(list(tensors))}  # (sparse: its parts)
+        storages = {st._cdata: st for st in (t.untyped_storage()  # (sparse: its parts)
+                                             for t in _tensors_in(list(tensors)))}
         made = {key: creators[key] for key in storages if key in creators}
         self._taken[label] = (self.label, made)  # (the next block's forward runs now)
         self._taken_refs[label] = {key: weakref.ref(storages[key]) for key in made}
@@ -327,22 +340,21 @@ class OpRecorder(FlopCounter):
     def _close_forward(self) -> dict[str, tuple[OpRecord, ...]]:
         def closed(label: str, op: _Traced, refs: list[tuple[Any, int]]) -> OpRecord:
             alive = [(ref(), n) for ref, n in refs if ref() is not None]
-            packed = self._packed.get(label, set())
+            packed = self._packed.get(label, {})
             info = op.info
             return OpRecord(op=info.name, kind=info.kind, out_bytes=op.out_bytes,
                             flops=op.flops, ms=op.ms, random=info.random, view=info.view,
                             inplace=info.inplace, kept_bytes=sum(n for _, n in alive),
                             inputs=op.inputs, target=op.target,
-                            saved=any(st._cdata in packed for st, _ in alive),
+                            saved=any(self._holds(packed, st) for st, _ in alive),
                             value_out=op.value_out)
 
         self._kept = {label: tuple(closed(label, op, refs) for op, refs in rows)
                       for label, rows in self._trace.items()}
         for label, (taker, made) in self._taken.items():
-            # NOTE [ A storage's key outlives the storage ]: saved only if still alive
-            refs = self._taken_refs.get(label, {})
-            saved = {key for key in self._packed.get(taker, set())
-                     if key not in refs or refs[key]() is not None}
+            refs, packed = self._taken_refs[label], self._packed.get(taker, {})
+            saved = {key for key in made
+                     if (storage := refs[key]()) is not None and self._holds(packed, storage)}
             if taker == "<outside>":
                 # the last block's output: only what the step after the chain saves
                 # matters (it frees it in its backward, which a kept copy outlives); what
@@ -366,9 +378,10 @@ class OpRecorder(FlopCounter):
     #     last block's output, freed after the skip added to it, had the address of the
     #     head's output, which the loss saves, and was taken as saved after the chain
     #     (its `selective` options were counted holding it through the backward: 2,560 B
-    #     over in every plan choosing one). A saved storage lives until backward uses
-    #     it, so a key counts as saved only where its storage is alive when backward
-    #     starts.
+    #     over in every plan choosing one). So the saved storages are kept as weak
+    #     references, and a storage counts as saved only where the one saved at its
+    #     key is that storage itself, alive when backward starts (a saved storage lives
+    #     until backward uses it); an op's own ``saved`` flag is read so too.
     def block_stats(self, label: str) -> dict[str, OpStats]:
         rows = self.stats.get(label, {})
         return {k: OpStats(int(r[0]), int(r[1]), int(r[2]), round(float(r[3]), 4))

@@ -520,13 +520,10 @@ def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], 
     where the step did not tag the block, or (``input_gone``) its input was not made in
     the step. With ``input_gone``, the higher of the two is the block's
     ``bwd_input_gone_peak``."""
-    found = _recompute_events(base, i)
-    if found is None:
+    window = _recompute_window(base, i)
+    if window is None:
         return None
-    run, _, gone = found
-    start, stop = run.ends[i + 1], run.ends[i]
-    if not start < gone <= stop:
-        return None
+    run, start, gone, stop = window
     moves = list(before)
     if input_gone:
         record = run.probe.chain_records[i] if run.probe.chain_records else None
@@ -537,6 +534,19 @@ def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], 
             if record.died is not None and record.died <= stop:
                 moves.append((record.died, record.nbytes))  # ...until it dies
     return _split_peaks(run, start, gone, stop, moves)
+
+
+def _recompute_window(base: BaseRuns, i: int) -> tuple[MemoryRun, int, int, int] | None:
+    """Block ``i``'s backward window in the step with every block checkpointed: that run,
+    the window's first event, the event after its recompute's last and the window's
+    last event; ``None`` where the step did not tag the block or its recompute did not
+    end inside the window."""
+    found = _recompute_events(base, i)
+    if found is None:
+        return None
+    run, _, gone = found
+    start, stop = run.ends[i + 1], run.ends[i]
+    return (run, start, gone, stop) if start < gone <= stop else None
 
 
 def _split_peaks(run: MemoryRun, start: int, gone: int, stop: int,
@@ -560,16 +570,14 @@ def _recompute_then_held(base: BaseRuns, i: int, before: Sequence[tuple[int, int
     checkpointed step does not free the input in the window, or where the step did not
     tag the block (NOTE [ A segment's last block whose input the block before holds ]
     in _plan/peak.py)."""
-    found = _recompute_events(base, i)
+    window = _recompute_window(base, i)
     mine = plain.probe.chain_records[i] if plain.probe.chain_records else None
-    if found is None or mine is None or \
+    if window is None or mine is None or \
             (mine.died is not None and mine.died <= plain.ends[i]):
         return -1
-    run, _, gone = found
-    start, stop = run.ends[i + 1], run.ends[i]
+    run, start, gone, stop = window
     record = run.probe.chain_records[i] if run.probe.chain_records else None
-    if not start < gone <= stop or record is None or record.died is None \
-            or not start < record.died <= stop:
+    if record is None or record.died is None or not start < record.died <= stop:
         return -1
     return _split_peaks(run, start, gone, stop, [*before, (record.died, record.nbytes)])[1]
 
@@ -601,8 +609,9 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
     # the backward windows of the step with every block checkpointed, split where each
     # block's recompute ends, with the input gone there where autograd saved none of it
     gone = [bool(chain.input_saved) and not chain.input_saved[i] for i in range(n)]
-    splits = [_recompute_split(base, i, made_before[(Decision.RECOMPUTE,) * n][i],
-                               input_gone=gone[i]) for i in range(n)]
+    ckpt_made_before = made_before[(Decision.RECOMPUTE,) * n]
+    splits = [_recompute_split(base, i, ckpt_made_before[i], input_gone=gone[i])
+              for i in range(n)]
     lets_go = chain.saves_nothing or (False,) * n
     offload_stats, input_stats = ([runs[(d,) * n].offloaded.get(name, OffloadStats())
                                    if setup.offload else OffloadStats() for name in names]
@@ -653,8 +662,8 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                             for d in measured if i in one[d]},
             recompute_after=_recompute_after(base, i),
             recompute_peak=_recompute_peak(base, i),
-            bwd_recompute_then_held=_recompute_then_held(
-                base, i, made_before[(Decision.RECOMPUTE,) * n][i], plain),
+            bwd_recompute_then_held=_recompute_then_held(base, i, ckpt_made_before[i],
+                                                         plain),
             lets_input_go=lets_go[i],
             bwd_input_gone_peak=max(split) if gone[i] and split is not None else -1,
             bwd_recompute_split=split or (-1, -1),
