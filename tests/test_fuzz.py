@@ -310,3 +310,39 @@ def test_a_block_output_freed_before_the_backward_is_not_taken_as_saved() -> Non
         matmul = Choice.selective_from_key("matmul")
         for rest in (KEEP, RECOMPUTE):
             exact([(0, 1, rest), (1, 2, rest), (2, 3, rest), (3, 4, matmul)])
+
+
+def test_a_segment_of_pools_holds_its_input_in_the_forward_and_with_its_first_saver() -> None:
+    # NOTE [ A segment of blocks that all save nothing ] in _plan/peak.py: no saved
+    # tensor refers to a checkpoint of blocks that save nothing (pools, scales), so it
+    # holds its input through the forward only and recomputes nothing. Fuzz seed 280395
+    # ([pool, pool, token mixer, MLP, LayerNorm + Linear] after an embedding), whose peak
+    # is in the backward: composed as holding the embedding's output through the
+    # backward, every plan with a segment of the two pools (`sqrt`'s among them) was
+    # that output (3,072 B, 28%) over its step. Seed 280321 ([pool, scale, attention]),
+    # whose peak is in the attention's forward: the same segment holds the output there.
+    # NOTE [ A segment's input goes with its earliest saver ]: a segment of the pools
+    # and the mixer holds it until the mixer's backward has used what it saved, and the
+    # pools' backward runs without it (counted held, 720 B over)
+    from autoremat._core.decisions import KEEP, RECOMPUTE
+    from autoremat._plan.plan import plan_of_segments
+
+    fuzz = load_benchmark("fuzz")
+    spec = fuzz.make_spec(280395)
+    assert spec["kinds"] == ["pool", "pool", "mixer", "mlp", "lnlin"] and not spec["autocast"]
+    rest = [(3, 4, KEEP), (4, 5, KEEP)]
+    with _fuzzed(spec) as (tape, exact):
+        assert [b.lets_input_go for b in tape.blocks] == [True, True, False, False, False]
+        plain = exact([(i, i + 1, KEEP) for i in range(5)])
+        pools = [(0, 2, RECOMPUTE), (2, 3, KEEP), *rest]
+        assert exact(pools) == plain
+        assert plan_of_segments(tape, pools, "t").predicted_recompute_flops == 0
+        assert exact([(0, 3, RECOMPUTE), *rest]) > plain  # it holds the input a while
+        exact([(0, 3, RECOMPUTE), (3, 5, RECOMPUTE)])
+        exact([(0, 2, RECOMPUTE), (2, 4, RECOMPUTE), (4, 5, RECOMPUTE)])
+    spec = fuzz.make_spec(280321)
+    assert spec["kinds"] == ["pool", "scale", "attn"] and not spec["autocast"]
+    with _fuzzed(spec) as (tape, exact):
+        plain = exact([(0, 1, KEEP), (1, 2, KEEP), (2, 3, KEEP)])
+        assert exact([(0, 2, RECOMPUTE), (2, 3, KEEP)]) > plain
+        assert exact([(0, 1, RECOMPUTE), (1, 2, RECOMPUTE), (2, 3, KEEP)]) == plain

@@ -91,8 +91,11 @@ NOTE [ A block that lets its input go ]
     is checkpointed alone: no saved tensor refers to the checkpoint, so its input dies
     in its forward as in the plain step, and its measured checkpointed window shows
     that free. In a segment of several blocks the segment holds its first input (a later
-    block's saved tensors keep the checkpoint alive), and an inner block's input is the
-    boundary the composition drops itself (``chain_bytes``). Composed from the lone
+    block's saved tensors keep the checkpoint alive, until the first block that saves
+    something has run its backward: NOTE [ A segment's input goes with its earliest
+    saver ]; where none saves anything it holds nothing: NOTE [ A segment of blocks that
+    all save nothing ]), and an inner block's input is the boundary the composition drops
+    itself (``chain_bytes``). Composed from the lone
     windows, a segment starting with such a block counted its input freed, and one
     holding such a block inside counted its input freed twice: one activation under
     the measured step (a fuzzed pooling model's ``optimal`` plans measured up to 9.9%
@@ -330,6 +333,7 @@ __all__ = [
     "release_hidden",
     "release_of",
     "released_post_peak",
+    "saves_nothing",
     "segment_cost",
     "segment_hidden",
     "segment_release",
@@ -484,6 +488,9 @@ def segment_release(tape: Tape, start: int, stop: int, choice: Choice, prev: Dec
     its chain bytes (NOTE [ The last block's input after the chain ])."""
     first = least[0] + first_input_release(tape, seen_as, least) if start == 0 else \
         tape.blocks[start].fwd_end_release.get((prev, seen_as), 0)
+    if stop - start > 1 and choice.decision.recomputes and saves_nothing(tape, start, stop):
+        # NOTE [ A segment of blocks that all save nothing ]: and its input
+        first += max(tape.blocks[start].fwd_frees, 0)
     out = [max(0, first - held_by_segment(tape, start, stop, choice.decision)),
            *(inner_release(tape, k, least) for k in range(start + 1, stop))]
     if stop == len(tape.blocks) and stop - start > 1:
@@ -885,6 +892,33 @@ def block_costs(tape: Tape) -> list[int]:
     return [recompute_cost(b.op_stats, b.fwd_flops, model) for b in tape.blocks]
 
 
+# NOTE [ A segment's input goes with its earliest saver ]
+#     A checkpoint holds its segment's inputs for the recompute as long as a tensor its
+#     blocks saved is waiting to be used: the saved tensors refer to it, and it is let
+#     go when the last of them is used. The backward runs the segment's blocks last to
+#     first, so that is in the backward of the first block that saves something. Where
+#     blocks before it in the segment save nothing (pools, scales: NOTE [ A block that
+#     lets its input go ]), their backward runs without the segment's first input; the
+#     composed backward lets go then of what the segment held of it that the plain step
+#     let go of in the first block's forward (``fwd_frees``). Counted held to the
+#     segment's end, a fuzzed model's segment of two pools and a token mixer after an
+#     embedding was 720 B (5.5%) over its step (seed 280395).
+# NOTE [ A segment of blocks that all save nothing ]
+#     Where no block of a segment saves anything (``BlockProfile.lets_input_go``: pools,
+#     scales, reshapes without parameters), no saved tensor refers to its checkpoint:
+#     the segment's runner holds its first input through the forward, as it holds
+#     every segment's (NOTE [ Segments without a wrapper module ] in
+#     ``_mechanism/segments.py``), and lets it go when the forward returns; its
+#     backward recomputes nothing and runs as the plain one. So its first block releases,
+#     when the forward returns, what the segment held of its input that the plain step
+#     let go of in that block's forward (``fwd_frees``, in ``segment_release``), and
+#     nothing past it (``held_by_segment``), and the backward is composed from the
+#     blocks' plain windows. Composed as a segment holding its input through the
+#     backward, with a recompute, a fuzzed model's two pools after an embedding (seed
+#     280395) were one activation (3,072 B, 28%) over in every plan with a segment of
+#     the two, ``sqrt``'s (26%) among them. Predicted as the pools checkpointed alone,
+#     four models' plans were under their steps (up to 6,116 B): the runner's hold in
+#     the forward.
 def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                  costs: list[int] | None = None) -> list[SegmentCost]:
     """Costs of the checkpointed segments ``[start, stop)`` for every ``stop`` up to
@@ -911,6 +945,12 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     # starts at, and the block's own peak above it (NOTE [ A segment's last block that
     # saves nothing ])
     before: list[tuple[int, int, int]] = []
+    # NOTE [ A segment's input goes with its earliest saver ]: the first block of the
+    # segment that saves something, and what the segment holds of its input that the
+    # plain step let go of in the first block's forward
+    saver = next((k for k in range(start, last_stop) if not blocks[k].lets_input_go),
+                 last_stop)
+    kept_input = max(blocks[start].fwd_frees, 0)
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
@@ -959,11 +999,21 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                     peak_so_far = max(prior, level + min(own, blocks[j].recompute_peak))
             gone = let_go + _let_go(b)  # NOTE [ What a segment's recompute lets go ... ]
             until, then = _last_window(b, last, last_held)
-            bwd_peak = max(stash + after + peak_so_far,
-                           stash - b.stash_bytes + r_level - unmade + cache + until,
-                           r_level - unmade - gone + then,
-                           r_level - unmade - gone + last.delta_bytes + back + last_freed)
-            out.append(SegmentCost(f_peak, f_level, bwd_peak, flops + b.recompute_flops,
+            # NOTE [ A segment's input goes with its earliest saver ]
+            input_gone = kept_input if k == saver else 0
+            freed, held = _frees_made_before(b, (_KEEP, _KEEP))
+            if k < saver:  # NOTE [ A segment of blocks that all save nothing ]
+                bwd_peak = max(b.keep_bwd.peak_bytes + held,
+                               back + b.keep_bwd.delta_bytes + freed)
+            else:
+                bwd_peak = max(stash + after + peak_so_far,
+                               stash - b.stash_bytes + r_level - unmade + cache + until,
+                               r_level - unmade - gone + then,
+                               r_level - unmade - gone + last.delta_bytes + back
+                               + last_freed - input_gone)
+            # (a segment of blocks that all save nothing recomputes nothing)
+            out.append(SegmentCost(f_peak, f_level, bwd_peak,
+                                   flops + b.recompute_flops if k >= saver else 0,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
         # the recompute keeps what the plain forward freed in the first block (its
@@ -980,6 +1030,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             back = b.keep_bwd.peak_bytes
         else:  # an inner block: held on through the windows of the blocks before it
             freed, held = _frees_made_before(b, (_KEEP, _KEEP))
+            # NOTE [ A segment's input goes with its earliest saver ]
+            freed -= kept_input if k == saver else 0
             back = max(b.keep_bwd.peak_bytes + held, back + b.keep_bwd.delta_bytes + freed)
     return out
 
@@ -1336,12 +1388,20 @@ def holds_later(tape: Tape, i: int, start: int, stop: int, decision: Decision) -
         stop - start > 1 or not tape.blocks[i].lets_input_go)
 
 
+def saves_nothing(tape: Tape, start: int, stop: int) -> bool:
+    """Whether no block of ``start..stop-1`` saves anything for its backward (NOTE
+    [ A segment of blocks that all save nothing ])."""
+    return all(tape.blocks[i].lets_input_go for i in range(start, stop))
+
+
 def held_by_segment(tape: Tape, start: int, stop: int, decision: Decision) -> int:
     """The bytes of its first block's inputs a segment of several blocks holds that the
     block's own checkpoint lets go (it saves nothing: NOTE [ A block that lets its input
-    go ]); 0 for any other segment."""
+    go ]), past the forward's return; 0 for any other segment, and for one whose blocks
+    all save nothing (NOTE [ A segment of blocks that all save nothing ])."""
     block = tape.blocks[start]
-    if stop - start > 1 and holds_input(decision) and block.lets_input_go:
+    if stop - start > 1 and holds_input(decision) and block.lets_input_go \
+            and not saves_nothing(tape, start, stop):
         return block.input_bytes
     return 0
 
