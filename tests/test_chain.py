@@ -540,16 +540,17 @@ def _with_freed_later(tape: Tape, seed: int) -> Tape:
     """``tape`` with one or two inputs of a block that the model frees in a later block's
     window (``freed_later``), which a checkpoint of their block holds until its backward."""
     return dataclasses.replace(
-        tape, freed_later=_later_pairs(random.Random(11 * seed + 3), len(tape.blocks), 2))
+        tape, freed_later=_later_pairs(random.Random(11 * seed + 3), len(tape.blocks), 2,
+                                       gap=1 + seed % 2))
 
 
-def _later_pairs(rng: random.Random, n: int, most: int) -> dict[str, int]:
-    """One to ``most`` random "first:window" entries (``window >= first + 2``) of 1-12
+def _later_pairs(rng: random.Random, n: int, most: int, gap: int = 2) -> dict[str, int]:
+    """One to ``most`` random "first:window" entries (``window >= first + gap``) of 1-12
     bytes over ``n`` blocks."""
     out: dict[str, int] = {}
     for _ in range(rng.randint(1, most)):
-        first = rng.randrange(n - 2)
-        key = f"{first}:{rng.randrange(first + 2, n)}"
+        first = rng.randrange(n - gap)
+        key = f"{first}:{rng.randrange(first + gap, n)}"
         out[key] = out.get(key, 0) + rng.randint(1, 12)
     return out
 

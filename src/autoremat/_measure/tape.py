@@ -351,7 +351,7 @@ class Tape:
     # chain ] in _profile/runs.py). Empty: none, or a tape saved before it was recorded.
     held_past_release: dict[str, int] = field(default_factory=dict)
     # Bytes of block i's input that the model holds outside the chain (a U-Net's list of
-    # skips) and the plain step frees in the forward window of a block w >= i + 2, where
+    # skips) and the plain step frees in the forward window of a block w >= i + 1, where
     # a checkpoint of block i holds them until its backward, by "i:w" ("1:3"): NOTE
     # [ Inputs the model frees later in the chain ] in _plan/peak.py. Empty: none, or a
     # tape saved before it was recorded.

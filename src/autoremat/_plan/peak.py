@@ -244,7 +244,7 @@ NOTE [ Released when the forward returns ]
 NOTE [ Inputs the model frees later in the chain ]
     A model may hold a block's input outside the chain and let go of it in a later
     block's window (a U-Net pushes block ``i``'s input on a list of skips and pops it
-    into an add after block ``w >= i + 2``). Where block ``i`` does not save its input
+    into an add after a later block ``w``). Where block ``i`` does not save its input
     (it is frozen, or under autocast it saves a cast), the plain step frees it in
     ``w``'s forward window; a checkpoint of block ``i`` (a segment starting there,
     recomputed or selective) holds it until ``i``'s backward. No window key sees that:
@@ -257,9 +257,14 @@ NOTE [ Inputs the model frees later in the chain ]
     where its window was measured freeing them and the plan holds them (the step that
     measured key ``(a, b)`` had block ``i`` under ``b`` at an even distance, else ``a``;
     a composed segment's held windows never free them), and lets them go where it is
-    the other way round; a segment ending at ``j``, ``i < j < w``, has ``Z_j`` from the
+    the other way round; a segment ending at ``j``, ``i <= j < w``, has ``Z_j`` from the
     uniform step of its own decision, which holds them at ``j``'s backward where that
-    decision checkpoints block ``i``, corrected to what the plan holds. The forward
+    decision checkpoints block ``i``, corrected to what the plan holds (a segment of
+    several ending at block ``i`` holds none of its input). Inputs freed in the next
+    block's window (``w = i + 1``) are recorded too: a window keyed by a checkpointed
+    block ``i`` was measured with ``i``'s own checkpoint holding them, where a segment
+    of several ending at ``i`` does not (a fuzzed model's skip around two blocks: 384 B,
+    14%, over every plan with such a segment, seed 280736). The forward
     peak of ``w``'s window is raised by what its held window shows (``fwd_held``, at
     most the bytes). Found on a model holding a frozen block's input in a list of skips
     (and on a bf16-autocast one holding the first block's fp32 input): plans that
@@ -919,6 +924,16 @@ def block_costs(tape: Tape) -> list[int]:
 #     the two, ``sqrt``'s (26%) among them. Predicted as the pools checkpointed alone,
 #     four models' plans were under their steps (up to 6,116 B): the runner's hold in
 #     the forward.
+# NOTE [ A recomputed input the model held outside the chain ]
+#     The recompute of a segment remakes an inner block's input; the model's own copy,
+#     which it held past the block (a list of skips, ``tape.freed_later``), is not that
+#     copy. Where the block saves none of its input, the recompute's copy dies in the
+#     block's recompute, not where the model let go of its own: the plain forward's
+#     window, which the composed recompute follows, counts the input held on (it died
+#     later), so the recompute's level counts it gone after the block (over every
+#     segment recomputing such a block by it before: fuzz seed 280736, 368 B, 14%).
+#     Where the block before saves it (``maker_freed_later``), the recompute holds its
+#     copy for that block's backward.
 def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                  costs: list[int] | None = None) -> list[SegmentCost]:
     """Costs of the checkpointed segments ``[start, stop)`` for every ``stop`` up to
@@ -951,6 +966,10 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
     saver = next((k for k in range(start, last_stop) if not blocks[k].lets_input_go),
                  last_stop)
     kept_input = max(blocks[start].fwd_frees, 0)
+    # NOTE [ A recomputed input the model held outside the chain ]
+    outside = [0] * len(blocks)
+    for i, _, size, maker in freed_later(tape):
+        outside[i] += 0 if maker else size
     for k in range(start, last_stop):
         b = blocks[k]
         cost += costs[k]
@@ -1024,6 +1043,8 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         before.append((r_peak, r_level + cache, own))
         r_peak = max(r_peak, r_level + cache + own)
         r_level += b.keep_fwd.delta_bytes + kept
+        if k > start and not b.input_saved:  # NOTE [ A recomputed input the model held ...
+            r_level -= outside[k]
         if k > start:  # (block k's release counts what block k - 1 made)
             let_go += _let_go(b, whole=True)
         if k == start:  # its window runs last: what it frees goes with the segment
@@ -1438,7 +1459,7 @@ def later_terms(tape: Tape, later: Later, start: int, stop: int,
                 fwd = min(size, max(0, kept.peak_bytes - plain.peak_bytes))
     # Z of a segment ending before w comes from the uniform step of its last block: that
     # step's block i holds them checkpointed, its block i - 1 (one that saves them) kept
-    if (i < stop - 1 or (maker and i == stop - 1)) and stop - 1 < w:
+    if i <= stop - 1 < w:
         uniform = (alone and holds_input(seen_as)) or (maker and seen_as is _KEEP)
         bwd = size * (int(held) - int(uniform))
     return fwd, hold, bwd

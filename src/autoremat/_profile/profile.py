@@ -423,8 +423,8 @@ def _freed_later(runs: dict[Pattern, MemoryRun], n: int, past_release: dict[str,
     segment of several starting there holds them), that the plain step frees there;
     less what ``tape.held_past_release`` counts of them (a tensor taken besides the
     input): NOTE [ Inputs the model frees later in the chain ] in _plan/peak.py."""
-    kept = inputs_freed_later(runs[(Decision.KEEP,) * n], n)
-    ckpt = inputs_freed_later(runs[(Decision.RECOMPUTE,) * n], n)
+    kept = inputs_freed_later(runs[(Decision.KEEP,) * n], n, gap=1)
+    ckpt = inputs_freed_later(runs[(Decision.RECOMPUTE,) * n], n, gap=1)
     out = {}
     for (i, w), size in sorted(kept.items()):
         key = f"{i}:{w}"
