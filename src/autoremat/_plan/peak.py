@@ -1018,13 +1018,13 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                     peak_so_far = max(prior, level + min(own, blocks[j].recompute_peak))
             gone = let_go + _let_go(b)  # NOTE [ What a segment's recompute lets go ... ]
             until, then = _last_window(b, last, last_held)
-            # NOTE [ A segment's input goes with its earliest saver ]
-            input_gone = kept_input if k == saver else 0
-            freed, held = _frees_made_before(b, (_KEEP, _KEEP))
             if k < saver:  # NOTE [ A segment of blocks that all save nothing ]
+                freed, held = _frees_made_before(b, (_KEEP, _KEEP))
                 bwd_peak = max(b.keep_bwd.peak_bytes + held,
                                back + b.keep_bwd.delta_bytes + freed)
             else:
+                # NOTE [ A segment's input goes with its earliest saver ]
+                input_gone = kept_input if k == saver else 0
                 bwd_peak = max(stash + after + peak_so_far,
                                stash - b.stash_bytes + r_level - unmade + cache + until,
                                r_level - unmade - gone + then,
