@@ -369,3 +369,21 @@ def test_a_segment_ending_at_a_block_whose_input_a_skip_holds_to_the_next_window
                          [(0, 3, RECOMPUTE), (3, 4, KEEP)], [(0, 3, RECOMPUTE), (3, 4, RECOMPUTE)],
                          [(0, 1, RECOMPUTE), (1, 2, RECOMPUTE), (2, 3, KEEP), (3, 4, KEEP)]):
             exact(segments)
+
+
+def test_a_segment_ending_the_chain_counts_its_last_input_through_the_head() -> None:
+    # NOTE [ The last block's input through the head's forward ] in _plan/peak.py: fuzz
+    # seed 291217 ([pool, scale, pool, Linear + in-place ReLU], bf16 autocast, a skip
+    # around the last block popped into an add after the chain). A segment of the last
+    # two blocks dropped the last block's input when the block returned, where the skip
+    # holds it to the add; with the first two blocks' segment holding its input through
+    # the forward, the peak is at that add, and the plan was 362 B under
+    from autoremat._core.decisions import RECOMPUTE
+
+    spec = load_benchmark("fuzz").make_spec(291217)
+    spec["mask"] = True  # as FUZZ_MASK=1 drew it
+    assert spec["kinds"] == ["pool", "scale", "pool", "linrelu"] and spec["autocast"]
+    assert spec["skips"] == [(3, 3)]
+    with _fuzzed(spec) as (tape, exact):
+        assert tape.blocks[3].input_saved and tape.blocks[3].chain_bytes > 0
+        exact([(0, 2, RECOMPUTE), (2, 4, RECOMPUTE)])

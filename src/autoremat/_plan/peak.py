@@ -328,6 +328,7 @@ __all__ = [
     "holds_input",
     "holds_later",
     "last_inner_release",
+    "last_input_through_head",
     "later_held",
     "later_terms",
     "least_release",
@@ -1030,8 +1031,11 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                                r_level - unmade - gone + then,
                                r_level - unmade - gone + last.delta_bytes + back
                                + last_freed - input_gone)
+            # NOTE [ The last block's input through the head's forward ]
+            head = f_level + last_input_through_head(tape, start, k + 1) \
+                if k == len(blocks) - 1 else 0
             # (a segment of blocks that all save nothing recomputes nothing)
-            out.append(SegmentCost(f_peak, f_level, bwd_peak,
+            out.append(SegmentCost(max(f_peak, head), f_level, bwd_peak,
                                    flops + b.recompute_flops if k >= saver else 0,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
@@ -1511,6 +1515,37 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
         prev = cost.seen_as
     peak = max(peak, level + post_window(tape, last, release, unshared, hidden).peak_bytes)
     return peak + held_past_release(tape, segments) + at_return
+
+
+# NOTE [ The last block's input through the head's forward ]
+#     A segment of several blocks ending at the last drops that block's input when the
+#     block returns (``chain_bytes``), as the model lets go of it binding the block's
+#     output in its place; the step with every block checkpointed held it through the
+#     head (the last block's own checkpoint), so ``tape.post`` measured the head's forward
+#     on a level with it. Where the model holds it past the block itself (a list of skips
+#     popped into an add after the chain), it is still alive when that add makes its
+#     output; where the last block saves that input, or its window does not free it, no
+#     measured step tells when the model lets go of it. There the head's forward is
+#     counted with the input held (the window's peak before the backward, on the level
+#     with it, as the segment's forward peak, which the solver reads too): at most that
+#     input over (where the model binds the output at once), never under (a fuzzed
+#     [pool, scale, pool, Linear + in-place ReLU] model under autocast with a skip
+#     around its last block, seed 291217: its ``sqrt`` plan 362 B under, exposed once its
+#     segment of the pools was no longer over-counted).
+def last_input_through_head(tape: Tape, start: int, stop: int) -> int:
+    """The head's forward peak above the level after the chain's forward, with the
+    last block's input held, for a segment of several ``[start, stop)`` ending at the
+    last block where the model may hold that input past it; 0 otherwise (NOTE [ The
+    last block's input through the head's forward ]). Counted in the segment's
+    forward peak, which the solver reads too."""
+    k = len(tape.blocks) - 1
+    block = tape.blocks[k]
+    if stop != k + 1 or stop - start < 2 or block.chain_bytes <= 0 \
+            or _held_past_chain(tape, k) \
+            or not (block.input_saved or block.fwd_frees < block.chain_bytes):
+        return 0
+    post = tape.post[_RECOMPUTE]
+    return block.chain_bytes + tape.post_fwd_peak.get(_RECOMPUTE, post.peak_bytes)
 
 
 def held_at_return(tape: Tape, segments: Segments,
