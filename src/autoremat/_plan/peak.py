@@ -1020,9 +1020,7 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
             gone = let_go + _let_go(b)  # NOTE [ What a segment's recompute lets go ... ]
             until, then = _last_window(b, last, last_held)
             if k < saver:  # NOTE [ A segment of blocks that all save nothing ]
-                freed, held = _frees_made_before(b, (_KEEP, _KEEP))
-                bwd_peak = max(b.keep_bwd.peak_bytes + held,
-                               back + b.keep_bwd.delta_bytes + freed)
+                bwd_peak = _plain_back(b, back)
             else:
                 # NOTE [ A segment's input goes with its earliest saver ]
                 input_gone = kept_input if k == saver else 0
@@ -1032,10 +1030,10 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
                                r_level - unmade - gone + last.delta_bytes + back
                                + last_freed - input_gone)
             # NOTE [ The last block's input through the head's forward ]
-            head = f_level + last_input_through_head(tape, start, k + 1) \
-                if k == len(blocks) - 1 else 0
+            through = last_input_through_head(tape, start, k + 1)
             # (a segment of blocks that all save nothing recomputes nothing)
-            out.append(SegmentCost(max(f_peak, head), f_level, bwd_peak,
+            out.append(SegmentCost(max(f_peak, f_level + through) if through else f_peak,
+                                   f_level, bwd_peak,
                                    flops + b.recompute_flops if k >= saver else 0,
                                    _RECOMPUTE, cost))
         flops += b.fwd_flops
@@ -1054,11 +1052,19 @@ def segment_runs(tape: Tape, start: int, last_stop: int, prev: Decision,
         if k == start:  # its window runs last: what it frees goes with the segment
             back = b.keep_bwd.peak_bytes
         else:  # an inner block: held on through the windows of the blocks before it
-            freed, held = _frees_made_before(b, (_KEEP, _KEEP))
-            # NOTE [ A segment's input goes with its earliest saver ]
-            freed -= kept_input if k == saver else 0
-            back = max(b.keep_bwd.peak_bytes + held, back + b.keep_bwd.delta_bytes + freed)
+            # (NOTE [ A segment's input goes with its earliest saver ])
+            back = _plain_back(b, back, kept_input if k == saver else 0)
     return out
+
+
+def _plain_back(block: BlockProfile, back: int, gone: int = 0) -> int:
+    """The peak of ``block``'s plain backward window and then ``back`` (the composed
+    backward of the blocks before it in a segment) above the window's start, with what
+    the window frees of the tensors made before the chain held on (NOTE [ A segment
+    holds what its blocks take ]) and ``gone`` bytes let go when it ends."""
+    freed, held = _frees_made_before(block, (_KEEP, _KEEP))
+    return max(block.keep_bwd.peak_bytes + held,
+               back + block.keep_bwd.delta_bytes + freed - gone)
 
 
 def _recomputed_fwd_peak(block: BlockProfile, first: bool) -> int:

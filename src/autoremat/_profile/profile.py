@@ -94,7 +94,7 @@ from autoremat._measure.blocks import (
     resolve_blocks,
 )
 from autoremat._measure.measured import heap_frozen
-from autoremat._measure.memory import Rounding, counted_bytes
+from autoremat._measure.memory import Rounding, StorageRecord, counted_bytes
 from autoremat._measure.tape import (
     WINDOW_DECISIONS,
     BlockProfile,
@@ -526,7 +526,7 @@ def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], 
     run, start, gone, stop = window
     moves = list(before)
     if input_gone:
-        record = run.probe.chain_records[i] if run.probe.chain_records else None
+        record = _chain_record(run, i)
         if record is None:
             return None
         if record.died is None or record.died > gone:  # alive when the recompute ended:
@@ -534,6 +534,12 @@ def _recompute_split(base: BaseRuns, i: int, before: Sequence[tuple[int, int]], 
             if record.died is not None and record.died <= stop:
                 moves.append((record.died, record.nbytes))  # ...until it dies
     return _split_peaks(run, start, gone, stop, moves)
+
+
+def _chain_record(run: MemoryRun, i: int) -> StorageRecord | None:
+    """The tracker's record of block ``i``'s input in ``run`` where it is the block
+    before's output, unchanged (``None``: not chained, or not recorded)."""
+    return run.probe.chain_records[i] if run.probe.chain_records else None
 
 
 def _recompute_window(base: BaseRuns, i: int) -> tuple[MemoryRun, int, int, int] | None:
@@ -571,12 +577,12 @@ def _recompute_then_held(base: BaseRuns, i: int, before: Sequence[tuple[int, int
     tag the block (NOTE [ A segment's last block whose input the block before holds ]
     in _plan/peak.py)."""
     window = _recompute_window(base, i)
-    mine = plain.probe.chain_records[i] if plain.probe.chain_records else None
+    mine = _chain_record(plain, i)
     if window is None or mine is None or \
             (mine.died is not None and mine.died <= plain.ends[i]):
         return -1
     run, start, gone, stop = window
-    record = run.probe.chain_records[i] if run.probe.chain_records else None
+    record = _chain_record(run, i)
     if record is None or record.died is None or not start < record.died <= stop:
         return -1
     return _split_peaks(run, start, gone, stop, [*before, (record.died, record.nbytes)])[1]
