@@ -186,8 +186,9 @@ class BlockProfile:
     # to its last: it stops at the last tensor the block saves), above the level where
     # that recompute starts: a segment's recompute stops there too where the blocks after
     # it in the segment save nothing (NOTE [ A segment's last block that saves nothing ]
-    # in _plan/peak.py). -1: not measured (tapes made before 2026-12-01, or the step did
-    # not tag the block).
+    # in _plan/peak.py); 0 where its recompute made no tensor (NOTE [ A recompute of
+    # views ] in _profile/profile.py). -1: not measured (tapes made before 2026-12-01, or
+    # the step did not tag the block).
     recompute_peak: int = -1
     # As the second part of ``bwd_recompute_split`` (the peak from where its recompute
     # ends), with what the window frees of its input's storage held on too, where the
