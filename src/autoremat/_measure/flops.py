@@ -180,6 +180,12 @@ class FlopCounter(TorchDispatchMode):
             self.total += flops
         return out
 
+    def reset(self) -> None:
+        """Count from zero again (a step measured again: NOTE [ A step that builds the
+        model's state ] in ``step.py``)."""
+        self.by_label = {}
+        self.total = 0
+
     def phase_total(self, phase: str) -> int:
         """FLOPs of one phase (``"fwd"`` or ``"bwd"``) over all labels."""
         return sum(v for (_, p), v in self.by_label.items() if p == phase)

@@ -141,9 +141,9 @@ class BackwardStarts:
     def __init__(self, mark: Mark) -> None:
         self.mark = mark
         # per block with several outputs, until settle() chooses the ones that mark:
-        # weak references to their gradient hooks, in output order, and their ids
+        # weak references to their gradient hooks and to the outputs, in output order
         self._pending: dict[str, list[weakref.ref[Callable[[torch.Tensor], None]]]] = {}
-        self._outputs: dict[str, list[int]] = {}
+        self._outputs: dict[str, list[weakref.ref[torch.Tensor]]] = {}
         self._taken: dict[str, set[int]] = {}  # the outputs the next block took
         self._last = ""  # the block watched last
         self._marking: dict[str, set[int]] = {}
@@ -162,16 +162,20 @@ class BackwardStarts:
                 base.register_hook(self._hook(label, None if len(outs) == 1 else k))
         if len(outs) > 1:
             self._pending[label] = [weakref.ref(hook) for hook in hooks]
-            self._outputs[label] = [id(t) for t in outs]
+            # weakly: an output the model drops frees its Python object, whose id a
+            # later tensor can take (NOTE [ The block before's output, by identity ] in
+            # _profile/runs.py)
+            self._outputs[label] = [weakref.ref(t) for t in outs]
         self._last = label
 
     def took(self, inputs: Any) -> None:
         """The next block's forward starts with ``inputs``: which outputs of the block
         watched last it takes."""
-        ids = self._outputs.get(self._last)
-        if ids is not None:
-            given = {id(t) for t in flat_tensors(inputs)}
-            self._taken[self._last] = {k for k, i in enumerate(ids) if i in given}
+        outs = self._outputs.get(self._last)
+        if outs is not None:
+            given = {id(t): t for t in flat_tensors(inputs)}
+            self._taken[self._last] = {k for k, ref in enumerate(outs)
+                                       if (t := ref()) is not None and given.get(id(t)) is t}
 
     def _hook(self, label: str, k: int | None) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -256,7 +260,11 @@ def measure_step(step: Step, *, memory: Memory | None = None,
             slow it down.
         isolated: run inside :func:`~autoremat._core.step.preserved_state` (gradients
             ``None`` before the step; buffers, gradients and RNGs as before, afterwards);
-            ``False``: the caller holds that state, gradients included.
+            ``False``: the caller holds that state, gradients included. An isolated
+            step that gave a buffer or attribute of the model another object holding
+            tensors (a cache made in the first forward) is measured again from the same
+            state, with it kept (NOTE [ A step that builds the model's state ] in
+            ``step.py``).
         rng: the CPU RNG state the step starts from (default: the current one); with
             ``warm_up``, both steps do.
         warm_up: run the step once, unmeasured, first (compiling allocates too).
@@ -267,8 +275,14 @@ def measure_step(step: Step, *, memory: Memory | None = None,
     """
     internal_assert(not timed or (memory is None and not allocator and counter is None),
                     "a timed step runs without instruments")
-    model, device = step.model, step.device
-    with heap_frozen(), preserved_state(model, step.inputs) if isolated else nullcontext():
+    model = step.model
+
+    def once() -> Measured:
+        return _measured_once(step, memory, rounding, allocator, counter, on_mark, run,
+                              timed, grads, buffers)
+
+    with heap_frozen(), preserved_state(model, step.inputs) if isolated else nullcontext() \
+            as kept:
         if rng is not None:
             torch.set_rng_state(rng)
         if warm_up:
@@ -276,41 +290,63 @@ def measure_step(step: Step, *, memory: Memory | None = None,
             clear_grads(model, step.inputs)
             if rng is not None:  # the measured step starts from it too
                 torch.set_rng_state(rng)
-        with ExitStack() as stack:
-            peak = stack.enter_context(track_allocator(device)) if allocator else None
-            # with the storage tracker, the counter runs each op for it: one dispatch mode
-            # for both (NOTE [ One mode for two instruments ] in memory.py)
-            through = counter if memory == "storages" else None
+        measured = once()
+        if kept is not None and not warm_up and kept.built():
+            # NOTE [ A step that builds the model's state ] (step.py): it measured the
+            # first step; the figures are of the steps after it
+            internal_assert(on_mark is None and not isinstance(counter, OpRecorder),
+                            "a step measured twice tells its marks and records once")
+            kept.rewind()
+            clear_grads(model, step.inputs)
+            if rng is not None:
+                torch.set_rng_state(rng)
             if counter is not None:
-                if through is None:
-                    stack.enter_context(counter)
-                if isinstance(counter, OpRecorder):  # it notes what autograd saves
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                        counter.pack, counter.unpack))
-            mem = (None if memory is None
-                   else stack.enter_context(_tracked(rounding, through))
-                   if memory == "storages"
-                   else stack.enter_context(track_allocations(device)))
+                counter.reset()
+            measured = once()
+    return measured
 
-            def mark(label: str) -> None:
-                if mem is not None:
-                    mem.mark(label)
-                if on_mark is not None:
-                    on_mark(label)
 
-            wall_ms = cpu_ms = None
-            if timed:
-                result: list[Any] = []
-                cpu = time.process_time()
-                wall_ms = time_ms(lambda: result.append(run(step, mark)), device)
-                cpu_ms = (time.process_time() - cpu) * 1e3
-                ran = result[0]
-            else:
-                ran = run(step, mark)
-        kept_grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
-                      for n, p in model.named_parameters()} if grads else None
-        kept_buffers = {n: b.detach().clone()
-                        for n, b in model.named_buffers()} if buffers else None
+def _measured_once(step: Step, memory: Memory | None, rounding: Rounding | None,
+                   allocator: bool, counter: FlopCounter | None, on_mark: Mark | None,
+                   run: Callable[[Step, Mark], Any], timed: bool, grads: bool,
+                   buffers: bool) -> Measured:
+    """One run of ``step`` under the instruments asked for (:func:`measure_step`)."""
+    model, device = step.model, step.device
+    with ExitStack() as stack:
+        peak = stack.enter_context(track_allocator(device)) if allocator else None
+        # with the storage tracker, the counter runs each op for it: one dispatch mode
+        # for both (NOTE [ One mode for two instruments ] in memory.py)
+        through = counter if memory == "storages" else None
+        if counter is not None:
+            if through is None:
+                stack.enter_context(counter)
+            if isinstance(counter, OpRecorder):  # it notes what autograd saves
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                    counter.pack, counter.unpack))
+        mem = (None if memory is None
+               else stack.enter_context(_tracked(rounding, through))
+               if memory == "storages"
+               else stack.enter_context(track_allocations(device)))
+
+        def mark(label: str) -> None:
+            if mem is not None:
+                mem.mark(label)
+            if on_mark is not None:
+                on_mark(label)
+
+        wall_ms = cpu_ms = None
+        if timed:
+            result: list[Any] = []
+            cpu = time.process_time()
+            wall_ms = time_ms(lambda: result.append(run(step, mark)), device)
+            cpu_ms = (time.process_time() - cpu) * 1e3
+            ran = result[0]
+        else:
+            ran = run(step, mark)
+    kept_grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
+                  for n, p in model.named_parameters()} if grads else None
+    kept_buffers = {n: b.detach().clone()
+                    for n, b in model.named_buffers()} if buffers else None
     return Measured(ran=ran, memory=mem, allocator_peak_bytes=None if peak is None
                     else peak.peak_bytes, wall_ms=wall_ms, cpu_ms=cpu_ms, grads=kept_grads,
                     buffers=kept_buffers)

@@ -85,6 +85,7 @@ from autoremat._core.step import (
     training_config,
     unique_storage_bytes,
 )
+from autoremat._core.units import format_bytes
 from autoremat._measure.blocks import (
     BlockSpec,
     discovery_notes,
@@ -845,7 +846,7 @@ def _profiled(setup: Setup, blocks: BlockSpec, repeats: int, with_selective: boo
     # the stages: arguments checked (above), the chain found by a warm-up step, the
     # memory runs, the options (selective, head), timing; then the tape built from them
     # (the heap frozen for all of it: NOTE [ The heap frozen while steps are measured ])
-    with heap_frozen(), preserved_state(step.model, step.inputs), \
+    with heap_frozen(), preserved_state(step.model, step.inputs) as kept, \
             training_config(step.model) as cache_notes, compile_settings(setup.backend), \
             _forgetting(step.model, setup.backend), ExitStack() as calls:
         stage("warm-up step")
@@ -873,11 +874,28 @@ def _profiled(setup: Setup, blocks: BlockSpec, repeats: int, with_selective: boo
         notes += skipped
         head, why = profile_head(chain.names, setup, with_head, stage)
         times, untimed = _timing(setup, chain, repeats, timed, stage)
+        notes += _built_notes(kept.built())
     notes += [why] if why else []
     # the model as given (its LayerDrop, its cache), with the calls the chain names
     with calls_for(step.model, chain.names):
         return _tape(setup, chain, base, selective, times, head=head,
                      notes=notes + untimed + chain.notes + cache_notes + base.plain.mem.notes)
+
+
+def _built_notes(built: list[tuple[str, int]]) -> list[str]:
+    """The note naming the tensors the model's forward gave its buffers and attributes
+    (NOTE [ A step that builds the model's state ] in ``_core/step.py``); none if it
+    gave none."""
+    if not built:
+        return []
+    names = ", ".join(f"{name} ({format_bytes(nbytes)})" for name, nbytes in built[:4])
+    more = f" and {len(built) - 4} more" if len(built) > 4 else ""
+    total = sum(nbytes for _, nbytes in built)
+    return [f"the forward gives tensors to the model's own buffers or attributes, which it "
+            f"keeps: {names}{more}; {format_bytes(total)} in all. The figures are of a "
+            f"step after the first, as profile measured them; a step that makes them "
+            f"anew where none were (the first after profile, auto or verify, which put "
+            f"back what the model held) peaks up to that much higher"]
 
 
 # NOTE [ Calls of one layer under autocast ]

@@ -305,7 +305,9 @@ class _Probe:
     # told each block's module and positional arguments as its forward starts: the op
     # recorder's views to skip (NOTE [ A block with a full backward hook ] in ops.py)
     on_args: Callable[[nn.Module, tuple[Any, ...]], None] | None = None
-    _prev_outputs: dict[int, int] = field(default_factory=dict)  # id -> version
+    # the block before's outputs: id -> (weak reference, version)
+    _prev_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = field(
+        default_factory=dict)
     # the storages of the block before's output, by key, as weak references (NOTE [ What
     # the next block takes of an output ])
     _prev_storages: dict[int, Any] = field(default_factory=dict)
@@ -376,8 +378,7 @@ class _Probe:
             self.input_bytes[i] = unique_storage_bytes(tensors)
             # the block before's output, unchanged: an op in place between them (an
             # in-place activation) saves for backward what a segment cannot replay
-            self.chained[i] = bool(tensors) and \
-                self._prev_outputs.get(id(tensors[0])) == tensors[0]._version
+            self.chained[i] = bool(tensors) and self._is_prev_output(tensors[0])
             if self.chained[i]:
                 self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
                 self.chain_records[i] = live_record(tensors[0].untyped_storage())
@@ -401,7 +402,7 @@ class _Probe:
                 given = {id(t) for t, _ in inputs}
                 self.passed[i] = bool(tensors) and all(id(t) in given for t in tensors)
             self.output_bytes[i] = unique_storage_bytes(tensors)
-            self._prev_outputs = {id(t): t._version for t in tensors}
+            self._prev_outputs = {id(t): (weakref.ref(t), t._version) for t in tensors}
             if self.on_output is not None:
                 self._prev_storages = {(st := t.untyped_storage())._cdata: weakref.ref(st)
                                        for t in _tensors_in(tensors)}
@@ -416,6 +417,21 @@ class _Probe:
                     self.on_output(i, tensors)
                 self.on_mark("fwd_end")
         return hook
+
+    def _is_prev_output(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is an output of the block before, unchanged since.
+
+        NOTE [ The block before's output, by identity ]
+            The outputs were recorded by ``id``: one the model dropped between the blocks
+            (timm's Visformer runs a patch embedding and adds a position embedding
+            between its stages) freed its Python object, whose id a tensor made after it
+            took, so the next stage's first block was marked chained in some profiles
+            and not in others, and a plan joining the stages in one segment failed in
+            its forward ("does not take the previous block's output"; a held-out check,
+            2026-12-02). A weak reference to each output tells the same tensor from one
+            at its address."""
+        ref, version = self._prev_outputs.get(id(tensor), (None, -1))
+        return ref is not None and ref() is tensor and tensor._version == version
 
     def _takes_output(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (an argument of a block) shares a storage with the output of
