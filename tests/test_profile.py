@@ -2182,3 +2182,27 @@ def test_a_tensor_at_the_address_of_the_block_befores_dropped_output_is_not_chai
     # forward ("does not take the previous block's output")
     assert _chained_after(reuse=False)[0]
     assert _chained_after(reuse=True) == (False, True)
+
+
+class _BranchReturned(nn.Module):
+    """Two blocks on one input, the second returning it: the backward reaches the second
+    block's output (the stem's) only after the first block's (NOTE [ Blocks whose
+    backwards do not run in reverse ]), as HRNet's side-by-side branches found as its
+    chain do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Identity()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return (self.blocks[0](h) * self.blocks[1](h)).sum()
+
+
+def test_blocks_whose_backwards_run_out_of_order_are_refused_as_no_chain() -> None:
+    # a bare "ValueError: max() arg is an empty sequence" before (timm's HRNet)
+    with pytest.raises(BlockError, match=r"reached the output of block 'blocks\.1' after "
+                                         r"that of block 'blocks\.0'.*Give blocks=\[\.\.\.\]"):
+        autoremat.profile(_BranchReturned(), torch.randn(4, 8),
+                          blocks=["blocks.0", "blocks.1"], timing=False)

@@ -1242,6 +1242,33 @@ def _held_boundaries(model: nn.Module, inputs: Any, names: list[str]) -> list[bo
     return held
 
 
+def _check_backward_order(names: list[str], ends: list[int]) -> None:
+    """Raise :class:`BlockError` where the backward reached a block's output after that
+    of the block before it (``ends``: the event where it reached the chain's input, then
+    each block's output).
+
+    NOTE [ Blocks whose backwards do not run in reverse ]
+        A block's backward window runs from where the backward reaches its output to
+        where it reaches the block before's; the chain's blocks run one after another,
+        so the backward reaches their outputs in reverse. Blocks side by side on
+        branches (HRNet's transitions and fuse layers, found as its chain; a block
+        returning an input another block took) can have theirs reached in another
+        order, and the windows came out backwards: ``profile`` raised a bare
+        "ValueError: max() arg is an empty sequence" (a held-out check of timm's HRNet,
+        2026-12-02). Such blocks do not make a chain; the error names two of them."""
+    for i in range(len(names)):
+        if ends[i + 1] > ends[i]:
+            before = (f"that of block {names[i - 1]!r}, which runs before it in the forward"
+                      if i else "the chain's input")
+            raise BlockError(
+                f"the backward reached the output of block {names[i]!r} after {before}: "
+                f"these blocks do not run one after another (branches side by side, or a "
+                f"block that returns a tensor made before the block before it ran), so "
+                f"the step cannot be told apart block by block. Give blocks=[...] (on the "
+                f"command line, --blocks NAME,NAME,...) naming layers that each take the "
+                f"previous one's output, such as the stages around the branches")
+
+
 def first_marks(mem: MemoryTracker) -> dict[str, int]:
     found: dict[str, int] = {}
     for event, label in mem.marks:
@@ -1354,6 +1381,7 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
     bounds = [marks[f"fwd:{i}"] for i in range(n)] + [marks["fwd_end"]]
     fwd = [_window(mem, bounds[i], bounds[i + 1]) for i in range(n)]
     ends = [marks.get("bwd:-1", marks["end"])] + [marks[f"bwd:{i}"] for i in range(n)]
+    _check_backward_order(names, ends)
     bwd = [_window(mem, ends[i + 1], ends[i]) for i in range(n)]
     return MemoryRun(
         mem=mem, probe=probe, fwd=fwd, bwd=bwd,
