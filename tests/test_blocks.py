@@ -14,6 +14,7 @@ from autoremat import zoo
 from autoremat._core.errors import BlockError
 from autoremat._measure.blocks import (
     STACK_SHARE,
+    attribute_layers,
     discover_blocks,
     discovery_notes,
     keyed_by_position,
@@ -21,7 +22,7 @@ from autoremat._measure.blocks import (
     resolve_blocks,
 )
 
-from _steps import exact
+from _steps import ResidualMlp, exact
 
 
 class Layer(nn.Module):
@@ -201,6 +202,65 @@ def test_a_list_of_distinct_layers_is_the_chain() -> None:
     # a repeated container still wins over one of distinct layers holding more
     model.extra = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
     assert discover_blocks(model) == ["extra.0", "extra.1"]
+
+
+class _HeldStage(nn.Module):
+    """Blocks held by ``add_module`` and run over ``children()``, as timm's RegStage."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        for k in range(depth):
+            self.add_module(f"b{k + 1}", ResidualMlp(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.children():
+            x = block(x)
+        return x
+
+
+class _Norm(nn.Module):
+    """A linear layer and a norm, held as attributes."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, out)
+        self.norm = nn.LayerNorm(out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+class _Attributed(nn.Module):
+    """A stem, stages and a head held as attributes, no list among them (timm's RegNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = _Norm(8, 16)
+        self.s1 = _HeldStage(16, 1)
+        self.s2 = _HeldStage(16, 2)
+        self.head = _Norm(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.s2(self.s1(self.stem(x))))
+
+
+def test_layers_held_as_attributes_are_the_chain() -> None:
+    # NOTE [ Layers held as attributes ]: profile refused timm's RegNet, Inception v3 and
+    # DLA ("found no chain of blocks"); now their attributes are the chain, in order
+    torch.manual_seed(0)
+    model, x = _Attributed(), torch.randn(4, 32, 8)
+    assert discover_blocks(model) == [""]  # no list holds a chain
+    assert attribute_layers(model) == ["stem", "s1", "s2", "head"]
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    tape = autoremat.profile(model, x, loss, timing=False)
+    assert [b.name for b in tape.blocks] == ["stem", "s1", "s2", "head"]
+    for strategy in ("full", "sqrt"):
+        exact(model, x, autoremat.plan(tape, strategy=strategy), loss_fn=loss)
+    # a single layer holds no chain: still refused, saying what to do
+    with pytest.raises(BlockError, match="found no chain of blocks in Linear"):
+        autoremat.profile(nn.Linear(4, 4), torch.randn(2, 4), timing=False)
 
 
 def test_explicit_names_are_kept_in_the_given_order() -> None:

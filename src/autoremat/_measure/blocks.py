@@ -113,7 +113,7 @@ from torch import nn
 
 from autoremat._core.errors import BlockError, did_you_mean
 
-__all__ = ["STACK_SHARE", "BlockSpec", "discover_blocks", "discovery_notes",
+__all__ = ["STACK_SHARE", "BlockSpec", "attribute_layers", "discover_blocks", "discovery_notes",
            "keyed_by_position", "other_repeated_blocks", "resolve_blocks"]
 
 BlockSpec = None | Sequence[str] | Callable[[str, nn.Module], bool]
@@ -322,13 +322,37 @@ def discover_blocks(model: nn.Module) -> list[str]:
     return names or _distinct_layers(model) or [""]
 
 
-def _distinct_layers(model: nn.Module) -> list[str]:
+def attribute_layers(model: nn.Module) -> list[str]:
+    """Where no list holds a chain, the modules held as attributes by the module holding
+    the most parameters among those with two composite layers or more that hold
+    parameters, in definition order (NOTE [ Layers held as attributes ]); else none.
+
+    NOTE [ Layers held as attributes ]
+        Some models hold their stages as attributes, not in a list: timm's RegNet
+        (``s1`` .. ``s4``, each holding its blocks ``b1``, ``b2``, ... by
+        ``add_module``), its Inception v3 (``Mixed_5b`` .. ``Mixed_7c``) and DLA
+        (``level0`` .. ``level5``). Discovery found no chain there and ``profile``
+        refused them (a held-out check, 2026-12-02). The chain is then the children of
+        the module holding the most parameters among those holding two composite layers
+        with parameters or more (the model, as a rule), as NOTE [ A list of distinct
+        layers ] takes a list's: a stem, the stages, a pool, a head, each a block, in the
+        order they run. A stage is not flattened into its layers: that its children are
+        of one class does not say that they run one after another (an Inception block's
+        branches all take its input). The model's own calls come first: a module held at
+        several attributes, or a single layer run several times, is planned call by call
+        (``_looped_layers`` in ``profile.py``), as before.
+    """
+    return _distinct_layers(model, listed=False)
+
+
+def _distinct_layers(model: nn.Module, listed: bool = True) -> list[str]:
     """Where no container repeats a layer, the layers of the list holding the most
     parameters among those with two composite layers or more that hold parameters (NOTE
-    [ A list of distinct layers ]); else none."""
+    [ A list of distinct layers ]); else none. ``listed=False``: of any module
+    (:func:`attribute_layers`)."""
     best: tuple[tuple[int, int], str] | None = None
     for name, module in model.named_modules():
-        if not _listed(module):
+        if _listed(module) != listed or (not listed and isinstance(module, nn.ModuleDict)):
             continue
         weighted = [c for c in module.children() if _composite(c) and _param_count(c)]
         key = (_param_count(module), -name.count(".") if name else 1)

@@ -88,6 +88,7 @@ from autoremat._core.step import (
 from autoremat._core.units import format_bytes
 from autoremat._measure.blocks import (
     BlockSpec,
+    attribute_layers,
     discovery_notes,
     keyed_by_position,
     other_repeated_blocks,
@@ -299,6 +300,8 @@ def _checked_setup(step: Step, blocks: BlockSpec, *, repeats: int, with_selectiv
     names = resolve_blocks(model, blocks)
     if names == [""]:
         looped = _looped_layers(model, step.inputs)
+        if looped is None:
+            looped = attribute_layers(model) or None  # NOTE [ Layers held as attributes ]
         if looped is None:
             raise BlockError(f"found no chain of blocks in {type(model).__name__}"
                              f"{_why_no_chain(model)}")

@@ -378,7 +378,10 @@ class _Probe:
             self.input_bytes[i] = unique_storage_bytes(tensors)
             # the block before's output, unchanged: an op in place between them (an
             # in-place activation) saves for backward what a segment cannot replay
-            self.chained[i] = bool(tensors) and self._is_prev_output(tensors[0])
+            # (not after a block that returned its input: NOTE [ After a block that
+            # returns its input ])
+            self.chained[i] = bool(tensors) and self._is_prev_output(tensors[0]) \
+                and not (len(self.order) > 1 and self.passed[self.order[-2]])
             if self.chained[i]:
                 self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
                 self.chain_records[i] = live_record(tensors[0].untyped_storage())
@@ -417,6 +420,17 @@ class _Probe:
                     self.on_output(i, tensors)
                 self.on_mark("fwd_end")
         return hook
+
+    # NOTE [ After a block that returns its input ]
+    #     A block that returns what it was given (an ``nn.Identity`` in the chain: timm's
+    #     RegNet's ``final_conv``, HRNet's fuse layers) hands the next block the input of
+    #     the block before. A segment over the three was composed as if that tensor were
+    #     made inside it: timm's RegNet found by its attributes (NOTE [ Layers held as
+    #     attributes ] in _measure/blocks.py), a segment from a stage through its
+    #     ``final_conv`` to its head, measured one stage output (11,776 B) over its
+    #     prediction (a held-out check, 2026-12-02). The block after one that returned
+    #     its input is not chained to it, so no segment runs across it; the block itself
+    #     is planned as measured (kept, or checkpointed alone, at no cost).
 
     def _is_prev_output(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is an output of the block before, unchanged since.
