@@ -256,6 +256,8 @@ def test_layers_held_as_attributes_are_the_chain() -> None:
 
     tape = autoremat.profile(model, x, loss, timing=False)
     assert [b.name for b in tape.blocks] == ["stem", "s1", "s2", "head"]
+    assert any(n.startswith("blocks: the 4 modules the model holds as attributes")
+               for n in tape.notes), tape.notes
     for strategy in ("full", "sqrt"):
         exact(model, x, autoremat.plan(tape, strategy=strategy), loss_fn=loss)
     # a single layer holds no chain: still refused, saying what to do

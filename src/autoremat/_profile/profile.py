@@ -330,6 +330,14 @@ def _mode_notes(model: nn.Module, names: list[str], *, discovered: bool) -> list
         warnings.warn(f"autoremat: {eval_note}", UserWarning, stacklevel=3)
     if discovered:
         notes.extend(discovery_notes(model))
+        held = attribute_layers(model)
+        if held and names == held:
+            owner = held[0].rpartition(".")[0]
+            notes.append(f"blocks: the {len(held)} modules "
+                         f"{repr(owner) if owner else 'the model'} holds as attributes, in "
+                         f"the order they run (no ModuleList or Sequential holds a chain: "
+                         f"NOTE [ Layers held as attributes ]); each is one block, a stage "
+                         f"too. Pass blocks=[...] to plan over the layers inside them")
         others = other_repeated_blocks(model, names)
         if others:
             notes.append(f"planning over the repeated blocks found; also smaller "
