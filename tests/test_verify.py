@@ -42,6 +42,7 @@ from autoremat._verify import (
     step_measure,
 )
 
+from _steps import verified
 from conftest import MEDIUM
 
 BUDGETS = ["75%", "50%", "30%", "min"]
@@ -578,3 +579,40 @@ def test_deterministic_and_measure_noise_exclude_each_other(
     with pytest.raises(RematError, match="pass one"):
         autoremat.verify(model, inputs, autoremat.plan(tape, None, "full"),
                          deterministic=True, measure_noise=True)
+
+
+class _NanGrad(nn.Module):
+    """A linear layer whose weight's gradient is NaN: sqrt(0 * y) has the derivative
+    0 * inf (as timm's LambdaNet's lambda convolutions give under bf16 on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y + torch.sqrt(y * 0)
+
+
+def test_gradients_nan_in_the_plain_step_are_equal_where_the_plan_gives_them_too() -> None:
+    # NOTE [ Gradients that are NaN in the plain step ]: every plan was judged "differ",
+    # max |diff| NaN, though it gave the plain step's gradients bit for bit
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(_NanGrad() for _ in range(3))), torch.randn(4, 8)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    tape = autoremat.profile(model, x, loss, timing=False)
+    with pytest.warns(UserWarning, match=r"plain step's gradients are not finite \(NaN or "
+                                         r"inf\) in 0\.lin\.weight"):
+        report = verified(model, x, autoremat.plan(tape, strategy="full"), loss_fn=loss,
+                          repeats=1)
+    assert report.ok and report.grads_equal and report.max_grad_diff == 0.0
+    nan = float("nan")
+    one_side = judge_gradients({"w": torch.tensor([1.0, nan])}, {"w": torch.tensor([1.0, 2.0])})
+    assert one_side.verdict == "differ" and math.isnan(one_side.max_grad_diff)
+    both = judge_gradients({"w": torch.tensor([1.0, nan])}, {"w": torch.tensor([1.0, nan])})
+    assert both.verdict == "equal" and both.max_grad_diff == 0.0
+    elsewhere = judge_gradients({"w": torch.tensor([1.0, nan])}, {"w": torch.tensor([1.5, nan])})
+    assert elsewhere.verdict == "differ" and elsewhere.max_grad_diff == 0.5

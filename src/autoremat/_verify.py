@@ -244,7 +244,8 @@ def max_grad_diff(a: Grads, b: Grads) -> tuple[bool, float]:
     """(every gradient ``torch.equal``, max |a - b|) over the parameters of ``a``.
 
     A gradient present on one side only, or of another shape, is unequal by ``inf``; a
-    NaN difference makes the maximum NaN (which no floor accepts).
+    NaN difference makes the maximum NaN (which no floor accepts). NaN on both sides at
+    the same entries is equal there (NOTE [ Gradients that are NaN in the plain step ]).
     """
     equal, worst = True, 0.0
     for name, x in a.items():
@@ -260,11 +261,49 @@ def max_grad_diff(a: Grads, b: Grads) -> tuple[bool, float]:
             x, y = x.to_dense(), y.to_dense()  # nn.Embedding(sparse=True)'s, summed
         if torch.equal(x, y):
             continue
+        x, y = _nan_matched(x, y)
+        if torch.equal(x, y):
+            continue
         equal = False
         if x.numel():
             diff = float((x.double() - y.double()).abs().max())
             worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)
     return equal, worst
+
+
+def _warn_not_finite(grads: Grads) -> None:
+    """Warn where the plain step's gradients hold NaN or infinity (NOTE [ Gradients that
+    are NaN in the plain step ]): a verdict of "equal" then says the plan gives the same
+    ones, not that they train."""
+    bad = [name for name, g in grads.items() if g is not None
+           and (g.is_floating_point() or g.is_complex())
+           and not bool(torch.isfinite(g.to_dense() if g.layout is not torch.strided
+                                       else g).all())]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        warnings.warn(f"autoremat: the plain step's gradients are not finite (NaN or inf) "
+                      f"in {shown}: verify judges the plan's against them as they are "
+                      f"(NaN against NaN at the same entries is equal), and the model does "
+                      f"not train so with or without a plan (a dtype that overflows, a "
+                      f"learning rate, the data?)", UserWarning, stacklevel=3)
+
+
+def _nan_matched(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``y`` with the entries that are NaN in both set to 0.
+
+    NOTE [ Gradients that are NaN in the plain step ]
+        ``torch.equal`` is False for NaN against NaN, so a model whose plain step gives
+        NaN gradients (timm's LambdaNet under bf16 autocast on the CPU: its lambda
+        convolutions' weights) had every plan judged "differ", max |diff| NaN, where the
+        plan gave the same gradients bit for bit (a held-out check, 2026-12-02). Entries
+        NaN on both sides are equal; a NaN on one side only still differs, by NaN, and
+        ``verify`` warns that the plain step's gradients are not finite."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return x, y
+    both = x.isnan() & y.isnan()
+    if not bool(both.any()):
+        return x, y
+    return x.masked_fill(both, 0), y.masked_fill(both, 0)
 
 
 def _verdict(equal: bool, diff: float, floor: float) -> Verdict:
@@ -707,6 +746,7 @@ def verify(model: nn.Module | Step, inputs: Any = None, plan: Plan | None = None
     head_names = _head_params(model, plan)
     head_rel, bound = _judge_head(plain.grads, planned.grads, head_names)
     judged = judge_gradients(plain.grads, planned.grads, floor)
+    _warn_not_finite(plain.grads)
     peak, plain_peak = planned.peak_bytes, plain.peak_bytes
     on_allocator = False
     if planned.allocator_peak_bytes is not None and plain.allocator_peak_bytes is not None:
