@@ -31,7 +31,7 @@ from autoremat._plan.strategies import smallest_feasible_bytes
 from autoremat._profile.runs import _Probe
 
 import conftest
-from _steps import ResidualMlp, segments_peaks, single_block_plans, verified
+from _steps import DenseLayer, ResidualMlp, segments_peaks, single_block_plans, verified
 
 # conftest.SMALL with three transformer blocks, not two: these sizes matter, since
 # test_profile_measures_every_block_and_leaves_no_trace asserts at least three blocks and
@@ -2244,3 +2244,58 @@ def test_no_segment_runs_across_a_block_that_returns_its_input() -> None:
             # never under; over by at most one activation (a segment ending in the
             # Identity is counted holding its input once more: 8 KiB over, on the safe side)
             assert measured <= predicted <= measured + x.nelement() * 4, (a, b, rest)
+
+
+class _PoolThenDense(nn.Module):
+    """A first block, then dense layers each taking the list of every feature so far
+    (timm's DenseNet: ``pool0``, then a dense block): the first block's output is the
+    first dense layer's input, and every later one's. With ``transition``, a block after
+    them takes their sum, and the model lets go of the list in its forward window."""
+
+    def __init__(self, d: int = 32, n: int = 4, transition: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.GELU())]
+                                    + [DenseLayer(d) for _ in range(n)]
+                                    + ([nn.Sequential(nn.Linear(d, d), nn.GELU())]
+                                       if transition else []))
+        self.transition = transition
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers = list(self.blocks)
+        if self.transition:
+            return layers[-1](self._dense(layers[0](x), layers[1:-1])).pow(2).mean()
+        features = [layers[0](x)]
+        for block in layers[1:]:
+            features.append(block(features))
+        return torch.stack(features).pow(2).mean()
+
+    @staticmethod
+    def _dense(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
+        features = [x]  # let go of when this returns, in the last dense layer's window
+        for block in layers:
+            features.append(block(features))
+        return torch.stack(features).sum(0)
+
+
+def test_an_input_later_blocks_take_too_is_not_credited_as_freed() -> None:
+    # NOTE [ An input later blocks take too ]: a segment of the first two blocks, the
+    # dense layers after it checkpointed, measured the first block's output held by
+    # their checkpoints, over its prediction (DenseNet-121: 88,064 B)
+    # (without the transition, where the model lets go of the list when it returns, a
+    # plan recomputing one later dense layer alone, the rest kept, is one feature map
+    # under: docs/limitations.md, not fixed)
+    torch.manual_seed(0)
+    model, x = _PoolThenDense(transition=True), torch.randn(64, 32)
+    tape = autoremat.profile(model, x, timing=False)
+    n = len(tape.blocks)
+    for a, b in itertools.combinations(range(n + 1), 2):
+        if not all(tape.blocks[j].chained for j in range(a + 1, b)):
+            continue
+        for rest in (KEEP, RECOMPUTE):
+            segments = ([(i, i + 1, rest) for i in range(a)] + [(a, b, RECOMPUTE)]
+                        + [(i, i + 1, rest) for i in range(b, n)])
+            predicted, measured = segments_peaks(model, x, tape, segments)
+            # never under; over by at most two feature maps (held by the later layers'
+            # checkpoints from where the model lets go of the list)
+            assert measured <= predicted <= measured + 2 * x.nelement() * 4, (
+                a, b, rest, predicted, measured)

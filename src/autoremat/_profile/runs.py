@@ -292,6 +292,9 @@ class _Probe:
     # per chained block, the tracker's record of its first input's storage (None: not
     # made in the step)
     chain_records: list[StorageRecord | None] = field(default_factory=list)
+    # per block, the ids of the tracker's records of its input tensors' storages (those
+    # made in the step; NOTE [ An input later blocks take too ] in _profile/profile.py)
+    input_records: list[set[int]] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # block indices in the order they ran
     in_backward: list[int] = field(default_factory=list)  # calls made while backward ran
     grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
@@ -327,6 +330,7 @@ class _Probe:
         self.chained = [False] * n
         self.chain_bytes = [0] * n
         self.chain_records = [None] * n
+        self.input_records = [set() for _ in range(n)]
         self.in_backward = [0] * n
         self.grad_off = [False] * n
         self.changes_input = [False] * n
@@ -385,6 +389,8 @@ class _Probe:
             if self.chained[i]:
                 self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
                 self.chain_records[i] = live_record(tensors[0].untyped_storage())
+            self.input_records[i] = {id(r) for t in tensors
+                                     if (r := live_record(t.untyped_storage())) is not None}
             if i == 0:
                 first = _first_grad_tensor((args, kwargs))
                 if first is not None:
@@ -1667,12 +1673,14 @@ def post_bwd_peak(run: MemoryRun, n: int) -> int:
     return run.mem.window_peak(run.backward, run.ends[n]) - run.mem.levels[run.bounds[-1]]
 
 
-def inputs_freed_later(run: MemoryRun, n: int, gap: int = 2) -> dict[tuple[int, int], int]:
+def inputs_freed_later(run: MemoryRun, n: int, gap: int = 2, *,
+                       taken_between: bool = True) -> dict[tuple[int, int], int]:
     """Bytes made in the forward window of the block before block ``i`` (before the
     first block, for ``i == 0``) that die in the forward window of a block
     ``w >= i + gap``, by ``(i, w)``: block ``i``'s input the model held outside the chain
     and let go of later in the chain (NOTE [ Inputs the model frees later in the chain ]
-    in _plan/peak.py)."""
+    in _plan/peak.py). ``taken_between=False``: not those a block between ``i`` and
+    ``w`` takes too (NOTE [ An input later blocks take too ] in _profile/profile.py)."""
     out: dict[tuple[int, int], int] = {}
     for record in run.mem.records:
         if record.backward or record.died is None:
@@ -1687,7 +1695,8 @@ def inputs_freed_later(run: MemoryRun, n: int, gap: int = 2) -> dict[tuple[int, 
             i = 0  # made before the first block
         else:
             continue
-        if freed_in >= i + gap:
+        if freed_in >= i + gap and (taken_between or not any(
+                id(record) in run.probe.input_records[j] for j in range(i + 1, freed_in))):
             out[i, freed_in] = out.get((i, freed_in), 0) + record.nbytes
     return out
 
