@@ -2208,19 +2208,13 @@ def test_blocks_whose_backwards_run_out_of_order_are_refused_as_no_chain() -> No
                           blocks=["blocks.0", "blocks.1"], timing=False)
 
 
-def _one_segment_plans(model: nn.Module, x: torch.Tensor, tape: Tape,
-                       loss: Callable[[Any], torch.Tensor] | None = None
-                       ) -> Iterator[tuple[int, int, Choice, int, int]]:
-    """Every plan of one recomputed segment (of blocks that chain), the other blocks all
-    kept or all recomputed alone: ``(start, stop, the others' choice, predicted,
-    measured)``."""
-    n = len(tape.blocks)
-    for a, b in itertools.combinations(range(n + 1), 2):
-        if not all(tape.blocks[j].chained for j in range(a + 1, b)):
-            continue
-        for rest in (KEEP, RECOMPUTE):
-            segments = ([(i, i + 1, rest) for i in range(a)] + [(a, b, RECOMPUTE)]
-                        + [(i, i + 1, rest) for i in range(b, n)])
+def _segment_plan_peaks(model: nn.Module, x: torch.Tensor, tape: Tape,
+                         loss: Callable[[Any], torch.Tensor] | None = None
+                         ) -> Iterator[tuple[int, int, Choice, int, int]]:
+    """Every plan of :func:`_one_segment_plans` whose segment's blocks chain, run once:
+    ``(start, stop, the others' choice, predicted, measured)``."""
+    for rest, a, b, segments in _one_segment_plans(len(tape.blocks)):
+        if all(tape.blocks[j].chained for j in range(a + 1, b)):
             yield (a, b, rest, *segments_peaks(model, x, tape, segments, loss))
 
 
@@ -2249,7 +2243,7 @@ def test_no_segment_runs_across_a_block_that_returns_its_input() -> None:
 
     tape = autoremat.profile(model, x, loss, timing=False)
     assert [b.chained for b in tape.blocks] == [False, True, True, True, False]
-    for a, b, rest, predicted, measured in _one_segment_plans(model, x, tape, loss):
+    for a, b, rest, predicted, measured in _segment_plan_peaks(model, x, tape, loss):
         # never under; over by at most one activation (a segment ending in the Identity
         # is counted holding its input once more: 8 KiB over, on the safe side)
         assert measured <= predicted <= measured + x.nelement() * 4, (a, b, rest)
@@ -2296,7 +2290,7 @@ def test_an_input_later_blocks_take_too_is_not_credited_as_freed() -> None:
     torch.manual_seed(0)
     model, x = _PoolThenDense(transition=True), torch.randn(64, 32)
     tape = autoremat.profile(model, x, timing=False)
-    for a, b, rest, predicted, measured in _one_segment_plans(model, x, tape):
+    for a, b, rest, predicted, measured in _segment_plan_peaks(model, x, tape):
         # never under; over by at most two feature maps (held by the later layers'
         # checkpoints from where the model lets go of the list)
         assert measured <= predicted <= measured + 2 * x.nelement() * 4, (
