@@ -292,12 +292,14 @@ def _nan_matched(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
     """``x`` and ``y`` with the entries that are NaN in both set to 0.
 
     NOTE [ Gradients that are NaN in the plain step ]
-        ``torch.equal`` is False for NaN against NaN, so a model whose plain step gives
-        NaN gradients (timm's LambdaNet under bf16 autocast on the CPU: its lambda
-        convolutions' weights) had every plan judged "differ", max |diff| NaN, where the
-        plan gave the same gradients bit for bit (a held-out check, 2026-12-02). Entries
+        ``torch.equal`` is False for NaN against NaN, so a plan that gives the plain
+        step's NaN gradients bit for bit was judged "differ", max |diff| NaN. Entries
         NaN on both sides are equal; a NaN on one side only still differs, by NaN, and
-        ``verify`` warns that the plain step's gradients are not finite."""
+        ``verify`` warns that the plain step's gradients are not finite. Found on timm's
+        LambdaNet under bf16 autocast on the CPU (a held-out check, 2026-12-02), whose
+        lambda convolutions' weight gradients are NaN: there the plain step puts its
+        NaN at other entries from run to run (160 and 128 of one weight's), so its plans
+        still differ, now with the warning that names them."""
     if not (x.is_floating_point() or x.is_complex()):
         return x, y
     both = x.isnan() & y.isnan()
