@@ -641,12 +641,10 @@ class Preserved:
                       for prefix, m in model.named_modules()]
         leaves = [t for t in flat_tensors(inputs) if t.is_leaf and t.requires_grad]
         self.grads = [(p, p.grad) for p in (*model.parameters(), *leaves)]
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self._rngs = self._rng_states()
-
-    def _rng_states(self) -> tuple[Any, ...]:
-        return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                torch.cuda.get_rng_state_all() if self.cuda else None)
+        # the random states (the CUDA ones where CUDA runs already, as fork_rng saves)
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._rngs = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                      torch.cuda.get_rng_state_all() if cuda else None)
 
     def built(self) -> list[tuple[str, int]]:
         """The buffers and attributes that the steps run inside gave another object
@@ -691,14 +689,9 @@ class Preserved:
         self._put_values()
         for p, _ in self.grads:
             p.grad = None
-        py_state, np_state, cpu_state, cuda_states = self._rngs
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(cpu_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
 
     def _put_values(self) -> None:
+        """Buffers' values, number attributes and the random states as on entry."""
         with torch.no_grad():
             for b, saved in self.buffers:
                 if b.shape != saved.shape:  # (an observer sized in its first forward)
@@ -706,6 +699,12 @@ class Preserved:
                 b.copy_(saved)
         for m, name, value in self.scalars:
             vars(m)[name] = value
+        py_state, np_state, cpu_state, cuda_states = self._rngs
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
 
     def restore(self) -> None:
         """Everything as it was on entry (:func:`preserved_state`'s exit)."""
@@ -720,9 +719,6 @@ class Preserved:
         self._put_values()
         for p, g in self.grads:
             p.grad = g
-        py_state, np_state = self._rngs[:2]
-        random.setstate(py_state)
-        np.random.set_state(np_state)
 
 
 @contextmanager
@@ -740,14 +736,12 @@ def preserved_state(model: nn.Module, inputs: Any = None) -> Iterator[Preserved]
     SpecAugment masks). Gradients are ``None`` inside. Gives a :class:`Preserved`.
     """
     kept = Preserved(model, inputs)
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))
-                               if kept.cuda else []):
-        try:
-            for p, _ in kept.grads:
-                p.grad = None
-            yield kept
-        finally:
-            kept.restore()
+    try:
+        for p, _ in kept.grads:
+            p.grad = None
+        yield kept
+    finally:
+        kept.restore()
 
 
 def clear_grads(model: nn.Module, inputs: Any = None) -> None:
