@@ -1111,3 +1111,35 @@ def test_a_block_output_view_written_in_place_after_it_stays_in_the_chain(
     tape = autoremat.profile(model, x, timing=False, blocks=chain if given else None)
     assert [b.name for b in tape.blocks] == chain
     exact(model, x, autoremat.plan(tape, strategy="every:2"))
+
+
+class _Holes(nn.Module):
+    """x-transformers' layout: a ModuleList per layer of (a ModuleList of norms with
+    ``None`` in the places of the norms it leaves out, the layer, its residual), which
+    the model iterates over and never calls."""
+
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.ModuleList([nn.LayerNorm(d), None, None]), ResidualMlp(d),
+                           nn.Identity()]) for _ in range(n))
+        self.unused = nn.ModuleList([None, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for (norm, _, _), layer, residual in self.layers:
+            x = residual(layer(norm(x)))
+        return x
+
+
+def test_lists_that_hold_none_in_places_are_searched_by_the_modules_they_hold() -> None:
+    # a ModuleList of [norm, None, None] (and one of None only) counts its modules, not
+    # its places: the search had taken it for a list of three and failed on it
+    # (IndexError, a held-out x-transformers Decoder)
+    torch.manual_seed(0)
+    model, x = _Holes(), torch.randn(4, 8)
+    tape = autoremat.profile(model, x, loss_fn=lambda y: y.pow(2).mean(), timing=False,
+                             with_selective=False, with_head=False)
+    names = [b.name for b in tape.blocks]
+    assert "layers.0.1" in names and "layers.2.1" in names, names
+    assert not any(name.endswith(("1.1.0", ".unused")) for name in names), names
+    exact(model, x, autoremat.plan(tape, strategy="full"), repeats=1)

@@ -177,7 +177,10 @@ def keyed_by_position(module: nn.ModuleDict) -> bool:
 
 
 def _is_repeated_container(module: nn.Module) -> bool:
-    return _listed(module) and len(module._modules) >= 2 and _repeated_score(module)[0] >= 0
+    # children(), not _modules: a ModuleList may hold None in places (x-transformers keeps
+    # [norm, None, None] per layer), which children() skips
+    return _listed(module) and sum(1 for _ in module.children()) >= 2 \
+        and _repeated_score(module)[0] >= 0
 
 
 def _is_run(module: nn.Module) -> bool:
@@ -292,7 +295,7 @@ def _stacks(model: nn.Module) -> list[str]:
         order[name] = len(order)
         # a list of one block of the chain's kind (a U-Net's mid-block attention; a
         # stack of one layer beside a deeper one) joins it too
-        if name and _listed(m) and len(m._modules) == 1 \
+        if name and _listed(m) and sum(1 for _ in m.children()) == 1 \
                 and type(next(iter(m.children()))) in kinds \
                 and not any(_nested(name, c) for c in chosen):
             chosen.append(name)
