@@ -9,10 +9,12 @@ on the zoo models (in a subprocess, see ``_os_peak_probe.py``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -694,3 +696,28 @@ def test_a_counter_run_through_the_tracker_sees_what_it_sees_as_a_mode_of_its_ow
     assert (through.by_label, through.total) == (nested.by_label, nested.total)
     assert [dataclasses.replace(o, ms=0.0) for o in through.block_ops("<outside>")] == \
         [dataclasses.replace(o, ms=0.0) for o in nested.block_ops("<outside>")]
+
+
+def test_a_storage_the_collector_frees_inside_the_trackers_lock_is_counted() -> None:
+    # an allocation inside the tracker's locked region can start Python's garbage
+    # collector, which frees a storage held in a cycle and runs its free callback there,
+    # on the same thread: with a plain Lock that deadlocked (a held-out x-transformers
+    # step hung in profile)
+    from autoremat._measure.memory import track_memory
+
+    done: list[int] = []
+
+    def step() -> None:
+        with track_memory() as mem:
+            held: list[Any] = [torch.ones(1024)]
+            held.append(held)  # a cycle: only the collector frees it
+            del held
+            with mem._lock:  # as inside the tracker, where the collector may start
+                gc.collect()
+        done.append(mem.current_bytes)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the tracker deadlocked on its own lock"
+    assert done == [0]  # the storage made and freed, counted both times

@@ -213,7 +213,10 @@ class MemoryTracker:
         default=None, repr=False, compare=False)
     _peak_event: int = 0
     _closed: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # re-entrant: a storage's free callback can run inside a locked region of the same
+    # thread, where an allocation there starts Python's garbage collector and it frees a
+    # storage held in a cycle (an exception's traceback); a plain Lock deadlocked there
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def mark(self, label: str) -> None:
         """Label the current point of the timeline (e.g. ``"fwd:blocks.3"``)."""

@@ -1507,20 +1507,23 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
         release[freed_in] -= size  # NOTE [ Saves shared by calls of a layer ]
     z = suffix_z(tape, release, set(range(len(tape.blocks))) - _recomputed(segments))
     level = tape.pre.delta_bytes
-    peak = fixed_peaks(tape, costs[0].seen_as)
+    # the chain's forward windows come before the forward returns, the rest after: what
+    # the plan holds of the model's release at the return (``at_return``) is in the
+    # levels of the forward already (NOTE [ Held at the return, after the return ])
+    peak, after = 0, fixed_peaks(tape, costs[0].seen_as)
     costs = _with_later(tape, segments, costs)  # NOTE [ Inputs the model frees later ... ]
     costs = _with_kept_outputs(tape, segments, costs)
     for (_start, stop, _), cost in zip(segments, costs, strict=False):
         bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak
-        peak = max(peak, level + cost.fwd_peak, bwd)
+        peak, after = max(peak, level + cost.fwd_peak), max(after, bwd)
         level += cost.hold
     last = costs[-1].seen_as
     prev, hidden = _KEEP, []
     for (start, stop, choice), cost in zip(segments, costs, strict=True):
         hidden += segment_hidden(tape, start, stop, choice, prev, cost.seen_as, last)
         prev = cost.seen_as
-    peak = max(peak, level + post_window(tape, last, release, unshared, hidden).peak_bytes)
-    return peak + held_past_release(tape, segments) + at_return
+    after = max(after, level + post_window(tape, last, release, unshared, hidden).peak_bytes)
+    return max(peak, after + at_return) + held_past_release(tape, segments)
 
 
 # NOTE [ The last block's input through the head's forward ]
@@ -1554,6 +1557,18 @@ def last_input_through_head(tape: Tape, start: int, stop: int) -> int:
     return block.chain_bytes + tape.post_fwd_peak.get(_RECOMPUTE, post.peak_bytes)
 
 
+# NOTE [ Held at the return, after the return ]
+#     What ``held_at_return`` counts is a tensor the model holds until its forward
+#     returns, so every step holds it through the chain's forward, and the forward
+#     windows count it alive; what differs is after the return, where the plan's
+#     checkpoint of a block taking it holds it on and the measured release let it go. It
+#     was added to the whole peak: a plan that peaks in a block's forward was predicted
+#     it over (a held-out x-transformers decoder with residual attention, whose layers
+#     take the attention scores the layer three before returned and the model keeps them
+#     in a list: 393 KiB, 11%, over in plans recomputing those layers). It lifts the
+#     levels from the return on: the backward's, the tail's and the post window's (whose
+#     levels before the backward starts are not told apart from those before the return:
+#     over by it where the step peaks in the head's forward).
 def held_at_return(tape: Tape, segments: Segments,
                    costs: Sequence[SegmentCost] | None = None,
                    release: Sequence[int] | None = None) -> int:
