@@ -1562,13 +1562,14 @@ def last_input_through_head(tape: Tape, start: int, stop: int) -> int:
 #     returns, so every step holds it through the chain's forward, and the forward
 #     windows count it alive; what differs is after the return, where the plan's
 #     checkpoint of a block taking it holds it on and the measured release let it go. It
-#     was added to the whole peak: a plan that peaks in a block's forward was predicted
-#     it over (a held-out x-transformers decoder with residual attention, whose layers
-#     take the attention scores the layer three before returned and the model keeps them
-#     in a list: 393 KiB, 11%, over in plans recomputing those layers). It lifts the
-#     levels from the return on: the backward's, the tail's and the post window's (whose
-#     levels before the backward starts are not told apart from those before the return:
-#     over by it where the step peaks in the head's forward).
+#     was added to the whole peak, so a plan that peaks in a block's forward was predicted
+#     it over (``test_a_tensor_the_model_frees_when_it_returns_is_in_the_forward_levels_
+#     already``: 64 KiB). It lifts the levels from the return on: the backward's, the
+#     tail's and the post window's, whose levels before the backward starts are not told
+#     apart from those before the return: over by it where the step peaks in the head's
+#     forward (a held-out x-transformers decoder with residual attention, whose layers
+#     take the scores the attention before returned, which the model keeps in a list
+#     until it returns: 393 KiB, 11%, over where its logits peak).
 def held_at_return(tape: Tape, segments: Segments,
                    costs: Sequence[SegmentCost] | None = None,
                    release: Sequence[int] | None = None) -> int:
