@@ -73,6 +73,15 @@ class SelectiveProfile:
     # block's backward, above every window between (NOTE [ Kept outputs that outlive
     # the forward ] in _profile/derive.py)
     held_after: int = 0
+    held_after_ops: tuple[int, ...] = ()  # the op positions that made them
+    # of those, the bytes the checkpointed step freed after the chain's forward (when the
+    # model's forward returned): the levels before the return count them already (NOTE
+    # [ Where the forward returns ] in _plan/peak.py)
+    held_at_return: int = 0
+    # those storages: where the step freed each (its event in ``tape.post_ckpt_levels``),
+    # and its bytes
+    kept_frees_at: tuple[int, ...] = ()
+    kept_frees_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -338,6 +347,18 @@ class Tape:
     # the levels a plan's releases move by all of them. Empty: a tape saved before it
     # was recorded (2026-12-01; the whole window's peak is moved).
     post_bwd_peak: dict[Decision, int] = field(default_factory=dict)
+    # The post window's peak before the backward starts, split where the model's forward
+    # returned: the peak before (what a plan holds of the release at the return does not
+    # raise it) and from there on (above the window's start; NOTE [ Where the forward
+    # returns ] in _plan/peak.py). Empty: not marked (a tape saved before 2026-12-02, a
+    # model called again in its loss), and ``post_fwd_peak`` is taken for both.
+    post_ret_peak: dict[Decision, int] = field(default_factory=dict)
+    post_returned_peak: dict[Decision, int] = field(default_factory=dict)
+    # The checkpointed step's levels from the chain's end to the backward's start (above
+    # the first), where a selective option keeps something that step freed there (its
+    # ``kept_frees``); empty otherwise (NOTE [ Where the forward returns ] in
+    # _plan/peak.py).
+    post_ckpt_levels: tuple[int, ...] = ()
     # Of the first block's fwd_end_release under each decision (as every block was in
     # the step that measured it), the bytes made before the chain that are released only
     # where every block is under that decision: shared inputs another block may hold
@@ -438,7 +459,7 @@ class Tape:
                         "bwd_made_before_freed", "bwd_made_before_held", "post_held_peak"):
                 block[key] = {_pair_name(k): v for k, v in block[key].items()}
         for key in ("post", "tail", "post_fwd_peak", "post_fwd_held_peak", "post_bwd_peak",
-                    "first_release_shared"):
+                    "post_ret_peak", "post_returned_peak", "first_release_shared"):
             data[key] = {d.value: v for d, v in data[key].items()}
         return data
 
@@ -534,8 +555,8 @@ def _by_decision(data: Any, where: str, version: int) -> dict[Decision, WindowMe
 def _peaks_by_decision(data: Any, where: str, version: int,
                        signed: bool = False) -> dict[Decision, int]:
     """``post_fwd_peak``, ``first_release_shared`` and the like: bytes keyed by one
-    decision (empty in older files); ``signed``: below 0 too (``post_bwd_peak``, above
-    a start it may end below)."""
+    decision (empty in older files); ``signed``: below 0 too (``post_bwd_peak``,
+    ``post_returned_peak``: above a start they may end below)."""
     out = {}
     for k, v in _mapping(data, where).items():
         if not isinstance(v, int) or isinstance(v, bool) or (v < 0 and not signed):
@@ -590,7 +611,9 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
                 v[key] = _window(v.get(key), f"{where}.selective.{k}.{key}")
             where_k = f"{where}.selective.{k}"
             selective[str(k)] = build_dataclass(
-                SelectiveProfile, int_tuples(v, ("keep_ops", "skip_ops"), where_k), where_k)
+                SelectiveProfile, int_tuples(v, ("keep_ops", "skip_ops", "held_after_ops",
+                                                 "kept_frees_at", "kept_frees_bytes"),
+                                             where_k), where_k)
         raw["selective"] = selective
         raw = int_tuples(raw, ("output_unsaved", "bwd_recompute_split"), where)
         if len(raw.get("bwd_recompute_split", (-1, -1))) != 2:
@@ -609,12 +632,13 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
     data["notes"] = tuple(notes)
     data["schema_version"] = SCHEMA_VERSION  # read; it is written as this version
     data["pre"] = _window(data.get("pre"), "tape.pre")
+    data = int_tuples(data, ("post_ckpt_levels",), "tape")
     for key in ("post", "tail"):
         data[key] = _by_decision(data.get(key), f"tape.{key}", version)
-    for key in ("post_fwd_peak", "post_fwd_held_peak", "post_bwd_peak",
-                "first_release_shared"):
+    for key in ("post_fwd_peak", "post_fwd_held_peak", "post_bwd_peak", "post_ret_peak",
+                "post_returned_peak", "first_release_shared"):
         data[key] = _peaks_by_decision(data.get(key, {}), f"tape.{key}", version,
-                                       signed=key == "post_bwd_peak")
+                                       signed=key in ("post_bwd_peak", "post_returned_peak"))
     if data.get("head") is not None:
         data["head"] = _head(data["head"])
     tape = build_dataclass(Tape, data, "tape")

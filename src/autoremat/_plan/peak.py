@@ -726,27 +726,33 @@ def _held_past_chain(tape: Tape, k: int) -> bool:
 
 def post_window(tape: Tape, last: Decision, release: Sequence[int] | None = None,
                 before: Sequence[int] | None = None,
-                hidden: Sequence[int] | None = None) -> WindowMemory:
+                hidden: Sequence[int] | None = None, *,
+                returned: int = 0, unreturned: int = 0,
+                kept_peak: int | None = None) -> WindowMemory:
     """``tape.post[last]`` (``last``: what the last block is seen as) for a plan whose
     blocks' inputs are released when the forward returns as ``release`` says
     (``None``: the least any plan releases), NOTE [ Released when the forward returns ].
     ``before``: the release that tells the levels before the forward returns, where
     ``release`` counts held what was alive before it in every step (NOTE [ Saves shared
     by calls of a layer ]); default ``release``. ``hidden``: per block, what the plan
-    holds of the measured step's release beyond its shortfall (``release_hidden``)."""
+    holds of the measured step's release beyond its shortfall (``release_hidden``).
+    ``returned``, ``unreturned``, ``kept_peak``: as ``released_post_peak`` takes them."""
     release = least_release(tape) if release is None else release
     measured = uniform_release(tape, last)
     held = [m - r for m, r in zip(measured, release, strict=True)]
     extra = sum(held)  # held on, that was freed (less what the plan frees, that was held)
     window = tape.post[last]
     hidden = [0] * len(held) if hidden is None else hidden
-    if not any(held) and not any(hidden):
+    if not any(held) and not any(hidden) and not returned and not unreturned \
+            and kept_peak is None:
         return window
     held_before = held if before is None else [
         m - r for m, r in zip(measured, before, strict=True)]
     by_block = [max(h, 0) + more for h, more in zip(held_before, hidden, strict=True)]
     return WindowMemory(
-        peak_bytes=int(released_post_peak(tape, last, extra, sum(by_block), by_block)),
+        peak_bytes=int(released_post_peak(tape, last, extra, sum(by_block), by_block,
+                                          returned=returned, unreturned=unreturned,
+                                          kept_peak=kept_peak)),
         delta_bytes=window.delta_bytes + extra)
 
 
@@ -784,7 +790,9 @@ def segment_hidden(tape: Tape, start: int, stop: int, choice: Choice, prev: Deci
 
 def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray,
                        held: int | np.ndarray | None = None,
-                       by_block: Sequence[int] | None = None) -> np.ndarray:
+                       by_block: Sequence[int] | None = None, *,
+                       returned: int = 0, unreturned: int = 0,
+                       kept_peak: int | None = None) -> np.ndarray:
     """The post window's peak where a plan holds ``extra`` bytes more (less, negative)
     than the step that measured ``tape.post[last]`` from when the forward returns, of
     which ``held`` (default ``extra``) are the blocks' bytes it holds more, without those
@@ -796,9 +804,16 @@ def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray,
     the next layer's weight casts; netted, its plan measured 32 KiB over its prediction.
     ``by_block``: ``held`` by block, where known: the levels rise by no more than all of
     one block's release held and the rest held by all of them (``post_held_peak``; NOTE
-    [ A release that holds one tensor and lets go of another ])."""
+    [ A release that holds one tensor and lets go of another ]). Where the step marked
+    where the forward returns, those moves start there, and ``returned`` more raise every
+    level from there on, ``unreturned`` fewer lower those before; ``kept_peak``: the
+    levels before the backward where the plan's selective blocks keep what the
+    checkpointed step freed after the chain, less those bytes (``last`` checkpointed;
+    NOTE [ Where the forward returns ])."""
     window = tape.post[last]
-    before = tape.post_fwd_peak.get(last, window.peak_bytes)
+    split = last in tape.post_ret_peak and last in tape.post_returned_peak
+    before = tape.post_returned_peak[last] if split else \
+        tape.post_fwd_peak.get(last, window.peak_bytes)
     held = extra if held is None else held
     raised = before + np.maximum(held, 0)
     if last in tape.post_fwd_held_peak:  # by no more than all of it held
@@ -807,7 +822,14 @@ def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray,
             one = tape.blocks[k].post_held_peak.get(_uniform(k, last))
             if size > 0 and one is not None:
                 raised = np.minimum(raised, max(before, one) + held - size)
-    return np.maximum(raised, tape.post_bwd_peak.get(last, window.peak_bytes) + extra)
+    if split:
+        raised = np.maximum(raised + returned, tape.post_ret_peak[last] - unreturned)
+    else:
+        raised = raised + returned
+    if kept_peak is not None:
+        raised = np.minimum(raised, kept_peak + np.maximum(held, 0) + returned)
+    return np.maximum(raised, tape.post_bwd_peak.get(last, window.peak_bytes) + extra
+                      + returned)
 
 
 def suffix_z(tape: Tape, release: Sequence[int] | None = None,
@@ -1163,7 +1185,7 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     sel = block.selective[key]
     # what it keeps that the model would have dropped before the backward stays held
     # (NOTE [ Kept outputs that outlive the forward ] in _profile/derive.py)
-    held, freed_later = _kept_output_bytes(block, choice, sel.keep_ops)
+    held, freed_later = _kept_output_bytes(block, choice, sel.keep_ops, sel.held_after_ops)
     fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes + sel.held_after + held
     bwd_peak = sel.bwd.peak_bytes + freed_later  # NOTE [ A selective block that keeps ... ]
     ckpt = (_RECOMPUTE, _RECOMPUTE)
@@ -1180,14 +1202,17 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, _RECOMPUTE, cost)
 
 
-def _kept_output_bytes(block: BlockProfile, choice: Choice,
-                       keep_ops: tuple[int, ...]) -> tuple[int, int]:
+def _kept_output_bytes(block: BlockProfile, choice: Choice, keep_ops: tuple[int, ...],
+                       counted: tuple[int, ...] = ()) -> tuple[int, int]:
     """The bytes of the block's output a selective option keeps (NOTE [ A selective
     block that keeps its output ]), as (those a kept next block lets go of in its
     forward, the others): each storage of the output the next block takes that the
     option keeps, where the tape records which ops made them (``output_ops``); else the
     whole output, among the others, where the option keeps what the block's last op
-    made."""
+    made. Not those of the ops in ``counted``: the option's ``held_after`` holds them
+    from the forward on already (a storage the checkpointed step freed before the
+    backward: an x-transformers layer's output, which its residual's add lets go of, was
+    counted twice, one activation over per selective layer)."""
     ops, keep_set = block.ops, bool(choice.keep_set)
     if block.output_ops is None:
         kept = _keeps_output(ops, choice.save_ops, keep_ops, keep_set)
@@ -1195,6 +1220,8 @@ def _kept_output_bytes(block: BlockProfile, choice: Choice,
     held = freed_later = 0
     for j in block.output_ops:
         if j in keep_ops if keep_set else ops[j].kind in choice.save_ops:
+            if j in block.output_unsaved and j in counted:
+                continue
             if j in block.output_unsaved:
                 held += ops[j].out_bytes
             else:
@@ -1513,17 +1540,48 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
     peak, after = 0, fixed_peaks(tape, costs[0].seen_as)
     costs = _with_later(tape, segments, costs)  # NOTE [ Inputs the model frees later ... ]
     costs = _with_kept_outputs(tape, segments, costs)
-    for (_start, stop, _), cost in zip(segments, costs, strict=False):
+    kept_to_return = 0  # of the selective blocks' holds so far (NOTE [ Where the ... ])
+    for (start, stop, choice), cost in zip(segments, costs, strict=True):
         bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak
-        peak, after = max(peak, level + cost.fwd_peak), max(after, bwd)
+        peak = max(peak, level + cost.fwd_peak - kept_to_return)
+        after = max(after, bwd)
         level += cost.hold
+        kept_to_return += kept_at_return(tape, start, choice)
     last = costs[-1].seen_as
     prev, hidden = _KEEP, []
     for (start, stop, choice), cost in zip(segments, costs, strict=True):
         hidden += segment_hidden(tape, start, stop, choice, prev, cost.seen_as, last)
         prev = cost.seen_as
-    after = max(after, level + post_window(tape, last, release, unshared, hidden).peak_bytes)
-    return max(peak, after + at_return) + held_past_release(tape, segments)
+    kept_peak = kept_post_peak(tape, segments) - kept_to_return \
+        if kept_to_return and last is _RECOMPUTE and tape.post_ckpt_levels else None
+    post = post_window(tape, last, release, unshared, hidden, returned=at_return,
+                       unreturned=kept_to_return, kept_peak=kept_peak)
+    return max(peak, after + at_return, level + post.peak_bytes) \
+        + held_past_release(tape, segments)
+
+
+def kept_post_peak(tape: Tape, segments: Segments) -> int:
+    """The checkpointed step's highest level after the chain and before the backward
+    (``tape.post_ckpt_levels``) with what the plan's selective blocks keep of what it
+    freed there held from where it died on (NOTE [ Where the forward returns ])."""
+    added = np.zeros(len(tape.post_ckpt_levels), dtype=np.int64)
+    for start, _, choice in segments:
+        if choice.decision is Decision.SELECTIVE:
+            option = tape.blocks[start].selective[choice.selective_key]
+            for at, size in zip(option.kept_frees_at, option.kept_frees_bytes, strict=True):
+                added[min(at, len(added) - 1)] += size
+    return int(np.max(np.asarray(tape.post_ckpt_levels, dtype=np.int64) + np.cumsum(added)))
+
+
+def kept_at_return(tape: Tape, start: int, choice: Choice) -> int:
+    """Of what a selective block keeps past the forward and ``_selective_cost`` holds
+    from it on (its option's ``held_after``), the bytes the checkpointed step freed when
+    the forward returned: in the levels before the return already (NOTE [ Where the
+    forward returns ]); 0 for other choices."""
+    if choice.decision is not Decision.SELECTIVE:
+        return 0
+    option = tape.blocks[start].selective.get(choice.selective_key)
+    return 0 if option is None else option.held_at_return
 
 
 # NOTE [ The last block's input through the head's forward ]
@@ -1565,11 +1623,39 @@ def last_input_through_head(tape: Tape, start: int, stop: int) -> int:
 #     was added to the whole peak, so a plan that peaks in a block's forward was predicted
 #     it over (``test_a_tensor_the_model_frees_when_it_returns_is_in_the_forward_levels_
 #     already``: 64 KiB). It lifts the levels from the return on: the backward's, the
-#     tail's and the post window's, whose levels before the backward starts are not told
-#     apart from those before the return: over by it where the step peaks in the head's
-#     forward (a held-out x-transformers decoder with residual attention, whose layers
-#     take the scores the attention before returned, which the model keeps in a list
-#     until it returns: 393 KiB, 11%, over where its logits peak).
+#     tail's and the post window's from where the step marked the return (NOTE [ Where
+#     the forward returns ]; the whole post window where it did not).
+
+# NOTE [ Where the forward returns ]
+#     The model lets go of what it holds outside the chain when the frame holding it
+#     returns: the chain's caller, a sub-model (BERT's encoder model, before its head),
+#     or the model itself (x-transformers' wrapper, after its logits). The tape splits the
+#     post window's peak before the backward where each uniform step first frees a
+#     storage made before the chain's end (``tape.post_ret_peak``: before;
+#     ``tape.post_returned_peak``: from there on): before it no release has happened, so
+#     what a plan holds of them raises only the levels from there on. Two counts that
+#     were over where the step peaks in the model's own head:
+#     * what a plan holds of the model's release (``held_at_return``, NOTE [ Held at the
+#       return, after the return ]);
+#     * what a selective option keeps that the checkpointed step freed after the chain
+#       (``SelectiveProfile.held_at_return``, part of its ``held_after``): x-transformers'
+#       decoders keep every attention's keys and values in a list until they return,
+#       alive in every step until then, which the derived windows count already.
+#       ``_selective_cost`` holds them from the block on (the next block's release lets
+#       them go at the return), so the chain's later forward levels and the levels
+#       before the first free subtract them (``kept_at_return``), and where the last
+#       block is checkpointed the post window's levels before the backward are at most
+#       that step's levels with them held from where each died (``tape.post_ckpt_levels``,
+#       the option's ``kept_frees_*``: ``kept_post_peak``). With an option's output
+#       counted once (``held_after_ops``, ``_kept_output_bytes``), the decoder's
+#       ``selective`` plan went from 28% over to its measured peak (fp32 and bf16; 36%
+#       to 8% with residual attention). After a kept last block the step that measured
+#       the post window saved them, and where the plan's keeping lets go of them there
+#       is not known: over by them in those levels, never under.
+#     The solver's moves still count the second in the forward levels (over, never
+#     under: a plan's own prediction is no higher than its row's). Tapes before
+#     2026-12-02 have none of these figures and count both over the whole window.
+
 def held_at_return(tape: Tape, segments: Segments,
                    costs: Sequence[SegmentCost] | None = None,
                    release: Sequence[int] | None = None) -> int:
@@ -1642,7 +1728,7 @@ def with_head(tape: Tape, head: Choice) -> Tape:
                     f"no head option {head.head_key!r} in the tape")
     option = tape.head.options[head.head_key]  # type: ignore[union-attr]
     return dataclasses.replace(
-        tape, post_fwd_peak={}, post_fwd_held_peak={}, post_bwd_peak={},  # the head's
-        # own: not recorded
+        tape, post_fwd_peak={}, post_fwd_held_peak={}, post_bwd_peak={}, post_ret_peak={},
+        post_returned_peak={}, post_ckpt_levels=(),  # the head's own: not recorded
         post={d: _moved(option.post, w, tape.post[_KEEP]) for d, w in tape.post.items()},
         tail={d: _moved(option.tail, w, tape.tail[_KEEP]) for d, w in tape.tail.items()})

@@ -71,7 +71,7 @@ from autoremat._measure.regions import RegionCall
 from autoremat._measure.tape import SelectiveProfile, WindowMemory
 from autoremat._mechanism.selective import _op_info, can_stand_in
 
-__all__ = ["derive", "held_after"]
+__all__ = ["HeldAfter", "derive", "held_after"]
 
 
 @dataclass(frozen=True)
@@ -131,16 +131,27 @@ def _kept_positions(key: str, option: SelectiveProfile, tags: RegionCall) -> set
     return set(option.keep_ops)
 
 
+@dataclass(frozen=True)
+class HeldAfter:
+    """What an option keeps that the checkpointed step freed after the block's forward
+    and before the backward (NOTE [ Kept outputs that outlive the forward ])."""
+
+    bytes: int  # all of it
+    ops: tuple[int, ...]  # the op positions that made it
+    at_return: tuple[tuple[int, int], ...]  # freed after the chain: (event - chain end, bytes)
+
+
 def held_after(tags: RegionCall, key: str, option: SelectiveProfile, *,
-               fwd_end: int, backward: int) -> int:
-    """The bytes option ``key`` keeps that the checkpointed step (``tags``) freed after
-    the block's forward ended (event ``fwd_end``) and before the backward started (event
-    ``backward``): NOTE [ Kept outputs that outlive the forward ]."""
+               fwd_end: int, backward: int, chain_end: int) -> HeldAfter:
+    """The storages option ``key`` keeps that the checkpointed step (``tags``) freed
+    after the block's forward ended (event ``fwd_end``) and before the backward started
+    (event ``backward``), and of those the ones freed after the chain's forward ended
+    (event ``chain_end``; NOTE [ Where the forward returns ] in _plan/peak.py)."""
     kept = _kept_positions(key, option, tags)
     if tags.mem is None or kept is None:
-        return 0
+        return HeldAfter(0, (), ())
     born = _timeline(tags.mem).born
-    total = 0
+    total, ops, at_return = 0, [], []
     for p in sorted(kept):
         if p < len(tags.forward):
             for e in range(tags.forward[p].first, tags.forward[p].stop):
@@ -148,7 +159,10 @@ def held_after(tags: RegionCall, key: str, option: SelectiveProfile, *,
                 if record is not None and record.died is not None \
                         and fwd_end < record.died < backward:
                     total += record.nbytes
-    return total
+                    ops.append(p)
+                    if record.died > chain_end:
+                        at_return.append((record.died - chain_end, record.nbytes))
+    return HeldAfter(total, tuple(sorted(set(ops))), tuple(at_return))
 
 
 def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: SelectiveProfile, *,

@@ -81,7 +81,7 @@ from autoremat._mechanism.selective import selective_context
 from autoremat._mechanism.wrap import ContextFn
 from autoremat._plan.costs import CostModel, head_cost
 from autoremat._plan.keepsets import keep_sets
-from autoremat._profile.derive import derive, held_after
+from autoremat._profile.derive import HeldAfter, derive, held_after
 from autoremat._profile.runs import (
     Contexts,
     MemoryRun,
@@ -293,8 +293,13 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
             fwd, bwd, flops_i = measured.get((i, key)) or measured[alike[i], key]
             held = _held_after(base, i if own else alike[i], key,
                                options[i if own else alike[i]][key][2])
-            out[i][key] = dataclasses.replace(block_options[key][2], fwd=fwd, bwd=bwd,
-                                              recompute_flops=flops_i, held_after=held)
+            out[i][key] = dataclasses.replace(
+                block_options[key][2], fwd=fwd, bwd=bwd, recompute_flops=flops_i,
+                held_after=held.bytes, held_after_ops=held.ops,
+                held_at_return=sum(size for _, size in held.at_return),
+                # (the post levels are the same step's wherever the block stands)
+                kept_frees_at=tuple(at for at, _ in held.at_return),
+                kept_frees_bytes=tuple(size for _, size in held.at_return))
     return out
 
 
@@ -328,15 +333,30 @@ def _derived(base: BaseRuns, i: int, key: str, option: SelectiveProfile,
                   recompute_flops=base.recompute_flops[i], rounding=setup.rounding)
 
 
-def _held_after(base: BaseRuns, i: int, key: str, option: SelectiveProfile) -> int:
+def _held_after(base: BaseRuns, i: int, key: str, option: SelectiveProfile) -> HeldAfter:
     """What option ``key`` of block ``i`` keeps that the checkpointed step freed between
     the block's forward and the backward (NOTE [ Kept outputs that outlive the forward ]
-    in ``derive.py``); 0 where the step did not tag the block."""
+    in ``derive.py``), and of that what it freed after the chain's forward; 0 where the
+    step did not tag the block."""
     found = _tagged(base, i)
     if found is None:
-        return 0
+        return HeldAfter(0, (), ())
     tags, run = found
-    return held_after(tags, key, option, fwd_end=run.bounds[i + 1], backward=run.backward)
+    return held_after(tags, key, option, fwd_end=run.bounds[i + 1], backward=run.backward,
+                      chain_end=run.bounds[-1])
+
+
+def post_ckpt_levels(base: BaseRuns, selective: Sequence[dict[str, SelectiveProfile]]
+                     ) -> tuple[int, ...]:
+    """``tape.post_ckpt_levels``: the checkpointed step's levels from the chain's end to
+    the backward's start (above the first), where an option keeps something that step
+    freed there (NOTE [ Where the forward returns ] in _plan/peak.py); else none."""
+    if not any(option.kept_frees_at for options in selective for option in options.values()):
+        return ()
+    run = base.runs[(Decision.RECOMPUTE,) * len(selective)]
+    start = run.bounds[-1]
+    return tuple(level - run.mem.levels[start]
+                 for level in run.mem.levels[start:run.backward + 1])
 
 
 def _tagged(base: BaseRuns, i: int) -> tuple[RegionCall, MemoryRun] | None:

@@ -114,6 +114,7 @@ from autoremat._profile.options import (
     base_runs,
     by_pairs,
     check_head_backends,
+    post_ckpt_levels,
     profile_head,
     selective_runs,
 )
@@ -426,6 +427,15 @@ def _held_past_release(chain: Chain, ran_on: torch.device,
     return out
 
 
+def _return_peaks(runs: dict[Pattern, MemoryRun], n: int, measured: Sequence[Decision],
+                  after: int) -> dict[Decision, int]:
+    """``tape.post_ret_peak`` (``after=0``) or ``tape.post_returned_peak`` (1): the
+    uniform steps' post peaks before and after the model's forward returned, where they
+    marked it."""
+    marked = {d: runs[(d,) * n].post_ret_peaks for d in measured}
+    return {d: peaks[after] for d, peaks in marked.items() if peaks is not None}
+
+
 def _freed_later(runs: dict[Pattern, MemoryRun], n: int, past_release: dict[str, int],
                  lets_go: Sequence[bool]) -> dict[str, int]:
     """``tape.freed_later``: by "i:w", the bytes of block ``i``'s input that the plain
@@ -728,6 +738,9 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
         post_fwd_held_peak={d: post_fwd_held_peak(runs[(d,) * n], n) for d in measured},
         post_bwd_peak={d: post_bwd_peak(runs[(d,) * n], n) for d in measured},
+        post_ret_peak=_return_peaks(runs, n, measured, 0),
+        post_returned_peak=_return_peaks(runs, n, measured, 1),
+        post_ckpt_levels=post_ckpt_levels(base, selective),
         first_release_shared=_first_release_shared(released, n),
         held_past_release=past_release,
         freed_later=_freed_later(runs, n, past_release, lets_go),

@@ -1311,6 +1311,10 @@ class MemoryRun:
     pre: WindowMemory
     post: WindowMemory
     post_fwd_peak: int  # post's peak before the backward starts (above post's start)
+    # of that, the peaks before the model lets go of the first tensor it made before the
+    # chain's end and from there on (NOTE [ Where the forward returns ] in _plan/peak.py);
+    # None where it let go of none before the backward
+    post_ret_peaks: tuple[int, int] | None
     tail: WindowMemory
     bounds: list[int]  # forward window starts, then fwd_end
     backward: int  # the event that started the step's backward (inside post)
@@ -1408,11 +1412,24 @@ def memory_run(step: Step, names: list[str], decisions: Pattern,
         pre=_window(mem, 0, bounds[0]),
         post=_window(mem, bounds[-1], ends[n]),
         post_fwd_peak=_window(mem, bounds[-1], marks["backward"]).peak_bytes,
+        post_ret_peaks=_return_peaks(mem, bounds[-1], marks["backward"]),
         tail=_window(mem, ends[0], len(mem.levels) - 1),
         bounds=bounds, backward=marks["backward"], ends=ends,
         offloaded={name: state.group.stats for name, state in states.items()
                    if state.group is not None},
     )
+
+
+def _return_peaks(mem: MemoryTracker, start: int, backward: int) -> tuple[int, int] | None:
+    """The post window's peaks (above its ``start``, the chain's end) before the step
+    lets go of the first storage made before ``start`` and from there to the backward's
+    start (event ``backward``); ``None`` where it lets go of none before the backward."""
+    freed = [r.died for r in mem.records if r.died is not None and not r.transient
+             and r.born < start < r.died <= backward]
+    if not freed:
+        return None
+    first, base = min(freed), mem.levels[start]
+    return mem.window_peak(start, first - 1) - base, mem.window_peak(first, backward) - base
 
 
 def saved_by_block(run: MemoryRun) -> list[dict[str, int]]:
@@ -1592,7 +1609,7 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
     was made before the first block's forward (``before_chain=False``: not that)."""
     out = [0] * n
-    for block, _, record in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"],
+    for block, _, record in released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"],
                                       before_chain):
         out[block] += record.nbytes
     return out
@@ -1606,13 +1623,13 @@ def inputs_released_at_fwd_end(run: MemoryRun, n: int) -> list[int]:
     records = {id(r): i for i, r in enumerate(run.probe.chain_records) if r is not None}
     seen = set(records.values())
     out = [0 if i in seen else -1 for i in range(n)]
-    for block, _, record in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"]):
+    for block, _, record in released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"]):
         if records.get(id(record)) == block:
             out[block] += record.nbytes
     return out
 
 
-def _released(run: MemoryRun, n: int, stop: int,
+def released(run: MemoryRun, n: int, stop: int,
               before_chain: bool = True) -> Iterator[tuple[int, int, StorageRecord]]:
     """What ``released_at_fwd_end`` counts that dies by event ``stop``: (the block whose
     release counts it, the event it dies at, its record)."""
@@ -1648,7 +1665,7 @@ def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
     holds some of it raises those levels (NOTE [ Released when the forward returns ] in
     _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
-    frees = [(died, record.nbytes) for _, died, record in _released(run, n, stop)]
+    frees = [(died, record.nbytes) for _, died, record in released(run, n, stop)]
     peak, _ = held_peak(run.mem, start, stop, frees)
     return peak - run.mem.levels[start]
 
@@ -1660,7 +1677,7 @@ def post_fwd_held_peaks(run: MemoryRun, n: int) -> dict[int, int]:
     in _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
     frees: dict[int, list[tuple[int, int]]] = {}
-    for block, died, record in _released(run, n, stop):
+    for block, died, record in released(run, n, stop):
         frees.setdefault(block, []).append((died, record.nbytes))
     return {block: held_peak(run.mem, start, stop, held)[0] - run.mem.levels[start]
             for block, held in frees.items()}
