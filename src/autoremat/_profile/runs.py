@@ -273,6 +273,12 @@ from autoremat._plan.costs import CostModel
 __all__ = ["compile_settings", "refuse_hf_checkpointing"]
 
 
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The storage ``t`` views (its address), or ``None`` for one without a storage of
+    its own (sparse, nested)."""
+    return t.untyped_storage()._cdata if t.layout is torch.strided else None
+
+
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     tensors = grad_tensors(obj)
     return tensors[0] if tensors else None
@@ -335,6 +341,9 @@ class _Probe:
         self.grad_off = [False] * n
         self.changes_input = [False] * n
         self.passed = [False] * n
+        # returned only its input or views of it (NOTE [ After a block that returns its
+        # input ])
+        self.aliases = [False] * n
         self.starts = BackwardStarts(self.on_mark)
 
     @contextmanager
@@ -385,7 +394,7 @@ class _Probe:
             # (not after a block that returned its input: NOTE [ After a block that
             # returns its input ])
             self.chained[i] = bool(tensors) and self._is_prev_output(tensors[0]) \
-                and not (len(self.order) > 1 and self.passed[self.order[-2]])
+                and not (len(self.order) > 1 and self.aliases[self.order[-2]])
             if self.chained[i]:
                 self.chain_bytes[i] = tensors[0].untyped_storage().nbytes()
                 self.chain_records[i] = live_record(tensors[0].untyped_storage())
@@ -410,6 +419,12 @@ class _Probe:
             if torch._C._current_graph_task_id() == -1:  # (not a recompute's call)
                 given = {id(t) for t, _ in inputs}
                 self.passed[i] = bool(tensors) and all(id(t) in given for t in tensors)
+                storages = {_storage_key(t) for t, _ in inputs} - {None}
+                self.aliases[i] = bool(tensors) and all(
+                    _storage_key(t) in storages for t in tensors)
+                if self.aliases[i] and not self.passed[i]:  # a view of its input: no
+                    self.chained[i] = False  # segment ends with it either
+                    self.chain_bytes[i] = 0
             self.output_bytes[i] = unique_storage_bytes(tensors)
             self._prev_outputs = {id(t): (weakref.ref(t), t._version) for t in tensors}
             if self.on_output is not None:
@@ -436,7 +451,17 @@ class _Probe:
     #     ``final_conv`` to its head, measured one stage output (11,776 B) over its
     #     prediction (a held-out check, 2026-12-02). The block after one that returned
     #     its input is not chained to it, so no segment runs across it; the block itself
-    #     is planned as measured (kept, or checkpointed alone, at no cost).
+    #     is planned as measured (kept, or checkpointed alone, at no cost). One that
+    #     returns a view of its input (an einops ``Rearrange`` layer in LookViT's patch
+    #     stem, ``nn.Flatten``, a transpose) computes and saves nothing either, and the
+    #     segments around it were composed as if the viewed tensor were made inside them:
+    #     a segment from the layer before through it, or from the layer after it, measured
+    #     that tensor over its prediction (16 KiB in LookViT, where the next layer norm
+    #     saved the view; a ``Sequential`` of linear layers, a transpose and residual
+    #     MLPs, likewise; a held-out check, 2026-12-02). Such a block is chained to
+    #     neither neighbour, and discovery leaves it out of the chain (``_discovered_
+    #     chain``): it runs between the blocks, whose segments around a view made there
+    #     measure their predictions.
 
     def _is_prev_output(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is an output of the block before, unchanged since.
@@ -689,6 +714,15 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
                      f"checkpoint keeps for its recompute: they run between the blocks, "
                      f"planned over the {len(order) - len(writers)} others")
         order = [i for i in order if not probe.changes_input[i]]
+    views = [i for i in order if probe.aliases[i] and not probe.passed[i]]
+    if views and len(views) < len(order):
+        # NOTE [ After a block that returns its input ] in _Probe
+        notes.append(f"{len(views)} of the blocks found return a view of their input "
+                     f"({_span([names[i] for i in views])}: a reshape or permute as a "
+                     f"layer of its own, nn.Flatten), which computes and saves nothing: "
+                     f"they run between the blocks, planned over the "
+                     f"{len(order) - len(views)} others")
+        order = [i for i in order if i not in views]
     idle = [name for name, calls in zip(names, probe.calls, strict=True) if not calls]
     if idle:
         notes.append(f"{len(idle)} of the blocks found did not run in the step profiled "
@@ -957,7 +991,13 @@ class _HeldInputs:
                 self._returned = i
                 self._events += 1
                 self._returns[i] = self._events
-                self._outs[i] = [weakref.ref(t) for t in flat_tensors(output)]
+                # each output and the tensor it views, if it is a view: the model may
+                # let go of the output and pass on a view of it (LookViT transposes the
+                # attention scores its lookup layer returns for a later layer), which
+                # holds that tensor, not the output
+                outs = flat_tensors(output)
+                self._outs[i] = [weakref.ref(t) for t in outs] + \
+                    [weakref.ref(t._base) for t in outs if t._base is not None]
                 self._see_deaths()
                 if self._shared_params:
                     self._walk_casts(i, output)
