@@ -635,6 +635,34 @@ def test_an_early_stop_the_model_wraps_in_its_own_error_is_the_stop(kept: bool) 
         autoremat.remove(model)
 
 
+class _NestedLayers(nn.Module):
+    """NaViT's way: a batch of images of several sizes as one strided nested tensor."""
+
+    def __init__(self, width: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (a prototype, it says)
+            h = torch.nested.nested_tensor(xs)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return torch.cat([t.flatten() for t in h.unbind()]).pow(2).mean()
+
+
+def test_blocks_that_save_nested_tensors_are_refused_before_a_checkpoint_fails() -> None:
+    # NOTE [ Nested tensors saved ]: torch.utils.checkpoint failed inside the first step
+    # that checkpointed them ("NestedTensorImpl doesn't support sizes"; vit-pytorch's
+    # NaViT, a held-out check)
+    torch.manual_seed(0)
+    model, xs = _NestedLayers(), [torch.randn(3, 8), torch.randn(5, 8)]
+    model(xs).backward()  # the plain model trains
+    with pytest.raises(autoremat.BlockError, match=r"blocks\.0, .* save nested tensors .* "
+                       r"blocks=\[\.\.\.\]"):
+        autoremat.profile(model, (xs,))
+
+
 # --- 5. state a recompute used to miss --------------------------------------------------------
 
 

@@ -843,6 +843,8 @@ class _HeldInputs:
         # [ Casts a block makes that a later block saves ])
         self._resting: set[int] = set()  # the storages of parameters and buffers
         self._saving: set[int] = set()  # the blocks whose forward saved anything
+        # and those that saved a nested tensor (NOTE [ Nested tensors saved ])
+        self.nested: set[int] = set()
         # the blocks whose first input's storage autograd saved (before it was passed, or
         # while it was alive after), and each block's first input storage (NOTE [ A
         # segment's last input its recompute lets go ] in _plan/peak.py)
@@ -895,6 +897,8 @@ class _HeldInputs:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._inside and self._last is not None:
             self._saving.add(self._last)
+            if t.is_nested and t.layout is torch.strided:
+                self.nested.add(self._last)
         if t.layout is not torch.strided:  # a sparse tensor has no storage of its own:
             return _detached(t)  # not a boundary the chain's checks follow
         key = t.untyped_storage()._cdata
@@ -1977,6 +1981,21 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
                 "profile and plan this model") from exc
         raise
     clock.sync()
+    # NOTE [ Nested tensors saved ]
+    #     torch.utils.checkpoint records the shape of every tensor a checkpointed region
+    #     saves, which a nested tensor of the strided layout (``torch.nested.
+    #     nested_tensor``: vit-pytorch's NaViT) does not have ("NestedTensorImpl doesn't
+    #     support sizes", raised from the first step that checkpoints it; a held-out
+    #     check, 2026-12-02). Blocks that save one are named and refused before.
+    if eager and held_inputs_seen.nested:
+        nested = [setup.names[i] for i in sorted(held_inputs_seen.nested)]
+        raise BlockError(
+            f"block(s) {_span(nested)} save nested tensors (torch.nested, strided layout) "
+            f"for backward, which torch.utils.checkpoint cannot hold (it records each saved "
+            f"tensor's shape, which such a tensor does not have), so autoremat cannot "
+            f"recompute them. Pass blocks=[...] naming layers that save none (the "
+            f"checkpoint holds nested tensors of the jagged layout, "
+            f"torch.nested.nested_tensor(..., layout=torch.jagged))")
     notes: list[str] = []
     if given is None:
         names, notes = _discovered_chain(model, warm, seen)
