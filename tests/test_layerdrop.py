@@ -90,3 +90,41 @@ def test_a_layer_drop_of_the_models_own_is_named_where_profile_misses_a_block() 
                                                    r"at random in training.*probability "
                                                    r"to 0 while profiling"):
         autoremat.profile(Dropping(), torch.randn(4, 8), timing=False)
+
+
+class _LayerDropouts(torch.nn.Module):
+    """x-transformers' and vit-pytorch's layer drop: ``layer_dropout`` (one probability)
+    or ``layer_dropouts`` (one per layer), read as each layer is reached."""
+
+    def __init__(self, per_layer: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        if per_layer:
+            self.layer_dropouts = (0.0, 0.5, 0.5, 0.0)
+        else:
+            self.layer_dropout = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        drops = getattr(self, "layer_dropouts", None) or (self.layer_dropout,) * 4
+        for layer, p in zip(self.layers, drops, strict=True):
+            if self.training and p > 0 and torch.rand(()) < p:
+                continue
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["layer_dropout", "layer_dropouts"])
+def test_the_layer_drops_of_lucidrains_libraries_are_turned_off_while_measuring(
+        per_layer: bool) -> None:
+    # x-transformers' decoders and vit-pytorch's CaiT and XCiT skip layers at random by
+    # these attributes, and profile failed on them ("never ran as a module call", held-
+    # out checks, 2026-12-02)
+    torch.manual_seed(0)
+    model = _LayerDropouts(per_layer)
+    tape = autoremat.profile(model, torch.randn(4, 8), timing=False)
+    assert len(tape.blocks) == 4
+    key = "layer_dropouts=(0.0, 0.5, 0.5, 0.0)" if per_layer else "layer_dropout=0.5"
+    assert any(key in note for note in tape.notes), tape.notes
+    assert getattr(model, "layer_dropouts" if per_layer else "layer_dropout") == \
+        ((0.0, 0.5, 0.5, 0.0) if per_layer else 0.5)  # restored
+    assert not any(b.chained for b in tape.blocks)

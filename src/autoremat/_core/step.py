@@ -562,15 +562,19 @@ def training_config(model: nn.Module) -> Iterator[list[str]]:
         yield notes
 
 
-# the attributes by which Hugging Face models skip layers at random in training (LayerDrop:
-# Wav2Vec2 and HuBERT read the config's at each step, BART and Whisper copy it to their
-# encoder and decoder modules): NOTE [ Random layer skipping ]
-_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+# the attributes by which models skip layers at random in training (LayerDrop: Hugging
+# Face's Wav2Vec2 and HuBERT read the config's at each step, BART and Whisper copy it to
+# their encoder and decoder modules; x-transformers' and vit-pytorch's layers keep
+# ``layer_dropout``, torchaudio's wav2vec2 encoder ``layer_drop``): NOTE [ Random layer
+# skipping ]
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "layer_dropout",
+              "layer_dropouts", "layer_drop")
 
 
 def layer_drops(model: nn.Module) -> list[tuple[Any, str, Any]]:
     """Where ``model`` (in training mode) skips layers at random: ``(owner, attribute,
-    probability)`` for each config or module attribute of :data:`_LAYERDROP` above 0."""
+    probability)`` for each config or module attribute of :data:`_LAYERDROP` above 0 (or
+    a tuple of them, one per layer, any above 0: x-transformers' ``layer_dropouts``)."""
     found: list[tuple[Any, str, Any]] = []
     seen: set[int] = set()
     if not model.training:
@@ -582,10 +586,18 @@ def layer_drops(model: nn.Module) -> list[tuple[Any, str, Any]]:
             seen.add(id(owner))
             for key in _LAYERDROP:
                 value = getattr(owner, key, None)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and value > 0:
+                if _probability(value) or (isinstance(value, tuple) and value
+                                           and all(_probability(v) is not None for v in value)
+                                           and any(value)):
                     found.append((owner, key, value))
     return found
+
+
+def _probability(value: Any) -> float | None:
+    """``value`` as a probability of skipping a layer (a number), else ``None``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 # NOTE [ Random layer skipping ]
@@ -604,8 +616,8 @@ def every_layer_runs(model: nn.Module) -> Iterator[list[str]]:
     layer skipping ]); yields what it turned off (``"layerdrop=0.1"``)."""
     saved = layer_drops(model)
     try:
-        for owner, key, _ in saved:
-            setattr(owner, key, 0.0)
+        for owner, key, value in saved:
+            setattr(owner, key, (0.0,) * len(value) if isinstance(value, tuple) else 0.0)
         yield sorted({f"{key}={value!r}" for _, key, value in saved})
     finally:
         for owner, key, value in saved:
