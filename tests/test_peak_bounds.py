@@ -309,31 +309,6 @@ class _Neck(nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def test_a_tensor_blocks_take_that_the_model_frees_when_it_returns_is_counted_held() -> None:
-    # NOTE [ Tensors blocks take that the model frees when it returns ] in
-    # _profile/runs.py: the first layer's output is the second's input (which saves
-    # none of it) and the last layer's residual, kept in a list until the forward
-    # returns. The model counted it released then under the second layer's decision; a
-    # checkpoint of the last layer holds it through the head's backward, and a plan
-    # recomputing the last layer alone measured it (64 KiB) over its prediction.
-    torch.manual_seed(0)
-    model, x = _Neck(), torch.randn(256, 64)
-    tape = autoremat.profile(model, x, timing=False, with_selective=False)
-    feature = 256 * 64 * 4
-    assert tape.freed_at_return == {"1:3": feature}
-    assert Tape.from_json(tape.to_json()).freed_at_return == tape.freed_at_return
-    n = len(tape.blocks)
-    for recomputed in [(n - 1,), (0, n - 1), (1, 2), tuple(range(n)), ()]:
-        segments = [(i, i + 1, RECOMPUTE if i in recomputed else KEEP) for i in range(n)]
-        plan = plan_of_segments(tape, segments, "test")
-        measured = _applied_peak(model, x, plan)
-        assert measured == plan.predicted_peak_bytes, (recomputed, measured)
-    least = smallest_feasible_bytes(tape)
-    best = autoremat.plan(tape, budget=least)
-    assert best.predicted_peak_bytes == least
-    assert _applied_peak(model, x, best) <= least
-
-
 class _WideFuse(_Fuse):
     """A fusion layer whose forward peaks on a wide tensor nothing saves (a repeat,
     reduced): the step peaks in the chain's forward."""
@@ -349,22 +324,43 @@ class _WideNeck(_Neck):
         self.head = nn.Linear(width, width)
 
 
-def test_a_tensor_the_model_frees_when_it_returns_is_in_the_forward_levels_already() -> None:
-    # what a checkpoint holds of the model's release at the return (above) is alive in
-    # every step until the forward returns, so the levels before it count it once: a
-    # plan recomputing the last layer, whose forward the step peaks in, was predicted
-    # the residual (64 KiB) over what it measured (NOTE [ Held at the return, after the
-    # return ] in _plan/peak.py)
-    torch.manual_seed(0)
-    model, x = _WideNeck(), torch.randn(256, 64)
-    tape = autoremat.profile(model, x, timing=False, with_selective=False)
-    assert tape.freed_at_return == {"1:3": 256 * 64 * 4}
+def _recomputed_exact(model: nn.Module, x: torch.Tensor, tape: Tape,
+                      patterns: list[tuple[int, ...]]) -> None:
+    """Each plan recomputing the blocks of one of ``patterns`` alone, the rest kept,
+    measures its prediction."""
     n = len(tape.blocks)
-    for recomputed in [(n - 1,), (0, n - 1), (1, 2), tuple(range(n)), ()]:
+    for recomputed in patterns:
         segments = [(i, i + 1, RECOMPUTE if i in recomputed else KEEP) for i in range(n)]
         plan = plan_of_segments(tape, segments, "test")
         measured = _applied_peak(model, x, plan)
         assert measured == plan.predicted_peak_bytes, (recomputed, measured)
+
+
+@pytest.mark.parametrize("neck", [_Neck, _WideNeck], ids=["head-peak", "forward-peak"])
+def test_a_tensor_blocks_take_that_the_model_frees_when_it_returns_is_counted_held(
+        neck: type[_Neck]) -> None:
+    # NOTE [ Tensors blocks take that the model frees when it returns ] in
+    # _profile/runs.py: the first layer's output is the second's input (which saves
+    # none of it) and the last layer's residual, kept in a list until the forward
+    # returns. The model counted it released then under the second layer's decision; a
+    # checkpoint of the last layer holds it through the head's backward, and a plan
+    # recomputing the last layer alone measured it (64 KiB) over its prediction. It is
+    # alive in every step until the return, so the levels before it count it already:
+    # where the step peaks in the last layer's forward (``_WideNeck``), adding it to the
+    # whole peak was 64 KiB over (NOTE [ Held at the return, after the return ] in
+    # _plan/peak.py).
+    torch.manual_seed(0)
+    model, x = neck(), torch.randn(256, 64)
+    tape = autoremat.profile(model, x, timing=False, with_selective=False)
+    feature = 256 * 64 * 4
+    assert tape.freed_at_return == {"1:3": feature}
+    assert Tape.from_json(tape.to_json()).freed_at_return == tape.freed_at_return
+    n = len(tape.blocks)
+    _recomputed_exact(model, x, tape, [(n - 1,), (0, n - 1), (1, 2), tuple(range(n)), ()])
+    least = smallest_feasible_bytes(tape)
+    best = autoremat.plan(tape, budget=least)
+    assert best.predicted_peak_bytes == least
+    assert _applied_peak(model, x, best) <= least
 
 
 class _Lookup(nn.Module):
@@ -422,12 +418,7 @@ def test_a_view_of_a_returned_tensor_is_counted_with_the_block_that_returned_it(
     names = [b.name for b in tape.blocks]
     assert names == [f"layers.{i}.{j}" for i in range(2) for j in range(3)], names
     assert tape.freed_at_return == {"4:5": 2 * 16 * 64 * 4}  # the last lookup's scores
-    n = len(tape.blocks)
-    for recomputed in [(5,), (4, 5), (3, 5), (2,), tuple(range(n)), ()]:
-        segments = [(i, i + 1, RECOMPUTE if i in recomputed else KEEP) for i in range(n)]
-        plan = plan_of_segments(tape, segments, "test")
-        measured = _applied_peak(model, x, plan)
-        assert measured == plan.predicted_peak_bytes, (recomputed, measured)
+    _recomputed_exact(model, x, tape, [(5,), (4, 5), (3, 5), (2,), tuple(range(6)), ()])
 
 
 class _Swap(nn.Module):
