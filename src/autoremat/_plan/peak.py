@@ -804,9 +804,10 @@ def released_post_peak(tape: Tape, last: Decision, extra: int | np.ndarray,
     the next layer's weight casts; netted, its plan measured 32 KiB over its prediction.
     ``by_block``: ``held`` by block, where known: the levels rise by no more than all of
     one block's release held and the rest held by all of them (``post_held_peak``; NOTE
-    [ A release that holds one tensor and lets go of another ]). Where the step marked
-    where the forward returns, those moves start there, and ``returned`` more raise every
-    level from there on, ``unreturned`` fewer lower those before; ``kept_peak``: the
+    [ A release that holds one tensor and lets go of another ]). Where the tape splits
+    the window where the step first lets go of a tensor made before the chain's end,
+    those moves start there, and ``returned`` more raise every level from there on,
+    ``unreturned`` fewer lower those before; ``kept_peak``: the
     levels before the backward where the plan's selective blocks keep what the
     checkpointed step freed after the chain, less those bytes (``last`` checkpointed;
     NOTE [ Where the forward returns ])."""
@@ -1621,10 +1622,11 @@ def last_input_through_head(tape: Tape, start: int, stop: int) -> int:
 #     windows count it alive; what differs is after the return, where the plan's
 #     checkpoint of a block taking it holds it on and the measured release let it go. It
 #     was added to the whole peak, so a plan that peaks in a block's forward was predicted
-#     it over (``test_a_tensor_the_model_frees_when_it_returns_is_in_the_forward_levels_
-#     already``: 64 KiB). It lifts the levels from the return on: the backward's, the
-#     tail's and the post window's from where the step marked the return (NOTE [ Where
-#     the forward returns ]; the whole post window where it did not).
+#     it over (``test_a_tensor_blocks_take_that_the_model_frees_when_it_returns_is_
+#     counted_held[forward-peak]``: 64 KiB). It lifts the levels from the return on: the
+#     backward's, the tail's and the post window's from where the step first lets go of
+#     a tensor made before the chain's end (NOTE [ Where the forward returns ]; the whole
+#     post window where the tape does not say).
 
 # NOTE [ Where the forward returns ]
 #     The model lets go of what it holds outside the chain when the frame holding it
@@ -1652,9 +1654,10 @@ def last_input_through_head(tape: Tape, start: int, stop: int) -> int:
 #       to 8% with residual attention). After a kept last block the step that measured
 #       the post window saved them, and where the plan's keeping lets go of them there
 #       is not known: over by them in those levels, never under.
-#     The solver's moves still count the second in the forward levels (over, never
-#     under: a plan's own prediction is no higher than its row's). Tapes before
-#     2026-12-02 have none of these figures and count both over the whole window.
+#     The solver's rows still count the second in the forward levels (over for such
+#     plans: a plan found is predicted as above, and one a row's figure put over the
+#     budget is not tried). Tapes before 2026-12-02 have none of these figures and count
+#     both over the whole window.
 
 def held_at_return(tape: Tape, segments: Segments,
                    costs: Sequence[SegmentCost] | None = None,
