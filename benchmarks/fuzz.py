@@ -340,22 +340,30 @@ def run_model(spec: dict) -> dict:
         if spec["selective"]:
             jobs.append(("selective", None, "selective"))
         for label, budget, strategy in jobs:
-            entry = {"kind": label, "budget": budget}
-            try:
-                plan = autoremat.plan(tape, budget=budget, strategy=strategy)
-                entry["budget"] = plan.budget_bytes
-                entry["pred"] = plan.predicted_peak_bytes
-                entry["decisions"] = [str(b.decision) + (
-                    f":{b.segment}" if hasattr(b, "segment") else "") for b in plan.blocks]
-                rep = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
-                entry.update(meas=rep.peak_bytes, ok=rep.ok, grads_equal=rep.grads_equal,
-                             max_grad_diff=rep.max_grad_diff)
-            except BudgetError as e:
-                entry["exc"] = ["BudgetError", str(e)[:200]]
-            except Exception as e:
-                entry["exc"] = [type(e).__name__, str(e)[:300], traceback.format_exc()[-1500:]]
-            rec["plans"].append(entry)
+            rec["plans"].append(strategy_entry(model, x, loss_fn, tape, label, budget,
+                                               strategy))
     return rec
+
+
+def strategy_entry(model: nn.Module, x: Any, loss_fn: Any, tape: autoremat.Tape, label: str,
+                   budget: int | None, strategy: str) -> dict[str, Any]:
+    """The log's entry of ``strategy`` at ``budget`` planned from ``tape``, verified:
+    its budget, prediction, decisions, measured peak and gradients, or what it raised."""
+    entry: dict[str, Any] = {"kind": label, "budget": budget}
+    try:
+        plan = autoremat.plan(tape, budget=budget, strategy=strategy)
+        entry["budget"] = plan.budget_bytes
+        entry["pred"] = plan.predicted_peak_bytes
+        entry["decisions"] = [str(b.decision) + (
+            f":{b.segment}" if hasattr(b, "segment") else "") for b in plan.blocks]
+        rep = verified(model, x, plan, loss_fn=loss_fn, repeats=1)
+        entry.update(meas=rep.peak_bytes, ok=rep.ok, grads_equal=rep.grads_equal,
+                     max_grad_diff=rep.max_grad_diff)
+    except BudgetError as e:
+        entry["exc"] = ["BudgetError", str(e)[:200]]
+    except Exception as e:
+        entry["exc"] = [type(e).__name__, str(e)[:300], traceback.format_exc()[-1500:]]
+    return entry
 
 
 def run(start: int, count: int, log: str, limit: float = 1e9) -> None:

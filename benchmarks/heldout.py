@@ -30,7 +30,6 @@ import json
 import random
 import sys
 import time
-import traceback
 import warnings
 import zlib
 from collections.abc import Callable
@@ -42,15 +41,14 @@ import torch.nn.functional as F
 
 import autoremat
 from autoremat._core.decisions import KEEP, RECOMPUTE
-from autoremat._core.errors import BudgetError
 from autoremat._core.step import run_step
 from autoremat._plan.strategies import smallest_feasible_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz import _label, _mixed_segments
+from fuzz import _label, _mixed_segments, strategy_entry
 
-from _steps import segments_peaks, verified
+from _steps import segments_peaks
 
 STRATEGIES = (("sqrt", "sqrt"), ("every:2", "every:2"), ("selective", "selective"),
               ("full", "full"))
@@ -109,18 +107,8 @@ def check(name: str, model: torch.nn.Module, inputs: Any, loss_fn: Callable | No
             rec["plans"].append({"kind": "smallest", "exc": [type(e).__name__, str(e)[:300]]})
         jobs += [(label, None, strategy) for label, strategy in STRATEGIES]
         for label, budget, strategy in jobs:
-            entry = {"kind": label, "budget": budget}
-            try:
-                plan = autoremat.plan(tape, budget=budget, strategy=strategy)
-                entry.update(budget=plan.budget_bytes, pred=plan.predicted_peak_bytes)
-                report = verified(model, inputs, plan, loss_fn=loss_fn, repeats=1)
-                entry.update(meas=report.peak_bytes, ok=report.ok,
-                             grads_equal=report.grads_equal)
-            except BudgetError as e:
-                entry["exc"] = ["BudgetError", str(e)[:200]]
-            except Exception as e:
-                entry["exc"] = [type(e).__name__, str(e)[:300], traceback.format_exc()[-800:]]
-            rec["plans"].append(entry)
+            rec["plans"].append(strategy_entry(model, inputs, loss_fn, tape, label, budget,
+                                               strategy))
     rec["seconds"] = time.time() - start
     return rec
 
