@@ -586,18 +586,20 @@ def layer_drops(model: nn.Module) -> list[tuple[Any, str, Any]]:
             seen.add(id(owner))
             for key in _LAYERDROP:
                 value = getattr(owner, key, None)
-                if _probability(value) or (isinstance(value, tuple) and value
-                                           and all(_probability(v) is not None for v in value)
-                                           and any(value)):
+                if _skips(value) or (isinstance(value, tuple) and value
+                                     and all(_number(v) for v in value)
+                                     and any(_skips(v) for v in value)):
                     found.append((owner, key, value))
     return found
 
 
-def _probability(value: Any) -> float | None:
-    """``value`` as a probability of skipping a layer (a number), else ``None``."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _skips(value: Any) -> bool:
+    """Whether ``value`` is a probability of skipping a layer above 0."""
+    return _number(value) and value > 0
 
 
 # NOTE [ Random layer skipping ]

@@ -74,14 +74,17 @@ class SelectiveProfile:
     # the forward ] in _profile/derive.py)
     held_after: int = 0
     held_after_ops: tuple[int, ...] = ()  # the op positions that made them
-    # of those, the bytes the checkpointed step freed after the chain's forward (when the
-    # model's forward returned): the levels before the return count them already (NOTE
-    # [ Where the forward returns ] in _plan/peak.py)
-    held_at_return: int = 0
-    # those storages: where the step freed each (its event in ``tape.post_ckpt_levels``),
-    # and its bytes
+    # of those, the storages the checkpointed step freed after the chain's forward (where
+    # the model lets go of what it holds): the event in ``tape.post_ckpt_levels`` where it
+    # freed each, and its bytes (NOTE [ Where the forward returns ] in _plan/peak.py)
     kept_frees_at: tuple[int, ...] = ()
     kept_frees_bytes: tuple[int, ...] = ()
+
+    @property
+    def held_at_return(self) -> int:
+        """Of ``held_after``, the bytes the checkpointed step freed after the chain's
+        forward: the levels before that count them already."""
+        return sum(self.kept_frees_bytes)
 
 
 @dataclass(frozen=True)
@@ -347,11 +350,12 @@ class Tape:
     # the levels a plan's releases move by all of them. Empty: a tape saved before it
     # was recorded (2026-12-01; the whole window's peak is moved).
     post_bwd_peak: dict[Decision, int] = field(default_factory=dict)
-    # The post window's peak before the backward starts, split where the model's forward
-    # returned: the peak before (what a plan holds of the release at the return does not
-    # raise it) and from there on (above the window's start; NOTE [ Where the forward
-    # returns ] in _plan/peak.py). Empty: not marked (a tape saved before 2026-12-02, a
-    # model called again in its loss), and ``post_fwd_peak`` is taken for both.
+    # The post window's peak before the backward starts, split where the step first lets
+    # go of a tensor made before the chain's end: the peak before (what a plan holds of
+    # the model's release does not raise it) and from there on (above the window's
+    # start; NOTE [ Where the forward returns ] in _plan/peak.py). Empty: a step that
+    # lets go of none before the backward, a tape saved before 2026-12-02;
+    # ``post_fwd_peak`` is taken for both.
     post_ret_peak: dict[Decision, int] = field(default_factory=dict)
     post_returned_peak: dict[Decision, int] = field(default_factory=dict)
     # The checkpointed step's levels from the chain's end to the backward's start (above

@@ -296,7 +296,6 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
             out[i][key] = dataclasses.replace(
                 block_options[key][2], fwd=fwd, bwd=bwd, recompute_flops=flops_i,
                 held_after=held.bytes, held_after_ops=held.ops,
-                held_at_return=sum(size for _, size in held.at_return),
                 # (the post levels are the same step's wherever the block stands)
                 kept_frees_at=tuple(at for at, _ in held.at_return),
                 kept_frees_bytes=tuple(size for _, size in held.at_return))

@@ -427,13 +427,14 @@ def _held_past_release(chain: Chain, ran_on: torch.device,
     return out
 
 
-def _return_peaks(runs: dict[Pattern, MemoryRun], n: int, measured: Sequence[Decision],
-                  after: int) -> dict[Decision, int]:
-    """``tape.post_ret_peak`` (``after=0``) or ``tape.post_returned_peak`` (1): the
-    uniform steps' post peaks before and after the model's forward returned, where they
-    marked it."""
-    marked = {d: runs[(d,) * n].post_ret_peaks for d in measured}
-    return {d: peaks[after] for d, peaks in marked.items() if peaks is not None}
+def _split_post_peaks(runs: dict[Pattern, MemoryRun], n: int, measured: Sequence[Decision]
+                      ) -> tuple[dict[Decision, int], dict[Decision, int]]:
+    """``tape.post_ret_peak`` and ``tape.post_returned_peak``: the uniform steps' post
+    peaks before and from where each first lets go of a tensor made before the chain's
+    end, where it lets go of one before the backward."""
+    split = {d: peaks for d in measured if (peaks := runs[(d,) * n].post_ret_peaks)}
+    return ({d: peaks[0] for d, peaks in split.items()},
+            {d: peaks[1] for d, peaks in split.items()})
 
 
 def _freed_later(runs: dict[Pattern, MemoryRun], n: int, past_release: dict[str, int],
@@ -722,6 +723,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
                             for buf in stashed_buffers([module])),
         ))
     params = list(model.parameters())
+    split_post = _split_post_peaks(runs, n, measured)
     return Tape(
         model=type(model).__name__, inputs=describe_inputs(inputs),
         device=setup.target, training=model.training,
@@ -738,8 +740,7 @@ def _tape(setup: Setup, chain: Chain, base: BaseRuns,
         post_fwd_peak={d: runs[(d,) * n].post_fwd_peak for d in measured},
         post_fwd_held_peak={d: post_fwd_held_peak(runs[(d,) * n], n) for d in measured},
         post_bwd_peak={d: post_bwd_peak(runs[(d,) * n], n) for d in measured},
-        post_ret_peak=_return_peaks(runs, n, measured, 0),
-        post_returned_peak=_return_peaks(runs, n, measured, 1),
+        post_ret_peak=split_post[0], post_returned_peak=split_post[1],
         post_ckpt_levels=post_ckpt_levels(base, selective),
         first_release_shared=_first_release_shared(released, n),
         held_past_release=past_release,

@@ -1653,7 +1653,7 @@ def released_at_fwd_end(run: MemoryRun, n: int, before_chain: bool = True) -> li
     (NOTE [ Released when the forward returns ] in _plan/peak.py). Block 0 gets what
     was made before the first block's forward (``before_chain=False``: not that)."""
     out = [0] * n
-    for block, _, record in released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"],
+    for block, _, record in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"],
                                       before_chain):
         out[block] += record.nbytes
     return out
@@ -1667,14 +1667,14 @@ def inputs_released_at_fwd_end(run: MemoryRun, n: int) -> list[int]:
     records = {id(r): i for i, r in enumerate(run.probe.chain_records) if r is not None}
     seen = set(records.values())
     out = [0 if i in seen else -1 for i in range(n)]
-    for block, _, record in released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"]):
+    for block, _, record in _released(run, n, first_marks(run.mem)[f"bwd:{n - 1}"]):
         if records.get(id(record)) == block:
             out[block] += record.nbytes
     return out
 
 
-def released(run: MemoryRun, n: int, stop: int,
-              before_chain: bool = True) -> Iterator[tuple[int, int, StorageRecord]]:
+def _released(run: MemoryRun, n: int, stop: int,
+               before_chain: bool = True) -> Iterator[tuple[int, int, StorageRecord]]:
     """What ``released_at_fwd_end`` counts that dies by event ``stop``: (the block whose
     release counts it, the event it dies at, its record)."""
     start = run.bounds[-1]
@@ -1709,7 +1709,7 @@ def post_fwd_held_peak(run: MemoryRun, n: int) -> int:
     holds some of it raises those levels (NOTE [ Released when the forward returns ] in
     _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
-    frees = [(died, record.nbytes) for _, died, record in released(run, n, stop)]
+    frees = [(died, record.nbytes) for _, died, record in _released(run, n, stop)]
     peak, _ = held_peak(run.mem, start, stop, frees)
     return peak - run.mem.levels[start]
 
@@ -1721,7 +1721,7 @@ def post_fwd_held_peaks(run: MemoryRun, n: int) -> dict[int, int]:
     in _plan/peak.py)."""
     start, stop = run.bounds[-1], run.backward
     frees: dict[int, list[tuple[int, int]]] = {}
-    for block, died, record in released(run, n, stop):
+    for block, died, record in _released(run, n, stop):
         frees.setdefault(block, []).append((died, record.nbytes))
     return {block: held_peak(run.mem, start, stop, held)[0] - run.mem.levels[start]
             for block, held in frees.items()}
