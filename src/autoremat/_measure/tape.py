@@ -79,6 +79,17 @@ class SelectiveProfile:
     # freed each, and its bytes (NOTE [ Where the forward returns ] in _plan/peak.py)
     kept_frees_at: tuple[int, ...] = ()
     kept_frees_bytes: tuple[int, ...] = ()
+    # storages it keeps that the checkpointed step freed after the backward started and
+    # by the start of the block's own backward window (a between-blocks op's backward
+    # that saved the block's output; a later block that took it): the op position that
+    # made each, its bytes, how many later blocks' backward windows start after its
+    # free (-1: freed before the chain's backward), and how far the peak of the window
+    # that freed it rises with it held from there (NOTE [ Kept outputs freed in the
+    # backward before the block's ] in _profile/derive.py)
+    bwd_freed_ops: tuple[int, ...] = ()
+    bwd_freed_bytes: tuple[int, ...] = ()
+    bwd_freed_span: tuple[int, ...] = ()
+    bwd_freed_lift: tuple[int, ...] = ()
 
     @property
     def held_at_return(self) -> int:
@@ -616,7 +627,9 @@ def _tape_from_dict(data: dict[str, Any]) -> Tape:
             where_k = f"{where}.selective.{k}"
             selective[str(k)] = build_dataclass(
                 SelectiveProfile, int_tuples(v, ("keep_ops", "skip_ops", "held_after_ops",
-                                                 "kept_frees_at", "kept_frees_bytes"),
+                                                 "kept_frees_at", "kept_frees_bytes",
+                                                 "bwd_freed_ops", "bwd_freed_bytes",
+                                                 "bwd_freed_span", "bwd_freed_lift"),
                                              where_k), where_k)
         raw["selective"] = selective
         raw = int_tuples(raw, ("output_unsaved", "bwd_recompute_split"), where)

@@ -306,7 +306,7 @@ import numpy as np
 from autoremat._core.decisions import OFFLOAD, OFFLOAD_INPUT, RECOMPUTE, Choice, Decision
 from autoremat._core.errors import internal_assert
 from autoremat._measure.ops import OpRecord
-from autoremat._measure.tape import BlockProfile, Tape, WindowKey, WindowMemory
+from autoremat._measure.tape import BlockProfile, SelectiveProfile, Tape, WindowKey, WindowMemory
 from autoremat._plan.costs import (
     CostModel,
     cost_model_for,
@@ -1187,8 +1187,16 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     # what it keeps that the model would have dropped before the backward stays held
     # (NOTE [ Kept outputs that outlive the forward ] in _profile/derive.py)
     held, freed_later = _kept_output_bytes(block, choice, sel.keep_ops, sel.held_after_ops)
-    fwd_peak, hold = sel.fwd.peak_bytes, sel.fwd.delta_bytes + sel.held_after + held
-    bwd_peak = sel.bwd.peak_bytes + freed_later  # NOTE [ A selective block that keeps ... ]
+    # what the checkpointed step freed in the backward before the block's (NOTE [ Kept
+    # outputs freed in the backward before the block's ]): on its backward's level, or
+    # held from the forward on where it was freed before the chain's backward
+    freed = freed_in_backward(block, sel)
+    early = sum(size for span, size, _ in freed if span < 0)
+    fwd_peak = sel.fwd.peak_bytes
+    hold = sel.fwd.delta_bytes + sel.held_after + held + early
+    # NOTE [ A selective block that keeps its output ]
+    bwd_peak = sel.bwd.peak_bytes + freed_later + sum(size for span, size, _ in freed
+                                                      if span >= 0)
     ckpt = (_RECOMPUTE, _RECOMPUTE)
     if i > 0 and prev is not _RECOMPUTE:
         f_here, f_ref = _fwd(tape, i, (prev, _RECOMPUTE)), _fwd(tape, i, ckpt)
@@ -1201,6 +1209,43 @@ def _selective_cost(tape: Tape, i: int, choice: Choice, prev: Decision,
     else:
         cost = recompute_cost(block.op_stats, block.fwd_flops, model, saved=choice.save_ops)
     return SegmentCost(fwd_peak, hold, bwd_peak, sel.recompute_flops, _RECOMPUTE, cost)
+
+
+def freed_in_backward(block: BlockProfile, sel: SelectiveProfile
+                      ) -> list[tuple[int, int, int]]:
+    """What a selective option keeps that the checkpointed step freed in the backward
+    by the start of the block's own backward window, other than the output the next
+    block takes (``_kept_output_bytes`` counts that), as (how many later blocks'
+    backward windows start after its free, -1 where it was freed before the chain's
+    backward; its bytes; how far it lifts the window that freed it): NOTE [ Kept outputs
+    freed in the backward before the block's ] in ``_profile/derive.py``."""
+    taken = set(block.output_ops or ())
+    return [(span, size, lift) for op, size, span, lift in zip(
+        sel.bwd_freed_ops, sel.bwd_freed_bytes, sel.bwd_freed_span, sel.bwd_freed_lift,
+        strict=True) if op not in taken]
+
+
+def _with_freed_in_backward(tape: Tape, segments: Segments,
+                            costs: Sequence[SegmentCost]) -> list[SegmentCost]:
+    """``costs`` with the backward of each segment holding a block whose window a
+    selective block's kept storage spans (``freed_in_backward``) lifted by its bytes,
+    and the segment of the window that freed it by its lift (NOTE [ Kept outputs freed
+    in the backward before the block's ])."""
+    out = list(costs)
+    for start, _, choice in segments:
+        if choice.decision is not Decision.SELECTIVE:
+            continue
+        block = tape.blocks[start]
+        option = block.selective[choice.selective_key]
+        for span, size, lift in freed_in_backward(block, option):
+            if span < 0:
+                continue  # held from the forward on (_selective_cost)
+            for k, (first, stop, _) in enumerate(segments):
+                if first <= start + span and stop - 1 > start:
+                    out[k] = dataclasses.replace(out[k], bwd_peak=out[k].bwd_peak + size)
+                elif lift and first <= start + span + 1 < stop:
+                    out[k] = dataclasses.replace(out[k], bwd_peak=out[k].bwd_peak + lift)
+    return out
 
 
 def _kept_output_bytes(block: BlockProfile, choice: Choice, keep_ops: tuple[int, ...],
@@ -1541,6 +1586,7 @@ def predict_peak(tape: Tape, segments: Segments) -> int:
     peak, after = 0, fixed_peaks(tape, costs[0].seen_as)
     costs = _with_later(tape, segments, costs)  # NOTE [ Inputs the model frees later ... ]
     costs = _with_kept_outputs(tape, segments, costs)
+    costs = _with_freed_in_backward(tape, segments, costs)
     kept_to_return = 0  # of the selective blocks' holds so far (NOTE [ Where the ... ])
     for (start, stop, choice), cost in zip(segments, costs, strict=True):
         bwd = level + cost.hold + z[cost.seen_as][stop - 1] + cost.bwd_peak

@@ -55,6 +55,31 @@ NOTE [ Kept outputs that outlive the forward ]
       from the backward's start to the frame's end). Found on a held-out MPT: a
       smallest-feasible plan keeping block 0's softmax measured one attention matrix
       (256 KiB) over its prediction.
+
+NOTE [ Kept outputs freed in the backward before the block's ]
+    A third case: the checkpointed step frees a kept storage after the backward started
+    and by the time the block's own backward begins. An op between blocks that saved
+    the block's output (ViT-5 scales each layer's output by a parameter outside the
+    layer, ``attn(x) * ls1 + x``: the ``mul`` saves it until its own backward, which
+    runs just before the layer's), or later blocks that took it (the simple ViT with
+    value residual: the first attention's values, a view of its projection's output,
+    taken by every later attention and freed in the second's backward). Kept, it lives
+    to the end of the block's backward instead: the option's windows, measured in a step
+    of its own, start with it held, but the planner's levels come from steps that freed
+    it before. ``held_after`` records each such storage (``SelectiveProfile``'s
+    ``bwd_freed_*``): how many later blocks' backward windows start after its free, and
+    how far the peak of the window that freed it rises with it held from the free on
+    (in the checkpointed step). The planner adds its bytes to the block's own backward
+    peak (``_selective_cost``, which the solver reads) and to the backward peaks of the
+    segments holding those later blocks, the lift to the one that freed it
+    (``_with_freed_in_backward`` in ``_plan/peak.py``, in the plan's own prediction,
+    which the solver checks each plan against). The output the next block takes is
+    counted apart (NOTE [ A selective block that keeps its output ] there); a storage
+    freed before the chain's backward began (in the head's) is counted held from the
+    forward on (over, never under). Found on held-out vit-pytorch models: ViT-5's
+    `matmul` option on an attention, one output (35,328 B, 1.8%) under its step in every
+    plan choosing it (the default `selective` plan among them), and the value residual's
+    first attention under by its projection's output.
 """
 
 from __future__ import annotations
@@ -139,30 +164,39 @@ class HeldAfter:
     bytes: int  # all of it
     ops: tuple[int, ...]  # the op positions that made it
     at_return: tuple[tuple[int, int], ...]  # freed after the chain: (event - chain end, bytes)
+    # freed in the backward by the block's own backward window's start: (op position,
+    # bytes, the event that freed it; NOTE [ Kept outputs freed in the backward before
+    # the block's ])
+    in_backward: tuple[tuple[int, int, int], ...] = ()
 
 
 def held_after(tags: RegionCall, key: str, option: SelectiveProfile, *,
-               fwd_end: int, backward: int, chain_end: int) -> HeldAfter:
+               fwd_end: int, backward: int, chain_end: int, bwd_start: int) -> HeldAfter:
     """The storages option ``key`` keeps that the checkpointed step (``tags``) freed
     after the block's forward ended (event ``fwd_end``) and before the backward started
     (event ``backward``), and of those the ones freed after the chain's forward ended
-    (event ``chain_end``; NOTE [ Where the forward returns ] in _plan/peak.py)."""
+    (event ``chain_end``; NOTE [ Where the forward returns ] in _plan/peak.py); and
+    those it freed in the backward up to the block's backward window's start (event
+    ``bwd_start``)."""
     kept = _kept_positions(key, option, tags)
     if tags.mem is None or kept is None:
         return HeldAfter(0, (), ())
     born = _timeline(tags.mem).born
-    total, ops, at_return = 0, [], []
+    total, ops, at_return, in_backward = 0, [], [], []
     for p in sorted(kept):
         if p < len(tags.forward):
             for e in range(tags.forward[p].first, tags.forward[p].stop):
                 record = born.get(e)
-                if record is not None and record.died is not None \
-                        and fwd_end < record.died < backward:
+                if record is None or record.died is None or record.died <= fwd_end:
+                    continue
+                if record.died < backward:
                     total += record.nbytes
                     ops.append(p)
                     if record.died > chain_end:
                         at_return.append((record.died - chain_end, record.nbytes))
-    return HeldAfter(total, tuple(sorted(set(ops))), tuple(at_return))
+                elif record.died <= bwd_start:
+                    in_backward.append((p, record.nbytes, record.died))
+    return HeldAfter(total, tuple(sorted(set(ops))), tuple(at_return), tuple(in_backward))
 
 
 def derive(tags: RegionCall, ops: tuple[OpRecord, ...], key: str, option: SelectiveProfile, *,

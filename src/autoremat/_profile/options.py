@@ -293,12 +293,17 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
             fwd, bwd, flops_i = measured.get((i, key)) or measured[alike[i], key]
             held = _held_after(base, i if own else alike[i], key,
                                options[i if own else alike[i]][key][2])
+            spans = _spans(base, i if own else alike[i], held)
             out[i][key] = dataclasses.replace(
                 block_options[key][2], fwd=fwd, bwd=bwd, recompute_flops=flops_i,
                 held_after=held.bytes, held_after_ops=held.ops,
                 # (the post levels are the same step's wherever the block stands)
                 kept_frees_at=tuple(at for at, _ in held.at_return),
-                kept_frees_bytes=tuple(size for _, size in held.at_return))
+                kept_frees_bytes=tuple(size for _, size in held.at_return),
+                bwd_freed_ops=tuple(p for p, _, _ in held.in_backward),
+                bwd_freed_bytes=tuple(size for _, size, _ in held.in_backward),
+                bwd_freed_span=tuple(span for span, _ in spans),
+                bwd_freed_lift=tuple(lift for _, lift in spans))
     return out
 
 
@@ -342,7 +347,32 @@ def _held_after(base: BaseRuns, i: int, key: str, option: SelectiveProfile) -> H
         return HeldAfter(0, (), ())
     tags, run = found
     return held_after(tags, key, option, fwd_end=run.bounds[i + 1], backward=run.backward,
-                      chain_end=run.bounds[-1])
+                      chain_end=run.bounds[-1], bwd_start=run.ends[i + 1])
+
+
+def _spans(base: BaseRuns, i: int, held: HeldAfter) -> tuple[tuple[int, int], ...]:
+    """For each storage of ``held.in_backward``, in the checkpointed step: how many
+    later blocks' backward windows start at or after the event that freed it, and how
+    far the peak of the window that freed it would rise with it held from there on;
+    ``(-1, 0)`` for one freed before the chain's backward began (NOTE [ Kept outputs
+    freed in the backward before the block's ] in ``derive.py``)."""
+    if not held.in_backward:
+        return ()
+    found = _tagged(base, i)
+    assert found is not None  # for mypy: in_backward comes from its tags
+    run = found[1]
+    ends, levels, n = run.ends, run.mem.levels, len(run.ends) - 1
+    out = []
+    for _, size, died in held.in_backward:
+        if died < ends[n]:
+            out.append((-1, 0))
+            continue
+        span = sum(1 for j in range(i + 1, n) if ends[j + 1] >= died)
+        w = i + span + 1  # the window that freed it, where one did
+        lift = 0 if w >= n or ends[w] <= died else max(
+            0, max(levels[died:ends[w] + 1]) + size - levels[ends[w + 1]] - run.bwd[w].peak_bytes)
+        out.append((span, lift))
+    return tuple(out)
 
 
 def post_ckpt_levels(base: BaseRuns, selective: Sequence[dict[str, SelectiveProfile]]
