@@ -693,6 +693,21 @@ def refuse_hf_checkpointing(model: nn.Module, caller: str,
             f"Transformers 5) and {then}")
 
 
+def _without_views(probe: _Probe, order: list[int], how: str, notes: list[str]) -> list[int]:
+    """``order`` without the blocks that return a view of their input, with a note
+    saying which (``how``: "found", "named"), where some others remain (NOTE [ After a
+    block that returns its input ] in ``_Probe``)."""
+    views = [i for i in order if probe.aliases[i] and not probe.passed[i]]
+    if not views or len(views) == len(order):
+        return order
+    notes.append(f"{len(views)} of the blocks {how} return a view of their input "
+                 f"({_span([probe.names[i] for i in views])}: a reshape or permute as a "
+                 f"layer of its own, nn.Flatten), which computes and saves nothing: they "
+                 f"run between the blocks, planned over the {len(order) - len(views)} "
+                 f"others")
+    return [i for i in order if i not in views]
+
+
 def _discovered_chain(model: nn.Module, probe: _Probe,
                       marks: list[str]) -> tuple[list[str], list[str]]:
     """The blocks found by discovery that a plan can use, in the order they ran, and
@@ -714,15 +729,7 @@ def _discovered_chain(model: nn.Module, probe: _Probe,
                      f"checkpoint keeps for its recompute: they run between the blocks, "
                      f"planned over the {len(order) - len(writers)} others")
         order = [i for i in order if not probe.changes_input[i]]
-    views = [i for i in order if probe.aliases[i] and not probe.passed[i]]
-    if views and len(views) < len(order):
-        # NOTE [ After a block that returns its input ] in _Probe
-        notes.append(f"{len(views)} of the blocks found return a view of their input "
-                     f"({_span([names[i] for i in views])}: a reshape or permute as a "
-                     f"layer of its own, nn.Flatten), which computes and saves nothing: "
-                     f"they run between the blocks, planned over the "
-                     f"{len(order) - len(views)} others")
-        order = [i for i in order if i not in views]
+    order = _without_views(probe, order, "found", notes)
     idle = [name for name, calls in zip(names, probe.calls, strict=True) if not calls]
     if idle:
         notes.append(f"{len(idle)} of the blocks found did not run in the step profiled "
@@ -1999,9 +2006,17 @@ def find_chain(setup: Setup, *, given: str | None, timed: bool) -> Chain:
     notes: list[str] = []
     if given is None:
         names, notes = _discovered_chain(model, warm, seen)
-    elif given == "predicate":
-        names, notes = [names[i] for i in warm.order], _run_order_note(warm, "the "
-                                                                        "predicate chose")
+    else:
+        if given == "predicate":
+            order, notes = list(warm.order), _run_order_note(warm, "the predicate chose")
+        else:
+            order = list(range(len(names)))
+        # as discovery does: such a layer left in the chain made the segment after it
+        # measure the viewed tensor over its prediction (16 KiB in a test model)
+        kept = _without_views(warm, order, "named" if given == "list" else "chosen", notes)
+        if len(kept) < len(order):
+            warnings.warn(f"autoremat: {notes[-1]}", UserWarning, stacklevel=3)
+        names = [names[i] for i in kept]
     # its times are one sample of the timing (NOTE [ Timing repeats ]) if the chain is
     # the blocks it stamped, in the same order
     stamped = names == setup.names and all(f"bwd:{i}" in stamps.at for i in range(len(names)))
