@@ -10,16 +10,27 @@ NOTE [ Options measured together ]
     windows from the checkpointed step ] in ``derive.py``); the others are measured so.
     A selective option's windows are a block's own: from its forward start to the next
     block's, and from its output's gradient to its input's, in a step where the blocks
-    around it are checkpointed, whole or selective (each saves its own input, so no
-    boundary depends on which option a neighbour runs). So one step measures an option
-    on every block at once, a different option on each, and blocks that measure alike
-    share their figures: same class, parameters, input and output bytes, the same ops
-    (kinds, bytes, FLOPs, dataflow) and the same windows checkpointed (keyed as in a
-    selective step: after a checkpointed block, or for the first block after the kept
-    stem). Each class of alike blocks spreads its options over its members, so a stack
-    of identical layers takes ceil(options / layers) steps instead of one per option
-    (GPT-2's 11 options on 6 layers: 2). ``test_profile`` checks that the figures equal
-    those of one step per option.
+    around it are checkpointed. So one step measures options on many blocks at once, a
+    different option on each, and blocks that measure alike share their figures: same
+    class, parameters, input and output bytes, the same ops (kinds, bytes, FLOPs,
+    dataflow) and the same windows checkpointed (keyed as in a selective step: after a
+    checkpointed block, or for the first block after the kept stem). Each class of
+    alike blocks spreads its options over its members, so a stack of identical layers
+    takes about ceil(options / layers) steps instead of one per option. ``test_profile``
+    checks that the figures equal those of one step per option.
+    NOTE [ Options measured between checkpointed neighbours ]: a block measuring an
+    option in a step has the block before it checkpointed whole there, not running an
+    option of its own (until 2026-12-02 every block ran one). A window can depend on
+    what the block before does: Autoformer's decoder layer's backward window runs on,
+    after its recompute, through backward that the layer before's decision shapes (its
+    figures checkpointed after a kept layer and after a checkpointed one differ by 52
+    KiB), and the last decoder layer's options, measured after a selective layer, were
+    up to 23,168 B (5.4%) under the steps that run them after a checkpointed one, the
+    smallest-feasible plan among them, over its budget (a held-out check). The planner
+    counts a selective block after a selective one as after a checkpointed one, so
+    measured so they are exact; blocks whose options all derive (NOTE [ Selective
+    windows from the checkpointed step ]) take no step, and the others at most twice
+    the steps.
     Every run follows the training loop ``loop`` (NOTE [ Which loop a step models ] in
     ``step.py``), so with ``"holds_output"`` each window sees the model's output alive
     until backward has finished, and every prediction made from the tape includes it.
@@ -272,10 +283,10 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
     while any(pending.values()):
         stage(f"selective options {steps - max(len(k) for k in pending.values()) + 1}/{steps}")
         chosen: dict[int, str] = {}  # block -> the option it runs in this step
-        for like, keys in pending.items():
-            for i in members[like]:
-                if keys:
-                    chosen[i] = keys.pop(0)
+        for i, like in enumerate(alike):  # (NOTE [ Options measured between checkpointed
+            keys = pending[like]  # neighbours ])
+            if keys and i - 1 not in chosen:
+                chosen[i] = keys.pop(0)
         contexts = Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
                              {names[i]: options[i][key][1] for i, key in chosen.items()})
         counter = FlopCounter() if setup.backend is None else None
