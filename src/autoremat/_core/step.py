@@ -723,10 +723,10 @@ class Preserved:
             holds are put back with the flag, so the model's next forward finds what it
             found before.
         """
-        for hooks, saved in self.hooks:
-            if hooks.keys() != saved.keys():
+        for hooks, on_entry in self.hooks:
+            if hooks.keys() != on_entry.keys():
                 hooks.clear()
-                hooks.update(saved)
+                hooks.update(on_entry)
         with torch.no_grad():
             for b, saved in self.buffers:
                 if b.shape != saved.shape:  # (an observer sized in its first forward)
