@@ -2123,6 +2123,20 @@ def test_a_kept_output_the_model_drops_before_the_backward_is_held_in_the_plan(
             assert report.peak_bytes == plan.predicted_peak_bytes, (key, other)
 
 
+def _one_selective(model: nn.Module, x: torch.Tensor, tape: Tape, i: int, key: str,
+                   other: Choice) -> tuple[autoremat.Plan, Any]:
+    """The plan running block ``i``'s option ``key`` and every other block as ``other``,
+    verified (gradients equal to the plain model's): the plan and its report."""
+    from autoremat._plan.plan import plan_of_segments
+
+    segments = [(j, j + 1, other) for j in range(len(tape.blocks))]
+    segments[i] = (i, i + 1, Choice.selective_from_key(key))
+    plan = plan_of_segments(tape, segments, "test")
+    report = verified(model, x, plan, repeats=1)
+    assert report.max_grad_diff == 0.0
+    return plan, report
+
+
 class _KeepsWeights(nn.Module):
     """x-transformers' loop: every block's attention weights kept in a list until the
     forward returns. ``head``: "wide", a wide head whose backward the step peaks in;
@@ -2155,8 +2169,7 @@ def test_a_kept_output_the_model_drops_when_it_returns_is_counted_from_the_retur
     # every step: counted from the block's forward on, a plan peaking in the chain's
     # forward or in the model's own head before it returns was predicted them over
     # (x-transformers' decoders: up to 28% over; 128 KiB here)
-    from autoremat._core.decisions import KEEP, RECOMPUTE, Choice
-    from autoremat._plan.plan import plan_of_segments
+    from autoremat._core.decisions import KEEP, RECOMPUTE
 
     torch.manual_seed(0)
     model, x = _KeepsWeights(head=head), torch.randn(4, 64, 32)
@@ -2171,11 +2184,7 @@ def test_a_kept_output_the_model_drops_when_it_returns_is_counted_from_the_retur
         assert (weights, weights) in held.values(), held
         for key in (k for k, v in held.items() if v[1]):
             for other in (KEEP, RECOMPUTE):
-                segments = [(j, j + 1, other) for j in range(n)]
-                segments[i] = (i, i + 1, Choice.selective_from_key(key))
-                plan = plan_of_segments(tape, segments, "test")
-                report = verified(model, x, plan, repeats=1)
-                assert report.max_grad_diff == 0.0
+                plan, report = _one_selective(model, x, tape, i, key, other)
                 if head == "transient" and other is KEEP:
                     # peaking in the head's forward after the last block kept: the step
                     # it was measured in saved the weights, so where the plan's keeping
@@ -2186,6 +2195,16 @@ def test_a_kept_output_the_model_drops_when_it_returns_is_counted_from_the_retur
                 assert report.peak_bytes == plan.predicted_peak_bytes, (i, key, other)
 
 
+def _in_turn(n: int, d: int, attention: Callable[[int], nn.Module], hidden: int
+             ) -> nn.ModuleList:
+    """``n`` layers, attentions and MLPs (``hidden`` times as wide) in turn."""
+    return nn.ModuleList(
+        attention(d) if i % 2 == 0 else
+        nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden * d), nn.GELU(),
+                      nn.Linear(hidden * d, d))
+        for i in range(n))
+
+
 class _ScaledOutside(nn.Module):
     """ViT-5's loop: each layer's output scaled by a parameter outside the layer
     (``attn(x) * ls1 + x``), whose ``mul`` saves that output until its own backward,
@@ -2193,10 +2212,7 @@ class _ScaledOutside(nn.Module):
 
     def __init__(self, n: int = 4, d: int = 32) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(
-            _Attention(d) if i % 2 == 0 else
-            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-            for i in range(n))
+        self.blocks = _in_turn(n, d, _Attention, 2)
         self.scales = nn.ParameterList(nn.Parameter(torch.full((d,), 0.1)) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -2211,11 +2227,19 @@ class _Attention(nn.Module):
         self.heads, self.norm = heads, nn.LayerNorm(d)
         self.qkv, self.out = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+    def _split(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, _ = h.shape
+        return self.qkv(h).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                shape: torch.Size) -> torch.Tensor:
+        b, t, d = shape
         weights = (q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5).softmax(-1)
         return self.out((weights @ v).transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split(self.norm(x))
+        return self._attend(q, k, v, x.shape)
 
 
 class _ValueResidual(nn.Module):
@@ -2224,10 +2248,7 @@ class _ValueResidual(nn.Module):
 
     def __init__(self, n: int = 4, d: int = 32) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(
-            _ValueAttention(d) if i % 2 == 0 else
-            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-            for i in range(n))
+        self.blocks = _in_turn(n, d, _ValueAttention, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         residual = None
@@ -2241,23 +2262,19 @@ class _ValueResidual(nn.Module):
         return x.pow(2).mean()
 
 
-class _ValueAttention(nn.Module):
+class _ValueAttention(_Attention):
     def __init__(self, d: int, heads: int = 2) -> None:
-        super().__init__()
-        self.heads, self.norm = heads, nn.LayerNorm(d)
-        self.qkv, self.out = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        super().__init__(d, heads)
         self.mix = nn.Linear(d, heads)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, d = x.shape
+    def forward(self, x: torch.Tensor,  # type: ignore[override]
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.norm(x)
-        q, k, v = self.qkv(h).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = self._split(h)
         if residual is not None:
             mix = torch.sigmoid(self.mix(h)).transpose(1, 2).unsqueeze(-1)
             v = v * mix + residual * (1.0 - mix)
-        weights = (q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5).softmax(-1)
-        return self.out((weights @ v).transpose(1, 2).reshape(b, t, d)), v
+        return self._attend(q, k, v, x.shape), v
 
 
 @pytest.mark.parametrize(("make", "shape"), [(_ScaledOutside, (4, 64, 32)),
@@ -2270,7 +2287,6 @@ def test_a_kept_output_freed_in_the_backward_before_the_blocks_is_held_in_the_pl
     # took it), holds it into that backward, above the levels the step measured. Found
     # on held-out vit-pytorch models: ViT-5's `matmul` option one output (35,328 B, 2%)
     # under its step, and the simple ViT with value residual's first attention.
-    from autoremat._plan.plan import plan_of_segments
 
     torch.manual_seed(0)
     model, x = make(), torch.randn(*shape)
@@ -2283,11 +2299,7 @@ def test_a_kept_output_freed_in_the_backward_before_the_blocks_is_held_in_the_pl
                 continue
             found.add((i, option.bwd_freed_span))
             for other in (KEEP, RECOMPUTE):
-                segments = [(j, j + 1, other) for j in range(n)]
-                segments[i] = (i, i + 1, Choice.selective_from_key(key))
-                plan = plan_of_segments(tape, segments, "test")
-                report = verified(model, x, plan, repeats=1)
-                assert report.max_grad_diff == 0.0
+                plan, report = _one_selective(model, x, tape, i, key, other)
                 assert report.peak_bytes == plan.predicted_peak_bytes, (i, key, other)
     if make is _ScaledOutside:  # each layer's output, freed as its backward begins
         assert found == {(i, (0,)) for i in range(n)}
