@@ -593,6 +593,32 @@ def layer_drops(model: nn.Module) -> list[tuple[Any, str, Any]]:
     return found
 
 
+# the attributes by which a mixture of experts adds noise to its router's logits in
+# training (Hugging Face's ``router_jitter_noise`` in the configs of SwitchTransformers,
+# Mixtral and others; SwitchTransformers' router keeps it as ``jitter_noise``)
+_ROUTER_NOISE = ("router_jitter_noise", "jitter_noise")
+
+
+def router_noise(model: nn.Module) -> list[str]:
+    """``"attribute=value"`` for each config or module attribute of :data:`_ROUTER_NOISE`
+    above 0 in ``model`` (in training mode): how many tokens each expert takes is drawn
+    at random at every step (NOTE [ Experts chosen with noise ] in _profile/profile.py)."""
+    found: set[str] = set()
+    if not model.training:
+        return []
+    seen: set[int] = set()
+    for module in model.modules():
+        for owner in (module, getattr(module, "config", None)):
+            if owner is None or id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            for key in _ROUTER_NOISE:
+                value = getattr(owner, key, None)
+                if _skips(value):
+                    found.add(f"{key}={value!r}")
+    return sorted(found)
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
