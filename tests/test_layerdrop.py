@@ -156,6 +156,22 @@ def test_experts_chosen_with_noise_are_named_and_warned_about(noise: float) -> N
     noted = [n for n in tape.notes if "chooses its experts with noise" in n]
     if noise:
         assert len(told) == 1 and noted == [told[0].removeprefix("autoremat: ")]
-        assert "router_jitter_noise=0.01" in noted[0] and "jitter_noise=0.01" in noted[0]
+        assert "(jitter_noise=0.01)" in noted[0]
     else:
         assert not told and not noted
+
+
+def test_a_threshold_named_router_jitter_noise_is_not_noise() -> None:
+    # PhiMoE's router_jitter_noise (0.01 by default) is its sparse mixer's threshold,
+    # read in every step alike; only its input_jitter_noise (0 by default) draws
+    from autoremat._core.step import router_noise
+
+    config = transformers.PhimoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = transformers.PhimoeForCausalLM(config).train()
+    assert config.router_jitter_noise > 0 and router_noise(model) == []
+    config.input_jitter_noise = 0.1
+    noisy = transformers.PhimoeForCausalLM(config).train()
+    assert router_noise(noisy) == ["input_jitter_noise=0.1"]
+    assert router_noise(noisy.eval()) == []

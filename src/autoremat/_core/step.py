@@ -593,30 +593,21 @@ def layer_drops(model: nn.Module) -> list[tuple[Any, str, Any]]:
     return found
 
 
-# the attributes by which a mixture of experts adds noise to its router's logits in
-# training (Hugging Face's ``router_jitter_noise`` in the configs of SwitchTransformers,
-# Mixtral and others; SwitchTransformers' router keeps it as ``jitter_noise``)
-_ROUTER_NOISE = ("router_jitter_noise", "jitter_noise")
+# the module attributes by which a mixture of experts draws noise into its routing in
+# training: Hugging Face's SwitchTransformers, Mixtral and MiniMax routers copy the
+# config's ``router_jitter_noise`` to ``jitter_noise``; PhiMoE's is ``input_jitter_noise``
+# (its ``router_jitter_noise`` is a threshold, not noise, so configs are not read)
+_ROUTER_NOISE = ("jitter_noise", "input_jitter_noise")
 
 
 def router_noise(model: nn.Module) -> list[str]:
-    """``"attribute=value"`` for each config or module attribute of :data:`_ROUTER_NOISE`
-    above 0 in ``model`` (in training mode): how many tokens each expert takes is drawn
-    at random at every step (NOTE [ Experts chosen with noise ] in _profile/profile.py)."""
-    found: set[str] = set()
+    """``"attribute=value"`` for each module attribute of :data:`_ROUTER_NOISE` above 0
+    in ``model`` (in training mode): how many tokens each expert takes is drawn at
+    random at every step (NOTE [ Experts chosen with noise ] in _profile/profile.py)."""
     if not model.training:
         return []
-    seen: set[int] = set()
-    for module in model.modules():
-        for owner in (module, getattr(module, "config", None)):
-            if owner is None or id(owner) in seen:
-                continue
-            seen.add(id(owner))
-            for key in _ROUTER_NOISE:
-                value = getattr(owner, key, None)
-                if _skips(value):
-                    found.add(f"{key}={value!r}")
-    return sorted(found)
+    return sorted({f"{key}={value!r}" for module in model.modules() for key in _ROUTER_NOISE
+                   if _skips(value := getattr(module, key, None))})
 
 
 def _number(value: Any) -> bool:

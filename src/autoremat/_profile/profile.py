@@ -923,8 +923,9 @@ def _noise_notes(model: nn.Module) -> list[str]:
     training.
 
     NOTE [ Experts chosen with noise ]
-        A mixture of experts whose router adds noise to its logits in training
-        (``router_jitter_noise``: SwitchTransformers' default is 0.01) draws how many
+        A mixture of experts that draws noise into its routing in training (Hugging
+        Face's routers copy ``router_jitter_noise`` to ``jitter_noise``: 0.01 by
+        SwitchTransformers' default; PhiMoE's ``input_jitter_noise``) draws how many
         tokens each expert takes at every step, and with them the sizes of the experts'
         activations: a small SwitchTransformers measured 9 of its 22 held-out plans up to
         8.2% above their predictions, one over its budget (2026-12-02; with the noise and
