@@ -16,7 +16,8 @@ NOTE [ Options measured together ]
     dataflow) and the same windows checkpointed (keyed as in a selective step: after a
     checkpointed block, or for the first block after the kept stem). Each class of
     alike blocks spreads its options over its members, so a stack of identical layers
-    takes about ceil(options / layers) steps instead of one per option. ``test_profile``
+    takes ceil(options / layers) steps instead of one per option (GPT-2's 11 options on
+    6 layers: 2; twice as many where the rule below applies). ``test_profile``
     checks that the figures equal those of one step per option.
     NOTE [ Options measured between checkpointed neighbours ]: a block measuring an
     option in a step has the block before it checkpointed whole there, not running an
@@ -28,9 +29,11 @@ NOTE [ Options measured together ]
     up to 23,168 B (5.4%) under the steps that run them after a checkpointed one, the
     smallest-feasible plan among them, over its budget (a held-out check). The planner
     counts a selective block after a selective one as after a checkpointed one, so
-    measured so they are exact; blocks whose options all derive (NOTE [ Selective
-    windows from the checkpointed step ]) take no step, and the others at most twice
-    the steps.
+    measured so they are exact. Where no block's windows depend on what the block
+    before does (``BaseRuns.local``: NOTE [ Pairs that cannot differ ]; the zoo's and
+    Hugging Face's decoders) neighbours still share a step; blocks whose options all
+    derive (NOTE [ Selective windows from the checkpointed step ]) take no step, and
+    the others at most twice the steps.
     Every run follows the training loop ``loop`` (NOTE [ Which loop a step models ] in
     ``step.py``), so with ``"holds_output"`` each window sees the model's output alive
     until backward has finished, and every prediction made from the tape includes it.
@@ -285,7 +288,7 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
         chosen: dict[int, str] = {}  # block -> the option it runs in this step
         for i, like in enumerate(alike):  # (NOTE [ Options measured between checkpointed
             keys = pending[like]  # neighbours ])
-            if keys and i - 1 not in chosen:
+            if keys and (base.local or i - 1 not in chosen):
                 chosen[i] = keys.pop(0)
         contexts = Contexts({names[i]: options[i][key][0] for i, key in chosen.items()},
                              {names[i]: options[i][key][1] for i, key in chosen.items()})
