@@ -305,9 +305,8 @@ def selective_runs(names: list[str], base: BaseRuns, setup: Setup,
         own = _tagged(base, i) is not None
         for key in sorted(block_options):
             fwd, bwd, flops_i = measured.get((i, key)) or measured[alike[i], key]
-            held = _held_after(base, i if own else alike[i], key,
-                               options[i if own else alike[i]][key][2])
-            spans = _spans(base, i if own else alike[i], held)
+            held, spans = _held_after(base, i if own else alike[i], key,
+                                      options[i if own else alike[i]][key][2])
             out[i][key] = dataclasses.replace(
                 block_options[key][2], fwd=fwd, bwd=bwd, recompute_flops=flops_i,
                 held_after=held.bytes, held_after_ops=held.ops,
@@ -351,30 +350,28 @@ def _derived(base: BaseRuns, i: int, key: str, option: SelectiveProfile,
                   recompute_flops=base.recompute_flops[i], rounding=setup.rounding)
 
 
-def _held_after(base: BaseRuns, i: int, key: str, option: SelectiveProfile) -> HeldAfter:
+def _held_after(base: BaseRuns, i: int, key: str, option: SelectiveProfile
+                ) -> tuple[HeldAfter, tuple[tuple[int, int], ...]]:
     """What option ``key`` of block ``i`` keeps that the checkpointed step freed between
     the block's forward and the backward (NOTE [ Kept outputs that outlive the forward ]
     in ``derive.py``), and of that what it freed after the chain's forward; 0 where the
-    step did not tag the block."""
+    step did not tag the block. With it, ``_spans`` of what it freed in the backward
+    before the block's own."""
     found = _tagged(base, i)
     if found is None:
-        return HeldAfter(0, (), ())
+        return HeldAfter(0, (), ()), ()
     tags, run = found
-    return held_after(tags, key, option, fwd_end=run.bounds[i + 1], backward=run.backward,
+    held = held_after(tags, key, option, fwd_end=run.bounds[i + 1], backward=run.backward,
                       chain_end=run.bounds[-1], bwd_start=run.ends[i + 1])
+    return held, _spans(run, i, held)
 
 
-def _spans(base: BaseRuns, i: int, held: HeldAfter) -> tuple[tuple[int, int], ...]:
-    """For each storage of ``held.in_backward``, in the checkpointed step: how many
-    later blocks' backward windows start at or after the event that freed it, and how
-    far the peak of the window that freed it would rise with it held from there on;
+def _spans(run: MemoryRun, i: int, held: HeldAfter) -> tuple[tuple[int, int], ...]:
+    """For each storage of ``held.in_backward``, in the checkpointed step (``run``): how
+    many later blocks' backward windows start at or after the event that freed it, and
+    how far the peak of the window that freed it would rise with it held from there on;
     ``(-1, 0)`` for one freed before the chain's backward began (NOTE [ Kept outputs
     freed in the backward before the block's ] in ``derive.py``)."""
-    if not held.in_backward:
-        return ()
-    found = _tagged(base, i)
-    assert found is not None  # for mypy: in_backward comes from its tags
-    run = found[1]
     ends, levels, n = run.ends, run.mem.levels, len(run.ends) - 1
     out = []
     for _, size, died in held.in_backward:
