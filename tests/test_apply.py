@@ -916,6 +916,57 @@ def test_what_a_recompute_assigns_to_its_modules_is_put_back(strategy: str) -> N
         assert len({b.segment for b in plan.blocks}) < len(plan.blocks)
 
 
+class _StateReader(nn.Module):
+    """Reads a state its parent sets before the call and clears it (a read is followed by
+    the next set), as block-recurrent-transformer-pytorch's state containers do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.next_state: tuple[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.next_state is not None, "set the state first"
+        (state,), self.next_state = self.next_state, None
+        return x + self.down(F.gelu(self.up(x + state)))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, width: int = 32, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_StateReader(width) for _ in range(n))
+        self.states = nn.Parameter(torch.randn(n, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, state in zip(self.layers, self.states, strict=True):
+            layer.next_state = (state,)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["sqrt", "full", "selective"])
+def test_a_state_the_forward_consumes_is_there_for_its_recompute(strategy: str) -> None:
+    # NOTE [ The modules as the forward found them ] (wrap.py): the recompute found the
+    # state cleared and raised (only numbers and strings were put back as found)
+    torch.manual_seed(0)
+    model = _Recurrent()
+    x = torch.randn(64, 32)
+
+    def run() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        return [p.grad for p in model.parameters()]
+    plain = run()
+    tape = autoremat.profile(model, x, loss_fn=lambda out: out.pow(2).mean(), timing=False)
+    plan = make_plan(tape, strategy)
+    assert recomputing(plan)
+    planned, peak = _planned_run(model, plan, run)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    assert peak <= plan.predicted_peak_bytes
+    assert all(layer.next_state is None for layer in model.layers)  # as the forward left it
+
+
 class _Clamped(nn.Module):
     """Clamps its own weight in forward (a constrained layer), as nn.Embedding(max_norm=)
     renormalizes its rows: its recompute does again."""

@@ -1852,7 +1852,11 @@ def test_a_tensor_one_checkpointed_block_takes_is_held_past_the_return() -> None
 
 def test_layers_a_model_runs_without_gradients_itself_are_refused_for_what_they_are() -> None:
     # Reformer's reversible layers run under torch.no_grad() inside its own autograd
-    # function; the refusal said to turn off the model's checkpointing, which was off
+    # function; the refusal said to turn off the model's checkpointing, which was off.
+    # Told apart from a reentrant checkpoint by torch.utils.checkpoint on the stack, not
+    # by the model's flag: lucidrains' reversible models (reformer-pytorch,
+    # performer-pytorch, routing- and sinkhorn-transformer) have none, and were told to
+    # turn off a checkpointing they do not do
     torch.manual_seed(0)
     model = transformers.ReformerModelWithLMHead(transformers.ReformerConfig(
         vocab_size=128, hidden_size=32, num_attention_heads=2, attention_head_size=16,
@@ -1860,9 +1864,94 @@ def test_layers_a_model_runs_without_gradients_itself_are_refused_for_what_they_
         axial_pos_embds_dim=[16, 16], max_position_embeddings=64, is_decoder=True,
         local_attn_chunk_length=16, use_cache=False)).train()
     ids = torch.randint(0, 128, (2, 64))
-    with pytest.raises(BlockError, match="the model's own checkpointing is off") as info:
+    with pytest.raises(BlockError, match=r"not inside torch\.utils\.checkpoint") as info:
         autoremat.profile(model, {"input_ids": ids, "labels": ids}, repeats=1, timing=False)
     assert "gradient_checkpointing_disable" not in str(info.value)
+
+
+class _Reversible(torch.autograd.Function):
+    """Two-stream reversible layers (y1 = x1 + f(x2), y2 = x2 + g(y1)) run without
+    gradients, their inputs remade from their outputs in backward, as lucidrains'
+    ``ReversibleSequence`` does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layers: nn.ModuleList, *params: torch.Tensor
+                ) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        with torch.no_grad():
+            for f, g in zip(layers[::2], layers[1::2], strict=True):
+                x1 = x1 + f(x2)
+                x2 = x2 + g(x1)
+        ctx.layers = layers
+        y = torch.cat([x1, x2], dim=-1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        (y,) = ctx.saved_tensors
+        y1, y2 = y.chunk(2, dim=-1)
+        dy1, dy2 = dy.chunk(2, dim=-1)
+        layers = [getattr(m, "inner", m) for m in ctx.layers]  # see _WrappedLayer
+        for f, g in zip(layers[-2::-2], layers[::-2], strict=True):
+            with torch.enable_grad():
+                y1 = y1.detach().requires_grad_()
+                gy = g(y1)
+                torch.autograd.backward(gy, dy2)
+            with torch.no_grad():
+                x2 = y2 - gy
+                dy1 = dy1 + y1.grad
+            with torch.enable_grad():
+                x2 = x2.detach().requires_grad_()
+                fx = f(x2)
+                torch.autograd.backward(fx, dy1)
+            with torch.no_grad():
+                y1, y2, dy2 = y1 - fx, x2, dy2 + x2.grad
+        return (torch.cat([dy1, dy2], dim=-1), None, *[None] * len(ctx.needs_input_grad[2:]))
+
+
+class _WrappedLayer(nn.Module):
+    """A layer whose own forward runs only in forward: backward runs its inner layer."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class _ReversibleNet(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(2 * d, 2 * d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh())
+                                    for _ in range(n))
+        self.out = nn.Linear(2 * d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = [p for p in self.layers.parameters()]
+        return self.out(_Reversible.apply(self.inp(x), self.layers, *params)).sum()
+
+
+def test_reversible_layers_without_a_flag_are_refused_for_what_they_are() -> None:
+    model = _ReversibleNet()
+    x = torch.randn(4, 32)
+    model(x).backward()  # the plain step trains
+    assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    # its layers run again in backward, by the model's own Function
+    with pytest.raises(BlockError, match=r"ran again in backward, not inside torch\.utils\."
+                                         r"checkpoint") as info:
+        autoremat.profile(model, x, loss_fn=lambda out: out, repeats=1, timing=False)
+    assert "reversible" in str(info.value) and "checkpoints them itself" not in str(info.value)
+    # the layers' Sequential wrapped: the blocks found run under no_grad and never in
+    # backward (lucidrains' ReversibleBlock runs its f and g, not itself, in backward)
+    model.layers = nn.ModuleList(_WrappedLayer(layer) for layer in model.layers)
+    with pytest.raises(BlockError, match=r"ran with gradients off .* not inside torch\.utils\."
+                                         r"checkpoint") as info:
+        autoremat.profile(model, x, loss_fn=lambda out: out, repeats=1, timing=False)
+    assert "reversible" in str(info.value) and "checkpoints them itself" not in str(info.value)
 
 
 class _PreNorm(nn.Module):

@@ -4,8 +4,12 @@ NOTE [ Which container is the chain ]
     We score every ``nn.ModuleList`` / ``nn.Sequential`` with at least two children, and
     every ``nn.ModuleDict`` keyed by position (torchtitan keeps its layers under
     ``'0'``, ``'1'``, ...; :func:`keyed_by_position`), by the parameters held in its
-    children of the most common class (repeated layers hold most of a model), tie-broken
-    by the number of children. A ModuleDict keyed by name (``'student'``, ``'teacher'``)
+    children of the classes that come twice or more (repeated layers hold most of a
+    model), tie-broken by the number of children. Every repeated class, not only the most
+    common one: a list alternating attention and a mixture of experts (soft-moe-pytorch's
+    ViT, 2026-12-02) scored by its attention layers alone lost to the list of experts
+    inside each mixture, which run side by side, and the plan left attention out. A
+    ModuleDict keyed by name (``'student'``, ``'teacher'``)
     holds parts, which need not run one after the other, and is not searched. Its
     children are the blocks, at the level a person writes them: the outermost repeated
     container's elements. One exception: an element that is itself a run of one kind of
@@ -148,14 +152,17 @@ def _param_count(module: nn.Module) -> int:
 
 def _repeated_score(container: nn.Module) -> tuple[int, int]:
     children = list(container.children())
-    common, count = Counter(type(c) for c in children).most_common(1)[0]
+    kinds = Counter(type(c) for c in children)
+    count = max(kinds.values(), default=0)
     if count < 2 and len(children) >= 2 and any(_stage_layers(c) for c in children):
         # stages of one kind each (a U-Net's cross-attention down block, then a plain
         # one): the layers they hold repeat (NOTE [ Which container is the chain ])
         return (sum(_param_count(c) for c in children), len(children))
     if count < 2:
         return (-1, 0)
-    covered = sum(_param_count(c) for c in children if type(c) is common)
+    # every kind that repeats, not only the most common: layers that alternate (attention
+    # and a mixture of experts, a Mamba layer and an attention) repeat as much as one kind
+    covered = sum(_param_count(c) for c in children if kinds[type(c)] >= 2)
     return (covered, len(children))
 
 

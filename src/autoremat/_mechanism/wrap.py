@@ -535,9 +535,12 @@ def _put_attributes(values: list[tuple[nn.Module, str, Any]]) -> None:
 #     was 4.4, on a plan recomputing three of four blocks). A schedule that sets an
 #     attribute between a forward and its backward (``dropout.p``, a temperature), or
 #     ``model.eval()`` there, changed the recompute alike. So a forward notes what each
-#     parameter slot holds, each parameter's version, and each module's Python number and
-#     string attributes (``_AsFound``; a dict copy per module); its recompute puts back
-#     the tensors and values that differ, for the recompute only, and after it every
+#     parameter slot holds, each parameter's version, and each module's attributes
+#     (``_AsFound``; a dict copy per module); its recompute puts back the tensors and
+#     values that differ (a number or a string by value, any other object by identity:
+#     a state a forward consumes, as block-recurrent-transformer-pytorch's state container
+#     reads and clears ``self.next_read_state``, whose recompute raised before,
+#     2026-12-02; not nn.Module's own dicts), for the recompute only, and after it every
 #     attribute as it was before it: an MoE layer that keeps its auxiliary loss on itself
 #     (``self.aux_loss = ...``, as fairseq's and DeepSpeed's do) got the recompute's, and
 #     its graph held the recompute's tensors until the next forward (a segment of blocks
@@ -574,10 +577,15 @@ def _put_attributes(values: list[tuple[nn.Module, str, Any]]) -> None:
 #     there too (``Step.run``), so both loops measure the profiled step.
 
 
+# what every nn.Module holds as attributes (its parameters', buffers', submodules' and
+# hooks' dicts, ``training``): not the attributes a forward reads as it found them
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
 class _AsFound:
     """A region's parameter slots (the tensors in them and their versions) and its
-    modules' Python number and string attributes, as a forward found them (NOTE [ The
-    modules as the forward found them ])."""
+    modules' attributes, as a forward found them (NOTE [ The modules as the forward found
+    them ])."""
 
     def __init__(self, layout: _Layout) -> None:
         self.weights = layout.weights()
@@ -615,8 +623,12 @@ class _AsFound:
             here = vars(m)
             stack.callback(_put_back, here, dict(here))  # what the recompute sets, too
             for name, value in found.items():
-                if type(value) in (bool, int, float, str) \
-                        and (now := here.get(name, value)) is not value and now != value:
+                if (now := here.get(name, value)) is value:
+                    continue
+                if type(value) in (bool, int, float, str):
+                    if now != value:
+                        here[name] = value
+                elif name not in _MODULE_STATE:  # any other object, by identity
                     here[name] = value
 
 

@@ -225,13 +225,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import os
 import statistics
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -304,6 +307,11 @@ class _Probe:
     order: list[int] = field(default_factory=list)  # block indices in the order they ran
     in_backward: list[int] = field(default_factory=list)  # calls made while backward ran
     grad_off: list[bool] = field(default_factory=list)  # a call ran with gradients off
+    # a call ran with gradients off inside torch.utils.checkpoint (a reentrant checkpoint
+    # the model makes itself), not in a no_grad of the model's own (a reversible layer)
+    in_checkpoint: list[bool] = field(default_factory=list)
+    # a call in backward ran inside torch.utils.checkpoint (its recompute)
+    rerun_in_checkpoint: list[bool] = field(default_factory=list)
     changes_input: list[bool] = field(default_factory=list)  # its forward wrote an input
     passed: list[bool] = field(default_factory=list)  # it returned what it was given
     watch: bool = False  # note the buffers each block's forward changes (watch_buffers)
@@ -339,6 +347,8 @@ class _Probe:
         self.input_records = [set() for _ in range(n)]
         self.in_backward = [0] * n
         self.grad_off = [False] * n
+        self.in_checkpoint = [False] * n
+        self.rerun_in_checkpoint = [False] * n
         self.changes_input = [False] * n
         self.passed = [False] * n
         # returned only its input or views of it (NOTE [ After a block that returns its
@@ -372,8 +382,11 @@ class _Probe:
             self.calls[i] += 1
             if torch._C._current_graph_task_id() != -1:  # a recompute in backward
                 self.in_backward[i] += 1
+                self.rerun_in_checkpoint[i] |= _in_torch_checkpoint()
                 return
-            self.grad_off[i] |= not torch.is_grad_enabled()
+            if not torch.is_grad_enabled():
+                self.grad_off[i] = True
+                self.in_checkpoint[i] |= _in_torch_checkpoint()
             self._reruns[i] = 0 if torch.is_grad_enabled() else -1
             self.order.append(i)
             if self.on_args is not None:
@@ -600,8 +613,17 @@ def _run_marked(step: Step, names: list[str], on_mark: Callable[[str], None], *,
     _check_skips(names, probe)
     again = [name for name, n in zip(names, probe.in_backward, strict=True) if n]
     if again:
+        shown = f"{again[:3]}{' ...' if len(again) > 3 else ''}"
+        if not any(probe.rerun_in_checkpoint):
+            raise BlockError(
+                f"block(s) {shown} ran again in backward, not inside torch.utils.checkpoint: "
+                f"the model recomputes them itself in its backward (reversible layers that "
+                f"remake their inputs from their outputs, or checkpointing of its own, as "
+                f"DeepSpeed's or Megatron's), and autoremat's plan would recompute inside its "
+                f"recompute. Turn that off if the model has a switch for it, or plan over "
+                f"other layers with blocks=[...]")
         raise BlockError(
-            f"block(s) {again[:3]}{' ...' if len(again) > 3 else ''} ran again in backward: "
+            f"block(s) {shown} ran again in backward: "
             f"the model checkpoints them itself ({_OWN_CHECKPOINTING}), and autoremat's plan "
             f"would checkpoint inside its checkpoints. Turn the model's own checkpointing off "
             f"and let the plan decide what to recompute")
@@ -768,6 +790,20 @@ def _run_order_note(probe: _Probe, which: str) -> list[str]:
             f"the order they run: {names[order[0]]}, ..., {names[order[-1]]}"]
 
 
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _in_torch_checkpoint() -> bool:
+    """Whether torch.utils.checkpoint is running on this thread's stack (a block called
+    from a reentrant checkpoint's forward)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _why_no_backward(model: nn.Module, names: list[str], probe: _Probe) -> str:
     """Why no gradient reached the output of the blocks ``names`` (as ``probe`` saw them
     run), and what to do."""
@@ -778,16 +814,16 @@ def _why_no_backward(model: nn.Module, names: list[str], probe: _Probe) -> str:
                 "saves its inputs and recomputes what it returns. Pass blocks=[...] naming "
                 "modules that return their result")
     if all(probe.grad_off[i] for i in ran) and torch.is_grad_enabled():
-        if not getattr(model, "is_gradient_checkpointing", True):
-            return ("they ran with gradients off while the step had them on, and the "
-                    "model's own checkpointing is off: the model runs them under "
+        if not any(probe.in_checkpoint[i] for i in ran):
+            return ("they ran with gradients off while the step had them on, and not "
+                    "inside torch.utils.checkpoint: the model runs them under "
                     "torch.no_grad() itself and computes their gradients its own way "
-                    "(Reformer's reversible layers recompute their inputs from their "
-                    "outputs in backward), so there is nothing for a plan to recompute. "
-                    "Plan over other layers, with blocks=[...], or train such a model as "
-                    "it is")
-        return (f"they ran with gradients off while the step had them on, as a reentrant "
-                f"torch.utils.checkpoint runs them: the model checkpoints them itself "
+                    "(reversible layers, as Reformer's and RevNet-style models', recompute "
+                    "their inputs from their outputs in backward), so there is nothing "
+                    "for a plan to recompute. Plan over other layers, with blocks=[...], "
+                    "or train such a model as it is")
+        return (f"they ran with gradients off while the step had them on, inside a "
+                f"reentrant torch.utils.checkpoint: the model checkpoints them itself "
                 f"({_OWN_CHECKPOINTING}). Turn that off and let autoremat's plan decide "
                 f"what to recompute")
     frozen = all(not p.requires_grad for n in names
