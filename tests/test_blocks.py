@@ -75,6 +75,47 @@ def test_the_container_holding_most_repeated_parameters_wins() -> None:
     assert discover_blocks(TwoLists()) == ["big.0", "big.1"]
 
 
+class _SideBySide(nn.Module):
+    """The experts of a mixture, run side by side on the tokens (soft-moe-pytorch's
+    ``Experts``, which the mixture holds)."""
+
+    def __init__(self, width: int, n: int = 4) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                   nn.Linear(4 * width, width))
+                                     for _ in range(n))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return sum(w.unsqueeze(-1) * e(x) for w, e in zip(weights.unbind(-1), self.experts,
+                                                          strict=True))
+
+
+class _Mixture(nn.Module):
+    def __init__(self, width: int, n: int = 4) -> None:
+        super().__init__()
+        self.gate, self.experts = nn.Linear(width, n), _SideBySide(width, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x).softmax(-1))
+
+
+def test_layers_that_alternate_are_scored_by_every_kind_that_repeats() -> None:
+    # soft-moe-pytorch's ViT holds [attention, mixture, attention, mixture]: scored by its
+    # attention layers alone, it lost to the list of experts inside each mixture (more
+    # parameters), which run side by side, and the plans left attention out
+    width = 16
+    layers = nn.ModuleList()
+    for _ in range(2):
+        layers.append(nn.MultiheadAttention(width, 2, batch_first=True))
+        layers.append(_Mixture(width))
+    holder = nn.Module()
+    holder.layers = layers
+    experts = sum(p.numel() for p in layers[1].experts.experts.parameters())
+    attention = sum(p.numel() for p in layers[0].parameters())
+    assert experts > 2 * attention  # the experts alone outweigh the attention layers
+    assert discover_blocks(holder) == [f"layers.{i}" for i in range(4)]
+
+
 def test_nested_cnn_stages_are_flattened_in_order() -> None:
     def stage(n: int) -> nn.Sequential:
         return nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(n)])
